@@ -1,0 +1,1 @@
+"""mingpt: a Hydra-configured trainer for character-level GPT models, from one CPU to many GPUs."""

@@ -1,0 +1,195 @@
+"""Configuration: the dataclasses are the one source of defaults and types.
+
+Hydra composes them (registered in its ConfigStore below) with the YAML files in
+``conf/``, which only override. OmegaConf rejects unknown keys and wrong types
+while composing; ``__post_init__`` rejects bad values when the composed config
+is turned into these objects (``OmegaConf.to_object``), before any work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+def _check(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}")
+
+
+def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass
+class GPTConfig:
+    """Model shape. The defaults are the CPU default run (measured, see BENCHMARKS.md)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    # Filled in from the data (vocabulary size, data_config.block_size); leave unset.
+    vocab_size: Optional[int] = None
+    block_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for key in ("n_layer", "n_head", "n_embd"):
+            _check(getattr(self, key) >= 1, f"gpt_config.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(
+            self.n_embd % self.n_head == 0,
+            "gpt_config.n_embd",
+            f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}",
+        )
+        _check(0.0 <= self.dropout < 1.0, "gpt_config.dropout", f"must be in [0, 1), got {self.dropout}")
+        for key in ("vocab_size", "block_size"):
+            value = getattr(self, key)
+            _check(value is None or value >= 1, f"gpt_config.{key}", f"must be >= 1, got {value}")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with decoupled weight decay and a warmup + cosine learning-rate schedule."""
+
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    # "cosine": linear warmup, then cosine decay to min_lr_ratio * learning_rate
+    # over the whole run. "constant": linear warmup, then constant.
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(
+            math.isfinite(self.learning_rate) and self.learning_rate > 0,
+            "optimizer_config.learning_rate",
+            f"must be > 0, got {self.learning_rate}",
+        )
+        _check(self.weight_decay >= 0, "optimizer_config.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "optimizer_config.betas",
+            f"must be two numbers in [0, 1), got {list(self.betas)}",
+        )
+        _check(self.eps > 0, "optimizer_config.eps", f"must be > 0, got {self.eps}")
+        _one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
+        _check(self.warmup_steps >= 0, "optimizer_config.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            "optimizer_config.min_lr_ratio",
+            f"must be in [0, 1], got {self.min_lr_ratio}",
+        )
+
+
+DEFAULT_DATA_PATH = "data/input.txt"
+
+
+@dataclass
+class DataConfig:
+    """The corpus and how it is cut into training and held-out windows."""
+
+    # Any fsspec URL or local path. The default is downloaded when missing.
+    path: str = DEFAULT_DATA_PATH
+    block_size: int = 64
+    # The first train_split of the (truncated) text trains; the rest is held out.
+    train_split: float = 0.9
+    # Use only this leading fraction of the corpus (0.05: the first 5%).
+    truncate: float = 1.0
+    # Training windows start every `stride` characters (1: every position).
+    # Held-out windows never overlap (stride block_size), so each held-out
+    # character is predicted once.
+    stride: int = 64
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "data_config.path", "must not be empty")
+        _check(self.block_size >= 1, "data_config.block_size", f"must be >= 1, got {self.block_size}")
+        _check(
+            0.0 < self.train_split < 1.0,
+            "data_config.train_split",
+            f"must be in (0, 1), got {self.train_split}",
+        )
+        _check(0.0 < self.truncate <= 1.0, "data_config.truncate", f"must be in (0, 1], got {self.truncate}")
+        _check(self.stride >= 1, "data_config.stride", f"must be >= 1, got {self.stride}")
+
+
+@dataclass
+class TrainerConfig:
+    """The training run: length, evaluation, logging, snapshots, devices, precision."""
+
+    # Names the run directory runs/<run_name>: every rank and every restart of a
+    # job agree on it, so they share one snapshot. `hydra.run.dir=...` overrides.
+    run_name: str = "default"
+    max_epochs: int = 3
+    # Stop after this many optimizer steps (null: run all epochs).
+    max_steps: Optional[int] = None
+    # Samples per process per micro-step; the global batch is
+    # batch_size * grad_accum_steps * world_size.
+    batch_size: int = 12
+    grad_accum_steps: int = 1
+    grad_norm_clip: float = 1.0
+    seed: int = 1337
+    # "auto" (CUDA if available, else CPU), "cpu" or "cuda".
+    device: str = "auto"
+    # Evaluate every eval_every optimizer steps (0: at the end of each epoch);
+    # always at the end of the run.
+    eval_every: int = 500
+    log_every: int = 50
+    # Characters generated from the model at each evaluation (0: none).
+    sample_chars: int = 200
+    # Snapshot path (fsspec URL or local path); relative paths are inside the run directory.
+    snapshot_path: str = "snapshot.pt"
+    save_every: int = 1
+    # Also save every this many optimizer steps (null: only per epoch and at the end).
+    save_every_steps: Optional[int] = None
+    # Mixed precision on CUDA: amp_dtype "bf16" or "fp16" (fp16 uses a GradScaler).
+    use_amp: bool = False
+    amp_dtype: str = "bf16"
+    # AMP on a CPU is ignored unless forced: without bf16 units it is far slower.
+    amp_on_cpu: bool = False
+    compile: bool = False
+    # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd".
+    ddp_comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_step: int = 10
+
+    def __post_init__(self) -> None:
+        _check(bool(self.run_name) and "/" not in self.run_name, "trainer_config.run_name",
+               f"must be a non-empty name without '/', got {self.run_name!r}")
+        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank")
+        for key in positive:
+            _check(getattr(self, key) >= 1, f"trainer_config.{key}", f"must be >= 1, got {getattr(self, key)}")
+        for key in ("max_steps", "save_every_steps"):
+            value = getattr(self, key)
+            _check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")
+        for key in ("eval_every", "sample_chars", "powersgd_start_step"):
+            _check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
+        _check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
+        _check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
+        _one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
+        _one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
+        _one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook", ("none", "fp16", "bf16", "powersgd"))
+
+
+@dataclass
+class Config:
+    gpt_config: GPTConfig = field(default_factory=GPTConfig)
+    optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data_config: DataConfig = field(default_factory=DataConfig)
+    trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register_configs() -> None:
+    """Make the dataclasses Hydra's schema: `base_config` for the whole config,
+    and `gpt_config=default` (the dataclass defaults) beside the YAML presets."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(group="gpt_config", name="default", node=GPTConfig)

@@ -1,0 +1,102 @@
+"""Process group, device and roles under torchrun (or a plain single process).
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT. Without them the run is one process: no process group, the same
+code path. Two roles: the global main process (rank 0) writes snapshots,
+metrics and logs at INFO; each node's local main process (local rank 0) does
+once-per-node work such as downloading the corpus while the others wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer_config.device=cuda but CUDA is not available")
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup_logging(rank: int, log_file: str | None = None) -> None:
+    """Rank 0 logs at INFO to stderr and `log_file`; other ranks log warnings
+    and errors, prefixed with their rank."""
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    formatter = logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file and rank == 0:
+        os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = handlers
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+@contextlib.contextmanager
+def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
+    """Join the process group torchrun describes (if any) and leave it at exit,
+    also when the body raises."""
+    env = os.environ
+    rank = int(env.get("RANK", 0))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    world_size = int(env.get("WORLD_SIZE", 1))
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+    device = pick_device(device_preference, local_rank)
+    info = DistInfo(rank, local_rank, world_size, local_world_size, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if info.is_distributed:
+        dist.init_process_group(
+            info.backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
+        )
+    try:
+        yield info
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.is_distributed:
+        dist.barrier()

@@ -1,0 +1,87 @@
+"""Where metrics go: log lines (or a progress bar on a terminal), TensorBoard
+scalars and text, and metrics.jsonl in the run directory. Only the global main
+process writes; the others get a logger that does nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+
+class Metrics:
+    def __init__(self, run_dir: str, enabled: bool, resume_step: Optional[int] = None):
+        self.enabled = enabled
+        self.progress = enabled and sys.stderr.isatty()
+        self._writer = None
+        self._jsonl = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and only rank 0 needs it
+
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is not None:
+            _truncate_after(path, resume_step)
+        # purge_step drops TensorBoard events logged after the snapshot we resume from.
+        self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step)
+        self._jsonl = open(path, "a", encoding="utf-8")
+
+    def log(self, split: str, step: int, epoch: int, **values: Any) -> None:
+        """One event: a line in metrics.jsonl, scalars in TensorBoard, a log line."""
+        if not self.enabled:
+            return
+        record = {"step": step, "epoch": epoch, "split": split, **values}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in values.items():
+            if isinstance(value, (int, float)):
+                self._writer.add_scalar(f"{split}/{key}", value, step)
+        text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items() if not isinstance(v, (list, dict)))
+        self.end_progress()
+        log.info("%s step %d epoch %d | %s", split, step, epoch, text)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.enabled:
+            # Markdown would reflow the sample; a code block keeps its lines.
+            self._writer.add_text(tag, "```\n" + text + "\n```", step)
+
+    def show_progress(self, step: int, total: int) -> None:
+        if self.progress:
+            sys.stderr.write(f"\rstep {step}/{total}")
+            sys.stderr.flush()
+
+    def end_progress(self) -> None:
+        if self.progress:
+            sys.stderr.write("\r\033[K")
+
+    def close(self) -> None:
+        if self.enabled:
+            self.end_progress()
+            self._writer.close()
+            self._jsonl.close()
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Drop the events a killed run logged after the snapshot it resumes from."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError):
+            continue
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(keep)

@@ -1,0 +1,68 @@
+"""The training recipe: compose the configs, build data, model and trainer, train.
+
+`python main.py` and the `mingpt-train` console script both run `main` here.
+Any problem with the input (config, data, snapshot) ends the run with one line
+on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from mingpt.checkpoint import SnapshotError
+from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, register_configs
+from mingpt.data import DataError, download_corpus, load_data
+from mingpt.distributed import barrier, distributed, setup_logging
+from mingpt.model import GPT
+from mingpt.trainer import Trainer, TrainingError
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+USER_ERRORS = (ConfigError, DataError, SnapshotError, TrainingError)
+
+
+def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTConfig:
+    """The model's vocabulary and context length come from the data."""
+    for key, value in (("vocab_size", vocab_size), ("block_size", block_size)):
+        given = getattr(gpt_config, key)
+        if given is not None and given != value:
+            raise ConfigError(f"gpt_config.{key}: {given} given, but the data sets it to {value}; leave it unset")
+    return dataclasses.replace(gpt_config, vocab_size=vocab_size, block_size=block_size)
+
+
+def run(config: Config, run_dir: str) -> None:
+    with distributed(config.trainer_config.device) as dist_info:
+        setup_logging(dist_info.rank, os.path.join(run_dir, "train.log"))
+        log.info("run directory %s", os.path.abspath(run_dir))
+        data_path = config.data_config.path
+        if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
+            if dist_info.is_local_main_process:  # once per node; the others wait
+                download_corpus(data_path)
+            barrier(dist_info)
+        data = load_data(config.data_config)
+        config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+        torch.manual_seed(config.trainer_config.seed)
+        model = GPT(config.gpt_config)
+        Trainer(config, model, data, dist_info, run_dir).train()
+
+
+register_configs()
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        config = OmegaConf.to_object(cfg)
+        run(config, HydraConfig.get().runtime.output_dir)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
