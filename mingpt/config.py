@@ -8,7 +8,9 @@ is turned into these objects (``OmegaConf.to_object``), before any work starts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -185,6 +187,17 @@ class Config:
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
     data_config: DataConfig = field(default_factory=DataConfig)
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def check_known_keys(cfg: Mapping) -> None:
+    """Reject keys the dataclasses do not declare. OmegaConf does so for plain
+    overrides, but Hydra's `+key=value` adds keys past it."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    for name, section in cfg.items():
+        _check(name in sections, name, "unknown key")
+        fields = {f.name for f in dataclasses.fields(sections[name])}
+        for key in section:
+            _check(key in fields, f"{name}.{key}", f"unknown key (not a field of {sections[name].__name__})")
 
 
 def register_configs() -> None:

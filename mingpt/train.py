@@ -15,10 +15,12 @@ import sys
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.checkpoint import SnapshotError
-from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, register_configs
+from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, register_configs
 from mingpt.data import DataError, download_corpus, load_data
 from mingpt.distributed import barrier, distributed, setup_logging
 from mingpt.model import GPT
@@ -55,14 +57,39 @@ def run(config: Config, run_dir: str) -> None:
         Trainer(config, model, data, dist_info, run_dir).train()
 
 
+def config_error_line(error: BaseException) -> str:
+    """One line for a Hydra/OmegaConf composition error: the key and the problem."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
+            return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+        cause = cause.__cause__
+    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    options = getattr(error, "options", None)
+    return f"{line} (choices: {', '.join(options)})" if options else line
+
+
 register_configs()
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     try:
+        check_known_keys(cfg)
         config = OmegaConf.to_object(cfg)
         run(config, HydraConfig.get().runtime.output_dir)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def main() -> None:
+    """Entry point of `python main.py` and `mingpt-train`."""
+    # Let composition errors reach us instead of Hydra's multi-line report;
+    # any other exception is a bug and keeps its full traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"error: {config_error_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
