@@ -19,6 +19,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from mingpt.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -49,10 +51,13 @@ class DistInfo:
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer_config.device=cuda but CUDA is not available")
+        raise ConfigError("trainer_config.device: cuda, but CUDA is not available")
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
+                f"(start at most that many processes per node)"
+            )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 

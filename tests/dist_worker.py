@@ -1,0 +1,56 @@
+"""Test-only worker: train through the library API and dump what each rank holds.
+
+    [torchrun ...] python tests/dist_worker.py OUT_DIR JOBS_JSON
+
+JOBS_JSON is a list of {"name": str, "overrides": [dotlist], "train": bool}.
+All jobs run one after the other in the same process group (one launch, many
+checks). Job NAME writes OUT_DIR/NAME/rank<r>.pt with the rank's final weights,
+and the held-out loss at the initial weights; rank 0's metrics.jsonl (and the
+snapshot, if it trained) land in OUT_DIR/NAME/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from omegaconf import OmegaConf
+
+from mingpt.config import Config
+from mingpt.data import load_data
+from mingpt.distributed import distributed, setup_logging
+from mingpt.model import GPT
+from mingpt.train import fit_to_data
+from mingpt.trainer import Trainer
+
+
+def run_job(dist_info, out_dir: str, name: str, overrides: list[str], train: bool) -> None:
+    config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
+    data = load_data(config.data_config)
+    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+    torch.manual_seed(config.trainer_config.seed)
+    run_dir = os.path.join(out_dir, name)
+    trainer = Trainer(config, GPT(config.gpt_config), data, dist_info, run_dir)
+    init = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    result = {"init": init, "eval_init": trainer.evaluate()}
+    if train:
+        trainer.train()  # evaluates at the end and closes the metrics
+    else:
+        trainer.metrics.close()
+    result["state"] = trainer.raw_model.state_dict()
+    os.makedirs(run_dir, exist_ok=True)
+    torch.save(result, os.path.join(run_dir, f"rank{dist_info.rank}.pt"))
+
+
+def main() -> None:
+    out_dir, jobs = sys.argv[1], json.loads(sys.argv[2])
+    with distributed("cpu") as dist_info:
+        setup_logging(dist_info.rank)
+        for job in jobs:
+            run_job(dist_info, out_dir, job["name"], job["overrides"], job.get("train", True))
+
+
+if __name__ == "__main__":
+    main()

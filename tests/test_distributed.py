@@ -1,0 +1,179 @@
+"""Distributed training with real processes: torchrun, gloo, CPU, a tiny model.
+
+Each torchrun launch costs seconds (every process imports torch), so a few
+module-scoped launches of tests/dist_worker.py run several jobs each, and the
+tests below compare what they left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, TINY, child_env, free_port, run_torchrun, torchrun_cmd
+
+WORKER = str(REPO / "tests" / "dist_worker.py")
+# 20,010 characters: 1,125 training windows and 125 held-out windows of 16
+# tokens. 125 is divisible by neither 2 nor 3, so the eval samplers pad.
+CORPUS_CHARS = 20_010
+HELDOUT_TOKENS = 125 * 16
+# No warmup and a large learning rate: the first steps move the weights a lot,
+# so a run that saw other samples ends far from the reference. Adam's eps is
+# raised so that parameters whose gradient is only rounding noise (the key
+# biases: softmax ignores them) do not turn that noise into lr-sized steps.
+FAST = ["optimizer_config.warmup_steps=0", "optimizer_config.learning_rate=1e-2",
+        "optimizer_config.eps=1e-6", "trainer_config.sample_chars=0", "trainer_config.max_steps=6"]
+
+
+def job(name: str, *overrides: str, train: bool = True) -> dict:
+    return {"name": name, "overrides": [*TINY, *FAST, *overrides], "train": train}
+
+
+def run_worker(tmp_path, corpus_file, nproc: int, jobs: list[dict]) -> dict:
+    """Run the jobs in `nproc` processes (plain python for 1, else torchrun);
+    return {job name: [rank 0's result, rank 1's, ...]}."""
+    jobs = [{**j, "overrides": [*j["overrides"], f"data_config.path={corpus_file}"]} for j in jobs]
+    out = tmp_path / f"world{nproc}"
+    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
+    proc = subprocess.run([*launcher, WORKER, str(out), json.dumps(jobs)], env=child_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {j["name"]: [torch.load(out / j["name"] / f"rank{r}.pt") for r in range(nproc)] for j in jobs}
+
+
+def first_eval(tmp_path, nproc: int, name: str) -> dict:
+    lines = (tmp_path / f"world{nproc}" / name / "metrics.jsonl").read_text().splitlines()
+    return next(r for r in map(json.loads, lines) if r["split"] == "eval")
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory, corpus):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(corpus.read_text(encoding="utf-8")[:CORPUS_CHARS], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus_file):
+    """World sizes 1, 2 and 3 on the same data from the same initial weights.
+    The global batch is 8 samples per step in every training job."""
+    tmp = tmp_path_factory.mktemp("runs")
+    results = {
+        1: run_worker(tmp, corpus_file, 1, [
+            job("batch8", "trainer_config.batch_size=8"),
+            job("accum4x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=4"),
+        ]),
+        2: run_worker(tmp, corpus_file, 2, [
+            job("batch4", "trainer_config.batch_size=4"),
+            job("accum2x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=2"),
+            job("fp16", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=fp16"),
+            job("powersgd", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=powersgd",
+                "trainer_config.powersgd_start_step=2"),
+        ]),
+        3: run_worker(tmp, corpus_file, 3, [job("eval", train=False)]),
+    }
+    return tmp, results
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 1e-4) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_ranks_end_with_identical_weights(runs):
+    _, results = runs
+    for name, per_rank in results[2].items():
+        for other in per_rank[1:]:
+            for key, tensor in per_rank[0]["state"].items():
+                assert torch.equal(tensor, other["state"][key]), f"{name}: {key} differs between ranks"
+
+
+def test_two_ranks_match_one_process_with_double_batch(runs):
+    _, results = runs
+    reference = results[1]["batch8"][0]["state"]
+    assert_same_weights(results[2]["batch4"][0]["state"], reference)
+    # The check has teeth: six steps move the weights (~3e-2) far beyond the tolerance.
+    assert max_diff(results[1]["batch8"][0]["init"], reference) > 1e-2
+
+
+def test_grad_accumulation_matches_one_big_batch(runs):
+    _, results = runs
+    reference = results[1]["batch8"][0]["state"]
+    assert_same_weights(results[1]["accum4x2"][0]["state"], reference)  # 4 micro-steps of 2 == 1 step of 8
+    assert_same_weights(results[2]["accum2x2"][0]["state"], reference)  # 2 ranks x 2 micro-steps of 2
+
+
+def test_eval_loss_is_exact_for_world_sizes_1_2_3(runs):
+    tmp, results = runs
+    losses = {1: results[1]["batch8"], 2: results[2]["batch4"], 3: results[3]["eval"]}
+    reference = losses[1][0]["eval_init"]
+    for world_size, per_rank in losses.items():
+        for result in per_rank:  # every rank gets the global loss
+            assert result["eval_init"] == pytest.approx(reference, rel=1e-6), world_size
+    for world_size, name in ((1, "batch8"), (2, "batch4"), (3, "eval")):
+        record = first_eval(tmp, world_size, name)
+        assert record["tokens"] == HELDOUT_TOKENS  # the padding duplicates are not counted
+        assert len(record["rank_losses"]) == world_size
+    # Ranks see different windows, so their own means differ from each other.
+    assert len(set(first_eval(tmp, 3, "eval")["rank_losses"])) == 3
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_comm_hook_runs_on_gloo(runs, hook):
+    tmp, results = runs
+    assert (tmp / "world2" / hook / "snapshot.pt").exists()
+    state = results[2][hook][0]["state"]
+    assert all(torch.isfinite(t).all() for t in state.values())
+    # The hook really compressed the gradients: the weights differ from plain DDP's.
+    assert max_diff(state, results[2]["batch4"][0]["state"]) > 0
+
+
+def test_bf16_hook_is_refused_on_gloo(tmp_path, corpus_file):
+    proc = run_torchrun(2, [*TINY, f"data_config.path={corpus_file}", "trainer_config.ddp_comm_hook=bf16"], tmp_path)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all("trainer_config.ddp_comm_hook: bf16" in line and "NCCL" in line for line in errors), proc.stderr
+    assert f'File "{REPO}' not in proc.stderr  # no stack trace from our code
+    assert not (tmp_path / "runs" / "default" / "metrics.jsonl").exists()
+
+
+def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
+    """Two torchrun agents ("nodes" 0 and 1, one process each) meet at
+    127.0.0.1 and train to the end; only rank 0 logs INFO and writes."""
+    port = free_port()
+    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_epochs=1",
+            "trainer_config.use_amp=true"]  # ignored on CPU, with a warning from every rank
+    agents = [
+        subprocess.Popen(
+            torchrun_cmd(1, "--nnodes=2", f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}")
+            + [str(REPO / "main.py"), *args],
+            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=180) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    stderr = "".join(err for _, err in outputs)
+    assert [agent.returncode for agent in agents] == [0, 0], stderr[-3000:]
+    run_dir = tmp_path / "runs" / "default"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["split"] == "eval" and records[-1]["epoch"] == 1
+    assert records[-1]["tokens"] == HELDOUT_TOKENS and len(records[-1]["rank_losses"]) == 2
+    snapshot = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    assert snapshot["world_size"] == 2 and snapshot["epoch"] == 1
+    # Rank 1 logs its warnings, prefixed; its INFO lines stay quiet.
+    rank1 = [line for line in stderr.splitlines() if line.startswith("[rank 1] ")]
+    assert len(rank1) == 1 and "WARNING trainer_config.use_amp ignored on CPU" in rank1[0], stderr[-3000:]
+    assert sum("train step" in line for line in stderr.splitlines()) == len(
+        [r for r in records if r["split"] == "train"])
