@@ -27,8 +27,9 @@ class Metrics:
         path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None:
             _truncate_after(path, resume_step)
-        # purge_step drops TensorBoard events logged after the snapshot we resume from.
-        self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step)
+        # TensorBoard hides earlier events at steps >= purge_step: those after the snapshot we resume from.
+        purge_step = None if resume_step is None else resume_step + 1
+        self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
         self._jsonl = open(path, "a", encoding="utf-8")
 
     def log(self, split: str, step: int, epoch: int, **values: Any) -> None:
@@ -41,7 +42,7 @@ class Metrics:
         for key, value in values.items():
             if isinstance(value, (int, float)):
                 self._writer.add_scalar(f"{split}/{key}", value, step)
-        text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items() if not isinstance(v, (list, dict)))
+        text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
         self.end_progress()
         log.info("%s step %d epoch %d | %s", split, step, epoch, text)
 
@@ -67,6 +68,8 @@ class Metrics:
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + " ".join(_fmt(v) for v in value) + "]"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 

@@ -93,3 +93,6 @@ def main() -> None:
     except (HydraException, OmegaConfBaseException) as e:
         print(f"error: {config_error_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
