@@ -97,6 +97,8 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
         )
     try:
         yield info
+        # Leave together: a rank that tears down gloo while rank 0 still saves can abort at exit.
+        barrier(info)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

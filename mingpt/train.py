@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import sys
+from typing import NoReturn
 
 import hydra
 import torch
@@ -57,6 +58,13 @@ def run(config: Config, run_dir: str) -> None:
         Trainer(config, model, data, dist_info, run_dir).train()
 
 
+def fail(message: str, status: int = 2) -> NoReturn:
+    """End the process with one line on stderr (one write, so ranks' lines do not interleave)."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(status)
+
+
 def config_error_line(error: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error: the key and the problem."""
     cause: BaseException | None = error
@@ -79,8 +87,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         config = OmegaConf.to_object(cfg)
         run(config, HydraConfig.get().runtime.output_dir)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(str(e))
 
 
 def main() -> None:
@@ -91,8 +98,6 @@ def main() -> None:
     try:
         _hydra_main()
     except (HydraException, OmegaConfBaseException) as e:
-        print(f"error: {config_error_line(e)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(config_error_line(e))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+        fail("interrupted", status=130)

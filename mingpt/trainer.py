@@ -83,9 +83,9 @@ class Trainer:
         self.raw_model = model.to(device)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         self.progress = Progress()
-        resumed = checkpoint.exists(self.snapshot_path)
-        if resumed:
+        if checkpoint.exists(self.snapshot_path):
             self._restore(checkpoint.load(self.snapshot_path))
+        self._check_same_start()
 
         self.model = self.raw_model
         if dist_info.is_distributed:
@@ -103,10 +103,16 @@ class Trainer:
         self.eval_sampler = ResumableSampler(len(data.heldout), W, dist_info.rank, shuffle=False, seed=cfg.seed)
         self.samples_per_step = cfg.batch_size * cfg.grad_accum_steps  # per rank
         steps_per_epoch = math.ceil(len(data.train) / (self.samples_per_step * W))
-        self.total_steps = steps_per_epoch * cfg.max_epochs
+        # Steps done plus steps to go, so a resume with another world size still finishes every epoch.
+        p = self.progress
+        self.total_steps = p.step
+        if p.epoch < cfg.max_epochs:
+            self.total_steps += math.ceil((len(data.train) - p.samples_in_epoch) / (self.samples_per_step * W))
+            self.total_steps += steps_per_epoch * (cfg.max_epochs - p.epoch - 1)
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step if resumed else None)
+        # Events after the step we start from (0 when fresh) are from a killed attempt: dropped.
+        self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step)
         log.info(
             "model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per rank x %d accum x %d ranks)"
             " | %d steps per epoch, %d in all | device %s%s",
@@ -264,14 +270,15 @@ class Trainer:
     # ----------------------------------------------------------------- snapshots
 
     def save(self) -> None:
-        """Save a snapshot (global main process only), never with non-finite weights."""
-        if not self.dist.is_main_process:
-            return
+        """Save a snapshot (global main process only), never with non-finite weights.
+        Every rank checks its replica (DDP keeps them identical), so all ranks stop together."""
         if not all(torch.isfinite(t).all() for t in self.raw_model.parameters()):
             raise TrainingError(
                 f"weights are not finite at step {self.progress.step}; not saving over the last good snapshot "
                 f"{self.snapshot_path}"
             )
+        if not self.dist.is_main_process:
+            return
         state: dict[str, Any] = {
             "model_state": self.raw_model.state_dict(),
             "optimizer_state": self.optimizer.state_dict(),
@@ -308,6 +315,21 @@ class Trainer:
             "resumed from %s: epoch %d, %d samples into it, step %d",
             self.snapshot_path, self.progress.epoch, self.progress.samples_in_epoch, self.progress.step,
         )
+
+    def _check_same_start(self) -> None:
+        """All ranks must start from the same step: a snapshot that only some of
+        them see (a node-local path in a multi-node job) would split the run."""
+        if not self.dist.is_distributed:
+            return
+        mine = torch.tensor([self.progress.step], device=self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
+        dist.all_gather(gathered, mine)
+        steps = [int(t) for t in gathered]
+        if len(set(steps)) > 1:
+            raise checkpoint.SnapshotError(
+                f"the ranks start from different steps {steps} (snapshot {self.snapshot_path}): "
+                "keep the snapshot where every node sees it (a shared file system, s3://, gs://)"
+            )
 
     # ---------------------------------------------------------- communication
 

@@ -1,0 +1,49 @@
+"""Test helper: main.py, recording what each rank trains on and what it saves.
+
+    FT_RECORD_DIR=DIR [torchrun ...] python tests/ft_record.py [overrides ...]
+
+Runs the real training CLI (mingpt.train.main). Each rank appends one line per
+optimizer step to DIR/samples-rank<r>.txt ("epoch step i i i ...": the training
+samples of its share of the step) and one line per snapshot write to
+DIR/saves-rank<r>.txt (the step saved). Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mingpt import checkpoint, trainer  # noqa: E402
+from mingpt.train import main  # noqa: E402
+
+RECORD_DIR = os.environ["FT_RECORD_DIR"]
+RANK = int(os.environ.get("RANK", 0))
+
+
+def _append(name: str, line: str) -> None:
+    with open(os.path.join(RECORD_DIR, f"{name}-rank{RANK}.txt"), "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+_train_step = trainer.Trainer._train_step
+_save = checkpoint.save
+
+
+def recording_train_step(self, indices):
+    _append("samples", f"{self.progress.epoch} {self.progress.step} " + " ".join(map(str, indices.tolist())))
+    return _train_step(self, indices)
+
+
+def recording_save(state, path):
+    _append("saves", str(state["step"]))
+    _save(state, path)
+
+
+trainer.Trainer._train_step = recording_train_step
+checkpoint.save = recording_save
+
+if __name__ == "__main__":
+    os.makedirs(RECORD_DIR, exist_ok=True)
+    main()

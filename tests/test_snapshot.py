@@ -1,0 +1,457 @@
+"""Fault tolerance: atomic fsspec snapshots, safe and validated loads, no
+non-finite weights on disk, and exact resume after SIGKILL under torchrun
+restarts, also with another world size.
+
+Tiny model, 20,000-character corpus: 1,124 training windows of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+
+import fsspec
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import REPO, TINY, child_env, run_main, run_torchrun, torchrun_cmd
+from mingpt import checkpoint
+from mingpt.config import Config
+from mingpt.data import ResumableSampler, load_data
+from mingpt.distributed import DistInfo
+from mingpt.model import GPT
+from mingpt.train import fit_to_data
+from mingpt.trainer import Trainer, TrainingError
+
+N_TRAIN = 1124  # training windows of the small corpus
+
+
+def overrides(*extra: str) -> list[str]:
+    """TINY, on CPU, without samples, then `extra` (a later key replaces an earlier one)."""
+    merged = {}
+    for item in [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", *extra]:
+        key, value = item.split("=", 1)
+        merged[key] = value
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def assert_one_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Non-zero exit, exactly one `error:` line holding every fragment, no stack trace."""
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and all(f in lines[0] for f in fragments), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------- in-process API
+
+
+def make_trainer(run_dir, corpus_path, *extra: str) -> Trainer:
+    """A single-process Trainer built like main.py builds it, from override strings."""
+    dotlist = overrides(f"data_config.path={corpus_path}", *extra)
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist)))
+    data = load_data(config.data_config)
+    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+    torch.manual_seed(config.trainer_config.seed)
+    model = GPT(config.gpt_config)
+    return Trainer(config, model, data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+
+
+@pytest.fixture
+def one_thread():
+    """In-process training on one thread: the cores are shared, and extra threads only wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def memory_url() -> str:
+    return f"memory://ft-{uuid.uuid4().hex}/snapshot.pt"
+
+
+def read_bytes(url: str) -> bytes:
+    with fsspec.open(url, "rb") as f:
+        return f.read()
+
+
+def train_steps(run_dir) -> list[int]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r["step"] for r in records if r["split"] == "train"]
+
+
+def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus, caplog, one_thread):
+    """memory:// snapshots through the library: saved every save_every epochs,
+    every save_every_steps steps and at the end; a run stopped at step 30 and
+    resumed (dropout on) ends with the uninterrupted run's exact weights; a
+    diverging run stops and leaves the last good snapshot as it was."""
+    # Batch 32: 36 steps per epoch (35 full, then 4 samples), epochs end at steps 36, 72, 108.
+    # A constant learning rate after warmup does not depend on the run's length (max_steps).
+    common = ["trainer_config.batch_size=32", "trainer_config.max_epochs=3", "trainer_config.save_every=2",
+              "trainer_config.save_every_steps=25", "gpt_config.dropout=0.1", "optimizer_config.lr_schedule=constant",
+              "optimizer_config.warmup_steps=10"]
+    caplog.set_level(logging.INFO, logger="mingpt.trainer")
+    reference_url, resumed_url = memory_url(), memory_url()
+    # An attempt killed before its first save left an event; the fresh start drops it.
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / "metrics.jsonl").write_text('{"step": 7, "epoch": 0, "split": "train", "loss": 9.0}\n')
+    make_trainer(tmp_path / "ref", small_corpus, *common, f"trainer_config.snapshot_path={reference_url}").train()
+    saved = [r.args[1] for r in caplog.records if r.msg.startswith("saved snapshot")]
+    assert saved == [25, 50, 72, 75, 100, 108]
+    assert train_steps(tmp_path / "ref") == list(range(5, 106, 5)) + [108]
+
+    resumed = [*common, f"trainer_config.snapshot_path={resumed_url}"]
+    make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_steps=30").train()
+    caplog.clear()
+    make_trainer(tmp_path / "resumed", small_corpus, *resumed).train()
+    assert any(r.getMessage() == f"resumed from {resumed_url}: epoch 0, 960 samples into it, step 30"
+               for r in caplog.records)
+    reference, final = checkpoint.load(reference_url), checkpoint.load(resumed_url)
+    assert final["step"] == reference["step"] == 108 and final["finished_epoch"] == 3
+    assert same_tensors(final["model_state"], reference["model_state"])
+    assert train_steps(tmp_path / "resumed") == list(range(5, 106, 5)) + [108]  # no event twice
+
+    # A learning rate of 1e6 turns the loss into NaN within three steps: the
+    # loss check at each logged step stops the run before the epoch's save.
+    good = read_bytes(resumed_url)
+    diverging = make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_epochs=4",
+                             "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=null",
+                             "trainer_config.log_every=1")
+    with pytest.raises(TrainingError, match=r"training diverged: loss is nan at step 1\d\d; the last good"):
+        diverging.train()
+    assert read_bytes(resumed_url) == good
+    fsspec.filesystem("memory").rm([reference_url.split("://")[1], resumed_url.split("://")[1]])
+
+
+# ------------------------------------------------------------ loading safely
+
+
+def test_unreadable_snapshots_are_refused_naming_the_file(tmp_path):
+    good = {"model_state": {"w": torch.randn(256, 256)}, "optimizer_state": {}, "gpt_config": {"n_layer": 2},
+            "vocab": "abc", "epoch": 0, "samples_in_epoch": 0, "step": 3}
+    path = str(tmp_path / "good.pt")
+    checkpoint.save(good, path)
+    assert checkpoint.load(path)["step"] == 3
+    whole = (tmp_path / "good.pt").read_bytes()
+    cases = {
+        "truncated.pt": whole[: len(whole) // 2],
+        "garbage.pt": os.urandom(4096),
+        "empty.pt": b"",
+        "text.pt": b"not a snapshot\n" * 50,
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(checkpoint.SnapshotError) as e:
+            checkpoint.load(str(tmp_path / name))
+        assert str(tmp_path / name) in str(e.value) and "truncated or not a torch snapshot" in str(e.value)
+        assert "\n" not in str(e.value)
+    torch.save({"model_state": {}}, tmp_path / "other.pt")  # a torch file, but not ours
+    with pytest.raises(checkpoint.SnapshotError, match="is not a mingpt snapshot .no optimizer_state, gpt_config"):
+        checkpoint.load(str(tmp_path / "other.pt"))
+    with pytest.raises(checkpoint.SnapshotError, match="snapshot not found"):
+        checkpoint.load(str(tmp_path / "missing.pt"))
+    # Same vocabulary size, other characters: the shapes fit, the vocabulary does not.
+    mismatch = r"vocabulary of 3 characters in the snapshot, 3 in the data \(differs: 'cd'\)"
+    with pytest.raises(checkpoint.SnapshotError, match=mismatch):
+        checkpoint.check_compatible(good, {"n_layer": 2}, "abd", path)
+
+
+class _CreatesFile:
+    """Unpickling this calls open(marker, "w"): it creates the marker file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_pickled_code_is_refused_and_never_runs(tmp_path, small_corpus):
+    marker = tmp_path / "code-ran"
+    snapshot = tmp_path / "evil.pt"
+    state = {"model_state": {"w": _CreatesFile(str(marker))}, "optimizer_state": {}, "gpt_config": {},
+             "vocab": "", "epoch": 0, "samples_in_epoch": 0, "step": 0}
+    torch.save(state, snapshot)
+    torch.load(snapshot, weights_only=False)  # the file really would create the marker...
+    assert marker.exists()
+    marker.unlink()
+    proc = run_main(overrides(f"data_config.path={small_corpus}", f"trainer_config.snapshot_path={snapshot}"), tmp_path)
+    assert_one_error(proc, f"refusing to load {snapshot}", "none of it was run", "GLOBAL io.open")
+    assert not marker.exists()  # ...but nothing in it ran
+
+
+@pytest.fixture(scope="module")
+def good_snapshot(tmp_path_factory, corpus):
+    """A 6-step single-process run through main.py: (its run directory, its snapshot)."""
+    tmp = tmp_path_factory.mktemp("good")
+    data = tmp / "small.txt"
+    data.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    proc = run_main(overrides(f"data_config.path={data}", "trainer_config.max_steps=6"), tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, tmp / "runs" / "default" / "snapshot.pt"
+
+
+def test_snapshot_of_another_shape_is_refused(good_snapshot):
+    tmp, snapshot = good_snapshot
+    before = snapshot.read_bytes()
+    proc = run_main(overrides(f"data_config.path={tmp / 'small.txt'}", "gpt_config.n_layer=3"), tmp)
+    assert_one_error(proc, f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3")
+    assert snapshot.read_bytes() == before
+
+
+# ------------------------------------------------------------- saving safely
+
+
+def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
+    path = tmp_path / "snapshot.pt"
+    previous = {"model_state": {"w": torch.arange(10.0)}, "optimizer_state": {}, "gpt_config": {}, "vocab": "ab",
+                "epoch": 0, "samples_in_epoch": 0, "step": 1}
+    checkpoint.save(previous, str(path))
+    before = path.read_bytes()
+    # The writer saves 200 MB over and over; it is killed as soon as a temporary file appears.
+    writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200"],
+                              env=child_env(), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("snapshot.pt.tmp-*")):
+            assert writer.poll() is None, writer.stderr.read().decode()
+            assert time.monotonic() < deadline, "the writer never started a save"
+            time.sleep(0.001)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+    finally:
+        writer.kill()
+        writer.stderr.close()
+    assert writer.returncode == -signal.SIGKILL
+    leftovers = list(tmp_path.glob("snapshot.pt.tmp-*"))
+    assert leftovers, "the kill did not land during the save"
+    assert path.read_bytes() == before  # the previous snapshot, byte for byte
+    assert checkpoint.load(str(path))["step"] == 1
+    # The next save replaces it and clears the killed save's temporary file.
+    checkpoint.save({**previous, "step": 2}, str(path))
+    assert checkpoint.load(str(path))["step"] == 2 and not list(tmp_path.glob("snapshot.pt.tmp-*"))
+
+
+def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_snapshot):
+    """Two ranks resume the good snapshot (step 6) with a learning rate that
+    makes the weights NaN by step 8. The loss is logged only at the end, so the
+    weight check before the save at step 10 must catch it, on both ranks."""
+    tmp, good = good_snapshot
+    snapshot = tmp_path / "snapshot.pt"
+    snapshot.write_bytes(good.read_bytes())
+    args = overrides(f"data_config.path={tmp / 'small.txt'}", f"trainer_config.snapshot_path={snapshot}",
+                     "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=5",
+                     "trainer_config.log_every=1000", "trainer_config.max_steps=40")
+    proc = run_torchrun(2, args, tmp_path)
+    assert proc.returncode != 0
+    # Each rank stops with the same line (the two may interleave on the shared stderr).
+    line = f"error: weights are not finite at step 10; not saving over the last good snapshot {snapshot}"
+    assert proc.stderr.count(line) == 2, proc.stderr[-3000:]
+    assert snapshot.read_bytes() == good.read_bytes()
+
+
+def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
+    """A node-local snapshot path: rank 0 finds the snapshot, rank 1 does not."""
+    tmp, good = good_snapshot
+    (tmp_path / "snapshot-0.pt").write_bytes(good.read_bytes())
+    args = overrides(f"data_config.path={tmp / 'small.txt'}",
+                     f"trainer_config.snapshot_path={tmp_path}/snapshot-${{oc.env:RANK}}.pt")
+    proc = run_torchrun(2, args, tmp_path)
+    assert proc.returncode != 0
+    # Both ranks stop, each naming its own path.
+    for rank in (0, 1):
+        line = (f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/snapshot-{rank}.pt): "
+                "keep the snapshot where every node sees it")
+        assert line in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "snapshot-1.pt").exists()
+
+
+# --------------------------------------------------------------- exactness
+
+
+def test_sampler_resumes_with_any_world_size():
+    """Epoch 3 of 1,124 samples, consumed by 2 ranks up to sample 320, then 1
+    up to 808, 2 up to 1,000, and 3 to the end. Every sample is seen once,
+    except the 2 that pad the last 124 to a multiple of 3."""
+    seen, start = [], 0
+    for world, per_rank, stop in ((2, 8, 320), (1, 8, 808), (2, 4, 1000), (3, 8, N_TRAIN)):
+        samplers = [ResumableSampler(N_TRAIN, world, r, shuffle=True, seed=1337) for r in range(world)]
+        orders = []
+        for s in samplers:
+            s.set_epoch(3)
+            s.start_index = start
+            orders.append(list(s))
+        steps = -(-(stop - start) // (per_rank * world))
+        for step in range(steps):
+            for order in orders:
+                seen.extend(order[step * per_rank : (step + 1) * per_rank])
+        start = min(N_TRAIN, start + steps * per_rank * world)
+    counts = Counter(seen)
+    assert set(counts) == set(range(N_TRAIN))
+    assert len(seen) == N_TRAIN + 2 and sum(c - 1 for c in counts.values()) == 2
+
+
+def read_samples(record_dir) -> Counter:
+    counts = Counter()
+    for path in record_dir.glob("samples-rank*.txt"):
+        for line in path.read_text().splitlines():
+            epoch, _step, *indices = map(int, line.split())
+            assert epoch == 0
+            counts.update(indices)
+    return counts
+
+
+def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus):
+    """One epoch trained through main.py by 2 processes (steps 1-10), then 1
+    (to step 70), then 2 again (to the end), sharing a file:// snapshot. The
+    ranks together train on every sample of the epoch exactly once, and only
+    rank 0 ever writes a snapshot: every 7 steps and at the end of each part."""
+    snapshot = tmp_path / "shared" / "snapshot.pt"
+    url = f"file://{snapshot}"
+    record = tmp_path / "record"
+    env = {**child_env(), "FT_RECORD_DIR": str(record)}
+    recorder = str(REPO / "tests" / "ft_record.py")
+    args = overrides(f"data_config.path={small_corpus}", f"trainer_config.snapshot_path={url}",
+                     "trainer_config.max_epochs=1", "trainer_config.save_every_steps=7")
+
+    def part(nproc: int, max_steps: str) -> str:
+        launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
+        proc = subprocess.run([*launcher, recorder, *args, f"trainer_config.max_steps={max_steps}"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    part(2, "10")  # 10 steps of 16 samples: 160
+    assert "resumed from file://" in part(1, "70")  # 60 steps of 8: 640
+    log = part(2, "null")  # 484 left: 30 steps of 16 and one of 4
+    assert f"resumed from {url}: epoch 0, 640 samples into it, step 70" in log
+    final = checkpoint.load(url)
+    assert (final["step"], final["finished_epoch"], final["samples_in_epoch"], final["world_size"]) == (101, 1, 0, 2)
+    assert read_samples(record) == Counter(range(N_TRAIN))
+    assert not (record / "saves-rank1.txt").exists()
+    saves = [int(s) for s in (record / "saves-rank0.txt").read_text().split()]
+    assert saves == [7, 10, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 101]
+
+
+# The key test: SIGKILL a worker mid-epoch, torchrun restarts, the run ends bitwise where it would have.
+# torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can
+# read the dead ones' addresses from it (pytorch#135712); this opts out, as the README says.
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+KILL_ARGS = ["gpt_config.dropout=0.1", "trainer_config.max_epochs=3", "trainer_config.log_every=1",
+             "trainer_config.save_every_steps=10"]  # 71 steps per epoch with 2 ranks, 213 in all
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """{local rank: pid} of the main.py workers that the torchrun agent started."""
+    workers = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != agent_pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if not any(arg.endswith(b"main.py") for arg in f.read().split(b"\0")):
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            workers[int(env[b"LOCAL_RANK"])] = int(entry)
+        except (OSError, ValueError, KeyError):  # gone, or not started yet
+            continue
+    return workers
+
+
+def last_train_step(metrics) -> int:
+    step = 0
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if record["split"] == "train":
+                step = record["step"]
+    return step
+
+
+def train_events(run_dir) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def tensorboard_losses(run_dir) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+
+def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_corpus):
+    args = overrides(f"data_config.path={small_corpus}", *KILL_ARGS)
+
+    def launch(name: str, *torchrun_args: str) -> subprocess.Popen:
+        cmd = torchrun_cmd(2, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *args,
+                                                                   f"trainer_config.run_name={name}"]
+        return subprocess.Popen(cmd, cwd=tmp_path, env={**child_env(), **RESTART_ENV}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    reference = launch("reference")
+    killed = launch("killed", "--max-restarts=2")
+    run_dir = tmp_path / "runs" / "killed"
+    victim = None
+    try:
+        deadline = time.monotonic() + 150
+        while victim is None and killed.poll() is None and time.monotonic() < deadline:
+            step = last_train_step(run_dir / "metrics.jsonl")
+            pid = worker_pids(killed.pid).get(0)  # rank 0: it may be writing a snapshot
+            if step >= 15 and pid:  # past the save at step 10, in the middle of epoch 0 (steps 1-71)
+                os.kill(pid, signal.SIGKILL)
+                victim = (pid, step)
+            time.sleep(0.005)
+        assert victim is not None, "the run ended before a worker could be killed"
+        assert victim[1] < 71, f"killed at step {victim[1]}, not in the middle of epoch 0"
+        _, killed_err = killed.communicate(timeout=150)
+        _, reference_err = reference.communicate(timeout=150)
+    finally:
+        for proc in (killed, reference):  # on failure, the agent and its workers
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert reference.returncode == 0, reference_err[-3000:]
+    assert killed.returncode == 0, killed_err[-3000:]
+    log = (run_dir / "train.log").read_text()
+    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1, log[-3000:]  # the restart really resumed, from a mid-epoch save
+    resumed_step = int(resumed[0].rsplit("step ", 1)[1])
+    assert resumed_step % 10 == 0 and 10 <= resumed_step < 71 and "epoch 0," in resumed[0]
+
+    final = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    expected = torch.load(tmp_path / "runs" / "reference" / "snapshot.pt", weights_only=True)
+    assert final["step"] == expected["step"] == 213
+    assert same_tensors(final["model_state"], expected["model_state"])
+    assert all(same_tensors(final["optimizer_state"]["state"][k], expected["optimizer_state"]["state"][k])
+               for k in expected["optimizer_state"]["state"])
+    # The logs hold each step once, as the uninterrupted run logged it.
+    reference_events = train_events(tmp_path / "runs" / "reference")
+    assert [s for s, _ in reference_events] == list(range(1, 214))
+    assert train_events(run_dir) == reference_events
+    assert tensorboard_losses(run_dir) == tensorboard_losses(tmp_path / "runs" / "reference")
