@@ -30,11 +30,18 @@ TINY = [
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    """The tiny-shakespeare text: data/input.txt, else the shared copy."""
+    """The tiny-shakespeare text: data/input.txt, else the shared copy, else
+    downloaded to data/input.txt (as `python main.py` would)."""
     for candidate in (REPO / "data" / "input.txt", SHARED_CORPUS):
         if candidate.exists():
             return candidate
-    pytest.fail("no corpus: put tiny shakespeare at data/input.txt")
+    from mingpt.data import DataError, download_corpus
+
+    try:
+        download_corpus(str(REPO / "data" / "input.txt"))
+    except DataError as e:
+        pytest.fail(f"no corpus: {e}")
+    return REPO / "data" / "input.txt"
 
 
 @pytest.fixture

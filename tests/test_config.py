@@ -1,0 +1,145 @@
+"""Configuration through Hydra's compose API: schema, validation, presets, the run directory."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from mingpt.config import Config, ConfigError
+from mingpt.train import CONF_DIR
+
+
+def composed(*overrides: str, hydra_config: bool = False):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
+
+
+def config(*overrides: str) -> Config:
+    return OmegaConf.to_object(composed(*overrides))
+
+
+def test_the_dataclasses_are_the_defaults():
+    cfg = config()
+    assert isinstance(cfg, Config)
+    cfg.optimizer_config.betas = tuple(cfg.optimizer_config.betas)  # OmegaConf gives lists
+    assert cfg == Config()
+
+
+def test_overrides_are_applied_and_typed():
+    cfg = config("trainer_config.max_epochs=5", "optimizer_config.learning_rate=1e-3", "data_config.truncate=0.5")
+    assert cfg.trainer_config.max_epochs == 5
+    assert cfg.optimizer_config.learning_rate == 1e-3
+    assert cfg.data_config.truncate == 0.5
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer_config.epochs=5", "trainer_config.epochs"),
+        ("gpt_config.layers=2", "gpt_config.layers"),
+        ("trainer_config.batch_size=abc", "trainer_config.batch_size"),
+        ("optimizer_config.learning_rate=fast", "optimizer_config.learning_rate"),
+        ("trainer_config.use_amp=maybe", "trainer_config.use_amp"),
+    ],
+    ids=["unknown-key", "unknown-model-key", "str-for-int", "str-for-float", "str-for-bool"],
+)
+def test_unknown_keys_and_wrong_types_are_rejected(override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        composed(override)
+    assert key in f"{e.value} {e.value.__cause__}"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["gpt_config.n_embd=100", "gpt_config.n_head=3"], "gpt_config.n_embd"),
+        (["gpt_config.n_layer=0"], "gpt_config.n_layer"),
+        (["gpt_config.dropout=1.0"], "gpt_config.dropout"),
+        (["data_config.train_split=0"], "data_config.train_split"),
+        (["data_config.train_split=1.0"], "data_config.train_split"),
+        (["data_config.block_size=0"], "data_config.block_size"),
+        (["data_config.truncate=0"], "data_config.truncate"),
+        (["trainer_config.batch_size=0"], "trainer_config.batch_size"),
+        (["optimizer_config.learning_rate=0"], "optimizer_config.learning_rate"),
+        (["optimizer_config.learning_rate=-1e-3"], "optimizer_config.learning_rate"),
+        (["optimizer_config.lr_schedule=linear"], "optimizer_config.lr_schedule"),
+        (["trainer_config.device=tpu"], "trainer_config.device"),
+        (["trainer_config.amp_dtype=fp8"], "trainer_config.amp_dtype"),
+        (["trainer_config.ddp_comm_hook=int8"], "trainer_config.ddp_comm_hook"),
+        (["trainer_config.max_steps=0"], "trainer_config.max_steps"),
+        (["trainer_config.run_name=a/b"], "trainer_config.run_name"),
+    ],
+)
+def test_invalid_values_raise_config_error_naming_the_key(overrides, key):
+    cfg = composed(*overrides)
+    with pytest.raises(ConfigError) as e:
+        OmegaConf.to_object(cfg)
+    message = str(e.value)
+    assert message.startswith(f"{key}: ") and "\n" not in message
+
+
+PRESETS = {
+    "openai-gpt": (12, 12, 768),
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+    "gopher-44m": (8, 16, 512),
+    "gpt-mini": (6, 6, 192),
+    "gpt-micro": (4, 4, 128),
+    "gpt-nano": (3, 3, 48),
+}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_model_presets(name):
+    cfg = config(f"gpt_config={name}")
+    g = cfg.gpt_config
+    assert (g.n_layer, g.n_head, g.n_embd) == PRESETS[name]
+    assert cfg.trainer_config == Config().trainer_config  # a model preset touches only the model
+
+
+def test_model_preset_can_still_be_overridden():
+    g = config("gpt_config=gpt2", "gpt_config.n_layer=2").gpt_config
+    assert (g.n_layer, g.n_head, g.n_embd) == (2, 12, 768)
+
+
+def test_ddp_tutorial_experiment_is_the_tutorial_recipe():
+    cfg = config("experiment=ddp-tutorial")
+    g, o, d, t = cfg.gpt_config, cfg.optimizer_config, cfg.data_config, cfg.trainer_config
+    assert (g.n_layer, g.n_head, g.n_embd, g.dropout) == (8, 8, 512, 0.1)
+    assert (d.block_size, d.train_split, d.truncate) == (128, 0.9, 0.05)
+    assert t.batch_size == 216 and t.grad_accum_steps == 1
+    assert (o.learning_rate, o.weight_decay, tuple(o.betas)) == (3e-4, 0.1, (0.9, 0.95))
+    assert o.lr_schedule == "constant" and o.warmup_steps == 0
+    assert t.grad_norm_clip == 1.0
+    assert (t.max_epochs, t.max_steps, t.save_every) == (10, None, 3)
+    assert t.use_amp and t.amp_dtype == "fp16"
+
+
+def test_gpu_quick_experiment():
+    cfg = config("experiment=gpu-quick")
+    g = cfg.gpt_config
+    assert (g.n_layer, g.n_head, g.n_embd) == (6, 6, 384)
+    assert cfg.data_config.block_size == 256
+
+
+def test_experiment_can_be_overridden_on_the_command_line():
+    cfg = config("experiment=ddp-tutorial", "trainer_config.max_epochs=1")
+    assert cfg.trainer_config.max_epochs == 1 and cfg.trainer_config.batch_size == 216
+
+
+def run_dir(*overrides: str) -> str:
+    return composed(*overrides, hydra_config=True).hydra.run.dir
+
+
+def test_run_directory_comes_from_the_run_name_not_the_clock():
+    assert run_dir() == "runs/default"
+    assert run_dir("trainer_config.run_name=shakespeare") == "runs/shakespeare"
+    assert run_dir("experiment=ddp-tutorial") == "runs/ddp-tutorial"
+    assert run_dir("hydra.run.dir=/tmp/elsewhere") == "/tmp/elsewhere"
+    hydra = composed("trainer_config.run_name=x", hydra_config=True).hydra
+    assert hydra.sweep.dir == "runs/x-multirun"
+    assert hydra.job.chdir is False

@@ -1,0 +1,158 @@
+"""Data: vocabulary, encoding, the contiguous split, bad corpora, the resumable sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mingpt.config import DataConfig
+from mingpt.data import CharTokenizer, DataError, ResumableSampler, TokenWindows, load_data
+
+
+def test_encode_decode_round_trip_and_sorted_vocabulary(corpus):
+    text = corpus.read_text(encoding="utf-8")[:5000]
+    tok = CharTokenizer.from_text(text)
+    assert tok.chars == "".join(sorted(set(text)))
+    assert tok.vocab_size == len(set(text))
+    ids = tok.encode(text)
+    assert ids.dtype == torch.uint8  # compact: 65 characters fit a byte
+    assert ids.tolist() == [tok.chars.index(c) for c in text]
+    assert tok.decode(ids) == text
+
+
+def test_wide_vocabulary_round_trips():
+    text = "".join(chr(0x4E00 + i) for i in range(300)) + "abc"
+    tok = CharTokenizer.from_text(text)
+    assert tok.vocab_size == 303
+    assert tok.decode(tok.encode(text)) == text
+
+
+def window_positions(windows: TokenWindows, offset: int) -> set[int]:
+    """Absolute character positions covered by every window: window i holds
+    tokens [i*stride, i*stride + block_size] of its part, which starts at offset."""
+    positions = set()
+    for i in range(len(windows)):
+        start = offset + i * windows.stride
+        positions.update(range(start, start + windows.block_size + 1))
+    return positions
+
+
+def test_split_is_contiguous_and_disjoint(small_corpus):
+    cfg = DataConfig(path=str(small_corpus), block_size=16, train_split=0.9, stride=1)
+    data = load_data(cfg)
+    text = small_corpus.read_text(encoding="utf-8")
+    tokens = data.tokenizer.encode(text)
+    n_train = int(len(text) * 0.9)
+    # Contiguous: the first 90% trains, the rest is held out, in order.
+    assert torch.equal(data.train.tokens, tokens[:n_train])
+    assert torch.equal(data.heldout.tokens, tokens[n_train:])
+    # Training windows start at every character; held-out windows do not overlap.
+    assert len(data.train) == n_train - 16
+    assert data.heldout.stride == 16 and len(data.heldout) == (len(text) - n_train - 1) // 16
+    train_pos = window_positions(data.train, 0)
+    heldout_pos = window_positions(data.heldout, n_train)
+    assert max(train_pos) == n_train - 1
+    assert min(heldout_pos) == n_train
+    assert max(heldout_pos) < len(text)
+    assert not train_pos & heldout_pos
+    # What batch() returns is the text at those positions.
+    x, y = data.heldout.batch([0, len(data.heldout) - 1])
+    last = n_train + (len(data.heldout) - 1) * 16
+    assert data.tokenizer.decode(x[0]) == text[n_train : n_train + 16]
+    assert data.tokenizer.decode(y[1]) == text[last + 1 : last + 17]
+
+
+def test_truncate_keeps_the_leading_fraction(small_corpus):
+    text = small_corpus.read_text(encoding="utf-8")
+    data = load_data(DataConfig(path=str(small_corpus), block_size=8, train_split=0.5, truncate=0.25, stride=8))
+    kept = text[: int(len(text) * 0.25)]
+    assert len(data.train.tokens) + len(data.heldout.tokens) == len(kept)
+    assert data.tokenizer.chars == "".join(sorted(set(kept)))
+    assert data.tokenizer.decode(data.heldout.tokens) == kept[len(kept) // 2 :]
+
+
+def test_batch_targets_are_inputs_shifted_by_one():
+    tokens = torch.arange(100, dtype=torch.uint8)
+    windows = TokenWindows(tokens, block_size=10, stride=3)
+    assert len(windows) == (100 - 11) // 3 + 1
+    x, y = windows.batch([0, 5, len(windows) - 1])
+    assert x.shape == y.shape == (3, 10) and x.dtype == torch.long
+    assert x[1].tolist() == list(range(15, 25))
+    assert y[1].tolist() == list(range(16, 26))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert y[2, -1].item() <= 99
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (None, "not found"),
+        (b"", "empty"),
+        (b"caf\xe9 latin-1, not UTF-8", "not UTF-8"),
+        (b"x" * 40, "held-out split has 4 characters"),  # 36 train, 4 held out < 9
+        (b"x" * 9 + b"y" * 70, "training split has 7 characters"),  # train_split 0.1 of 79
+    ],
+    ids=["missing", "empty", "not-utf8", "short-heldout", "short-train"],
+)
+def test_bad_data_names_the_file(tmp_path, content, problem):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_bytes(content)
+    split = 0.1 if problem.startswith("training") else 0.9
+    with pytest.raises(DataError) as e:
+        load_data(DataConfig(path=str(path), block_size=8, train_split=split))
+    message = str(e.value)
+    assert str(path) in message and problem in message
+    assert "\n" not in message
+
+
+def consumed_and_rest(n: int, world: int, start: int, epoch: int = 3) -> tuple[list[int], list[list[int]]]:
+    """The epoch's global order from index 0, and each rank's share after `start`."""
+    full = ResumableSampler(n, 1, 0, shuffle=True, seed=7)
+    full.set_epoch(epoch)
+    order = list(full)
+    shares = []
+    for rank in range(world):
+        s = ResumableSampler(n, world, rank, shuffle=True, seed=7)
+        s.set_epoch(epoch)
+        s.start_index = start
+        shares.append(list(s))
+    return order, shares
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sampler_shards_cover_every_index(world):
+    n = 23
+    _, shares = consumed_and_rest(n, world, start=0)
+    assert sorted(set(i for share in shares for i in share)) == list(range(n))
+    assert all(len(share) == -(-n // world) for share in shares)  # equal lengths, padded
+    assert sum(len(share) for share in shares) - n == (-n) % world
+    counts = [ResumableSampler(n, world, r, shuffle=True, seed=7).real_count() for r in range(world)]
+    assert sum(counts) == n
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("start", [0, 6, 12, 22, 23])
+def test_sampler_resumes_exactly(world, start):
+    """After `start` samples consumed (by any world size), the ranks together
+    take exactly the rest of the epoch, in order, plus padding to a multiple of the world size."""
+    n = 23
+    order, shares = consumed_and_rest(n, world, start)
+    merged = [shares[r][k] for k in range(len(shares[0])) for r in range(world)]  # rank r takes r, r+W, ...
+    rest = n - start
+    assert merged[:rest] == order[start:]
+    assert sorted(order[:start] + merged[:rest]) == list(range(n))  # no duplicate, none missing
+    assert len(merged) - rest == (-rest) % world  # the remainder is padding only
+    assert all(len(share) == -(-rest // world) for share in shares)
+
+
+def test_sampler_order_depends_on_epoch_and_seed():
+    def order(epoch, seed):
+        s = ResumableSampler(50, 1, 0, shuffle=True, seed=seed)
+        s.set_epoch(epoch)
+        return list(s)
+
+    assert order(0, 1) == order(0, 1)
+    assert order(0, 1) != order(1, 1)
+    assert order(0, 1) != order(0, 2)
+    assert list(ResumableSampler(5, 1, 0, shuffle=False, seed=0)) == [0, 1, 2, 3, 4]

@@ -1,0 +1,161 @@
+"""End to end: `python main.py` as a user runs it, with a tiny model on a tiny corpus."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, run_main
+
+from mingpt.config import GPTConfig
+from mingpt.model import GPT
+
+# 6,000 characters: 337 training windows of 16, batch 8, so 43 steps per epoch.
+STEPS_PER_EPOCH = 43
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, corpus) -> Path:
+    cwd = tmp_path_factory.mktemp("main")
+    (cwd / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return cwd
+
+
+def args(workdir: Path, *extra: str) -> list[str]:
+    return [*TINY, f"data_config.path={workdir / 'corpus.txt'}", "trainer_config.max_epochs=2", *extra]
+
+
+@pytest.fixture(scope="module")
+def first_run(workdir):
+    proc = run_main(args(workdir), workdir)
+    assert proc.returncode == 0, proc.stderr
+    return proc, workdir / "runs" / "default"
+
+
+def records(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def without_timing(events: list[dict]) -> list[dict]:
+    return [{k: v for k, v in e.items() if k != "tokens_per_s"} for e in events]
+
+
+def test_run_writes_metrics(first_run):
+    proc, run_dir = first_run
+    events = records(run_dir)
+    assert all({"step", "epoch", "split", "loss"} <= e.keys() for e in events)
+    train = [e for e in events if e["split"] == "train"]
+    evals = [e for e in events if e["split"] == "eval"]
+    assert len(train) + len(evals) == len(events)
+    assert [e["step"] for e in train] == [*range(5, 2 * STEPS_PER_EPOCH, 5), 2 * STEPS_PER_EPOCH]
+    assert all(e["tokens_per_s"] > 0 and e["lr"] > 0 and e["grad_norm"] > 0 for e in train)
+    # eval_every=0: at the end of each epoch, and always at the end of the run.
+    assert [(e["step"], e["epoch"]) for e in evals] == [(STEPS_PER_EPOCH, 1), (2 * STEPS_PER_EPOCH, 2)]
+    assert all(math.isfinite(e["loss"]) for e in events)
+    assert evals[-1]["loss"] < train[0]["loss"]  # it learned something
+    assert (run_dir / "train.log").read_text().count("eval step") == 2
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+
+
+def test_run_writes_tensorboard_events(first_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir = first_run
+    files = list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert files
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    tags = acc.Tags()
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= set(tags["scalars"])
+    assert [s.step for s in acc.Scalars("eval/loss")] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    assert any(tag.startswith("sample") for tag in tags["tensors"])  # a text sample at each evaluation
+
+
+def test_run_writes_a_loadable_snapshot_and_prints_a_sample(first_run, workdir):
+    proc, run_dir = first_run
+    state = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    assert {"model_state", "optimizer_state", "finished_epoch", "gpt_config", "optimizer_config",
+            "data_config", "trainer_config", "vocab"} <= state.keys()
+    assert state["finished_epoch"] == 2
+    text = (workdir / "corpus.txt").read_text(encoding="utf-8")
+    assert state["vocab"] == "".join(sorted(set(text)))
+    g = state["gpt_config"]
+    assert (g["n_layer"], g["n_head"], g["n_embd"], g["vocab_size"], g["block_size"]) == (2, 2, 32, len(set(text)), 16)
+    GPT(GPTConfig(**g)).load_state_dict(state["model_state"])  # strict: every weight, right shapes
+    assert state["trainer_config"]["max_epochs"] == 2
+    assert state["data_config"]["path"] == str(workdir / "corpus.txt")
+
+    assert f"--- sample after step {2 * STEPS_PER_EPOCH} ---" in proc.stdout
+    assert len(proc.stdout.split("---\n", 1)[1]) >= 20
+    assert "Traceback" not in proc.stderr
+
+
+def test_identical_invocation_finds_the_finished_run(first_run, workdir):
+    _, run_dir = first_run
+    before = (run_dir / "metrics.jsonl").read_text()
+    snapshot = (run_dir / "snapshot.pt").read_bytes()
+    proc = run_main(args(workdir), workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert f"already complete at step {2 * STEPS_PER_EPOCH}" in proc.stderr
+    assert "--- sample after step" in proc.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert (run_dir / "snapshot.pt").read_bytes() == snapshot
+
+
+def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, workdir, tmp_path):
+    _, run_dir = first_run
+    copy = tmp_path / "continued"
+    shutil.copytree(run_dir, copy)
+    proc = run_main(args(workdir, "trainer_config.max_epochs=3", f"hydra.run.dir={copy}"), workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert f"run directory {copy}" in proc.stderr  # hydra.run.dir is respected
+    new = records(copy)[len(records(run_dir)):]
+    assert new and new[0]["step"] > 2 * STEPS_PER_EPOCH  # no step of the first two epochs repeated
+    assert new[-1] == {**new[-1], "split": "eval", "step": 3 * STEPS_PER_EPOCH, "epoch": 3}
+    assert torch.load(copy / "snapshot.pt", weights_only=True)["finished_epoch"] == 3
+
+
+def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(first_run, workdir):
+    _, run_dir = first_run
+    sweep = ["trainer_config.run_name=sweep", "optimizer_config.learning_rate=2e-3,3e-4"]
+    proc = run_main(["-m", *args(workdir, *sweep)], workdir)
+    assert proc.returncode == 0, proc.stderr
+    jobs = [workdir / "runs" / "sweep-multirun" / job for job in ("0", "1")]
+    for job_dir, lr in zip(jobs, (2e-3, 3e-4)):
+        assert f"optimizer_config.learning_rate={lr:g}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
+        first = records(job_dir)[0]
+        assert first["step"] == 5 and first["lr"] == pytest.approx(lr * 5 / 100)  # warmup of 100 steps
+        assert torch.load(job_dir / "snapshot.pt", weights_only=True)["optimizer_config"]["learning_rate"] == lr
+    # Job 0 has the first run's config (2e-3 is the default): another process, the same seed, the same run.
+    assert without_timing(records(jobs[0])) == without_timing(records(run_dir))
+    assert without_timing(records(jobs[1])) != without_timing(records(run_dir))
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("trainer_config.epochs=3", "trainer_config.epochs"),
+        ("trainer_config.batch_size=0", "trainer_config.batch_size"),
+        ("gpt_config=gpt-huge", "gpt_config/gpt-huge"),
+    ],
+    ids=["unknown-key", "bad-value", "unknown-preset"],
+)
+def test_bad_override_is_one_line(override, says, tmp_path):
+    proc = run_main([override], tmp_path)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+    assert not (tmp_path / "runs" / "default" / "snapshot.pt").exists()
+
+
+def test_missing_data_file_is_one_line(tmp_path):
+    proc = run_main(["data_config.path=no/such/corpus.txt"], tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " INFO " not in line]
+    assert errors == ["error: data file not found: no/such/corpus.txt"], proc.stderr

@@ -1,0 +1,84 @@
+"""The model: causality, loss at initialisation, the KV cache, GPT-2 initialisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mingpt.config import GPTConfig
+from mingpt.model import GPT, KVCache
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    shape = dict(n_layer=2, n_head=4, n_embd=32, dropout=0.0, vocab_size=50, block_size=24)
+    return GPT(GPTConfig(**{**shape, **overrides}))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_changing_a_token_changes_no_earlier_logit(mode):
+    model = tiny_gpt()
+    # Larger weights than the 0.02 init, so that any leak of the future would show.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    model.train(mode == "train")
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 50, (3, 24), generator=g)
+    base, _ = model(idx)
+    for t in (0, 5, 23):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1 + torch.arange(3)) % 50
+        logits, _ = model(changed)
+        assert torch.allclose(logits[:, :t], base[:, :t], rtol=0, atol=1e-5), f"position {t} leaked backwards"
+        assert (logits[:, t:] - base[:, t:]).abs().amax() > 1e-2  # and it does change position t on
+
+
+def test_loss_at_initialisation_is_near_uniform():
+    vocab = 65
+    model = tiny_gpt(vocab_size=vocab, n_embd=64, n_layer=3)
+    idx = torch.randint(0, vocab, (8, 24), generator=torch.Generator().manual_seed(2))
+    targets = torch.randint(0, vocab, (8, 24), generator=torch.Generator().manual_seed(3))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (8, 24, vocab)
+    assert abs(loss.item() - math.log(vocab)) < 0.05
+    assert model(idx)[1] is None
+
+
+def test_kv_cache_gives_the_logits_of_a_full_forward():
+    model = tiny_gpt().eval()
+    idx = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(4))
+    full, _ = model(idx)
+    cache = KVCache(model.config, batch_size=2, device="cpu")
+    prefill, _ = model(idx[:, :7], cache=cache)
+    steps = [prefill]
+    for t in range(7, 20):
+        logits, _ = model(idx[:, t : t + 1], cache=cache)
+        steps.append(logits)
+    assert cache.length == 20
+    assert torch.allclose(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_gpt2_initialisation_scales_residual_projections():
+    n_layer = 8
+    model = tiny_gpt(n_layer=n_layer, n_embd=128, n_head=4)
+    params = dict(model.named_parameters())
+    scaled = 0.02 / math.sqrt(2 * n_layer)
+    for name, p in params.items():
+        if name.endswith("c_proj.weight"):
+            assert p.std().item() == pytest.approx(scaled, rel=0.1), name
+        elif name.endswith(("c_attn.weight", "c_fc.weight")) or name in ("wte.weight", "wpe.weight", "lm_head.weight"):
+            assert p.std().item() == pytest.approx(0.02, rel=0.1), name
+        elif name.endswith("bias") or ".ln_" in name or name.startswith("ln_f"):
+            expected = 1.0 if name.endswith("weight") else 0.0
+            assert torch.all(p == expected), name
+    assert sum(name.endswith("c_proj.weight") for name in params) == 2 * n_layer  # attention and MLP
