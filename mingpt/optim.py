@@ -40,8 +40,8 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     """Learning rate for optimizer step `step` (0-based) of a run of total_steps:
-    linear warmup over warmup_steps, then constant or cosine decay to
-    min_lr_ratio * learning_rate at the last step."""
+    linear warmup over warmup_steps, then constant, or cosine decay that
+    reaches min_lr_ratio * learning_rate at step total_steps."""
     if step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":

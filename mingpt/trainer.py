@@ -16,7 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -124,56 +124,74 @@ class Trainer:
     # ----------------------------------------------------------------- the loop
 
     def train(self) -> None:
-        cfg, p = self.cfg, self.progress
+        p = self.progress
         if self._finished():
             log.info("run already complete at step %d (snapshot %s)", p.step, self.snapshot_path)
             self._print_sample()
             return
         try:
-            window_start, steps_in_window = time.perf_counter(), 0
+            self._window_start, self._window_steps = time.perf_counter(), 0  # for tokens/s
             while not self._finished():
-                self.train_sampler.set_epoch(p.epoch)
-                self.train_sampler.start_index = p.samples_in_epoch
-                order = torch.tensor(list(self.train_sampler), dtype=torch.long, device=self.device)
-                for i in range(0, len(order), self.samples_per_step):
-                    loss, grad_norm, lr = self._train_step(order[i : i + self.samples_per_step])
-                    consumed = len(order[i : i + self.samples_per_step]) * self.dist.world_size
-                    p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + consumed)
-                    p.step += 1
-                    steps_in_window += 1
-                    self.metrics.show_progress(p.step, self.total_steps)
-                    if p.step % cfg.log_every == 0 or p.step == self.total_steps:
-                        loss = self._global_mean(loss)
-                        if not math.isfinite(loss):
-                            raise TrainingError(
-                                f"training diverged: loss is {loss} at step {p.step}; "
-                                f"the last good snapshot is kept at {self.snapshot_path}"
-                            )
-                        elapsed = time.perf_counter() - window_start
-                        tokens = steps_in_window * self.samples_per_step * self.dist.world_size * self.train_windows.block_size
-                        self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=float(grad_norm),
-                                         tokens_per_s=tokens / elapsed)
-                        window_start, steps_in_window = time.perf_counter(), 0
-                    if p.step >= self.total_steps:
-                        break
-                    paused = time.perf_counter()
-                    if cfg.eval_every and p.step % cfg.eval_every == 0:
-                        self.evaluate()
-                    if cfg.save_every_steps and p.step % cfg.save_every_steps == 0:
-                        self.save()
-                    window_start += time.perf_counter() - paused  # tokens/s counts training time only
-                if p.samples_in_epoch >= len(self.data.train):
-                    p.epoch, p.samples_in_epoch = p.epoch + 1, 0
-                    if cfg.eval_every == 0 and not self._finished():
-                        self.evaluate()
-                    if p.epoch % cfg.save_every == 0 and not self._finished():
-                        self.save()
-                window_start = time.perf_counter()
+                self._train_epoch()
             self.evaluate()
             self.save()
             self._print_sample()
         finally:
             self.metrics.close()
+
+    def _train_epoch(self) -> None:
+        """Train from the next unseen sample of the current epoch to its end (or to the last step)."""
+        cfg, p = self.cfg, self.progress
+        self.train_sampler.set_epoch(p.epoch)
+        self.train_sampler.start_index = p.samples_in_epoch
+        order = torch.tensor(list(self.train_sampler), dtype=torch.long, device=self.device)
+        for indices in order.split(self.samples_per_step):
+            loss, grad_norm, lr = self._train_step(indices)
+            p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
+            p.step += 1
+            self._window_steps += 1
+            self.metrics.show_progress(p.step, self.total_steps)
+            if p.step % cfg.log_every == 0 or p.step == self.total_steps:
+                self._log_train(loss, grad_norm, lr)
+            if p.step >= self.total_steps:
+                break
+            with self._paused():
+                if cfg.eval_every and p.step % cfg.eval_every == 0:
+                    self.evaluate()
+                if cfg.save_every_steps and p.step % cfg.save_every_steps == 0:
+                    self.save()
+        if p.samples_in_epoch >= len(self.data.train):
+            p.epoch, p.samples_in_epoch = p.epoch + 1, 0
+            with self._paused():
+                if cfg.eval_every == 0 and not self._finished():
+                    self.evaluate()
+                if p.epoch % cfg.save_every == 0 and not self._finished():
+                    self.save()
+
+    def _log_train(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """Log the last step's loss (mean over ranks) and the tokens/s since the last log.
+        Every rank takes part (the mean is an all-reduce), so all stop together on divergence."""
+        p = self.progress
+        loss = self._global_mean(loss)
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"training diverged: loss is {loss} at step {p.step}; "
+                f"the last good snapshot is kept at {self.snapshot_path}"
+            )
+        tokens = self._window_steps * self.samples_per_step * self.dist.world_size * self.train_windows.block_size
+        tokens_per_s = tokens / (time.perf_counter() - self._window_start)
+        self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=float(grad_norm),
+                         tokens_per_s=tokens_per_s)
+        self._window_start, self._window_steps = time.perf_counter(), 0
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Time spent in the body (evaluating, saving) does not count as training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._window_start += time.perf_counter() - start
 
     def _finished(self) -> bool:
         p = self.progress
