@@ -1,4 +1,13 @@
-"""Autoregressive sampling from a GPT, with or without a key/value cache."""
+"""Autoregressive sampling from a GPT, with or without a key/value cache.
+
+The context policy, the same with and without the cache: the window of tokens
+the model sees grows to block_size; when one more token would not fit, it
+restarts with the last block_size // 2 tokens and grows again. Positions are
+learned and absolute, so a window sliding by one token would change every
+cached key; restarting instead means the cache is refilled once every
+block_size // 2 tokens, and cached and uncached decoding predict every token
+from the same window, so they give the same tokens.
+"""
 
 from __future__ import annotations
 
@@ -17,36 +26,27 @@ def next_token(
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Pick the next token from last-position logits (B, vocab) -> (B, 1).
-    temperature 0 is greedy decoding."""
+
+    temperature 0 is greedy decoding (top_k and top_p do not matter then).
+    top_k keeps exactly the k most likely tokens; top_p keeps the smallest set
+    of most likely tokens whose probability reaches top_p (always at least one).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        top = torch.topk(logits, top_k, dim=-1)
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
     probs = torch.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        # Drop a token when the tokens before it already reach top_p.
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     return torch.multinomial(probs, 1, generator=generator)
 
 
-def window_start(length: int, start: int, block_size: int) -> int:
-    """Where the context window begins once the sequence has `length` tokens.
-
-    The window grows to block_size tokens; when it would outgrow it, it
-    restarts with the last block_size // 2 tokens. (Positions are learned and
-    absolute, so a window sliding by one token would change every cached key.)
-    """
-    if length - start > block_size:
-        return length - max(1, block_size // 2)
-    return start
-
-
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: GPT,
     idx: torch.Tensor,
@@ -57,36 +57,38 @@ def generate(
     generator: Optional[torch.Generator] = None,
     use_cache: bool = True,
 ) -> Iterator[torch.Tensor]:
-    """Yield max_new_tokens new tokens, each (B, 1), continuing idx (B, T).
+    """Yield max_new_tokens new tokens, each (B, 1), continuing idx (B, T), T >= 1.
 
-    Each token is predicted from the context window given by window_start.
-    Without the cache, the whole window is recomputed for every token; with it,
-    the window is encoded once and each new token costs one position, so the
-    two give the same tokens (the cache is refilled when the window restarts).
+    Without the cache the whole window is recomputed for every token; with it,
+    the window is encoded once after each restart and each new token costs one
+    position. The model is in eval mode until the generator is exhausted or closed.
     """
+    if idx.size(1) == 0:
+        raise ValueError("generate needs at least one token of context")
     block_size = model.config.block_size
-    start = max(0, idx.size(1) - block_size)
-    was_training = model.training
-    model.eval()
+    keep = max(1, block_size // 2)  # tokens kept when the window restarts
+    window = idx[:, -block_size:]
     cache = None
     if use_cache:
         param = next(model.parameters())
         cache = KVCache(model.config, idx.size(0), param.device, param.dtype)
+    was_training = model.training
+    model.eval()
     try:
-        logits, _ = model(idx[:, start:], cache=cache)
-        for i in range(max_new_tokens):
-            token = next_token(logits[:, -1], temperature, top_k, top_p, generator)
-            idx = torch.cat([idx, token], dim=1)
-            yield token
-            if i == max_new_tokens - 1:
-                break
-            new_start = window_start(idx.size(1), start, block_size)
-            if cache is not None and new_start == start:
-                logits, _ = model(token, cache=cache)
+        refill = True  # the cache does not hold the window yet
+        for _ in range(max_new_tokens):
+            if cache is None:
+                logits, _ = model(window)
+            elif refill:
+                cache.reset()
+                logits, _ = model(window, cache=cache)
             else:
-                start = new_start
-                if cache is not None:
-                    cache.reset()
-                logits, _ = model(idx[:, start:], cache=cache)
+                logits, _ = model(window[:, -1:], cache=cache)
+            token = next_token(logits[:, -1], temperature, top_k, top_p, generator)
+            yield token
+            window = torch.cat([window, token], dim=1)
+            refill = window.size(1) > block_size
+            if refill:
+                window = window[:, -keep:]
     finally:
         model.train(was_training)

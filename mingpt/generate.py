@@ -1,0 +1,205 @@
+"""Generate text from a snapshot and stream it to stdout.
+
+usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=value ...])
+
+  snapshot_path=runs/default/snapshot.pt  snapshot to sample from (local path or fsspec URL)
+  prompt=                   text to continue, taken verbatim (empty: start of a new line)
+  prompt_file=              read the prompt from this file instead (local path or fsspec URL)
+  max_new_tokens=500        characters to generate per sample (>= 0)
+  temperature=1.0           0 is greedy decoding; higher is more random (>= 0)
+  top_k=null                sample only from the k most likely characters (>= 1)
+  top_p=1.0                 sample only from the most likely characters whose probability reaches top_p, in (0, 1]
+  num_samples=1             samples, one after the other, each headed by a separator line
+  seed=1337                 the same seed (and device) gives the same text
+  device=auto               auto (CUDA if available), cpu or cuda
+  use_cache=true            key/value cache: one position's work per new character
+
+The model and its vocabulary come from the snapshot alone. Only the text goes
+to stdout; logs and errors go to stderr. A bad value, snapshot or prompt ends
+with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import fsspec
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mingpt import checkpoint
+from mingpt.checkpoint import SnapshotError
+from mingpt.config import ConfigError, GPTConfig, _check, _one_of
+from mingpt.data import CharTokenizer
+from mingpt.distributed import setup_logging
+from mingpt.model import GPT
+from mingpt.sample import generate
+
+log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """The prompt cannot be read or does not fit the snapshot's vocabulary."""
+
+
+@dataclass
+class GenerateConfig:
+    snapshot_path: str = "runs/default/snapshot.pt"
+    prompt: str = ""
+    prompt_file: str = ""
+    max_new_tokens: int = 500
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    num_samples: int = 1
+    seed: int = 1337
+    device: str = "auto"
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
+        _check(not (self.prompt and self.prompt_file), "prompt_file", "give prompt or prompt_file, not both")
+        _check(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature", f"must be a finite number >= 0, got {self.temperature}",
+        )
+        _check(self.top_k is None or self.top_k >= 1, "top_k", f"must be >= 1 or null, got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
+        _one_of(self.device, "device", ("auto", "cpu", "cuda"))
+
+
+# Free text: taken verbatim from `key=value`, never parsed as YAML (`prompt=ROMEO:`
+# would otherwise be a mapping, and `prompt=O, Romeo!` or `${...}` would not survive).
+TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
+
+
+def parse_args(argv: list[str]) -> GenerateConfig:
+    """`key=value` overrides on the GenerateConfig defaults. OmegaConf rejects
+    unknown keys and wrong types; __post_init__ rejects bad values."""
+    text, rest = {}, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ConfigError(f"{arg}: expected key=value")
+        if key in TEXT_KEYS:
+            text[key] = value
+        else:
+            rest.append(arg)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(GenerateConfig), OmegaConf.from_dotlist(rest))
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        message = str(e).strip().splitlines()[0]
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
+    return replace(config, **text)
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda, but CUDA is not available")
+    return torch.device("cuda" if preference != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict]:
+    """The model and vocabulary of a snapshot, ready for inference on `device`."""
+    state = checkpoint.load(path)
+    vocab = state.get("vocab")
+    try:
+        config = GPTConfig(**state["gpt_config"])
+        if not isinstance(vocab, str) or len(vocab) != config.vocab_size:
+            raise ValueError(f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}")
+        with torch.device("meta"):  # no time spent initialising weights about to be replaced
+            model = GPT(config)
+        model.load_state_dict(state["model_state"], assign=True)
+    except (TypeError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SnapshotError(f"snapshot {path} cannot be used: {first}") from None
+    return model.to(device).eval(), CharTokenizer(vocab), state
+
+
+def read_prompt(config: GenerateConfig) -> str:
+    if not config.prompt_file:
+        return config.prompt
+    try:
+        with fsspec.open(config.prompt_file, "r", encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise PromptError(f"prompt_file not found: {config.prompt_file}") from None
+    except (OSError, ValueError, ImportError) as e:  # UnicodeDecodeError is a ValueError
+        raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {e}") from None
+
+
+def encode_prompt(prompt: str, tokenizer: CharTokenizer) -> torch.Tensor:
+    """The prompt's token ids, (1, T). An empty prompt starts the model at the
+    beginning of a line: a newline, or the first character of a vocabulary without one."""
+    unknown = tokenizer.unknown(prompt)
+    if unknown:
+        shown = " ".join(repr(c) for c in unknown)
+        raise PromptError(f"prompt has characters outside the snapshot's vocabulary: {shown}")
+    context = prompt or ("\n" if "\n" in tokenizer.stoi else tokenizer.chars[0])
+    return tokenizer.encode(context).long()[None]
+
+
+def write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run(config: GenerateConfig) -> None:
+    device = pick_device(config.device)
+    model, tokenizer, state = load_model(config.snapshot_path, device)
+    prompt = read_prompt(config)
+    idx = encode_prompt(prompt, tokenizer).to(device)
+    log.info(
+        "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache",
+        config.snapshot_path, state.get("step", "?"), model.num_params() / 1e6, model.config.block_size,
+        device, "with" if config.use_cache else "without",
+    )
+    generator = torch.Generator(device).manual_seed(config.seed)
+    for i in range(config.num_samples):
+        if config.num_samples > 1:
+            write(("\n" if i else "") + f"--- sample {i + 1} of {config.num_samples} ---\n")
+        write(prompt)
+        last, started = prompt[-1:], time.perf_counter()
+        tokens = generate(model, idx, config.max_new_tokens, config.temperature, config.top_k, config.top_p,
+                          generator, config.use_cache)
+        for token in tokens:
+            last = tokenizer.chars[token.item()]
+            write(last)
+        if last != "\n":
+            write("\n")
+        seconds = time.perf_counter() - started
+        log.info("%d characters in %.2f s (%.1f/s)", config.max_new_tokens, seconds,
+                 config.max_new_tokens / max(seconds, 1e-9))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if any(arg in ("-h", "--help") for arg in argv):
+            write(__doc__.strip() + "\n")
+            return
+        setup_logging(rank=0)
+        run(parse_args(argv))
+    except (ConfigError, SnapshotError, PromptError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:  # stdout closed early, e.g. piped into `head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

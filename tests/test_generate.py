@@ -1,0 +1,198 @@
+"""Text generation: the CLI on a snapshot from a real tiny training run, the
+key/value cache against full recomputation, the sampling filters, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, child_env, run_main
+
+from mingpt.generate import load_model
+from mingpt.sample import generate, next_token
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, corpus) -> Path:
+    """A scratch directory with a snapshot trained for a few seconds on 20k characters."""
+    path = tmp_path_factory.mktemp("generate")
+    (path / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    result = run_main(
+        TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",
+                "optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=10"],
+        cwd=path,
+    )
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def snapshot(workdir) -> Path:
+    return workdir / "runs" / "gen" / "snapshot.pt"
+
+
+def generate_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "mingpt.generate", *args]
+
+
+def run_generate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(generate_cmd(args), cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=120)
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_samples_stream_separated_and_repeat_with_the_seed(workdir, snapshot):
+    args = [f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=60", "num_samples=2", "seed=7"]
+    first, second = run_generate(args, workdir), run_generate(args, workdir)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout  # same seed, same text
+    assert "Traceback" not in first.stderr and "INFO" not in first.stdout  # logs go to stderr
+    head, sep, sample2 = first.stdout.partition("\n--- sample 2 of 2 ---\n")
+    assert sep and head.startswith("--- sample 1 of 2 ---\n")
+    sample1 = head.removeprefix("--- sample 1 of 2 ---\n")
+    vocab = set(torch.load(snapshot, weights_only=True)["vocab"])
+    for sample in (sample1, sample2):
+        assert sample.startswith("ROMEO:")
+        generated, rest = sample[6:66], sample[66:]
+        assert set(generated) <= vocab
+        assert rest == ("" if generated.endswith("\n") else "\n")  # each sample ends a line
+    assert sample1 != sample2  # the samples continue the random stream
+
+
+def test_text_streams_while_it_is_generated(workdir, snapshot):
+    """The first characters arrive long before the text is complete: stdout is flushed
+    as text is generated, not at exit (the whole text fits in the pipe's write buffer)."""
+    env = child_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.Popen(
+        generate_cmd([f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=6000"]),
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    try:
+        received = b""
+        while len(received) < len("ROMEO:") + 20 and (chunk := proc.stdout.read1(8192)):
+            received += chunk
+    finally:
+        proc.kill()
+        proc.wait()
+    assert received.startswith(b"ROMEO:") and len("ROMEO:") + 20 <= len(received) < 3000
+
+
+# -------------------------------------------------------------------- the cache
+
+
+@pytest.fixture
+def one_thread():
+    """Like the subprocesses (child_env): tiny models on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tokens(model, idx, n, seed=None, **kwargs) -> list[int]:
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.cat(list(generate(model, idx, n, generator=generator, **kwargs)), dim=1)[0].tolist()
+
+
+def test_cache_gives_the_tokens_of_full_recomputation_past_block_size(snapshot, corpus, one_thread):
+    model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
+    assert model.config.block_size == 16
+    long_prompt = corpus.read_text(encoding="utf-8")[1000:1040]  # longer than block_size
+    for prompt in ("ROMEO:", long_prompt):
+        idx = tokenizer.encode(prompt).long()[None]
+        greedy = tokens(model, idx, 100, temperature=0.0, use_cache=True)
+        assert greedy == tokens(model, idx, 100, temperature=0.0, use_cache=False)
+        assert greedy == tokens(model, idx, 100, seed=1, top_k=1, use_cache=True)  # top_k=1 is greedy
+        sampled = tokens(model, idx, 100, seed=3, use_cache=True)
+        assert sampled == tokens(model, idx, 100, seed=3, use_cache=False)
+        assert sampled != greedy
+    model.train()
+    tokens(model, idx, 3)
+    assert model.training  # generate restores the mode it found
+
+
+# ---------------------------------------------------------------- the filters
+
+
+def draws(logits: list[float], n: int = 400, **kwargs) -> set[int]:
+    batch = torch.tensor([logits]).repeat(n, 1)
+    return set(next_token(batch, generator=torch.Generator().manual_seed(0), **kwargs)[:, 0].tolist())
+
+
+def test_temperature_zero_is_greedy():
+    assert next_token(torch.tensor([[0.1, 2.0, 1.9], [3.0, 0.0, 2.9]]), temperature=0.0).tolist() == [[1], [0]]
+
+
+def test_top_k_keeps_exactly_k_tokens_even_with_ties():
+    assert len(draws([1.0, 1.0, 1.0, 0.0], top_k=2)) == 2
+    assert draws([0.0, 5.0, 1.0, 4.0], top_k=1) == {1}
+    assert draws([0.0, 0.0, 0.0], top_k=3) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_it():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    assert draws(logits, top_p=0.75) == {0, 1}
+    assert draws(logits, top_p=0.85) == {0, 1, 2}
+    assert draws(logits, top_p=0.1) == {0}
+    assert draws(logits, top_p=1.0) == {0, 1, 2, 3}
+
+
+# ------------------------------------------------------------------- bad input
+
+BAD_SETTINGS = {  # override -> the key the error must name
+    "temperature=-0.5": "temperature",
+    "top_k=0": "top_k",
+    "top_p=0": "top_p",
+    "top_p=1.5": "top_p",
+    "max_new_tokens=-1": "max_new_tokens",
+    "num_samples=0": "num_samples",
+    "top_k=many": "top_k",  # wrong type
+    "temprature=0.5": "temprature",  # unknown key
+}
+BAD_SNAPSHOTS = {  # kind -> file name in the work directory
+    "missing": "missing.pt",
+    "truncated": "truncated.pt",
+    "text": "small.txt",
+    "not_mingpt": "not_mingpt.pt",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
+    """The command on each bad input, two at a time (each run is mostly importing torch)."""
+    truncated = workdir / "truncated.pt"
+    truncated.write_bytes(snapshot.read_bytes()[: snapshot.stat().st_size // 2])
+    torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
+    cases = {kind: [f"snapshot_path={workdir / name}", "prompt=ROMEO:"] for kind, name in BAD_SNAPSHOTS.items()}
+    cases.update({override: [f"snapshot_path={snapshot}", override] for override in BAD_SETTINGS})
+    cases["prompt"] = [f"snapshot_path={snapshot}", "prompt=ROMEO: é€"]
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(cases, pool.map(lambda args: run_generate(args, workdir), cases.values())))
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0 and "Traceback" not in result.stderr and result.stdout == "", result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", BAD_SNAPSHOTS)
+def test_unusable_snapshot_is_one_line_naming_the_path(bad_runs, workdir, kind):
+    assert str(workdir / BAD_SNAPSHOTS[kind]) in one_error_line(bad_runs[kind])
+
+
+def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_runs):
+    line = one_error_line(bad_runs["prompt"])
+    assert "'é'" in line and "'€'" in line and "'R'" not in line, line
+
+
+@pytest.mark.parametrize("override", BAD_SETTINGS)
+def test_bad_setting_is_one_line_naming_the_key(bad_runs, override):
+    assert BAD_SETTINGS[override] in one_error_line(bad_runs[override])
