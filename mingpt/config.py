@@ -60,7 +60,7 @@ class GPTConfig:
 class OptimizerConfig:
     """AdamW with decoupled weight decay and a warmup + cosine learning-rate schedule."""
 
-    learning_rate: float = 2e-3
+    learning_rate: float = 3e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-8
@@ -130,7 +130,7 @@ class TrainerConfig:
     # Names the run directory runs/<run_name>: every rank and every restart of a
     # job agree on it, so they share one snapshot. `hydra.run.dir=...` overrides.
     run_name: str = "default"
-    max_epochs: int = 3
+    max_epochs: int = 2
     # Stop after this many optimizer steps (null: run all epochs).
     max_steps: Optional[int] = None
     # Samples per process per micro-step; the global batch is
