@@ -45,7 +45,7 @@ BENCH_DEFAULTS = [
     "gpt_config.n_layer=4", "gpt_config.n_head=4", "gpt_config.n_embd=128", "gpt_config.dropout=0.0",
     "data_config.block_size=64", "trainer_config.batch_size=12",
 ]
-WARMUP, STEPS, ROUNDS = 20, 100, 5
+ROUNDS, STEPS = 30, 10
 
 
 def measure_peak(device: torch.device) -> tuple[float, str]:
@@ -73,85 +73,109 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bare_loop(config, data, info, steps: int, breakdown: bool = False) -> tuple[float, dict[str, float]]:
-    """The same model, batch and optimizer in a plain loop. Returns seconds per
-    step and, with breakdown, the mean seconds of each phase (synchronised)."""
-    tc = config.trainer_config
-    torch.manual_seed(tc.seed)
+def build(config, data, info):
+    """A fresh model (DDP-wrapped under torchrun) and its optimizer, as main.py
+    builds them, plus the windows on the device."""
+    torch.manual_seed(config.trainer_config.seed)
     model = GPT(config.gpt_config).to(info.device)
-    raw = model
+    optimizer = create_optimizer(model, config.optimizer_config)
+    ddp = None
     if info.is_distributed:
-        model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True,
-                                                    device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    if tc.compile:
-        model = torch.compile(model)
-    optimizer = create_optimizer(raw, config.optimizer_config)
-    windows = data.train.to(info.device)
-    amp = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=tc.use_amp and info.device.type == "cuda")
-    g = torch.Generator().manual_seed(0)
-    phases = {k: 0.0 for k in ("data", "forward", "backward", "allreduce", "optimizer")}
+        ddp = nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=True, device_ids=[info.device.index] if info.device.type == "cuda" else None
+        )
+    forward = ddp or model
+    if config.trainer_config.compile:
+        forward = torch.compile(forward)
+    return model, ddp, forward, optimizer, data.train.to(info.device)
 
-    def step(timed: bool) -> None:
+
+def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
+    """The same model, batch and optimizer in a plain loop. With `phases`, add the
+    synchronised seconds of each phase to it."""
+    tc = config.trainer_config
+    model, ddp, forward, optimizer, windows = built
+    amp = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=tc.use_amp and info.device.type == "cuda")
+    for _ in range(steps):
         marks = [time.perf_counter()]
 
         def mark():
-            if timed:
+            if phases is not None:
                 sync(info.device)
                 marks.append(time.perf_counter())
 
-        idx = torch.randint(len(windows), (tc.batch_size,), generator=g).to(info.device)
+        idx = torch.randint(len(windows), (tc.batch_size,), generator=generator).to(info.device)
         x, y = windows.batch(idx)
         mark()
         with amp:
-            _, loss = model(x, y)
+            _, loss = forward(x, y)
         mark()
-        if timed and info.is_distributed:
-            with model.no_sync():  # backward alone; the all-reduce is timed apart below
+        if phases is not None and ddp is not None:
+            with ddp.no_sync():  # backward alone; the all-reduce is timed apart
                 loss.backward()
             mark()
-            for p in raw.parameters():
-                dist.all_reduce(p.grad)
+            grads = [p.grad for p in model.parameters()]
+            flat = torch.cat([g.flatten() for g in grads])  # one buffer, as DDP's buckets
+            dist.all_reduce(flat)
+            for g, reduced in zip(grads, flat.div_(info.world_size).split([g.numel() for g in grads])):
+                g.copy_(reduced.view_as(g))
             mark()
         else:
             loss.backward()
             mark()
             mark()
-        nn.utils.clip_grad_norm_(raw.parameters(), tc.grad_norm_clip)
+        nn.utils.clip_grad_norm_(model.parameters(), tc.grad_norm_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mark()
-        if timed:
+        if phases is not None:
             for k, (a, b) in zip(phases, zip(marks, marks[1:])):
                 phases[k] += b - a
 
-    for _ in range(WARMUP):
-        step(False)
-    sync(info.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step(breakdown)
-    sync(info.device)
-    per_step = (time.perf_counter() - t0) / steps
-    return per_step, {k: v / steps for k, v in phases.items()}
+
+def compare(config, data, info, rounds: int, steps: int) -> tuple[float, float]:
+    """Median seconds per step of the bare loop and of Trainer.train_step (the
+    trainer's whole step: schedule, reseeding, micro-batches, scaler, clipping),
+    each on its own fresh model, in short alternating rounds so that drifts in
+    the machine's speed hit both alike."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(copy.deepcopy(config), GPT(config.gpt_config), data, info, run_dir)
+        built = build(config, data, info)
+        generator = torch.Generator().manual_seed(0)
+        order = torch.randperm(len(data.train), generator=generator).to(info.device)
+        per_step = trainer.samples_per_step
+        bare, ours = [], []
+        for r in range(rounds + 1):
+            t0 = time.perf_counter()
+            bare_steps(config, info, built, generator, steps)
+            sync(info.device)
+            t1 = time.perf_counter()
+            for s in range(steps):
+                start = ((r * steps + s) * per_step) % (len(order) - per_step)
+                trainer.train_step(order[start : start + per_step])
+                trainer.progress.step += 1
+            sync(info.device)
+            t2 = time.perf_counter()
+            if r:  # the first round warms up
+                bare.append((t1 - t0) / steps)
+                ours.append((t2 - t1) / steps)
+        trainer.metrics.close()
+    return statistics.median(bare), statistics.median(ours)
 
 
-def trainer_run(config, data, info, steps: int) -> float:
-    """Seconds per step of the real Trainer (its own tokens/s over the steady window)."""
+def trainer_loop(config, data, info, steps: int) -> float:
+    """Tokens/s of the complete Trainer.train() loop, from its own metrics."""
     with tempfile.TemporaryDirectory() as run_dir:
         tc = config.trainer_config
-        tc.max_steps, tc.log_every, tc.eval_every, tc.save_every_steps = WARMUP + steps, WARMUP, 0, None
+        tc.max_steps, tc.log_every, tc.eval_every, tc.save_every_steps = 2 * steps, steps, 0, None
         tc.sample_chars, tc.max_epochs = 0, 10**6
         torch.manual_seed(tc.seed)
-        trainer = Trainer(config, GPT(config.gpt_config), data, info, run_dir)
-        trainer.evaluate = lambda: 0.0  # the benchmark times training steps only
-        trainer.train()
+        Trainer(config, GPT(config.gpt_config), data, info, run_dir).train()
         if not info.is_main_process:
             return float("nan")
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             events = [json.loads(line) for line in f]
-        tokens_per_s = [e["tokens_per_s"] for e in events if e["split"] == "train"][-1]
-    global_tokens = tc.batch_size * tc.grad_accum_steps * info.world_size * config.data_config.block_size
-    return global_tokens / tokens_per_s
+    return [e["tokens_per_s"] for e in events if e["split"] == "train"][-1]
 
 
 def data_pipeline(data, batch_size: int, seconds: float = 1.0) -> float:
@@ -184,18 +208,19 @@ def main() -> None:
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         device = info.device
         tokens_per_step = config.trainer_config.batch_size * info.world_size * config.data_config.block_size
-        peak, peak_what = measure_peak(device)
+        peak, peak_what = measure_peak(device)  # every process at once: the machine's share each gets
+        peak *= info.world_size
         fpt = flops_per_token(GPT(config.gpt_config))
 
-        # Interleave the bare loop and the trainer so drift in the machine hits both alike.
-        bare, trainer = [], []
-        for _ in range(ROUNDS):
-            bare.append(bare_loop(config, data, info, STEPS)[0])
-            trainer.append(trainer_run(copy.deepcopy(config), data, info, STEPS))
-        _, phases = bare_loop(config, data, info, STEPS, breakdown=True)
+        b, t = compare(config, data, info, ROUNDS, STEPS)
+        loop_tokens_per_s = trainer_loop(copy.deepcopy(config), data, info, 100)
+        phases = {k: 0.0 for k in ("data", "forward", "backward", "allreduce", "optimizer")}
+        built = build(config, data, info)
+        generator = torch.Generator().manual_seed(1)
+        bare_steps(config, info, built, generator, 10)
+        bare_steps(config, info, built, generator, 100, phases)
+        phases = {k: v / 100 for k, v in phases.items()}
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            bare_loop(config, data, info, 20)
             peak_mem = f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB (CUDA allocated)"
         else:
             import resource
@@ -205,7 +230,6 @@ def main() -> None:
 
         if not info.is_main_process:
             return
-        b, t = statistics.median(bare), statistics.median(trainer)
         total = sum(phases.values())
         rows = [
             ("date", time.strftime("%Y-%m-%d")),
@@ -214,10 +238,11 @@ def main() -> None:
             ("command", " ".join(["python"] + sys.argv)),
             ("model", f"{config.gpt_config.n_layer} layers, {config.gpt_config.n_head} heads, {config.gpt_config.n_embd} dims, block {config.data_config.block_size}, batch {config.trainer_config.batch_size}/process, compile={config.trainer_config.compile}, amp={config.trainer_config.use_amp}"),
             ("FLOPs per token", f"{fpt / 1e6:.2f} M (6N + 12*L*d*T)"),
-            ("measured peak", f"{peak / 1e9:.1f} GFLOP/s ({peak_what})"),
+            ("measured peak", f"{peak / 1e9:.1f} GFLOP/s ({peak_what}, summed over {info.world_size} process(es))"),
             ("bare loop", f"{tokens_per_step / b:,.0f} tokens/s, {b * 1e3:.2f} ms/step, MFU {tokens_per_step / b * fpt / peak:.1%}"),
             ("trainer", f"{tokens_per_step / t:,.0f} tokens/s, {t * 1e3:.2f} ms/step, MFU {tokens_per_step / t * fpt / peak:.1%}"),
-            ("trainer overhead", f"{t / b - 1:+.1%} per step (median of {ROUNDS} interleaved rounds of {STEPS} steps)"),
+            ("trainer overhead", f"{t / b - 1:+.1%} per step (medians of {ROUNDS} alternating rounds of {STEPS} steps)"),
+            ("trainer loop", f"{loop_tokens_per_s:,.0f} tokens/s in Trainer.train() over 100 steps (its own tokens_per_s)"),
             ("peak memory", peak_mem),
             ("step breakdown", ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in phases.items())),
             ("data pipeline", f"{data_rate:,.0f} samples/s, {config.trainer_config.batch_size / data_rate / t:.2%} of a trainer step"),

@@ -146,7 +146,7 @@ class Trainer:
         self.train_sampler.start_index = p.samples_in_epoch
         order = torch.tensor(list(self.train_sampler), dtype=torch.long, device=self.device)
         for indices in order.split(self.samples_per_step):
-            loss, grad_norm, lr = self._train_step(indices)
+            loss, grad_norm, lr = self.train_step(indices)
             p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
             p.step += 1
             self._window_steps += 1
@@ -197,7 +197,7 @@ class Trainer:
         p = self.progress
         return p.epoch >= self.cfg.max_epochs or p.step >= self.total_steps
 
-    def _train_step(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def train_step(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over this rank's share of the global batch, in
         micro-batches of batch_size. Each micro-batch's loss is weighted by its
         share of the samples, so accumulation gives the same update as one big batch."""

@@ -27,7 +27,7 @@ def _append(name: str, line: str) -> None:
         f.write(line + "\n")
 
 
-_train_step = trainer.Trainer._train_step
+_train_step = trainer.Trainer.train_step
 _save = checkpoint.save
 
 
@@ -41,7 +41,7 @@ def recording_save(state, path):
     _save(state, path)
 
 
-trainer.Trainer._train_step = recording_train_step
+trainer.Trainer.train_step = recording_train_step
 checkpoint.save = recording_save
 
 if __name__ == "__main__":

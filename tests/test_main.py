@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import TINY, run_main
 
-from mingpt.config import GPTConfig
+from mingpt.config import GPTConfig, OptimizerConfig
 from mingpt.model import GPT
 
 # 6,000 characters: 337 training windows of 16, batch 8, so 43 steps per epoch.
@@ -122,16 +122,17 @@ def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, 
 
 def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(first_run, workdir):
     _, run_dir = first_run
-    sweep = ["trainer_config.run_name=sweep", "optimizer_config.learning_rate=2e-3,3e-4"]
+    default_lr = OptimizerConfig().learning_rate
+    sweep = ["trainer_config.run_name=sweep", f"optimizer_config.learning_rate={default_lr},3e-4"]
     proc = run_main(["-m", *args(workdir, *sweep)], workdir)
     assert proc.returncode == 0, proc.stderr
     jobs = [workdir / "runs" / "sweep-multirun" / job for job in ("0", "1")]
-    for job_dir, lr in zip(jobs, (2e-3, 3e-4)):
+    for job_dir, lr in zip(jobs, (default_lr, 3e-4)):
         assert f"optimizer_config.learning_rate={lr:g}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
         first = records(job_dir)[0]
         assert first["step"] == 5 and first["lr"] == pytest.approx(lr * 5 / 100)  # warmup of 100 steps
         assert torch.load(job_dir / "snapshot.pt", weights_only=True)["optimizer_config"]["learning_rate"] == lr
-    # Job 0 has the first run's config (2e-3 is the default): another process, the same seed, the same run.
+    # Job 0 has the first run's config (the default rate): another process, the same seed, the same run.
     assert without_timing(records(jobs[0])) == without_timing(records(run_dir))
     assert without_timing(records(jobs[1])) != without_timing(records(run_dir))
 
