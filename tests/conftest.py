@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -50,6 +51,16 @@ def small_corpus(tmp_path, corpus) -> Path:
     path = tmp_path / "small.txt"
     path.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """In-process work on one thread, like the subprocesses (child_env): the
+    cores are shared, and extra threads of tiny models only wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def free_port() -> int:

@@ -86,15 +86,6 @@ def test_text_streams_while_it_is_generated(workdir, snapshot):
 # -------------------------------------------------------------------- the cache
 
 
-@pytest.fixture
-def one_thread():
-    """Like the subprocesses (child_env): tiny models on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tokens(model, idx, n, seed=None, **kwargs) -> list[int]:
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     return torch.cat(list(generate(model, idx, n, generator=generator, **kwargs)), dim=1)[0].tolist()

@@ -74,15 +74,6 @@ def make_trainer(run_dir, corpus_path, *extra: str) -> Trainer:
     return Trainer(config, model, data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
-@pytest.fixture
-def one_thread():
-    """In-process training on one thread: the cores are shared, and extra threads only wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def memory_url() -> str:
     return f"memory://ft-{uuid.uuid4().hex}/snapshot.pt"
 
