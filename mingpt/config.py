@@ -172,8 +172,10 @@ class TrainerConfig:
         for key in ("max_steps", "save_every_steps"):
             value = getattr(self, key)
             _check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")
-        for key in ("eval_every", "sample_chars", "powersgd_start_step"):
+        for key in ("eval_every", "sample_chars"):
             _check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
+        _check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
+               f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
         _check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
         _check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
         _one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))

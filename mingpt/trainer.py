@@ -72,6 +72,8 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
         self.amp_dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
         self.use_amp = cfg.use_amp and (device.type == "cuda" or cfg.amp_on_cpu)
+        if self.use_amp and device.type == "cuda" and cfg.amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("trainer_config.amp_dtype: bf16 is not supported on this GPU; use fp16")
         if cfg.use_amp and device.type == "cpu":
             log.warning(
                 "trainer_config.use_amp %s on CPU: CPUs without bf16/fp16 units run it far slower than fp32%s",
