@@ -29,7 +29,9 @@ from mingpt.trainer import Trainer, TrainingError
 
 log = logging.getLogger(__name__)
 
+# conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+CONF_PATH = CONF_DIR if os.path.isdir(CONF_DIR) else "pkg://mingpt.conf"
 USER_ERRORS = (ConfigError, DataError, SnapshotError, TrainingError)
 
 
@@ -80,7 +82,7 @@ def config_error_line(error: BaseException) -> str:
 register_configs()
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+@hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         check_known_keys(cfg)
