@@ -21,13 +21,13 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key."""
 
 
-def _check(ok: bool, key: str, problem: str) -> None:
+def check(ok: bool, key: str, problem: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {problem}")
 
 
-def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
+    check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
 @dataclass
@@ -44,16 +44,16 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "n_embd"):
-            _check(getattr(self, key) >= 1, f"gpt_config.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(
+            check(getattr(self, key) >= 1, f"gpt_config.{key}", f"must be >= 1, got {getattr(self, key)}")
+        check(
             self.n_embd % self.n_head == 0,
             "gpt_config.n_embd",
             f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}",
         )
-        _check(0.0 <= self.dropout < 1.0, "gpt_config.dropout", f"must be in [0, 1), got {self.dropout}")
+        check(0.0 <= self.dropout < 1.0, "gpt_config.dropout", f"must be in [0, 1), got {self.dropout}")
         for key in ("vocab_size", "block_size"):
             value = getattr(self, key)
-            _check(value is None or value >= 1, f"gpt_config.{key}", f"must be >= 1, got {value}")
+            check(value is None or value >= 1, f"gpt_config.{key}", f"must be >= 1, got {value}")
 
 
 @dataclass
@@ -71,21 +71,21 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             math.isfinite(self.learning_rate) and self.learning_rate > 0,
             "optimizer_config.learning_rate",
             f"must be > 0, got {self.learning_rate}",
         )
-        _check(self.weight_decay >= 0, "optimizer_config.weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _check(
+        check(self.weight_decay >= 0, "optimizer_config.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
             "optimizer_config.betas",
             f"must be two numbers in [0, 1), got {list(self.betas)}",
         )
-        _check(self.eps > 0, "optimizer_config.eps", f"must be > 0, got {self.eps}")
-        _one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
-        _check(self.warmup_steps >= 0, "optimizer_config.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _check(
+        check(self.eps > 0, "optimizer_config.eps", f"must be > 0, got {self.eps}")
+        one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
+        check(self.warmup_steps >= 0, "optimizer_config.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(
             0.0 <= self.min_lr_ratio <= 1.0,
             "optimizer_config.min_lr_ratio",
             f"must be in [0, 1], got {self.min_lr_ratio}",
@@ -112,15 +112,15 @@ class DataConfig:
     stride: int = 64
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "data_config.path", "must not be empty")
-        _check(self.block_size >= 1, "data_config.block_size", f"must be >= 1, got {self.block_size}")
-        _check(
+        check(bool(self.path), "data_config.path", "must not be empty")
+        check(self.block_size >= 1, "data_config.block_size", f"must be >= 1, got {self.block_size}")
+        check(
             0.0 < self.train_split < 1.0,
             "data_config.train_split",
             f"must be in (0, 1), got {self.train_split}",
         )
-        _check(0.0 < self.truncate <= 1.0, "data_config.truncate", f"must be in (0, 1], got {self.truncate}")
-        _check(self.stride >= 1, "data_config.stride", f"must be >= 1, got {self.stride}")
+        check(0.0 < self.truncate <= 1.0, "data_config.truncate", f"must be in (0, 1], got {self.truncate}")
+        check(self.stride >= 1, "data_config.stride", f"must be >= 1, got {self.stride}")
 
 
 @dataclass
@@ -164,23 +164,23 @@ class TrainerConfig:
     powersgd_start_step: int = 10
 
     def __post_init__(self) -> None:
-        _check(bool(self.run_name) and "/" not in self.run_name, "trainer_config.run_name",
+        check(bool(self.run_name) and "/" not in self.run_name, "trainer_config.run_name",
                f"must be a non-empty name without '/', got {self.run_name!r}")
         positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank")
         for key in positive:
-            _check(getattr(self, key) >= 1, f"trainer_config.{key}", f"must be >= 1, got {getattr(self, key)}")
+            check(getattr(self, key) >= 1, f"trainer_config.{key}", f"must be >= 1, got {getattr(self, key)}")
         for key in ("max_steps", "save_every_steps"):
             value = getattr(self, key)
-            _check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")
+            check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")
         for key in ("eval_every", "sample_chars"):
-            _check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
-        _check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
+            check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
+        check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
                f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
-        _check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
-        _check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
-        _one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
-        _one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
-        _one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook", ("none", "fp16", "bf16", "powersgd"))
+        check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
+        check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
+        one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
+        one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
+        one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook", ("none", "fp16", "bf16", "powersgd"))
 
 
 @dataclass
@@ -196,10 +196,10 @@ def check_known_keys(cfg: Mapping) -> None:
     overrides, but Hydra's `+key=value` adds keys past it."""
     sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
     for name, section in cfg.items():
-        _check(name in sections, name, "unknown key")
+        check(name in sections, name, "unknown key")
         fields = {f.name for f in dataclasses.fields(sections[name])}
         for key in section:
-            _check(key in fields, f"{name}.{key}", f"unknown key (not a field of {sections[name].__name__})")
+            check(key in fields, f"{name}.{key}", f"unknown key (not a field of {sections[name].__name__})")
 
 
 def register_configs() -> None:

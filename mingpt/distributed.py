@@ -49,9 +49,10 @@ class DistInfo:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
 
-def pick_device(preference: str, local_rank: int) -> torch.device:
+def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config.device") -> torch.device:
+    """`auto` (CUDA if available), `cpu` or `cuda`: the GPU of this local rank."""
     if preference == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer_config.device: cuda, but CUDA is not available")
+        raise ConfigError(f"{key}: cuda, but CUDA is not available")
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(

@@ -36,9 +36,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import checkpoint
 from mingpt.checkpoint import SnapshotError
-from mingpt.config import ConfigError, GPTConfig, _check, _one_of
+from mingpt.config import ConfigError, GPTConfig, check, one_of
 from mingpt.data import CharTokenizer
-from mingpt.distributed import setup_logging
+from mingpt.distributed import pick_device, setup_logging
 from mingpt.model import GPT
 from mingpt.sample import generate
 
@@ -64,17 +64,17 @@ class GenerateConfig:
     use_cache: bool = True
 
     def __post_init__(self) -> None:
-        _check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
-        _check(not (self.prompt and self.prompt_file), "prompt_file", "give prompt or prompt_file, not both")
-        _check(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
-        _check(
+        check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
+        check(not (self.prompt and self.prompt_file), "prompt_file", "give prompt or prompt_file, not both")
+        check(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        check(
             math.isfinite(self.temperature) and self.temperature >= 0,
             "temperature", f"must be a finite number >= 0, got {self.temperature}",
         )
-        _check(self.top_k is None or self.top_k >= 1, "top_k", f"must be >= 1 or null, got {self.top_k}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
-        _one_of(self.device, "device", ("auto", "cpu", "cuda"))
+        check(self.top_k is None or self.top_k >= 1, "top_k", f"must be >= 1 or null, got {self.top_k}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
+        one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
 # Free text: taken verbatim from `key=value`, never parsed as YAML (`prompt=ROMEO:`
@@ -102,12 +102,6 @@ def parse_args(argv: list[str]) -> GenerateConfig:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
     return replace(config, **text)
-
-
-def pick_device(preference: str) -> torch.device:
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda, but CUDA is not available")
-    return torch.device("cuda" if preference != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict]:
@@ -156,7 +150,7 @@ def write(text: str) -> None:
 
 
 def run(config: GenerateConfig) -> None:
-    device = pick_device(config.device)
+    device = pick_device(config.device, key="device")
     model, tokenizer, state = load_model(config.snapshot_path, device)
     prompt = read_prompt(config)
     idx = encode_prompt(prompt, tokenizer).to(device)
