@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, run_main
+from conftest import REPO, TINY, child_env, run_main
 
 from mingpt.config import GPTConfig, OptimizerConfig
 from mingpt.model import GPT
@@ -143,8 +147,10 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
         ("trainer_config.epochs=3", "trainer_config.epochs"),
         ("trainer_config.batch_size=0", "trainer_config.batch_size"),
         ("gpt_config=gpt-huge", "gpt_config/gpt-huge"),
+        ("+trainer_config.max_epoch=5", "trainer_config.max_epoch"),  # Hydra's `+` adds keys past OmegaConf
+        ("trainer_config.powersgd_start_step=1", "trainer_config.powersgd_start_step"),
     ],
-    ids=["unknown-key", "bad-value", "unknown-preset"],
+    ids=["unknown-key", "bad-value", "unknown-preset", "added-key", "powersgd-start"],
 )
 def test_bad_override_is_one_line(override, says, tmp_path):
     proc = run_main([override], tmp_path)
@@ -160,3 +166,20 @@ def test_missing_data_file_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " INFO " not in line]
     assert errors == ["error: data file not found: no/such/corpus.txt"], proc.stderr
+
+
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, corpus):
+    (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:50_000], encoding="utf-8")
+    cmd = [sys.executable, str(REPO / "main.py"), *args(tmp_path, "trainer_config.max_epochs=1000")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "runs" / "default" / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.1)  # wait until it trains
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and stderr.rstrip().splitlines()[-1] == "error: interrupted"
