@@ -11,7 +11,9 @@ quietly going back to an older state.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import logging
 import os
 import pickle
@@ -23,6 +25,8 @@ from typing import Any
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
+
+from mingpt.config import Config, result_items
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +129,26 @@ def check_compatible(state: dict[str, Any], gpt_config: dict[str, Any], vocab: s
             f"snapshot {path} does not match: vocabulary of {len(saved)} characters in the snapshot, "
             f"{len(vocab)} in the data (differs: {''.join(sorted(set(saved) ^ set(vocab)))!r})"
         )
+
+
+def config_changes(state: dict[str, Any], config: Config) -> list[str]:
+    """`key: old -> new` for each result-affecting key (mingpt.config.OPERATIONAL_KEYS
+    lists the others) whose value in the snapshot's saved configs differs from
+    `config`'s. Keys that one of them lacks (an older snapshot) are not compared."""
+    saved = result_items(state)
+    current = result_items({f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)})
+    return [f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
+            for key in sorted(saved.keys() & current.keys()) if saved[key] != current[key]]
+
+
+def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
+    """Refuse to resume a snapshot written with other result-affecting values,
+    naming each, unless trainer_config.allow_config_change; return the changes."""
+    changes = config_changes(state, config)
+    if changes and not config.trainer_config.allow_config_change:
+        raise SnapshotError(
+            f"snapshot {path} was written with another config ({'; '.join(changes)}): start a new run in another "
+            f"directory (trainer_config.run_name or hydra.run.dir), or continue this one with the new values "
+            f"by adding trainer_config.allow_config_change=true"
+        )
+    return changes

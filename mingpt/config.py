@@ -9,6 +9,7 @@ is turned into these objects (``OmegaConf.to_object``), before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -162,10 +163,15 @@ class TrainerConfig:
     ddp_comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_step: int = 10
+    # Resuming a snapshot written with other values of result-affecting keys is
+    # refused; true continues it with this config's values (more epochs, a lower
+    # learning rate). The model's shape and vocabulary can never change.
+    allow_config_change: bool = False
 
     def __post_init__(self) -> None:
-        check(bool(self.run_name) and "/" not in self.run_name, "trainer_config.run_name",
-               f"must be a non-empty name without '/', got {self.run_name!r}")
+        check(bool(self.run_name) and "/" not in self.run_name and self.run_name not in (".", ".."),
+              "trainer_config.run_name", f"must be a directory name (not empty, '.', '..' or with '/'), "
+              f"got {self.run_name!r}")
         positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank")
         for key in positive:
             check(getattr(self, key) >= 1, f"trainer_config.{key}", f"must be >= 1, got {getattr(self, key)}")
@@ -189,6 +195,27 @@ class Config:
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
     data_config: DataConfig = field(default_factory=DataConfig)
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Keys that change how a run is carried out, logged or saved, never what it
+# computes. Every other key is result-affecting: the run directory's name and
+# the check on resume (mingpt/rundir.py, mingpt/checkpoint.py) compare those.
+OPERATIONAL_KEYS = frozenset({
+    "trainer_config.run_name", "trainer_config.device", "trainer_config.compile",
+    "trainer_config.eval_every", "trainer_config.log_every", "trainer_config.sample_chars",
+    "trainer_config.snapshot_path", "trainer_config.save_every", "trainer_config.save_every_steps",
+    "trainer_config.allow_config_change",
+})
+
+
+def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
+    """The result-affecting values of a config given as {section: {key: value}}
+    (a composed config, a snapshot's saved configs), flat as {"section.key": value},
+    in JSON's types, so a tuple and a list of the same numbers compare equal."""
+    names = [f.name for f in dataclasses.fields(Config)]
+    flat = {f"{name}.{key}": value for name in names if isinstance(sections.get(name), Mapping)
+            for key, value in sections[name].items()}
+    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in OPERATIONAL_KEYS}))
 
 
 def check_known_keys(cfg: Mapping) -> None:

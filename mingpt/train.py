@@ -16,6 +16,7 @@ from typing import NoReturn
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -25,14 +26,15 @@ from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, che
 from mingpt.data import DataError, download_corpus, load_data
 from mingpt.distributed import barrier, distributed, setup_logging
 from mingpt.model import GPT
-from mingpt.trainer import Trainer, TrainingError
+from mingpt.rundir import RunDirError, check_run_dir_setting, claim, hold_log_lines, register_resolvers
+from mingpt.trainer import Trainer, TrainingError, resolve_snapshot_path
 
 log = logging.getLogger(__name__)
 
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 CONF_PATH = CONF_DIR if os.path.isdir(CONF_DIR) else "pkg://mingpt.conf"
-USER_ERRORS = (ConfigError, DataError, SnapshotError, TrainingError)
+USER_ERRORS = (ConfigError, DataError, SnapshotError, TrainingError, RunDirError)
 
 
 def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTConfig:
@@ -44,9 +46,13 @@ def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTC
     return dataclasses.replace(gpt_config, vocab_size=vocab_size, block_size=block_size)
 
 
-def run(config: Config, run_dir: str) -> None:
+def run(config: Config, run_dir: str, files: dict[str, str] | None = None) -> None:
+    """Train in `run_dir`. Everything that can refuse the run (the corpus, the
+    directory's owner, the snapshot's compatibility) comes before the first
+    write there; then train.log and `files` ({path in run_dir: text}) are written."""
     with distributed(config.trainer_config.device) as dist_info:
-        setup_logging(dist_info.rank, os.path.join(run_dir, "train.log"))
+        setup_logging(dist_info.rank)
+        log_buffer = hold_log_lines(dist_info.rank)
         log.info("run directory %s", os.path.abspath(run_dir))
         data_path = config.data_config.path
         if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
@@ -57,7 +63,11 @@ def run(config: Config, run_dir: str) -> None:
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         torch.manual_seed(config.trainer_config.seed)
         model = GPT(config.gpt_config)
-        Trainer(config, model, data, dist_info, run_dir).train()
+        snapshot_path = resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir)
+        with claim(run_dir, snapshot_path, dist_info, log_buffer) as owned:
+            trainer = Trainer(config, model, data, dist_info, run_dir)  # refuses a snapshot that does not fit
+            owned.accept(files)
+            trainer.train()
 
 
 def fail(message: str, status: int = 2) -> NoReturn:
@@ -80,16 +90,28 @@ def config_error_line(error: BaseException) -> str:
 
 
 register_configs()
+register_resolvers()
+_in_task = False  # an OSError outside the task is Hydra failing to create the run directory
 
 
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
+    global _in_task
+    _in_task = True
     try:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.RUN:
+            check_run_dir_setting(hydra_cfg.run.dir)
         check_known_keys(cfg)
         config = OmegaConf.to_object(cfg)
-        run(config, HydraConfig.get().runtime.output_dir)
+        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check.
+        files = {".hydra/config.yaml": OmegaConf.to_yaml(cfg),
+                 ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
+        run(config, hydra_cfg.runtime.output_dir, files)
     except USER_ERRORS as e:
         fail(str(e))
+    finally:
+        _in_task = False
 
 
 def main() -> None:
@@ -103,3 +125,7 @@ def main() -> None:
         fail(config_error_line(e))
     except KeyboardInterrupt:
         fail("interrupted", status=130)
+    except OSError as e:
+        if _in_task:
+            raise
+        fail(f"cannot create the run directory: {e.filename}: {e.strerror}")

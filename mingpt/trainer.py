@@ -318,6 +318,9 @@ class Trainer:
         checkpoint.check_compatible(
             state, dataclasses.asdict(self.config.gpt_config), self.data.tokenizer.chars, self.snapshot_path
         )
+        changes = checkpoint.check_same_config(state, self.config, self.snapshot_path)
+        if changes:
+            log.warning("continuing %s with a changed config: %s", self.snapshot_path, "; ".join(changes))
         try:
             self.raw_model.load_state_dict(state["model_state"])
             self.optimizer.load_state_dict(state["optimizer_state"])

@@ -85,6 +85,18 @@ def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Com
     )
 
 
+def run_dir_of(cwd: Path, args: list[str]) -> Path:
+    """The run directory `python main.py ARGS` started in `cwd` uses: Hydra's
+    hydra.run.dir composed from ARGS (runs/<run_name>, plus a hash of the
+    result-affecting values when they are not the defaults)."""
+    from hydra import compose, initialize_config_dir
+
+    from mingpt.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return cwd / compose("config", overrides=list(args), return_hydra_config=True).hydra.run.dir
+
+
 def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra]
 
@@ -95,4 +107,4 @@ def run_torchrun(nproc: int, args: list[str], cwd: Path, torchrun_args=(), timeo
     return subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
-__all__ = ["REPO", "TINY", "free_port", "run_main", "run_torchrun", "torchrun_cmd", "child_env", "shutil"]
+__all__ = ["REPO", "TINY", "free_port", "run_dir_of", "run_main", "run_torchrun", "torchrun_cmd", "child_env", "shutil"]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import shlex
+
 import pytest
+from conftest import REPO
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from mingpt.config import Config, ConfigError
+from mingpt.config import OPERATIONAL_KEYS, Config, ConfigError
 from mingpt.train import CONF_DIR
 
 
@@ -42,8 +46,9 @@ def test_overrides_are_applied_and_typed():
         ("trainer_config.batch_size=abc", "trainer_config.batch_size"),
         ("optimizer_config.learning_rate=fast", "optimizer_config.learning_rate"),
         ("trainer_config.use_amp=maybe", "trainer_config.use_amp"),
+        ("trainer_config.allow_config_change=maybe", "trainer_config.allow_config_change"),
     ],
-    ids=["unknown-key", "unknown-model-key", "str-for-int", "str-for-float", "str-for-bool"],
+    ids=["unknown-key", "unknown-model-key", "str-for-int", "str-for-float", "str-for-bool", "str-for-allow"],
 )
 def test_unknown_keys_and_wrong_types_are_rejected(override, key):
     with pytest.raises(ConfigCompositionException) as e:
@@ -70,6 +75,7 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["trainer_config.ddp_comm_hook=int8"], "trainer_config.ddp_comm_hook"),
         (["trainer_config.max_steps=0"], "trainer_config.max_steps"),
         (["trainer_config.run_name=a/b"], "trainer_config.run_name"),
+        (["trainer_config.run_name=.."], "trainer_config.run_name"),
         (["trainer_config.powersgd_start_step=1"], "trainer_config.powersgd_start_step"),
     ],
 )
@@ -136,11 +142,52 @@ def run_dir(*overrides: str) -> str:
     return composed(*overrides, hydra_config=True).hydra.run.dir
 
 
-def test_run_directory_comes_from_the_run_name_not_the_clock():
+def test_run_directory_comes_from_the_run_name_and_the_config_not_the_clock():
     assert run_dir() == "runs/default"
     assert run_dir("trainer_config.run_name=shakespeare") == "runs/shakespeare"
-    assert run_dir("experiment=ddp-tutorial") == "runs/ddp-tutorial"
     assert run_dir("hydra.run.dir=/tmp/elsewhere") == "/tmp/elsewhere"
     hydra = composed("trainer_config.run_name=x", hydra_config=True).hydra
     assert hydra.sweep.dir == "runs/x-multirun"
     assert hydra.job.chdir is False
+    assert hydra.output_subdir is None  # .hydra/ is written by mingpt.train once the run is accepted
+
+
+def test_another_result_affecting_config_gets_its_own_run_directory():
+    changed = {
+        "lr": run_dir("optimizer_config.learning_rate=1e-3"),
+        "epochs": run_dir("trainer_config.max_epochs=5"),
+        "preset": run_dir("gpt_config=gpt-mini"),
+        "data": run_dir("data_config.path=other.txt"),
+        "experiment": run_dir("experiment=ddp-tutorial"),
+        "allow": run_dir("trainer_config.allow_config_change=true", "trainer_config.max_epochs=5"),
+    }
+    assert all(re.fullmatch(r"runs/default-[0-9a-f]{8}", d) for k, d in changed.items() if k != "experiment")
+    assert re.fullmatch(r"runs/ddp-tutorial-[0-9a-f]{8}", changed["experiment"])
+    assert changed.pop("allow") == changed["epochs"]  # allow_config_change is not part of the name
+    assert len(set(changed.values())) == len(changed)
+    # The same values however they are written, in any order: the same directory.
+    assert run_dir("optimizer_config.learning_rate=0.001") == changed["lr"]
+    assert run_dir("gpt_config.n_layer=6", "gpt_config.n_head=6", "gpt_config.n_embd=192") == changed["preset"]
+    both = run_dir("trainer_config.max_epochs=5", "optimizer_config.learning_rate=1e-3")
+    assert both == run_dir("optimizer_config.learning_rate=1e-3", "trainer_config.max_epochs=5")
+    assert run_dir("trainer_config.run_name=x", "trainer_config.max_epochs=5") == "runs/x" + changed["epochs"][12:]
+
+
+@pytest.mark.parametrize("key", sorted(OPERATIONAL_KEYS - {"trainer_config.run_name"}))
+def test_operational_keys_keep_the_run_directory(key):
+    field = key.split(".")[1]
+    value = {"device": "cpu", "snapshot_path": "/tmp/s.pt", "compile": "true",
+             "allow_config_change": "true"}.get(field, "7")
+    assert run_dir(f"{key}={value}") == "runs/default"
+
+
+def test_readme_commands_each_get_their_own_run_directory():
+    """The Quick start's `python main.py` lands in runs/default (the README says
+    so); each later example with other values starts its own run."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    lines = re.findall(r"^(?:.*&& )?python main\.py(.*)$", readme, re.M)
+    commands = [shlex.split(line.split("#")[0]) for line in lines]
+    runs = [args for args in commands if not {"-m", "--cfg"} & set(args)]
+    assert runs[0] == [] and run_dir() == "runs/default" and "`runs/default`" in readme
+    dirs = [run_dir(*args) for args in runs]
+    assert len(runs) >= 4 and len(set(dirs)) == len(dirs), list(zip(runs, dirs))

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, free_port, run_torchrun, torchrun_cmd
+from conftest import REPO, TINY, child_env, free_port, run_dir_of, run_torchrun, torchrun_cmd
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
 # 20,010 characters: 1,125 training windows and 125 held-out windows of 16
@@ -166,7 +166,7 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
             agent.kill()
     stderr = "".join(err for _, err in outputs)
     assert [agent.returncode for agent in agents] == [0, 0], stderr[-3000:]
-    run_dir = tmp_path / "runs" / "default"
+    run_dir = run_dir_of(tmp_path, args)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["split"] == "eval" and records[-1]["epoch"] == 1
     assert records[-1]["tokens"] == HELDOUT_TOKENS and len(records[-1]["rank_losses"]) == 2

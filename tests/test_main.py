@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_main
+from conftest import REPO, TINY, child_env, run_dir_of, run_main
 
 from mingpt.config import GPTConfig, OptimizerConfig
 from mingpt.model import GPT
@@ -37,7 +37,7 @@ def args(workdir: Path, *extra: str) -> list[str]:
 def first_run(workdir):
     proc = run_main(args(workdir), workdir)
     assert proc.returncode == 0, proc.stderr
-    return proc, workdir / "runs" / "default"
+    return proc, run_dir_of(workdir, args(workdir))
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -112,12 +112,19 @@ def test_identical_invocation_finds_the_finished_run(first_run, workdir):
 
 
 def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, workdir, tmp_path):
+    """The README's continue-with-changes path: the run's directory, the new
+    values and trainer_config.allow_config_change=true."""
     _, run_dir = first_run
     copy = tmp_path / "continued"
     shutil.copytree(run_dir, copy)
-    proc = run_main(args(workdir, "trainer_config.max_epochs=3", f"hydra.run.dir={copy}"), workdir)
+    longer = args(workdir, "trainer_config.max_epochs=3", f"hydra.run.dir={copy}")
+    refused = run_main(longer, workdir)  # without the flag: one line naming the change
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("error: snapshot ")
+    assert "(trainer_config.max_epochs: 2 -> 3)" in refused.stderr and "allow_config_change=true" in refused.stderr
+    proc = run_main([*longer, "trainer_config.allow_config_change=true"], workdir)
     assert proc.returncode == 0, proc.stderr
     assert f"run directory {copy}" in proc.stderr  # hydra.run.dir is respected
+    assert "continuing" in proc.stderr and "trainer_config.max_epochs: 2 -> 3" in proc.stderr
     new = records(copy)[len(records(run_dir)):]
     assert new and new[0]["step"] > 2 * STEPS_PER_EPOCH  # no step of the first two epochs repeated
     assert new[-1] == {**new[-1], "split": "eval", "step": 3 * STEPS_PER_EPOCH, "epoch": 3}
@@ -130,7 +137,8 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     sweep = ["trainer_config.run_name=sweep", f"optimizer_config.learning_rate={default_lr},3e-4"]
     proc = run_main(["-m", *args(workdir, *sweep)], workdir)
     assert proc.returncode == 0, proc.stderr
-    jobs = [workdir / "runs" / "sweep-multirun" / job for job in ("0", "1")]
+    jobs = sorted((workdir / "runs" / "sweep-multirun").glob("[01]-*"))
+    assert [job.name[:2] for job in jobs] == ["0-", "1-"], jobs
     for job_dir, lr in zip(jobs, (default_lr, 3e-4)):
         assert f"optimizer_config.learning_rate={lr:g}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
         first = records(job_dir)[0]
@@ -139,6 +147,19 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     # Job 0 has the first run's config (the default rate): another process, the same seed, the same run.
     assert without_timing(records(jobs[0])) == without_timing(records(run_dir))
     assert without_timing(records(jobs[1])) != without_timing(records(run_dir))
+
+    # The sweep again with a new second value: job 0 finds its run complete,
+    # job 1 is a new run, and the old job 1 is left as it was.
+    old = {path: path.read_bytes() for path in jobs[1].rglob("*") if path.is_file()}
+    sweep[-1] = f"optimizer_config.learning_rate={default_lr},1e-3"
+    again = run_main(["-m", *args(workdir, *sweep)], workdir)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("run already complete") == 1
+    new = sorted(set((workdir / "runs" / "sweep-multirun").glob("[01]-*")) - set(jobs))
+    assert [job.name[:2] for job in new] == ["1-"]
+    assert records(new[0])[0]["lr"] == pytest.approx(1e-3 * 5 / 100)
+    assert f"optimizer_config.learning_rate={1e-3:g}" in (new[0] / ".hydra" / "overrides.yaml").read_text()
+    assert {path: path.read_bytes() for path in jobs[1].rglob("*") if path.is_file()} == old
 
 
 @pytest.mark.parametrize(
@@ -149,15 +170,20 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
         ("gpt_config=gpt-huge", "gpt_config/gpt-huge"),
         ("+trainer_config.max_epoch=5", "trainer_config.max_epoch"),  # Hydra's `+` adds keys past OmegaConf
         ("trainer_config.powersgd_start_step=1", "trainer_config.powersgd_start_step"),
+        ("hydra.run.dir=", "hydra.run.dir: must not be empty"),
+        ("trainer_config.run_name=..", "trainer_config.run_name"),
+        ("hydra.run.dir=/proc/nope/run", "cannot create the run directory: /proc/nope"),
     ],
-    ids=["unknown-key", "bad-value", "unknown-preset", "added-key", "powersgd-start"],
+    ids=["unknown-key", "bad-value", "unknown-preset", "added-key", "powersgd-start", "empty-run-dir",
+         "run-name-dotdot", "run-dir-not-creatable"],
 )
 def test_bad_override_is_one_line(override, says, tmp_path):
     proc = run_main([override], tmp_path)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
-    assert not (tmp_path / "runs" / "default" / "snapshot.pt").exists()
+    assert not list(tmp_path.rglob("snapshot.pt"))
+    assert [p.name for p in tmp_path.iterdir() if p.name != "runs"] == []  # nothing in the current directory
 
 
 def test_missing_data_file_is_one_line(tmp_path):
@@ -173,7 +199,7 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, corpus):
     cmd = [sys.executable, str(REPO / "main.py"), *args(tmp_path, "trainer_config.max_epochs=1000")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stderr=subprocess.PIPE, text=True)
     try:
-        metrics = tmp_path / "runs" / "default" / "metrics.jsonl"
+        metrics = run_dir_of(tmp_path, cmd[2:]) / "metrics.jsonl"
         deadline = time.monotonic() + 60
         while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
             time.sleep(0.1)  # wait until it trains

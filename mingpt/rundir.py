@@ -1,0 +1,229 @@
+"""The run directory: its name, its one owner, and what is written there once a run is accepted.
+
+Name. `runs/<run_name>` for the default config; any result-affecting change
+(every key but mingpt.config.OPERATIONAL_KEYS) appends a short hash of those
+values: `runs/default-1a2b3c4d`. So another command starts its own run, while
+the same command again, on every rank, after every torchrun restart or a SLURM
+requeue, lands in the same directory. Hydra computes the name through the
+resolvers registered here (conf/config.yaml).
+
+Owner. The global main process holds an advisory lock (flock) on `run.lock` in
+the run directory, and on `<snapshot>.lock` beside a local snapshot outside it,
+for the job's lifetime. The kernel drops it when the process ends, however it
+ends (SIGKILL included), so a dead holder never blocks the next job, and a
+torchrun restart's new rank 0 takes it again and resumes. A second job is
+refused at start with one line naming the holder (host, pid, since when).
+
+No trace. A refused invocation writes nothing into an existing run: the lock
+file gets the holder's details, train.log its lines (buffered until then) and
+.hydra/ the config only after every check has passed (`Claim.accept`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import logging.handlers
+import os
+import socket
+import time
+from typing import Any, Iterator, Mapping
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from mingpt.config import Config, result_items
+from mingpt.distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used (in use by another job, cannot be created); the message names it."""
+
+
+# ------------------------------------------------------------------ naming
+
+
+def config_hash(sections: Mapping[str, Any]) -> str:
+    """8 hex digits of the result-affecting values of a config given as {section: {key: value}}."""
+    text = json.dumps(result_items(sections), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def run_dir_name(sections: Mapping[str, Any]) -> str:
+    """`<run_name>` for the default config, `<run_name>-<config_hash>` for any other."""
+    name = sections["trainer_config"]["run_name"]
+    defaults = dataclasses.asdict(Config())
+    return name if result_items(sections) == result_items(defaults) else f"{name}-{config_hash(sections)}"
+
+
+def _sections(root: DictConfig) -> dict[str, Any]:
+    names = [f.name for f in dataclasses.fields(Config)]
+    return {name: OmegaConf.to_container(root[name], resolve=True) for name in names if name in root}
+
+
+def register_resolvers() -> None:
+    """`${mingpt.run_dir_name:}` and `${mingpt.config_hash:}` for conf/config.yaml's hydra.run/sweep dirs."""
+    OmegaConf.register_new_resolver("mingpt.run_dir_name", lambda _root_: run_dir_name(_sections(_root_)),
+                                    replace=True)
+    OmegaConf.register_new_resolver("mingpt.config_hash", lambda _root_: config_hash(_sections(_root_)),
+                                    replace=True)
+
+
+def check_run_dir_setting(run_dir_setting: str) -> None:
+    """`hydra.run.dir=''` would put the run's files into the current directory."""
+    if not str(run_dir_setting).strip():
+        raise RunDirError("hydra.run.dir: must not be empty (it would put the run into the current directory)")
+
+
+# --------------------------------------------------------------- ownership
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, from the details it wrote into the file."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        info = None
+    if not isinstance(info, dict):
+        return "another job that is starting"
+    alive = True
+    if info.get("host") == socket.gethostname():
+        try:
+            os.kill(int(info["pid"]), 0)
+        except ProcessLookupError:
+            alive = False
+        except (OSError, ValueError, KeyError):
+            pass
+    if not alive:  # the details of an earlier holder; the new one has not written its own yet
+        return "another job that is starting"
+    run_id = f", torchrun run id {info['run_id']}" if info.get("run_id") else ""
+    return f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')}{run_id}"
+
+
+def _lock(path: str, what: str) -> int | None:
+    """An exclusive flock on `path` (created if missing), or RunDirError naming the holder.
+    None where the file system has no locks (Lustre without -o flock, NFS mounted nolock)."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunDirError(f"cannot use {what} {os.path.dirname(path) or '.'}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise RunDirError(
+            f"{what} {os.path.dirname(path) or '.'} is in use by {holder}; wait for that job to end or stop it, "
+            f"or run this one in another directory (hydra.run.dir=...)"
+        ) from None
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            log.warning("cannot lock %s (%s): a second job on it would not be detected", path, e.strerror)
+            return None
+        raise RunDirError(f"cannot lock {path}: {e.strerror}") from None
+    return fd
+
+
+def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
+    """The lock files of a run: in its directory, and beside a local snapshot kept elsewhere.
+    Object stores (s3://, gs://) have no locks: a snapshot there is not claimed."""
+    paths = [(os.path.join(run_dir, LOCK_FILE), "run directory")]
+    if "://" not in snapshot_path or snapshot_path.startswith("file://"):
+        snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))
+        if os.path.dirname(snapshot) != os.path.abspath(run_dir):
+            paths.append((f"{snapshot}.lock", "snapshot location"))
+    return paths
+
+
+def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
+    """Keep rank 0's log lines in memory (they still reach stderr) until `Claim.accept`
+    writes them to train.log: a refused invocation appends nothing there."""
+    if rank != 0:
+        return None
+    buffer = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
+    logging.getLogger().addHandler(buffer)
+    return buffer
+
+
+@dataclasses.dataclass
+class Claim:
+    """The locks a job holds (global main process only), and the files written once it is accepted."""
+
+    run_dir: str
+    fds: list[int]
+    rank: int
+    log_buffer: logging.handlers.MemoryHandler | None
+    log_file: logging.FileHandler | None = None
+
+    def accept(self, files: Mapping[str, str] | None = None) -> None:
+        """Every check passed: record the holder, open train.log with the lines
+        logged so far, and write `files` ({path in the run directory: text})."""
+        if self.rank != 0:
+            return
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        for fd in self.fds:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        root = logging.getLogger()
+        self.log_file = logging.FileHandler(os.path.join(self.run_dir, "train.log"))
+        self.log_file.setFormatter(root.handlers[0].formatter if root.handlers else None)
+        if self.log_buffer is not None:
+            self.log_buffer.setTarget(self.log_file)
+            self.log_buffer.flush()
+            root.removeHandler(self.log_buffer)
+        root.addHandler(self.log_file)
+        for name, text in (files or {}).items():
+            path = os.path.join(self.run_dir, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+
+    def release(self) -> None:
+        root = logging.getLogger()
+        for handler in (self.log_buffer, self.log_file):
+            if handler is not None:
+                root.removeHandler(handler)
+                handler.close()
+        for fd in self.fds:  # the kernel also releases them when the process ends
+            os.close(fd)
+        self.fds = []
+
+
+@contextlib.contextmanager
+def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
+          log_buffer: logging.handlers.MemoryHandler | None = None) -> Iterator[Claim]:
+    """Own the run directory (and a local snapshot location) for the body's
+    duration. Rank 0 takes the locks and tells the others, so every rank of a
+    refused job raises the same RunDirError before anything is written."""
+    owned = Claim(run_dir, [], dist_info.rank, log_buffer)
+    refusal = None
+    try:
+        if dist_info.is_main_process:
+            try:
+                for path, what in lock_paths(run_dir, snapshot_path):
+                    fd = _lock(path, what)
+                    if fd is not None:
+                        owned.fds.append(fd)
+            except RunDirError as e:
+                refusal = str(e)
+        if dist_info.is_distributed:
+            decision = [refusal]
+            dist.broadcast_object_list(decision, src=0)
+            refusal = decision[0]
+        if refusal is not None:
+            raise RunDirError(refusal)
+        yield owned
+    finally:
+        owned.release()
