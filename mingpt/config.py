@@ -17,6 +17,9 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
+from mingpt.stopping import DEFAULT_SIGNALS as DEFAULT_STOP_SIGNALS
+from mingpt.stopping import parse_signal
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key."""
@@ -153,6 +156,12 @@ class TrainerConfig:
     save_every: int = 1
     # Also save every this many optimizer steps (null: only per epoch and at the end).
     save_every_steps: Optional[int] = None
+    # Also save when this many minutes have passed since the last save, by rank
+    # 0's clock (null: never by time): a bound on the work a crash can lose.
+    save_every_minutes: Optional[float] = 5.0
+    # Signals that stop the run at the next step boundary, after a snapshot
+    # (exit status 128 + the signal's number; README, Fault tolerance).
+    stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
     # Mixed precision on CUDA: amp_dtype "bf16" or "fp16" (fp16 uses a GradScaler).
     use_amp: bool = False
     amp_dtype: str = "bf16"
@@ -182,6 +191,15 @@ class TrainerConfig:
             check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
         check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
                f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
+        check(self.save_every_minutes is None or self.save_every_minutes > 0, "trainer_config.save_every_minutes",
+              f"must be > 0 or null, got {self.save_every_minutes}")
+        for name in self.stop_signals:
+            try:
+                parse_signal(name)
+            except ValueError as e:
+                raise ConfigError(f"trainer_config.stop_signals: {e}") from None
+        check(len({parse_signal(n) for n in self.stop_signals}) == len(self.stop_signals),
+              "trainer_config.stop_signals", f"lists a signal twice: {list(self.stop_signals)}")
         check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
         check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))

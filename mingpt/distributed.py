@@ -92,17 +92,35 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
     info = DistInfo(rank, local_rank, world_size, local_world_size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    global _control_group
     if info.is_distributed:
         dist.init_process_group(
             info.backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
         )
+        # Per-step decisions travel between CPUs: on a CUDA tensor, reading them
+        # would make the host wait for every step's kernels.
+        _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
     try:
         yield info
         # Leave together: a rank that tears down gloo while rank 0 still saves can abort at exit.
         barrier(info)
     finally:
+        _control_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_control_group: "dist.ProcessGroup | None" = None
+
+
+def all_max(info: DistInfo, values: list[int]) -> list[int]:
+    """The element-wise maximum of every rank's `values`: one small all-reduce
+    of CPU integers (nothing at all in a single process)."""
+    if not info.is_distributed:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group)
+    return tensor.tolist()
 
 
 def barrier(info: DistInfo) -> None:

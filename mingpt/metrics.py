@@ -1,6 +1,7 @@
-"""Where metrics go: log lines (or a progress bar on a terminal), TensorBoard
-scalars and text, and metrics.jsonl in the run directory. Only the global main
-process writes; the others get a logger that does nothing."""
+"""Where metrics go: log lines (and a tqdm progress bar with rate and ETA when
+stderr is a terminal), TensorBoard scalars and text, and metrics.jsonl in the
+run directory. Only the global main process writes; the others get a logger
+that does nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class Metrics:
     def __init__(self, run_dir: str, enabled: bool, resume_step: Optional[int] = None):
         self.enabled = enabled
         self.progress = enabled and sys.stderr.isatty()
+        self._bar = None  # the progress bar, created at the first step shown
+        self._redirect = None  # log lines go through tqdm.write while the bar is on
         self._writer = None
         self._jsonl = None
         if not enabled:
@@ -32,8 +35,9 @@ class Metrics:
         self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
         self._jsonl = open(path, "a", encoding="utf-8")
 
-    def log(self, split: str, step: int, epoch: int, **values: Any) -> None:
-        """One event: a line in metrics.jsonl, scalars in TensorBoard, a log line."""
+    def log(self, split: str, step: int, epoch: int, note: str = "", **values: Any) -> None:
+        """One event: a line in metrics.jsonl, scalars in TensorBoard, a log line
+        (followed by `note`, which is not recorded)."""
         if not self.enabled:
             return
         record = {"step": step, "epoch": epoch, "split": split, **values}
@@ -43,8 +47,7 @@ class Metrics:
             if isinstance(value, (int, float)):
                 self._writer.add_scalar(f"{split}/{key}", value, step)
         text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
-        self.end_progress()
-        log.info("%s step %d epoch %d | %s", split, step, epoch, text)
+        log.info("%s step %d epoch %d | %s%s", split, step, epoch, text, f" | {note}" if note else "")
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.enabled:
@@ -52,17 +55,29 @@ class Metrics:
             self._writer.add_text(tag, "```\n" + text + "\n```", step)
 
     def show_progress(self, step: int, total: int) -> None:
-        if self.progress:
-            sys.stderr.write(f"\rstep {step}/{total}")
-            sys.stderr.flush()
+        """The bar at `step` of `total` (on a terminal only)."""
+        if not self.progress:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(total=total, initial=step - 1, unit="step", dynamic_ncols=True, leave=False,
+                             file=sys.stderr)
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+        self._bar.total = total
+        self._bar.update(step - self._bar.n)
 
     def end_progress(self) -> None:
-        if self.progress:
-            sys.stderr.write("\r\033[K")
+        if self._bar is not None:
+            self._redirect.__exit__(None, None, None)
+            self._bar.close()
+            self._bar = self._redirect = None
 
     def close(self) -> None:
+        self.end_progress()
         if self.enabled:
-            self.end_progress()
             self._writer.close()
             self._jsonl.close()
 

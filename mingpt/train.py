@@ -2,7 +2,8 @@
 
 `python main.py` and the `mingpt-train` console script both run `main` here.
 Any problem with the input (config, data, snapshot) ends the run with one line
-on stderr and exit status 2.
+on stderr and exit status 2. A stop signal ends it with one line and status
+128 + the signal's number, after a snapshot once training runs (mingpt/stopping.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mingpt import stopping
 from mingpt.checkpoint import SnapshotError
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, register_configs
 from mingpt.data import DataError, download_corpus, load_data
@@ -104,12 +106,15 @@ def _hydra_main(cfg: DictConfig) -> None:
             check_run_dir_setting(hydra_cfg.run.dir)
         check_known_keys(cfg)
         config = OmegaConf.to_object(cfg)
+        stopping.install(config.trainer_config.stop_signals)
         # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check.
         files = {".hydra/config.yaml": OmegaConf.to_yaml(cfg),
                  ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
         run(config, hydra_cfg.runtime.output_dir, files)
     except USER_ERRORS as e:
         fail(str(e))
+    except stopping.Stopped as e:
+        fail(str(e), status=e.status)
     finally:
         _in_task = False
 
@@ -119,6 +124,7 @@ def main() -> None:
     # Let composition errors reach us instead of Hydra's multi-line report;
     # any other exception is a bug and keeps its full traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    stopping.install()  # main.py did it already, before its imports
     try:
         _hydra_main()
     except (HydraException, OmegaConfBaseException) as e:

@@ -23,16 +23,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt import checkpoint
+from mingpt import checkpoint, stopping
 from mingpt.config import Config, ConfigError
 from mingpt.data import CharData, ResumableSampler
-from mingpt.distributed import DistInfo
+from mingpt.distributed import DistInfo, all_max, barrier
 from mingpt.metrics import Metrics
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, lr_at
 from mingpt.sample import generate
+from mingpt.stopping import StepFlags
 
 log = logging.getLogger(__name__)
+
+
+# Evaluations and saves that take this long are announced before they start (the next time).
+SLOW_SECONDS = 1.0
 
 
 class TrainingError(RuntimeError):
@@ -47,6 +52,12 @@ class Progress:
     samples_in_epoch: int = 0  # global samples of that epoch consumed by all ranks together
     step: int = 0  # optimizer steps done
     best_eval_loss: float = math.inf
+
+
+def _duration(seconds: float) -> str:
+    """1h02m, 3m05s, 42s."""
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def resolve_snapshot_path(path: str, run_dir: str) -> str:
@@ -85,6 +96,9 @@ class Trainer:
         self.raw_model = model.to(device)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         self.progress = Progress()
+        self._saved_step: int | None = None  # the step of this process's last snapshot
+        self._last_save = time.monotonic()
+        self._slow: dict[str, bool] = {}  # whether the last save / evaluation took long
         if checkpoint.exists(self.snapshot_path):
             self._restore(checkpoint.load(self.snapshot_path))
         self._check_same_start()
@@ -132,11 +146,16 @@ class Trainer:
             self._print_sample()
             return
         try:
-            self._window_start, self._window_steps = time.perf_counter(), 0  # for tokens/s
-            while not self._finished():
-                self._train_epoch()
-            self.evaluate()
-            self.save()
+            # Inside, a stop signal is acted on at the next step boundary (mingpt/stopping.py).
+            with stopping.graceful():
+                self._window_start, self._window_steps = time.perf_counter(), 0  # for tokens/s
+                self._started, self._start_step = time.monotonic(), p.step  # for the ETA
+                self._last_save = time.monotonic()  # for save_every_minutes
+                while not self._finished():
+                    self._train_epoch()
+                self.evaluate()
+                self.save()
+                self._stop_if_requested(self._agree())
             self._print_sample()
         finally:
             self.metrics.close()
@@ -147,7 +166,8 @@ class Trainer:
         self.train_sampler.set_epoch(p.epoch)
         self.train_sampler.start_index = p.samples_in_epoch
         order = torch.tensor(list(self.train_sampler), dtype=torch.long, device=self.device)
-        for indices in order.split(self.samples_per_step):
+        # Empty when resuming a snapshot of the epoch's last step: only the epoch's end is left.
+        for indices in order.split(self.samples_per_step) if len(order) else ():
             loss, grad_norm, lr = self.train_step(indices)
             p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
             p.step += 1
@@ -160,7 +180,10 @@ class Trainer:
             with self._paused():
                 if cfg.eval_every and p.step % cfg.eval_every == 0:
                     self.evaluate()
-                if cfg.save_every_steps and p.step % cfg.save_every_steps == 0:
+                # After the step's evaluation: a resume goes on with the next step.
+                flags = self._agree()
+                self._stop_if_requested(flags)
+                if (cfg.save_every_steps and p.step % cfg.save_every_steps == 0) or flags[StepFlags.SAVE_DUE]:
                     self.save()
         if p.samples_in_epoch >= len(self.data.train):
             p.epoch, p.samples_in_epoch = p.epoch + 1, 0
@@ -182,9 +205,35 @@ class Trainer:
             )
         tokens = self._window_steps * self.samples_per_step * self.dist.world_size * self.train_windows.block_size
         tokens_per_s = tokens / (time.perf_counter() - self._window_start)
+        # Elapsed and ETA (at this session's pace so far, evaluations and saves included) go
+        # to the log line only: metrics.jsonl holds the same records for any machine.
+        elapsed = time.monotonic() - self._started
+        eta = elapsed / max(1, p.step - self._start_step) * (self.total_steps - p.step)
         self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=float(grad_norm),
-                         tokens_per_s=tokens_per_s)
+                         tokens_per_s=tokens_per_s, note=f"elapsed {_duration(elapsed)} eta {_duration(eta)}")
         self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def _agree(self) -> list[int]:
+        """The per-step decisions (StepFlags), the same on every rank: one tiny
+        all-reduce (MAX) of this rank's flags."""
+        flags = [0] * len(StepFlags)
+        flags[StepFlags.STOP] = stopping.stop_requested()
+        minutes = self.cfg.save_every_minutes
+        if self.dist.is_main_process and minutes:  # rank 0's clock decides for all
+            flags[StepFlags.SAVE_DUE] = int(time.monotonic() - self._last_save >= 60 * minutes)
+        return all_max(self.dist, flags)
+
+    def _stop_if_requested(self, flags: list[int]) -> None:
+        """Some rank received a stop signal: every rank saves (rank 0 writes) and stops."""
+        signum = flags[StepFlags.STOP]
+        if not signum:
+            return
+        self.save()
+        barrier(self.dist)  # rank 0's save is complete before any rank leaves
+        raise stopping.Stopped(
+            signum, f"{stopping.describe(signum)} at step {self.progress.step}; the snapshot {self.snapshot_path} "
+            f"resumes the run ({stopping.signal_name(signum)}, exit status {stopping.exit_status(signum)})",
+        )
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
@@ -243,13 +292,20 @@ class Trainer:
         counts the tokens of its share of the non-overlapping held-out windows
         (padding excluded); the sums are gathered, so the global mean is the
         same for any world size."""
+        p = self.progress
+        start = time.monotonic()
+        if self._slow.get("eval", True):
+            log.info("evaluating at step %d on %d held-out windows", p.step, len(self.data.heldout))
         model = self.raw_model
         model.eval()
         indices = torch.tensor(list(self.eval_sampler)[: self.eval_sampler.real_count()], dtype=torch.long,
                                device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
+        count, interrupted = 0, 0
         for chunk in indices.split(self.cfg.batch_size * 4):
+            if stopping.stop_requested():  # the step boundary right after stops the run
+                interrupted = 1
+                break
             x, y = self.eval_windows.batch(chunk)
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp):
                 logits, _ = model(x)
@@ -257,20 +313,26 @@ class Trainer:
             loss_sum += losses.double().sum()
             count += y.numel()
         model.train()
-        stats = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=self.device)])
+        stats = torch.tensor([loss_sum.item(), count, interrupted], dtype=torch.float64, device=self.device)
         if self.dist.is_distributed:
             gathered = [torch.zeros_like(stats) for _ in range(self.dist.world_size)]
             dist.all_gather(gathered, stats)
         else:
             gathered = [stats]
         sums = torch.stack(gathered).cpu()
+        if sums[:, 2].any():  # on every rank alike: the gathered flags are the same
+            log.info("evaluation at step %d interrupted by a stop signal: not recorded", p.step)
+            return math.nan
         loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
-        per_rank = [s / c if c > 0 else None for s, c in sums.tolist()]
-        p = self.progress
+        per_rank = [s / c if c > 0 else None for s, c, _ in sums.tolist()]
         p.best_eval_loss = min(p.best_eval_loss, loss)
         self.metrics.log("eval", p.step, p.epoch, loss=loss, rank_losses=per_rank, tokens=int(sums[:, 1].sum()))
         if self.dist.is_main_process and self.cfg.sample_chars:
             self.metrics.text("sample", self.sample(self.cfg.sample_chars), p.step)
+        seconds = time.monotonic() - start
+        self._slow["eval"] = seconds >= SLOW_SECONDS
+        if self._slow["eval"]:
+            log.info("evaluation at step %d took %.1f s", p.step, seconds)
         return loss
 
     def sample(self, n_chars: int, prompt: str = "\n") -> str:
@@ -291,14 +353,23 @@ class Trainer:
 
     def save(self) -> None:
         """Save a snapshot (global main process only), never with non-finite weights.
-        Every rank checks its replica (DDP keeps them identical), so all ranks stop together."""
+        Every rank checks its replica (DDP keeps them identical), so all ranks stop together.
+        Saving changes nothing in the training state (time-based saves come at any step);
+        a second call at the same step does nothing."""
+        if self._saved_step == self.progress.step:
+            return
         if not all(torch.isfinite(t).all() for t in self.raw_model.parameters()):
             raise TrainingError(
                 f"weights are not finite at step {self.progress.step}; not saving over the last good snapshot "
                 f"{self.snapshot_path}"
             )
+        self._saved_step = self.progress.step
+        self._last_save = time.monotonic()
         if not self.dist.is_main_process:
             return
+        start = time.monotonic()
+        if self._slow.get("save", True):
+            log.info("saving snapshot %s at step %d", self.snapshot_path, self.progress.step)
         state: dict[str, Any] = {
             "model_state": self.raw_model.state_dict(),
             "optimizer_state": self.optimizer.state_dict(),
@@ -311,7 +382,10 @@ class Trainer:
                ("gpt_config", "optimizer_config", "data_config", "trainer_config")},
         }
         checkpoint.save(state, self.snapshot_path)
-        log.info("saved snapshot %s at step %d", self.snapshot_path, self.progress.step)
+        seconds = time.monotonic() - start
+        self._slow["save"] = seconds >= SLOW_SECONDS
+        log.info("saved snapshot %s at step %d in %.2f s", self.snapshot_path, self.progress.step, seconds)
+        self._last_save = time.monotonic()
 
     def _restore(self, state: dict[str, Any]) -> None:
         """Load weights, optimizer, scaler and progress (before the model is wrapped in DDP)."""

@@ -1,0 +1,183 @@
+"""Stop signals, with real processes and real signals: a graceful stop saves at
+the step reached and exits 128 + signum, the resumed run ends bitwise where an
+uninterrupted one ends (one process and 2 under torchrun); Ctrl-C at any moment
+exits promptly with 130 and one line, never hanging, never going on.
+
+Tiny model, 20,000-character corpus: 1,124 training windows of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, child_env, torchrun_cmd
+from test_snapshot import overrides, same_tensors, train_events
+
+# 141 steps per epoch in one process (batch 8), 71 with two; 2 epochs. The
+# uninterrupted references never save by time.
+RUN_ARGS = ["gpt_config.dropout=0.1", "trainer_config.max_epochs=2", "trainer_config.log_every=1",
+            "trainer_config.save_every_minutes=null"]
+TORCHRUN_SIGNALS = "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1"
+DEADLINE = 600  # seconds for all the runs together: generous, for a loaded machine
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, corpus):
+    path = tmp_path_factory.mktemp("signals") / "small.txt"
+    path.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    return path
+
+
+def launch(cwd, nproc: int, name: str, data, *extra: str, env=None, script=REPO / "main.py") -> subprocess.Popen:
+    """The run `name` in the background, its stderr to cwd/<name>-<n>.err (n: 1, 2, ... per launch)."""
+    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone", TORCHRUN_SIGNALS)
+    args = overrides(f"data_config.path={data}", *RUN_ARGS, f"trainer_config.run_name={name}", *extra)
+    err = next(cwd / f"{name}-{n}.err" for n in range(1, 100) if not (cwd / f"{name}-{n}.err").exists())
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([*launcher, str(script), *args], cwd=cwd, env={**child_env(), **(env or {})},
+                                stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
+    proc.stderr_path = err
+    return proc
+
+
+def train_lines(proc_dir) -> int:
+    path = proc_dir / "metrics.jsonl"
+    return path.read_text().count('"split": "train"') if path.exists() else 0
+
+
+PROBE_ARGS = ["trainer_config.eval_every=5", "trainer_config.save_every_steps=5", "trainer_config.max_steps=8",
+              "trainer_config.sample_chars=10"]
+
+
+class Job:
+    """A process and what to do to it, in order: (condition, action) pairs.
+    An action may return a new Job (the run resumed)."""
+
+    def __init__(self, proc: subprocess.Popen, steps=()):
+        self.proc, self.steps, self.stderr = proc, list(steps), None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    """Every run of this module at once, on a loaded machine: SIGTERM mid-epoch to
+    one process and to torchrun with 2 workers, each resumed afterwards, beside
+    their uninterrupted references; and Ctrl-C at each moment of tests/stop_probe.py.
+    {name: (status, stderr, run directory)}."""
+    cwd = tmp_path_factory.mktemp("runs")
+    sigterm = lambda job: os.kill(job.proc.pid, signal.SIGTERM)  # noqa: E731
+    sigint = lambda job: os.kill(job.proc.pid, signal.SIGINT)  # noqa: E731
+    time_saves = "trainer_config.save_every_minutes=0.002"  # every 0.12 s: at machine-dependent steps
+    jobs: dict[str, Job] = {}
+    for nproc in (1, 2):
+        jobs[f"reference-{nproc}"] = Job(launch(cwd, nproc, f"reference-{nproc}", data))
+        run_dir = cwd / "runs" / f"stopped-{nproc}"
+        resume = lambda job, nproc=nproc: Job(launch(cwd, nproc, f"stopped-{nproc}", data, time_saves))  # noqa: E731
+        jobs[f"stopped-{nproc}"] = Job(launch(cwd, nproc, f"stopped-{nproc}", data, time_saves), [
+            (lambda run_dir=run_dir: train_lines(run_dir) >= 10, sigterm),
+            (None, lambda job, nproc=nproc, resume=resume: jobs.setdefault(f"resumed-{nproc}", resume(job))),
+        ])
+    for moment in ("import", "load", "eval", "save", "sample", "save-hang"):
+        marker = cwd / f"at-{moment}"
+        env = {"STOP_PROBE": moment, "STOP_PROBE_FILE": str(marker)}
+        proc = launch(cwd, 1, moment, data, *PROBE_ARGS, env=env, script=REPO / "tests" / "stop_probe.py")
+        steps = [(marker.exists, sigint)]
+        if moment == "save-hang":
+            steps.append((Path(f"{marker}.stopping").exists, sigint))
+        jobs[moment] = Job(proc, steps)
+    deadline = time.monotonic() + DEADLINE
+    try:
+        while any(job.steps or job.stderr is None for job in list(jobs.values())):
+            assert time.monotonic() < deadline, {name: job.steps for name, job in jobs.items()}
+            for name, job in list(jobs.items()):
+                if job.stderr is None and job.proc.poll() is not None:
+                    job.stderr = job.proc.stderr_path.read_text()
+                if job.steps:
+                    condition, action = job.steps[0]
+                    if condition is None and job.stderr is not None or condition is not None and condition():
+                        job.steps.pop(0)
+                        action(job)
+                    elif job.stderr is not None and condition is not None:
+                        pytest.fail(f"{name} ended before it was signalled: {job.stderr[-3000:]}")
+            time.sleep(0.02)
+    finally:
+        for job in jobs.values():
+            if job.proc.poll() is None:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+    return {name: (job.proc.returncode, job.stderr, cwd / "runs" / name.replace("resumed", "stopped"))
+            for name, job in jobs.items()}
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2"])
+def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identical(runs, nproc):
+    steps_per_epoch = 141 if nproc == 1 else 71
+    status, stderr, run_dir = runs[f"stopped-{nproc}"]
+    # One process exits 143; torchrun forwards the signal to its workers, which save and exit 143
+    # each, then ends with its own SignalException traceback and status 1.
+    assert status == (143 if nproc == 1 else 1), stderr[-3000:]
+    assert stderr.count("Traceback") == nproc - 1, stderr[-3000:]
+    stop_line = next(line for line in stderr.splitlines() if line.startswith("error: "))
+    step = int(stop_line.split("at step ")[1].split(";")[0])
+    assert stderr.count(f"error: stopped by SIGTERM at step {step}; the snapshot {run_dir / 'snapshot.pt'} "
+                        "resumes the run (SIGTERM, exit status 143)\n") == nproc, stderr[-3000:]
+    # Saved at the step reached, in the middle of epoch 0: the last step trained and logged.
+    assert f"saved snapshot {run_dir / 'snapshot.pt'} at step {step} " in stderr
+    assert 10 <= step < steps_per_epoch and f"train step {step} " in stderr and f"train step {step + 1} " not in stderr
+    assert stderr.count("saved snapshot") >= 2, stderr[-3000:]  # also by time, at machine-dependent steps
+
+    status, resumed_err, _ = runs[f"resumed-{nproc}"]
+    assert status == 0, resumed_err[-3000:]
+    assert f"resumed from {run_dir / 'snapshot.pt'}: epoch 0, " in resumed_err and f"step {step}\n" in resumed_err
+    final = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    reference_dir = runs[f"reference-{nproc}"][2]
+    expected = torch.load(reference_dir / "snapshot.pt", weights_only=True)
+    assert final["step"] == expected["step"] == 2 * steps_per_epoch
+    assert same_tensors(final["model_state"], expected["model_state"])
+    assert all(same_tensors(final["optimizer_state"]["state"][k], expected["optimizer_state"]["state"][k])
+               for k in expected["optimizer_state"]["state"])
+    assert train_events(run_dir) == train_events(reference_dir)
+
+
+@pytest.mark.parametrize("moment", ["import", "load", "sample"])
+def test_ctrl_c_outside_training_exits_at_once(runs, moment):
+    """Before training (nothing to save) and after the last save (nothing to lose)."""
+    status, stderr, run_dir = runs[moment]
+    assert status == 130, stderr[-3000:]
+    assert stderr.splitlines()[-1] == "error: interrupted, exiting at once", stderr[-3000:]
+    assert "Traceback" not in stderr
+    if moment == "sample":
+        assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == 8
+    else:
+        assert not (run_dir / "snapshot.pt").exists()
+
+
+@pytest.mark.parametrize("moment", ["eval", "save"])
+def test_ctrl_c_during_training_saves_and_stops(runs, moment):
+    """During the evaluation at step 5 (dropped: not recorded) the run stops at
+    step 5; during the save at step 5, after step 6 (the next step boundary)."""
+    status, stderr, run_dir = runs[moment]
+    step = 5 if moment == "eval" else 6
+    assert status == 130, stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith(f"error: interrupted at step {step}; the snapshot"), stderr[-3000:]
+    assert "Traceback" not in stderr and f"train step {step + 1} " not in stderr  # it did not go on
+    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == step
+    if moment == "eval":
+        assert "evaluation at step 5 interrupted by a stop signal: not recorded" in stderr
+        assert "eval step" not in stderr
+
+
+def test_second_ctrl_c_exits_at_once(runs):
+    """The first Ctrl-C comes during a save that never ends; the second ends the process."""
+    status, stderr, run_dir = runs["save-hang"]
+    assert status == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == "error: interrupted again, exiting at once", stderr[-3000:]
+    assert "SIGINT received: stopping at the end of this step, after saving a snapshot (Ctrl-C again" in stderr
+    assert not (run_dir / "snapshot.pt").exists()
