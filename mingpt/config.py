@@ -30,6 +30,11 @@ def check(ok: bool, key: str, problem: str) -> None:
         raise ConfigError(f"{key}: {problem}")
 
 
+def check_seed(value: int, key: str) -> None:
+    """torch takes seeds of 64 bits; the runs add the step or epoch to it."""
+    check(0 <= value < 2**63, key, f"must be in [0, 2**63), got {value}")
+
+
 def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
@@ -80,13 +85,17 @@ class OptimizerConfig:
             "optimizer_config.learning_rate",
             f"must be > 0, got {self.learning_rate}",
         )
-        check(self.weight_decay >= 0, "optimizer_config.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "optimizer_config.weight_decay", f"must be a finite number >= 0, got {self.weight_decay}",
+        )
         check(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
             "optimizer_config.betas",
             f"must be two numbers in [0, 1), got {list(self.betas)}",
         )
-        check(self.eps > 0, "optimizer_config.eps", f"must be > 0, got {self.eps}")
+        check(math.isfinite(self.eps) and self.eps > 0, "optimizer_config.eps",
+              f"must be a finite number > 0, got {self.eps}")
         one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
         check(self.warmup_steps >= 0, "optimizer_config.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check(
@@ -184,6 +193,10 @@ class TrainerConfig:
         positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank")
         for key in positive:
             check(getattr(self, key) >= 1, f"trainer_config.{key}", f"must be >= 1, got {getattr(self, key)}")
+        per_step = self.batch_size * self.grad_accum_steps
+        check(per_step < 2**31, "trainer_config.grad_accum_steps",
+              f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}")
+        check_seed(self.seed, "trainer_config.seed")
         for key in ("max_steps", "save_every_steps"):
             value = getattr(self, key)
             check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")

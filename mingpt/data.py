@@ -17,6 +17,7 @@ import fsspec
 import torch
 from torch.utils.data import DistributedSampler
 
+from mingpt.checkpoint import reason, storage_errors
 from mingpt.config import DEFAULT_DATA_PATH, DataConfig
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,8 @@ def read_text(path: str) -> str:
             raw = f.read()
     except FileNotFoundError:
         raise DataError(f"data file not found: {path}") from None
-    except (OSError, ValueError, ImportError) as e:
-        raise DataError(f"cannot read data file {path}: {e}") from None
+    except (*storage_errors(), ValueError, ImportError) as e:  # an unreachable object store included
+        raise DataError(f"cannot read data file {path}: {reason(e)}") from None
     if not raw:
         raise DataError(f"data file is empty: {path}")
     try:

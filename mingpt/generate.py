@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import checkpoint
 from mingpt.checkpoint import SnapshotError
-from mingpt.config import ConfigError, GPTConfig, check, one_of
+from mingpt.config import ConfigError, GPTConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
 from mingpt.distributed import pick_device, setup_logging
 from mingpt.model import GPT
@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 class PromptError(ValueError):
     """The prompt cannot be read or does not fit the snapshot's vocabulary."""
+
+
+class OutputError(ValueError):
+    """The text cannot be written to stdout (closed, or a full device)."""
 
 
 @dataclass
@@ -74,6 +78,7 @@ class GenerateConfig:
         check(self.top_k is None or self.top_k >= 1, "top_k", f"must be >= 1 or null, got {self.top_k}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
+        check_seed(self.seed, "seed")
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
@@ -114,7 +119,9 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
             raise ValueError(f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}")
         with torch.device("meta"):  # no time spent initialising weights about to be replaced
             model = GPT(config)
-        model.load_state_dict(state["model_state"], assign=True)
+        # As training keeps them: float32, whatever precision the file holds.
+        weights = {name: tensor.float() for name, tensor in state["model_state"].items()}
+        model.load_state_dict(weights, assign=True)
     except (TypeError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SnapshotError(f"snapshot {path} cannot be used: {first}") from None
@@ -129,8 +136,8 @@ def read_prompt(config: GenerateConfig) -> str:
             return f.read()
     except FileNotFoundError:
         raise PromptError(f"prompt_file not found: {config.prompt_file}") from None
-    except (OSError, ValueError, ImportError) as e:  # UnicodeDecodeError is a ValueError
-        raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {e}") from None
+    except (*checkpoint.storage_errors(), ValueError, ImportError) as e:  # UnicodeDecodeError is a ValueError
+        raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {checkpoint.reason(e)}") from None
 
 
 def encode_prompt(prompt: str, tokenizer: CharTokenizer) -> torch.Tensor:
@@ -145,8 +152,15 @@ def encode_prompt(prompt: str, tokenizer: CharTokenizer) -> torch.Tensor:
 
 
 def write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        raise OutputError("stdout is closed: nowhere to write the text")
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away, e.g. `| head`: not an error of ours
+        raise
+    except OSError as e:  # e.g. `>/dev/full`
+        raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
 def run(config: GenerateConfig) -> None:
@@ -185,7 +199,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
         setup_logging(rank=0)
         run(parse_args(argv))
-    except (ConfigError, SnapshotError, PromptError) as e:
+    except (ConfigError, SnapshotError, PromptError, OutputError) as e:
+        if isinstance(e, OutputError) and sys.stdout is not None:  # the exit's flush would fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -11,19 +11,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 from typing import NoReturn
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
-from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
-from mingpt.checkpoint import SnapshotError
+from mingpt.checkpoint import SnapshotError, check_writable
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, register_configs
 from mingpt.data import DataError, download_corpus, load_data
 from mingpt.distributed import barrier, distributed, setup_logging
@@ -48,6 +49,23 @@ def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTC
     return dataclasses.replace(gpt_config, vocab_size=vocab_size, block_size=block_size)
 
 
+def build_model(gpt_config: GPTConfig) -> GPT:
+    """The model, or ConfigError with its size when its weights do not fit in memory."""
+    try:
+        return GPT(gpt_config)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        asked = re.search(r"(?:tried to allocate|allocate) ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))
+        if not isinstance(e, MemoryError) and not re.search(r"can't allocate memory|out of memory", str(e)):
+            raise
+        d, v, b = gpt_config.n_embd, gpt_config.vocab_size, gpt_config.block_size
+        params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
+        raise ConfigError(
+            f"gpt_config: the model does not fit in memory: {params:,} parameters "
+            f"({params * 4 / 1e9:,.0f} GB of float32 weights, about 4x that to train with AdamW); "
+            f"allocating {asked.group(1) if asked else 'them'} failed"
+        ) from None
+
+
 def run(config: Config, run_dir: str, files: dict[str, str] | None = None) -> None:
     """Train in `run_dir`. Everything that can refuse the run (the corpus, the
     directory's owner, the snapshot's compatibility) comes before the first
@@ -55,6 +73,7 @@ def run(config: Config, run_dir: str, files: dict[str, str] | None = None) -> No
     with distributed(config.trainer_config.device) as dist_info:
         setup_logging(dist_info.rank)
         log_buffer = hold_log_lines(dist_info.rank)
+        check_writable(run_dir, resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir))
         log.info("run directory %s", os.path.abspath(run_dir))
         data_path = config.data_config.path
         if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
@@ -64,7 +83,7 @@ def run(config: Config, run_dir: str, files: dict[str, str] | None = None) -> No
         data = load_data(config.data_config)
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         torch.manual_seed(config.trainer_config.seed)
-        model = GPT(config.gpt_config)
+        model = build_model(config.gpt_config)
         snapshot_path = resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir)
         with claim(run_dir, snapshot_path, dist_info, log_buffer) as owned:
             trainer = Trainer(config, model, data, dist_info, run_dir)  # refuses a snapshot that does not fit
@@ -81,14 +100,38 @@ def fail(message: str, status: int = 2) -> NoReturn:
 
 def config_error_line(error: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error: the key and the problem."""
+    if isinstance(error, OverrideParseException):
+        return override_error_line(error.override)
+    # Hydra chains the real error through __cause__ or, while composing a file, __context__.
+    where = re.match(r"In '([^']+)'", str(error))
     cause: BaseException | None = error
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
-            return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-        cause = cause.__cause__
+            line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+            return f"in {where.group(1)}: {line}" if where else line
+        cause = cause.__cause__ or cause.__context__
     line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     options = getattr(error, "options", None)
     return f"{line} (choices: {', '.join(options)})" if options else line
+
+
+def override_error_line(override: str) -> str:
+    """Which override Hydra could not parse, and how to write it."""
+    key, _, value = override.partition("=")
+    if not re.fullmatch(r"[~+]{0,2}[A-Za-z_][\w.@/-]*", key, re.ASCII):
+        return f"cannot parse the override {override!r}: a key is ASCII letters, digits, '_' and '.'"
+    quoted = f"'{key}=\"{value}\"'" if '"' not in value else f"\"{key}='{value}'\""
+    home = " (~ is not expanded inside it: write $HOME instead)" if value.startswith("~") else ""
+    return f"cannot parse the override {override!r}: quote the value, as in {quoted}{home}"
+
+
+def check_group_overrides(overrides: list[str]) -> None:
+    """`~group` drops a config group from the defaults; `group=NAME` beside it would silently go with it."""
+    dropped = {item[1:].partition("=")[0] for item in overrides if item.startswith("~")}
+    for item in overrides:
+        key, sep, _ = item.lstrip("+").partition("=")
+        if sep and not item.startswith("~") and key in dropped:
+            raise ConfigError(f"{item}: ~{key} drops the {key} group and with it this choice; give one of them")
 
 
 register_configs()
@@ -104,6 +147,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         if hydra_cfg.mode == RunMode.RUN:
             check_run_dir_setting(hydra_cfg.run.dir)
+        check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))  # unresolved
         check_known_keys(cfg)
         config = OmegaConf.to_object(cfg)
         stopping.install(config.trainer_config.stop_signals)
@@ -113,6 +157,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         run(config, hydra_cfg.runtime.output_dir, files)
     except USER_ERRORS as e:
         fail(str(e))
+    except OmegaConfBaseException as e:  # an interpolation that cannot be resolved
+        fail(config_error_line(e))
     except stopping.Stopped as e:
         fail(str(e), status=e.status)
     finally:

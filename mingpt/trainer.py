@@ -96,7 +96,10 @@ class Trainer:
         self.raw_model = model.to(device)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         self.progress = Progress()
-        self._saved_step: int | None = None  # the step of this process's last snapshot
+        # The first step whose loss was not finite (0: none yet), kept on the device so that
+        # checking every step costs no host sync; read where the loop syncs anyway.
+        self.nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
+        self.saved_step: int | None = None  # the step of the snapshot at snapshot_path, if any
         self._last_save = time.monotonic()
         self._slow: dict[str, bool] = {}  # whether the last save / evaluation took long
         if checkpoint.exists(self.snapshot_path):
@@ -169,6 +172,8 @@ class Trainer:
         # Empty when resuming a snapshot of the epoch's last step: only the epoch's end is left.
         for indices in order.split(self.samples_per_step) if len(order) else ():
             loss, grad_norm, lr = self.train_step(indices)
+            if self.device.type == "cpu" and not self.dist.is_distributed:
+                self._check_diverged(p.step + 1)  # free on a CPU: stop at the step itself
             p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
             p.step += 1
             self._window_steps += 1
@@ -197,19 +202,19 @@ class Trainer:
         """Log the last step's loss (mean over ranks) and the tokens/s since the last log.
         Every rank takes part (the mean is an all-reduce), so all stop together on divergence."""
         p = self.progress
+        self._check_diverged(p.step)
         loss = self._global_mean(loss)
         if not math.isfinite(loss):
-            raise TrainingError(
-                f"training diverged: loss is {loss} at step {p.step}; "
-                f"the last good snapshot is kept at {self.snapshot_path}"
-            )
+            raise TrainingError(f"training diverged: the loss is {loss} at step {p.step}; {self._kept()}")
+        grad_norm = float(grad_norm)
+        grad_norm = grad_norm if math.isfinite(grad_norm) else None  # an fp16 step the GradScaler skipped
         tokens = self._window_steps * self.samples_per_step * self.dist.world_size * self.train_windows.block_size
         tokens_per_s = tokens / (time.perf_counter() - self._window_start)
         # Elapsed and ETA (at this session's pace so far, evaluations and saves included) go
         # to the log line only: metrics.jsonl holds the same records for any machine.
         elapsed = time.monotonic() - self._started
         eta = elapsed / max(1, p.step - self._start_step) * (self.total_steps - p.step)
-        self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=float(grad_norm),
+        self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
                          tokens_per_s=tokens_per_s, note=f"elapsed {_duration(elapsed)} eta {_duration(eta)}")
         self._window_start, self._window_steps = time.perf_counter(), 0
 
@@ -234,6 +239,24 @@ class Trainer:
             signum, f"{stopping.describe(signum)} at step {self.progress.step}; the snapshot {self.snapshot_path} "
             f"resumes the run ({stopping.signal_name(signum)}, exit status {stopping.exit_status(signum)})",
         )
+
+    def _check_diverged(self, step: int) -> None:
+        """Stop if the loss was not finite at any step so far (all ranks agree:
+        the flag is all-reduced, so every rank must call this at the same step)."""
+        flag = self.nonfinite_step
+        if self.dist.is_distributed:
+            flag = flag.clone()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        first = int(flag)  # the host sync
+        if first:
+            found = "" if first == step else f" (found at step {step})"
+            raise TrainingError(f"training diverged: the loss is not finite at step {first}{found}; {self._kept()}")
+
+    def _kept(self) -> str:
+        """What is left to resume from, truthfully."""
+        if self.saved_step is None:
+            return f"no snapshot was written yet ({self.snapshot_path})"
+        return f"the last good snapshot is kept at {self.snapshot_path}, step {self.saved_step}"
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
@@ -269,6 +292,8 @@ class Trainer:
                     _, loss = self.model(x, y)
                 self.scaler.scale(loss * weight).backward()
             step_loss += loss.detach() * weight
+        bad = (self.nonfinite_step == 0) & ~torch.isfinite(step_loss)
+        self.nonfinite_step = torch.where(bad, p.step + 1, self.nonfinite_step)
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_norm_clip)
         self.scaler.step(self.optimizer)
@@ -292,6 +317,7 @@ class Trainer:
         counts the tokens of its share of the non-overlapping held-out windows
         (padding excluded); the sums are gathered, so the global mean is the
         same for any world size."""
+        self._check_diverged(self.progress.step)
         p = self.progress
         start = time.monotonic()
         if self._slow.get("eval", True):
@@ -325,6 +351,8 @@ class Trainer:
             return math.nan
         loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
         per_rank = [s / c if c > 0 else None for s, c, _ in sums.tolist()]
+        if not math.isfinite(loss):  # the weights of the last update are not: no log, no sample
+            raise TrainingError(f"training diverged: the held-out loss is {loss} at step {p.step}; {self._kept()}")
         p.best_eval_loss = min(p.best_eval_loss, loss)
         self.metrics.log("eval", p.step, p.epoch, loss=loss, rank_losses=per_rank, tokens=int(sums[:, 1].sum()))
         if self.dist.is_main_process and self.cfg.sample_chars:
@@ -356,16 +384,14 @@ class Trainer:
         Every rank checks its replica (DDP keeps them identical), so all ranks stop together.
         Saving changes nothing in the training state (time-based saves come at any step);
         a second call at the same step does nothing."""
-        if self._saved_step == self.progress.step:
+        if self.saved_step == self.progress.step:
             return
+        self._check_diverged(self.progress.step)
         if not all(torch.isfinite(t).all() for t in self.raw_model.parameters()):
-            raise TrainingError(
-                f"weights are not finite at step {self.progress.step}; not saving over the last good snapshot "
-                f"{self.snapshot_path}"
-            )
-        self._saved_step = self.progress.step
+            raise TrainingError(f"weights are not finite at step {self.progress.step}, not saving; {self._kept()}")
         self._last_save = time.monotonic()
         if not self.dist.is_main_process:
+            self.saved_step = self.progress.step  # by rank 0
             return
         start = time.monotonic()
         if self._slow.get("save", True):
@@ -382,6 +408,7 @@ class Trainer:
                ("gpt_config", "optimizer_config", "data_config", "trainer_config")},
         }
         checkpoint.save(state, self.snapshot_path)
+        self.saved_step = self.progress.step
         seconds = time.monotonic() - start
         self._slow["save"] = seconds >= SLOW_SECONDS
         log.info("saved snapshot %s at step %d in %.2f s", self.snapshot_path, self.progress.step, seconds)
@@ -400,14 +427,17 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer_state"])
             if self.scaler.is_enabled() and state.get("scaler_state"):
                 self.scaler.load_state_dict(state["scaler_state"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise checkpoint.SnapshotError(f"snapshot {self.snapshot_path} cannot be restored: {e}") from None
+        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as e:
+            raise checkpoint.SnapshotError(
+                f"snapshot {self.snapshot_path} cannot be restored: {checkpoint.reason(e)}"
+            ) from None
         # The current config decides the hyperparameters, not the snapshot.
         opt_cfg = self.config.optimizer_config
         for group, decay in zip(self.optimizer.param_groups, (opt_cfg.weight_decay, 0.0)):
             group.update(weight_decay=decay, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
         fields = {f.name for f in dataclasses.fields(Progress)}
         self.progress = Progress(**{k: state[k] for k in fields if k in state})
+        self.saved_step = self.progress.step
         log.info(
             "resumed from %s: epoch %d, %d samples into it, step %d",
             self.snapshot_path, self.progress.epoch, self.progress.samples_in_epoch, self.progress.step,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,12 +121,13 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus
     assert train_steps(tmp_path / "resumed") == list(range(5, 106, 5)) + [108]  # no event twice
 
     # A learning rate of 1e6 turns the loss into NaN within three steps: the
-    # loss check at each logged step stops the run before the epoch's save.
+    # check after each step (free on a CPU) stops the run before the epoch's save.
     good = read_bytes(resumed_url)
     diverging = make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_epochs=4",
                              "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=null",
                              "trainer_config.log_every=1")
-    with pytest.raises(TrainingError, match=r"training diverged: loss is nan at step 1\d\d; the last good"):
+    kept = rf"the last good snapshot is kept at {resumed_url}, step 108$"
+    with pytest.raises(TrainingError, match=r"training diverged: the loss is not finite at step 1\d\d; " + kept):
         diverging.train()
     assert read_bytes(resumed_url) == good
     fsspec.filesystem("memory").rm([reference_url.split("://")[1], resumed_url.split("://")[1]])
@@ -242,8 +244,8 @@ def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
 
 def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_snapshot):
     """Two ranks resume the good snapshot (step 6) with a learning rate that
-    makes the weights NaN by step 8. The loss is logged only at the end, so the
-    weight check before the save at step 10 must catch it, on both ranks."""
+    makes the loss NaN by step 8. The loss is logged only at the end, so the
+    divergence flag, read at the save at step 10, must catch it, on both ranks."""
     tmp, good = good_snapshot
     snapshot = tmp_path / "snapshot.pt"
     snapshot.write_bytes(good.read_bytes())
@@ -253,8 +255,9 @@ def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0
     # Each rank stops with the same line (the two may interleave on the shared stderr).
-    line = f"error: weights are not finite at step 10; not saving over the last good snapshot {snapshot}"
-    assert proc.stderr.count(line) == 2, proc.stderr[-3000:]
+    kept = f"(found at step 10); the last good snapshot is kept at {snapshot}, step 6"
+    lines = re.findall(r"error: training diverged: the loss is not finite at step [789] " + re.escape(kept), proc.stderr)
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]
     assert snapshot.read_bytes() == good.read_bytes()
 
 

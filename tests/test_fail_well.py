@@ -1,0 +1,376 @@
+"""Failing well: damaged snapshots, storage faults, divergence, and bad input
+that once ended in a traceback. Each ends with one `error:` line and exit
+status 2 (in-process: the one exception that becomes that line), and nothing
+good is lost.
+
+One tiny snapshot is trained in-process once; the damaged variants are made
+from its bytes, and the command-line runs go two at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from conftest import REPO, TINY, child_env, run_main
+from mingpt import checkpoint
+from mingpt.config import Config, ConfigError, GPTConfig
+from mingpt.data import load_data
+from mingpt.distributed import DistInfo
+from mingpt.generate import load_model, parse_args
+from mingpt.model import GPT
+from mingpt.sample import generate
+from mingpt.train import CONF_DIR, build_model, check_group_overrides, config_error_line, fit_to_data
+from mingpt.trainer import Trainer, TrainingError
+
+
+def overrides(corpus: Path, *extra: str) -> list[str]:
+    """TINY on CPU without samples on `corpus`, then `extra` (a later key replaces an earlier one)."""
+    merged = {}
+    for item in [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", f"data_config.path={corpus}",
+                 *extra]:
+        key, value = item.split("=", 1)
+        merged[key] = value
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
+def make_trainer(run_dir: Path, corpus: Path, *extra: str) -> Trainer:
+    """A single-process Trainer built as main.py builds it."""
+    dotlist = overrides(corpus, *extra)
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist)))
+    data = load_data(config.data_config)
+    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+    torch.manual_seed(config.trainer_config.seed)
+    return Trainer(config, GPT(config.gpt_config), data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+
+
+def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit status 2, and stderr ends in exactly one `error:` line holding every fragment, no traceback."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and proc.stderr.rstrip().endswith(lines[0]), proc.stderr[-3000:]
+    assert all(f in lines[0] for f in fragments), lines[0]
+    return lines[0]
+
+
+def flip_byte(data: bytes, record: str, offset: int = 5) -> bytes:
+    """`data` (a torch.save zip) with one bit flipped inside the bytes of `record`."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(record))
+    name_len, extra_len = int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"), \
+        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+    start = info.header_offset + 30 + name_len + extra_len
+    damaged = bytearray(data)
+    damaged[start + offset] ^= 0x01
+    return bytes(damaged)
+
+
+def strict_json(line: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"non-finite {constant} in {line}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def snap(tmp_path_factory, corpus):
+    """A 3-step run of the tiny model (in-process, one thread): (work directory, snapshot path)."""
+    work = tmp_path_factory.mktemp("fail-well")
+    (work / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        make_trainer(work / "run", work / "small.txt", "trainer_config.max_steps=3").train()
+    finally:
+        torch.set_num_threads(threads)
+    return work, work / "run" / "snapshot.pt"
+
+
+def save_variant(snap, name: str, change) -> Path:
+    """A valid torch file (checksums right) holding the snapshot's state after `change(state)`."""
+    work, path = snap
+    state = torch.load(path, weights_only=True)
+    change(state)
+    target = work / name
+    torch.save(state, target)
+    return target
+
+
+# ------------------------------------------------------- command-line runs
+
+
+def generate_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mingpt.generate", *args]
+
+
+def limit_file_size(limit: int):
+    """For preexec_fn: writes past `limit` bytes fail with EFBIG (instead of SIGXFSZ killing the process)."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.fixture(scope="module")
+def runs(snap) -> dict[str, subprocess.CompletedProcess]:
+    """Each bad case through the real command, two at a time; {case: finished process}."""
+    work, good = snap
+    small = work / "small.txt"
+    good_bytes = good.read_bytes()
+    (work / "damaged.pt").write_bytes(flip_byte(good_bytes, "data/0"))
+    (work / "resume").mkdir()
+    (work / "resume" / "snapshot.pt").write_bytes((work / "damaged.pt").read_bytes())
+    (work / "afile").write_text("a file where a directory should be\n")
+    # A run that resumes the good snapshot at step 3 and saves at step 6 into a
+    # file-size limit of half a snapshot: the write fails part-way through.
+    (work / "full").mkdir()
+    shutil.copy(good, work / "full" / "snapshot.pt")
+    env = child_env()
+
+    def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        return subprocess.run(args, cwd=work, env=env, stderr=subprocess.PIPE, text=True, timeout=180, **kwargs)
+
+    cases = {
+        "resume_damaged": lambda: run_main(overrides(small, "trainer_config.max_steps=3",
+                                                     f"trainer_config.snapshot_path={work / 'resume' / 'snapshot.pt'}"),
+                                           work),
+        "interpolation": lambda: run_main(overrides(small, "data_config.path=${nope}"), work),
+        "unwritable": lambda: run_main(overrides(small, "trainer_config.run_name=unwritable",
+                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshot.pt'}"), work),
+        "save_fails": lambda: run([sys.executable, str(REPO / "main.py"), *overrides(
+            small, "trainer_config.max_steps=6", f"hydra.run.dir={work / 'full'}")],
+            preexec_fn=limit_file_size(len(good_bytes) // 2)),
+        "stdout_closed": lambda: run(generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"),
+                                     stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1)),
+    }
+    with open("/dev/full", "w") as full:
+        cases["dev_full"] = lambda: run(generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"), stdout=full)
+        with ThreadPoolExecutor(2) as pool:
+            return dict(zip(cases, pool.map(lambda case: case(), cases.values())))
+
+
+# ---------------------------------------------------------------- integrity
+
+
+def test_torch_records_carry_real_checksums(snap):
+    """The zip's CRC-32s are real (torch computes them): a flipped bit is found in any record."""
+    _, good = snap
+    data = good.read_bytes()
+    checkpoint.verify(data, "good")
+    for record in ("data.pkl", "data/0", "data/3"):
+        with pytest.raises(checkpoint.SnapshotError, match=rf"snapshot x is damaged: the checksum of its record "
+                                                             rf"\S*{record} does not match"):
+            checkpoint.verify(flip_byte(data, record), "x")
+
+
+def test_resume_from_a_damaged_snapshot_stops_and_keeps_it(snap, runs):
+    """One flipped bit in a weight: resume stops (it used to say 'run already complete', exit 0)."""
+    work, good = snap
+    path = work / "resume" / "snapshot.pt"
+    one_error_line(runs["resume_damaged"], f"snapshot {path} is damaged", "checksum", "does not match")
+    assert path.read_bytes() == flip_byte(good.read_bytes(), "data/0")  # left for inspection, not replaced
+
+
+def test_generate_refuses_a_damaged_snapshot(snap, tmp_path):
+    """(test_generate checks that a SnapshotError is one line of the command.)"""
+    _, good = snap
+    (tmp_path / "damaged.pt").write_bytes(flip_byte(good.read_bytes(), "data/0"))
+    with pytest.raises(checkpoint.SnapshotError, match=f"snapshot {tmp_path / 'damaged.pt'} is damaged: the checksum"):
+        load_model(str(tmp_path / "damaged.pt"), torch.device("cpu"))
+
+
+def test_damaged_pickle_is_reported_as_damage(snap, tmp_path):
+    """Damage in data.pkl is damage, not 'pickled objects other than tensors ... ()'."""
+    _, good = snap
+    data = good.read_bytes()
+    (tmp_path / "flipped.pt").write_bytes(flip_byte(data, "data.pkl", offset=0))
+    with pytest.raises(checkpoint.SnapshotError, match=r"is damaged: the checksum of its record \S*data.pkl"):
+        checkpoint.load(str(tmp_path / "flipped.pt"))
+    # The same damage with the checksums rewritten to match: the pickle itself cannot be read.
+    rewritten = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(rewritten, "w") as dst:
+        for info in src.infolist():
+            content = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                content = bytes([content[0] ^ 0xFF]) + content[1:]
+            dst.writestr(info.filename, content)
+    (tmp_path / "rewritten.pt").write_bytes(rewritten.getvalue())
+    with pytest.raises(checkpoint.SnapshotError) as e:
+        checkpoint.load(str(tmp_path / "rewritten.pt"))
+    assert "is damaged (its pickle cannot be read" in str(e.value) and "()" not in str(e.value), str(e.value)
+
+
+WRONG_FIELDS = {
+    "gpt_config": ([1, 2], "gpt_config must be a mapping, got list"),
+    "vocab": (65, "vocab must be a string, got int"),
+    "model_state": ([torch.zeros(2)], "model_state must be a mapping of names to tensors, got list"),
+    "epoch": ("0", "epoch must be a whole number >= 0, got str"),
+    "step": (-1, "step must be a whole number >= 0, got -1"),
+}
+
+
+@pytest.mark.parametrize("field", WRONG_FIELDS)
+def test_snapshot_fields_of_the_wrong_type_are_refused(snap, field):
+    value, message = WRONG_FIELDS[field]
+    path = save_variant(snap, f"wrong-{field}.pt", lambda s: s.update({field: value}))
+    with pytest.raises(checkpoint.SnapshotError, match=f"snapshot {path} is not usable: {message}"):
+        checkpoint.load(str(path))
+
+
+def test_snapshot_weights_that_are_not_floats_are_refused(snap):
+    path = save_variant(snap, "int-weights.pt",
+                        lambda s: s["model_state"].update({"wte.weight": torch.zeros(2, dtype=torch.long)}))
+    with pytest.raises(checkpoint.SnapshotError, match=r"model_state\['wte.weight'\] is torch.int64, not a float tensor"):
+        checkpoint.load(str(path))
+
+
+def test_generate_samples_from_float64_weights(snap, one_thread):
+    """Weights saved in float64 are used as float32 (a 'mixed dtype' traceback before)."""
+    path = save_variant(snap, "float64.pt", lambda s: s.update(
+        model_state={k: v.double() for k, v in s["model_state"].items()}))
+    model, tokenizer, _ = load_model(str(path), torch.device("cpu"))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert len(list(generate(model, tokenizer.encode("\n").long()[None], 5))) == 5
+
+
+def test_generate_refuses_non_finite_weights(snap):
+    path = save_variant(snap, "nonfinite.pt", lambda s: s["model_state"]["h.0.attn.c_attn.weight"][0].fill_(math.nan))
+    with pytest.raises(checkpoint.SnapshotError,
+                       match=f"snapshot {path} has non-finite weights .nan or inf in h.0.attn.c_attn.weight."):
+        load_model(str(path), torch.device("cpu"))
+
+
+# --------------------------------------------------------------- divergence
+
+
+def test_divergence_with_evaluation_before_logging(tmp_path, small_corpus, one_thread):
+    """eval_every < log_every, no snapshot yet: the run stops with a truthful
+    line (it used to crash in sampling), and the logs hold only finite numbers."""
+    trainer = make_trainer(tmp_path, small_corpus, "optimizer_config.learning_rate=1e6", "trainer_config.eval_every=1",
+                           "trainer_config.log_every=1000", "trainer_config.sample_chars=20",
+                           "trainer_config.max_steps=50", "optimizer_config.warmup_steps=0")
+    with pytest.raises(TrainingError, match=r"^training diverged: .* at step \d; no snapshot was written yet "):
+        trainer.train()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert all(strict_json(line)["split"] == "eval" for line in lines)  # finite, or not written at all
+    assert not (tmp_path / "snapshot.pt").exists()
+
+
+# ----------------------------------------------------------------- storage
+
+
+def test_unwritable_snapshot_location_stops_before_training(snap, runs):
+    """A file where the snapshot's directory should be: refused at start, not after training to the first save."""
+    work, _ = snap
+    proc = runs["unwritable"]
+    one_error_line(proc, f"cannot write to the snapshot path {work / 'afile' / 'snapshot.pt'}")
+    assert "train step" not in proc.stderr and not (work / "runs" / "unwritable" / "metrics.jsonl").exists()
+
+
+def test_storage_that_cannot_be_written_is_one_error(tmp_path):
+    for snapshot in ("/proc/nope/snapshot.pt", "/sys/snapshot.pt"):
+        with pytest.raises(checkpoint.StorageError, match=f"cannot write to the snapshot path {snapshot}: "):
+            checkpoint.check_writable(str(tmp_path), snapshot)
+    with pytest.raises(checkpoint.StorageError, match=r"cannot save snapshot /sys/snapshot.pt: .*; the file there"):
+        checkpoint.save({"step": 1}, "/sys/snapshot.pt")
+
+
+def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
+    """The file-size limit stops the snapshot's write part-way (EFBIG), as a full disk would."""
+    work, good = snap
+    path = work / "full" / "snapshot.pt"
+    one_error_line(runs["save_fails"], f"cannot save snapshot {path}: [Errno 27] File too large",
+                   "the file there before is unchanged")
+    assert path.read_bytes() == good.read_bytes()
+    assert not list(path.parent.glob("snapshot.pt.tmp-*"))
+    events = [strict_json(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
+    # Resumed at step 3: logged at 5 and at the last step, evaluated, then the save failed.
+    assert [(e["split"], e["step"]) for e in events] == [("train", 5), ("train", 6), ("eval", 6)]
+
+
+# ------------------------------------------------- tracebacks, now one line
+
+
+def composed(*items: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("config", overrides=list(items))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer_config.seed=99999999999999999999999", "trainer_config.seed"),
+    ("trainer_config.grad_accum_steps=100000000000000000000", "trainer_config.grad_accum_steps"),
+    ("optimizer_config.eps=inf", "optimizer_config.eps"),
+    ("optimizer_config.weight_decay=inf", "optimizer_config.weight_decay"),
+])
+def test_values_torch_cannot_take_are_refused(override, key):
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        OmegaConf.to_object(composed(override))
+
+
+def test_generate_refuses_a_seed_beyond_64_bits():
+    with pytest.raises(ConfigError, match=r"^seed: must be in \[0, 2\*\*63\)"):
+        parse_args(["seed=99999999999999999999999"])
+
+
+def test_a_model_too_large_for_memory_is_one_line():
+    config = GPTConfig(n_layer=1, n_head=1, n_embd=3_000_000, vocab_size=1, block_size=1)
+    with pytest.raises(ConfigError, match=r"^gpt_config: the model does not fit in memory: 108,000,0\d\d,000,00\d "
+                                          r"parameters .* allocating 108000000000000 bytes failed"):
+        build_model(config)
+
+
+def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
+    one_error_line(runs["stdout_closed"], "stdout is closed")
+    one_error_line(runs["dev_full"], "cannot write the text to stdout: No space left on device")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data_config.path=~/x.txt", """quote the value, as in 'data_config.path="~/x.txt"' (~ is not expanded"""),
+    ("data_config.path=a=b", """quote the value, as in 'data_config.path="a=b"'"""),
+    ("trainer_config.ké=1", "a key is ASCII letters, digits, '_' and '.'"),
+])
+def test_unparseable_override_names_it_and_how_to_quote(override, expected):
+    with pytest.raises(HydraException) as e:
+        composed(override)
+    assert config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
+    if "quote" in expected:  # the advice works
+        quoted = expected.split("'")[1]
+        assert composed(quoted).data_config.path == override.split("=", 1)[1]
+
+
+def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer_config:\n  nope: 1\n")
+    with pytest.raises(HydraException) as e:
+        composed(f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo")
+    assert config_error_line(e.value) == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
+
+
+def test_interpolation_error_is_one_line(runs):
+    assert one_error_line(runs["interpolation"]) == "error: data_config.path: Interpolation key 'nope' not found"
+    assert runs["interpolation"].stderr.count("\n") == 1
+
+
+def test_dropping_a_group_and_choosing_from_it_is_refused():
+    with pytest.raises(ConfigError, match=r"^gpt_config=gpt2: ~gpt_config drops the gpt_config group"):
+        check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
+    check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
+    check_group_overrides(["gpt_config=gpt2"])

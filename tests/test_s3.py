@@ -1,0 +1,87 @@
+"""s3:// storage against a real S3 protocol server on localhost (moto), through
+s3fs: a run reads its corpus from and saves its snapshot to a bucket; a
+missing bucket and an unreachable endpoint are one line each.
+
+Needs the `test` and `s3` extras (pip install -e ".[test,s3]"), as CI installs them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fsspec
+import pytest
+import torch
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+from conftest import REPO, TINY, child_env, free_port  # noqa: E402
+from mingpt import checkpoint  # noqa: E402
+from mingpt.data import DataError, read_text  # noqa: E402
+from mingpt.generate import GenerateConfig, PromptError, read_prompt  # noqa: E402
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    """A moto S3 server on a free local port."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(endpoint, monkeypatch):
+    """fsspec's s3:// in this process pointed at `endpoint`, with a bucket `runs`: the S3 filesystem."""
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    if not fs.exists("runs"):
+        fs.mkdir("runs")
+    return fs
+
+
+def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
+    s3.pipe("runs/small.txt", corpus.read_bytes()[:20_000])
+    env = {**child_env(), **CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": endpoint}
+    args = [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", "trainer_config.max_steps=2",
+            "data_config.path=s3://runs/small.txt", "trainer_config.snapshot_path=s3://runs/run1/snapshot.pt"]
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert checkpoint.load("s3://runs/run1/snapshot.pt")["step"] == 2
+    assert s3.ls("runs/run1") == ["runs/run1/snapshot.pt"]  # no probe or temporary file left
+
+
+def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):
+    url = "s3://no-such-bucket/run1/snapshot.pt"
+    refused = rf"^cannot use snapshot path {url}: bucket 'no-such-bucket' does not exist \(create it first\)$"
+    with pytest.raises(checkpoint.StorageError, match=refused):  # at start
+        checkpoint.check_writable(str(tmp_path), url)
+    with pytest.raises(checkpoint.StorageError, match=refused):  # and at every save
+        checkpoint.save({"step": 1, "w": torch.zeros(2)}, url)
+    s3.invalidate_cache()
+    assert not s3.exists("no-such-bucket")
+
+
+def test_an_unreachable_endpoint_is_one_line(monkeypatch, tmp_path):
+    """Nothing listens on the port: botocore's EndpointConnectionError (not an OSError) becomes one line."""
+    for key, value in {**CREDENTIALS, "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{free_port()}",
+                                                   "skip_instance_cache": True})
+    cant_connect = "Could not connect to the endpoint URL"
+    with pytest.raises(DataError, match=f"^cannot read data file s3://runs/small.txt: {cant_connect}"):
+        read_text("s3://runs/small.txt")
+    with pytest.raises(checkpoint.StorageError, match=f"^cannot reach snapshot path s3://runs/s.pt: {cant_connect}"):
+        checkpoint.exists("s3://runs/s.pt")
+    with pytest.raises(checkpoint.StorageError, match=f"^cannot write to the snapshot path s3://runs/s.pt: {cant_connect}"):
+        checkpoint.check_writable(str(tmp_path), "s3://runs/s.pt")
+    with pytest.raises(PromptError, match=f"^prompt_file s3://runs/prompt.txt cannot be read: {cant_connect}"):
+        read_prompt(GenerateConfig(prompt_file="s3://runs/prompt.txt"))
