@@ -92,8 +92,32 @@ def _hydra_main(cfg: DictConfig) -> None:
         fail(str(e))
 
 
+def take_local_rank_argument(argv: list[str]) -> list[str]:
+    """Remove the `--local-rank=N` that the legacy launcher (`python -m
+    torch.distributed.launch` without --use-env) passes; also `--local_rank=N`
+    and `--local_rank N`. The launcher sets LOCAL_RANK too, and that stays the
+    source of truth: the argument only fills it in when it is missing."""
+    rest, given = [], None
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name not in ("--local-rank", "--local_rank"):
+            rest.append(arg)
+            continue
+        value = value if eq else next(args, "")
+        if not value.isdigit():
+            fail(f"{name}: expects a local rank (a number >= 0), got {value!r}")
+        given = value
+    if given is not None:
+        env = os.environ.setdefault("LOCAL_RANK", given)
+        if env != given:
+            fail(f"--local-rank={given} contradicts LOCAL_RANK={env} from the launcher's environment")
+    return rest
+
+
 def main() -> None:
     """Entry point of `python main.py` and `mingpt-train`."""
+    sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
     # Let composition errors reach us instead of Hydra's multi-line report;
     # any other exception is a bug and keeps its full traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"
