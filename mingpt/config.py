@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -200,6 +200,24 @@ def check_known_keys(cfg: Mapping) -> None:
         fields = {f.name for f in dataclasses.fields(sections[name])}
         for key in section:
             check(key in fields, f"{name}.{key}", f"unknown key (not a field of {sections[name].__name__})")
+
+
+# Keys of the PyTorch DDP minGPT tutorial's config file that mean nothing here:
+# a user's file that has them still runs, and the run says they are ignored.
+IGNORED_KEYS = {
+    ("trainer_config", "data_loader_workers"): "batches are slices of the token tensor already on the device, "
+    "so there is no DataLoader to give worker processes",
+}
+
+
+def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
+    """Remove IGNORED_KEYS from `cfg`; return one notice per key removed."""
+    notices = []
+    for (section, key), why in IGNORED_KEYS.items():
+        if isinstance(cfg.get(section), MutableMapping) and key in cfg[section]:
+            del cfg[section][key]
+            notices.append(f"{section}.{key} ignored: {why}")
+    return notices
 
 
 def register_configs() -> None:

@@ -11,17 +11,18 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import NoReturn, Sequence
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.checkpoint import SnapshotError
-from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, register_configs
+from mingpt.config import (DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, drop_ignored_keys,
+                           register_configs)
 from mingpt.data import DataError, download_corpus, load_data
 from mingpt.distributed import barrier, distributed, setup_logging
 from mingpt.model import GPT
@@ -44,9 +45,11 @@ def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTC
     return dataclasses.replace(gpt_config, vocab_size=vocab_size, block_size=block_size)
 
 
-def run(config: Config, run_dir: str) -> None:
+def run(config: Config, run_dir: str, notices: Sequence[str] = ()) -> None:
     with distributed(config.trainer_config.device) as dist_info:
         setup_logging(dist_info.rank, os.path.join(run_dir, "train.log"))
+        for notice in notices if dist_info.is_main_process else ():
+            log.warning(notice)
         log.info("run directory %s", os.path.abspath(run_dir))
         data_path = config.data_config.path
         if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
@@ -85,9 +88,16 @@ register_configs()
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     try:
+        with open_dict(cfg):
+            notices = drop_ignored_keys(cfg)
         check_known_keys(cfg)
-        config = OmegaConf.to_object(cfg)
-        run(config, HydraConfig.get().runtime.output_dir)
+        # A user's own file (--config-dir DIR --config-name NAME) need not build on
+        # base_config: the schema goes under it, so its keys and types are checked alike.
+        try:
+            config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+        except OmegaConfBaseException as e:  # a wrong type in the user's file
+            fail(config_error_line(e))
+        run(config, HydraConfig.get().runtime.output_dir, notices)
     except USER_ERRORS as e:
         fail(str(e))
 
