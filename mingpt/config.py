@@ -158,10 +158,18 @@ class TrainerConfig:
     # AMP on a CPU is ignored unless forced: without bf16 units it is far slower.
     amp_on_cpu: bool = False
     compile: bool = False
-    # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd".
+    # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd",
+    # "batched_powersgd", "post_local_sgd" (see mingpt/comm_hooks.py).
     ddp_comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_step: int = 10
+    # post_local_sgd: plain all-reduce for localsgd_start_step steps, then each
+    # replica steps on its own and all are averaged every localsgd_period steps.
+    # A replica is a rank, or with "node" the ranks of a node (their gradients
+    # are all-reduced every step).
+    localsgd_start_step: int = 100
+    localsgd_period: int = 4
+    localsgd_group: str = "rank"
 
     def __post_init__(self) -> None:
         check(bool(self.run_name) and "/" not in self.run_name, "trainer_config.run_name",
@@ -180,7 +188,13 @@ class TrainerConfig:
         check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
-        one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook", ("none", "fp16", "bf16", "powersgd"))
+        one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook",
+               ("none", "fp16", "bf16", "powersgd", "batched_powersgd", "post_local_sgd"))
+        check(self.localsgd_start_step >= 0, "trainer_config.localsgd_start_step",
+              f"must be >= 0, got {self.localsgd_start_step}")
+        check(self.localsgd_period >= 2, "trainer_config.localsgd_period",
+              f"must be >= 2 (1 averages every step: that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}")
+        one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
 
 
 @dataclass
