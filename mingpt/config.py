@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -177,7 +177,8 @@ class TrainerConfig:
     # AMP on a CPU is ignored unless forced: without bf16 units it is far slower.
     amp_on_cpu: bool = False
     compile: bool = False
-    # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd".
+    # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd",
+    # "batched_powersgd", "post_local_sgd" (see mingpt/comm_hooks.py).
     ddp_comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_step: int = 10
@@ -185,6 +186,13 @@ class TrainerConfig:
     # refused; true continues it with this config's values (more epochs, a lower
     # learning rate). The model's shape and vocabulary can never change.
     allow_config_change: bool = False
+    # post_local_sgd: plain all-reduce for localsgd_start_step steps, then each
+    # replica steps on its own and all are averaged every localsgd_period steps.
+    # A replica is a rank, or with "node" the ranks of a node (their gradients
+    # are all-reduced every step).
+    localsgd_start_step: int = 100
+    localsgd_period: int = 4
+    localsgd_group: str = "rank"
 
     def __post_init__(self) -> None:
         check(bool(self.run_name) and "/" not in self.run_name and self.run_name not in (".", ".."),
@@ -217,7 +225,13 @@ class TrainerConfig:
         check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
-        one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook", ("none", "fp16", "bf16", "powersgd"))
+        one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook",
+               ("none", "fp16", "bf16", "powersgd", "batched_powersgd", "post_local_sgd"))
+        check(self.localsgd_start_step >= 0, "trainer_config.localsgd_start_step",
+              f"must be >= 0, got {self.localsgd_start_step}")
+        check(self.localsgd_period >= 2, "trainer_config.localsgd_period",
+              f"must be >= 2 (1 averages every step: that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}")
+        one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
 
 
 @dataclass
@@ -258,6 +272,24 @@ def check_known_keys(cfg: Mapping) -> None:
         fields = {f.name for f in dataclasses.fields(sections[name])}
         for key in section:
             check(key in fields, f"{name}.{key}", f"unknown key (not a field of {sections[name].__name__})")
+
+
+# Keys of the PyTorch DDP minGPT tutorial's config file that mean nothing here:
+# a user's file that has them still runs, and the run says they are ignored.
+IGNORED_KEYS = {
+    ("trainer_config", "data_loader_workers"): "batches are slices of the token tensor already on the device, "
+    "so there is no DataLoader to give worker processes",
+}
+
+
+def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
+    """Remove IGNORED_KEYS from `cfg`; return one notice per key removed."""
+    notices = []
+    for (section, key), why in IGNORED_KEYS.items():
+        if isinstance(cfg.get(section), MutableMapping) and key in cfg[section]:
+            del cfg[section][key]
+            notices.append(f"{section}.{key} ignored: {why}")
+    return notices
 
 
 def register_configs() -> None:

@@ -13,19 +13,20 @@ import logging
 import os
 import re
 import sys
-from typing import NoReturn
+from typing import NoReturn, Sequence
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
 from mingpt.checkpoint import SnapshotError, check_writable
-from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, register_configs
+from mingpt.config import (DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, drop_ignored_keys,
+                           register_configs)
 from mingpt.data import DataError, download_corpus, load_data
 from mingpt.distributed import barrier, distributed, setup_logging
 from mingpt.model import GPT
@@ -66,13 +67,16 @@ def build_model(gpt_config: GPTConfig) -> GPT:
         ) from None
 
 
-def run(config: Config, run_dir: str, files: dict[str, str] | None = None) -> None:
+def run(config: Config, run_dir: str, files: dict[str, str] | None = None,
+        notices: Sequence[str] = ()) -> None:
     """Train in `run_dir`. Everything that can refuse the run (the corpus, the
     directory's owner, the snapshot's compatibility) comes before the first
     write there; then train.log and `files` ({path in run_dir: text}) are written."""
     with distributed(config.trainer_config.device) as dist_info:
         setup_logging(dist_info.rank)
         log_buffer = hold_log_lines(dist_info.rank)
+        for notice in notices if dist_info.is_main_process else ():
+            log.warning(notice)
         check_writable(run_dir, resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir))
         log.info("run directory %s", os.path.abspath(run_dir))
         data_path = config.data_config.path
@@ -148,13 +152,17 @@ def _hydra_main(cfg: DictConfig) -> None:
         if hydra_cfg.mode == RunMode.RUN:
             check_run_dir_setting(hydra_cfg.run.dir)
         check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))  # unresolved
+        with open_dict(cfg):
+            notices = drop_ignored_keys(cfg)
         check_known_keys(cfg)
-        config = OmegaConf.to_object(cfg)
+        # A user's own file (--config-dir DIR --config-name NAME) need not build on
+        # base_config: the schema goes under it, so its keys and types are checked alike.
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
         stopping.install(config.trainer_config.stop_signals)
         # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check.
         files = {".hydra/config.yaml": OmegaConf.to_yaml(cfg),
                  ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
-        run(config, hydra_cfg.runtime.output_dir, files)
+        run(config, hydra_cfg.runtime.output_dir, files, notices)
     except USER_ERRORS as e:
         fail(str(e))
     except OmegaConfBaseException as e:  # an interpolation that cannot be resolved
@@ -165,8 +173,32 @@ def _hydra_main(cfg: DictConfig) -> None:
         _in_task = False
 
 
+def take_local_rank_argument(argv: list[str]) -> list[str]:
+    """Remove the `--local-rank=N` that the legacy launcher (`python -m
+    torch.distributed.launch` without --use-env) passes; also `--local_rank=N`
+    and `--local_rank N`. The launcher sets LOCAL_RANK too, and that stays the
+    source of truth: the argument only fills it in when it is missing."""
+    rest, given = [], None
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name not in ("--local-rank", "--local_rank"):
+            rest.append(arg)
+            continue
+        value = value if eq else next(args, "")
+        if not value.isdigit():
+            fail(f"{name}: expects a local rank (a number >= 0), got {value!r}")
+        given = value
+    if given is not None:
+        env = os.environ.setdefault("LOCAL_RANK", given)
+        if env != given:
+            fail(f"--local-rank={given} contradicts LOCAL_RANK={env} from the launcher's environment")
+    return rest
+
+
 def main() -> None:
     """Entry point of `python main.py` and `mingpt-train`."""
+    sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
     # Let composition errors reach us instead of Hydra's multi-line report;
     # any other exception is a bug and keeps its full traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt import checkpoint, stopping
+from mingpt import checkpoint, comm_hooks, stopping
 from mingpt.config import Config, ConfigError
 from mingpt.data import CharData, ResumableSampler
 from mingpt.distributed import DistInfo, all_max, barrier
@@ -78,6 +78,8 @@ class Trainer:
         self.eval_windows = data.heldout.to(device)
         self.snapshot_path = resolve_snapshot_path(cfg.snapshot_path, run_dir)
         self._check_comm_hook()
+        self.comm = comm_hooks.create(cfg, dist_info)
+        self._saved_comm_state: dict[str, Any] | None = None  # set by _restore
 
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
@@ -298,6 +300,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_norm_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.comm.after_optimizer_step(self.raw_model)  # LocalSGD: the periodic averaging
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss, grad_norm, lr
 
@@ -311,8 +314,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
 
-    @torch.no_grad()
     def evaluate(self) -> float:
+        """The held-out loss of the run's weights (with LocalSGD: of the replicas' mean)."""
+        with self.comm.mean_weights(self.raw_model):
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
         """Mean cross-entropy per held-out token. Each rank sums the loss and
         counts the tokens of its share of the non-overlapping held-out windows
         (padding excluded); the sums are gathered, so the global mean is the
@@ -374,21 +382,26 @@ class Trainer:
         return prompt + tok.decode(torch.cat(list(new), dim=1)[0].tolist())
 
     def _print_sample(self) -> None:
-        if self.dist.is_main_process and self.cfg.sample_chars:
-            print(f"--- sample after step {self.progress.step} ---\n{self.sample(self.cfg.sample_chars)}", flush=True)
+        with self.comm.mean_weights(self.raw_model):  # every rank takes part
+            if self.dist.is_main_process and self.cfg.sample_chars:
+                sample = self.sample(self.cfg.sample_chars)
+                print(f"--- sample after step {self.progress.step} ---\n{sample}", flush=True)
 
     # ----------------------------------------------------------------- snapshots
 
     def save(self) -> None:
         """Save a snapshot (global main process only), never with non-finite weights.
-        Every rank checks its replica (DDP keeps them identical), so all ranks stop together.
+        Every rank checks its replica (DDP keeps them identical; with LocalSGD, the replicas'
+        mean), so all ranks stop together. Every rank calls it: a comm hook's state is gathered.
         Saving changes nothing in the training state (time-based saves come at any step);
         a second call at the same step does nothing."""
         if self.saved_step == self.progress.step:
             return
         self._check_diverged(self.progress.step)
-        if not all(torch.isfinite(t).all() for t in self.raw_model.parameters()):
+        model_state = self.comm.model_state(self.raw_model)
+        if not all(torch.isfinite(t).all() for t in model_state.values()):
             raise TrainingError(f"weights are not finite at step {self.progress.step}, not saving; {self._kept()}")
+        comm_state = self.comm.state_dict(self.raw_model, self.optimizer, self.scaler)
         self._last_save = time.monotonic()
         if not self.dist.is_main_process:
             self.saved_step = self.progress.step  # by rank 0
@@ -397,7 +410,8 @@ class Trainer:
         if self._slow.get("save", True):
             log.info("saving snapshot %s at step %d", self.snapshot_path, self.progress.step)
         state: dict[str, Any] = {
-            "model_state": self.raw_model.state_dict(),
+            "model_state": model_state,
+            "comm_hook": comm_state,
             "optimizer_state": self.optimizer.state_dict(),
             "scaler_state": self.scaler.state_dict(),
             "finished_epoch": self.progress.epoch,
@@ -435,6 +449,7 @@ class Trainer:
         opt_cfg = self.config.optimizer_config
         for group, decay in zip(self.optimizer.param_groups, (opt_cfg.weight_decay, 0.0)):
             group.update(weight_decay=decay, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+        self._saved_comm_state = state.get("comm_hook")  # per rank: restored once DDP has wrapped the model
         fields = {f.name for f in dataclasses.fields(Progress)}
         self.progress = Progress(**{k: state[k] for k in fields if k in state})
         self.saved_step = self.progress.step
@@ -461,25 +476,17 @@ class Trainer:
     # ---------------------------------------------------------- communication
 
     def _check_comm_hook(self) -> None:
-        hook = self.cfg.ddp_comm_hook
-        if hook == "bf16" and self.dist.is_distributed and self.dist.backend != "nccl":
-            raise ConfigError(
-                f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
-                f"this run uses {self.dist.backend}: use fp16, powersgd or none"
-            )
+        comm_hooks.check(self.cfg, self.dist)
 
     def _register_comm_hook(self) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        """Register the hook on the DDP model and give it the state the snapshot saved (mingpt/comm_hooks.py)."""
+        self.comm.start(self.model, self._saved_comm_state, self.progress.step, self.raw_model, self.optimizer,
+                        self.scaler, self._warm_up_ddp)
 
-        hook = self.cfg.ddp_comm_hook
-        if hook == "fp16":
-            self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif hook == "bf16":
-            self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        elif hook == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.cfg.powersgd_rank,
-                start_powerSGD_iter=self.cfg.powersgd_start_step,
-            )
-            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    def _warm_up_ddp(self) -> None:
+        """One DDP forward and backward on a training batch, gradients dropped: DDP
+        rebuilds its buckets (in the order backward produces gradients) at the next step."""
+        x, y = self.train_windows.batch(torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device))
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)

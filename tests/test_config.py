@@ -97,6 +97,8 @@ PRESETS = {
     "gpt-mini": (6, 6, 192),
     "gpt-micro": (4, 4, 128),
     "gpt-nano": (3, 3, 48),
+    "ddp-tutorial": (8, 8, 512),
+    "gpu-quick": (6, 6, 384),
 }
 
 
@@ -136,6 +138,16 @@ def test_gpu_quick_experiment():
 def test_experiment_can_be_overridden_on_the_command_line():
     cfg = config("experiment=ddp-tutorial", "trainer_config.max_epochs=1")
     assert cfg.trainer_config.max_epochs == 1 and cfg.trainer_config.batch_size == 216
+
+
+@pytest.mark.parametrize("order", ["experiment-first", "model-first"])
+@pytest.mark.parametrize("experiment, dropout, block_size", [("ddp-tutorial", 0.1, 128), ("gpu-quick", 0.2, 256)])
+def test_a_model_preset_on_the_command_line_wins_over_the_experiments(order, experiment, dropout, block_size):
+    overrides = [f"experiment={experiment}", "gpt_config=gpt-nano"]
+    cfg = config(*(overrides if order == "experiment-first" else reversed(overrides)))
+    g = cfg.gpt_config
+    assert (g.n_layer, g.n_head, g.n_embd) == (3, 3, 48)  # the chosen model...
+    assert g.dropout == dropout and cfg.data_config.block_size == block_size  # ...in the rest of the recipe
 
 
 def run_dir(*overrides: str) -> str:

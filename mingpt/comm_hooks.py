@@ -1,0 +1,305 @@
+"""DDP communication: the gradient hooks of `trainer_config.ddp_comm_hook`, LocalSGD's
+model averaging, and the per-rank state they carry across a restart.
+
+All of it is PyTorch's own (torch.distributed.algorithms): this module picks,
+configures and registers the pieces, and saves and restores their state.
+
+- `fp16`, `bf16`: gradients travel in half precision; no state.
+- `powersgd`, `batched_powersgd`: low-rank gradients with error feedback. The
+  error (a gradient-sized tensor per bucket) differs per rank; the warm-start
+  matrices P and Q, the step counter and the seed generator are the same on
+  every rank. All of it goes into the snapshot, one entry per rank, so a resume
+  with the same world size continues bitwise where the run stopped.
+- `post_local_sgd`: after `localsgd_start_step` plain steps, each replica (a
+  rank, or a node with `localsgd_group=node`) steps on its own, and the
+  parameters are averaged over all ranks every `localsgd_period` steps. Between
+  averagings the replicas differ, so "the model" of the run is their mean:
+  evaluation, samples and the snapshot's `model_state` are the mean, computed
+  aside without touching the replicas (a save or an evaluation at any step does
+  not change the run). The snapshot also holds every rank's own parameters,
+  optimizer state and gradient-scaler state, and a resume with the same world
+  size puts each back on its rank.
+
+A resume with another world size cannot place per-rank state: it starts from
+`model_state` (and rank 0's optimizer state), and the compression or LocalSGD
+state restarts, with a warning.
+
+Saving is collective with these hooks: every rank calls `state_dict` at the
+same step (the trainer's `save` runs on every rank), rank 0 receives the lot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.model_averaging import averagers
+from torch.distributed.algorithms.model_averaging import utils as averaging_utils
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt.config import ConfigError, TrainerConfig
+from mingpt.distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
+    """Refuse, before any work, a hook this run cannot use."""
+    hook = cfg.ddp_comm_hook
+    if hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
+        raise ConfigError(
+            f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
+            f"this run uses {dist_info.backend}: use fp16, powersgd or none"
+        )
+    if hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed:
+        if dist_info.world_size % dist_info.local_world_size:
+            raise ConfigError(
+                f"trainer_config.localsgd_group: node needs the same number of processes on every node "
+                f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
+            )
+
+
+class CommHook:
+    """No hook (plain DDP all-reduce, or one process): nothing to do or keep."""
+
+    name = "none"
+
+    def start(self, ddp: DDP, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer, scaler,
+              warm_up: Callable[[], None]) -> None:
+        """Register the hook on `ddp` and restore the state `saved` at `step` (None: none saved).
+        Called after DDP wrapped the model (which copied rank 0's weights to every rank), before
+        training. `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
+
+    def after_optimizer_step(self, model: torch.nn.Module) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def mean_weights(self, model: torch.nn.Module) -> Iterator[None]:
+        """While in the body, `model` holds the weights that stand for the run (here: its own)."""
+        yield
+
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights that stand for the run, for the snapshot (collective for LocalSGD)."""
+        return model.state_dict()
+
+    def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
+        """The hook's state for the snapshot (collective: every rank calls it; rank 0 gets it)."""
+        return None
+
+
+class HalfPrecision(CommHook):
+    def __init__(self, name: str):
+        self.name = name
+
+    def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
+        hook = default_hooks.fp16_compress_hook if self.name == "fp16" else default_hooks.bf16_compress_hook
+        ddp.register_comm_hook(None, hook)
+
+
+class PerRankState(CommHook):
+    """A hook whose state differs per rank: gathered to rank 0 for the snapshot,
+    given back to each rank on a resume with the same world size."""
+
+    def __init__(self, name: str, dist_info: DistInfo):
+        self.name = name
+        self.dist = dist_info
+
+    def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_own_state(self, own: dict[str, Any], step: int, ddp: DDP, model: torch.nn.Module, optimizer, scaler,
+                       warm_up: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def restart(self, ddp: DDP, step: int) -> None:
+        """Register the hook, to go on at `step` without saved state."""
+        raise NotImplementedError
+
+    def state_dict(self, model, optimizer, scaler):
+        gathered = [None] * self.dist.world_size if self.dist.is_main_process else None
+        dist.gather_object(_to_cpu(self.own_state(model, optimizer, scaler)), gathered, dst=0)
+        return {"name": self.name, "world_size": self.dist.world_size, "ranks": gathered}
+
+    def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
+        if saved is None or saved.get("name") != self.name:
+            if step > 0 and self.dist.is_main_process:
+                log.info("the snapshot holds no %s state: it starts afresh at step %d", self.name, step)
+            self.restart(ddp, step)
+        elif saved["world_size"] != self.dist.world_size:
+            if self.dist.is_main_process:
+                log.warning(
+                    "the snapshot's %s state is per rank, for %d ranks; this run has %d: that state restarts "
+                    "at step %d, from the snapshot's weights", self.name, saved["world_size"],
+                    self.dist.world_size, step,
+                )
+            self.restart(ddp, step)
+        else:
+            own = saved["ranks"][self.dist.rank]
+            self.load_own_state(_to_device(own, self.dist.device), step, ddp, model, optimizer, scaler, warm_up)
+
+
+class PowerSGD(PerRankState):
+    def __init__(self, name: str, cfg: TrainerConfig, dist_info: DistInfo):
+        super().__init__(name, dist_info)
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_start_step,
+        )
+        self.hook = powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
+        if name == "batched_powersgd":
+            _let_batched_powersgd_orthogonalize()
+
+    def own_state(self, model, optimizer, scaler):
+        s = self.state
+        _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()
+        return {
+            "iter": s.iter,
+            # numpy's Mersenne Twister, which seeds the random starts of Q (the same on every rank)
+            "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
+                    "cached_gaussian": float(cached_gaussian)},
+            "error": dict(s.error_dict),
+            "p": dict(s.p_memory_dict),
+            "q": dict(s.q_memory_dict),
+        }
+
+    def restart(self, ddp, step):
+        # From its first step again: plain all-reduce for powersgd_start_step steps, then compression.
+        ddp.register_comm_hook(self.state, self.hook)
+
+    def load_own_state(self, own, step, ddp, model, optimizer, scaler, warm_up):
+        s = self.state
+        if own["iter"] >= s.start_powerSGD_iter:
+            # The saved error and P/Q are laid out in DDP's rebuilt buckets (gradients in the order
+            # backward produces them), which a new DDP only has from its second iteration on: one
+            # plain step on a training batch, whose gradients are dropped, rebuilds them first.
+            warm_up()
+        s.iter = own["iter"]
+        rng = own["rng"]
+        s.rng.set_state(("MT19937", rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
+                         rng["cached_gaussian"]))
+        s.error_dict, s.p_memory_dict, s.q_memory_dict = dict(own["error"]), dict(own["p"]), dict(own["q"])
+        ddp.register_comm_hook(s, self.hook)
+
+
+class PostLocalSGD(PerRankState):
+    def __init__(self, cfg: TrainerConfig, dist_info: DistInfo):
+        super().__init__("post_local_sgd", dist_info)
+        if cfg.localsgd_group == "node":
+            # The ranks of a node all-reduce their gradients every step (PyTorch's default
+            # subgroup); torchrun numbers a node's ranks contiguously.
+            subgroup, _ = dist.new_subgroups(group_size=dist_info.local_world_size)
+            if dist_info.local_world_size == dist_info.world_size and dist_info.is_main_process:
+                log.warning("trainer_config.localsgd_group=node on one node: every rank still all-reduces every "
+                            "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)")
+        else:
+            subgroup = None
+        self.state = post_localSGD_hook.PostLocalSGDState(
+            process_group=None,
+            subgroup=subgroup,
+            start_localSGD_iter=cfg.localsgd_start_step,
+            post_local_gradient_allreduce=cfg.localsgd_group == "node",
+        )
+        self.averager = averagers.PeriodicModelAverager(period=cfg.localsgd_period,
+                                                        warmup_steps=cfg.localsgd_start_step)
+
+    def after_optimizer_step(self, model: torch.nn.Module) -> None:
+        # Before the gradients are cleared: the averager skips parameters without one.
+        self.averager.average_parameters(model.parameters())
+
+    def _mean(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """{name: mean over the ranks} of each parameter, computed aside: the replicas stay as they are."""
+        named = list(model.named_parameters(remove_duplicate=False))
+        copies = [p.detach().clone() for _, p in named]
+        averaging_utils.average_parameters(iter(copies), dist.group.WORLD)  # the averager's own arithmetic
+        return {name: c for (name, _), c in zip(named, copies)}
+
+    @contextlib.contextmanager
+    def mean_weights(self, model):
+        mean = self._mean(model)
+        own = {name: p.data for name, p in model.named_parameters(remove_duplicate=False)}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            p.data = mean[name]
+        try:
+            yield
+        finally:
+            for name, p in model.named_parameters(remove_duplicate=False):
+                p.data = own[name]
+
+    def model_state(self, model):
+        return {**model.state_dict(), **self._mean(model)}
+
+    def own_state(self, model, optimizer, scaler):
+        return {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()["state"],
+                "scaler_state": scaler.state_dict()}
+
+    def restart(self, ddp, step):
+        # Both count optimizer steps: the hook all-reduces before localsgd_start_step, the averager after.
+        self.state.iter = self.averager.step = step
+        ddp.register_comm_hook(self.state, post_localSGD_hook.post_localSGD_hook)
+
+    def load_own_state(self, own, step, ddp, model, optimizer, scaler, warm_up):
+        # After DDP's wrapping, which copied rank 0's weights to every rank.
+        model.load_state_dict(own["model_state"])
+        whole = optimizer.state_dict()  # this run's hyperparameters, the rank's own moments
+        whole["state"] = own["optimizer_state"]
+        optimizer.load_state_dict(whole)
+        if scaler.is_enabled() and own["scaler_state"]:
+            scaler.load_state_dict(own["scaler_state"])
+        self.restart(ddp, step)
+
+
+def _let_batched_powersgd_orthogonalize() -> None:
+    """torch's batched_powerSGD_hook orthogonalizes its P and Q as 2-D matrices, but
+    `_orthogonalize` has taken only batches of matrices (3-D) since PowerSGD learnt
+    to batch same-shaped layers, so the hook fails at its first compressed step
+    (AssertionError; torch 2.13). Where that is so, 2-D matrices are passed on as a
+    batch of one: a view, so the result lands in the hook's own tensor."""
+    orthogonalize = powerSGD_hook._orthogonalize
+    try:
+        orthogonalize(torch.ones(2, 1))
+        return  # this torch takes 2-D matrices
+    except AssertionError:
+        pass
+
+    def orthogonalize_matrix_or_batch(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        orthogonalize(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    powerSGD_hook._orthogonalize = orthogonalize_matrix_or_batch
+
+
+def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
+    """The hook `trainer_config.ddp_comm_hook` names; a single process has none."""
+    name = cfg.ddp_comm_hook
+    if not dist_info.is_distributed or name == "none":
+        return CommHook()
+    if name in ("fp16", "bf16"):
+        return HalfPrecision(name)
+    if name in ("powersgd", "batched_powersgd"):
+        return PowerSGD(name, cfg, dist_info)
+    return PostLocalSGD(cfg, dist_info)
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Tensors to the CPU (gathered objects are unpickled on rank 0 onto the device they left from)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    return obj

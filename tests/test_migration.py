@@ -1,0 +1,77 @@
+"""A user of the PyTorch DDP minGPT tutorial brings its config file (gpt2_train_cfg.yaml):
+`--config-dir DIR --config-name gpt2_train_cfg` runs it, checked against this project's schema."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_main
+
+# The tutorial's keys, one for one, with values small enough for a test.
+TUTORIAL_CFG = """\
+data_config:
+  path: {path}
+  block_size: 16
+  train_split: 0.9
+  truncate: 1.0
+gpt_config:
+  n_layer: 2
+  n_head: 2
+  n_embd: 32
+trainer_config:
+  max_epochs: 1
+  batch_size: 8
+  data_loader_workers: 4
+  grad_norm_clip: 1.0
+  snapshot_path: gpt_snapshot.pt
+  save_every: 3
+  use_amp: True
+optimizer_config:
+  weight_decay: 0.1
+  learning_rate: 0.0003
+
+hydra:
+  run:
+    dir: ./
+"""
+
+
+@pytest.fixture
+def user_dir(tmp_path, corpus):
+    (tmp_path / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "gpt2_train_cfg.yaml").write_text(TUTORIAL_CFG.format(path=tmp_path / "small.txt"))
+    return tmp_path
+
+
+def user_run(user_dir, *overrides: str):
+    return run_main(["--config-dir", str(user_dir / "conf"), "--config-name", "gpt2_train_cfg", *overrides], user_dir)
+
+
+def test_tutorial_config_file_trains_with_its_values(user_dir):
+    # Keys the file lacks are added with +, as for any config without this project's defaults list.
+    proc = user_run(user_dir, "+trainer_config.max_steps=3", "trainer_config.batch_size=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notices = [line for line in proc.stderr.splitlines() if "data_loader_workers" in line]
+    assert len(notices) == 1 and "WARNING trainer_config.data_loader_workers ignored: " in notices[0]
+    snapshot = torch.load(user_dir / "gpt_snapshot.pt", weights_only=True)  # hydra.run.dir ./ is the run directory
+    assert snapshot["step"] == 3
+    assert (snapshot["gpt_config"]["n_layer"], snapshot["gpt_config"]["n_embd"]) == (2, 32)
+    t, o = snapshot["trainer_config"], snapshot["optimizer_config"]
+    assert (t["batch_size"], t["save_every"], o["learning_rate"]) == (4, 3, 3e-4)  # the file's values and the override's
+    assert o["betas"] == [0.9, 0.99] and t["amp_dtype"] == "bf16"  # the rest: this project's defaults
+
+
+@pytest.mark.parametrize("edit, says", [
+    (("n_embd: 32", "n_embd: wide"), "error: gpt_config.n_embd: Value 'wide' of type 'str' could not be converted"),
+    (("use_amp: True", "use_amp: True\n  epochs: 3"), "error: trainer_config.epochs: unknown key"),
+])
+def test_tutorial_config_file_is_checked_against_the_schema(user_dir, edit, says):
+    path = user_dir / "conf" / "gpt2_train_cfg.yaml"
+    path.write_text(path.read_text().replace(*edit))
+    proc = user_run(user_dir)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(says), proc.stderr  # one line, no traceback
+    assert not (user_dir / "gpt_snapshot.pt").exists()
