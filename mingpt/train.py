@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.checkpoint import SnapshotError
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, register_configs
-from mingpt.data import DataError, download_corpus, load_data
+from mingpt.data import DataError, build_cache, download_corpus, load_data
 from mingpt.distributed import barrier, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.trainer import Trainer, TrainingError
@@ -49,11 +49,12 @@ def run(config: Config, run_dir: str) -> None:
         setup_logging(dist_info.rank, os.path.join(run_dir, "train.log"))
         log.info("run directory %s", os.path.abspath(run_dir))
         data_path = config.data_config.path
-        if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
-            if dist_info.is_local_main_process:  # once per node; the others wait
+        if dist_info.is_local_main_process:  # once per node; the others wait
+            if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
                 download_corpus(data_path)
-            barrier(dist_info)
-        data = load_data(config.data_config)
+            build_cache(config.data_config)  # encode the corpus unless its token cache is up to date
+        barrier(dist_info)
+        data = load_data(config.data_config, build=False)
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         torch.manual_seed(config.trainer_config.seed)
         model = GPT(config.gpt_config)
