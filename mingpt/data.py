@@ -308,18 +308,21 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         build_cache(cfg)
     try:
         cache = token_cache.open_cache(path)
+        if len(cache.files) != len(sources):
+            raise ValueError(f"it holds {len(cache.files)} files, not {len(sources)}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         if not build:
             return load_data(cfg, build=True)
         raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
+    files = [(source, n) for source, (_, n) in zip(sources, cache.files)]
     train, heldout, offset = [], [], 0
-    for source, n in cache.files:
+    for source, n in files:
         n_train = int(n * cfg.train_split)
         for name, part in (("training", n_train), ("held-out", n - n_train)):
             if part < cfg.block_size + 1:
                 message = (f"{source}: the {name} split has {part} characters, fewer than data_config.block_size + 1"
                            f" = {cfg.block_size + 1} (check data_config.truncate and train_split)")
-                if len(cache.files) == 1:
+                if len(files) == 1:
                     raise DataError(message)
                 log.warning("%s; the file adds no %s windows", message, name)
         train.append((offset, n_train))
@@ -329,7 +332,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         tokenizer=CharTokenizer(cache.vocab),
         train=TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
         heldout=TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout),
-        files=cache.files,
+        files=files,
     )
     for name, windows in (("training", data.train), ("held-out", data.heldout)):
         if len(windows) == 0:

@@ -182,9 +182,9 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
         "counts": kept,
         "digest": DIGEST_PLACEHOLDER,
     }
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "wb") as f:
             head = _header_bytes(header)
             f.write(head.ljust(_data_offset(len(head) - len(MAGIC) - 8), b"\0"))
@@ -216,7 +216,8 @@ def problem(path: str, sources: list[str], truncate: float, open_source) -> str 
         with open(path, "rb") as f:
             header, offset = read_header(f)
             keys = [source_key(s, open_source) for s in sources]
-            if header["sources"] != keys or header["truncate"] != truncate:
+            recorded = [(h["size"], h["sha256"]) for h in header["sources"]]
+            if recorded != [(k["size"], k["sha256"]) for k in keys] or header["truncate"] != truncate:
                 return "the corpus changed"
             dtype = {v: k for k, v in _NAMES.items()}[header["dtype"]]
             n_bytes = sum(header["counts"]) * torch.empty((), dtype=dtype).element_size()
