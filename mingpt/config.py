@@ -13,9 +13,10 @@ import json
 import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import ListConfig
 
 from mingpt.stopping import DEFAULT_SIGNALS as DEFAULT_STOP_SIGNALS
 from mingpt.stopping import parse_signal
@@ -112,8 +113,10 @@ DEFAULT_DATA_PATH = "data/input.txt"
 class DataConfig:
     """The corpus and how it is cut into training and held-out windows."""
 
-    # Any fsspec URL or local path. The default is downloaded when missing.
-    path: str = DEFAULT_DATA_PATH
+    # Any fsspec URL or local path, a glob of them, or a list of either: the
+    # files form one corpus. The default is downloaded when missing. (Typed
+    # Any because OmegaConf has no Union[str, List[str]]; checked below.)
+    path: Any = DEFAULT_DATA_PATH
     block_size: int = 64
     # The first train_split of the (truncated) text trains; the rest is held out.
     train_split: float = 0.9
@@ -123,9 +126,23 @@ class DataConfig:
     # Held-out windows never overlap (stride block_size), so each held-out
     # character is predicted once.
     stride: int = 64
+    # Directory of the token cache (the encoded corpus, memory-mapped by every
+    # process). null: .mingpt-cache/ beside a local corpus if that directory is
+    # writable, else $XDG_CACHE_HOME/mingpt (~/.cache/mingpt).
+    cache_dir: Optional[str] = None
+    # Where batches are gathered: "device" (the whole corpus copied to the GPU),
+    # "host" (gathered from the memory map into pinned memory, copied
+    # asynchronously), "auto" (device if the corpus takes at most 1/8 of the
+    # GPU's memory). On a CPU the memory map is used in place.
+    placement: str = "auto"
 
     def __post_init__(self) -> None:
-        check(bool(self.path), "data_config.path", "must not be empty")
+        paths = [self.path] if isinstance(self.path, str) else self.path
+        check(isinstance(paths, (list, tuple, ListConfig)) and len(paths) > 0
+              and all(isinstance(p, str) and p for p in paths),
+              "data_config.path", f"must be a non-empty path, glob or list of them, got {self.path!r}")
+        if not isinstance(self.path, str):
+            self.path = list(self.path)
         check(self.block_size >= 1, "data_config.block_size", f"must be >= 1, got {self.block_size}")
         check(
             0.0 < self.train_split < 1.0,
@@ -134,6 +151,9 @@ class DataConfig:
         )
         check(0.0 < self.truncate <= 1.0, "data_config.truncate", f"must be in (0, 1], got {self.truncate}")
         check(self.stride >= 1, "data_config.stride", f"must be >= 1, got {self.stride}")
+        check(self.cache_dir is None or (bool(self.cache_dir) and "://" not in self.cache_dir),
+              "data_config.cache_dir", f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}")
+        one_of(self.placement, "data_config.placement", ("auto", "device", "host"))
 
 
 @dataclass
@@ -157,6 +177,12 @@ class TrainerConfig:
     # Evaluate every eval_every optimizer steps (0: at the end of each epoch);
     # always at the end of the run.
     eval_every: int = 500
+    # Evaluate on at most this many held-out tokens: whole non-overlapping
+    # windows spread evenly over the held-out split, the same for any world
+    # size (0: all of it). 131,072 covers tiny shakespeare's whole held-out
+    # split (111,488 tokens) and caps a large one at ~1/3 of the training
+    # tokens between two default evaluations (500 steps x 12 x 64).
+    eval_tokens: int = 131_072
     log_every: int = 50
     # Characters generated from the model at each evaluation (0: none).
     sample_chars: int = 200
@@ -208,7 +234,7 @@ class TrainerConfig:
         for key in ("max_steps", "save_every_steps"):
             value = getattr(self, key)
             check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")
-        for key in ("eval_every", "sample_chars"):
+        for key in ("eval_every", "sample_chars", "eval_tokens"):
             check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
         check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
                f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")

@@ -1,22 +1,29 @@
-"""Character-level data: corpus, vocabulary, a contiguous train/held-out split,
-windows over the encoded text, and a resumable distributed sampler.
+"""Character-level data: corpus files, vocabulary, a contiguous train/held-out
+split of each file, windows over the encoded text, and a resumable
+distributed sampler.
 
-The text is encoded once into a compact integer tensor; a sample is a slice of
-it and a batch is gathered with one indexing operation.
+The text is encoded once into a memory-mapped token cache (mingpt/token_cache.py);
+a sample is a slice of it and a batch is gathered with one indexing operation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
+import stat
 import urllib.request
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterator
 
 import fsspec
+import numpy as np
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DistributedSampler
 
+from mingpt import token_cache
 from mingpt.checkpoint import reason, storage_errors
 from mingpt.config import DEFAULT_DATA_PATH, DataConfig
 
@@ -48,21 +55,68 @@ def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> Non
             os.remove(tmp)
 
 
-def read_text(path: str) -> str:
-    """Read a UTF-8 text file from any fsspec URL or local path."""
+@contextlib.contextmanager
+def open_source(path: str) -> Iterator[BinaryIO]:
+    """A corpus file from any fsspec URL or local path, opened for reading;
+    failing to open or read it is one DataError naming the file."""
     try:
         with fsspec.open(path, "rb") as f:
-            raw = f.read()
+            yield f
     except FileNotFoundError:
         raise DataError(f"data file not found: {path}") from None
     except (*storage_errors(), ValueError, ImportError) as e:  # an unreachable object store included
         raise DataError(f"cannot read data file {path}: {reason(e)}") from None
+
+
+def read_text(path: str) -> str:
+    """Read a small UTF-8 text file from any fsspec URL or local path (a leading byte-order mark dropped)."""
+    with open_source(path) as f:
+        raw = f.read()
     if not raw:
         raise DataError(f"data file is empty: {path}")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"data file is not UTF-8 text: {path} (byte {e.start})") from None
+
+
+def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
+    """The corpus files named by data_config.path (a path, URL or glob, or a
+    list of them), in order, and the directory of the first when it is local.
+    A local file must be a regular, non-empty file: a FIFO would block the
+    read forever, and a device such as /dev/zero never ends."""
+    sources: list[str] = []
+    for pattern in [path] if isinstance(path, str) else path:
+        try:
+            fs, stripped = fsspec.core.url_to_fs(pattern)
+            matches = sorted(fs.glob(stripped)) if glob.has_magic(pattern) else [stripped]
+        except (OSError, ValueError, ImportError) as e:
+            raise DataError(f"cannot read data file {pattern}: {e}") from None
+        if not matches:
+            raise DataError(f"no data file matches {pattern}")
+        local = isinstance(fs, LocalFileSystem)
+        for match in matches:
+            source = pattern if match == stripped else (match if local else fs.unstrip_protocol(match))
+            if local:
+                check_local_file(source, match)
+            sources.append(source)
+    first = fsspec.core.url_to_fs(sources[0])
+    local_dir = os.path.dirname(os.path.abspath(first[1])) if isinstance(first[0], LocalFileSystem) else None
+    return sources, local_dir
+
+
+def check_local_file(source: str, path: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(f"data file not found: {source}") from None
+    except OSError as e:
+        raise DataError(f"cannot read data file {source}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or socket"
+        raise DataError(f"data file is not a regular file: {source} is {kind}")
+    if st.st_size == 0:
+        raise DataError(f"data file is empty: {source}")
 
 
 class CharTokenizer:
@@ -71,6 +125,7 @@ class CharTokenizer:
     def __init__(self, chars: str):
         self.chars = chars
         self.stoi = {c: i for i, c in enumerate(chars)}
+        self._code_points = token_cache.code_points(chars).astype(np.int64)
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
@@ -85,33 +140,122 @@ class CharTokenizer:
         return "".join(sorted(set(text) - set(self.stoi)))
 
     def encode(self, text: str) -> torch.Tensor:
-        dtype = torch.uint8 if self.vocab_size <= 256 else torch.int32
-        return torch.tensor([self.stoi[c] for c in text], dtype=dtype)
+        """Token ids, vectorised (a binary search per code point); a character
+        outside the vocabulary raises KeyError."""
+        cps = token_cache.code_points(text)
+        ids = np.searchsorted(self._code_points, cps)
+        known = ids < len(self._code_points)
+        known[known] = self._code_points[ids[known]] == cps[known]
+        if not known.all():
+            raise KeyError(chr(int(cps[np.argmin(known)])))
+        return torch.from_numpy(ids.astype(token_cache._NUMPY[token_cache.dtype_for(self.vocab_size)]))
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
 
 
 class TokenWindows:
-    """Windows of block_size + 1 tokens starting every `stride` tokens:
-    input is the first block_size, target the last block_size."""
+    """Windows of block_size + 1 tokens starting every `stride` tokens inside
+    each segment (start, length) of `tokens`: input is the first block_size,
+    target the last block_size. A window never crosses a segment's end, so
+    with one segment per file no window spans two files."""
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int):
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int,
+                 segments: list[tuple[int, int]] | None = None):
         self.tokens = tokens
         self.block_size = block_size
         self.stride = stride
+        self.segments = [(0, len(tokens))] if segments is None else segments
+        counts = [max(0, (n - block_size - 1) // stride + 1) for _, n in self.segments]
+        self._len = sum(counts)
+        # Window i lies in the last segment whose first window index is <= i.
+        self._first = torch.tensor([sum(counts[:k]) for k in range(len(counts))], dtype=torch.long)
+        self._seg_start = torch.tensor([s for s, _ in self.segments], dtype=torch.long)
         self._offsets = torch.arange(block_size + 1, device=tokens.device)
 
     def __len__(self) -> int:
-        return max(0, (len(self.tokens) - self.block_size - 1) // self.stride + 1)
+        return self._len
 
     def to(self, device: torch.device) -> TokenWindows:
         """The same windows with the tokens on `device`, so batches are gathered there."""
-        return TokenWindows(self.tokens.to(device), self.block_size, self.stride)
+        return self.with_tokens(self.tokens.to(device))
+
+    def with_tokens(self, tokens: torch.Tensor) -> TokenWindows:
+        return TokenWindows(tokens, self.block_size, self.stride, self.segments)
+
+    def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
+        """Where windows `indices` start in `tokens` (on the tokens' device)."""
+        device = self.tokens.device
+        idx = torch.as_tensor(indices, dtype=torch.long, device=device)
+        if len(self.segments) == 1:
+            return idx * self.stride + self.segments[0][0]
+        first, seg_start = self._first.to(device), self._seg_start.to(device)
+        seg = torch.searchsorted(first, idx, right=True) - 1
+        return seg_start[seg] + (idx - first[seg]) * self.stride
+
+    def gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
+        """The windows' block_size + 1 tokens, in the tokens' dtype."""
+        return self.tokens[self.starts(indices)[:, None] + self._offsets]
 
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.as_tensor(indices, dtype=torch.long, device=self.tokens.device) * self.stride
-        chunk = self.tokens[starts[:, None] + self._offsets].long()
+        chunk = self.gather(indices).long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def prefetch(self, indices: torch.Tensor) -> None:
+        """Nothing to do: the tokens are where the batches are used."""
+
+
+class HostBatches:
+    """Windows whose tokens stay in the memory map on the host: each batch is
+    gathered there into pinned memory and copied to the device asynchronously.
+    `prefetch(indices)` starts the next step's copy while the current step
+    runs on the device; `batch` then hands out slices of it."""
+
+    def __init__(self, windows: TokenWindows, device: torch.device):
+        self.windows = windows
+        self.tokens = windows.tokens  # where indices live: the host
+        self.block_size = windows.block_size
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=windows.tokens.dtype)] * 2
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def _fetch(self, indices: torch.Tensor) -> torch.Tensor:
+        flat = (self.windows.starts(indices)[:, None] + self.windows._offsets).reshape(-1)
+        if not self._pinned:
+            return torch.index_select(self.tokens, 0, flat).view(len(indices), -1).long()
+        k, self._turn = self._turn, 1 - self._turn
+        if self._events[k] is not None:
+            self._events[k].synchronize()  # its previous copy has left the buffer
+        if self._buffers[k].numel() < flat.numel():
+            self._buffers[k] = torch.empty(flat.numel(), dtype=self.tokens.dtype, pin_memory=True)
+        buffer = self._buffers[k][: flat.numel()]
+        torch.index_select(self.tokens, 0, flat, out=buffer)
+        chunk = buffer.to(self.device, non_blocking=True)
+        self._events[k] = torch.cuda.Event()
+        self._events[k].record()
+        return chunk.view(len(indices), -1).long()
+
+    def prefetch(self, indices: torch.Tensor) -> None:
+        indices = indices.cpu()
+        self._pending = (indices, self._fetch(indices), 0)
+
+    def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = torch.as_tensor(indices, dtype=torch.long).cpu()
+        chunk = None
+        if self._pending is not None:
+            pending, fetched, pos = self._pending
+            if torch.equal(pending[pos : pos + len(indices)], indices):
+                chunk = fetched[pos : pos + len(indices)]
+                self._pending = (pending, fetched, pos + len(indices))
+        if chunk is None:
+            self._pending = None
+            chunk = self._fetch(indices)
         return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -120,28 +264,91 @@ class CharData:
     tokenizer: CharTokenizer
     train: TokenWindows
     heldout: TokenWindows
+    files: list[tuple[str, int]] = field(default_factory=list)  # (source, characters) in corpus order
+
+    def place(self, device: torch.device, placement: str = "auto") -> tuple[TokenWindows | HostBatches, ...]:
+        """Training and held-out windows for `device`. On a CPU the memory map
+        is used in place. On a GPU the corpus is copied there when it fits
+        (`auto`: at most 1/8 of the GPU's memory) and batches are gathered
+        there; otherwise (or with `host`) they are gathered on the host."""
+        tokens = self.train.tokens
+        if placement == "auto":
+            fits = device.type != "cuda" or tokens.nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
+            placement = "device" if fits else "host"
+        if placement == "host":
+            log.info("batches are gathered on the host from the %.1f MB token map", tokens.nbytes / 1e6)
+            return HostBatches(self.train, device), HostBatches(self.heldout, device)
+        tokens = tokens.to(device)  # once for both (a no-op on a CPU)
+        return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
 
 
-def load_data(cfg: DataConfig) -> CharData:
-    """Read, truncate, encode and split the corpus. The first train_split of the
-    text trains; the rest is held out, so no held-out window shares a character
-    position with a training window."""
-    text = read_text(cfg.path)
-    text = text[: max(1, int(len(text) * cfg.truncate))]
-    tokenizer = CharTokenizer.from_text(text)
-    tokens = tokenizer.encode(text)
-    n_train = int(len(tokens) * cfg.train_split)
-    for name, part in (("training", tokens[:n_train]), ("held-out", tokens[n_train:])):
-        if len(part) < cfg.block_size + 1:
-            raise DataError(
-                f"{cfg.path}: the {name} split has {len(part)} characters, fewer than "
-                f"data_config.block_size + 1 = {cfg.block_size + 1} (check data_config.truncate and train_split)"
-            )
-    return CharData(
-        tokenizer=tokenizer,
-        train=TokenWindows(tokens[:n_train], cfg.block_size, cfg.stride),
-        heldout=TokenWindows(tokens[n_train:], cfg.block_size, cfg.block_size),
+def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
+    """The corpus files and the path of their token cache."""
+    sources, local_dir = resolve_sources(cfg.path)
+    keys = [s if "://" in s else os.path.abspath(s) for s in sources]
+    return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
+
+
+def build_cache(cfg: DataConfig) -> None:
+    """Encode the corpus into its token cache unless a valid one exists (one
+    process per node does this; see mingpt/token_cache.py)."""
+    sources, path = cache_location(cfg)
+    try:
+        token_cache.ensure(path, sources, cfg.truncate, open_source)
+    except token_cache.CacheError as e:
+        raise DataError(str(e)) from None
+
+
+def load_data(cfg: DataConfig, build: bool = True) -> CharData:
+    """Memory-map the corpus's token cache (building it first unless `build`
+    is False: another process of the node did) and split it. The first
+    train_split of each file trains; the rest of it is held out, so no
+    held-out window shares a character position with a training window."""
+    sources, path = cache_location(cfg)
+    if build:
+        build_cache(cfg)
+    try:
+        cache = token_cache.open_cache(path)
+        if len(cache.files) != len(sources):
+            raise ValueError(f"it holds {len(cache.files)} files, not {len(sources)}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not build:
+            return load_data(cfg, build=True)
+        raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
+    files = [(source, n) for source, (_, n) in zip(sources, cache.files)]
+    train, heldout, offset = [], [], 0
+    for source, n in files:
+        n_train = int(n * cfg.train_split)
+        for name, part in (("training", n_train), ("held-out", n - n_train)):
+            if part < cfg.block_size + 1:
+                message = (f"{source}: the {name} split has {part} characters, fewer than data_config.block_size + 1"
+                           f" = {cfg.block_size + 1} (check data_config.truncate and train_split)")
+                if len(files) == 1:
+                    raise DataError(message)
+                log.warning("%s; the file adds no %s windows", message, name)
+        train.append((offset, n_train))
+        heldout.append((offset + n_train, n - n_train))
+        offset += n
+    data = CharData(
+        tokenizer=CharTokenizer(cache.vocab),
+        train=TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
+        heldout=TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout),
+        files=files,
     )
+    for name, windows in (("training", data.train), ("held-out", data.heldout)):
+        if len(windows) == 0:
+            raise DataError(f"{cfg.path}: no file has a {name} split of data_config.block_size + 1 characters")
+    if len(cache.vocab) < 2:
+        raise DataError(f"{sources[0]}: the corpus has a single distinct character ({cache.vocab!r}): "
+                        "there is nothing to learn")
+    return data
+
+
+def spread(n: int, k: int) -> torch.Tensor:
+    """min(n, k) indices spread evenly over range(n) (k <= 0: all of them)."""
+    if k <= 0 or k >= n:
+        return torch.arange(n)
+    return torch.arange(k) * n // k
 
 
 class ResumableSampler(DistributedSampler):
@@ -160,19 +367,23 @@ class ResumableSampler(DistributedSampler):
         self.dataset_len = dataset_len
         self.start_index = 0
 
-    def _order(self) -> list[int]:
+    def indices(self) -> torch.Tensor:
+        """This rank's share of the rest of the epoch, as one tensor (no Python
+        object per sample): the order after start_index, padded, every W-th entry."""
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g).tolist()
+            order = torch.randperm(self.dataset_len, generator=g)
         else:
-            order = list(range(self.dataset_len))
-        rest = order[self.start_index:]
+            order = torch.arange(self.dataset_len)
+        rest = order[self.start_index :]
         pad = (-len(rest)) % self.num_replicas
-        return rest + (order * (pad // max(1, len(order)) + 1))[:pad]
+        if pad:
+            rest = torch.cat([rest, order.repeat(pad // max(1, len(order)) + 1)[:pad]])
+        return rest[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._order()[self.rank :: self.num_replicas])
+        return iter(self.indices().tolist())
 
     def __len__(self) -> int:
         rest = max(0, self.dataset_len - self.start_index)

@@ -27,7 +27,7 @@ from mingpt import stopping
 from mingpt.checkpoint import SnapshotError, check_writable
 from mingpt.config import (DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, drop_ignored_keys,
                            register_configs)
-from mingpt.data import DataError, download_corpus, load_data
+from mingpt.data import DataError, build_cache, download_corpus, load_data
 from mingpt.distributed import barrier, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.rundir import RunDirError, check_run_dir_setting, claim, hold_log_lines, register_resolvers
@@ -80,11 +80,12 @@ def run(config: Config, run_dir: str, files: dict[str, str] | None = None,
         check_writable(run_dir, resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir))
         log.info("run directory %s", os.path.abspath(run_dir))
         data_path = config.data_config.path
-        if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
-            if dist_info.is_local_main_process:  # once per node; the others wait
+        if dist_info.is_local_main_process:  # once per node; the others wait
+            if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
                 download_corpus(data_path)
-            barrier(dist_info)
-        data = load_data(config.data_config)
+            build_cache(config.data_config)  # encode the corpus unless its token cache is up to date
+        barrier(dist_info)
+        data = load_data(config.data_config, build=False)
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         torch.manual_seed(config.trainer_config.seed)
         model = build_model(config.gpt_config)

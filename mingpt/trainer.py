@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt import checkpoint, comm_hooks, stopping
 from mingpt.config import Config, ConfigError
-from mingpt.data import CharData, ResumableSampler
+from mingpt.data import CharData, ResumableSampler, spread
 from mingpt.distributed import DistInfo, all_max, barrier
 from mingpt.metrics import Metrics
 from mingpt.model import GPT
@@ -74,8 +74,7 @@ class Trainer:
         self.dist = dist_info
         self.device = device = dist_info.device
         self.data = data
-        self.train_windows = data.train.to(device)
-        self.eval_windows = data.heldout.to(device)
+        self.train_windows, self.eval_windows = data.place(device, config.data_config.placement)
         self.snapshot_path = resolve_snapshot_path(cfg.snapshot_path, run_dir)
         self._check_comm_hook()
         self.comm = comm_hooks.create(cfg, dist_info)
@@ -121,7 +120,6 @@ class Trainer:
 
         W = dist_info.world_size
         self.train_sampler = ResumableSampler(len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed)
-        self.eval_sampler = ResumableSampler(len(data.heldout), W, dist_info.rank, shuffle=False, seed=cfg.seed)
         self.samples_per_step = cfg.batch_size * cfg.grad_accum_steps  # per rank
         steps_per_epoch = math.ceil(len(data.train) / (self.samples_per_step * W))
         # Steps done plus steps to go, so a resume with another world size still finishes every epoch.
@@ -170,10 +168,13 @@ class Trainer:
         cfg, p = self.cfg, self.progress
         self.train_sampler.set_epoch(p.epoch)
         self.train_sampler.start_index = p.samples_in_epoch
-        order = torch.tensor(list(self.train_sampler), dtype=torch.long, device=self.device)
+        order = self.train_sampler.indices().to(self.train_windows.tokens.device)  # host-gathered: stays on the host
         # Empty when resuming a snapshot of the epoch's last step: only the epoch's end is left.
-        for indices in order.split(self.samples_per_step) if len(order) else ():
+        steps = order.split(self.samples_per_step) if len(order) else ()
+        for k, indices in enumerate(steps):
             loss, grad_norm, lr = self.train_step(indices)
+            if k + 1 < len(steps):
+                self.train_windows.prefetch(steps[k + 1])  # host-gathered batches: copied while this step runs
             if self.device.type == "cpu" and not self.dist.is_distributed:
                 self._check_diverged(p.step + 1)  # free on a CPU: stop at the step itself
             p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
@@ -321,19 +322,21 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self) -> float:
-        """Mean cross-entropy per held-out token. Each rank sums the loss and
-        counts the tokens of its share of the non-overlapping held-out windows
-        (padding excluded); the sums are gathered, so the global mean is the
-        same for any world size."""
+        """Mean cross-entropy per held-out token. The windows evaluated are the
+        non-overlapping held-out windows, at most trainer_config.eval_tokens
+        tokens of them spread evenly over the split; each rank sums the loss
+        and counts the tokens of every W-th of them; the sums are gathered, so
+        the global mean is the same for any world size."""
         self._check_diverged(self.progress.step)
         p = self.progress
         start = time.monotonic()
+        cap = self.cfg.eval_tokens and max(1, self.cfg.eval_tokens // self.eval_windows.block_size)  # in windows
+        chosen = spread(len(self.eval_windows), cap)
         if self._slow.get("eval", True):
-            log.info("evaluating at step %d on %d held-out windows", p.step, len(self.data.heldout))
+            log.info("evaluating at step %d on %d held-out windows", p.step, len(chosen))
         model = self.raw_model
         model.eval()
-        indices = torch.tensor(list(self.eval_sampler)[: self.eval_sampler.real_count()], dtype=torch.long,
-                               device=self.device)
+        indices = chosen[self.dist.rank :: self.dist.world_size].to(self.eval_windows.tokens.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count, interrupted = 0, 0
         for chunk in indices.split(self.cfg.batch_size * 4):
@@ -362,7 +365,8 @@ class Trainer:
         if not math.isfinite(loss):  # the weights of the last update are not: no log, no sample
             raise TrainingError(f"training diverged: the held-out loss is {loss} at step {p.step}; {self._kept()}")
         p.best_eval_loss = min(p.best_eval_loss, loss)
-        self.metrics.log("eval", p.step, p.epoch, loss=loss, rank_losses=per_rank, tokens=int(sums[:, 1].sum()))
+        self.metrics.log("eval", p.step, p.epoch, loss=loss, bpc=loss / math.log(2), rank_losses=per_rank,
+                         tokens=int(sums[:, 1].sum()))
         if self.dist.is_main_process and self.cfg.sample_chars:
             self.metrics.text("sample", self.sample(self.cfg.sample_chars), p.step)
         seconds = time.monotonic() - start

@@ -27,12 +27,10 @@ def test_wide_vocabulary_round_trips():
     assert tok.decode(tok.encode(text)) == text
 
 
-def window_positions(windows: TokenWindows, offset: int) -> set[int]:
-    """Absolute character positions covered by every window: window i holds
-    tokens [i*stride, i*stride + block_size] of its part, which starts at offset."""
+def window_positions(windows: TokenWindows) -> set[int]:
+    """Positions in the corpus covered by every window."""
     positions = set()
-    for i in range(len(windows)):
-        start = offset + i * windows.stride
+    for start in windows.starts(range(len(windows))).tolist():
         positions.update(range(start, start + windows.block_size + 1))
     return positions
 
@@ -44,13 +42,14 @@ def test_split_is_contiguous_and_disjoint(small_corpus):
     tokens = data.tokenizer.encode(text)
     n_train = int(len(text) * 0.9)
     # Contiguous: the first 90% trains, the rest is held out, in order.
-    assert torch.equal(data.train.tokens, tokens[:n_train])
-    assert torch.equal(data.heldout.tokens, tokens[n_train:])
+    assert torch.equal(data.train.tokens, tokens) and data.heldout.tokens is data.train.tokens
+    assert data.train.segments == [(0, n_train)]
+    assert data.heldout.segments == [(n_train, len(text) - n_train)]
     # Training windows start at every character; held-out windows do not overlap.
     assert len(data.train) == n_train - 16
     assert data.heldout.stride == 16 and len(data.heldout) == (len(text) - n_train - 1) // 16
-    train_pos = window_positions(data.train, 0)
-    heldout_pos = window_positions(data.heldout, n_train)
+    train_pos = window_positions(data.train)
+    heldout_pos = window_positions(data.heldout)
     assert max(train_pos) == n_train - 1
     assert min(heldout_pos) == n_train
     assert max(heldout_pos) < len(text)
@@ -66,9 +65,10 @@ def test_truncate_keeps_the_leading_fraction(small_corpus):
     text = small_corpus.read_text(encoding="utf-8")
     data = load_data(DataConfig(path=str(small_corpus), block_size=8, train_split=0.5, truncate=0.25, stride=8))
     kept = text[: int(len(text) * 0.25)]
-    assert len(data.train.tokens) + len(data.heldout.tokens) == len(kept)
+    assert len(data.train.tokens) == len(kept)
     assert data.tokenizer.chars == "".join(sorted(set(kept)))
-    assert data.tokenizer.decode(data.heldout.tokens) == kept[len(kept) // 2 :]
+    start, length = data.heldout.segments[0]
+    assert data.tokenizer.decode(data.heldout.tokens[start : start + length]) == kept[len(kept) // 2 :]
 
 
 def test_batch_targets_are_inputs_shifted_by_one():

@@ -28,6 +28,10 @@ FAST = ["optimizer_config.warmup_steps=0", "optimizer_config.learning_rate=1e-2"
         "optimizer_config.eps=1e-6", "trainer_config.sample_chars=0", "trainer_config.max_steps=6"]
 
 
+# Evaluation capped at 50 of the 125 held-out windows (800 tokens).
+CAPPED = "trainer_config.eval_tokens=800"
+
+
 def job(name: str, *overrides: str, train: bool = True) -> dict:
     return {"name": name, "overrides": [*TINY, *FAST, *overrides], "train": train}
 
@@ -65,6 +69,7 @@ def runs(tmp_path_factory, corpus_file):
         1: run_worker(tmp, corpus_file, 1, [
             job("batch8", "trainer_config.batch_size=8"),
             job("accum4x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=4"),
+            job("capped", CAPPED, train=False),
         ]),
         2: run_worker(tmp, corpus_file, 2, [
             job("batch4", "trainer_config.batch_size=4"),
@@ -72,8 +77,9 @@ def runs(tmp_path_factory, corpus_file):
             job("fp16", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=fp16"),
             job("powersgd", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=powersgd",
                 "trainer_config.powersgd_start_step=2"),
+            job("capped", CAPPED, train=False),
         ]),
-        3: run_worker(tmp, corpus_file, 3, [job("eval", train=False)]),
+        3: run_worker(tmp, corpus_file, 3, [job("eval", train=False), job("capped", CAPPED, train=False)]),
     }
     return tmp, results
 
@@ -124,6 +130,18 @@ def test_eval_loss_is_exact_for_world_sizes_1_2_3(runs):
         assert len(record["rank_losses"]) == world_size
     # Ranks see different windows, so their own means differ from each other.
     assert len(set(first_eval(tmp, 3, "eval")["rank_losses"])) == 3
+
+
+def test_capped_eval_is_exact_for_world_sizes_1_2_3(runs):
+    tmp, results = runs
+    reference = results[1]["capped"][0]["eval_init"]
+    for world_size in (1, 2, 3):
+        for result in results[world_size]["capped"]:
+            assert result["eval_init"] == pytest.approx(reference, rel=1e-6), world_size
+        record = first_eval(tmp, world_size, "capped")
+        assert record["tokens"] == 800 and len(record["rank_losses"]) == world_size
+    # The cap has teeth: the full split's loss differs.
+    assert abs(reference - results[1]["batch8"][0]["eval_init"]) > 1e-4
 
 
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])

@@ -1,0 +1,184 @@
+"""The data pipeline at scale: time to the first step (cold and warm token
+cache), max RSS per process and the data share of a step, on a generated corpus.
+
+    python benchmarks/bench_data.py --size-mb 100 --nproc 1 2
+    python benchmarks/bench_data.py --size-mb 1000 --nproc 1
+    python benchmarks/bench_data.py --corpus data/input.txt --nproc 1   # a given file (warm cache only)
+
+The corpus is generated, never downloaded: random "words" over 365 distinct
+characters (95 printable ASCII, 270 others, rare), so the vocabulary needs
+int16 ids, as for real multilingual text. Each case launches fresh processes
+(plain python for 1, torchrun for more) that do what `main.py` does: the node's
+first process builds the token cache (cold: none exists; warm: it exists and
+is verified), every process maps it, builds the model and trainer (nano
+model, CPU), and trains STEPS steps. Reported per process: seconds from the
+launch to the end of the first step, max RSS (ru_maxrss: includes the pages of
+the memory map it touched, which are shared page cache), private anonymous
+memory at the end, and the share of the step time spent gathering batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STEPS = 30
+NANO = ["gpt_config.n_layer=3", "gpt_config.n_head=3", "gpt_config.n_embd=48", "data_config.block_size=64",
+        "trainer_config.batch_size=12", "trainer_config.sample_chars=0", "trainer_config.eval_every=0",
+        "trainer_config.log_every=1000", f"trainer_config.max_steps={STEPS}", "trainer_config.device=cpu"]
+
+
+def generate(path: str, size_bytes: int, seed: int = 0) -> None:
+    """About size_bytes of UTF-8 text over 365 characters, written in chunks."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ascii_chars = np.arange(0x20, 0x7F, dtype=np.uint32)  # 95 printable
+    others = np.concatenate([np.arange(0xC0, 0x17F), np.arange(0x4E00, 0x4E00 + 79)]).astype(np.uint32)  # 270
+    chars = np.concatenate([ascii_chars, others])
+    weights = np.concatenate([np.full(95, 0.99 / 95), np.full(270, 0.01 / 270)])
+    cps = rng.choice(chars, size=4_000_000, p=weights)
+    cps[rng.random(len(cps)) < 0.15] = ord(" ")
+    cps[rng.random(len(cps)) < 0.015] = ord("\n")
+    cps[:365] = chars  # every character
+    block = cps.astype("<u4").tobytes().decode("utf-32-le").encode("utf-8")  # ~4 MB, repeated
+    with open(path + ".tmp", "wb") as f:
+        for _ in range(size_bytes // len(block)):
+            f.write(block)
+        f.write(block[: size_bytes % len(block)].decode("utf-8", errors="ignore").encode("utf-8"))
+    os.replace(path + ".tmp", path)
+
+
+def private_memory_mb() -> float:
+    with open("/proc/self/smaps_rollup") as f:
+        fields = dict(line.split(":", 1) for line in f.read().splitlines()[1:])
+    return int(fields["Anonymous"].split()[0]) / 1024
+
+
+def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
+    import torch
+    from omegaconf import OmegaConf
+
+    from mingpt.config import Config
+    from mingpt.data import build_cache, load_data
+    from mingpt.distributed import barrier, distributed, setup_logging
+    from mingpt.model import GPT
+    from mingpt.train import fit_to_data
+    from mingpt.trainer import Trainer
+
+    dotlist = [*NANO, f"data_config.cache_dir={cache_dir}"]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    config.data_config.path = corpus
+    config = OmegaConf.to_object(config)
+    t_imports = time.time()
+    with distributed("cpu") as info:
+        setup_logging(info.rank)
+        if info.is_local_main_process:
+            build_cache(config.data_config)
+        barrier(info)
+        t_data = time.time()
+        data = load_data(config.data_config, build=False)
+        config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+        torch.manual_seed(0)
+        trainer = Trainer(config, GPT(config.gpt_config), data, info, run_dir)
+        gather_s, step_s, first_step = [0.0], [], []
+        windows, batch, train_step = trainer.train_windows, trainer.train_windows.batch, trainer.train_step
+
+        def timed_batch(indices):
+            start = time.perf_counter()
+            out = batch(indices)
+            gather_s[0] += time.perf_counter() - start
+            return out
+
+        def timed_step(indices):
+            start = time.perf_counter()
+            out = train_step(indices)
+            step_s.append(time.perf_counter() - start)
+            if not first_step:
+                first_step.append(time.time())
+                gather_s[0] = 0.0  # the share is measured over the later steps
+            return out
+
+        windows.batch, trainer.train_step = timed_batch, timed_step  # instance attributes shadow the methods
+        trainer.train()
+        print(json.dumps({
+            "rank": info.rank,
+            "first_step_s": round(first_step[0] - t0, 2),
+            "imports_s": round(t_imports - t0, 2),
+            "cache_s": round(t_data - t_imports, 2),
+            "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "private_mb": round(private_memory_mb()),
+            "data_share_pct": round(100 * gather_s[0] / sum(step_s[1:]), 3),
+            "tokens": len(data.train.tokens),
+        }), flush=True)
+
+
+def run_case(corpus: str, cache_dir: str, nproc: int, work: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    run_dir = tempfile.mkdtemp(dir=work)
+    t0 = time.time()
+    proc = subprocess.run([*launcher, os.path.abspath(__file__), "--worker", corpus, cache_dir, run_dir, str(t0)],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"case failed:\n{proc.stderr[-3000:]}")
+    return sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                  key=lambda r: r["rank"])
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=100, help="generated corpus size (MB)")
+    parser.add_argument("--corpus", help="use this file instead of generating one")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dir", help="where the corpus and cache go (default: a temporary directory, removed)")
+    args = parser.parse_args()
+    work = args.dir or tempfile.mkdtemp(prefix="bench-data-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        if args.corpus:
+            corpus, label = os.path.abspath(args.corpus), os.path.basename(args.corpus)
+        else:
+            corpus, label = os.path.join(work, f"corpus-{args.size_mb}mb.txt"), f"{args.size_mb} MB generated"
+            if not os.path.exists(corpus):
+                start = time.perf_counter()
+                generate(corpus, args.size_mb * 10**6)
+                print(f"generated {corpus} in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"corpus: {label}, {os.path.getsize(corpus) / 1e6:.1f} MB; nano model, batch 12 x 64, CPU, {STEPS} steps")
+        print("| processes | cache | first step (s) | of which: imports (s) | cache built or verified (s) "
+              "| max RSS per process (MB) | private memory (MB) | data share of a step |")
+        print("|---|---|---|---|---|---|---|---|")
+        for nproc in args.nproc:
+            cache_dir = os.path.join(work, f"cache-{nproc}")
+            states = ["warm"] if args.corpus else ["cold", "warm"]
+            if args.corpus:
+                run_case(corpus, cache_dir, nproc, work)  # build it once
+            for state in states:
+                results = run_case(corpus, cache_dir, nproc, work)
+
+                def col(key, fmt="{}"):
+                    return " / ".join(fmt.format(r[key]) for r in results)
+
+                print(f"| {nproc} | {state} | {col('first_step_s')} | {col('imports_s')} | {col('cache_s')} "
+                      f"| {col('max_rss_mb')} "
+                      f"| {col('private_mb')} | {col('data_share_pct', '{}%')} |", flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""The token cache: a corpus encoded once into a compact binary file that every
+process memory-maps, so the corpus costs each process almost no private memory.
+
+A cache file is a header and the token ids of every source file, one after the
+other, as uint8, int16 or int32 (by vocabulary size). The header is JSON padded
+to a page: the vocabulary, how many tokens each file gave, the SHA-256 and size
+of each source file (the key: a changed corpus is re-encoded), the
+`data_config.truncate` it was built with, and the SHA-256 of the token ids (a
+damaged cache is detected and rebuilt, never used). It is written to a
+temporary file and renamed into place, so a reader never sees half a cache.
+
+Encoding is vectorised: each source is read in chunks, decoded as UTF-8 (a
+leading byte-order mark dropped), turned into an array of code points, counted
+with one bincount for the vocabulary and mapped through a lookup table. No
+Python object per character is ever made.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import logging
+import os
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import fsspec
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MINGPT-TOKENS\n"
+VERSION = 1
+PAGE = 4096
+CHUNK = 16 << 20  # bytes read and decoded at a time
+N_CODE_POINTS = 0x110000
+DIGEST_PLACEHOLDER = "0" * 64
+
+
+class CacheError(Exception):
+    """The corpus cannot be encoded or the cache cannot be written; the message names the path.
+    (Not an OSError or ValueError, so that a reader's error mapping passes it through.)"""
+
+
+@dataclass
+class TokenCache:
+    path: str
+    tokens: torch.Tensor  # every file's ids, file after file (memory-mapped, read-only by convention)
+    vocab: str  # the sorted distinct characters
+    files: list[tuple[str, int]]  # (source, number of tokens) in order
+
+
+def dtype_for(vocab_size: int) -> torch.dtype:
+    if vocab_size <= 256:
+        return torch.uint8
+    return torch.int16 if vocab_size <= 2**15 else torch.int32
+
+
+_NUMPY = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
+_NAMES = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
+
+
+# ------------------------------------------------------------------ reading
+
+
+def code_points(text: str) -> np.ndarray:
+    """The code points of `text` as a uint32 array (one vectorised conversion)."""
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
+    """(raw bytes, decoded text) chunk by chunk. A byte-order mark at the start
+    of the file is dropped; bytes that are not UTF-8 end it with a CacheError."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    offset = 0
+    with open_source(source) as f:
+        while True:
+            raw = f.read(CHUNK)
+            pending = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise CacheError(f"data file is not UTF-8 text: {source} (byte {offset - pending + e.start})") from None
+            offset += len(raw)
+            yield raw, text
+            if not raw:
+                return
+
+
+def scan(source: str, open_source) -> tuple[str, int, int, np.ndarray]:
+    """One pass over a file: its SHA-256, size in bytes, number of characters,
+    and how often each code point occurs."""
+    digest, size, n_chars = hashlib.sha256(), 0, 0
+    counts = torch.zeros(N_CODE_POINTS, dtype=torch.int64)
+    for raw, text in decoded_chunks(source, open_source):
+        digest.update(raw)
+        size += len(raw)
+        n_chars += len(text)
+        if text:
+            counts += count(code_points(text))
+    return digest.hexdigest(), size, n_chars, counts.numpy()
+
+
+def count(cps: np.ndarray) -> torch.Tensor:
+    """How often each code point occurs (torch's bincount: ~20x numpy's here)."""
+    with warnings.catch_warnings():  # the array is read-only; bincount only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        ids = torch.from_numpy(cps.view(np.int32))
+    return torch.bincount(ids, minlength=N_CODE_POINTS)
+
+
+def kept_chunks(source: str, open_source, keep: int) -> Iterator[np.ndarray]:
+    """The code points of the first `keep` characters, chunk by chunk."""
+    for _, text in decoded_chunks(source, open_source):
+        if keep <= 0:
+            return
+        cps = code_points(text[:keep])
+        keep -= len(cps)
+        if len(cps):
+            yield cps
+
+
+def source_key(source: str, open_source) -> dict:
+    digest, size = hashlib.sha256(), 0
+    with open_source(source) as f:
+        while raw := f.read(CHUNK):
+            digest.update(raw)
+            size += len(raw)
+    return {"source": source, "size": size, "sha256": digest.hexdigest()}
+
+
+# ------------------------------------------------------------------- the file
+
+
+def read_header(f) -> tuple[dict, int]:
+    """The header of an open cache file and where the token ids start."""
+    if f.read(len(MAGIC)) != MAGIC:
+        raise ValueError("not a token cache")
+    length = int.from_bytes(f.read(8), "little")
+    if not 0 < length < 1 << 30:
+        raise ValueError("bad header length")
+    header = json.loads(f.read(length).decode("utf-8"))
+    if header.get("version") != VERSION:
+        raise ValueError("another cache version")
+    return header, _data_offset(length)
+
+
+def _data_offset(header_length: int) -> int:
+    return -(-(len(MAGIC) + 8 + header_length) // PAGE) * PAGE
+
+
+def _header_bytes(header: dict) -> bytes:
+    body = json.dumps(header, sort_keys=True).encode("utf-8")
+    return MAGIC + len(body).to_bytes(8, "little") + body
+
+
+def write(path: str, sources: list[str], truncate: float, open_source) -> None:
+    """Encode the sources into a cache file at `path` (atomically)."""
+    scans = [scan(s, open_source) for s in sources]
+    kept = [max(1, int(n_chars * truncate)) if n_chars else 0 for _, _, n_chars, _ in scans]
+    if truncate < 1.0:  # the vocabulary of the kept text only
+        counts = np.zeros(N_CODE_POINTS, dtype=np.int64)
+        for source, keep in zip(sources, kept):
+            for cps in kept_chunks(source, open_source, keep):
+                counts += count(cps).numpy()
+    else:
+        counts = sum(c for *_, c in scans)
+    vocab_cps = np.flatnonzero(counts)
+    dtype = dtype_for(len(vocab_cps))
+    lookup = np.zeros(N_CODE_POINTS, dtype=_NUMPY[dtype])
+    lookup[vocab_cps] = np.arange(len(vocab_cps), dtype=_NUMPY[dtype])
+    header = {
+        "version": VERSION,
+        "sources": [{"source": s, "size": size, "sha256": digest} for s, (digest, size, _, _) in zip(sources, scans)],
+        "truncate": truncate,
+        "vocab": "".join(map(chr, vocab_cps.tolist())),
+        "dtype": _NAMES[dtype],
+        "counts": kept,
+        "digest": DIGEST_PLACEHOLDER,
+    }
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "wb") as f:
+            head = _header_bytes(header)
+            f.write(head.ljust(_data_offset(len(head) - len(MAGIC) - 8), b"\0"))
+            digest = hashlib.sha256()
+            for source, keep in zip(sources, kept):
+                for cps in kept_chunks(source, open_source, keep):
+                    ids = lookup[cps].tobytes()
+                    digest.update(ids)
+                    f.write(ids)
+            header["digest"] = digest.hexdigest()  # same length as the placeholder
+            f.seek(0)
+            f.write(_header_bytes(header))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CacheError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def problem(path: str, sources: list[str], truncate: float, open_source) -> str | None:
+    """Why the cache at `path` cannot be used for these sources (None: it can).
+    Reads the sources and the cache once each, to compare their SHA-256s."""
+    if not os.path.exists(path):
+        return "missing"
+    try:
+        with open(path, "rb") as f:
+            header, offset = read_header(f)
+            keys = [source_key(s, open_source) for s in sources]
+            recorded = [(h["size"], h["sha256"]) for h in header["sources"]]
+            if recorded != [(k["size"], k["sha256"]) for k in keys] or header["truncate"] != truncate:
+                return "the corpus changed"
+            dtype = {v: k for k, v in _NAMES.items()}[header["dtype"]]
+            n_bytes = sum(header["counts"]) * torch.empty((), dtype=dtype).element_size()
+            if os.fstat(f.fileno()).st_size != offset + n_bytes:
+                return "damaged (wrong size)"
+            f.seek(offset)
+            digest = hashlib.sha256()
+            while block := f.read(CHUNK):
+                digest.update(block)
+            if digest.hexdigest() != header["digest"]:
+                return "damaged (its checksum does not match)"
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return f"damaged ({e})"
+    return None
+
+
+def open_cache(path: str) -> TokenCache:
+    """Memory-map a cache file (checks its header and size, not its checksum)."""
+    with open(path, "rb") as f:
+        header, offset = read_header(f)
+        size = os.fstat(f.fileno()).st_size
+    dtype = {v: k for k, v in _NAMES.items()}[header["dtype"]]
+    item = torch.empty((), dtype=dtype).element_size()
+    n = sum(header["counts"])
+    if size != offset + n * item:
+        raise ValueError("damaged (wrong size)")
+    raw = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)  # a private, copy-on-write map
+    tokens = raw[offset:].view(dtype)
+    files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
+    return TokenCache(path, tokens, header["vocab"], files)
+
+
+def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
+    """Build the cache at `path` unless a valid one is there."""
+    why = problem(path, sources, truncate, open_source)
+    if why is None:
+        log.info("token cache %s is up to date", path)
+        return
+    (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
+    write(path, sources, truncate, open_source)
+
+
+def default_cache_path(sources: list[str], truncate: float, cache_dir: str | None, local_dir: str | None) -> str:
+    """Where the cache of these sources lives: data_config.cache_dir if set,
+    else beside a local corpus (in .mingpt-cache/) when that directory is
+    writable, else the user's cache directory. The name depends on the
+    sources and truncate, not their contents: a changed corpus replaces its
+    cache instead of adding one."""
+    if cache_dir is None:
+        if local_dir is not None and os.access(local_dir, os.W_OK):
+            cache_dir = os.path.join(local_dir, ".mingpt-cache")
+        else:
+            base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            cache_dir = os.path.join(base, "mingpt")
+    name = hashlib.sha256(json.dumps([sources, truncate, VERSION]).encode()).hexdigest()[:16]
+    stem = os.path.basename(sources[0].rstrip("/")) or "corpus"
+    return os.path.join(cache_dir, f"{stem}-{name}.tokens")

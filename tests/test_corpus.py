@@ -1,0 +1,221 @@
+"""The corpus at scale: the token cache (reuse, invalidation, damage), corpora
+of several files, wide vocabularies, byte-order marks, files that are not
+regular, host-gathered batches, capped evaluation and exact resume on the
+memory-mapped path. Small generated corpora throughout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import TINY, run_main
+from mingpt.config import Config, DataConfig
+from mingpt.data import DataError, HostBatches, load_data, spread
+from mingpt.distributed import DistInfo
+from mingpt.model import GPT
+from mingpt.train import fit_to_data
+from mingpt.trainer import Trainer
+
+
+def cache_files(cache_dir) -> list:
+    return sorted(p for p in cache_dir.iterdir() if p.suffix == ".tokens")
+
+
+def text_of(data, segment) -> str:
+    start, length = segment
+    return data.tokenizer.decode(data.train.tokens[start : start + length])
+
+
+def test_cache_is_reused_and_rebuilt_when_the_corpus_changes(tmp_path, caplog):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefgh" * 50, encoding="utf-8")
+    cfg = DataConfig(path=str(corpus), block_size=8, stride=8, cache_dir=str(tmp_path / "cache"))
+    caplog.set_level(logging.INFO, logger="mingpt.token_cache")
+    first = load_data(cfg)
+    [cache] = cache_files(tmp_path / "cache")
+    built = cache.stat().st_mtime_ns, cache.stat().st_ino
+    assert first.tokenizer.chars == "abcdefgh" and first.train.tokens.dtype == torch.uint8
+    assert len(cache.read_bytes()) == 4096 + 400  # one page of header, one byte per character
+
+    caplog.clear()
+    second = load_data(cfg)
+    assert (cache.stat().st_mtime_ns, cache.stat().st_ino) == built  # not rewritten
+    assert any("is up to date" in r.getMessage() for r in caplog.records)
+    assert torch.equal(first.train.tokens, second.train.tokens)
+
+    # Same size, other content (and the same mtime, so only the contents tell).
+    stamp = corpus.stat().st_mtime_ns
+    corpus.write_text("abcdefgz" * 50, encoding="utf-8")
+    os.utime(corpus, ns=(stamp, stamp))
+    caplog.clear()
+    third = load_data(cfg)
+    assert any("the corpus changed" in r.getMessage() for r in caplog.records)
+    assert third.tokenizer.chars == "abcdefgz"
+    assert third.tokenizer.decode(third.train.tokens) == "abcdefgz" * 50
+    assert cache_files(tmp_path / "cache") == [cache]  # replaced, not added
+
+
+@pytest.mark.parametrize("damage", ["flip-token", "cut", "garbage-header"])
+def test_damaged_cache_is_rebuilt_never_used(tmp_path, caplog, damage):
+    corpus = tmp_path / "c.txt"
+    text = "the quick brown fox jumps over the lazy dog\n" * 20
+    corpus.write_text(text, encoding="utf-8")
+    cfg = DataConfig(path=str(corpus), block_size=8, stride=8)
+    load_data(cfg)
+    [cache] = cache_files(tmp_path / ".mingpt-cache")  # the default: beside the corpus
+    raw = bytearray(cache.read_bytes())
+    if damage == "flip-token":
+        raw[4096 + 100] ^= 0x01
+    elif damage == "cut":
+        raw = raw[:-10]
+    else:
+        raw[20:40] = b"x" * 20
+    cache.write_bytes(bytes(raw))
+    caplog.set_level(logging.WARNING, logger="mingpt.token_cache")
+    data = load_data(cfg)
+    assert any("damaged" in r.getMessage() and str(cache) in r.getMessage() for r in caplog.records)
+    assert data.tokenizer.decode(data.train.tokens) == text
+
+
+def test_several_files_form_one_corpus_split_per_file(tmp_path):
+    """Vocabulary = union; the held-out part is the tail of each file; no window
+    spans two files or shares a position with a window of the other split."""
+    (tmp_path / "d").mkdir()
+    texts = {"a.txt": "abc " * 300, "b.txt": "xyz!" * 200, "c.txt": "ab\n" * 150}
+    for name, text in texts.items():
+        (tmp_path / "d" / name).write_text(text, encoding="utf-8")
+    cfg_glob = DataConfig(path=str(tmp_path / "d" / "*.txt"), block_size=8, stride=3, train_split=0.8)
+    data = load_data(cfg_glob)
+    assert data.tokenizer.chars == "".join(sorted(set("".join(texts.values()))))
+    assert [os.path.basename(s) for s, _ in data.files] == ["a.txt", "b.txt", "c.txt"]  # glob: sorted
+    bounds, offset = [], 0
+    for (name, text), train, heldout in zip(texts.items(), data.train.segments, data.heldout.segments):
+        n_train = int(len(text) * 0.8)
+        assert text_of(data, train) == text[:n_train] and text_of(data, heldout) == text[n_train:]
+        bounds.append((offset, offset + len(text)))
+        offset += len(text)
+    for windows in (data.train, data.heldout):
+        for start in windows.starts(range(len(windows))).tolist():
+            end = start + windows.block_size + 1
+            assert any(lo <= start and end <= hi for lo, hi in bounds), (start, end)  # inside one file
+    train_pos = {p for s in data.train.starts(range(len(data.train))).tolist() for p in range(s, s + 9)}
+    heldout_pos = {p for s in data.heldout.starts(range(len(data.heldout))).tolist() for p in range(s, s + 9)}
+    assert not train_pos & heldout_pos
+    assert len(data.train) == sum((int(len(t) * 0.8) - 9) // 3 + 1 for t in texts.values())
+    x, y = data.train.batch(torch.arange(len(data.train)))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # A list of files (a glob among them) gives the same corpus, in the order given.
+    listed = load_data(DataConfig(path=[str(tmp_path / "d" / "b.txt"), str(tmp_path / "d" / "[ac].txt")],
+                                  block_size=8, stride=3, train_split=0.8))
+    assert [os.path.basename(s) for s, _ in listed.files] == ["b.txt", "a.txt", "c.txt"]
+
+
+def test_wide_vocabulary_and_byte_order_mark(tmp_path):
+    text = "".join(chr(0x4E00 + i) for i in range(300)) * 3 + "abc\n" * 20
+    path = tmp_path / "wide.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # with a byte-order mark
+    data = load_data(DataConfig(path=str(path), block_size=8, stride=8))
+    assert "\ufeff" not in data.tokenizer.chars
+    assert data.tokenizer.vocab_size == 304 and data.train.tokens.dtype == torch.int16
+    assert data.tokenizer.decode(data.train.tokens) == text
+    x, _ = data.heldout.batch([0])
+    start = data.heldout.segments[0][0]
+    assert data.tokenizer.decode(x[0]) == text[start : start + 8]
+
+
+def test_unusable_corpora_are_refused_in_one_line(tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("a" * 500, encoding="utf-8")
+    with pytest.raises(DataError, match=r"one.txt: the corpus has a single distinct character \('a'\)"):
+        load_data(DataConfig(path=str(one), block_size=8))
+    with pytest.raises(DataError, match=r"^data file is not a regular file: /dev/zero is a device"):
+        load_data(DataConfig(path="/dev/zero", block_size=8))
+    with pytest.raises(DataError, match=r"^no data file matches .*nothing-\*\.txt$"):
+        load_data(DataConfig(path=str(tmp_path / "nothing-*.txt"), block_size=8))
+    good = tmp_path / "good.txt"
+    good.write_text("abcdefgh" * 50, encoding="utf-8")
+    with pytest.raises(DataError, match=r"^cannot write the token cache /proc/nope/"):
+        load_data(DataConfig(path=str(good), block_size=8, cache_dir="/proc/nope"))
+
+
+def test_fifo_corpus_exits_promptly_with_one_line(tmp_path):
+    fifo = tmp_path / "corpus.fifo"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    proc = run_main([*TINY, f"data_config.path={fifo}"], tmp_path, timeout=120)  # a hang fails here
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: data file is not a regular file: {fifo} is a FIFO"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_host_batches_match_device_batches_with_and_without_prefetch(tmp_path, corpus):
+    path = tmp_path / "c.txt"
+    path.write_text(corpus.read_text(encoding="utf-8")[:5000], encoding="utf-8")
+    data = load_data(DataConfig(path=str(path), block_size=16, stride=5))
+    host, _ = data.place(torch.device("cpu"), "host")
+    assert isinstance(host, HostBatches)
+    steps = torch.randperm(len(data.train)).split(12)
+    host.prefetch(steps[0])
+    for k, step in enumerate(steps[:4]):
+        for micro in step.split(4):  # micro-batches of a prefetched step
+            for a, b in zip(host.batch(micro), data.train.batch(micro)):
+                assert torch.equal(a, b)
+        host.prefetch(steps[k + 2])  # the wrong batch prefetched: the next is gathered anew
+    for a, b in zip(host.batch(steps[5]), data.train.batch(steps[5])):
+        assert torch.equal(a, b)
+
+
+def test_spread_is_even_and_capped():
+    assert spread(10, 0).tolist() == list(range(10))
+    assert spread(10, 20).tolist() == list(range(10))
+    assert spread(10, 4).tolist() == [0, 2, 5, 7]
+    assert spread(1_000_000_007, 3).tolist() == [0, 333333335, 666666671]
+
+
+def make_trainer(run_dir, corpus_paths, *extra: str) -> Trainer:
+    dotlist = [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", *extra]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    config.data_config.path = corpus_paths
+    config = OmegaConf.to_object(config)
+    data = load_data(config.data_config)
+    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+    torch.manual_seed(config.trainer_config.seed)
+    return Trainer(config, GPT(config.gpt_config), data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+
+
+def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, corpus, one_thread):
+    """Two files, batches gathered from the memory map with prefetch, dropout
+    on: a run stopped mid-epoch at step 7 and resumed ends with the
+    uninterrupted run's exact weights. Evaluation capped at 160 tokens (10
+    windows of 16) reports the loss and bits per character."""
+    text = corpus.read_text(encoding="utf-8")
+    paths = []
+    for k, (lo, hi) in enumerate(((0, 1800), (1800, 3000))):
+        paths.append(str(tmp_path / f"part{k}.txt"))
+        (tmp_path / f"part{k}.txt").write_text(text[lo:hi], encoding="utf-8")
+    common = ["data_config.placement=host", "gpt_config.dropout=0.1", "trainer_config.max_epochs=1",
+              "trainer_config.batch_size=4", "trainer_config.grad_accum_steps=2", "trainer_config.eval_tokens=160",
+              "optimizer_config.lr_schedule=constant", "optimizer_config.warmup_steps=2"]
+    reference = make_trainer(tmp_path / "ref", paths, *common)
+    assert isinstance(reference.train_windows, HostBatches)
+    reference.train()
+    make_trainer(tmp_path / "resumed", paths, *common, "trainer_config.max_steps=7").train()
+    resumed = make_trainer(tmp_path / "resumed", paths, *common)
+    assert resumed.progress.step == 7 and 0 < resumed.progress.samples_in_epoch < len(resumed.data.train)
+    resumed.train()
+    assert resumed.progress.step == reference.progress.step > 7
+    for key, value in reference.raw_model.state_dict().items():
+        assert torch.equal(value, resumed.raw_model.state_dict()[key]), key
+    records = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if r["split"] == "eval"][-1]
+    assert final["tokens"] == 160
+    assert final["bpc"] == pytest.approx(final["loss"] / math.log(2), rel=1e-12)
