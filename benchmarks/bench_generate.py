@@ -1,13 +1,22 @@
-"""Tokens/s of text generation with and without the key/value cache.
+"""Text generation: tokens/s of the decoding step against its floor, compiled or
+not, several samples as one batch, and full recomputation as the baseline.
 
-    python benchmarks/bench_generate.py [--max-new-tokens 500] [--threads N] [--device cpu]
+    python benchmarks/bench_generate.py [--max-new-tokens 500] [--threads N] [--rounds 3] [--device cpu]
+        [--no-compile] [--no-uncached]
 
 A randomly initialised 6-layer, 6-head, 384-dim model with block_size 256 and
 a vocabulary of 65 (the tiny-shakespeare shape; speed does not depend on the
-weights) generates one sample from a one-character prompt, once with the cache
-and once recomputing the whole window for every token. Past block_size both
-follow the same context policy (mingpt/sample.py), so they do the same
-predictions; the cache only saves work.
+weights) generates from a one-character prompt. Rows, each the median of
+--rounds alternating rounds, so that the machine's drifts hit every row alike:
+
+- cached: mingpt.sample.generate with the KV cache, eager or compiled
+  (torch.compile of the fixed-shape step; its compile time is reported apart);
+  with N samples, the N rows are one batch;
+- uncached: the same context policy, recomputing the whole window per token;
+- sliding window: the whole last block_size tokens recomputed per token with no
+  cache, as nanoGPT's `generate` does (the baseline of the targets);
+- floor: the matmuls of one decoding step alone, F.linear on the same weights
+  and shapes in a loop; "of floor" is floor time / step time.
 """
 
 from __future__ import annotations
@@ -16,26 +25,62 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
-from mingpt.config import GPTConfig
-from mingpt.model import GPT
-from mingpt.sample import generate
+from mingpt.config import GPTConfig  # noqa: E402
+from mingpt.model import GPT  # noqa: E402
+from mingpt.sample import generate, next_token  # noqa: E402
 
 
-def tokens_per_second(model: GPT, max_new_tokens: int, use_cache: bool, device: torch.device) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def seconds_generating(model: GPT, n_tokens: int, device: torch.device, samples: int = 1, **kwargs) -> float:
+    idx = torch.zeros(samples, 1, dtype=torch.long, device=device)
+    generators = [torch.Generator(device).manual_seed(i) for i in range(samples)]
+    started = time.perf_counter()
+    for token in generate(model, idx, n_tokens, generator=generators, **kwargs):
+        token[0].item()  # wait for the device, as a streaming caller does
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def seconds_sliding(model: GPT, n_tokens: int, device: torch.device) -> float:
+    """No cache: each token recomputes the last block_size tokens (a sliding window)."""
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)
     generator = torch.Generator(device).manual_seed(0)
     started = time.perf_counter()
-    for token in generate(model, idx, max_new_tokens, generator=generator, use_cache=use_cache):
-        token.item()  # wait for the device, as a streaming caller does
-    return max_new_tokens / (time.perf_counter() - started)
+    for _ in range(n_tokens):
+        logits, _ = model(idx[:, -model.config.block_size :])
+        token = next_token(logits[:, -1], generator=generator)
+        token.item()
+        idx = torch.cat([idx, token], dim=1)
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def seconds_floor(model: GPT, n_steps: int, device: torch.device, samples: int = 1) -> float:
+    """The matmuls of n_steps decoding steps and nothing else."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    inputs = {m.in_features: torch.randn(samples, m.in_features, device=device) for m in linears}
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(n_steps):
+        for m in linears:
+            F.linear(inputs[m.in_features], m.weight, m.bias)
+    sync(device)
+    return time.perf_counter() - started
 
 
 def cpu_name() -> str:
@@ -50,7 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=500)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled step")
+    parser.add_argument("--no-uncached", action="store_true", help="skip the two recomputing baselines (slow)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,24 +106,62 @@ def main() -> None:
     torch.manual_seed(0)
     config = GPTConfig(n_layer=6, n_head=6, n_embd=384, vocab_size=65, block_size=256)
     model = GPT(config).to(device).eval()
+    n = args.max_new_tokens
 
-    for use_cache in (True, False):  # warm up both paths
-        tokens_per_second(model, 8, use_cache, device)
-    cached = tokens_per_second(model, args.max_new_tokens, True, device)
-    uncached = tokens_per_second(model, args.max_new_tokens, False, device)
+    rows = {  # name -> (samples, function of the token count returning seconds)
+        "floor (matmuls only)": (1, lambda k: seconds_floor(model, k, device)),
+        "cached, eager": (1, lambda k: seconds_generating(model, k, device)),
+        "cached, 4 samples": (4, lambda k: seconds_generating(model, k, device, 4)),
+        "cached, 16 samples": (16, lambda k: seconds_generating(model, k, device, 16)),
+        "floor, 16 samples": (16, lambda k: seconds_floor(model, k, device, 16)),
+    }
+    compile_seconds = None
+    if not args.no_compile:
+        started = time.perf_counter()
+        seconds_generating(model, 8, device, compile=True)  # compiles the step
+        compile_seconds = time.perf_counter() - started - seconds_generating(model, 8, device)
+        rows["cached, compiled"] = (1, lambda k: seconds_generating(model, k, device, compile=True))
+        rows["compiled, 16 samples"] = (16, lambda k: seconds_generating(model, k, device, 16, compile=True))
+    if not args.no_uncached:
+        rows["uncached (restarting window)"] = (1, lambda k: seconds_generating(model, k, device, use_cache=False))
+        rows["sliding window, no cache"] = (1, lambda k: seconds_sliding(model, k, device))
+    for _, run in rows.values():  # warm up every path
+        run(8)
+    times = {name: [] for name in rows}
+    for _ in range(args.rounds):
+        for name, (_, run) in rows.items():
+            times[name].append(run(n))
+    seconds = {name: statistics.median(t) for name, t in times.items()}
 
     print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"command: python {' '.join(sys.argv)}")
     where = f"{cpu_name()}, {os.cpu_count()} cores" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"torch {torch.__version__} on {device} ({where}), {torch.get_num_threads()} threads")
+    print(f"load average: {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "")
     print(f"model: 6 layers, 6 heads, 384 dim, block 256, vocab 65, {model.num_params() / 1e6:.1f}M parameters; "
-          f"one sample of {args.max_new_tokens} new tokens")
+          f"{n} new tokens per sample, medians of {args.rounds} alternating rounds")
     print()
-    print(f"| {'decoding':<18} | {'tokens/s':>9} |")
-    print(f"|{'-' * 20}|{'-' * 11}|")
-    print(f"| {'with the cache':<18} | {cached:>9.1f} |")
-    print(f"| {'without the cache':<18} | {uncached:>9.1f} |")
-    print(f"\nspeed-up with the cache: {cached / uncached:.1f}x")
+    print(f"| {'decoding':<30} | {'samples':>7} | {'seconds':>8} | {'tokens/s':>9} | {'ms/step':>8} | {'of floor':>8} |")
+    print(f"|{'-' * 32}|{'-' * 9}|{'-' * 10}|{'-' * 11}|{'-' * 10}|{'-' * 10}|")
+    floor = {1: seconds["floor (matmuls only)"], 16: seconds["floor, 16 samples"]}
+    for name, (samples, _) in rows.items():
+        s = seconds[name]
+        of_floor = f"{floor[samples] / s:.0%}" if samples in floor and not name.startswith("floor") else ""
+        print(f"| {name:<30} | {samples:>7} | {s:>8.2f} | {samples * n / s:>9.1f} | {s / n * 1e3:>8.2f} | {of_floor:>8} |")
+    print()
+    one = seconds["cached, eager"]
+    print(f"16 samples in {seconds['cached, 16 samples'] / one:.2f}x the time of one (eager), "
+          f"4 samples in {seconds['cached, 4 samples'] / one:.2f}x")
+    if compile_seconds is not None:
+        saved = one - seconds["cached, compiled"]
+        print(f"compile: {compile_seconds:.1f} s (first call, this process; the inductor cache may be warm); "
+              f"saves {saved / n * 1e3:.2f} ms/token, {saved:.2f} s per {n} tokens: "
+              + (f"pays off after {compile_seconds / saved * n:,.0f} tokens" if saved > 0 else "never pays off"))
+    if not args.no_uncached:
+        base = seconds["sliding window, no cache"]
+        print(f"one sample, cached eager vs sliding window without cache: {base / one:.1f}x"
+              + (f", compiled: {base / seconds['cached, compiled']:.1f}x" if compile_seconds is not None else ""))
+        print(f"cached eager vs uncached restarting window: {seconds['uncached (restarting window)'] / one:.1f}x")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Token and learned position embeddings, a stack of pre-LayerNorm transformer
 blocks (causal self-attention, then a GELU MLP), a final LayerNorm and a linear
 head. Attention goes through scaled_dot_product_attention with is_causal=True,
-so GPUs use flash kernels. An optional KVCache makes generation cost one
-position's work per new token.
+so GPUs use flash kernels. For generation, a KVCache of fixed shape keeps the
+keys and values of a prompt, and `step` adds one token at a time to it.
 """
 
 from __future__ import annotations
@@ -20,17 +20,30 @@ from mingpt.config import GPTConfig
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, per layer, preallocated to block_size."""
+    """Keys and values of every layer for block_size positions, preallocated, so
+    that a decoding step has the same shapes every time (what torch.compile and
+    CUDA graphs need)."""
 
     def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32):
         head_size = config.n_embd // config.n_head
         shape = (batch_size, config.n_head, config.block_size, head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.length = 0  # positions filled, the same for every layer
+        self.positions = torch.arange(config.block_size, device=device)[None]  # (1, block): a mask row
 
-    def reset(self) -> None:
-        self.length = 0
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: Optional[torch.Tensor]):
+        """Keep the new keys and values (B, nh, T, hs) of `layer`; return the keys,
+        values and mask that the new queries attend to. pos None: a prompt at
+        positions 0..T-1, which attends causally to itself. pos a one-element
+        tensor: one token at that position, which attends to the whole cache
+        masked to the positions up to its own."""
+        if pos is None:
+            self.k[layer][:, :, : k.size(2)] = k
+            self.v[layer][:, :, : v.size(2)] = v
+            return k, v, None
+        self.k[layer].index_copy_(2, pos, k)
+        self.v[layer].index_copy_(2, pos, v)
+        return self.k[layer], self.v[layer], self.positions <= pos
 
 
 class CausalSelfAttention(nn.Module):
@@ -42,23 +55,17 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0, pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        is_causal = True
+        mask = None
         if cache is not None:
-            start = cache.length
-            cache.k[layer][:, :, start : start + T] = k
-            cache.v[layer][:, :, start : start + T] = v
-            k = cache.k[layer][:, :, : start + T]
-            v = cache.v[layer][:, :, : start + T]
-            # Either the prompt into an empty cache (causal over itself) or one
-            # new position, which may attend to everything before it.
-            assert start == 0 or T == 1, "the cache takes a prompt, then one token at a time"
-            is_causal = start == 0
+            k, v, mask = cache.store(layer, k, v, pos)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal and T > 1
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None and T > 1
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -84,8 +91,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(
+        self, x: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0, pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -130,19 +139,27 @@ class GPT(nn.Module):
         cache: Optional[KVCache] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """idx: (B, T) token ids. Returns logits (B, T, vocab) and, with targets,
-        the mean cross-entropy. With a cache, positions continue after it."""
+        the mean cross-entropy. With a cache, idx is a prompt: its keys and values
+        fill the cache from position 0, and `step` continues from there."""
         T = idx.size(1)
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for i, block in enumerate(self.h):
             x = block(x, cache, i)
-        if cache is not None:
-            cache.length += T
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+    def step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decoding step: the logits (B, vocab) that follow the tokens idx (B, 1)
+        at position pos (a one-element tensor, below block_size), whose keys and
+        values go into the cache, after the cached positions before it. Its shapes
+        do not depend on pos, so it compiles once."""
+        x = self.wte(idx) + self.wpe(pos)
+        for i, block in enumerate(self.h):
+            x = block(x, cache, i, pos)
+        return self.lm_head(self.ln_f(x[:, -1]))

@@ -11,7 +11,7 @@ from the same window, so they give the same tokens.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -23,9 +23,12 @@ def next_token(
     temperature: float = 1.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
-    generator: Optional[torch.Generator] = None,
+    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
 ) -> torch.Tensor:
     """Pick the next token from last-position logits (B, vocab) -> (B, 1).
+
+    generator: one random stream for the whole batch, or one per row (then a row
+    draws what it would draw alone with its generator).
 
     temperature 0 is greedy decoding (top_k and top_p do not matter then).
     top_k keeps exactly the k most likely tokens; top_p keeps the smallest set
@@ -43,7 +46,20 @@ def next_token(
         # Drop a token when the tokens before it already reach top_p.
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator)
+
+
+def decoding_step(model: GPT, compile: bool = False) -> Callable:
+    """model.step, or a torch.compile of it: one graph for the fixed-shape step,
+    with CUDA graphs on GPUs (mode reduce-overhead), which take the per-token
+    launch overhead away. Compiling takes seconds to a minute, so it pays only
+    for long generations."""
+    if not compile:
+        return model.step
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.compile(model.step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
 
 
 @torch.inference_mode()
@@ -54,37 +70,45 @@ def generate(
     temperature: float = 1.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
-    generator: Optional[torch.Generator] = None,
+    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
     use_cache: bool = True,
+    compile: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens, each (B, 1), continuing idx (B, T), T >= 1.
 
     Without the cache the whole window is recomputed for every token; with it,
-    the window is encoded once after each restart and each new token costs one
-    position. The model is in eval mode until the generator is exhausted or closed.
+    the window is encoded once after each restart and each new token is one
+    fixed-shape `model.step` (compiled with compile=True). The rows of idx are
+    decoded as one batch; with one generator per row, each row gets the tokens
+    it would get alone. The model is in eval mode until the generator is
+    exhausted or closed.
     """
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token of context")
     block_size = model.config.block_size
     keep = max(1, block_size // 2)  # tokens kept when the window restarts
     window = idx[:, -block_size:]
-    cache = None
+    cache = step = None
     if use_cache:
         param = next(model.parameters())
         cache = KVCache(model.config, idx.size(0), param.device, param.dtype)
+        step = decoding_step(model, compile)
+        if compile and param.device.type == "cuda":  # CUDA graphs may update the cache in place
+            for t in cache.k + cache.v:
+                torch._dynamo.mark_static_address(t)
     was_training = model.training
     model.eval()
     try:
         refill = True  # the cache does not hold the window yet
         for _ in range(max_new_tokens):
             if cache is None:
-                logits, _ = model(window)
+                logits = model(window)[0][:, -1]
             elif refill:
-                cache.reset()
-                logits, _ = model(window, cache=cache)
+                logits = model(window, cache=cache)[0][:, -1]
             else:
-                logits, _ = model(window[:, -1:], cache=cache)
-            token = next_token(logits[:, -1], temperature, top_k, top_p, generator)
+                pos = torch.tensor([window.size(1) - 1], device=window.device)
+                logits = step(token, pos, cache)  # the last token, the newest in the window
+            token = next_token(logits, temperature, top_k, top_p, generator)
             yield token
             window = torch.cat([window, token], dim=1)
             refill = window.size(1) > block_size

@@ -1,5 +1,6 @@
 """Text generation: the CLI on a snapshot from a real tiny training run, the
-key/value cache against full recomputation, the sampling filters, bad input."""
+key/value cache (eager and compiled) against full recomputation, batched
+samples, the sampling filters, bad input."""
 
 from __future__ import annotations
 
@@ -61,7 +62,11 @@ def test_samples_stream_separated_and_repeat_with_the_seed(workdir, snapshot):
         generated, rest = sample[6:66], sample[66:]
         assert set(generated) <= vocab
         assert rest == ("" if generated.endswith("\n") else "\n")  # each sample ends a line
-    assert sample1 != sample2  # the samples continue the random stream
+    assert sample1 != sample2  # each sample has its own random stream
+    # Sample i is the text of a one-sample run with seed + i - 1: sample 1 is that of seed=7 alone.
+    alone = run_generate(args[:3] + ["seed=8"], workdir)
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout == sample2.removesuffix("\n") + "\n" and sample2.endswith("\n")
 
 
 def test_text_streams_while_it_is_generated(workdir, snapshot):
@@ -106,6 +111,27 @@ def test_cache_gives_the_tokens_of_full_recomputation_past_block_size(snapshot, 
     model.train()
     tokens(model, idx, 3)
     assert model.training  # generate restores the mode it found
+
+
+def test_compiled_step_gives_the_tokens_of_full_recomputation(snapshot, corpus, one_thread):
+    model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
+    idx = tokenizer.encode(corpus.read_text(encoding="utf-8")[1000:1040]).long()[None]
+    compiled = tokens(model, idx, 60, seed=5, use_cache=True, compile=True)  # past block_size: refills
+    assert compiled == tokens(model, idx, 60, seed=5, use_cache=False)
+
+
+def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread):
+    """A batch of samples with one generator each: every row gets the tokens it
+    gets alone with that generator (so sample 1 is unchanged by num_samples),
+    cached or not, and the same seeds give the same batch."""
+    model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
+    idx = tokenizer.encode("ROMEO:").long()[None]
+    for use_cache in (True, False):
+        generators = [torch.Generator().manual_seed(seed) for seed in (11, 12, 13)]
+        batch = torch.cat(list(generate(model, idx.expand(3, -1), 40, generator=generators, use_cache=use_cache)), 1)
+        alone = [tokens(model, idx, 40, seed=seed, use_cache=use_cache) for seed in (11, 12, 13)]
+        assert batch.tolist() == alone
+        assert len({tuple(row) for row in alone}) == 3
 
 
 # ---------------------------------------------------------------- the filters
