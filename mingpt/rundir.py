@@ -111,7 +111,7 @@ def _holder(fd: int) -> str:
 
 def _lock(path: str, what: str) -> int | None:
     """An exclusive flock on `path` (created if missing), or RunDirError naming the holder.
-    None where the file system has no locks (Lustre without -o flock, NFS mounted nolock)."""
+    None where the file system refuses locks (Lustre mounted without flock or localflock)."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -16,8 +16,8 @@ from typing import NoReturn
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -91,7 +91,7 @@ def config_error_line(error: BaseException) -> str:
 
 register_configs()
 register_resolvers()
-_in_task = False  # an OSError outside the task is Hydra failing to create the run directory
+_in_task = False  # an OSError outside a task is Hydra failing to create the run directory
 
 
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
@@ -110,8 +110,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         run(config, hydra_cfg.runtime.output_dir, files)
     except USER_ERRORS as e:
         fail(str(e))
-    finally:
-        _in_task = False
+    _in_task = False  # an OSError from inside a task keeps its traceback: a bug
 
 
 def main() -> None:
@@ -128,4 +127,4 @@ def main() -> None:
     except OSError as e:
         if _in_task:
             raise
-        fail(f"cannot create the run directory: {e.filename}: {e.strerror}")
+        fail(f"cannot create the run directory: {e.filename or ''}: {e.strerror or e}")

@@ -1,4 +1,4 @@
-"""The run directory end to end: one job owns it, a refused invocation leaves it as it was, another config starts its own."""
+"""The run directory end to end: one owner, refusals that leave no trace, another config its own run."""
 
 from __future__ import annotations
 
