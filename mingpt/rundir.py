@@ -111,19 +111,19 @@ def _holder(fd: int) -> str:
 
 def _lock(path: str, what: str) -> int | None:
     """An exclusive flock on `path` (created if missing), or RunDirError naming the holder.
-    None where the file system has no locks (Lustre without -o flock, NFS mounted nolock)."""
+    None where the file system refuses locks (Lustre mounted without flock or localflock)."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise RunDirError(f"cannot use {what} {os.path.dirname(path) or '.'}: {e.strerror}") from None
+        raise RunDirError(f"cannot use {what}: {e.filename}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
         raise RunDirError(
-            f"{what} {os.path.dirname(path) or '.'} is in use by {holder}; wait for that job to end or stop it, "
+            f"{what} is in use by {holder}; wait for that job to end or stop it, "
             f"or run this one in another directory (hydra.run.dir=...)"
         ) from None
     except OSError as e:
@@ -138,11 +138,11 @@ def _lock(path: str, what: str) -> int | None:
 def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
     """The lock files of a run: in its directory, and beside a local snapshot kept elsewhere.
     Object stores (s3://, gs://) have no locks: a snapshot there is not claimed."""
-    paths = [(os.path.join(run_dir, LOCK_FILE), "run directory")]
+    paths = [(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
         snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))
         if os.path.dirname(snapshot) != os.path.abspath(run_dir):
-            paths.append((f"{snapshot}.lock", "snapshot location"))
+            paths.append((f"{snapshot}.lock", f"snapshot {snapshot_path}"))
     return paths
 
 

@@ -141,7 +141,7 @@ def check_group_overrides(overrides: list[str]) -> None:
 
 register_configs()
 register_resolvers()
-_in_task = False  # an OSError outside the task is Hydra failing to create the run directory
+_in_task = False  # an OSError outside a task is Hydra failing to create the run directory
 
 
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
@@ -170,8 +170,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         fail(config_error_line(e))
     except stopping.Stopped as e:
         fail(str(e), status=e.status)
-    finally:
-        _in_task = False
+    _in_task = False  # an OSError from inside a task keeps its traceback: a bug
 
 
 def take_local_rank_argument(argv: list[str]) -> list[str]:
@@ -213,4 +212,4 @@ def main() -> None:
     except OSError as e:
         if _in_task:
             raise
-        fail(f"cannot create the run directory: {e.filename}: {e.strerror}")
+        fail(f"cannot create the run directory: {e.filename or ''}: {e.strerror or e}")

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, child_env, run_main
+from conftest import TINY, child_env, run_dir_of, run_main
 
 from mingpt.generate import load_model
 from mingpt.sample import generate, next_token
+
+
+TRAIN_ARGS = TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",
+                     "optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=10"]
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +26,14 @@ def workdir(tmp_path_factory, corpus) -> Path:
     """A scratch directory with a snapshot trained for a few seconds on 20k characters."""
     path = tmp_path_factory.mktemp("generate")
     (path / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    result = run_main(
-        TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",
-                "optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=10"],
-        cwd=path,
-    )
+    result = run_main(TRAIN_ARGS, cwd=path)
     assert result.returncode == 0, result.stderr
     return path
 
 
 @pytest.fixture(scope="module")
 def snapshot(workdir) -> Path:
-    return workdir / "runs" / "gen" / "snapshot.pt"
+    return run_dir_of(workdir, TRAIN_ARGS) / "snapshot.pt"
 
 
 def generate_cmd(args: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, child_env, run_main, run_torchrun, torchrun_cmd
+from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
 from mingpt import checkpoint
 from mingpt.config import Config
 from mingpt.data import ResumableSampler, load_data
@@ -112,7 +112,7 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus
     resumed = [*common, f"trainer_config.snapshot_path={resumed_url}"]
     make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_steps=30").train()
     caplog.clear()
-    make_trainer(tmp_path / "resumed", small_corpus, *resumed).train()
+    make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.allow_config_change=true").train()
     assert any(r.getMessage() == f"resumed from {resumed_url}: epoch 0, 960 samples into it, step 30"
                for r in caplog.records)
     reference, final = checkpoint.load(reference_url), checkpoint.load(resumed_url)
@@ -125,7 +125,7 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus
     good = read_bytes(resumed_url)
     diverging = make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_epochs=4",
                              "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=null",
-                             "trainer_config.log_every=1")
+                             "trainer_config.log_every=1", "trainer_config.allow_config_change=true")
     kept = rf"the last good snapshot is kept at {resumed_url}, step 108$"
     with pytest.raises(TrainingError, match=r"training diverged: the loss is not finite at step 1\d\d; " + kept):
         diverging.train()
@@ -196,15 +196,17 @@ def good_snapshot(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("good")
     data = tmp / "small.txt"
     data.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    proc = run_main(overrides(f"data_config.path={data}", "trainer_config.max_steps=6"), tmp)
+    args = overrides(f"data_config.path={data}", "trainer_config.max_steps=6")
+    proc = run_main(args, tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp, tmp / "runs" / "default" / "snapshot.pt"
+    return tmp, run_dir_of(tmp, args) / "snapshot.pt"
 
 
 def test_snapshot_of_another_shape_is_refused(good_snapshot):
     tmp, snapshot = good_snapshot
     before = snapshot.read_bytes()
-    proc = run_main(overrides(f"data_config.path={tmp / 'small.txt'}", "gpt_config.n_layer=3"), tmp)
+    proc = run_main(overrides(f"data_config.path={tmp / 'small.txt'}", "gpt_config.n_layer=3",
+                              f"hydra.run.dir={snapshot.parent}"), tmp)
     assert_one_error(proc, f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3")
     assert snapshot.read_bytes() == before
 
@@ -251,7 +253,8 @@ def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_
     snapshot.write_bytes(good.read_bytes())
     args = overrides(f"data_config.path={tmp / 'small.txt'}", f"trainer_config.snapshot_path={snapshot}",
                      "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=5",
-                     "trainer_config.log_every=1000", "trainer_config.max_steps=40")
+                     "trainer_config.log_every=1000", "trainer_config.max_steps=40",
+                     "trainer_config.allow_config_change=true")
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0
     # Each rank stops with the same line (the two may interleave on the shared stderr).
@@ -266,7 +269,8 @@ def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
     tmp, good = good_snapshot
     (tmp_path / "snapshot-0.pt").write_bytes(good.read_bytes())
     args = overrides(f"data_config.path={tmp / 'small.txt'}",
-                     f"trainer_config.snapshot_path={tmp_path}/snapshot-${{oc.env:RANK}}.pt")
+                     f"trainer_config.snapshot_path={tmp_path}/snapshot-${{oc.env:RANK}}.pt",
+                     "trainer_config.allow_config_change=true")  # the good snapshot stopped at max_steps=6
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0
     # Both ranks stop, each naming its own path.
@@ -323,7 +327,8 @@ def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus
     env = {**child_env(), "FT_RECORD_DIR": str(record)}
     recorder = str(REPO / "tests" / "ft_record.py")
     args = overrides(f"data_config.path={small_corpus}", f"trainer_config.snapshot_path={url}",
-                     "trainer_config.max_epochs=1", "trainer_config.save_every_steps=7")
+                     "trainer_config.max_epochs=1", "trainer_config.save_every_steps=7",
+                     "trainer_config.allow_config_change=true")  # each part has its own max_steps
 
     def part(nproc: int, max_steps: str) -> str:
         launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
@@ -406,12 +411,14 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
     def launch(name: str, *torchrun_args: str) -> subprocess.Popen:
         cmd = torchrun_cmd(2, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *args,
                                                                    f"trainer_config.run_name={name}"]
+        run_dirs[name] = run_dir_of(tmp_path, [*args, f"trainer_config.run_name={name}"])
         return subprocess.Popen(cmd, cwd=tmp_path, env={**child_env(), **RESTART_ENV}, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
 
+    run_dirs = {}
     reference = launch("reference")
     killed = launch("killed", "--max-restarts=2")
-    run_dir = tmp_path / "runs" / "killed"
+    run_dir = run_dirs["killed"]
     victim = None
     try:
         deadline = time.monotonic() + 150
@@ -439,13 +446,13 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
     assert resumed_step % 10 == 0 and 10 <= resumed_step < 71 and "epoch 0," in resumed[0]
 
     final = torch.load(run_dir / "snapshot.pt", weights_only=True)
-    expected = torch.load(tmp_path / "runs" / "reference" / "snapshot.pt", weights_only=True)
+    expected = torch.load(run_dirs["reference"] / "snapshot.pt", weights_only=True)
     assert final["step"] == expected["step"] == 213
     assert same_tensors(final["model_state"], expected["model_state"])
     assert all(same_tensors(final["optimizer_state"]["state"][k], expected["optimizer_state"]["state"][k])
                for k in expected["optimizer_state"]["state"])
     # The logs hold each step once, as the uninterrupted run logged it.
-    reference_events = train_events(tmp_path / "runs" / "reference")
+    reference_events = train_events(run_dirs["reference"])
     assert [s for s, _ in reference_events] == list(range(1, 214))
     assert train_events(run_dir) == reference_events
-    assert tensorboard_losses(run_dir) == tensorboard_losses(tmp_path / "runs" / "reference")
+    assert tensorboard_losses(run_dir) == tensorboard_losses(run_dirs["reference"])

@@ -1,0 +1,170 @@
+"""The run directory end to end: one owner, refusals that leave no trace, another config its own run."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun
+
+DEADLINE = 150  # seconds: generous, the machine is shared
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, corpus) -> Path:
+    cwd = tmp_path_factory.mktemp("rundir")
+    (cwd / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return cwd
+
+
+def args(*extra: str) -> list[str]:
+    return [*TINY, "data_config.path=corpus.txt", "trainer_config.sample_chars=0", *extra]
+
+
+def steps(run_dir: Path, split: str) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if r["split"] == split]
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not predicate():
+        assert proc.poll() is None, f"the job ended (status {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {DEADLINE} s"
+        time.sleep(0.1)
+
+
+def contains(path: Path, text: str):
+    return lambda: path.exists() and text in path.read_text()
+
+
+def launch(cwd: Path, argv: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as stderr:  # a file, not a pipe: a full pipe would stall the job
+        return subprocess.Popen([sys.executable, str(REPO / "main.py"), *argv], cwd=cwd, env=child_env(),
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
+    """Job A trains; the same command again (one process, then two under
+    torchrun) is refused with one line naming A, and A goes on undisturbed.
+    A is SIGKILLed: the next job takes the directory over and resumes A's snapshot."""
+    argv = args("trainer_config.max_epochs=1000")
+    run_dir = run_dir_of(workdir, argv)
+    first = launch(workdir, argv, workdir / "a.err")
+    try:
+        wait_for(contains(run_dir / "train.log", "saved snapshot"), "first snapshot", first)
+        holder = f"is in use by pid {first.pid} on host {socket.gethostname()} since "
+        second = run_main(argv, workdir)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.splitlines()[-1].startswith(f"error: run directory {run_dir} {holder}"), second.stderr
+        assert "Traceback" not in second.stderr
+        pair = run_torchrun(2, argv, workdir)
+        errors = [line for line in pair.stderr.splitlines() if line.startswith("error: ")]
+        assert pair.returncode != 0 and len(errors) == 2, pair.stderr[-3000:]  # every rank stops, with the line
+        assert all(holder in line for line in errors)
+        assert first.poll() is None  # A never noticed
+        before = steps(run_dir, "train")[-1]
+        wait_for(lambda: steps(run_dir, "train")[-1] > before, "progress after the refusals", first)
+    finally:
+        first.kill()
+        first.wait()
+    train, evals = steps(run_dir, "train"), steps(run_dir, "eval")
+    assert train == sorted(set(train)) and evals == sorted(set(evals))  # strictly increasing: one writer
+
+    third = launch(workdir, argv, workdir / "c.err")
+    try:
+        wait_for(contains(workdir / "c.err", "resumed from"), "resume", third)
+        resumed = int((workdir / "c.err").read_text().split("resumed from", 1)[1].split("step ", 1)[1].split()[0])
+        assert resumed > 0
+        wait_for(lambda: steps(run_dir, "train")[-1] > resumed, "training after the resume", third)
+    finally:
+        third.kill()
+        third.wait()
+    train = steps(run_dir, "train")
+    assert train == sorted(set(train))
+
+
+@pytest.fixture(scope="module")
+def finished_run(workdir) -> Path:
+    argv = args("trainer_config.max_epochs=1", "trainer_config.run_name=done")
+    proc = run_main(argv, workdir)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir_of(workdir, argv)
+
+
+def contents(run_dir: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(run_dir)): path.read_bytes() for path in sorted(run_dir.rglob("*"))
+            if path.is_file()}
+
+
+def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_run):
+    before = contents(finished_run)
+    assert {"train.log", "metrics.jsonl", "snapshot.pt", "run.lock", ".hydra/config.yaml"} <= before.keys()
+    same_dir = ["trainer_config.run_name=done", f"hydra.run.dir={finished_run}"]
+    refusals = {
+        "bad value": (["trainer_config.batch_size=0"], "error: trainer_config.batch_size: must be >= 1"),
+        "bad corpus": (["data_config.path=missing.txt"], "error: data file not found: missing.txt"),
+        "changed config": (["trainer_config.max_epochs=2", "optimizer_config.learning_rate=1e-3"],
+                           "(optimizer_config.learning_rate: 0.003 -> 0.001; trainer_config.max_epochs: 1 -> 2)"),
+        "other shape": (["gpt_config.n_layer=3"], "gpt_config.n_layer: snapshot 2, config 3"),
+        "in use": ([], f"error: run directory {finished_run} is in use by another job"),
+    }
+
+    def start(extra: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(REPO / "main.py"), *args("trainer_config.max_epochs=1", *same_dir,
+                                                                                *extra)],
+                                cwd=workdir, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # Refused before they take the directory: together, while another job holds it
+    # (this process, with the lock a job takes).
+    early = ("bad value", "bad corpus", "in use")
+    lock = os.open(finished_run / "run.lock", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        procs = {name: start(refusals[name][0]) for name in early}
+        results = {name: proc.communicate(timeout=DEADLINE) for name, proc in procs.items()}
+    finally:
+        os.close(lock)
+    for name in refusals.keys() - set(early):  # refused once they hold it: one at a time
+        procs[name] = start(refusals[name][0])
+        results[name] = procs[name].communicate(timeout=DEADLINE)
+    for name, (_, says) in refusals.items():
+        stderr = results[name][1]
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert procs[name].returncode == 2 and len(errors) == 1 and says in errors[0], (name, stderr)
+    assert contents(finished_run) == before
+
+
+def test_another_command_starts_its_own_run(workdir, finished_run):
+    """The README's second example after the Quick start: other values, its own
+    run from step 0; the first run stays as it was."""
+    before = contents(finished_run)
+    argv = args("trainer_config.max_epochs=1", "trainer_config.run_name=done", "optimizer_config.learning_rate=1e-3",
+                "trainer_config.max_steps=5")
+    proc = run_main(argv, workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" not in proc.stderr and "already complete" not in proc.stderr
+    assert run_dir_of(workdir, argv) != finished_run and steps(run_dir_of(workdir, argv), "train") == [5]
+    assert contents(finished_run) == before
+
+
+def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(workdir, tmp_path):
+    """Two run directories, one local snapshot path: the second job is refused."""
+    snapshot = tmp_path / "shared.pt"
+    lock = os.open(f"{snapshot}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        proc = run_main(args(f"trainer_config.snapshot_path={snapshot}", f"hydra.run.dir={tmp_path / 'b'}"), workdir)
+    finally:
+        os.close(lock)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].startswith(f"error: snapshot {snapshot} is in use by"), proc.stderr
+    assert not snapshot.exists()
+
