@@ -181,3 +181,36 @@ def test_second_ctrl_c_exits_at_once(runs):
     assert stderr.splitlines()[-1] == "error: interrupted again, exiting at once", stderr[-3000:]
     assert "SIGINT received: stopping at the end of this step, after saving a snapshot (Ctrl-C again" in stderr
     assert not (run_dir / "snapshot.pt").exists()
+
+
+# ------------------------------------------------------- torchrun restarts
+
+
+def test_restarted_workers_join_with_and_without_a_fresh_store(tmp_path):
+    """Workers that fail once under torchrun --max-restarts=1 join the process
+    group again at the restart, with torchrun's shared store (no variable: attempts
+    keep apart by a key prefix) and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    Without the prefix, restarted workers read the dead ones' addresses: they
+    fail to connect or wait forever (pytorch#135712)."""
+    worker = str(REPO / "tests" / "restart_worker.py")
+    procs = {}
+    for variable in ("0", "1"):
+        env = {**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": variable}
+        err = open(tmp_path / f"fresh-store-{variable}.err", "w")
+        procs[variable] = subprocess.Popen(torchrun_cmd(2, "--standalone", "--max-restarts=1") + [worker, "1"],
+                                           cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                           start_new_session=True)
+        err.close()
+    deadline = time.monotonic() + DEADLINE / 2
+    try:
+        for variable, proc in procs.items():
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for variable, proc in procs.items():
+        stderr = (tmp_path / f"fresh-store-{variable}.err").read_text()
+        assert proc.returncode == 0, stderr[-3000:]
+        for attempt in range(2):
+            assert all(f"rank {r} of attempt {attempt} joined" in stderr for r in (0, 1)), stderr[-3000:]
