@@ -96,7 +96,7 @@ class Trainer:
         self.raw_model = model.to(device)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         self.progress = Progress()
-        self._saved_step: int | None = None  # the step of this process's last snapshot
+        self._saved_at: tuple | None = None  # the position (Progress) of this process's last snapshot
         self._last_save = time.monotonic()
         self._slow: dict[str, bool] = {}  # whether the last save / evaluation took long
         if checkpoint.exists(self.snapshot_path):
@@ -355,15 +355,15 @@ class Trainer:
         """Save a snapshot (global main process only), never with non-finite weights.
         Every rank checks its replica (DDP keeps them identical), so all ranks stop together.
         Saving changes nothing in the training state (time-based saves come at any step);
-        a second call at the same step does nothing."""
-        if self._saved_step == self.progress.step:
+        a second call at the same position does nothing."""
+        if self._saved_at == dataclasses.astuple(self.progress):
             return
         if not all(torch.isfinite(t).all() for t in self.raw_model.parameters()):
             raise TrainingError(
                 f"weights are not finite at step {self.progress.step}; not saving over the last good snapshot "
                 f"{self.snapshot_path}"
             )
-        self._saved_step = self.progress.step
+        self._saved_at = dataclasses.astuple(self.progress)
         self._last_save = time.monotonic()
         if not self.dist.is_main_process:
             return
