@@ -133,6 +133,29 @@ def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
                 phases[k] += b - a
 
 
+def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) -> tuple[float, float, int]:
+    """Seconds per stop check (the trainer's per-step decision: one small all-reduce
+    under torchrun, none in one process), seconds per snapshot save (rank 0 writes,
+    fsyncs and renames; the others check their weights), and the snapshot's bytes."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(copy.deepcopy(config), GPT(config.gpt_config), data, info, run_dir)
+        for _ in range(10):
+            trainer._agree()
+        t0 = time.perf_counter()
+        for _ in range(checks):
+            trainer._agree()
+        check = (time.perf_counter() - t0) / checks
+        times = []
+        for step in range(saves + 1):
+            trainer.progress.step = step  # another position: save() writes again
+            t0 = time.perf_counter()
+            trainer.save()
+            times.append(time.perf_counter() - t0)
+        size = os.path.getsize(trainer.snapshot_path) if info.is_main_process else 0
+        trainer.metrics.close()
+    return check, statistics.median(times[1:]), size
+
+
 def compare(config, data, info, rounds: int, steps: int) -> tuple[float, float]:
     """Median seconds per step of the bare loop and of Trainer.train_step (the
     trainer's whole step: schedule, reseeding, micro-batches, scaler, clipping),
@@ -214,6 +237,7 @@ def main() -> None:
 
         b, t = compare(config, data, info, ROUNDS, STEPS)
         loop_tokens_per_s = trainer_loop(copy.deepcopy(config), data, info, 100)
+        check_s, save_s, snapshot_bytes = stop_check_and_save(config, data, info)
         phases = {k: 0.0 for k in ("data", "forward", "backward", "allreduce", "optimizer")}
         built = build(config, data, info)
         generator = torch.Generator().manual_seed(1)
@@ -243,6 +267,10 @@ def main() -> None:
             ("trainer", f"{tokens_per_step / t:,.0f} tokens/s, {t * 1e3:.2f} ms/step, MFU {tokens_per_step / t * fpt / peak:.1%}"),
             ("trainer overhead", f"{t / b - 1:+.1%} per step (medians of {ROUNDS} alternating rounds of {STEPS} steps)"),
             ("trainer loop", f"{loop_tokens_per_s:,.0f} tokens/s in Trainer.train() over 100 steps (its own tokens_per_s)"),
+            ("stop check", f"{check_s * 1e6:.0f} us per step ({check_s / t:.2%} of a trainer step; "
+                           + ("one all-reduce MAX of 2 int64)" if info.is_distributed else "no collective)")),
+            ("snapshot save", f"{save_s * 1e3:.1f} ms ({snapshot_bytes / 1e6:.1f} MB, median of 5 saves; "
+                              f"{save_s / t:.1f} trainer steps)"),
             ("peak memory", peak_mem),
             ("step breakdown", ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in phases.items())),
             ("data pipeline", f"{data_rate:,.0f} samples/s, {config.trainer_config.batch_size / data_rate / t:.2%} of a trainer step"),

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -94,9 +95,11 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
         torch.cuda.set_device(device)
     global _control_group
     if info.is_distributed:
-        dist.init_process_group(
-            info.backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
-        )
+        with _bounded_if_restarted():
+            dist.init_process_group(
+                info.backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+                store=_attempt_store(world_size),
+            )
         # Per-step decisions travel between CPUs: on a CUDA tensor, reading them
         # would make the host wait for every step's kernels.
         _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
@@ -111,6 +114,61 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
 
 
 _control_group: "dist.ProcessGroup | None" = None
+
+# torchrun (>= 2.5) lends its workers its own rendezvous TCPStore, the same one
+# for every restart, and the keys that the previous workers wrote are still there:
+# restarted workers read the dead ones' addresses, fail to connect or wait
+# forever (pytorch#135712). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun
+# start a fresh store per restart instead.
+RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch#135712)"
+INIT_AFTER_RESTART_SECONDS = 300
+
+
+def _shared_store_restart() -> int | None:
+    """The restart count when torchrun shares its store (None: it does not)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _attempt_store(world_size: int) -> "dist.Store | None":
+    """With one torchrun agent (one node) sharing its store, the keys of each
+    restart under their own prefix: nothing of an earlier attempt is read. With
+    several agents the restart counts of the nodes can differ (a node restarts
+    when another fails), so there the variable is needed (_bounded_if_restarted)."""
+    restart = _shared_store_restart()
+    if restart is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None  # the env:// rendezvous, as without a store
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=default_pg_timeout)
+    return dist.PrefixStore(f"mingpt/attempt-{restart}", store)
+
+
+@contextlib.contextmanager
+def _bounded_if_restarted() -> Iterator[None]:
+    """A restarted worker of a multi-node job on torchrun's shared store that
+    cannot join the process group in INIT_AFTER_RESTART_SECONDS ends with one
+    line naming the fix, instead of waiting silently."""
+    restart = _shared_store_restart()
+    if not restart or os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        yield
+        return
+
+    def give_up() -> None:
+        line = (f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
+                f"{RESTART_FIX}\n")
+        os.write(sys.stderr.fileno(), line.encode())
+        os._exit(2)
+
+    timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def all_max(info: DistInfo, values: list[int]) -> list[int]:

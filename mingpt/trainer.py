@@ -100,7 +100,7 @@ class Trainer:
         # The first step whose loss was not finite (0: none yet), kept on the device so that
         # checking every step costs no host sync; read where the loop syncs anyway.
         self.nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
-        self.saved_step: int | None = None  # the step of the snapshot at snapshot_path, if any
+        self.saved: Progress | None = None  # the position of the snapshot at snapshot_path, if any
         self._last_save = time.monotonic()
         self._slow: dict[str, bool] = {}  # whether the last save / evaluation took long
         if checkpoint.exists(self.snapshot_path):
@@ -257,9 +257,9 @@ class Trainer:
 
     def _kept(self) -> str:
         """What is left to resume from, truthfully."""
-        if self.saved_step is None:
+        if self.saved is None:
             return f"no snapshot was written yet ({self.snapshot_path})"
-        return f"the last good snapshot is kept at {self.snapshot_path}, step {self.saved_step}"
+        return f"the last good snapshot is kept at {self.snapshot_path}, step {self.saved.step}"
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
@@ -398,8 +398,8 @@ class Trainer:
         Every rank checks its replica (DDP keeps them identical; with LocalSGD, the replicas'
         mean), so all ranks stop together. Every rank calls it: a comm hook's state is gathered.
         Saving changes nothing in the training state (time-based saves come at any step);
-        a second call at the same step does nothing."""
-        if self.saved_step == self.progress.step:
+        a second call at the same position does nothing."""
+        if self.saved == self.progress:
             return
         self._check_diverged(self.progress.step)
         model_state = self.comm.model_state(self.raw_model)
@@ -408,7 +408,7 @@ class Trainer:
         comm_state = self.comm.state_dict(self.raw_model, self.optimizer, self.scaler)
         self._last_save = time.monotonic()
         if not self.dist.is_main_process:
-            self.saved_step = self.progress.step  # by rank 0
+            self.saved = dataclasses.replace(self.progress)  # by rank 0
             return
         start = time.monotonic()
         if self._slow.get("save", True):
@@ -426,7 +426,7 @@ class Trainer:
                ("gpt_config", "optimizer_config", "data_config", "trainer_config")},
         }
         checkpoint.save(state, self.snapshot_path)
-        self.saved_step = self.progress.step
+        self.saved = dataclasses.replace(self.progress)
         seconds = time.monotonic() - start
         self._slow["save"] = seconds >= SLOW_SECONDS
         log.info("saved snapshot %s at step %d in %.2f s", self.snapshot_path, self.progress.step, seconds)
@@ -456,7 +456,7 @@ class Trainer:
         self._saved_comm_state = state.get("comm_hook")  # per rank: restored once DDP has wrapped the model
         fields = {f.name for f in dataclasses.fields(Progress)}
         self.progress = Progress(**{k: state[k] for k in fields if k in state})
-        self.saved_step = self.progress.step
+        self.saved = dataclasses.replace(self.progress)
         log.info(
             "resumed from %s: epoch %d, %d samples into it, step %d",
             self.snapshot_path, self.progress.epoch, self.progress.samples_in_epoch, self.progress.step,

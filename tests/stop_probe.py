@@ -4,6 +4,8 @@
 
 MOMENT is one of
     import  after the signal handler is installed, before mingpt.train is imported
+    init    joining the process group (no wait here: a run of WORLD_SIZE=2 without
+            a second process waits in torch's C++ code for the peer)
     load    while loading the corpus (start-up)
     eval    at the start of the first evaluation
     save    at the start of the first snapshot write
@@ -33,6 +35,8 @@ def pause(moment: str) -> None:
     if moment != MOMENT or os.environ.get("RANK", "0") != "0":
         return
     open(MARKER, "w").close()
+    if moment == "init":
+        return
     deadline = time.monotonic() + 600
     while not stopping.stop_requested() and time.monotonic() < deadline:
         time.sleep(0.01)  # outside the training loop, the signal ends the process here
@@ -55,7 +59,11 @@ def before(owner, name: str, moment: str) -> None:
 
 pause("import")
 
+import torch.distributed  # noqa: E402
+
 from mingpt import checkpoint, train, trainer  # noqa: E402
+
+before(torch.distributed, "init_process_group", "init")
 
 before(train, "load_data", "load")
 before(trainer.Trainer, "evaluate", "eval")

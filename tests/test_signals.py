@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, child_env, torchrun_cmd
+from conftest import REPO, child_env, free_port, torchrun_cmd
 from test_snapshot import overrides, same_tensors, train_events
 
 # 141 steps per epoch in one process (batch 8), 71 with two; 2 epochs. The
@@ -84,9 +84,12 @@ def runs(tmp_path_factory, data):
             (lambda run_dir=run_dir: train_lines(run_dir) >= 10, sigterm),
             (None, lambda job, nproc=nproc, resume=resume: jobs.setdefault(f"resumed-{nproc}", resume(job))),
         ])
-    for moment in ("import", "load", "eval", "save", "sample", "save-hang"):
+    for moment in ("import", "init", "load", "eval", "save", "sample", "save-hang"):
         marker = cwd / f"at-{moment}"
         env = {"STOP_PROBE": moment, "STOP_PROBE_FILE": str(marker)}
+        if moment == "init":  # rank 0 of 2, alone: it waits for rank 1 in C++ code
+            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(free_port()))
         proc = launch(cwd, 1, moment, data, *PROBE_ARGS, env=env, script=REPO / "tests" / "stop_probe.py")
         steps = [(marker.exists, sigint)]
         if moment == "save-hang":
@@ -145,7 +148,7 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     assert train_events(run_dir) == train_events(reference_dir)
 
 
-@pytest.mark.parametrize("moment", ["import", "load", "sample"])
+@pytest.mark.parametrize("moment", ["import", "init", "load", "sample"])
 def test_ctrl_c_outside_training_exits_at_once(runs, moment):
     """Before training (nothing to save) and after the last save (nothing to lose)."""
     status, stderr, run_dir = runs[moment]
@@ -181,3 +184,71 @@ def test_second_ctrl_c_exits_at_once(runs):
     assert stderr.splitlines()[-1] == "error: interrupted again, exiting at once", stderr[-3000:]
     assert "SIGINT received: stopping at the end of this step, after saving a snapshot (Ctrl-C again" in stderr
     assert not (run_dir / "snapshot.pt").exists()
+
+
+# ------------------------------------------------------- torchrun restarts
+
+
+def test_restarted_workers_join_with_and_without_a_fresh_store(tmp_path):
+    """Workers that fail once under torchrun --max-restarts=1 join the process
+    group again at the restart, with torchrun's shared store (no variable: attempts
+    keep apart by a key prefix) and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    Without the prefix, restarted workers read the dead ones' addresses: they
+    fail to connect or wait forever (pytorch#135712)."""
+    worker = str(REPO / "tests" / "restart_worker.py")
+    procs = {}
+    for variable in ("0", "1"):
+        env = {**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": variable}
+        err = open(tmp_path / f"fresh-store-{variable}.err", "w")
+        procs[variable] = subprocess.Popen(torchrun_cmd(2, "--standalone", "--max-restarts=1") + [worker, "1"],
+                                           cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                           start_new_session=True)
+        err.close()
+    deadline = time.monotonic() + DEADLINE / 2
+    try:
+        for variable, proc in procs.items():
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for variable, proc in procs.items():
+        stderr = (tmp_path / f"fresh-store-{variable}.err").read_text()
+        assert proc.returncode == 0, stderr[-3000:]
+        for attempt in range(2):
+            assert all(f"rank {r} of attempt {attempt} joined" in stderr for r in (0, 1)), stderr[-3000:]
+
+
+# ----------------------------------------------------------- config, display
+
+
+def test_stop_signals_and_save_every_minutes_are_checked():
+    from mingpt.config import ConfigError, TrainerConfig
+
+    assert TrainerConfig().stop_signals == ["SIGINT", "SIGTERM", "SIGUSR1"]
+    assert TrainerConfig(stop_signals=["TERM", "SIGUSR2"], save_every_minutes=None).save_every_minutes is None
+    for kwargs, says in [({"stop_signals": ["SIGKILL"]}, "'SIGKILL' is not a signal that can be handled"),
+                         ({"stop_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal"),
+                         ({"stop_signals": ["SIGTERM", "TERM"]}, "lists a signal twice"),
+                         ({"save_every_minutes": 0.0}, "save_every_minutes: must be > 0 or null")]:
+        with pytest.raises(ConfigError, match=says):
+            TrainerConfig(**kwargs)
+
+
+def test_progress_bar_on_a_terminal_shows_rate_and_eta(tmp_path, capsys):
+    """The bar (tqdm) appears only when stderr is a terminal; log lines pass above it."""
+    import logging
+
+    from mingpt.metrics import Metrics
+
+    metrics = Metrics(str(tmp_path), enabled=True)
+    assert metrics.progress is False  # pytest's stderr is no terminal: no bar
+    metrics.show_progress(1, 10)
+    assert capsys.readouterr().err == ""
+    metrics.progress = True  # as on a terminal
+    for step in range(1, 6):
+        metrics.show_progress(step, 10)
+    logging.getLogger("mingpt.test").warning("a line above the bar")
+    metrics.close()
+    err = capsys.readouterr().err
+    assert "5/10" in err and "step/s" in err and "<" in err  # position, rate, remaining time
