@@ -34,7 +34,8 @@ from mingpt.distributed import DistInfo
 from mingpt.generate import load_model, parse_args
 from mingpt.model import GPT
 from mingpt.sample import generate
-from mingpt.train import CONF_DIR, build_model, check_group_overrides, config_error_line, fit_to_data
+from mingpt import train
+from mingpt.train import CONF_DIR, fit_to_data
 from mingpt.trainer import Trainer, TrainingError
 
 
@@ -334,7 +335,7 @@ def test_a_model_too_large_for_memory_is_one_line():
     config = GPTConfig(n_layer=1, n_head=1, n_embd=3_000_000, vocab_size=1, block_size=1)
     with pytest.raises(ConfigError, match=r"^gpt_config: the model does not fit in memory: 108,000,0\d\d,000,00\d "
                                           r"parameters .* allocating 108000000000000 bytes failed"):
-        build_model(config)
+        train.build_model(config)
 
 
 def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
@@ -350,7 +351,7 @@ def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
 def test_unparseable_override_names_it_and_how_to_quote(override, expected):
     with pytest.raises(HydraException) as e:
         composed(override)
-    assert config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
+    assert train.config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
     if "quote" in expected:  # the advice works
         quoted = expected.split("'")[1]
         assert composed(quoted).data_config.path == override.split("=", 1)[1]
@@ -361,7 +362,7 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer_config:\n  nope: 1\n")
     with pytest.raises(HydraException) as e:
         composed(f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo")
-    assert config_error_line(e.value) == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
+    assert train.config_error_line(e.value) == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
 
 
 def test_interpolation_error_is_one_line(runs):
@@ -371,6 +372,6 @@ def test_interpolation_error_is_one_line(runs):
 
 def test_dropping_a_group_and_choosing_from_it_is_refused():
     with pytest.raises(ConfigError, match=r"^gpt_config=gpt2: ~gpt_config drops the gpt_config group"):
-        check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
-    check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
-    check_group_overrides(["gpt_config=gpt2"])
+        train.check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
+    train.check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
+    train.check_group_overrides(["gpt_config=gpt2"])
