@@ -100,14 +100,16 @@ def _bucket(fs: fsspec.AbstractFileSystem, p: str) -> str | None:
 
 
 def _check_bucket(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
-    """Object stores create a missing bucket on makedirs: a typo would make a new one. Refuse instead."""
+    """s3fs creates a missing bucket on makedirs, so a typo would make a new one: refuse instead."""
     bucket = _bucket(fs, p)
     if bucket is None:
         return
     try:
         fs.info(bucket)  # not exists(): s3fs answers False for a bucket it cannot reach
     except FileNotFoundError:
-        raise StorageError(f"cannot use snapshot path {path}: bucket {bucket!r} does not exist (create it first)") from None
+        raise StorageError(
+            f"cannot use snapshot path {path}: bucket {bucket!r} does not exist (create it first)"
+        ) from None
 
 
 def check_writable(run_dir: str, snapshot_path: str) -> None:

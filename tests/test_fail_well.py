@@ -155,7 +155,8 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
                                            work),
         "interpolation": lambda: run_main(overrides(small, "data_config.path=${nope}"), work),
         "unwritable": lambda: run_main(overrides(small, "trainer_config.run_name=unwritable",
-                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshot.pt'}"), work),
+                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshot.pt'}"),
+                                       work),
         "save_fails": lambda: run([sys.executable, str(REPO / "main.py"), *overrides(
             small, "trainer_config.max_steps=6", f"hydra.run.dir={work / 'full'}")],
             preexec_fn=limit_file_size(len(good_bytes) // 2)),
@@ -239,7 +240,8 @@ def test_snapshot_fields_of_the_wrong_type_are_refused(snap, field):
 def test_snapshot_weights_that_are_not_floats_are_refused(snap):
     path = save_variant(snap, "int-weights.pt",
                         lambda s: s["model_state"].update({"wte.weight": torch.zeros(2, dtype=torch.long)}))
-    with pytest.raises(checkpoint.SnapshotError, match=r"model_state\['wte.weight'\] is torch.int64, not a float tensor"):
+    not_float = r"model_state\['wte.weight'\] is torch.int64, not a float tensor"
+    with pytest.raises(checkpoint.SnapshotError, match=not_float):
         checkpoint.load(str(path))
 
 
@@ -362,7 +364,8 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer_config:\n  nope: 1\n")
     with pytest.raises(HydraException) as e:
         composed(f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo")
-    assert train.config_error_line(e.value) == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
+    line = train.config_error_line(e.value)
+    assert line == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
 
 
 def test_interpolation_error_is_one_line(runs):
