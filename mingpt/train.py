@@ -55,7 +55,7 @@ def build_model(gpt_config: GPTConfig) -> GPT:
     try:
         return GPT(gpt_config)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        asked = re.search(r"(?:tried to allocate|allocate) ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))
+        asked = re.search(r"allocate ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))  # CPU and CUDA wordings
         if not isinstance(e, MemoryError) and not re.search(r"can't allocate memory|out of memory", str(e)):
             raise
         d, v, b = gpt_config.n_embd, gpt_config.vocab_size, gpt_config.block_size

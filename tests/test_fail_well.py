@@ -34,7 +34,8 @@ from mingpt.distributed import DistInfo
 from mingpt.generate import load_model, parse_args
 from mingpt.model import GPT
 from mingpt.sample import generate
-from mingpt.train import CONF_DIR, build_model, check_group_overrides, config_error_line, fit_to_data
+from mingpt import train
+from mingpt.train import CONF_DIR, fit_to_data
 from mingpt.trainer import Trainer, TrainingError
 
 
@@ -154,7 +155,8 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
                                            work),
         "interpolation": lambda: run_main(overrides(small, "data_config.path=${nope}"), work),
         "unwritable": lambda: run_main(overrides(small, "trainer_config.run_name=unwritable",
-                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshot.pt'}"), work),
+                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshot.pt'}"),
+                                       work),
         "save_fails": lambda: run([sys.executable, str(REPO / "main.py"), *overrides(
             small, "trainer_config.max_steps=6", f"hydra.run.dir={work / 'full'}")],
             preexec_fn=limit_file_size(len(good_bytes) // 2)),
@@ -238,7 +240,8 @@ def test_snapshot_fields_of_the_wrong_type_are_refused(snap, field):
 def test_snapshot_weights_that_are_not_floats_are_refused(snap):
     path = save_variant(snap, "int-weights.pt",
                         lambda s: s["model_state"].update({"wte.weight": torch.zeros(2, dtype=torch.long)}))
-    with pytest.raises(checkpoint.SnapshotError, match=r"model_state\['wte.weight'\] is torch.int64, not a float tensor"):
+    not_float = r"model_state\['wte.weight'\] is torch.int64, not a float tensor"
+    with pytest.raises(checkpoint.SnapshotError, match=not_float):
         checkpoint.load(str(path))
 
 
@@ -334,7 +337,7 @@ def test_a_model_too_large_for_memory_is_one_line():
     config = GPTConfig(n_layer=1, n_head=1, n_embd=3_000_000, vocab_size=1, block_size=1)
     with pytest.raises(ConfigError, match=r"^gpt_config: the model does not fit in memory: 108,000,0\d\d,000,00\d "
                                           r"parameters .* allocating 108000000000000 bytes failed"):
-        build_model(config)
+        train.build_model(config)
 
 
 def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
@@ -350,7 +353,7 @@ def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
 def test_unparseable_override_names_it_and_how_to_quote(override, expected):
     with pytest.raises(HydraException) as e:
         composed(override)
-    assert config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
+    assert train.config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
     if "quote" in expected:  # the advice works
         quoted = expected.split("'")[1]
         assert composed(quoted).data_config.path == override.split("=", 1)[1]
@@ -361,7 +364,8 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer_config:\n  nope: 1\n")
     with pytest.raises(HydraException) as e:
         composed(f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo")
-    assert config_error_line(e.value) == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
+    line = train.config_error_line(e.value)
+    assert line == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
 
 
 def test_interpolation_error_is_one_line(runs):
@@ -371,6 +375,6 @@ def test_interpolation_error_is_one_line(runs):
 
 def test_dropping_a_group_and_choosing_from_it_is_refused():
     with pytest.raises(ConfigError, match=r"^gpt_config=gpt2: ~gpt_config drops the gpt_config group"):
-        check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
-    check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
-    check_group_overrides(["gpt_config=gpt2"])
+        train.check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
+    train.check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
+    train.check_group_overrides(["gpt_config=gpt2"])

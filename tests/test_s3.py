@@ -81,7 +81,8 @@ def test_an_unreachable_endpoint_is_one_line(monkeypatch, tmp_path):
         read_text("s3://runs/small.txt")
     with pytest.raises(checkpoint.StorageError, match=f"^cannot reach snapshot path s3://runs/s.pt: {cant_connect}"):
         checkpoint.exists("s3://runs/s.pt")
-    with pytest.raises(checkpoint.StorageError, match=f"^cannot write to the snapshot path s3://runs/s.pt: {cant_connect}"):
+    with pytest.raises(checkpoint.StorageError,
+                       match=f"^cannot write to the snapshot path s3://runs/s.pt: {cant_connect}"):
         checkpoint.check_writable(str(tmp_path), "s3://runs/s.pt")
     with pytest.raises(PromptError, match=f"^prompt_file s3://runs/prompt.txt cannot be read: {cant_connect}"):
         read_prompt(GenerateConfig(prompt_file="s3://runs/prompt.txt"))
