@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"MINGPT-TOKENS\n"
 VERSION = 1
 PAGE = 4096
-CHUNK = 16 << 20  # bytes read and decoded at a time
+CHUNK = 4 << 20  # bytes read and decoded at a time (bounds the memory an encode needs)
 N_CODE_POINTS = 0x110000
 DIGEST_PLACEHOLDER = "0" * 64
 
