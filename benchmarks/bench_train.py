@@ -208,7 +208,7 @@ def data_pipeline(data, batch_size: int, seconds: float = 1.0) -> float:
     sampler = ResumableSampler(len(data.train), 1, 0, shuffle=True, seed=0)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        order = torch.tensor(list(sampler), dtype=torch.long)
+        order = sampler.indices()
         for i in range(0, len(order), batch_size):
             data.train.batch(order[i : i + batch_size])
             n += batch_size

@@ -242,7 +242,7 @@ class HostBatches:
         return chunk.view(len(indices), -1).long()
 
     def prefetch(self, indices: torch.Tensor) -> None:
-        indices = indices.cpu()
+        indices = indices.to("cpu", torch.long)
         self._pending = (indices, self._fetch(indices), 0)
 
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,12 +370,14 @@ class ResumableSampler(DistributedSampler):
     def indices(self) -> torch.Tensor:
         """This rank's share of the rest of the epoch, as one tensor (no Python
         object per sample): the order after start_index, padded, every W-th entry."""
+        # int32 halves the memory of a large epoch; randperm draws the same permutation for either dtype.
+        dtype = torch.int32 if self.dataset_len < 2**31 else torch.int64
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g)
+            order = torch.randperm(self.dataset_len, generator=g, dtype=dtype)
         else:
-            order = torch.arange(self.dataset_len)
+            order = torch.arange(self.dataset_len, dtype=dtype)
         rest = order[self.start_index :]
         pad = (-len(rest)) % self.num_replicas
         if pad:

@@ -21,6 +21,7 @@ import codecs
 import hashlib
 import json
 import logging
+import mmap
 import os
 import uuid
 import warnings
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"MINGPT-TOKENS\n"
 VERSION = 1
 PAGE = 4096
-CHUNK = 16 << 20  # bytes read and decoded at a time
+CHUNK = 4 << 20  # bytes read and decoded at a time (bounds the memory an encode needs)
 N_CODE_POINTS = 0x110000
 DIGEST_PLACEHOLDER = "0" * 64
 
@@ -244,8 +245,13 @@ def open_cache(path: str) -> TokenCache:
     n = sum(header["counts"])
     if size != offset + n * item:
         raise ValueError("damaged (wrong size)")
-    raw = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)  # a private, copy-on-write map
-    tokens = raw[offset:].view(dtype)
+    with open(path, "rb") as f:
+        # Private and copy-on-write (nothing writes to it); pages are read on first touch.
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    # Batches touch windows at random: read only the pages asked for, not the
+    # ~128 KB around each one that readahead would bring into memory.
+    mapped.madvise(mmap.MADV_RANDOM)
+    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(dtype)  # keeps `mapped` alive
     files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
     return TokenCache(path, tokens, header["vocab"], files)
 

@@ -169,12 +169,12 @@ class Trainer:
         self.train_sampler.set_epoch(p.epoch)
         self.train_sampler.start_index = p.samples_in_epoch
         order = self.train_sampler.indices().to(self.train_windows.tokens.device)  # host-gathered: stays on the host
-        # Empty when resuming a snapshot of the epoch's last step: only the epoch's end is left.
-        steps = order.split(self.samples_per_step) if len(order) else ()
-        for k, indices in enumerate(steps):
+        per_step = self.samples_per_step
+        for start in range(0, len(order), per_step):
+            indices = order[start : start + per_step]
             loss, grad_norm, lr = self.train_step(indices)
-            if k + 1 < len(steps):
-                self.train_windows.prefetch(steps[k + 1])  # host-gathered batches: copied while this step runs
+            if start + per_step < len(order):  # host-gathered batches: the next is copied while this step runs
+                self.train_windows.prefetch(order[start + per_step : start + 2 * per_step])
             if self.device.type == "cpu" and not self.dist.is_distributed:
                 self._check_diverged(p.step + 1)  # free on a CPU: stop at the step itself
             p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
