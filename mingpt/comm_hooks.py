@@ -67,6 +67,8 @@ class CommHook:
     """No hook (plain DDP all-reduce, or one process): nothing to do or keep."""
 
     name = "none"
+    # Extra keyword arguments for DistributedDataParallel.
+    ddp_options: dict[str, Any] = {}
 
     def start(self, ddp: DDP, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer, scaler,
               warm_up: Callable[[], None]) -> None:
@@ -151,6 +153,12 @@ class PowerSGD(PerRankState):
             start_powerSGD_iter=cfg.powersgd_start_step,
         )
         self.hook = powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
+        if dist_info.backend == "gloo":
+            # One bucket. The hook all-reduces a bucket's Q from a callback of its P's all-reduce;
+            # gloo runs that callback when the P arrives, so with several buckets one rank can send
+            # bucket 0's Q before bucket 1's P and another after: the collectives mismatch and the
+            # run dies ("Received data size doesn't match"). NCCL runs it at once, in issue order.
+            self.ddp_options = {"bucket_cap_mb": 2**20}
         if name == "batched_powersgd":
             _let_batched_powersgd_orthogonalize()
 

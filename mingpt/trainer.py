@@ -113,6 +113,7 @@ class Trainer:
                 self.raw_model,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
+                **self.comm.ddp_options,
             )
             self._register_comm_hook()
         if cfg.compile:

@@ -77,6 +77,9 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["trainer_config.run_name=a/b"], "trainer_config.run_name"),
         (["trainer_config.run_name=.."], "trainer_config.run_name"),
         (["trainer_config.powersgd_start_step=1"], "trainer_config.powersgd_start_step"),
+        (["trainer_config.localsgd_period=1"], "trainer_config.localsgd_period"),
+        (["trainer_config.localsgd_start_step=-1"], "trainer_config.localsgd_start_step"),
+        (["trainer_config.localsgd_group=world"], "trainer_config.localsgd_group"),
     ],
 )
 def test_invalid_values_raise_config_error_naming_the_key(overrides, key):

@@ -1,0 +1,32 @@
+"""Test helper: main.py, except that in the first attempt of a torchrun job
+(TORCHELASTIC_RESTART_COUNT=0) rank FT_KILL_RANK SIGKILLs itself as it starts
+optimizer step FT_KILL_STEP + 1: a sudden death at a known step.
+
+    FT_KILL_RANK=1 FT_KILL_STEP=13 torchrun --max-restarts=1 ... tests/ft_kill.py [overrides ...]
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mingpt import trainer  # noqa: E402
+from mingpt.train import main  # noqa: E402
+
+_train_step = trainer.Trainer.train_step
+
+
+def train_step_or_die(self, indices):
+    if (os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and self.dist.rank == int(os.environ["FT_KILL_RANK"])
+            and self.progress.step == int(os.environ["FT_KILL_STEP"])):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _train_step(self, indices)
+
+
+trainer.Trainer.train_step = train_step_or_die
+
+if __name__ == "__main__":
+    main()
