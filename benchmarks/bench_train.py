@@ -139,6 +139,7 @@ def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) 
     fsyncs and renames; the others check their weights), and the snapshot's bytes."""
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(copy.deepcopy(config), GPT(config.gpt_config), data, info, run_dir)
+        trainer.train_step(torch.arange(trainer.samples_per_step))  # AdamW's moments exist: a full snapshot
         for _ in range(10):
             trainer._agree()
         t0 = time.perf_counter()
