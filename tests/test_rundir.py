@@ -29,7 +29,9 @@ def args(*extra: str) -> list[str]:
 
 
 def steps(run_dir: Path, split: str) -> list[int]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    """The steps of `split` events in metrics.jsonl; a last line still being written is left out."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
     return [r["step"] for r in map(json.loads, lines) if r["split"] == split]
 
 
