@@ -491,7 +491,8 @@ class Trainer:
     def _warm_up_ddp(self) -> None:
         """One DDP forward and backward on a training batch, gradients dropped: DDP
         rebuilds its buckets (in the order backward produces gradients) at the next step."""
-        x, y = self.train_windows.batch(torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device))
+        first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
+        x, y = self.train_windows.batch(first)
         _, loss = self.model(x, y)
         loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
