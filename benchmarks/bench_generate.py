@@ -128,9 +128,10 @@ def main() -> None:
     for _, run in rows.values():  # warm up every path
         run(8)
     times = {name: [] for name in rows}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name, (_, run) in rows.items():
             times[name].append(run(n))
+            print(f"round {r + 1}: {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
     seconds = {name: statistics.median(t) for name, t in times.items()}
 
     print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")

@@ -83,6 +83,7 @@ class GenerateConfig:
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
         check_seed(self.seed, "seed")
+        check(self.use_cache or not self.compile, "compile", "compiles the cached step: needs use_cache=true")
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 

@@ -169,6 +169,7 @@ BAD_SETTINGS = {  # override -> the key the error must name
     "top_p=1.5": "top_p",
     "max_new_tokens=-1": "max_new_tokens",
     "num_samples=0": "num_samples",
+    "use_cache=false compile=true": "compile",
     "top_k=many": "top_k",  # wrong type
     "temprature=0.5": "temprature",  # unknown key
 }
@@ -187,7 +188,7 @@ def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
     truncated.write_bytes(snapshot.read_bytes()[: snapshot.stat().st_size // 2])
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
     cases = {kind: [f"snapshot_path={workdir / name}", "prompt=ROMEO:"] for kind, name in BAD_SNAPSHOTS.items()}
-    cases.update({override: [f"snapshot_path={snapshot}", override] for override in BAD_SETTINGS})
+    cases.update({override: [f"snapshot_path={snapshot}", *override.split()] for override in BAD_SETTINGS})
     cases["prompt"] = [f"snapshot_path={snapshot}", "prompt=ROMEO: é€"]
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(cases, pool.map(lambda args: run_generate(args, workdir), cases.values())))
