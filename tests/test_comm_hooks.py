@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, torchrun_cmd
+from conftest import REPO, TINY, child_env, run_dir_of, torchrun_cmd
 from omegaconf import OmegaConf
 
 from mingpt.config import Config
@@ -129,10 +129,11 @@ def test_sigkilled_compressed_run_resumes_bitwise(runs, corpus_file, tmp_path, h
     cmd = torchrun_cmd(2, "--standalone", "--max-restarts=1") + [str(REPO / "tests" / "ft_kill.py"), *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    log = (tmp_path / "runs" / "default" / "train.log").read_text()
+    run_dir = run_dir_of(tmp_path, args)
+    log = (run_dir / "train.log").read_text()
     assert "resumed from" in log and log.rstrip().count("resumed from") == 1, log[-3000:]
     assert "epoch 0, 80 samples into it, step 10" in log
-    snapshot = torch.load(tmp_path / "runs" / "default" / "snapshot.pt", weights_only=True)
+    snapshot = torch.load(run_dir / "snapshot.pt", weights_only=True)
     assert snapshot["step"] == POWERSGD_STEPS and snapshot["comm_hook"]["name"] == hook
     assert len(snapshot["comm_hook"]["ranks"][1]["error"]) >= 1  # error feedback was saved...
     assert same(snapshot["model_state"], results[hook][0]["state"])  # ...and the run ended where it would have

@@ -209,7 +209,7 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
     assert isinstance(reference.train_windows, HostBatches)
     reference.train()
     make_trainer(tmp_path / "resumed", paths, *common, "trainer_config.max_steps=7").train()
-    resumed = make_trainer(tmp_path / "resumed", paths, *common)
+    resumed = make_trainer(tmp_path / "resumed", paths, *common, "trainer_config.allow_config_change=true")
     assert resumed.progress.step == 7 and 0 < resumed.progress.samples_in_epoch < len(resumed.data.train)
     resumed.train()
     assert resumed.progress.step == reference.progress.step > 7

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env
+from conftest import REPO, TINY, child_env, run_dir_of
 
 from mingpt.train import take_local_rank_argument
 
@@ -42,10 +42,11 @@ def test_bad_local_rank_argument_is_one_line(argv, says, monkeypatch, capsys):
 def test_legacy_launcher_trains_with_two_processes(tmp_path, corpus):
     data = tmp_path / "small.txt"
     data.write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    args = [*TINY, f"data_config.path={data}", "trainer_config.max_steps=4"]
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--standalone",
-           str(REPO / "main.py"), *TINY, f"data_config.path={data}", "trainer_config.max_steps=4"]
+           str(REPO / "main.py"), *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unrecognized arguments" not in proc.stderr
-    snapshot = torch.load(tmp_path / "runs" / "default" / "snapshot.pt", weights_only=True)
+    snapshot = torch.load(run_dir_of(tmp_path, args) / "snapshot.pt", weights_only=True)
     assert snapshot["world_size"] == 2 and snapshot["step"] == 4

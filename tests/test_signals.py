@@ -39,7 +39,9 @@ def data(tmp_path_factory, corpus):
 def launch(cwd, nproc: int, name: str, data, *extra: str, env=None, script=REPO / "main.py") -> subprocess.Popen:
     """The run `name` in the background, its stderr to cwd/<name>-<n>.err (n: 1, 2, ... per launch)."""
     launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone", TORCHRUN_SIGNALS)
-    args = overrides(f"data_config.path={data}", *RUN_ARGS, f"trainer_config.run_name={name}", *extra)
+    # Pinned to runs/<name>: a resume must find the stopped run whatever its overrides hash to.
+    args = overrides(f"data_config.path={data}", *RUN_ARGS, f"trainer_config.run_name={name}",
+                     f"hydra.run.dir=runs/{name}", *extra)
     err = next(cwd / f"{name}-{n}.err" for n in range(1, 100) if not (cwd / f"{name}-{n}.err").exists())
     with open(err, "w") as stderr:
         proc = subprocess.Popen([*launcher, str(script), *args], cwd=cwd, env={**child_env(), **(env or {})},
