@@ -53,6 +53,14 @@ def small_corpus(tmp_path, corpus) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory, corpus, request) -> Path:
+    """The first CORPUS_CHARS characters of the corpus (a constant of the test module), as a file."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(corpus.read_text(encoding="utf-8")[: request.module.CORPUS_CHARS], encoding="utf-8")
+    return path
+
+
 @pytest.fixture
 def one_thread():
     """In-process work on one thread, like the subprocesses (child_env): the

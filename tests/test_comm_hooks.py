@@ -39,13 +39,6 @@ def job(name: str, *overrides: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory, corpus):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(corpus.read_text(encoding="utf-8")[:CORPUS_CHARS], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_file):
     tmp = tmp_path_factory.mktemp("hooks")
     resumed = tmp / "resumed.pt"

@@ -54,13 +54,6 @@ def first_eval(tmp_path, nproc: int, name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory, corpus):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(corpus.read_text(encoding="utf-8")[:CORPUS_CHARS], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_file):
     """World sizes 1, 2 and 3 on the same data from the same initial weights.
     The global batch is 8 samples per step in every training job."""
