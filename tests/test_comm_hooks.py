@@ -49,7 +49,8 @@ def runs(tmp_path_factory, corpus_file):
         job("localsgd", *LOCALSGD, "trainer_config.max_steps=40"),
         job("localsgd_at_37", *LOCALSGD, "trainer_config.max_steps=37"),
         job("localsgd_to_38", *LOCALSGD, *busy, "trainer_config.max_steps=38"),  # mid-period
-        job("localsgd_from_38", *LOCALSGD, *busy, "trainer_config.max_steps=40"),
+        job("localsgd_from_38", *LOCALSGD, *busy, "trainer_config.max_steps=40",
+            "trainer_config.allow_config_change=true"),
         *(job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}") for hook, keys in POWERSGD.items()),
     ]
     return tmp, run_worker(tmp, corpus_file, 2, jobs)
