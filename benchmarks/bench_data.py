@@ -110,7 +110,8 @@ def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
 
         windows.batch, trainer.train_step = timed_batch, timed_step  # instance attributes shadow the methods
         trainer.train()
-        print(json.dumps({
+        # One write of the whole line: the ranks share stdout, and a write this short is atomic.
+        os.write(sys.stdout.fileno(), (json.dumps({
             "rank": info.rank,
             "first_step_s": round(first_step[0] - t0, 2),
             "imports_s": round(t_imports - t0, 2),
@@ -119,7 +120,7 @@ def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
             "private_mb": round(private_memory_mb()),
             "data_share_pct": round(100 * gather_s[0] / sum(step_s[1:]), 3),
             "tokens": len(data.train.tokens),
-        }), flush=True)
+        }) + "\n").encode())
 
 
 def run_case(corpus: str, cache_dir: str, nproc: int, work: str) -> list[dict]:
