@@ -390,7 +390,3 @@ class ResumableSampler(DistributedSampler):
     def __len__(self) -> int:
         rest = max(0, self.dataset_len - self.start_index)
         return -(-rest // self.num_replicas)
-
-    def real_count(self) -> int:
-        """How many of this rank's samples are not padding (start_index 0)."""
-        return len(range(self.rank, self.dataset_len, self.num_replicas))

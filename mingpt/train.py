@@ -77,7 +77,8 @@ def run(config: Config, run_dir: str, files: dict[str, str] | None = None,
         log_buffer = hold_log_lines(dist_info.rank)
         for notice in notices if dist_info.is_main_process else ():
             log.warning(notice)
-        check_writable(run_dir, resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir))
+        snapshot_path = resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir)
+        check_writable(run_dir, snapshot_path)
         log.info("run directory %s", os.path.abspath(run_dir))
         data_path = config.data_config.path
         if dist_info.is_local_main_process:  # once per node; the others wait
@@ -89,7 +90,6 @@ def run(config: Config, run_dir: str, files: dict[str, str] | None = None,
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         torch.manual_seed(config.trainer_config.seed)
         model = build_model(config.gpt_config)
-        snapshot_path = resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir)
         with claim(run_dir, snapshot_path, dist_info, log_buffer) as owned:
             trainer = Trainer(config, model, data, dist_info, run_dir)  # refuses a snapshot that does not fit
             owned.accept(files)

@@ -76,7 +76,7 @@ class Trainer:
         self.data = data
         self.train_windows, self.eval_windows = data.place(device, config.data_config.placement)
         self.snapshot_path = resolve_snapshot_path(cfg.snapshot_path, run_dir)
-        self._check_comm_hook()
+        comm_hooks.check(cfg, dist_info)  # a hook this run cannot use is refused before any work
         self.comm = comm_hooks.create(cfg, dist_info)
         self._saved_comm_state: dict[str, Any] | None = None  # set by _restore
 
@@ -479,9 +479,6 @@ class Trainer:
             )
 
     # ---------------------------------------------------------- communication
-
-    def _check_comm_hook(self) -> None:
-        comm_hooks.check(self.cfg, self.dist)
 
     def _register_comm_hook(self) -> None:
         """Register the hook on the DDP model and give it the state the snapshot saved (mingpt/comm_hooks.py)."""

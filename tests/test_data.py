@@ -127,8 +127,6 @@ def test_sampler_shards_cover_every_index(world):
     assert sorted(set(i for share in shares for i in share)) == list(range(n))
     assert all(len(share) == -(-n // world) for share in shares)  # equal lengths, padded
     assert sum(len(share) for share in shares) - n == (-n) % world
-    counts = [ResumableSampler(n, world, r, shuffle=True, seed=7).real_count() for r in range(world)]
-    assert sum(counts) == n
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
