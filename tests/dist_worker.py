@@ -7,11 +7,20 @@ All jobs run one after the other in the same process group (one launch, many
 checks). Job NAME writes OUT_DIR/NAME/rank<r>.pt with the rank's final weights,
 and the held-out loss at the initial weights; rank 0's metrics.jsonl (and the
 snapshot, if it trained) land in OUT_DIR/NAME/.
+
+The process ends with os._exit once every result is written. Each DDP wrapper
+keeps its gloo process group alive from C++ (a weak reference to the group
+survives `del`, destroy_process_group() and gc.collect() once a DDP was built
+on it), so after several jobs the interpreter's teardown runs beside several
+leaked groups and their threads; once in CI that teardown aborted a rank
+("terminate called without an active exception") after all its work was done.
+A training run builds one DDP per process; this worker builds one per job.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -54,3 +63,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
