@@ -33,8 +33,7 @@ from mingpt.config import register_configs  # noqa: E402
 from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
-from mingpt.train import CONF_DIR, fit_to_data  # noqa: E402
-from mingpt.trainer import Trainer  # noqa: E402
+from mingpt.train import CONF_DIR, build, fit_to_data  # noqa: E402
 
 HOOKS = ["none", "fp16", "powersgd", "batched_powersgd", "post_local_sgd"]
 START, STEPS = 4, 40  # plain steps before compression / local SGD; steps counted after them
@@ -56,9 +55,8 @@ def measure(config, data, info, hook: str) -> tuple[float, float, float]:
     """(calls per step, MB per step, ms per step) over STEPS steps after START."""
     config = copy.deepcopy(config)
     config.trainer_config.ddp_comm_hook = hook
-    torch.manual_seed(config.trainer_config.seed)
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(config, GPT(config.gpt_config), data, info, run_dir)
+        trainer = build(config, info, run_dir, data)
         if hook == "none":
             trainer.model.register_comm_hook(None, default_hooks.allreduce_hook)
         batch = config.trainer_config.batch_size

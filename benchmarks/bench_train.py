@@ -38,8 +38,7 @@ from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
 from mingpt.optim import create_optimizer  # noqa: E402
-from mingpt.train import CONF_DIR, fit_to_data  # noqa: E402
-from mingpt.trainer import Trainer  # noqa: E402
+from mingpt.train import CONF_DIR, build, fit_to_data  # noqa: E402
 
 BENCH_DEFAULTS = [
     "gpt_config.n_layer=4", "gpt_config.n_head=4", "gpt_config.n_embd=128", "gpt_config.dropout=0.0",
@@ -73,7 +72,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def build(config, data, info):
+def build_bare(config, data, info):
     """A fresh model (DDP-wrapped under torchrun) and its optimizer, as main.py
     builds them, plus the windows on the device."""
     torch.manual_seed(config.trainer_config.seed)
@@ -138,7 +137,7 @@ def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) 
     under torchrun, none in one process), seconds per snapshot save (rank 0 writes,
     fsyncs and renames; the others check their weights), and the snapshot's bytes."""
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(copy.deepcopy(config), GPT(config.gpt_config), data, info, run_dir)
+        trainer = build(copy.deepcopy(config), info, run_dir, data)
         trainer.train_step(torch.arange(trainer.samples_per_step))  # AdamW's moments exist: a full snapshot
         for _ in range(10):
             trainer._agree()
@@ -163,8 +162,8 @@ def compare(config, data, info, rounds: int, steps: int) -> tuple[float, float]:
     each on its own fresh model, in short alternating rounds so that drifts in
     the machine's speed hit both alike."""
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(copy.deepcopy(config), GPT(config.gpt_config), data, info, run_dir)
-        built = build(config, data, info)
+        trainer = build(copy.deepcopy(config), info, run_dir, data)
+        built = build_bare(config, data, info)
         generator = torch.Generator().manual_seed(0)
         order = torch.randperm(len(data.train), generator=generator).to(info.device)
         per_step = trainer.samples_per_step
@@ -193,8 +192,7 @@ def trainer_loop(config, data, info, steps: int) -> float:
         tc = config.trainer_config
         tc.max_steps, tc.log_every, tc.eval_every, tc.save_every_steps = 2 * steps, steps, 0, None
         tc.sample_chars, tc.max_epochs = 0, 10**6
-        torch.manual_seed(tc.seed)
-        Trainer(config, GPT(config.gpt_config), data, info, run_dir).train()
+        build(config, info, run_dir, data).train()
         if not info.is_main_process:
             return float("nan")
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -240,7 +238,7 @@ def main() -> None:
         loop_tokens_per_s = trainer_loop(copy.deepcopy(config), data, info, 100)
         check_s, save_s, snapshot_bytes = stop_check_and_save(config, data, info)
         phases = {k: 0.0 for k in ("data", "forward", "backward", "allreduce", "optimizer")}
-        built = build(config, data, info)
+        built = build_bare(config, data, info)
         generator = torch.Generator().manual_seed(1)
         bare_steps(config, info, built, generator, 10)
         bare_steps(config, info, built, generator, 100, phases)

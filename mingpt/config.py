@@ -186,8 +186,10 @@ class TrainerConfig:
     log_every: int = 50
     # Characters generated from the model at each evaluation (0: none).
     sample_chars: int = 200
-    # Snapshot path (fsspec URL or local path); relative paths are inside the run directory.
-    snapshot_path: str = "snapshot.pt"
+    # Snapshot path (fsspec URL or local path); relative paths are inside the run
+    # directory. null: snapshot.pt (parallelism=ddp: one file) or snapshots
+    # (parallelism=fsdp: a directory of sharded snapshots).
+    snapshot_path: Optional[str] = None
     save_every: int = 1
     # Also save every this many optimizer steps (null: only per epoch and at the end).
     save_every_steps: Optional[int] = None
@@ -203,6 +205,10 @@ class TrainerConfig:
     # AMP on a CPU is ignored unless forced: without bf16 units it is far slower.
     amp_on_cpu: bool = False
     compile: bool = False
+    # How the model is spread over the processes (mingpt/parallel.py): "ddp"
+    # (each rank holds all of it) or "fsdp" (FSDP2: parameters, gradients and
+    # optimizer state sharded over the ranks; snapshots sharded too).
+    parallelism: str = "ddp"
     # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd",
     # "batched_powersgd", "post_local_sgd" (see mingpt/comm_hooks.py).
     ddp_comm_hook: str = "none"
@@ -248,11 +254,18 @@ class TrainerConfig:
         check(len({parse_signal(n) for n in self.stop_signals}) == len(self.stop_signals),
               "trainer_config.stop_signals", f"lists a signal twice: {list(self.stop_signals)}")
         check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
-        check(bool(self.snapshot_path), "trainer_config.snapshot_path", "must not be empty")
+        check(self.snapshot_path is None or bool(self.snapshot_path), "trainer_config.snapshot_path",
+              "must not be empty")
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
         one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook",
                ("none", "fp16", "bf16", "powersgd", "batched_powersgd", "post_local_sgd"))
+        one_of(self.parallelism, "trainer_config.parallelism", ("ddp", "fsdp"))
+        if self.parallelism == "fsdp":
+            check(self.ddp_comm_hook == "none", "trainer_config.ddp_comm_hook",
+                  f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none (use none, or parallelism=ddp)")
+            check(not (self.use_amp and self.amp_dtype == "fp16"), "trainer_config.amp_dtype",
+                  "fp16 needs a gradient scaler over the shards; with parallelism=fsdp use bf16")
         check(self.localsgd_start_step >= 0, "trainer_config.localsgd_start_step",
               f"must be >= 0, got {self.localsgd_start_step}")
         check(self.localsgd_period >= 2, "trainer_config.localsgd_period",

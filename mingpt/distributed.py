@@ -10,6 +10,7 @@ once-per-node work such as downloading the corpus while the others wait.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -110,6 +111,7 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
     finally:
         _control_group = None
         if dist.is_initialized():
+            gc.collect()  # objects in reference cycles that hold the group go while it is whole
             dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from typing import NoReturn, Sequence
 
 import hydra
@@ -27,11 +28,12 @@ from mingpt import stopping
 from mingpt.checkpoint import SnapshotError, check_writable
 from mingpt.config import (DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, check_known_keys, drop_ignored_keys,
                            register_configs)
-from mingpt.data import DataError, build_cache, download_corpus, load_data
-from mingpt.distributed import barrier, distributed, setup_logging
+from mingpt.data import CharData, DataError, build_cache, download_corpus, load_data
+from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.rundir import RunDirError, check_run_dir_setting, claim, hold_log_lines, register_resolvers
-from mingpt.trainer import Trainer, TrainingError, resolve_snapshot_path
+from mingpt.snapshot import resolve_path
+from mingpt.trainer import Trainer, TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -67,33 +69,52 @@ def build_model(gpt_config: GPTConfig) -> GPT:
         ) from None
 
 
+def build(config: Config, dist_info: DistInfo, run_dir: str, data: CharData | None = None) -> Trainer:
+    """The recipe, config -> data, model, trainer, for a run in `run_dir` (also
+    for the tests and benchmarks). The model's vocabulary and context length
+    are set from the data; its initial weights are drawn from the run's seed."""
+    data = load_data(config.data_config) if data is None else data
+    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+    torch.manual_seed(config.trainer_config.seed)
+    return Trainer(config, build_model(config.gpt_config), data, dist_info, run_dir)
+
+
 def run(config: Config, run_dir: str, files: dict[str, str] | None = None,
         notices: Sequence[str] = ()) -> None:
-    """Train in `run_dir`. Everything that can refuse the run (the corpus, the
-    directory's owner, the snapshot's compatibility) comes before the first
-    write there; then train.log and `files` ({path in run_dir: text}) are written."""
+    """Train in `run_dir`, in the process group torchrun describes (if any)."""
     with distributed(config.trainer_config.device) as dist_info:
-        setup_logging(dist_info.rank)
-        log_buffer = hold_log_lines(dist_info.rank)
-        for notice in notices if dist_info.is_main_process else ():
-            log.warning(notice)
-        snapshot_path = resolve_snapshot_path(config.trainer_config.snapshot_path, run_dir)
-        check_writable(run_dir, snapshot_path)
-        log.info("run directory %s", os.path.abspath(run_dir))
-        data_path = config.data_config.path
-        if dist_info.is_local_main_process:  # once per node; the others wait
-            if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
-                download_corpus(data_path)
-            build_cache(config.data_config)  # encode the corpus unless its token cache is up to date
-        barrier(dist_info)
-        data = load_data(config.data_config, build=False)
-        config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
-        torch.manual_seed(config.trainer_config.seed)
-        model = build_model(config.gpt_config)
-        with claim(run_dir, snapshot_path, dist_info, log_buffer) as owned:
-            trainer = Trainer(config, model, data, dist_info, run_dir)  # refuses a snapshot that does not fit
-            owned.accept(files)
-            trainer.train()
+        try:
+            _run(config, run_dir, dist_info, files, notices)
+        except BaseException as e:
+            # What the run built (DDP's reducer holds the process group) is freed
+            # here, while the group is whole, not in the interpreter's teardown.
+            traceback.clear_frames(e.__traceback__)
+            raise
+
+
+def _run(config: Config, run_dir: str, dist_info: DistInfo, files: dict[str, str] | None,
+         notices: Sequence[str]) -> None:
+    """Everything that can refuse the run (the corpus, the directory's owner,
+    the snapshot's compatibility) comes before the first write in `run_dir`;
+    then train.log and `files` ({path in run_dir: text}) are written."""
+    setup_logging(dist_info.rank)
+    log_buffer = hold_log_lines(dist_info.rank)
+    for notice in notices if dist_info.is_main_process else ():
+        log.warning(notice)
+    snapshot_path = resolve_path(config.trainer_config, run_dir)
+    check_writable(run_dir, snapshot_path)
+    log.info("run directory %s", os.path.abspath(run_dir))
+    data_path = config.data_config.path
+    if dist_info.is_local_main_process:  # once per node; the others wait
+        if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
+            download_corpus(data_path)
+        build_cache(config.data_config)  # encode the corpus unless its token cache is up to date
+    barrier(dist_info)
+    data = load_data(config.data_config, build=False)
+    with claim(run_dir, snapshot_path, dist_info, log_buffer) as owned:
+        trainer = build(config, dist_info, run_dir, data)  # refuses a snapshot that does not fit
+        owned.accept(files)
+        trainer.train()
 
 
 def fail(message: str, status: int = 2) -> NoReturn:

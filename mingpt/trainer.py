@@ -1,4 +1,8 @@
-"""The training loop: DDP, AMP, gradient accumulation, exact evaluation, snapshots.
+"""The training loop: steps, gradient accumulation, AMP, when to evaluate, log, save and stop.
+
+Its parts live beside it: how the model is spread over the ranks in
+mingpt/parallel.py, the held-out loss in mingpt/evaluation.py, what a
+snapshot holds and how it is written and restored in mingpt/snapshot.py.
 
 Exact resume rests on three facts, so a snapshot needs no generator states:
 - the order of epoch e's samples is a permutation seeded by (seed, e), and the
@@ -13,30 +17,28 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt import checkpoint, comm_hooks, stopping
+from mingpt import comm_hooks, evaluation, parallel, stopping
 from mingpt.config import Config, ConfigError
-from mingpt.data import CharData, ResumableSampler, spread
+from mingpt.data import CharData, ResumableSampler
 from mingpt.distributed import DistInfo, all_max, barrier
 from mingpt.metrics import Metrics
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, lr_at
 from mingpt.sample import generate
+from mingpt.snapshot import NotFinite, Progress, Snapshot, resolve_path
 from mingpt.stopping import StepFlags
 
 log = logging.getLogger(__name__)
 
 
-# Evaluations and saves that take this long are announced before they start (the next time).
+# Evaluations that take this long are announced before they start (the next time).
 SLOW_SECONDS = 1.0
 
 
@@ -44,27 +46,10 @@ class TrainingError(RuntimeError):
     """Training cannot go on (for example, the loss diverged)."""
 
 
-@dataclass
-class Progress:
-    """Where the run is: restored from a snapshot, advanced by each step."""
-
-    epoch: int = 0  # the epoch in progress (= epochs finished)
-    samples_in_epoch: int = 0  # global samples of that epoch consumed by all ranks together
-    step: int = 0  # optimizer steps done
-    best_eval_loss: float = math.inf
-
-
 def _duration(seconds: float) -> str:
     """1h02m, 3m05s, 42s."""
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def resolve_snapshot_path(path: str, run_dir: str) -> str:
-    """Relative local paths live in the run directory; URLs and absolute paths are kept."""
-    if "://" in path or os.path.isabs(path):
-        return path
-    return os.path.join(run_dir, path)
 
 
 class Trainer:
@@ -75,10 +60,9 @@ class Trainer:
         self.device = device = dist_info.device
         self.data = data
         self.train_windows, self.eval_windows = data.place(device, config.data_config.placement)
-        self.snapshot_path = resolve_snapshot_path(cfg.snapshot_path, run_dir)
+        self.snapshot_path = resolve_path(cfg, run_dir)
         comm_hooks.check(cfg, dist_info)  # a hook this run cannot use is refused before any work
         self.comm = comm_hooks.create(cfg, dist_info)
-        self._saved_comm_state: dict[str, Any] | None = None  # set by _restore
 
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
@@ -93,8 +77,11 @@ class Trainer:
                 "" if cfg.amp_on_cpu else " (trainer_config.amp_on_cpu=true forces it)",
             )
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.use_amp and self.amp_dtype == torch.float16)
+        self.sharded = parallel.is_sharded(cfg, dist_info)
 
         self.raw_model = model.to(device)
+        if self.sharded:  # before the optimizer: the parameters become shards
+            parallel.shard(self.raw_model, dist_info, self.amp_dtype if self.use_amp else None)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         self.progress = Progress()
         # The first step whose loss was not finite (0: none yet), kept on the device so that
@@ -102,22 +89,18 @@ class Trainer:
         self.nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
         self.saved: Progress | None = None  # the position of the snapshot at snapshot_path, if any
         self._last_save = time.monotonic()
-        self._slow: dict[str, bool] = {}  # whether the last save / evaluation took long
-        if checkpoint.exists(self.snapshot_path):
-            self._restore(checkpoint.load(self.snapshot_path))
-        self._check_same_start()
+        self._slow: dict[str, bool] = {}  # whether the last evaluation took long
+        self.snapshot = Snapshot(config, dist_info, self.snapshot_path, data.tokenizer.chars, self.raw_model,
+                                 self.optimizer, self.scaler, self.comm)
+        if self.snapshot.exists():
+            self.progress = self.snapshot.restore()
+            self.saved = dataclasses.replace(self.progress)
+        self.snapshot.check_same_start(self.progress.step)
 
-        self.model = self.raw_model
-        if dist_info.is_distributed:
-            self.model = DDP(
-                self.raw_model,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True,
-                **self.comm.ddp_options,
-            )
-            self._register_comm_hook()
-        if cfg.compile:
-            self.model = torch.compile(self.model)
+        self.model = self.raw_model  # what the training step calls
+        if dist_info.is_distributed and not self.sharded:
+            self.model = parallel.replicate(self.raw_model, dist_info, self.comm, self._start_comm_hook)
+        self.model = parallel.maybe_compile(self.model, cfg)
 
         W = dist_info.world_size
         self.train_sampler = ResumableSampler(len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed)
@@ -159,6 +142,7 @@ class Trainer:
                     self._train_epoch()
                 self.evaluate()
                 self.save()
+                self.snapshot.wait()  # an asynchronous save is written before the run ends
                 self._stop_if_requested(self._agree())
             self._print_sample()
         finally:
@@ -238,6 +222,7 @@ class Trainer:
         if not signum:
             return
         self.save()
+        self.snapshot.wait()
         barrier(self.dist)  # rank 0's save is complete before any rank leaves
         raise stopping.Stopped(
             signum, f"{stopping.describe(signum)} at step {self.progress.step}; the snapshot {self.snapshot_path} "
@@ -290,16 +275,16 @@ class Trainer:
             x, y = self.train_windows.batch(micro)
             weight = len(micro) / len(indices)
             last = k == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not self.dist.is_distributed else self.model.no_sync()
-            with sync:
-                with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp):
+            with parallel.gradient_sync(self.model, self.raw_model, enabled=last):
+                with self._autocast():
                     _, loss = self.model(x, y)
                 self.scaler.scale(loss * weight).backward()
             step_loss += loss.detach() * weight
         bad = (self.nonfinite_step == 0) & ~torch.isfinite(step_loss)
         self.nonfinite_step = torch.where(bad, p.step + 1, self.nonfinite_step)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_norm_clip)
+        # The global norm: over the shards too, with FSDP.
+        grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_norm_clip))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.comm.after_optimizer_step(self.raw_model)  # LocalSGD: the periodic averaging
@@ -321,64 +306,44 @@ class Trainer:
         with self.comm.mean_weights(self.raw_model):
             return self._evaluate()
 
-    @torch.no_grad()
     def _evaluate(self) -> float:
-        """Mean cross-entropy per held-out token. The windows evaluated are the
-        non-overlapping held-out windows, at most trainer_config.eval_tokens
-        tokens of them spread evenly over the split; each rank sums the loss
-        and counts the tokens of every W-th of them; the sums are gathered, so
-        the global mean is the same for any world size."""
+        """Evaluate (mingpt/evaluation.py), log the result and a sample."""
         self._check_diverged(self.progress.step)
         p = self.progress
         start = time.monotonic()
-        cap = self.cfg.eval_tokens and max(1, self.cfg.eval_tokens // self.eval_windows.block_size)  # in windows
-        chosen = spread(len(self.eval_windows), cap)
         if self._slow.get("eval", True):
-            log.info("evaluating at step %d on %d held-out windows", p.step, len(chosen))
-        model = self.raw_model
-        model.eval()
-        indices = chosen[self.dist.rank :: self.dist.world_size].to(self.eval_windows.tokens.device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        count, interrupted = 0, 0
-        for chunk in indices.split(self.cfg.batch_size * 4):
-            if stopping.stop_requested():  # the step boundary right after stops the run
-                interrupted = 1
-                break
-            x, y = self.eval_windows.batch(chunk)
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp):
-                logits, _ = model(x)
-            losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-            loss_sum += losses.double().sum()
-            count += y.numel()
-        model.train()
-        stats = torch.tensor([loss_sum.item(), count, interrupted], dtype=torch.float64, device=self.device)
-        if self.dist.is_distributed:
-            gathered = [torch.zeros_like(stats) for _ in range(self.dist.world_size)]
-            dist.all_gather(gathered, stats)
-        else:
-            gathered = [stats]
-        sums = torch.stack(gathered).cpu()
-        if sums[:, 2].any():  # on every rank alike: the gathered flags are the same
+            n = len(evaluation.chosen_windows(len(self.eval_windows), self.eval_windows.block_size,
+                                              self.cfg.eval_tokens))
+            log.info("evaluating at step %d on %d held-out windows", p.step, n)
+        result = evaluation.evaluate(self.raw_model, self.eval_windows, self.dist, self.cfg.eval_tokens,
+                                     self.cfg.batch_size * 4, self._autocast, lockstep=self.sharded,
+                                     stop_requested=stopping.stop_requested)
+        if result.interrupted:
             log.info("evaluation at step %d interrupted by a stop signal: not recorded", p.step)
             return math.nan
-        loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
-        per_rank = [s / c if c > 0 else None for s, c, _ in sums.tolist()]
-        if not math.isfinite(loss):  # the weights of the last update are not: no log, no sample
-            raise TrainingError(f"training diverged: the held-out loss is {loss} at step {p.step}; {self._kept()}")
-        p.best_eval_loss = min(p.best_eval_loss, loss)
-        self.metrics.log("eval", p.step, p.epoch, loss=loss, bpc=loss / math.log(2), rank_losses=per_rank,
-                         tokens=int(sums[:, 1].sum()))
-        if self.dist.is_main_process and self.cfg.sample_chars:
-            self.metrics.text("sample", self.sample(self.cfg.sample_chars), p.step)
+        if not math.isfinite(result.loss):  # the weights of the last update are not: no log, no sample
+            raise TrainingError(
+                f"training diverged: the held-out loss is {result.loss} at step {p.step}; {self._kept()}")
+        p.best_eval_loss = min(p.best_eval_loss, result.loss)
+        self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
+                         rank_losses=result.rank_losses, tokens=result.tokens)
+        if self.cfg.sample_chars and (self.dist.is_main_process or self.sharded):
+            text = self.sample(self.cfg.sample_chars)
+            self.metrics.text("sample", text, p.step)
         seconds = time.monotonic() - start
         self._slow["eval"] = seconds >= SLOW_SECONDS
         if self._slow["eval"]:
             log.info("evaluation at step %d took %.1f s", p.step, seconds)
-        return loss
+        return result.loss
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast for AMP; a sharded model casts by FSDP's own mixed-precision policy instead."""
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp and not self.sharded)
 
     def sample(self, n_chars: int, prompt: str = "\n") -> str:
         """Text generated from the current weights, seeded by (seed, step); it
-        leaves the training random streams untouched."""
+        leaves the training random streams untouched. A sharded model's ranks
+        all generate, in lockstep (each forward gathers the parameters)."""
         tok = self.data.tokenizer
         prompt = "".join(c for c in prompt if c in tok.stoi) or tok.chars[0]
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed + self.progress.step)
@@ -388,108 +353,41 @@ class Trainer:
 
     def _print_sample(self) -> None:
         with self.comm.mean_weights(self.raw_model):  # every rank takes part
-            if self.dist.is_main_process and self.cfg.sample_chars:
+            if self.cfg.sample_chars and (self.dist.is_main_process or self.sharded):
                 sample = self.sample(self.cfg.sample_chars)
-                print(f"--- sample after step {self.progress.step} ---\n{sample}", flush=True)
+                if self.dist.is_main_process:
+                    print(f"--- sample after step {self.progress.step} ---\n{sample}", flush=True)
 
     # ----------------------------------------------------------------- snapshots
 
     def save(self) -> None:
-        """Save a snapshot (global main process only), never with non-finite weights.
-        Every rank checks its replica (DDP keeps them identical; with LocalSGD, the replicas'
-        mean), so all ranks stop together. Every rank calls it: a comm hook's state is gathered.
-        Saving changes nothing in the training state (time-based saves come at any step);
-        a second call at the same position does nothing."""
+        """Save a snapshot (mingpt/snapshot.py), never with non-finite weights
+        (all ranks agree, so all stop together). Every rank calls it. Saving
+        changes nothing in the training state (time-based saves come at any
+        step); a second call at the same position does nothing."""
         if self.saved == self.progress:
             return
         self._check_diverged(self.progress.step)
-        model_state = self.comm.model_state(self.raw_model)
-        if not all(torch.isfinite(t).all() for t in model_state.values()):
-            raise TrainingError(f"weights are not finite at step {self.progress.step}, not saving; {self._kept()}")
-        comm_state = self.comm.state_dict(self.raw_model, self.optimizer, self.scaler)
-        self._last_save = time.monotonic()
-        if not self.dist.is_main_process:
-            self.saved = dataclasses.replace(self.progress)  # by rank 0
-            return
-        start = time.monotonic()
-        if self._slow.get("save", True):
-            log.info("saving snapshot %s at step %d", self.snapshot_path, self.progress.step)
-        state: dict[str, Any] = {
-            "model_state": model_state,
-            "comm_hook": comm_state,
-            "optimizer_state": self.optimizer.state_dict(),
-            "scaler_state": self.scaler.state_dict(),
-            "finished_epoch": self.progress.epoch,
-            **dataclasses.asdict(self.progress),
-            "world_size": self.dist.world_size,
-            "vocab": self.data.tokenizer.chars,
-            **{name: dataclasses.asdict(getattr(self.config, name)) for name in
-               ("gpt_config", "optimizer_config", "data_config", "trainer_config")},
-        }
-        checkpoint.save(state, self.snapshot_path)
-        self.saved = dataclasses.replace(self.progress)
-        seconds = time.monotonic() - start
-        self._slow["save"] = seconds >= SLOW_SECONDS
-        log.info("saved snapshot %s at step %d in %.2f s", self.snapshot_path, self.progress.step, seconds)
-        self._last_save = time.monotonic()
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Load weights, optimizer, scaler and progress (before the model is wrapped in DDP)."""
-        checkpoint.check_compatible(
-            state, dataclasses.asdict(self.config.gpt_config), self.data.tokenizer.chars, self.snapshot_path
-        )
-        changes = checkpoint.check_same_config(state, self.config, self.snapshot_path)
-        if changes:
-            log.warning("continuing %s with a changed config: %s", self.snapshot_path, "; ".join(changes))
         try:
-            self.raw_model.load_state_dict(state["model_state"])
-            self.optimizer.load_state_dict(state["optimizer_state"])
-            if self.scaler.is_enabled() and state.get("scaler_state"):
-                self.scaler.load_state_dict(state["scaler_state"])
-        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as e:
-            raise checkpoint.SnapshotError(
-                f"snapshot {self.snapshot_path} cannot be restored: {checkpoint.reason(e)}"
-            ) from None
-        # The current config decides the hyperparameters, not the snapshot.
-        opt_cfg = self.config.optimizer_config
-        for group, decay in zip(self.optimizer.param_groups, (opt_cfg.weight_decay, 0.0)):
-            group.update(weight_decay=decay, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
-        self._saved_comm_state = state.get("comm_hook")  # per rank: restored once DDP has wrapped the model
-        fields = {f.name for f in dataclasses.fields(Progress)}
-        self.progress = Progress(**{k: state[k] for k in fields if k in state})
+            self.snapshot.save(self.progress)
+        except NotFinite:
+            raise TrainingError(f"weights are not finite at step {self.progress.step}, not saving; "
+                                f"{self._kept()}") from None
         self.saved = dataclasses.replace(self.progress)
-        log.info(
-            "resumed from %s: epoch %d, %d samples into it, step %d",
-            self.snapshot_path, self.progress.epoch, self.progress.samples_in_epoch, self.progress.step,
-        )
-
-    def _check_same_start(self) -> None:
-        """All ranks must start from the same step: a snapshot that only some of
-        them see (a node-local path in a multi-node job) would split the run."""
-        if not self.dist.is_distributed:
-            return
-        mine = torch.tensor([self.progress.step], device=self.device)
-        gathered = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
-        dist.all_gather(gathered, mine)
-        steps = [int(t) for t in gathered]
-        if len(set(steps)) > 1:
-            raise checkpoint.SnapshotError(
-                f"the ranks start from different steps {steps} (snapshot {self.snapshot_path}): "
-                "keep the snapshot where every node sees it (a shared file system, s3://, gs://)"
-            )
+        self._last_save = time.monotonic()
 
     # ---------------------------------------------------------- communication
 
-    def _register_comm_hook(self) -> None:
+    def _start_comm_hook(self, ddp: DDP) -> None:
         """Register the hook on the DDP model and give it the state the snapshot saved (mingpt/comm_hooks.py)."""
-        self.comm.start(self.model, self._saved_comm_state, self.progress.step, self.raw_model, self.optimizer,
-                        self.scaler, self._warm_up_ddp)
+        self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
+                        self.scaler, lambda: self._warm_up_ddp(ddp))
 
-    def _warm_up_ddp(self) -> None:
+    def _warm_up_ddp(self, ddp: DDP) -> None:
         """One DDP forward and backward on a training batch, gradients dropped: DDP
         rebuilds its buckets (in the order backward produces gradients) at the next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
         x, y = self.train_windows.batch(first)
-        _, loss = self.model(x, y)
+        _, loss = ddp(x, y)
         loss.backward()
         self.optimizer.zero_grad(set_to_none=True)

@@ -28,20 +28,14 @@ import torch
 from omegaconf import OmegaConf
 
 from mingpt.config import Config
-from mingpt.data import load_data
 from mingpt.distributed import distributed, setup_logging
-from mingpt.model import GPT
-from mingpt.train import fit_to_data
-from mingpt.trainer import Trainer
+from mingpt.train import build
 
 
 def run_job(dist_info, out_dir: str, name: str, overrides: list[str], train: bool) -> None:
     config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
-    data = load_data(config.data_config)
-    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
-    torch.manual_seed(config.trainer_config.seed)
     run_dir = os.path.join(out_dir, name)
-    trainer = Trainer(config, GPT(config.gpt_config), data, dist_info, run_dir)
+    trainer = build(config, dist_info, run_dir)
     init = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
     result = {"init": init, "eval_init": trainer.evaluate()}
     if train:

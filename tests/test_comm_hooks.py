@@ -17,11 +17,8 @@ from conftest import REPO, TINY, child_env, run_dir_of, torchrun_cmd
 from omegaconf import OmegaConf
 
 from mingpt.config import Config
-from mingpt.data import load_data
 from mingpt.distributed import DistInfo
-from mingpt.model import GPT
-from mingpt.train import fit_to_data
-from mingpt.trainer import Trainer
+from mingpt.train import build
 from test_distributed import CORPUS_CHARS, FAST, run_worker
 
 # A constant learning rate: a run cut short (max_steps) takes the same steps as a longer one.
@@ -96,11 +93,8 @@ def test_localsgd_evaluates_the_mean_and_converges_like_ddp(runs, corpus_file):
     snapshot = torch.load(tmp / "resumed.pt", weights_only=True)
     overrides = [*TINY, *COMMON, f"data_config.path={corpus_file}"]
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
-    data = load_data(config.data_config)
-    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
-    model = GPT(config.gpt_config)
-    model.load_state_dict(snapshot["model_state"])
-    one = Trainer(config, model, data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp / "one"))
+    one = build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp / "one"))
+    one.raw_model.load_state_dict(snapshot["model_state"])
     logged = last_eval(tmp, "localsgd")
     assert logged["step"] == 40
     # The eval loss is the same for any world size: one process scoring the mean reproduces it.

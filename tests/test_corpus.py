@@ -19,8 +19,7 @@ from conftest import TINY, run_main
 from mingpt.config import Config, DataConfig
 from mingpt.data import DataError, HostBatches, load_data, spread
 from mingpt.distributed import DistInfo
-from mingpt.model import GPT
-from mingpt.train import fit_to_data
+from mingpt.train import build
 from mingpt.trainer import Trainer
 
 
@@ -186,10 +185,7 @@ def make_trainer(run_dir, corpus_paths, *extra: str) -> Trainer:
     config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
     config.data_config.path = corpus_paths
     config = OmegaConf.to_object(config)
-    data = load_data(config.data_config)
-    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
-    torch.manual_seed(config.trainer_config.seed)
-    return Trainer(config, GPT(config.gpt_config), data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+    return build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
 def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, corpus, one_thread):

@@ -29,13 +29,11 @@ from omegaconf import OmegaConf
 from conftest import REPO, TINY, child_env, run_main
 from mingpt import checkpoint
 from mingpt.config import Config, ConfigError, GPTConfig
-from mingpt.data import load_data
 from mingpt.distributed import DistInfo
 from mingpt.generate import load_model, parse_args
-from mingpt.model import GPT
 from mingpt.sample import generate
 from mingpt import train
-from mingpt.train import CONF_DIR, fit_to_data
+from mingpt.train import CONF_DIR, build
 from mingpt.trainer import Trainer, TrainingError
 
 
@@ -53,10 +51,7 @@ def make_trainer(run_dir: Path, corpus: Path, *extra: str) -> Trainer:
     """A single-process Trainer built as main.py builds it."""
     dotlist = overrides(corpus, *extra)
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist)))
-    data = load_data(config.data_config)
-    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
-    torch.manual_seed(config.trainer_config.seed)
-    return Trainer(config, GPT(config.gpt_config), data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+    return build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -26,10 +26,9 @@ from omegaconf import OmegaConf
 from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
 from mingpt import checkpoint
 from mingpt.config import Config
-from mingpt.data import ResumableSampler, load_data
+from mingpt.data import ResumableSampler
 from mingpt.distributed import DistInfo
-from mingpt.model import GPT
-from mingpt.train import fit_to_data
+from mingpt.train import build
 from mingpt.trainer import Trainer, TrainingError
 
 N_TRAIN = 1124  # training windows of the small corpus
@@ -68,11 +67,7 @@ def make_trainer(run_dir, corpus_path, *extra: str) -> Trainer:
     """A single-process Trainer built like main.py builds it, from override strings."""
     dotlist = overrides(f"data_config.path={corpus_path}", *extra)
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist)))
-    data = load_data(config.data_config)
-    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
-    torch.manual_seed(config.trainer_config.seed)
-    model = GPT(config.gpt_config)
-    return Trainer(config, model, data, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+    return build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
 def memory_url() -> str:
@@ -99,7 +94,7 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus
     common = ["trainer_config.batch_size=32", "trainer_config.max_epochs=3", "trainer_config.save_every=2",
               "trainer_config.save_every_steps=25", "gpt_config.dropout=0.1", "optimizer_config.lr_schedule=constant",
               "optimizer_config.warmup_steps=10"]
-    caplog.set_level(logging.INFO, logger="mingpt.trainer")
+    caplog.set_level(logging.INFO, logger="mingpt")
     reference_url, resumed_url = memory_url(), memory_url()
     # An attempt killed before its first save left an event; the fresh start drops it.
     (tmp_path / "ref").mkdir()

@@ -1,0 +1,95 @@
+"""How the model is spread over the processes: `trainer_config.parallelism`.
+
+- `ddp`: every rank holds the whole model, its gradients and AdamW's moments
+  (16 bytes per parameter in fp32); DistributedDataParallel all-reduces the
+  gradients in buckets during backward, through the comm hook of
+  `trainer_config.ddp_comm_hook` (mingpt/comm_hooks.py).
+- `fsdp`: FSDP2 (`fully_shard`) shards every transformer block and the root
+  (embeddings, final LayerNorm, head) over all ranks: each rank keeps 1/W of
+  the parameters, gradients and moments, all-gathers a block's parameters just
+  before it runs and reduce-scatters its gradients after backward. With
+  mixed precision it computes in bf16 and reduces in fp32 (its own policy,
+  in place of autocast).
+
+One process is plain: no wrapper at all. `torch.compile` goes around either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt.comm_hooks import CommHook
+from mingpt.config import TrainerConfig
+from mingpt.distributed import DistInfo
+from mingpt.model import GPT
+
+
+def is_sharded(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
+    """Whether the model's parameters are FSDP2 shards (a single process never shards)."""
+    return cfg.parallelism == "fsdp" and dist_info.is_distributed
+
+
+def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) -> None:
+    """FSDP2 in place: each block, then the root, becomes a sharded unit over all
+    ranks. Before the optimizer is built: the parameters become DTensor shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    for block in model.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # Generation calls `step`, not `forward`: it must gather the root's parameters too.
+    register_fsdp_forward_method(model, "step")
+
+
+def replicate(model: GPT, dist_info: DistInfo, comm: CommHook, start_hook: Callable[[DDP], None]) -> DDP:
+    """DDP around the model (which copies rank 0's weights to every rank), with its comm hook."""
+    device = dist_info.device
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+              **comm.ddp_options)
+    start_hook(ddp)
+    return ddp
+
+
+def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
+    return torch.compile(model) if cfg.compile else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iterator[None]:
+    """While in the body, backward all-reduces (DDP) or reduce-scatters (FSDP)
+    the gradients only if `enabled`: the last micro-batch of a step does."""
+    if enabled:
+        yield
+    elif isinstance(raw_model, _fsdp_module()):
+        raw_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            raw_model.set_requires_gradient_sync(True)
+    elif hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def full_value(value: Any) -> Any:
+    """A DTensor (a sharded model's gradient norm) as the plain tensor it stands for."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _fsdp_module() -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
