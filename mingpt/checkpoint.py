@@ -136,12 +136,41 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
 
 
+class _Sink:
+    """The file torch.save writes to, keeping the first storage error a write met:
+    torch reports it as a RuntimeError ("unexpected pos ...") that hides the cause."""
+
+    def __init__(self, file: Any):
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except storage_errors() as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_to(state: dict[str, Any], file: Any) -> None:
+    """torch.save into an open file, raising the storage error behind a failed write."""
+    sink = _Sink(file)
+    try:
+        torch.save(state, sink)
+    except RuntimeError:
+        if sink.error is None:
+            raise
+    if sink.error is not None:
+        raise sink.error
+
+
 def save(state: dict[str, Any], path: str) -> None:
     """Write `state` to `path` atomically: a crash mid-save leaves the previous
     file intact. A storage failure raises StorageError, with the previous file
-    intact too."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
+    intact too. torch.save streams into the temporary file (an object store's
+    file uploads in parts as it fills), so the snapshot is never built whole in memory."""
     fs, p = _filesystem(path)
     tmp = f"{p}{TMP_MARK}{uuid.uuid4().hex[:8]}"
     local = isinstance(fs, LocalFileSystem)
@@ -153,7 +182,7 @@ def save(state: dict[str, Any], path: str) -> None:
             fs.rm(stale)
         try:
             with fs.open(tmp, "wb") as f:
-                f.write(buffer.getbuffer())
+                _save_to(state, f)
                 if local:  # the bytes reach the disk before the new name points at them
                     f.flush()
                     os.fsync(f.fileno())

@@ -196,6 +196,12 @@ class TrainerConfig:
     # Also save when this many minutes have passed since the last save, by rank
     # 0's clock (null: never by time): a bound on the work a crash can lose.
     save_every_minutes: Optional[float] = 5.0
+    # Sharded snapshots (parallelism=fsdp): keep the newest keep_snapshots published
+    # snapshots, removing older ones once a new one is published.
+    keep_snapshots: int = 2
+    # Sharded snapshots only: training waits for the state's copy to CPU memory, not
+    # for the write; the next save, the end of the run and a stop wait for it.
+    async_save: bool = True
     # Signals that stop the run at the next step boundary, after a snapshot
     # (exit status 128 + the signal's number; README, Fault tolerance).
     stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
@@ -230,7 +236,8 @@ class TrainerConfig:
         check(bool(self.run_name) and "/" not in self.run_name and self.run_name not in (".", ".."),
               "trainer_config.run_name", f"must be a directory name (not empty, '.', '..' or with '/'), "
               f"got {self.run_name!r}")
-        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank")
+        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank",
+                    "keep_snapshots")
         for key in positive:
             check(getattr(self, key) >= 1, f"trainer_config.{key}", f"must be >= 1, got {getattr(self, key)}")
         per_step = self.batch_size * self.grad_accum_steps
@@ -288,7 +295,7 @@ OPERATIONAL_KEYS = frozenset({
     "trainer_config.run_name", "trainer_config.device", "trainer_config.compile",
     "trainer_config.eval_every", "trainer_config.log_every", "trainer_config.sample_chars",
     "trainer_config.snapshot_path", "trainer_config.save_every", "trainer_config.save_every_steps",
-    "trainer_config.allow_config_change",
+    "trainer_config.allow_config_change", "trainer_config.keep_snapshots", "trainer_config.async_save",
 })
 
 

@@ -2,7 +2,8 @@
 
 usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=value ...])
 
-  snapshot_path=runs/default/snapshot.pt  snapshot to sample from (local path or fsspec URL)
+  snapshot_path=runs/default/snapshot.pt  snapshot to sample from (local path or fsspec URL): a snapshot
+                            file, or a sharded snapshot (a directory: its newest published snapshot)
   prompt=                   text to continue, taken verbatim (empty: start of a new line)
   prompt_file=              read the prompt from this file instead (local path or fsspec URL)
   max_new_tokens=500        characters to generate per sample (>= 0)
@@ -37,7 +38,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt import checkpoint
+from mingpt import checkpoint, sharded
 from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, GPTConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
@@ -115,8 +116,9 @@ def parse_args(argv: list[str]) -> GenerateConfig:
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict]:
-    """The model and vocabulary of a snapshot, ready for inference on `device`."""
-    state = checkpoint.load(path)
+    """The model and vocabulary of a snapshot (a file, or a sharded snapshot's
+    directory read in this one process), ready for inference on `device`."""
+    state = sharded.load_file_state(path) if sharded.is_sharded(path) else checkpoint.load(path)
     vocab = state.get("vocab")
     try:
         config = GPTConfig(**state["gpt_config"])

@@ -192,7 +192,7 @@ def test_another_result_affecting_config_gets_its_own_run_directory():
 def test_operational_keys_keep_the_run_directory(key):
     field = key.split(".")[1]
     value = {"device": "cpu", "snapshot_path": "/tmp/s.pt", "compile": "true",
-             "allow_config_change": "true"}.get(field, "7")
+             "allow_config_change": "true", "async_save": "false"}.get(field, "7")
     assert run_dir(f"{key}={value}") == "runs/default"
 
 

@@ -86,3 +86,21 @@ def test_an_unreachable_endpoint_is_one_line(monkeypatch, tmp_path):
         checkpoint.check_writable(str(tmp_path), "s3://runs/s.pt")
     with pytest.raises(PromptError, match=f"^prompt_file s3://runs/prompt.txt cannot be read: {cant_connect}"):
         read_prompt(GenerateConfig(prompt_file="s3://runs/prompt.txt"))
+
+
+def test_sharded_snapshots_publish_and_load_through_s3(s3):
+    """mingpt.sharded on an object store (no rename of directories): one process saves
+    synchronously and asynchronously, keeps the newest, and reads the published one."""
+    from mingpt import sharded
+
+    model = torch.nn.Linear(4, 3)
+    tensors = {"model": model.state_dict(), "extra": {"lr": 0.5, "betas": (0.9, 0.99)}}
+    for step, asynchronous in ((1, False), (2, True), (3, True)):
+        sharded.save(tensors, {"step": step}, "s3://runs/sharded", step, keep=2, async_save=asynchronous)
+    assert sharded.wait_pending() == "s3://runs/sharded/step-00000003"
+    s3.invalidate_cache()
+    assert s3.ls("runs/sharded") == ["runs/sharded/step-00000002", "runs/sharded/step-00000003"]
+    assert sharded.latest("s3://runs/sharded") == "s3://runs/sharded/step-00000003"
+    loaded, meta = sharded.load_full("s3://runs/sharded")
+    assert meta == {"step": 3} and loaded["extra"] == {"lr": 0.5, "betas": (0.9, 0.99)}
+    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())

@@ -1,0 +1,708 @@
+"""Sharded snapshots: PyTorch Distributed Checkpoint (DCP) in a directory at any fsspec URL.
+
+The snapshot format of `trainer_config.parallelism=fsdp` (the single-file format
+of mingpt.checkpoint stays the `ddp` one). Every rank writes its own shards, in
+parallel, with `torch.distributed.checkpoint`; a snapshot written by W ranks
+loads into any number of ranks (DCP reshards), or into one process without a
+process group (generation, export).
+
+Layout of a snapshot root (`trainer_config.snapshot_path`):
+
+    ROOT/step-00000120/         one snapshot: the state after optimizer step 120
+        __0_0.distcp ...        DCP's shard files, one per rank (__<rank>_<n>.distcp)
+        .metadata               DCP's index of the shards (a pickle: see "Loading")
+        meta.json               the non-tensor state, written by rank 0 (JSON)
+        manifest.json           size and sha256 of every file above; written LAST
+    ROOT/step-00000120-1/       a second save of the same step (numbered on)
+
+**Publication.** A snapshot exists once its `manifest.json` does, and readers
+(`latest`, `load`, `load_full`) trust nothing else. Rank 0 writes the manifest
+only when every rank's shards, DCP's `.metadata` and `meta.json` are complete
+(each rank hashes its own shard files, rank 0 gathers the digests), in one
+piece: a temporary file renamed into place on a local disk (after fsyncing the
+files and the directory), a single PUT on an object store, which has no rename
+of directories but never shows a half-written object. A crash mid-save leaves
+a directory without a manifest: ignored by readers, removed by a later save.
+After publishing, rank 0 removes all but the newest `keep` published snapshots
+and the unpublished directories older than the new one, so the previous
+snapshot stays intact until the new one is published.
+
+**What goes where.** `save` takes a nested dict (`{"model": ..., "optim": ...}`
+as `torch.distributed.checkpoint.state_dict.get_state_dict` returns them:
+tensors or DTensor shards, and plain values such as the optimizer's
+hyperparameters) and a small JSON-able `meta` (progress, configs, vocabulary).
+Only tensors go into DCP, under flat keys `model/<fqn>`, `optim/state/<fqn>/exp_avg`
+...; the plain values, the nesting and `meta` go into `meta.json`. So DCP never
+stores pickled "bytes" entries, which it would read back with
+`torch.load(weights_only=False)`.
+
+**Asynchronous saves** (`async_save=True`): `save` returns once the state is
+copied to CPU memory (DCP's staging); DCP writes it from a background thread,
+and publication follows there. Their collectives run on a gloo process group of
+their own, created at the first save (all ranks call `save` together), never on
+the training group. `save` returns a `SaveHandle`; call `wait_pending()` before
+anything that must see the save complete (the next save does it itself, and a
+run must before it exits, also when stopped by a signal). An error in the
+background (a full disk, a read-only location) is raised there, as one
+`StorageError` line, on every rank; never lost.
+
+**Loading.** Before DCP reads anything, every file listed in the manifest is
+checked against its size and sha256 (the ranks share the work), and any file
+DCP's index points to must be one of them: a flipped bit, a truncated or a
+missing file is one `SnapshotError` naming the file. DCP's `.metadata` is a
+pickle; it is read here, not by DCP, with an unpickler that builds only DCP's
+metadata classes, torch.Size and dtypes, and refuses any other global, so a
+pickled payload is refused and never runs (the manifest alone would not stop
+that: whoever can rewrite a file can rewrite the manifest). The shards
+themselves are read by DCP with `torch.load(weights_only=True)`.
+
+API (every function that takes `group` is called by every rank of it; group
+None is the default group, or no process group at all in a single process):
+
+    save(tensors, meta, root, step, *, keep, async_save, group=None) -> SaveHandle
+    wait_pending()                     wait for an asynchronous save; raise its error
+    latest(root) -> str | None         the newest published snapshot directory
+    load(tensors, root_or_dir, group=None) -> meta   in place into `tensors`, resharding
+    load_full(root_or_dir) -> (tensors, meta)        one process, no process group
+    to_file_state(tensors, meta) -> dict             the single-file format's dict (export)
+
+`python -m mingpt.sharded export SRC DST` writes a sharded snapshot as one
+mingpt.checkpoint file (model weights, optimizer state re-keyed by parameter
+index, configs, vocabulary, progress), for generation and inspection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import sys
+import threading
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from mingpt import checkpoint
+from mingpt.checkpoint import SnapshotError, StorageError, _filesystem, reason, storage_errors
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mingpt-sharded/1"
+MANIFEST = "manifest.json"
+META = "meta.json"
+DCP_METADATA = ".metadata"
+NAME = re.compile(r"step-(\d{8,})(?:-(\d+))?")
+CHUNK = 16 << 20  # bytes hashed per read
+
+# DCP warns at every single-process save and load that it assumes one process: that is the intent here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+# ---------------------------------------------------------------- structure
+
+
+def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state dict into its tensors under flat '/'-joined keys and
+    a JSON-able structure holding everything else (the plain values and where
+    each tensor goes)."""
+    flat: dict[str, torch.Tensor] = {}
+
+    def encode(node: Any, path: list[str]) -> Any:
+        key = "/".join(path)
+        if isinstance(node, torch.Tensor):
+            flat[key] = node
+            return {"tensor": key}
+        if isinstance(node, dict):
+            for k in node:
+                if not isinstance(k, (str, int)) or isinstance(k, bool) or "/" in str(k):
+                    raise ValueError(f"cannot save key {k!r} under {key or 'the top level'}: "
+                                     "keys must be strings without '/' or integers")
+            return {"dict": [[k, encode(v, [*path, str(k)])] for k, v in node.items()]}
+        if isinstance(node, (list, tuple)):
+            return {type(node).__name__: [encode(v, [*path, str(i)]) for i, v in enumerate(node)]}
+        if node is None or isinstance(node, (str, int, float, bool)):
+            return {"value": node}
+        raise TypeError(f"cannot save {type(node).__name__} at {key}: only tensors and plain values")
+
+    return flat, encode(tree, [])
+
+
+def _unflatten(structure: Any, flat: dict[str, torch.Tensor]) -> Any:
+    """The nested dict that `_flatten` split, with the tensors of `flat`."""
+    (kind, body), = structure.items()
+    if kind == "tensor":
+        return flat[body]
+    if kind == "dict":
+        return {k: _unflatten(v, flat) for k, v in body}
+    if kind == "list":
+        return [_unflatten(v, flat) for v in body]
+    if kind == "tuple":
+        return tuple(_unflatten(v, flat) for v in body)
+    return body
+
+
+def _tensor_keys(structure: Any) -> list[str]:
+    (kind, body), = structure.items()
+    if kind == "tensor":
+        return [body]
+    if kind in ("dict", "list", "tuple"):
+        children = [v for _, v in body] if kind == "dict" else body
+        return [key for child in children for key in _tensor_keys(child)]
+    return []
+
+
+# ---------------------------------------------------------------- storage
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def _order(name: str) -> Optional[tuple[int, int]]:
+    """(step, number) of a snapshot directory's name, or None for other names."""
+    found = NAME.fullmatch(name)
+    return (int(found.group(1)), int(found.group(2) or 0)) if found else None
+
+
+def _listing(root: str) -> tuple[list[str], set[str]]:
+    """The snapshot directory names under `root` (oldest first) and the published ones."""
+    fs, p = _filesystem(root)
+    try:
+        fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
+        if not fs.isdir(p):
+            return [], set()
+        names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
+        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")}
+    except storage_errors() as e:
+        raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
+    names.sort(key=_order)
+    return names, published & set(names)
+
+
+def latest(root: str) -> Optional[str]:
+    """The newest published snapshot directory under `root` (a URL), or None."""
+    names, published = _listing(root)
+    done = [n for n in names if n in published]
+    return _join(root, done[-1]) if done else None
+
+
+def is_sharded(path: str) -> bool:
+    """Whether `path` is a sharded snapshot root or snapshot directory (not a file)."""
+    fs, p = _filesystem(path)
+    try:
+        return fs.isdir(p)
+    except storage_errors() as e:
+        raise StorageError(f"cannot reach snapshot path {path}: {reason(e)}") from None
+
+
+def _resolve(root_or_dir: str) -> str:
+    """A published snapshot directory: `root_or_dir` itself, or the newest under it."""
+    fs, p = _filesystem(root_or_dir)
+    try:
+        if fs.exists(f"{p.rstrip('/')}/{MANIFEST}"):
+            return root_or_dir
+    except storage_errors() as e:
+        raise StorageError(f"cannot reach snapshot path {root_or_dir}: {reason(e)}") from None
+    if _order(os.path.basename(root_or_dir.rstrip("/"))):
+        raise SnapshotError(f"snapshot {root_or_dir} is not published (no {MANIFEST}: its save did not complete)")
+    found = latest(root_or_dir)
+    if found is None:
+        raise SnapshotError(f"no published sharded snapshot in {root_or_dir}")
+    return found
+
+
+def _sha256(fs, path: str) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+def _write_small(fs, path: str, data: bytes) -> None:
+    """Write a small file whole: on a local disk through a temporary file that is
+    fsynced and renamed (also fsyncing the directory); an object store's PUT is whole anyway."""
+    if not isinstance(fs, LocalFileSystem):
+        with fs.open(path, "wb") as f:
+            f.write(data)
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- process groups
+
+_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _checkpoint_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A gloo group over `group`'s ranks for the snapshot's own collectives
+    (DCP's background thread must not share the training group), created once;
+    None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
+    return _groups[ranks]
+
+
+def _rank(pg) -> int:
+    return dist.get_rank(pg) if pg is not None else 0
+
+
+def _world(pg) -> int:
+    return dist.get_world_size(pg) if pg is not None else 1
+
+
+def _broadcast(value: Any, pg) -> Any:
+    if pg is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    return box[0]
+
+
+def _gather(value: Any, pg) -> list[Any]:
+    if pg is None:
+        return [value]
+    out = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, value, group=pg)
+    return out
+
+
+def _dcp_reason(error: BaseException) -> str:
+    """One line for an exception that DCP may have wrapped (CheckpointException: per-rank failures)."""
+    if isinstance(error, CheckpointException):
+        for rank, failure in sorted(error._failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            return f"{reason(inner)} (rank {rank})"
+    return reason(error)
+
+
+# ---------------------------------------------------------------- saving
+
+
+class SaveHandle:
+    """A save in progress (asynchronous) or done. `wait()` returns the published
+    directory, or raises StorageError on every rank if the save failed."""
+
+    def __init__(self, directory: str, future: Optional[Future] = None, error: Optional[str] = None):
+        self.directory = directory
+        self._future = future
+        self._error = error
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self) -> str:
+        if self._future is not None:
+            self._error = self._future.result()
+            self._future = None
+        if self._error:
+            raise StorageError(self._error)
+        return self.directory
+
+
+_pending: Optional[SaveHandle] = None
+_executor: Optional[ThreadPoolExecutor] = None
+_lock = threading.Lock()
+
+
+def wait_pending() -> Optional[str]:
+    """Wait for the asynchronous save in flight, if any; return its directory or
+    raise its StorageError (once: the handle is then forgotten)."""
+    global _pending
+    handle, _pending = _pending, None
+    return handle.wait() if handle is not None else None
+
+
+def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
+         async_save: bool = True, group: Optional[dist.ProcessGroup] = None) -> SaveHandle:
+    """Save `tensors` (each rank its shards) and `meta` (rank 0's) as a new
+    snapshot of `root`, publish it when complete and keep the newest `keep`.
+    Called by every rank. Synchronous: returns when published (or raises
+    StorageError). Asynchronous: returns when the state is copied; the handle
+    (also reached by wait_pending()) gives the outcome."""
+    global _pending, _executor
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    wait_pending()  # one save at a time; the previous one's error surfaces here
+    pg = _checkpoint_group(group)
+    flat, structure = _flatten(tensors)
+    document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
+                           "structure": structure}).encode()
+    name = None
+    if _rank(pg) == 0:  # rank 0 names it; a crashed save's directory is never reused
+        try:
+            names, _ = _listing(root)
+        except StorageError as e:
+            name = e
+        else:
+            base = f"step-{step:08d}"
+            taken = [_order(n)[1] for n in names if _order(n)[0] == step]
+            name = base if not taken else f"{base}-{max(taken) + 1}"
+    name = _broadcast(name, pg)
+    if isinstance(name, StorageError):
+        raise StorageError(str(name))
+    directory = _join(root, name)
+    fs, _ = _filesystem(root)
+    writer = FsspecWriter(directory, sync_files=isinstance(fs, LocalFileSystem))
+    no_dist = pg is None
+    if not async_save:
+        error = None
+        try:
+            dcp.save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist)
+        except (Exception, CheckpointException) as e:
+            error = _dcp_reason(e)
+        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error))
+        handle.wait()
+        return handle
+    try:
+        upload = dcp.async_save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # staging failed: nothing was started
+        raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
+
+    def complete() -> Optional[str]:
+        try:
+            upload.result()
+            error = None
+        except (Exception, CheckpointException) as e:
+            error = _dcp_reason(e)
+        try:
+            return _publish(directory, root, document, keep, pg, error)
+        except BaseException as e:  # never lost: the handle reports it
+            return f"cannot save sharded snapshot {directory}: {reason(e)}"
+
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
+    _pending = SaveHandle(directory, _executor.submit(complete))
+    return _pending
+
+
+def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str]) -> Optional[str]:
+    """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes
+    meta.json and the manifest (publishing the snapshot) and prunes. Returns the
+    error, the same on every rank, or None."""
+    fs, p = _filesystem(directory)
+    rank = _rank(pg)
+    files: dict[str, list] = {}
+    if error is None:
+        try:
+            mine = f"__{rank}_" if pg is not None else "__"
+            for path in fs.ls(p, detail=False):
+                base = os.path.basename(path)
+                if base.startswith(mine) and base.endswith(".distcp"):
+                    files[base] = list(_sha256(fs, path))
+        except storage_errors() as e:
+            error = f"rank {rank}: {reason(e)}"
+    gathered = _gather((files, error), pg)
+    outcome = None
+    if rank == 0:
+        errors = [e for _, e in gathered if e]
+        if errors:
+            outcome = f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
+        else:
+            try:
+                manifest = {name: entry for shard_files, _ in gathered for name, entry in shard_files.items()}
+                _write_small(fs, f"{p}/{META}", document)
+                for name in (DCP_METADATA, META):
+                    manifest[name] = list(_sha256(fs, f"{p}/{name}"))
+                if isinstance(fs, LocalFileSystem):
+                    _fsync_dir(p)
+                body = json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode()
+                _write_small(fs, f"{p}/{MANIFEST}", body)  # the publication
+            except storage_errors() as e:
+                outcome = f"cannot save sharded snapshot {directory}: {reason(e)}; the previous snapshots are unchanged"
+            except Exception as e:  # anything else: still one line on every rank, no rank left waiting
+                outcome = f"cannot save sharded snapshot {directory}: {type(e).__name__}: {reason(e)}"
+            else:
+                _prune(root, os.path.basename(directory.rstrip("/")), keep)
+                log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
+    outcome = _broadcast(outcome, pg)
+    return outcome
+
+
+def _prune(root: str, newest: str, keep: int) -> None:
+    """Remove all but the newest `keep` published snapshots and the unpublished
+    directories older than `newest`. A failure here only warns: the new snapshot is safe."""
+    try:
+        names, published = _listing(root)
+        done = [n for n in names if n in published]
+        doomed = done[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
+        fs, p = _filesystem(root)
+        for name in doomed:
+            # The manifest first: a removal cut short leaves an unpublished directory, never a damaged snapshot.
+            if name in published:
+                fs.rm(f"{p.rstrip('/')}/{name}/{MANIFEST}")
+            fs.rm(f"{p.rstrip('/')}/{name}", recursive=True)
+    except (SnapshotError, *storage_errors()) as e:
+        log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
+
+
+# ---------------------------------------------------------------- loading
+
+# The globals a DCP .metadata pickle may name: DCP's metadata classes, torch.Size, dtypes, layouts.
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "StorageMeta",
+        "MetadataIndex", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+def read_metadata(data: bytes, name: str) -> Metadata:
+    """DCP's .metadata, unpickled with only DCP's classes allowed; SnapshotError otherwise."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise SnapshotError(f"refusing to load {name}: it holds pickled objects other than DCP's metadata, "
+                            f"and none of it was run ({reason(e)})") from None
+    except Exception as e:  # damaged bytes raise many types
+        raise SnapshotError(f"snapshot {name} is damaged ({type(e).__name__}: {reason(e)})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise SnapshotError(f"snapshot {name} is damaged (not DCP metadata)")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):  # bytes entries are read with torch.load(weights_only=False)
+            raise SnapshotError(f"refusing to load {name}: entry {key!r} is not a tensor, and none of it was run")
+    return metadata
+
+
+class _Reader(FsspecReader):
+    """DCP's fsspec reader, given the .metadata that `read_metadata` above checked:
+    DCP's own read_metadata would unpickle the file with pickle.load."""
+
+    def __init__(self, path: str, metadata: Metadata):
+        super().__init__(path)
+        self._checked = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._checked.storage_meta is None:
+            self._checked.storage_meta = StorageMeta()
+        self._checked.storage_meta.load_id = self.load_id
+        return self._checked
+
+
+def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
+    """The manifest, meta.json and DCP metadata of a published snapshot, sizes and digests
+    of those two files checked. SnapshotError names a damaged or missing file."""
+    fs, p = _filesystem(directory)
+
+    def read(name: str) -> bytes:
+        try:
+            with fs.open(f"{p}/{name}", "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot {directory} is damaged: {name} is missing") from None
+        except storage_errors() as e:
+            raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
+
+    try:
+        manifest = json.loads(read(MANIFEST))
+        files = manifest["files"]
+        if manifest.get("format") != FORMAT or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SnapshotError(f"snapshot {directory} is damaged: {MANIFEST} cannot be read ({reason(e)})") from None
+    blobs = {}
+    for name in (META, DCP_METADATA):
+        data = blobs[name] = read(name)
+        if name not in files or [len(data), hashlib.sha256(data).hexdigest()] != files[name]:
+            raise SnapshotError(f"snapshot {directory} is damaged: {name} does not match its size and sha256 "
+                                f"in {MANIFEST} (changed after it was written)")
+    try:
+        meta = json.loads(blobs[META])
+        if meta.get("format") != FORMAT or not isinstance(meta.get("meta"), dict):
+            raise ValueError(f"format {meta.get('format')!r}")
+    except (ValueError, AttributeError) as e:
+        raise SnapshotError(f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})") from None
+    metadata = read_metadata(blobs[DCP_METADATA], f"{directory}/{DCP_METADATA}")
+    for info in (metadata.storage_data or {}).values():  # DCP reads only files that were verified
+        if getattr(info, "relative_path", None) not in files:
+            raise SnapshotError(f"snapshot {directory} is damaged: its index names a file that {MANIFEST} "
+                                f"does not list ({getattr(info, 'relative_path', info)!r})")
+    return files, meta, metadata
+
+
+def _verify(directory: str, names: list[str], files: dict[str, list]) -> Optional[str]:
+    """Check each named file's size and sha256 against the manifest; the first problem as a line, or None."""
+    fs, p = _filesystem(directory)
+    for name in names:
+        try:
+            size, digest = _sha256(fs, f"{p}/{name}")
+        except FileNotFoundError:
+            return f"snapshot {directory} is damaged: {name} is missing"
+        except storage_errors() as e:
+            return f"cannot read snapshot {directory}/{name}: {reason(e)}"
+        if [size, digest] != files[name]:
+            return (f"snapshot {directory} is damaged: {name} does not match its size and sha256 in {MANIFEST} "
+                    "(changed after it was written)")
+    return None
+
+
+def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
+    """The snapshot holds exactly the tensors expected, and its index has them all."""
+    for key in expected:
+        if key not in saved or key not in metadata.state_dict_metadata:
+            raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {key}")
+    for key in saved:
+        if key not in expected:
+            raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {key} that this run has not")
+
+
+def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+    """Verify the newest published snapshot of a root (or the given snapshot
+    directory), then load it in place into `tensors` (tensors and DTensors are
+    filled, resharded to this run's layout; plain values are replaced by the
+    snapshot's). Called by every rank. Returns the `meta` saved with it."""
+    pg = _checkpoint_group(group)
+    directory, problem = None, None
+    if _rank(pg) == 0:
+        try:
+            directory = _resolve(root_or_dir)
+        except SnapshotError as e:
+            problem = (type(e).__name__, str(e))
+    directory, problem = _broadcast((directory, problem), pg)
+    if problem:
+        raise (StorageError if problem[0] == "StorageError" else SnapshotError)(problem[1])
+    files, document, metadata = _read_manifest(directory)
+    shards = sorted(n for n in files if n not in (META, DCP_METADATA))
+    errors = [e for e in _gather(_verify(directory, shards[_rank(pg)::_world(pg)], files), pg) if e]
+    if errors:
+        raise SnapshotError(errors[0])
+    flat, _ = _flatten(tensors)
+    structure = document["structure"]
+    _check_keys(directory, sorted(flat), _tensor_keys(structure), metadata)
+    try:
+        dcp.load(flat, storage_reader=_Reader(directory, metadata), process_group=group, no_dist=pg is None)
+    except (Exception, CheckpointException) as e:
+        raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
+    loaded = _unflatten(structure, flat)
+    for key in list(tensors):
+        tensors[key] = loaded.get(key, tensors[key])
+    log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
+    return document["meta"]
+
+
+def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a whole snapshot into plain CPU tensors in one process, with no
+    process group (generation, export): (the nested dict that was saved, meta)."""
+    directory = _resolve(root_or_dir)
+    files, document, metadata = _read_manifest(directory)
+    problem = _verify(directory, sorted(n for n in files if n not in (META, DCP_METADATA)), files)
+    if problem:
+        raise SnapshotError(problem)
+    structure = document["structure"]
+    keys = _tensor_keys(structure)
+    _check_keys(directory, keys, keys, metadata)
+    flat = {}
+    for key in keys:
+        entry = metadata.state_dict_metadata[key]
+        flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    try:
+        dcp.load(flat, storage_reader=_Reader(directory, metadata), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
+    log.info("read sharded snapshot %s (step %s) in one process", directory, document.get("step"))
+    return _unflatten(structure, flat), document["meta"]
+
+
+# ---------------------------------------------------------------- the single-file format
+
+
+def to_file_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The single-file snapshot dict (mingpt.checkpoint) of a sharded snapshot
+    read by load_full: `model` becomes model_state, and `optim` (keyed by
+    parameter names, as get_state_dict gives it) becomes optimizer_state keyed
+    by parameter index in the optimizer's order, as Optimizer.state_dict() has
+    it; `meta` gives the rest (progress, configs, vocabulary)."""
+    state = {key: value for key, value in meta.items()}
+    state["model_state"] = dict(tensors.get("model", {}))
+    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
+    order = [fqn for group in optim["param_groups"] for fqn in group["params"]]
+    index = {fqn: i for i, fqn in enumerate(order)}
+    state["optimizer_state"] = {
+        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index},
+        "param_groups": [{**group, "params": [index[fqn] for fqn in group["params"]]}
+                         for group in optim["param_groups"]],
+    }
+    return state
+
+
+def load_file_state(path: str) -> dict[str, Any]:
+    """A sharded snapshot (root or directory) read in one process as the
+    single-file format's dict, its structure checked as checkpoint.load does."""
+    state = to_file_state(*load_full(path))
+    checkpoint.check_structure(state, path)
+    return state
+
+
+def export(src: str, dst: str) -> dict[str, Any]:
+    """Write the sharded snapshot `src` (root or directory) as one mingpt.checkpoint file `dst`."""
+    state = load_file_state(src)
+    checkpoint.save(state, dst)
+    return state
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """python -m mingpt.sharded export SRC DST"""
+    from mingpt.distributed import setup_logging
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[0] != "export":
+        print("usage: python -m mingpt.sharded export SRC DST\n"
+              "  write the sharded snapshot SRC (a snapshot root: its newest published snapshot; or one\n"
+              "  step-... directory) as one snapshot file DST, which mingpt.generate reads", file=sys.stderr)
+        sys.exit(2)
+    setup_logging(rank=0)
+    try:
+        state = export(argv[1], argv[2])
+    except SnapshotError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(f"exported {argv[1]} (step {state.get('step', '?')}) to {argv[2]}")
+
+
+if __name__ == "__main__":
+    main()

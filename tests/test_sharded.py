@@ -1,0 +1,218 @@
+"""Sharded snapshots (mingpt.sharded): FSDP2 on real gloo processes saves, resharded loads,
+publication and pruning, asynchronous saves and their errors, integrity, refused pickles,
+one-process reads, export and generation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from mingpt import sharded
+from mingpt.checkpoint import SnapshotError
+from mingpt.config import ConfigError, TrainerConfig
+from tests.conftest import REPO, child_env, torchrun_cmd
+
+WORKER = str(REPO / "tests" / "sharded_worker.py")
+
+
+def launch(nproc: int, mode: str, out: Path, root: Path) -> None:
+    cmd = torchrun_cmd(nproc, "--standalone") + [WORKER, mode, str(out), str(root)]
+    result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One 2-rank FSDP2 run that saves (sync, then async) and loads back; its report and reference state."""
+    out = tmp_path_factory.mktemp("sharded")
+    root = out / "root"
+    launch(2, "save", out, root)
+    report = json.loads((out / "save.json").read_text())
+    return out, root, report, torch.load(out / "reference.pt", weights_only=True)
+
+
+def assert_same_state(got: dict, reference: dict) -> None:
+    assert set(got["model"]) == set(reference["model"])
+    for name, tensor in reference["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    assert set(got["optim"]["state"]) == set(reference["optim"]["state"])
+    for fqn, moments in reference["optim"]["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(torch.as_tensor(got["optim"]["state"][fqn][key]), tensor), (fqn, key)
+    assert got["optim"]["param_groups"] == reference["optim"]["param_groups"]
+
+
+def test_publication_pruning_and_async_saves(saved):
+    out, root, report, _ = saved
+    # Each save is published under its step (the crashed step-1 directory's number is not reused).
+    assert report["published"] == ["step-00000001-8", "step-00000002", "step-00000003", "step-00000004"]
+    assert report["latest"] == report["published"]  # latest() follows publication, never the unpublished step 99
+    # keep=2: the two newest remain; the crashed directory older than them is gone, the newer one is left alone.
+    assert report["listing"] == ["step-00000003", "step-00000004", "step-00000099"]
+    assert sharded.latest(str(root)) == f"{root}/step-00000004"
+    files = sorted(os.listdir(root / "step-00000004"))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "meta.json"]
+    manifest = json.loads((root / "step-00000004" / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == files[:3] + ["meta.json"]
+
+
+def test_background_write_failure_surfaces_on_every_rank(saved):
+    _, _, report, _ = saved
+    first, second = report["errors"]
+    assert first == second and "\n" not in first
+    assert first.startswith("cannot save sharded snapshot") and "Not a directory" in first
+    assert report["pending_after"] is None  # reported once, then nothing is in flight
+
+
+def test_reshards_to_two_three_and_one_process(saved, tmp_path):
+    out, root, _, reference = saved
+    two = torch.load(out / "load-2.pt", weights_only=True)
+    assert two["meta"]["step"] == 4 and two["meta"]["world_size"] == 2
+    assert_same_state(two["state"], reference)  # also: the write kept the state of the call, not the zeroed one
+    launch(3, "load", out, root)
+    assert_same_state(torch.load(out / "load-3.pt", weights_only=True)["state"], reference)
+
+    # One process, no process group: a plain model and optimizer, loaded as the trainer would.
+    sys.path.insert(0, str(REPO / "tests"))
+    from sharded_worker import CONFIG
+
+    from mingpt.model import GPT
+
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, optimizer)
+    tensors = {"model": msd, "optim": osd}
+    meta = sharded.load(tensors, str(root))
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+    assert meta["step"] == 4
+    msd, osd = get_state_dict(model, optimizer)
+    assert_same_state({"model": msd, "optim": osd}, reference)
+
+    # load_full gives the same, and a one-process save (async) round-trips through it.
+    full, meta = sharded.load_full(str(root / "step-00000004"))
+    assert_same_state(full, reference) and meta["samples_in_epoch"] == 32
+    handle = sharded.save(tensors, meta, str(tmp_path / "one"), 7, keep=1, async_save=True)
+    assert handle.wait() == f"{tmp_path / 'one'}/step-00000007"
+    again, _ = sharded.load_full(str(tmp_path / "one"))
+    assert_same_state(again, reference)
+
+
+def copy_snapshot(root: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy" / "step-00000004"
+    shutil.copytree(root / "step-00000004", target)
+    return target
+
+
+def rewrite_manifest(directory: Path, name: str) -> None:
+    """What whoever changed a file could do too: make the manifest agree with it."""
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    data = (directory / name).read_bytes()
+    manifest["files"][name] = [len(data), hashlib.sha256(data).hexdigest()]
+    path.write_text(json.dumps(manifest))
+
+
+def load_one_process(path: str) -> None:
+    sys.path.insert(0, str(REPO / "tests"))
+    from sharded_worker import CONFIG
+
+    from mingpt.model import GPT
+
+    model = GPT(CONFIG)
+    msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
+    sharded.load({"model": msd, "optim": osd}, path)
+
+
+def test_damaged_shard_is_refused_naming_it(saved, tmp_path):
+    _, root, _, _ = saved
+    directory = copy_snapshot(root, tmp_path)
+    shard = directory / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    for load in (sharded.load_full, load_one_process):
+        with pytest.raises(SnapshotError) as refused:
+            load(str(directory.parent))
+        assert str(refused.value) == (f"snapshot {directory} is damaged: __1_0.distcp does not match its size and "
+                                      "sha256 in manifest.json (changed after it was written)")
+    shard.unlink()
+    with pytest.raises(SnapshotError, match=r"__1_0.distcp is missing$"):
+        sharded.load_full(str(directory))
+    (directory / "manifest.json").unlink()  # unpublished: nothing to read under the root
+    with pytest.raises(SnapshotError, match="no published sharded snapshot in"):
+        sharded.load_full(str(directory.parent))
+    assert sharded.latest(str(directory.parent)) is None
+
+
+class Payload:
+    """Unpickling this creates a file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickled_payload_in_dcp_metadata_is_refused_and_not_run(saved, tmp_path):
+    _, root, _, _ = saved
+    directory = copy_snapshot(root, tmp_path)
+    marker = tmp_path / "ran"
+    metadata = pickle.loads((directory / ".metadata").read_bytes())
+    metadata.planner_data = Payload(marker)  # a real index, with a payload inside
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite_manifest(directory, ".metadata")
+    for load in (sharded.load_full, load_one_process):
+        with pytest.raises(SnapshotError) as refused:
+            load(str(directory))
+        line = str(refused.value)
+        assert line.startswith(f"refusing to load {directory}/.metadata: it holds pickled objects other than DCP's "
+                               "metadata, and none of it was run") and "posix.system" in line and "\n" not in line
+        assert not marker.exists()
+    pickle.loads((directory / ".metadata").read_bytes())  # the payload is live: plain unpickling runs it
+    assert marker.exists()
+
+
+def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys):
+    _, root, _, reference = saved
+    exported = tmp_path / "exported.pt"
+    sharded.main(["export", str(root), str(exported)])
+    assert capsys.readouterr().out == f"exported {root} (step 4) to {exported}\n"
+
+    from mingpt import checkpoint
+    from mingpt.generate import load_model
+
+    state = checkpoint.load(str(exported))
+    assert state["step"] == 4 and state["samples_in_epoch"] == 32
+    for name, tensor in reference["model"].items():
+        assert torch.equal(state["model_state"][name], tensor), name
+    # The optimizer state as Optimizer.state_dict() keys it: by parameter index.
+    order = reference["optim"]["param_groups"][0]["params"]
+    assert state["optimizer_state"]["param_groups"][0]["params"] == list(range(len(order)))
+    for i, fqn in enumerate(order):
+        assert torch.equal(state["optimizer_state"]["state"][i]["exp_avg"], reference["optim"]["state"][fqn]["exp_avg"])
+
+    from_file, _, _ = load_model(str(exported), torch.device("cpu"))
+    from_dir, _, _ = load_model(str(root), torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(from_file.state_dict().values(), from_dir.state_dict().values()))
+    text = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={root}", "max_new_tokens=30",
+                           "temperature=0", "device=cpu", "prompt=AB"],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.startswith("AB") and len(text.stdout) >= 32 and f"read sharded snapshot {root}/step-00000004 (step 4)" in text.stderr
+
+
+def test_keep_snapshots_config():
+    assert TrainerConfig().keep_snapshots == 2 and TrainerConfig().async_save is True
+    with pytest.raises(ConfigError, match=r"^trainer_config.keep_snapshots: must be >= 1, got 0$"):
+        TrainerConfig(keep_snapshots=0)
