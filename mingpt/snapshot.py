@@ -196,7 +196,7 @@ class Snapshot:
     def _check_fits(self, state: dict[str, Any]) -> None:
         checkpoint.check_compatible(state, dataclasses.asdict(self.config.gpt_config), self.vocab, self.path)
         changes = checkpoint.check_same_config(state, self.config, self.path)
-        if changes:
+        if changes and self.dist.is_main_process:
             log.warning("continuing %s with a changed config: %s", self.path, "; ".join(changes))
 
     def check_same_start(self, step: int) -> None:

@@ -25,6 +25,7 @@ import os
 import sys
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from omegaconf import OmegaConf
 
 from mingpt.config import Config
@@ -32,17 +33,22 @@ from mingpt.distributed import distributed, setup_logging
 from mingpt.train import build
 
 
+def full_weights(trainer) -> dict:
+    """The model's whole weights on every rank (gathered from the shards with FSDP)."""
+    state = get_model_state_dict(trainer.raw_model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
 def run_job(dist_info, out_dir: str, name: str, overrides: list[str], train: bool) -> None:
     config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
     run_dir = os.path.join(out_dir, name)
     trainer = build(config, dist_info, run_dir)
-    init = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
-    result = {"init": init, "eval_init": trainer.evaluate()}
+    result = {"init": full_weights(trainer), "eval_init": trainer.evaluate()}
     if train:
         trainer.train()  # evaluates at the end and closes the metrics
     else:
         trainer.metrics.close()
-    result["state"] = trainer.raw_model.state_dict()
+    result["state"] = full_weights(trainer)
     os.makedirs(run_dir, exist_ok=True)
     torch.save(result, os.path.join(run_dir, f"rank{dist_info.rank}.pt"))
 

@@ -80,6 +80,10 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["trainer_config.localsgd_period=1"], "trainer_config.localsgd_period"),
         (["trainer_config.localsgd_start_step=-1"], "trainer_config.localsgd_start_step"),
         (["trainer_config.localsgd_group=world"], "trainer_config.localsgd_group"),
+        (["trainer_config.parallelism=zero3"], "trainer_config.parallelism"),
+        (["trainer_config.parallelism=fsdp", "trainer_config.ddp_comm_hook=powersgd"], "trainer_config.ddp_comm_hook"),
+        (["trainer_config.parallelism=fsdp", "trainer_config.use_amp=true", "trainer_config.amp_dtype=fp16"],
+         "trainer_config.amp_dtype"),
     ],
 )
 def test_invalid_values_raise_config_error_naming_the_key(overrides, key):

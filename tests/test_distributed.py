@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, TINY, child_env, free_port, run_dir_of, run_torchrun, torchrun_cmd
+from mingpt import sharded
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
 # 20,010 characters: 1,125 training windows and 125 held-out windows of 16
@@ -30,6 +31,7 @@ FAST = ["optimizer_config.warmup_steps=0", "optimizer_config.learning_rate=1e-2"
 
 # Evaluation capped at 50 of the 125 held-out windows (800 tokens).
 CAPPED = "trainer_config.eval_tokens=800"
+FSDP = "trainer_config.parallelism=fsdp"
 
 
 def job(name: str, *overrides: str, train: bool = True) -> dict:
@@ -71,8 +73,14 @@ def runs(tmp_path_factory, corpus_file):
             job("powersgd", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=powersgd",
                 "trainer_config.powersgd_start_step=2"),
             job("capped", CAPPED, train=False),
+            job("fsdp", "trainer_config.batch_size=4", FSDP),
+            job("fsdp_accum2x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=2", FSDP),
         ]),
-        3: run_worker(tmp, corpus_file, 3, [job("eval", train=False), job("capped", CAPPED, train=False)]),
+        3: run_worker(tmp, corpus_file, 3, [
+            job("eval", train=False), job("capped", CAPPED, train=False),
+            # 50 windows in chunks of 16: 17, 17 and 16 per rank, so 2, 2 and 1 chunks.
+            job("fsdp_capped", CAPPED, "trainer_config.batch_size=4", FSDP, train=False),
+        ]),
     }
     return tmp, results
 
@@ -188,3 +196,33 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
     assert len(rank1) == 1 and "WARNING trainer_config.use_amp ignored on CPU" in rank1[0], stderr[-3000:]
     assert sum("train step" in line for line in stderr.splitlines()) == len(
         [r for r in records if r["split"] == "train"])
+
+
+def test_fsdp_trains_like_ddp_and_one_process(runs):
+    """FSDP2 shards parameters, gradients and AdamW state over the 2 ranks; with
+    the same global batch it takes the same steps as DDP and one process (up to
+    float rounding: its reductions add in another order), also with accumulation."""
+    _, results = runs
+    reference = results[1]["batch8"][0]["state"]
+    assert_same_weights(results[2]["fsdp"][0]["state"], reference)
+    assert_same_weights(results[2]["fsdp"][0]["state"], results[2]["batch4"][0]["state"])
+    assert_same_weights(results[2]["fsdp_accum2x2"][0]["state"], reference)
+    for result in results[2]["fsdp"]:
+        assert result["eval_init"] == pytest.approx(results[1]["batch8"][0]["eval_init"], rel=1e-6)
+
+
+def test_fsdp_eval_is_exact_when_ranks_have_unequal_shares(runs):
+    """Every forward of a sharded model is a collective: a rank with fewer
+    held-out windows runs a repeat it does not count, and the loss stays exact."""
+    _, results = runs
+    reference = results[1]["capped"][0]["eval_init"]
+    for result in results[3]["fsdp_capped"]:
+        assert result["eval_init"] == pytest.approx(reference, rel=1e-6)
+
+
+def test_fsdp_run_leaves_a_sharded_snapshot_of_its_weights(runs):
+    tmp, results = runs
+    tensors, meta = sharded.load_full(str(tmp / "world2" / "fsdp" / "snapshots"))
+    assert meta["step"] == 6 and meta["world_size"] == 2 and meta["trainer_config"]["parallelism"] == "fsdp"
+    for key, value in results[2]["fsdp"][0]["state"].items():
+        assert torch.equal(tensors["model"][key], value), key

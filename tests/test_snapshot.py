@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
-from mingpt import checkpoint
+from mingpt import checkpoint, sharded
 from mingpt.config import Config
 from mingpt.data import ResumableSampler
 from mingpt.distributed import DistInfo
@@ -311,26 +311,30 @@ def read_samples(record_dir) -> Counter:
     return counts
 
 
+def recorded_part(tmp_path, record, nproc: int, *extra: str) -> str:
+    """One part of an epoch through main.py (tests/ft_record.py records each rank's
+    samples and saves in `record`); returns its log."""
+    args = overrides("trainer_config.max_epochs=1", "trainer_config.save_every_steps=7",
+                     "trainer_config.allow_config_change=true", *extra)  # each part has its own max_steps
+    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
+    proc = subprocess.run([*launcher, str(REPO / "tests" / "ft_record.py"), *args], cwd=tmp_path,
+                          env={**child_env(), "FT_RECORD_DIR": str(record)}, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
 def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus):
     """One epoch trained through main.py by 2 processes (steps 1-10), then 1
     (to step 70), then 2 again (to the end), sharing a file:// snapshot. The
     ranks together train on every sample of the epoch exactly once, and only
     rank 0 ever writes a snapshot: every 7 steps and at the end of each part."""
-    snapshot = tmp_path / "shared" / "snapshot.pt"
-    url = f"file://{snapshot}"
+    url = f"file://{tmp_path / 'shared' / 'snapshot.pt'}"
     record = tmp_path / "record"
-    env = {**child_env(), "FT_RECORD_DIR": str(record)}
-    recorder = str(REPO / "tests" / "ft_record.py")
-    args = overrides(f"data_config.path={small_corpus}", f"trainer_config.snapshot_path={url}",
-                     "trainer_config.max_epochs=1", "trainer_config.save_every_steps=7",
-                     "trainer_config.allow_config_change=true")  # each part has its own max_steps
 
     def part(nproc: int, max_steps: str) -> str:
-        launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
-        proc = subprocess.run([*launcher, recorder, *args, f"trainer_config.max_steps={max_steps}"], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stderr
+        return recorded_part(tmp_path, record, nproc, f"data_config.path={small_corpus}",
+                             f"trainer_config.snapshot_path={url}", f"trainer_config.max_steps={max_steps}")
 
     part(2, "10")  # 10 steps of 16 samples: 160
     assert "resumed from file://" in part(1, "70")  # 60 steps of 8: 640
@@ -342,6 +346,26 @@ def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus
     assert not (record / "saves-rank1.txt").exists()
     saves = [int(s) for s in (record / "saves-rank0.txt").read_text().split()]
     assert saves == [7, 10, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 101]
+
+
+def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_corpus):
+    """The same with FSDP2 and sharded snapshots, which every load reshards:
+    2 processes (steps 1-10), 1 (to step 70), then 4 (to the end)."""
+    root = tmp_path / "shared" / "snapshots"
+    record = tmp_path / "record"
+
+    def part(nproc: int, max_steps: str) -> str:
+        return recorded_part(tmp_path, record, nproc, f"data_config.path={small_corpus}",
+                             f"trainer_config.snapshot_path={root}", f"trainer_config.max_steps={max_steps}",
+                             "trainer_config.parallelism=fsdp")
+
+    part(2, "10")  # 10 steps of 16 samples: 160
+    assert "resumed from" in part(1, "70")  # 60 steps of 8: 640
+    log = part(4, "null")  # 484 left: 15 steps of 32 and one of 4
+    assert f"resumed from {root}: epoch 0, 640 samples into it, step 70" in log
+    _, meta = sharded.load_full(str(root))
+    assert (meta["step"], meta["finished_epoch"], meta["samples_in_epoch"], meta["world_size"]) == (86, 1, 0, 4)
+    assert read_samples(record) == Counter(range(N_TRAIN))
 
 
 # The key test: SIGKILL a worker mid-epoch, torchrun restarts, the run ends bitwise where it would have.
@@ -400,8 +424,22 @@ def tensorboard_losses(run_dir) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
-def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_corpus):
-    args = overrides(f"data_config.path={small_corpus}", *KILL_ARGS)
+def final_state(run_dir, parallelism: str) -> tuple[int, dict, dict]:
+    """(step, weights, AdamW's state as {"param.key": tensor}) of the run's last snapshot."""
+    if parallelism == "fsdp":
+        tensors, meta = sharded.load_full(str(run_dir / "snapshots"))
+        moments = {f"{p}.{k}": v for p, state in tensors["optim"]["state"].items() for k, v in state.items()}
+        return meta["step"], tensors["model"], moments
+    state = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    moments = {f"{p}.{k}": v for p, s in state["optimizer_state"]["state"].items() for k, v in s.items()}
+    return state["step"], state["model_state"], moments
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_corpus, parallelism):
+    """With fsdp every rank writes its shards (asynchronously) and a restart
+    resumes from the last published snapshot."""
+    args = overrides(f"data_config.path={small_corpus}", *KILL_ARGS, f"trainer_config.parallelism={parallelism}")
 
     def launch(name: str, *torchrun_args: str) -> subprocess.Popen:
         cmd = torchrun_cmd(2, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *args,
@@ -440,12 +478,10 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
     resumed_step = int(resumed[0].rsplit("step ", 1)[1])
     assert resumed_step % 10 == 0 and 10 <= resumed_step < 71 and "epoch 0," in resumed[0]
 
-    final = torch.load(run_dir / "snapshot.pt", weights_only=True)
-    expected = torch.load(run_dirs["reference"] / "snapshot.pt", weights_only=True)
-    assert final["step"] == expected["step"] == 213
-    assert same_tensors(final["model_state"], expected["model_state"])
-    assert all(same_tensors(final["optimizer_state"]["state"][k], expected["optimizer_state"]["state"][k])
-               for k in expected["optimizer_state"]["state"])
+    final, expected = final_state(run_dir, parallelism), final_state(run_dirs["reference"], parallelism)
+    assert final[0] == expected[0] == 213
+    assert same_tensors(final[1], expected[1])
+    assert same_tensors(final[2], expected[2]) and len(final[2]) > len(final[1])
     # The logs hold each step once, as the uninterrupted run logged it.
     reference_events = train_events(run_dirs["reference"])
     assert [s for s, _ in reference_events] == list(range(1, 214))
