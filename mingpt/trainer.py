@@ -79,9 +79,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.use_amp and self.amp_dtype == torch.float16)
         self.sharded = parallel.is_sharded(cfg, dist_info)
 
-        self.raw_model = model.to(device)
         if self.sharded:  # before the optimizer: the parameters become shards
-            parallel.shard(self.raw_model, dist_info, self.amp_dtype if self.use_amp else None)
+            # Sharded where it was built (the CPU), so only this rank's shards go to the device.
+            parallel.shard(model, dist_info, self.amp_dtype if self.use_amp else None)
+        self.raw_model = model.to(device)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         self.progress = Progress()
         # The first step whose loss was not finite (0: none yet), kept on the device so that
