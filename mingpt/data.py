@@ -237,7 +237,7 @@ class HostBatches:
                 self._events[k].synchronize()  # its previous copy has left the buffer
         if self._buffers[k].numel() < n:
             self._buffers[k] = torch.empty(n, dtype=self.tokens.dtype, pin_memory=self._pinned)
-        buffer = self._buffers[k][:n].view(len(indices), -1)
+        buffer = self._buffers[k][:n].view(len(indices), self.block_size + 1)
         self.cache.read_windows(self.windows.starts(indices), buffer)
         if not self._pinned:
             return buffer.to(self.device, torch.long)  # a copy: the buffer is reused by the next read
