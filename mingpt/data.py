@@ -307,7 +307,7 @@ def build_cache(cfg: DataConfig) -> None:
 
 
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
-    """Memory-map the corpus's token cache (building it first unless `build`
+    """Open the corpus's token cache (building it first unless `build`
     is False: another process of the node did) and split it. The first
     train_split of each file trains; the rest of it is held out, so no
     held-out window shares a character position with a training window."""
@@ -387,10 +387,12 @@ class ResumableSampler(DistributedSampler):
         else:
             order = torch.arange(self.dataset_len, dtype=dtype)
         rest = order[self.start_index :]
+        mine = rest[self.rank :: self.num_replicas]  # a view: no copy of the epoch's order
         pad = (-len(rest)) % self.num_replicas
-        if pad:
-            rest = torch.cat([rest, order.repeat(pad // max(1, len(order)) + 1)[:pad]])
-        return rest[self.rank :: self.num_replicas]
+        if pad:  # the order's first entries, cycled, at positions len(rest) + j: this rank's of them
+            j = torch.arange(pad)
+            mine = torch.cat([mine, order[j % len(order)][(len(rest) + j) % self.num_replicas == self.rank]])
+        return mine
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
