@@ -126,7 +126,7 @@ class DataConfig:
     # Held-out windows never overlap (stride block_size), so each held-out
     # character is predicted once.
     stride: int = 64
-    # Directory of the token cache (the encoded corpus, memory-mapped by every
+    # Directory of the token cache (the encoded corpus, read by every
     # process). null: .mingpt-cache/ beside a local corpus if that directory is
     # writable, else $XDG_CACHE_HOME/mingpt (~/.cache/mingpt).
     cache_dir: Optional[str] = None

@@ -1,5 +1,5 @@
 """The token cache: a corpus encoded once into a compact binary file that every
-process memory-maps, so the corpus costs each process almost no private memory.
+process reads its batches from, so the corpus costs each process almost no memory.
 
 A cache file is a header and the token ids of every source file, one after the
 other, as uint8, int16 or int32 (by vocabulary size). The header is JSON padded

@@ -1,7 +1,7 @@
 """The corpus at scale: the token cache (reuse, invalidation, damage), corpora
 of several files, wide vocabularies, byte-order marks, files that are not
-regular, host-gathered batches, capped evaluation and exact resume on the
-memory-mapped path. Small generated corpora throughout."""
+regular, batches read from the cache file, capped evaluation and exact resume
+on that path. Small generated corpora throughout."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import TINY, run_main
 from mingpt.config import Config, DataConfig
-from mingpt.data import DataError, HostBatches, load_data, spread
+from mingpt.data import DataError, HostBatches, TokenWindows, load_data, spread
 from mingpt.distributed import DistInfo
 from mingpt.model import GPT
 from mingpt.train import fit_to_data
@@ -213,7 +213,9 @@ def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path):
     out = torch.empty(2, 17, dtype=torch.int16)
     data.cache.read_windows(ends, out)
     assert torch.equal(out, torch.stack([expected[e : e + 17] for e in ends.tolist()]))
-    assert torch.equal(data.cache.load(torch.device("cpu")), expected)  # placement=device
+    assert host.batch(torch.tensor([], dtype=torch.long))[0].shape == (0, 16)
+    resident, _ = data.place(torch.device("cpu"), "device")  # read whole into memory
+    assert isinstance(resident, TokenWindows) and torch.equal(resident.tokens, expected)
     assert mapped_rss_kb(data.cache.path) == [0]
 
 
@@ -236,7 +238,7 @@ def make_trainer(run_dir, corpus_paths, *extra: str) -> Trainer:
 
 
 def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, corpus, one_thread):
-    """Two files, batches gathered from the memory map with prefetch, dropout
+    """Two files, batches read from the cache file with prefetch, dropout
     on: a run stopped mid-epoch at step 7 and resumed ends with the
     uninterrupted run's exact weights. Evaluation capped at 160 tokens (10
     windows of 16) reports the loss and bits per character."""
