@@ -68,10 +68,11 @@ class TokenCache:
         """Row i of `out` (windows x width, contiguous, on the CPU, in the
         cache's dtype) := the `width` tokens from token `starts[i]` on, one
         pread straight into the row."""
-        rows = out.view(torch.uint8).numpy()  # a view: the bytes of each row
         item, fd = out.element_size(), self.file.fileno()
-        for row, start in zip(rows, starts.tolist()):
-            if os.preadv(fd, [row], self.offset + start * item) != len(row):
+        width = out.shape[1] * item
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
+        for i, start in enumerate(starts.tolist()):
+            if os.preadv(fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
                 raise CacheError(f"token cache {self.path} was truncated while in use")
 
     def load(self, device: torch.device) -> torch.Tensor:
