@@ -4,6 +4,7 @@ cache), max RSS per process and the data share of a step, on a generated corpus.
     python benchmarks/bench_data.py --size-mb 100 --nproc 1 2
     python benchmarks/bench_data.py --size-mb 1000 --nproc 1
     python benchmarks/bench_data.py --corpus data/input.txt --nproc 1   # a given file (warm cache only)
+    python benchmarks/bench_data.py --size-mb 1000 --gather   # a batch read from the file vs through the map
 
 The corpus is generated, never downloaded: random "words" over 365 distinct
 characters (95 printable ASCII, 270 others, rare), so the vocabulary needs
@@ -12,9 +13,16 @@ int16 ids, as for real multilingual text. Each case launches fresh processes
 first process builds the token cache (cold: none exists; warm: it exists and
 is verified), every process maps it, builds the model and trainer (nano
 model, CPU), and trains STEPS steps. Reported per process: seconds from the
-launch to the end of the first step, max RSS (ru_maxrss: includes the pages of
-the memory map it touched, which are shared page cache), private anonymous
-memory at the end, and the share of the step time spent gathering batches.
+launch to the end of the first step, max RSS (ru_maxrss), private memory at
+the end (Private_Clean + Private_Dirty of /proc/self/smaps_rollup) and of it
+anonymous memory, and the time spent reading batches (`batch` and
+`prefetch`) per step and as a share of a step.
+
+With --gather it compares, in one process and alternating, the time to read
+one batch of random windows from the cache file (HostBatches: one pread per
+window) and to gather it through the memory map (indexing the mapped tokens,
+as batches were read before), for several batch and block sizes, beside the
+time of a nano model's training step on such a batch.
 """
 
 from __future__ import annotations
@@ -58,10 +66,11 @@ def generate(path: str, size_bytes: int, seed: int = 0) -> None:
     os.replace(path + ".tmp", path)
 
 
-def private_memory_mb() -> float:
+def memory_mb() -> dict[str, float]:
+    """Private (clean + dirty) and anonymous memory of this process, in MB."""
     with open("/proc/self/smaps_rollup") as f:
-        fields = dict(line.split(":", 1) for line in f.read().splitlines()[1:])
-    return int(fields["Anonymous"].split()[0]) / 1024
+        fields = {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in f.read().splitlines()[1:])}
+    return {"private": fields["Private_Clean"] + fields["Private_Dirty"], "anonymous": fields["Anonymous"]}
 
 
 def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
@@ -91,13 +100,15 @@ def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
         torch.manual_seed(0)
         trainer = Trainer(config, GPT(config.gpt_config), data, info, run_dir)
         gather_s, step_s, first_step = [0.0], [], []
-        windows, batch, train_step = trainer.train_windows, trainer.train_windows.batch, trainer.train_step
+        windows, train_step = trainer.train_windows, trainer.train_step
 
-        def timed_batch(indices):
-            start = time.perf_counter()
-            out = batch(indices)
-            gather_s[0] += time.perf_counter() - start
-            return out
+        def timed(read):
+            def call(indices):
+                start = time.perf_counter()
+                out = read(indices)
+                gather_s[0] += time.perf_counter() - start
+                return out
+            return call
 
         def timed_step(indices):
             start = time.perf_counter()
@@ -108,8 +119,10 @@ def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
                 gather_s[0] = 0.0  # the share is measured over the later steps
             return out
 
-        windows.batch, trainer.train_step = timed_batch, timed_step  # instance attributes shadow the methods
+        # Instance attributes shadow the methods.
+        windows.batch, windows.prefetch, trainer.train_step = timed(windows.batch), timed(windows.prefetch), timed_step
         trainer.train()
+        memory = memory_mb()
         # One write of the whole line: the ranks share stdout, and a write this short is atomic.
         os.write(sys.stdout.fileno(), (json.dumps({
             "rank": info.rank,
@@ -117,10 +130,64 @@ def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
             "imports_s": round(t_imports - t0, 2),
             "cache_s": round(t_data - t_imports, 2),
             "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "private_mb": round(private_memory_mb()),
-            "data_share_pct": round(100 * gather_s[0] / sum(step_s[1:]), 3),
+            "private_mb": round(memory["private"]),
+            "anonymous_mb": round(memory["anonymous"]),
+            "data_ms": round(1000 * gather_s[0] / (len(step_s) - 1), 3),
+            "data_share_pct": round(100 * gather_s[0] / sum(step_s[1:]), 3),  # prefetch is outside the step
             "tokens": len(data.train.tokens),
         }) + "\n").encode())
+
+
+def gather_costs(corpus: str, cache_dir: str, repeats: int = 300) -> None:
+    """Microseconds to read a batch of random windows from the cache file
+    (pread) and through the memory map, alternating, and a nano model's
+    training step on such a batch (the page cache warm: the cache was just
+    built or verified, which reads it whole)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from mingpt import token_cache
+    from mingpt.config import Config
+    from mingpt.data import HostBatches, TokenWindows, build_cache, cache_location
+    from mingpt.model import GPT
+    from mingpt.train import fit_to_data
+
+    torch.set_num_threads(1)
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(
+        [*NANO, f"data_config.cache_dir={cache_dir}", f"data_config.path={corpus}"])))
+    build_cache(config.data_config)
+    cache = token_cache.open_cache(cache_location(config.data_config)[1])
+    print(f"{len(cache.tokens) / 1e6:.0f} M tokens, {cache.tokens.dtype}; one process, one thread; "
+          f"median of {repeats} batches each, alternating")
+    print("| batch x block | pread (us per batch) | through the map (us per batch) | training step (ms) "
+          "| pread share of a step |")
+    print("|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for batch_size, block in ((12, 64), (64, 64), (12, 1024), (64, 1024)):
+        windows = TokenWindows(cache.tokens, block, 1)  # a window at every position
+        host = HostBatches(windows, cache, torch.device("cpu"))
+        times: dict[str, list[float]] = {"pread": [], "map": []}
+        for r in range(repeats):
+            indices = torch.randint(len(windows), (batch_size,), generator=gen)
+            for name in ("pread", "map") if r % 2 else ("map", "pread"):
+                start = time.perf_counter()
+                (host.batch if name == "pread" else windows.batch)(indices)
+                times[name].append(time.perf_counter() - start)
+        model = GPT(fit_to_data(config.gpt_config, len(cache.vocab), block))
+        optimizer = torch.optim.AdamW(model.parameters())
+        steps = []
+        for _ in range(4):
+            x, y = host.batch(torch.randint(len(windows), (batch_size,), generator=gen))
+            start = time.perf_counter()
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append(time.perf_counter() - start)
+        pread, mapped = (sorted(times[k])[repeats // 2] * 1e6 for k in ("pread", "map"))
+        step = sorted(steps[1:])[1] * 1e3
+        print(f"| {batch_size} x {block} | {pread:.0f} | {mapped:.0f} | {step:.1f} | {pread / step / 10:.2f}% |",
+              flush=True)
 
 
 def run_case(corpus: str, cache_dir: str, nproc: int, work: str) -> list[dict]:
@@ -145,6 +212,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=100, help="generated corpus size (MB)")
     parser.add_argument("--corpus", help="use this file instead of generating one")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--gather", action="store_true", help="only compare reading a batch from the file and the map")
     parser.add_argument("--dir", help="where the corpus and cache go (default: a temporary directory, removed)")
     args = parser.parse_args()
     work = args.dir or tempfile.mkdtemp(prefix="bench-data-")
@@ -159,9 +227,13 @@ def main() -> None:
                 generate(corpus, args.size_mb * 10**6)
                 print(f"generated {corpus} in {time.perf_counter() - start:.1f} s", flush=True)
         print(f"corpus: {label}, {os.path.getsize(corpus) / 1e6:.1f} MB; nano model, batch 12 x 64, CPU, {STEPS} steps")
+        if args.gather:
+            gather_costs(corpus, os.path.join(work, "cache-1"))
+            return
         print("| processes | cache | first step (s) | of which: imports (s) | cache built or verified (s) "
-              "| max RSS per process (MB) | private memory (MB) | data share of a step |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| max RSS per process (MB) | private memory (MB) | of which anonymous (MB) "
+              "| data per step (ms) | data share of a step |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for nproc in args.nproc:
             cache_dir = os.path.join(work, f"cache-{nproc}")
             states = ["warm"] if args.corpus else ["cold", "warm"]
@@ -175,7 +247,8 @@ def main() -> None:
 
                 print(f"| {nproc} | {state} | {col('first_step_s')} | {col('imports_s')} | {col('cache_s')} "
                       f"| {col('max_rss_mb')} "
-                      f"| {col('private_mb')} | {col('data_share_pct', '{}%')} |", flush=True)
+                      f"| {col('private_mb')} | {col('anonymous_mb')} | {col('data_ms')} "
+                      f"| {col('data_share_pct', '{}%')} |", flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)

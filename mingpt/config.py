@@ -126,14 +126,14 @@ class DataConfig:
     # Held-out windows never overlap (stride block_size), so each held-out
     # character is predicted once.
     stride: int = 64
-    # Directory of the token cache (the encoded corpus, memory-mapped by every
+    # Directory of the token cache (the encoded corpus, read by every
     # process). null: .mingpt-cache/ beside a local corpus if that directory is
     # writable, else $XDG_CACHE_HOME/mingpt (~/.cache/mingpt).
     cache_dir: Optional[str] = None
-    # Where batches are gathered: "device" (the whole corpus copied to the GPU),
-    # "host" (gathered from the memory map into pinned memory, copied
-    # asynchronously), "auto" (device if the corpus takes at most 1/8 of the
-    # GPU's memory). On a CPU the memory map is used in place.
+    # Where batches are gathered: "device" (the whole corpus read into the
+    # device's memory), "host" (each batch read from the token cache file, on
+    # a GPU into pinned memory and copied asynchronously), "auto" (on a GPU:
+    # device if the corpus takes at most 1/8 of its memory; on a CPU: host).
     placement: str = "auto"
 
     def __post_init__(self) -> None:

@@ -2,8 +2,9 @@
 split of each file, windows over the encoded text, and a resumable
 distributed sampler.
 
-The text is encoded once into a memory-mapped token cache (mingpt/token_cache.py);
-a sample is a slice of it and a batch is gathered with one indexing operation.
+The text is encoded once into a token cache file (mingpt/token_cache.py). A
+batch is read from that file window by window (HostBatches), or, for a corpus
+copied whole to the GPU, gathered there with one indexing operation.
 """
 
 from __future__ import annotations
@@ -206,13 +207,15 @@ class TokenWindows:
 
 
 class HostBatches:
-    """Windows whose tokens stay in the memory map on the host: each batch is
-    gathered there into pinned memory and copied to the device asynchronously.
-    `prefetch(indices)` starts the next step's copy while the current step
-    runs on the device; `batch` then hands out slices of it."""
+    """Windows whose tokens stay in the cache file on the host: each batch is
+    read from it (one pread per window, token_cache.TokenCache.read_windows)
+    into a reused buffer, pinned on a GPU and copied to the device
+    asynchronously. `prefetch(indices)` starts the next step's copy while the
+    current step runs on the device; `batch` then hands out slices of it."""
 
-    def __init__(self, windows: TokenWindows, device: torch.device):
+    def __init__(self, windows: TokenWindows, cache: token_cache.TokenCache, device: torch.device):
         self.windows = windows
+        self.cache = cache
         self.tokens = windows.tokens  # where indices live: the host
         self.block_size = windows.block_size
         self.device = device
@@ -226,20 +229,22 @@ class HostBatches:
         return len(self.windows)
 
     def _fetch(self, indices: torch.Tensor) -> torch.Tensor:
-        flat = (self.windows.starts(indices)[:, None] + self.windows._offsets).reshape(-1)
+        n = len(indices) * (self.block_size + 1)
+        k = self._turn
+        if self._pinned:  # two buffers: one is read into while the other's copy is in flight
+            self._turn = 1 - k
+            if self._events[k] is not None:
+                self._events[k].synchronize()  # its previous copy has left the buffer
+        if self._buffers[k].numel() < n:
+            self._buffers[k] = torch.empty(n, dtype=self.tokens.dtype, pin_memory=self._pinned)
+        buffer = self._buffers[k][:n].view(len(indices), self.block_size + 1)
+        self.cache.read_windows(self.windows.starts(indices), buffer)
         if not self._pinned:
-            return torch.index_select(self.tokens, 0, flat).view(len(indices), -1).long()
-        k, self._turn = self._turn, 1 - self._turn
-        if self._events[k] is not None:
-            self._events[k].synchronize()  # its previous copy has left the buffer
-        if self._buffers[k].numel() < flat.numel():
-            self._buffers[k] = torch.empty(flat.numel(), dtype=self.tokens.dtype, pin_memory=True)
-        buffer = self._buffers[k][: flat.numel()]
-        torch.index_select(self.tokens, 0, flat, out=buffer)
+            return buffer.to(self.device, torch.long)  # a copy: the buffer is reused by the next read
         chunk = buffer.to(self.device, non_blocking=True)
         self._events[k] = torch.cuda.Event()
         self._events[k].record()
-        return chunk.view(len(indices), -1).long()
+        return chunk.long()
 
     def prefetch(self, indices: torch.Tensor) -> None:
         indices = indices.to("cpu", torch.long)
@@ -264,21 +269,23 @@ class CharData:
     tokenizer: CharTokenizer
     train: TokenWindows
     heldout: TokenWindows
+    cache: token_cache.TokenCache  # the file the tokens are read from
     files: list[tuple[str, int]] = field(default_factory=list)  # (source, characters) in corpus order
 
     def place(self, device: torch.device, placement: str = "auto") -> tuple[TokenWindows | HostBatches, ...]:
-        """Training and held-out windows for `device`. On a CPU the memory map
-        is used in place. On a GPU the corpus is copied there when it fits
-        (`auto`: at most 1/8 of the GPU's memory) and batches are gathered
-        there; otherwise (or with `host`) they are gathered on the host."""
+        """Training and held-out windows for `device`. With `device` the whole
+        corpus is read into the device's memory and batches are gathered
+        there; with `host` each batch is read from the cache file. `auto`: on
+        a GPU, device when the corpus takes at most 1/8 of its memory; on a
+        CPU, host (a copy in memory would cost every process the corpus)."""
         tokens = self.train.tokens
         if placement == "auto":
-            fits = device.type != "cuda" or tokens.nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
+            fits = device.type == "cuda" and tokens.nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
             placement = "device" if fits else "host"
         if placement == "host":
-            log.info("batches are gathered on the host from the %.1f MB token map", tokens.nbytes / 1e6)
-            return HostBatches(self.train, device), HostBatches(self.heldout, device)
-        tokens = tokens.to(device)  # once for both (a no-op on a CPU)
+            log.info("batches are read on the host from the %.1f MB token cache", tokens.nbytes / 1e6)
+            return HostBatches(self.train, self.cache, device), HostBatches(self.heldout, self.cache, device)
+        tokens = self.cache.load(device)  # once for both
         return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
 
 
@@ -300,7 +307,7 @@ def build_cache(cfg: DataConfig) -> None:
 
 
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
-    """Memory-map the corpus's token cache (building it first unless `build`
+    """Open the corpus's token cache (building it first unless `build`
     is False: another process of the node did) and split it. The first
     train_split of each file trains; the rest of it is held out, so no
     held-out window shares a character position with a training window."""
@@ -333,6 +340,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         tokenizer=CharTokenizer(cache.vocab),
         train=TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
         heldout=TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout),
+        cache=cache,
         files=files,
     )
     for name, windows in (("training", data.train), ("held-out", data.heldout)):
@@ -379,10 +387,12 @@ class ResumableSampler(DistributedSampler):
         else:
             order = torch.arange(self.dataset_len, dtype=dtype)
         rest = order[self.start_index :]
+        mine = rest[self.rank :: self.num_replicas]  # a view: no copy of the epoch's order
         pad = (-len(rest)) % self.num_replicas
-        if pad:
-            rest = torch.cat([rest, order.repeat(pad // max(1, len(order)) + 1)[:pad]])
-        return rest[self.rank :: self.num_replicas]
+        if pad:  # the order's first entries, cycled, at positions len(rest) + j: this rank's of them
+            j = torch.arange(pad)
+            mine = torch.cat([mine, order[j % len(order)][(len(rest) + j) % self.num_replicas == self.rank]])
+        return mine
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())

@@ -1,5 +1,5 @@
 """The token cache: a corpus encoded once into a compact binary file that every
-process memory-maps, so the corpus costs each process almost no private memory.
+process reads its batches from, so the corpus costs each process almost no memory.
 
 A cache file is a header and the token ids of every source file, one after the
 other, as uint8, int16 or int32 (by vocabulary size). The header is JSON padded
@@ -8,6 +8,13 @@ of each source file (the key: a changed corpus is re-encoded), the
 `data_config.truncate` it was built with, and the SHA-256 of the token ids (a
 damaged cache is detected and rebuilt, never used). It is written to a
 temporary file and renamed into place, so a reader never sees half a cache.
+
+Batches are read from the file with one `pread` per window into a reusable
+buffer (`TokenCache.read_windows`), not gathered through the memory map: this
+kernel (6.18) maps a whole large page-cache folio, about 1 MB, on each fault
+in a file mapping, whatever madvise says, so every randomly sampled window
+would add about 1 MB of (shared, clean) page cache to the process's RSS. A
+read copies just the window. The map stays for whole-corpus reads (tests).
 
 Encoding is vectorised: each source is read in chunks, decoded as UTF-8 (a
 leading byte-order mark dropped), turned into an array of code points, counted
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import io
 import json
 import logging
 import mmap
@@ -53,6 +61,31 @@ class TokenCache:
     tokens: torch.Tensor  # every file's ids, file after file (memory-mapped, read-only by convention)
     vocab: str  # the sorted distinct characters
     files: list[tuple[str, int]]  # (source, number of tokens) in order
+    file: io.FileIO  # the cache, open for reads (batches are read from it, not through the map)
+    offset: int  # where the token ids start in the file, in bytes
+
+    def read_windows(self, starts: torch.Tensor, out: torch.Tensor) -> None:
+        """Row i of `out` (windows x width, contiguous, on the CPU, in the
+        cache's dtype) := the `width` tokens from token `starts[i]` on, one
+        pread straight into the row."""
+        item, fd = out.element_size(), self.file.fileno()
+        width = out.shape[1] * item
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
+        for i, start in enumerate(starts.tolist()):
+            if os.preadv(fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
+                raise CacheError(f"token cache {self.path} was truncated while in use")
+
+    def load(self, device: torch.device) -> torch.Tensor:
+        """Every token id, read into `device`'s memory a chunk at a time."""
+        n, dtype = len(self.tokens), self.tokens.dtype
+        out = torch.empty(n, dtype=dtype, device=device)
+        for start in range(0, n, CHUNK):
+            part = out[start : start + CHUNK]
+            host = part if device.type == "cpu" else torch.empty(len(part), dtype=dtype)
+            self.read_windows(torch.tensor([start]), host.view(1, -1))
+            if host is not part:
+                part.copy_(host)
+        return out
 
 
 def dtype_for(vocab_size: int) -> torch.dtype:
@@ -236,7 +269,7 @@ def problem(path: str, sources: list[str], truncate: float, open_source) -> str 
 
 
 def open_cache(path: str) -> TokenCache:
-    """Memory-map a cache file (checks its header and size, not its checksum)."""
+    """Open and memory-map a cache file (checks its header and size, not its checksum)."""
     with open(path, "rb") as f:
         header, offset = read_header(f)
         size = os.fstat(f.fileno()).st_size
@@ -245,15 +278,13 @@ def open_cache(path: str) -> TokenCache:
     n = sum(header["counts"])
     if size != offset + n * item:
         raise ValueError("damaged (wrong size)")
-    with open(path, "rb") as f:
-        # Private and copy-on-write (nothing writes to it); pages are read on first touch.
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    # Batches touch windows at random: read only the pages asked for, not the
-    # ~128 KB around each one that readahead would bring into memory.
-    mapped.madvise(mmap.MADV_RANDOM)
+    file = open(path, "rb", buffering=0)  # kept open: batches are read from it (closed with the cache)
+    # Private and copy-on-write (nothing writes to it); pages are read on first touch.
+    mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
+    mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(dtype)  # keeps `mapped` alive
     files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
-    return TokenCache(path, tokens, header["vocab"], files)
+    return TokenCache(path, tokens, header["vocab"], files, file, offset)
 
 
 def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:

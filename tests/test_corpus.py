@@ -1,7 +1,7 @@
 """The corpus at scale: the token cache (reuse, invalidation, damage), corpora
 of several files, wide vocabularies, byte-order marks, files that are not
-regular, host-gathered batches, capped evaluation and exact resume on the
-memory-mapped path. Small generated corpora throughout."""
+regular, batches read from the cache file, capped evaluation and exact resume
+on that path. Small generated corpora throughout."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import TINY, run_main
 from mingpt.config import Config, DataConfig
-from mingpt.data import DataError, HostBatches, load_data, spread
+from mingpt.data import DataError, HostBatches, TokenWindows, load_data, spread
 from mingpt.distributed import DistInfo
 from mingpt.train import build
 from mingpt.trainer import Trainer
@@ -173,6 +173,51 @@ def test_host_batches_match_device_batches_with_and_without_prefetch(tmp_path, c
         assert torch.equal(a, b)
 
 
+def mapped_rss_kb(path) -> list[int]:
+    """The resident size (kB) of each of this process's mappings of `path`."""
+    real, sizes, current = os.path.realpath(path), [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's first line: address, ..., path
+                current = len(fields) >= 6 and fields[5] == real
+            elif current and fields[0] == "Rss:":
+                sizes.append(int(fields[1]))
+    return sizes
+
+
+def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path):
+    """On a CPU (`auto`) batches are read from the cache file: training and
+    held-out batches, windows at the end of each file included, equal the
+    corpus's tokens, and none of the cache's memory map becomes resident (a
+    window gathered through the map makes about 1 MB of page cache resident
+    on this kernel, so RSS grew with every window sampled)."""
+    gen = torch.Generator().manual_seed(0)
+    texts = ["".join(chr(0x4E00 + int(c)) for c in torch.randint(0, 300, (n,), generator=gen)) for n in (3001, 2203)]
+    for k, text in enumerate(texts):
+        (tmp_path / f"{k}.txt").write_text(text, encoding="utf-8")
+    data = load_data(DataConfig(path=str(tmp_path / "*.txt"), block_size=16, stride=3, cache_dir=str(tmp_path)))
+    assert data.train.tokens.dtype == torch.int16
+    expected = torch.cat([data.tokenizer.encode(text) for text in texts])  # not read from the cache
+    train, heldout = data.place(torch.device("cpu"))
+    assert isinstance(train, HostBatches) and isinstance(heldout, HostBatches)
+    for host, windows in ((train, data.train), (heldout, data.heldout)):
+        reference = windows.with_tokens(expected)
+        order = torch.randperm(len(windows), generator=gen)
+        host.prefetch(order[:64])
+        for step in order.split(64):
+            for a, b in zip(host.batch(step), reference.batch(step)):
+                assert torch.equal(a, b)
+    ends = torch.tensor([len(texts[0]) - 17, len(expected) - 17])  # the last window of each file
+    out = torch.empty(2, 17, dtype=torch.int16)
+    data.cache.read_windows(ends, out)
+    assert torch.equal(out, torch.stack([expected[e : e + 17] for e in ends.tolist()]))
+    assert host.batch(torch.tensor([], dtype=torch.long))[0].shape == (0, 16)
+    resident, _ = data.place(torch.device("cpu"), "device")  # read whole into memory
+    assert isinstance(resident, TokenWindows) and torch.equal(resident.tokens, expected)
+    assert mapped_rss_kb(data.cache.path) == [0]
+
+
 def test_spread_is_even_and_capped():
     assert spread(10, 0).tolist() == list(range(10))
     assert spread(10, 20).tolist() == list(range(10))
@@ -189,7 +234,7 @@ def make_trainer(run_dir, corpus_paths, *extra: str) -> Trainer:
 
 
 def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, corpus, one_thread):
-    """Two files, batches gathered from the memory map with prefetch, dropout
+    """Two files, batches read from the cache file with prefetch, dropout
     on: a run stopped mid-epoch at step 7 and resumed ends with the
     uninterrupted run's exact weights. Evaluation capped at 160 tokens (10
     windows of 16) reports the loss and bits per character."""

@@ -141,6 +141,7 @@ def test_sampler_resumes_exactly(world, start):
     assert merged[:rest] == order[start:]
     assert sorted(order[:start] + merged[:rest]) == list(range(n))  # no duplicate, none missing
     assert len(merged) - rest == (-rest) % world  # the remainder is padding only
+    assert merged[rest:] == order[: len(merged) - rest]  # the epoch's first entries, as DistributedSampler pads
     assert all(len(share) == -(-rest // world) for share in shares)
 
 
