@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import io
 import json
 import logging
 import mmap
 import os
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -61,18 +61,18 @@ class TokenCache:
     tokens: torch.Tensor  # every file's ids, file after file (memory-mapped, read-only by convention)
     vocab: str  # the sorted distinct characters
     files: list[tuple[str, int]]  # (source, number of tokens) in order
-    file: io.FileIO  # the cache, open for reads (batches are read from it, not through the map)
+    fd: int  # the cache, open for reads (batches are read from it, not through the map); closed with this object
     offset: int  # where the token ids start in the file, in bytes
 
     def read_windows(self, starts: torch.Tensor, out: torch.Tensor) -> None:
         """Row i of `out` (windows x width, contiguous, on the CPU, in the
         cache's dtype) := the `width` tokens from token `starts[i]` on, one
         pread straight into the row."""
-        item, fd = out.element_size(), self.file.fileno()
+        item = out.element_size()
         width = out.shape[1] * item
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
         for i, start in enumerate(starts.tolist()):
-            if os.preadv(fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
+            if os.preadv(self.fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
                 raise CacheError(f"token cache {self.path} was truncated while in use")
 
     def load(self, device: torch.device) -> torch.Tensor:
@@ -273,18 +273,20 @@ def open_cache(path: str) -> TokenCache:
     with open(path, "rb") as f:
         header, offset = read_header(f)
         size = os.fstat(f.fileno()).st_size
-    dtype = {v: k for k, v in _NAMES.items()}[header["dtype"]]
-    item = torch.empty((), dtype=dtype).element_size()
-    n = sum(header["counts"])
-    if size != offset + n * item:
-        raise ValueError("damaged (wrong size)")
-    file = open(path, "rb", buffering=0)  # kept open: batches are read from it (closed with the cache)
-    # Private and copy-on-write (nothing writes to it); pages are read on first touch.
-    mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
+        dtype = {v: k for k, v in _NAMES.items()}[header["dtype"]]
+        item = torch.empty((), dtype=dtype).element_size()
+        n = sum(header["counts"])
+        if size != offset + n * item:
+            raise ValueError("damaged (wrong size)")
+        # Private and copy-on-write (nothing writes to it); pages are read on first touch.
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        fd = os.dup(f.fileno())  # the file whose header was read, even if the path is replaced since
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(dtype)  # keeps `mapped` alive
     files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
-    return TokenCache(path, tokens, header["vocab"], files, file, offset)
+    cache = TokenCache(path, tokens, header["vocab"], files, fd, offset)
+    weakref.finalize(cache, os.close, fd)
+    return cache
 
 
 def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
