@@ -119,10 +119,11 @@ class Trainer:
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step)
         log.info(
             "model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per rank x %d accum x %d ranks)"
-            " | %d steps per epoch, %d in all | device %s%s",
+            " | %d steps per epoch, %d in all | device %s%s%s",
             self.raw_model.num_params() / 1e6, len(data.train), len(data.heldout),
             self.samples_per_step * W, cfg.batch_size, cfg.grad_accum_steps, W,
             steps_per_epoch, self.total_steps, device, f" amp {cfg.amp_dtype}" if self.use_amp else "",
+            f" | fsdp: 1/{W} of the model on each rank" if self.sharded else "",
         )
 
     # ----------------------------------------------------------------- the loop
