@@ -94,6 +94,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from mingpt import checkpoint
@@ -334,7 +335,23 @@ class SaveHandle:
 
 _pending: Optional[SaveHandle] = None
 _executor: Optional[ThreadPoolExecutor] = None
+_stager: Optional[DefaultStager] = None
 _lock = threading.Lock()
+
+
+def _staging() -> DefaultStager:
+    """DCP's stager, kept for the process: its CPU copy of each tensor is made at
+    the first asynchronous save and refilled in place by the later ones, so they
+    cost a copy and no allocation (the copy is never in use across two saves:
+    each save first waits for the one before). Synchronous, unpinned: on a GPU
+    the copy is what training waits for."""
+    global _stager
+    with _lock:
+        if _stager is None:
+            _stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                   use_shared_memory=False, use_async_staging=False,
+                                                   use_non_blocking_copy=False))
+    return _stager
 
 
 def wait_pending() -> Optional[str]:
@@ -387,7 +404,8 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         handle.wait()
         return handle
     try:
-        upload = dcp.async_save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist)
+        upload = dcp.async_save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist,
+                                async_stager=_staging())
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
 
