@@ -2,6 +2,7 @@
 
 usage: python benchmarks/bench_sharded.py [preset] [rounds] [directory]
        (defaults: gpt2, 2, a temporary directory)
+       torchrun --standalone --nproc_per_node=2 benchmarks/bench_sharded.py --fsdp PRESET ROUNDS DIRECTORY
 
 Builds the preset's model with GPT-2's vocabulary of 50,257 tokens (gpt2:
 163M parameters, as the output layer is not tied to the embedding) and AdamW
@@ -21,6 +22,8 @@ go on: the whole save, or for sharded-async until save returns; then also the
 time until the snapshot was published) and the peak extra RAM of the process
 over both saves (its VmHWM, reset just before the first, minus its VmRSS then),
 with the medians over the rounds. One process, no process group: a world size of 1.
+With --fsdp under torchrun, the sharded saves of the model sharded with FSDP2
+over the ranks (each rank writes its shards), sync and async alternating.
 """
 
 from __future__ import annotations
@@ -115,9 +118,76 @@ def one(mode: str, preset: str, directory: str) -> dict:
     return figures
 
 
+def fsdp(preset: str, rounds: int, directory: str) -> None:
+    """Under torchrun: the model sharded with FSDP2 over the ranks, sharded-sync and
+    sharded-async saves alternating; rank 0 prints each save's stall (the slowest
+    rank's: training goes on when all can) and each rank's peak extra RAM."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mingpt import sharded
+    from mingpt.config import GPTConfig
+    from mingpt.model import GPT
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config")
+    shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GPTConfig),
+                                                OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))))
+    config = GPTConfig(**{**vars(shape), "vocab_size": 50257, "block_size": 1024})
+    model = GPT(config)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    msd, osd = get_state_dict(model, optimizer)
+    tensors = {"model": msd, "optim": osd}
+    results: dict[str, list] = {"sync": [], "async": []}
+    step = 0
+    for r in range(rounds):
+        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+            step += 1
+            dist.barrier()
+            rss = memory("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            start = time.perf_counter()
+            handle = sharded.save(tensors, {"step": step}, directory, step, keep=1, async_save=mode == "async")
+            stall = time.perf_counter() - start
+            handle.wait()
+            published = time.perf_counter() - start
+            figures = [None] * world
+            dist.all_gather_object(figures, (stall, published, memory("VmHWM") - rss))
+            results[mode].append(figures)
+            if rank == 0:
+                print(f"round {r + 1} {mode:>5}: stall {max(f[0] for f in figures):6.2f} s (slowest rank), "
+                      f"published after {max(f[1] for f in figures):6.2f} s, extra RAM per rank "
+                      + " ".join(f"{f[2] / 1e9:.2f}" for f in figures) + " GB", flush=True)
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"\n{preset}: {params / 1e6:.0f}M parameters over {world} FSDP2 ranks; medians of {rounds}:")
+        for mode, rows in results.items():
+            stalls = [max(f[0] for f in row) for row in rows]
+            print(f"{mode:>5}: stall first {stalls[0]:.2f} s, later median {statistics.median(stalls[1:] or stalls):.2f} s, "
+                  f"published after median {statistics.median(max(f[1] for f in row) for row in rows):.2f} s")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(one(*sys.argv[2:5])))
+        return
+    if sys.argv[1:2] == ["--fsdp"]:  # under torchrun
+        fsdp(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
     preset = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2

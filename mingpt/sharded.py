@@ -95,7 +95,6 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.tensor import DTensor
 
 from mingpt import checkpoint
 from mingpt.checkpoint import SnapshotError, StorageError, _filesystem, reason, storage_errors
@@ -187,7 +186,8 @@ def _listing(root: str) -> tuple[list[str], set[str]]:
         if not fs.isdir(p):
             return [], set()
         names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
-        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")}
+        manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
+        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests}
     except storage_errors() as e:
         raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
     names.sort(key=_order)
@@ -573,7 +573,8 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
         meta = json.loads(blobs[META])
         if meta.get("format") != FORMAT or not isinstance(meta.get("meta"), dict):
             raise ValueError(f"format {meta.get('format')!r}")
-    except (ValueError, AttributeError) as e:
+        _unflatten(meta["structure"], {key: None for key in _tensor_keys(meta["structure"])})
+    except (ValueError, AttributeError, KeyError, TypeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})") from None
     metadata = read_metadata(blobs[DCP_METADATA], f"{directory}/{DCP_METADATA}")
     for info in (metadata.storage_data or {}).values():  # DCP reads only files that were verified
@@ -624,9 +625,13 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     directory, problem = _broadcast((directory, problem), pg)
     if problem:
         raise (StorageError if problem[0] == "StorageError" else SnapshotError)(problem[1])
-    files, document, metadata = _read_manifest(directory)
-    shards = sorted(n for n in files if n not in (META, DCP_METADATA))
-    errors = [e for e in _gather(_verify(directory, shards[_rank(pg)::_world(pg)], files), pg) if e]
+    try:  # every rank reads the index; each checks its share of the shards
+        files, document, metadata = _read_manifest(directory)
+        shards = sorted(n for n in files if n not in (META, DCP_METADATA))
+        problem = _verify(directory, shards[_rank(pg)::_world(pg)], files)
+    except SnapshotError as e:
+        problem = str(e)
+    errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
     if errors:
         raise SnapshotError(errors[0])
     flat, _ = _flatten(tensors)

@@ -4,6 +4,7 @@ one-process reads, export and generation."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -209,10 +210,28 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys):
                            "temperature=0", "device=cpu", "prompt=AB"],
                           env=child_env(), capture_output=True, text=True, timeout=120)
     assert text.returncode == 0, text.stderr
-    assert text.stdout.startswith("AB") and len(text.stdout) >= 32 and f"read sharded snapshot {root}/step-00000004 (step 4)" in text.stderr
+    assert text.stdout.startswith("AB") and len(text.stdout) >= 32
+    assert f"read sharded snapshot {root}/step-00000004 (step 4)" in text.stderr
 
 
 def test_keep_snapshots_config():
     assert TrainerConfig().keep_snapshots == 2 and TrainerConfig().async_save is True
     with pytest.raises(ConfigError, match=r"^trainer_config.keep_snapshots: must be >= 1, got 0$"):
         TrainerConfig(keep_snapshots=0)
+
+
+def test_a_model_of_another_shape_is_refused_in_one_line(saved):
+    _, root, _, _ = saved
+    sys.path.insert(0, str(REPO / "tests"))
+    from sharded_worker import CONFIG
+
+    from mingpt.model import GPT
+
+    for change, expected in (({"n_layer": 1}, "does not fit: it holds a tensor model/h.1."),
+                             ({"n_layer": 3}, "does not fit: it holds no tensor model/h.2."),
+                             ({"n_embd": 64}, "cannot be loaded: ")):
+        model = GPT(dataclasses.replace(CONFIG, **change))
+        msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
+        with pytest.raises(SnapshotError) as refused:
+            sharded.load({"model": msd, "optim": osd}, str(root))
+        assert expected in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
