@@ -60,11 +60,22 @@ API (every function that takes `group` is called by every rank of it; group
 None is the default group, or no process group at all in a single process):
 
     save(tensors, meta, root, step, *, keep, async_save, group=None) -> SaveHandle
-    wait_pending()                     wait for an asynchronous save; raise its error
+        SaveHandle.wait() -> the published directory, or StorageError; .done()
+    wait_pending() -> str | None       wait for the asynchronous save in flight; raise its error
     latest(root) -> str | None         the newest published snapshot directory
     load(tensors, root_or_dir, group=None) -> meta   in place into `tensors`, resharding
     load_full(root_or_dir) -> (tensors, meta)        one process, no process group
-    to_file_state(tensors, meta) -> dict             the single-file format's dict (export)
+    is_sharded(path) -> bool           a directory (sharded) rather than a snapshot file
+    to_file_state(tensors, meta) -> dict             the single-file format's dict
+    load_file_state(path) -> dict      load_full + to_file_state, checked (generate, export)
+
+The trainer's use: `msd, osd = get_state_dict(model, optimizer)`, then
+`save({"model": msd, "optim": osd}, meta, root, step, keep=..., async_save=...)`;
+to resume, `meta = load(tensors, root)` into the same kind of dict, then
+`set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+optim_state_dict=tensors["optim"])`. Asynchronous saves keep DCP's CPU copy
+of the state between saves (one more copy of each rank's share in RAM), so
+that later saves cost a copy and no allocation.
 
 `python -m mingpt.sharded export SRC DST` writes a sharded snapshot as one
 mingpt.checkpoint file (model weights, optimizer state re-keyed by parameter
@@ -708,18 +719,26 @@ def export(src: str, dst: str) -> dict[str, Any]:
     return state
 
 
+USAGE = """usage: python -m mingpt.sharded export SRC DST
+
+Write the sharded snapshot SRC (a snapshot root: its newest published snapshot;
+or one step-... directory; local path or fsspec URL) as one snapshot file DST
+(local path or fsspec URL), which python -m mingpt.generate reads like any
+snapshot file. For generation and inspection."""
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """python -m mingpt.sharded export SRC DST"""
     from mingpt.distributed import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python -m mingpt.sharded export SRC DST\n"
-              "  write the sharded snapshot SRC (a snapshot root: its newest published snapshot; or one\n"
-              "  step-... directory) as one snapshot file DST, which mingpt.generate reads", file=sys.stderr)
-        sys.exit(2)
-    setup_logging(rank=0)
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return
     try:
+        if len(argv) != 3 or argv[0] != "export":
+            raise SnapshotError(f"expected: python -m mingpt.sharded export SRC DST, got {' '.join(argv) or 'nothing'}")
+        setup_logging(rank=0)
         state = export(argv[1], argv[2])
     except SnapshotError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

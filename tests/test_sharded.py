@@ -189,6 +189,10 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys):
     exported = tmp_path / "exported.pt"
     sharded.main(["export", str(root), str(exported)])
     assert capsys.readouterr().out == f"exported {root} (step 4) to {exported}\n"
+    with pytest.raises(SystemExit) as exit_status:
+        sharded.main(["export", str(tmp_path / "nothing"), str(tmp_path / "other.pt")])
+    assert exit_status.value.code == 2 and not (tmp_path / "other.pt").exists()
+    assert capsys.readouterr().err == f"error: no published sharded snapshot in {tmp_path / 'nothing'}\n"
 
     from mingpt import checkpoint
     from mingpt.generate import load_model
