@@ -272,19 +272,22 @@ def _fsync_dir(path: str) -> None:
 
 # ---------------------------------------------------------------- process groups
 
-_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# (id of the default group, ranks) -> (the default group, the gloo group). Holding
+# the default group keeps its id from being reused by a later process group.
+_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, dist.ProcessGroup]] = {}
 
 
 def _checkpoint_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """A gloo group over `group`'s ranks for the snapshot's own collectives
-    (DCP's background thread must not share the training group), created once;
-    None without a process group."""
+    (DCP's background thread must not share the training group), created once
+    per process group; None without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    if ranks not in _groups:
-        _groups[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
-    return _groups[ranks]
+    world = dist.group.WORLD
+    key = (id(world), tuple(dist.get_process_group_ranks(group or world)))
+    if key not in _groups:
+        _groups[key] = (world, dist.new_group(ranks=list(key[1]), backend="gloo"))
+    return _groups[key][1]
 
 
 def _rank(pg) -> int:
@@ -626,6 +629,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     directory), then load it in place into `tensors` (tensors and DTensors are
     filled, resharded to this run's layout; plain values are replaced by the
     snapshot's). Called by every rank. Returns the `meta` saved with it."""
+    wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group(group)
     directory, problem = None, None
     if _rank(pg) == 0:
