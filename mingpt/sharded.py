@@ -60,11 +60,22 @@ API (every function that takes `group` is called by every rank of it; group
 None is the default group, or no process group at all in a single process):
 
     save(tensors, meta, root, step, *, keep, async_save, group=None) -> SaveHandle
-    wait_pending()                     wait for an asynchronous save; raise its error
+        SaveHandle.wait() -> the published directory, or StorageError; .done()
+    wait_pending() -> str | None       wait for the asynchronous save in flight; raise its error
     latest(root) -> str | None         the newest published snapshot directory
     load(tensors, root_or_dir, group=None) -> meta   in place into `tensors`, resharding
     load_full(root_or_dir) -> (tensors, meta)        one process, no process group
-    to_file_state(tensors, meta) -> dict             the single-file format's dict (export)
+    is_sharded(path) -> bool           a directory (sharded) rather than a snapshot file
+    to_file_state(tensors, meta) -> dict             the single-file format's dict
+    load_file_state(path) -> dict      load_full + to_file_state, checked (generate, export)
+
+The trainer's use: `msd, osd = get_state_dict(model, optimizer)`, then
+`save({"model": msd, "optim": osd}, meta, root, step, keep=..., async_save=...)`;
+to resume, `meta = load(tensors, root)` into the same kind of dict, then
+`set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+optim_state_dict=tensors["optim"])`. Asynchronous saves keep DCP's CPU copy
+of the state between saves (one more copy of each rank's share in RAM), so
+that later saves cost a copy and no allocation.
 
 `python -m mingpt.sharded export SRC DST` writes a sharded snapshot as one
 mingpt.checkpoint file (model weights, optimizer state re-keyed by parameter
@@ -94,7 +105,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from mingpt import checkpoint
 from mingpt.checkpoint import SnapshotError, StorageError, _filesystem, reason, storage_errors
@@ -186,7 +197,8 @@ def _listing(root: str) -> tuple[list[str], set[str]]:
         if not fs.isdir(p):
             return [], set()
         names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
-        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")}
+        manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
+        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests}
     except storage_errors() as e:
         raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
     names.sort(key=_order)
@@ -260,19 +272,22 @@ def _fsync_dir(path: str) -> None:
 
 # ---------------------------------------------------------------- process groups
 
-_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# (id of the default group, ranks) -> (the default group, the gloo group). Holding
+# the default group keeps its id from being reused by a later process group.
+_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, dist.ProcessGroup]] = {}
 
 
 def _checkpoint_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """A gloo group over `group`'s ranks for the snapshot's own collectives
-    (DCP's background thread must not share the training group), created once;
-    None without a process group."""
+    (DCP's background thread must not share the training group), created once
+    per process group; None without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    if ranks not in _groups:
-        _groups[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
-    return _groups[ranks]
+    world = dist.group.WORLD
+    key = (id(world), tuple(dist.get_process_group_ranks(group or world)))
+    if key not in _groups:
+        _groups[key] = (world, dist.new_group(ranks=list(key[1]), backend="gloo"))
+    return _groups[key][1]
 
 
 def _rank(pg) -> int:
@@ -334,7 +349,23 @@ class SaveHandle:
 
 _pending: Optional[SaveHandle] = None
 _executor: Optional[ThreadPoolExecutor] = None
+_stager: Optional[DefaultStager] = None
 _lock = threading.Lock()
+
+
+def _staging() -> DefaultStager:
+    """DCP's stager, kept for the process: its CPU copy of each tensor is made at
+    the first asynchronous save and refilled in place by the later ones, so they
+    cost a copy and no allocation (the copy is never in use across two saves:
+    each save first waits for the one before). Synchronous, unpinned: on a GPU
+    the copy is what training waits for."""
+    global _stager
+    with _lock:
+        if _stager is None:
+            _stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                   use_shared_memory=False, use_async_staging=False,
+                                                   use_non_blocking_copy=False))
+    return _stager
 
 
 def wait_pending() -> Optional[str]:
@@ -387,7 +418,8 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         handle.wait()
         return handle
     try:
-        upload = dcp.async_save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist)
+        upload = dcp.async_save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist,
+                                async_stager=_staging())
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
 
@@ -555,7 +587,8 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
         meta = json.loads(blobs[META])
         if meta.get("format") != FORMAT or not isinstance(meta.get("meta"), dict):
             raise ValueError(f"format {meta.get('format')!r}")
-    except (ValueError, AttributeError) as e:
+        _unflatten(meta["structure"], {key: None for key in _tensor_keys(meta["structure"])})
+    except (ValueError, AttributeError, KeyError, TypeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})") from None
     metadata = read_metadata(blobs[DCP_METADATA], f"{directory}/{DCP_METADATA}")
     for info in (metadata.storage_data or {}).values():  # DCP reads only files that were verified
@@ -596,6 +629,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     directory), then load it in place into `tensors` (tensors and DTensors are
     filled, resharded to this run's layout; plain values are replaced by the
     snapshot's). Called by every rank. Returns the `meta` saved with it."""
+    wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group(group)
     directory, problem = None, None
     if _rank(pg) == 0:
@@ -606,9 +640,13 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     directory, problem = _broadcast((directory, problem), pg)
     if problem:
         raise (StorageError if problem[0] == "StorageError" else SnapshotError)(problem[1])
-    files, document, metadata = _read_manifest(directory)
-    shards = sorted(n for n in files if n not in (META, DCP_METADATA))
-    errors = [e for e in _gather(_verify(directory, shards[_rank(pg)::_world(pg)], files), pg) if e]
+    try:  # every rank reads the index; each checks its share of the shards
+        files, document, metadata = _read_manifest(directory)
+        shards = sorted(n for n in files if n not in (META, DCP_METADATA))
+        problem = _verify(directory, shards[_rank(pg)::_world(pg)], files)
+    except SnapshotError as e:
+        problem = str(e)
+    errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
     if errors:
         raise SnapshotError(errors[0])
     flat, _ = _flatten(tensors)
@@ -685,18 +723,26 @@ def export(src: str, dst: str) -> dict[str, Any]:
     return state
 
 
+USAGE = """usage: python -m mingpt.sharded export SRC DST
+
+Write the sharded snapshot SRC (a snapshot root: its newest published snapshot;
+or one step-... directory; local path or fsspec URL) as one snapshot file DST
+(local path or fsspec URL), which python -m mingpt.generate reads like any
+snapshot file. For generation and inspection."""
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """python -m mingpt.sharded export SRC DST"""
     from mingpt.distributed import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python -m mingpt.sharded export SRC DST\n"
-              "  write the sharded snapshot SRC (a snapshot root: its newest published snapshot; or one\n"
-              "  step-... directory) as one snapshot file DST, which mingpt.generate reads", file=sys.stderr)
-        sys.exit(2)
-    setup_logging(rank=0)
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return
     try:
+        if len(argv) != 3 or argv[0] != "export":
+            raise SnapshotError(f"expected: python -m mingpt.sharded export SRC DST, got {' '.join(argv) or 'nothing'}")
+        setup_logging(rank=0)
         state = export(argv[1], argv[2])
     except SnapshotError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -70,8 +70,10 @@ def save(out: str, root: str) -> None:
     model, optimizer = build(seed=1)
     report: dict = {"published": []}
     if rank == 0:  # left by a save that crashed: one older than what follows, one newer
-        os.makedirs(os.path.join(root, "step-00000001-7"))
-        os.makedirs(os.path.join(root, "step-00000099"))
+        for name in ("step-00000001-7", "step-00000099"):
+            os.makedirs(os.path.join(root, name))
+            with open(os.path.join(root, name, "__0_0.distcp"), "wb") as f:
+                f.write(b"half a shard")
     dist.barrier()
     for step in range(1, 5):
         train_step(model, optimizer, step)

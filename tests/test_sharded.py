@@ -4,8 +4,10 @@ one-process reads, export and generation."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -183,14 +185,22 @@ def test_pickled_payload_in_dcp_metadata_is_refused_and_not_run(saved, tmp_path)
     assert marker.exists()
 
 
-def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys):
+def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, monkeypatch):
     _, root, _, reference = saved
     exported = tmp_path / "exported.pt"
+    root_logger = logging.getLogger()  # the CLIs set up logging to the captured stderr: put it back after
+    monkeypatch.setattr(root_logger, "handlers", root_logger.handlers[:])
+    monkeypatch.setattr(root_logger, "level", root_logger.level)
     sharded.main(["export", str(root), str(exported)])
     assert capsys.readouterr().out == f"exported {root} (step 4) to {exported}\n"
+    with pytest.raises(SystemExit) as exit_status:
+        sharded.main(["export", str(tmp_path / "nothing"), str(tmp_path / "other.pt")])
+    assert exit_status.value.code == 2 and not (tmp_path / "other.pt").exists()
+    assert capsys.readouterr().err == f"error: no published sharded snapshot in {tmp_path / 'nothing'}\n"
 
     from mingpt import checkpoint
     from mingpt.generate import load_model
+    from mingpt.generate import main as generate_main
 
     state = checkpoint.load(str(exported))
     assert state["step"] == 4 and state["samples_in_epoch"] == 32
@@ -205,14 +215,30 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys):
     from_file, _, _ = load_model(str(exported), torch.device("cpu"))
     from_dir, _, _ = load_model(str(root), torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(from_file.state_dict().values(), from_dir.state_dict().values()))
-    text = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={root}", "max_new_tokens=30",
-                           "temperature=0", "device=cpu", "prompt=AB"],
-                          env=child_env(), capture_output=True, text=True, timeout=120)
-    assert text.returncode == 0, text.stderr
-    assert text.stdout.startswith("AB") and len(text.stdout) >= 32 and f"read sharded snapshot {root}/step-00000004 (step 4)" in text.stderr
+    generate_main([f"snapshot_path={root}", "max_new_tokens=30", "temperature=0", "device=cpu", "prompt=AB"])
+    text = capsys.readouterr()
+    assert text.out.startswith("AB") and len(text.out) >= 32
+    assert f"read sharded snapshot {root}/step-00000004 (step 4)" in text.err
 
 
 def test_keep_snapshots_config():
     assert TrainerConfig().keep_snapshots == 2 and TrainerConfig().async_save is True
     with pytest.raises(ConfigError, match=r"^trainer_config.keep_snapshots: must be >= 1, got 0$"):
         TrainerConfig(keep_snapshots=0)
+
+
+def test_a_model_of_another_shape_is_refused_in_one_line(saved):
+    _, root, _, _ = saved
+    sys.path.insert(0, str(REPO / "tests"))
+    from sharded_worker import CONFIG
+
+    from mingpt.model import GPT
+
+    for change, expected in (({"n_layer": 1}, "does not fit: it holds a tensor model/h.1."),
+                             ({"n_layer": 3}, "does not fit: it holds no tensor model/h.2."),
+                             ({"n_embd": 64}, "cannot be loaded: ")):
+        model = GPT(dataclasses.replace(CONFIG, **change))
+        msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
+        with pytest.raises(SnapshotError) as refused:
+            sharded.load({"model": msd, "optim": osd}, str(root))
+        assert expected in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
