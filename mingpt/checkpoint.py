@@ -96,6 +96,15 @@ def exists(path: str) -> bool:
         raise StorageError(f"cannot reach snapshot path {path}: {reason(e)}") from None
 
 
+def is_directory(path: str) -> bool:
+    """Whether `path` is a directory: a sharded snapshot (mingpt/sharded.py), not a snapshot file."""
+    fs, p = _filesystem(path)
+    try:
+        return fs.isdir(p)
+    except storage_errors() as e:
+        raise StorageError(f"cannot reach snapshot path {path}: {reason(e)}") from None
+
+
 def _bucket(fs: fsspec.AbstractFileSystem, p: str) -> str | None:
     """The bucket of an object-store path (s3, gs, ...: paths without a leading /), else None."""
     if isinstance(fs, LocalFileSystem) or p.startswith("/"):

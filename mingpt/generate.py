@@ -38,7 +38,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt import checkpoint, sharded
+from mingpt import checkpoint
 from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, GPTConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
@@ -118,7 +118,12 @@ def parse_args(argv: list[str]) -> GenerateConfig:
 def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict]:
     """The model and vocabulary of a snapshot (a file, or a sharded snapshot's
     directory read in this one process), ready for inference on `device`."""
-    state = sharded.load_file_state(path) if sharded.is_sharded(path) else checkpoint.load(path)
+    if checkpoint.is_directory(path):
+        from mingpt import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
+
+        state = sharded.load_file_state(path)
+    else:
+        state = checkpoint.load(path)
     vocab = state.get("vocab")
     try:
         config = GPTConfig(**state["gpt_config"])

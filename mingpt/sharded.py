@@ -65,7 +65,6 @@ None is the default group, or no process group at all in a single process):
     latest(root) -> str | None         the newest published snapshot directory
     load(tensors, root_or_dir, group=None) -> meta   in place into `tensors`, resharding
     load_full(root_or_dir) -> (tensors, meta)        one process, no process group
-    is_sharded(path) -> bool           a directory (sharded) rather than a snapshot file
     to_file_state(tensors, meta) -> dict             the single-file format's dict
     load_file_state(path) -> dict      load_full + to_file_state, checked (generate, export)
 
@@ -210,15 +209,6 @@ def latest(root: str) -> Optional[str]:
     names, published = _listing(root)
     done = [n for n in names if n in published]
     return _join(root, done[-1]) if done else None
-
-
-def is_sharded(path: str) -> bool:
-    """Whether `path` is a sharded snapshot root or snapshot directory (not a file)."""
-    fs, p = _filesystem(path)
-    try:
-        return fs.isdir(p)
-    except storage_errors() as e:
-        raise StorageError(f"cannot reach snapshot path {path}: {reason(e)}") from None
 
 
 def _resolve(root_or_dir: str) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mingpt import checkpoint, sharded
+from mingpt import checkpoint
 from mingpt.comm_hooks import CommHook
 from mingpt.config import Config, TrainerConfig
 from mingpt.distributed import DistInfo, all_max
@@ -49,6 +49,14 @@ class Progress:
     samples_in_epoch: int = 0  # global samples of that epoch consumed by all ranks together
     step: int = 0  # optimizer steps done
     best_eval_loss: float = math.inf
+
+
+def _sharded():
+    """mingpt.sharded, imported on first use: Distributed Checkpoint adds about a
+    second to the start of every process, which `ddp` runs do not need."""
+    from mingpt import sharded
+
+    return sharded
 
 
 class NotFinite(ValueError):
@@ -85,7 +93,7 @@ class Snapshot:
 
     def exists(self) -> bool:
         if self.sharded:
-            return sharded.latest(self.path) is not None
+            return _sharded().latest(self.path) is not None
         return checkpoint.exists(self.path)
 
     # ------------------------------------------------------------------ saving
@@ -132,7 +140,7 @@ class Snapshot:
         self._check_finite(model_state.values())
         cfg = self.config.trainer_config
         meta["scaler_state"] = self.scaler.state_dict()
-        sharded.save({"model": model_state, "optim": optim_state}, meta, self.path, step,
+        _sharded().save({"model": model_state, "optim": optim_state}, meta, self.path, step,
                      keep=cfg.keep_snapshots, async_save=cfg.async_save)
 
     def _check_finite(self, tensors) -> None:
@@ -149,7 +157,7 @@ class Snapshot:
     def wait(self) -> None:
         """Wait for a save still being written (sharded, asynchronous); raise its StorageError."""
         if self.sharded:
-            sharded.wait_pending()
+            _sharded().wait_pending()
 
     # --------------------------------------------------------------- restoring
 
@@ -187,7 +195,7 @@ class Snapshot:
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
-        meta = sharded.load(tensors, self.path)
+        meta = _sharded().load(tensors, self.path)
         self._check_fits(meta)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])

@@ -36,7 +36,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
-import fsspec
 import numpy as np
 import torch
 

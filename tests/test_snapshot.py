@@ -372,8 +372,8 @@ def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_c
 # torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can
 # read the dead ones' addresses from it (pytorch#135712); this opts out, as the README says.
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-KILL_ARGS = ["gpt_config.dropout=0.1", "trainer_config.max_epochs=3", "trainer_config.log_every=1",
-             "trainer_config.save_every_steps=10"]  # 71 steps per epoch with 2 ranks, 213 in all
+KILL_ARGS = ["gpt_config.dropout=0.1", "trainer_config.log_every=1", "trainer_config.save_every_steps=10"]
+STEPS_PER_EPOCH = 71  # with 2 ranks
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
@@ -435,11 +435,13 @@ def final_state(run_dir, parallelism: str) -> tuple[int, dict, dict]:
     return state["step"], state["model_state"], moments
 
 
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_corpus, parallelism):
+@pytest.mark.parametrize("parallelism, epochs", [("ddp", 2), ("fsdp", 1)])
+def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_corpus, parallelism, epochs):
     """With fsdp every rank writes its shards (asynchronously) and a restart
-    resumes from the last published snapshot."""
-    args = overrides(f"data_config.path={small_corpus}", *KILL_ARGS, f"trainer_config.parallelism={parallelism}")
+    resumes from the last published snapshot. (ddp goes on into a second epoch.)"""
+    args = overrides(f"data_config.path={small_corpus}", *KILL_ARGS, f"trainer_config.parallelism={parallelism}",
+                     f"trainer_config.max_epochs={epochs}")
+    total = STEPS_PER_EPOCH * epochs
 
     def launch(name: str, *torchrun_args: str) -> subprocess.Popen:
         cmd = torchrun_cmd(2, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *args,
@@ -463,7 +465,7 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
                 victim = (pid, step)
             time.sleep(0.005)
         assert victim is not None, "the run ended before a worker could be killed"
-        assert victim[1] < 71, f"killed at step {victim[1]}, not in the middle of epoch 0"
+        assert victim[1] < STEPS_PER_EPOCH, f"killed at step {victim[1]}, not in the middle of epoch 0"
         _, killed_err = killed.communicate(timeout=150)
         _, reference_err = reference.communicate(timeout=150)
     finally:
@@ -476,14 +478,14 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
     resumed = [line for line in log.splitlines() if "resumed from" in line]
     assert len(resumed) == 1, log[-3000:]  # the restart really resumed, from a mid-epoch save
     resumed_step = int(resumed[0].rsplit("step ", 1)[1])
-    assert resumed_step % 10 == 0 and 10 <= resumed_step < 71 and "epoch 0," in resumed[0]
+    assert resumed_step % 10 == 0 and 10 <= resumed_step < STEPS_PER_EPOCH and "epoch 0," in resumed[0]
 
     final, expected = final_state(run_dir, parallelism), final_state(run_dirs["reference"], parallelism)
-    assert final[0] == expected[0] == 213
+    assert final[0] == expected[0] == total
     assert same_tensors(final[1], expected[1])
     assert same_tensors(final[2], expected[2]) and len(final[2]) > len(final[1])
     # The logs hold each step once, as the uninterrupted run logged it.
     reference_events = train_events(run_dirs["reference"])
-    assert [s for s, _ in reference_events] == list(range(1, 214))
+    assert [s for s, _ in reference_events] == list(range(1, total + 1))
     assert train_events(run_dir) == reference_events
     assert tensorboard_losses(run_dir) == tensorboard_losses(run_dirs["reference"])
