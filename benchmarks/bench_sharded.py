@@ -68,23 +68,12 @@ def buffered_save(state: dict, path: str) -> None:
 def one(mode: str, preset: str, directory: str) -> dict:
     """Build the state, save it once with `mode`; the figures as a dict."""
     import torch
-    from omegaconf import OmegaConf
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from bench_snapshot import preset_with_moments
     from mingpt import checkpoint, sharded
-    from mingpt.config import GPTConfig
-    from mingpt.model import GPT
 
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config")
-    shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GPTConfig),
-                                                OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))))
-    config = GPTConfig(**{**vars(shape), "vocab_size": 50257, "block_size": 1024})
-    model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters())
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    config, model, optimizer = preset_with_moments(preset, vocab_size=50257, grad=1e-3)
     meta = {"gpt_config": vars(config), "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0, "step": 1}
     if mode.startswith("file"):
         state = {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict(), **meta}

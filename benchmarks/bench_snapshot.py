@@ -25,18 +25,26 @@ from mingpt.config import GPTConfig
 from mingpt.model import GPT
 
 
-def main() -> None:
-    preset = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
-    directory = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()
+def preset_with_moments(preset: str, vocab_size: int, grad: float = 0.0):
+    """(config, model, AdamW) of a preset's shape, block 1024, after one step with
+    gradients `grad`: the optimizer holds both moments, as in a real snapshot."""
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config")
     shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GPTConfig),
                                                 OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))))
-    config = GPTConfig(**{**vars(shape), "vocab_size": 65, "block_size": 1024})
+    config = GPTConfig(**{**vars(shape), "vocab_size": vocab_size, "block_size": 1024})
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters())
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()  # creates the moments
+        p.grad = torch.full_like(p, grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return config, model, optimizer
+
+
+def main() -> None:
+    preset = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
+    directory = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()
+    config, model, optimizer = preset_with_moments(preset, vocab_size=65)
     state = {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict(), "gpt_config": vars(config),
              "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0, "step": 1}
     path = os.path.join(directory, "bench-snapshot.pt")
