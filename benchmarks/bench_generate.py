@@ -16,7 +16,10 @@ weights) generates from a one-character prompt. Rows, each the median of
 - sliding window: the whole last block_size tokens recomputed per token with no
   cache, as nanoGPT's `generate` does (the baseline of the targets);
 - floor: the matmuls of one decoding step alone, F.linear on the same weights
-  and shapes in a loop; "of floor" is floor time / step time.
+  and shapes in a loop, eager or compiled as the compiled step runs them; "of
+  floor" is floor time / step time (the compiled step against the compiled
+  floor), and the memory speed (the weights read once by a sum) is printed
+  below the table.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a cl
 
 from mingpt.config import GPTConfig  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
-from mingpt.sample import generate, next_token  # noqa: E402
+from mingpt.sample import compile_for_decoding, generate, next_token  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -69,18 +72,42 @@ def seconds_sliding(model: GPT, n_tokens: int, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-@torch.inference_mode()
-def seconds_floor(model: GPT, n_steps: int, device: torch.device, samples: int = 1) -> float:
-    """The matmuls of n_steps decoding steps and nothing else."""
+def floor(model: GPT, device: torch.device, samples: int = 1, compiled: bool = False):
+    """A function of n_steps timing the matmuls of n_steps decoding steps and
+    nothing else: F.linear on the step's weights and shapes, as the eager step
+    runs them, or compiled as the compiled step runs them (on CPU, one-row
+    products become reductions over the weights)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    inputs = {m.in_features: torch.randn(samples, m.in_features, device=device) for m in linears}
+    inputs = [torch.randn(samples, m.in_features, device=device) for m in linears]
+
+    def matmuls(xs):
+        return [F.linear(x, m.weight, m.bias) for x, m in zip(xs, linears)]
+
+    run = compile_for_decoding(matmuls, device) if compiled else matmuls
+
+    @torch.inference_mode()
+    def seconds(n_steps: int) -> float:
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(n_steps):
+            run(inputs)
+        sync(device)
+        return time.perf_counter() - started
+
+    return seconds
+
+
+def seconds_streaming(device: torch.device, nbytes: int) -> float:
+    """Seconds to read nbytes of float32 once (a sum over a fresh tensor of that
+    size): the memory-speed floor of anything that reads every weight."""
+    data = torch.ones(nbytes // 4, device=device)
+    data.sum()
     sync(device)
     started = time.perf_counter()
-    for _ in range(n_steps):
-        for m in linears:
-            F.linear(inputs[m.in_features], m.weight, m.bias)
+    for _ in range(5):
+        data.sum()
     sync(device)
-    return time.perf_counter() - started
+    return (time.perf_counter() - started) / 5
 
 
 def cpu_name() -> str:
@@ -109,17 +136,18 @@ def main() -> None:
     n = args.max_new_tokens
 
     rows = {  # name -> (samples, function of the token count returning seconds)
-        "floor (matmuls only)": (1, lambda k: seconds_floor(model, k, device)),
+        "floor (matmuls only)": (1, floor(model, device)),
         "cached, eager": (1, lambda k: seconds_generating(model, k, device)),
         "cached, 4 samples": (4, lambda k: seconds_generating(model, k, device, 4)),
         "cached, 16 samples": (16, lambda k: seconds_generating(model, k, device, 16)),
-        "floor, 16 samples": (16, lambda k: seconds_floor(model, k, device, 16)),
+        "floor, 16 samples": (16, floor(model, device, 16)),
     }
     compile_seconds = None
     if not args.no_compile:
         started = time.perf_counter()
         seconds_generating(model, 8, device, compile=True)  # compiles the step
         compile_seconds = time.perf_counter() - started - seconds_generating(model, 8, device)
+        rows["floor, compiled matmuls"] = (1, floor(model, device, compiled=True))
         rows["cached, compiled"] = (1, lambda k: seconds_generating(model, k, device, compile=True))
         rows["compiled, 16 samples"] = (16, lambda k: seconds_generating(model, k, device, 16, compile=True))
     if not args.no_uncached:
@@ -144,11 +172,20 @@ def main() -> None:
     print()
     print(f"| {'decoding':<30} | {'samples':>7} | {'seconds':>8} | {'tokens/s':>9} | {'ms/step':>8} | {'of floor':>8} |")
     print(f"|{'-' * 32}|{'-' * 9}|{'-' * 10}|{'-' * 11}|{'-' * 10}|{'-' * 10}|")
-    floor = {1: seconds["floor (matmuls only)"], 16: seconds["floor, 16 samples"]}
+    floors = {1: seconds["floor (matmuls only)"], 16: seconds["floor, 16 samples"]}
     for name, (samples, _) in rows.items():
         s = seconds[name]
-        of_floor = f"{floor[samples] / s:.0%}" if samples in floor and not name.startswith("floor") else ""
+        base = seconds["floor, compiled matmuls"] if name == "cached, compiled" else floors.get(samples)
+        of_floor = f"{base / s:.0%}" if base is not None and not name.startswith("floor") else ""
         print(f"| {name:<30} | {samples:>7} | {s:>8.2f} | {samples * n / s:>9.1f} | {s / n * 1e3:>8.2f} | {of_floor:>8} |")
+    weights = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+                  for m in model.modules() if isinstance(m, nn.Linear)) * 4
+    streaming = seconds_streaming(device, weights)
+    print(f"\nmemory speed: the step's {weights / 1e6:.1f} MB of matmul weights read once in {streaming * 1e3:.2f} ms "
+          f"({weights / streaming / 1e9:.1f} GB/s, a sum over a tensor of that size); the eager one-row matmuls "
+          f"stream them at {weights / (seconds['floor (matmuls only)'] / n) / 1e9:.1f} GB/s"
+          + (f", the compiled ones at {weights / (seconds['floor, compiled matmuls'] / n) / 1e9:.1f} GB/s"
+             if compile_seconds is not None else ""))
     print()
     one = seconds["cached, eager"]
     print(f"16 samples in {seconds['cached, 16 samples'] / one:.2f}x the time of one (eager), "

@@ -51,15 +51,28 @@ def next_token(
     return torch.multinomial(probs, 1, generator=generator)
 
 
+# One-row matrix products (M = 1) as inductor reductions on CPU: a decoding step
+# reads every weight once per token, and the library's one-row product streams
+# the weights at about a third of this machine's memory speed, while the
+# reduction inductor writes for it reaches that speed (BENCHMARKS.md).
+CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+
+
+def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
+    """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs
+    (mode reduce-overhead, which takes the per-kernel launch cost away), one-row
+    matrix products as memory-speed reductions on CPU."""
+    if device.type == "cuda":
+        return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return torch.compile(fn, options=CPU_DECODING_OPTIONS, fullgraph=True, dynamic=False)
+
+
 def decoding_step(model: GPT, compile: bool = False) -> Callable:
-    """model.step, or a torch.compile of it: one graph for the fixed-shape step,
-    with CUDA graphs on GPUs (mode reduce-overhead), which take the per-token
-    launch overhead away. Compiling takes seconds to a minute, so it pays only
-    for long generations."""
+    """model.step, or a torch.compile of it (one graph, as its shapes never
+    change). Compiling takes seconds, so it pays only for long generations."""
     if not compile:
         return model.step
-    cuda = next(model.parameters()).device.type == "cuda"
-    return torch.compile(model.step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
+    return compile_for_decoding(model.step, next(model.parameters()).device)
 
 
 @torch.inference_mode()
