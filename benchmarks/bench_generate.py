@@ -176,7 +176,7 @@ def main() -> None:
     for name, (samples, _) in rows.items():
         s = seconds[name]
         base = seconds["floor, compiled matmuls"] if name == "cached, compiled" else floors.get(samples)
-        of_floor = f"{base / s:.0%}" if base is not None and not name.startswith("floor") else ""
+        of_floor = f"{base / s:.0%}" if base is not None and name.startswith(("cached", "compiled")) else ""
         print(f"| {name:<30} | {samples:>7} | {s:>8.2f} | {samples * n / s:>9.1f} | {s / n * 1e3:>8.2f} | {of_floor:>8} |")
     weights = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
                   for m in model.modules() if isinstance(m, nn.Linear)) * 4

@@ -15,8 +15,9 @@ usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=val
   seed=1337                 the same seed (and device) gives the same text; sample i uses seed + i - 1
   device=auto               auto (CUDA if available), cpu or cuda
   use_cache=true            key/value cache: one position's work per new character
-  compile=false             torch.compile the decoding step (CUDA graphs on GPUs): faster
-                            per character, but compiling takes seconds to a minute
+  compile=false             torch.compile the decoding step (CUDA graphs on GPUs; on CPU,
+                            one-row matmuls at memory speed): faster per character,
+                            but compiling takes seconds, so it pays for long texts
 
 The model and its vocabulary come from the snapshot alone. Only the text goes
 to stdout; logs and errors go to stderr. A bad value, snapshot or prompt ends
