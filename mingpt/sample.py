@@ -51,10 +51,11 @@ def next_token(
     return torch.multinomial(probs, 1, generator=generator)
 
 
-# One-row matrix products (M = 1) as inductor reductions on CPU: a decoding step
-# reads every weight once per token, and the library's one-row product streams
-# the weights at about a third of this machine's memory speed, while the
-# reduction inductor writes for it reaches that speed (BENCHMARKS.md).
+# One-row matrix products as inductor reductions on CPU (inductor's pass for
+# memory-bound matmuls; on CPU it takes products of one row whose other sides
+# are at most 2,048). A decoding step reads every weight once per token; the
+# BLAS one-row product streams them at a quarter to a third of the memory's
+# speed on the project's CPU, the reduction at close to it (BENCHMARKS.md).
 CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
