@@ -5,11 +5,13 @@ that does nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +20,7 @@ class Metrics:
     def __init__(self, run_dir: str, enabled: bool, resume_step: Optional[int] = None):
         self.enabled = enabled
         self.progress = enabled and sys.stderr.isatty()
+        self.run_dir = run_dir
         self._bar = None  # the progress bar, created at the first step shown
         self._redirect = None  # log lines go through tqdm.write while the bar is on
         self._writer = None
@@ -32,27 +35,60 @@ class Metrics:
             _truncate_after(path, resume_step)
         # TensorBoard hides earlier events at steps >= purge_step: those after the snapshot we resume from.
         purge_step = None if resume_step is None else resume_step + 1
+        threading.excepthook = _quiet_tensorboard_thread
         self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
-        self._jsonl = open(path, "a", encoding="utf-8")
+        self._jsonl = open(path, "ab")
 
     def log(self, split: str, step: int, epoch: int, note: str = "", **values: Any) -> None:
         """One event: a line in metrics.jsonl, scalars in TensorBoard, a log line
         (followed by `note`, which is not recorded)."""
         if not self.enabled:
             return
-        record = {"step": step, "epoch": epoch, "split": split, **values}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for key, value in values.items():
-            if isinstance(value, (int, float)):
-                self._writer.add_scalar(f"{split}/{key}", value, step)
         text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
         log.info("%s step %d epoch %d | %s%s", split, step, epoch, text, f" | {note}" if note else "")
+        if self._jsonl is None:
+            return
+        record = {"step": step, "epoch": epoch, "split": split, **values}
+        self._write(lambda: self._append_line(json.dumps(record) + "\n"))
+        for key, value in values.items():
+            if isinstance(value, (int, float)):
+                self._write(lambda: self._writer.add_scalar(f"{split}/{key}", value, step))
 
     def text(self, tag: str, text: str, step: int) -> None:
-        if self.enabled:
+        if self._writer is not None:
             # Markdown would reflow the sample; a code block keeps its lines.
-            self._writer.add_text(tag, "```\n" + text + "\n```", step)
+            self._write(lambda: self._writer.add_text(tag, "```\n" + text + "\n```", step))
+
+    def _append_line(self, line: str) -> None:
+        """A whole line or none: a write cut short (a full disk) is taken back."""
+        offset = self._jsonl.seek(0, os.SEEK_END)
+        try:
+            self._jsonl.write(line.encode())
+            self._jsonl.flush()
+        except OSError:
+            with contextlib.suppress(OSError, ValueError):
+                self._jsonl.truncate(offset)
+            raise
+
+    def _write(self, write: Callable[[], None]) -> None:
+        """The record is not worth the run: a storage error under the run
+        directory (a full disk, the directory removed) costs one warning, and
+        training, snapshots and the log on stderr go on without it."""
+        if self._jsonl is None:
+            return
+        try:
+            write()
+        except (OSError, ValueError) as e:  # ValueError: TensorBoard's writer on a file it could not reopen
+            log.warning("cannot write the metrics in %s (%s): training goes on without recording them",
+                        self.run_dir, getattr(e, "strerror", None) or e)
+            self._close_record()
+
+    def _close_record(self) -> None:
+        writer, jsonl, self._writer, self._jsonl = self._writer, self._jsonl, None, None
+        for close in (writer.close if writer else None, jsonl.close if jsonl else None):
+            with contextlib.suppress(OSError, ValueError):
+                if close is not None:
+                    close()
 
     def show_progress(self, step: int, total: int) -> None:
         """The bar at `step` of `total` (on a terminal only)."""
@@ -77,9 +113,20 @@ class Metrics:
 
     def close(self) -> None:
         self.end_progress()
-        if self.enabled:
-            self._writer.close()
-            self._jsonl.close()
+        if self._jsonl is not None:
+            self._write(self._writer.flush)
+            self._close_record()
+
+
+_excepthook = threading.excepthook
+
+
+def _quiet_tensorboard_thread(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard writes its events in a thread of its own, which ends with a
+    traceback on a storage error; the writer raises that error again at the next
+    write, where Metrics._write turns it into one warning."""
+    if type(args.thread).__name__ != "_AsyncWriterThread" or not isinstance(args.exc_value, OSError):
+        _excepthook(args)
 
 
 def _fmt(value: Any) -> str:
@@ -88,18 +135,30 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def events(path: str) -> Iterator[tuple[bytes, dict]]:
+    """The events of a metrics.jsonl as (line, record); a line that is not an
+    event (cut short by a crash, not UTF-8, not JSON) is left out."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            yield line if line.endswith(b"\n") else line + b"\n", record
+
+
+def last_step(run_dir: str) -> int | None:
+    """The last step the run directory's metrics.jsonl records (None: no event)."""
+    return max((record["step"] for _, record in events(os.path.join(run_dir, "metrics.jsonl"))), default=None)
+
+
 def _truncate_after(path: str, step: int) -> None:
     """Drop the events a killed run logged after the snapshot it resumes from."""
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    keep = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError):
-            continue
-    with open(path, "w", encoding="utf-8") as f:
+    keep = [line for line, record in events(path) if record["step"] <= step]
+    with open(path, "wb") as f:
         f.writelines(keep)

@@ -15,8 +15,15 @@ torchrun restart's new rank 0 takes it again and resumes. A second job is
 refused at start with one line naming the holder (host, pid, since when).
 
 No trace. A refused invocation writes nothing into an existing run: the lock
-file gets the holder's details, train.log its lines (buffered until then) and
-.hydra/ the config only after every check has passed (`Claim.accept`).
+file gets the holder's details (its snapshot among them), train.log its lines
+(buffered until then) and .hydra/ the config only after every check has passed
+(`Claim.accept`).
+
+One record. The directory's record (metrics.jsonl, TensorBoard) belongs to
+the run whose snapshot the last holder named. A start that would cut it back
+(another snapshot path, another parallelism, so another snapshot, behind the
+record) is refused (`check_record`); only the events of a killed attempt after
+the snapshot it resumes from are dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import logging
 import logging.handlers
 import os
 import socket
+import sys
 import time
 from typing import Any, Iterator, Mapping
 
@@ -39,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mingpt.config import Config, result_items
 from mingpt.distributed import DistInfo
+from mingpt.metrics import last_step
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +94,16 @@ def check_run_dir_setting(run_dir_setting: str) -> None:
 
 
 # --------------------------------------------------------------- ownership
+
+
+def _agree(dist_info: DistInfo, refusal: str | None) -> None:
+    """Rank 0's decision on every rank: all raise the same RunDirError, or none does."""
+    if dist_info.is_distributed:
+        decision = [refusal]
+        dist.broadcast_object_list(decision, src=0)
+        refusal = decision[0]
+    if refusal is not None:
+        raise RunDirError(refusal)
 
 
 def _holder(fd: int) -> str:
@@ -156,11 +175,21 @@ def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
     return buffer
 
 
+class _LogFile(logging.FileHandler):
+    """train.log: a line it cannot write (a full disk, the directory removed)
+    costs one warning, and the log goes on on stderr only."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        logging.getLogger().removeHandler(self)
+        log.warning("cannot write %s (%s): the log goes on on stderr only", self.baseFilename, sys.exc_info()[1])
+
+
 @dataclasses.dataclass
 class Claim:
     """The locks a job holds (global main process only), and the files written once it is accepted."""
 
     run_dir: str
+    snapshot_path: str
     fds: list[int]
     rank: int
     log_buffer: logging.handlers.MemoryHandler | None
@@ -172,12 +201,12 @@ class Claim:
         if self.rank != 0:
             return
         info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+                "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "snapshot": _comparable(self.snapshot_path)}
         for fd in self.fds:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         root = logging.getLogger()
-        self.log_file = logging.FileHandler(os.path.join(self.run_dir, "train.log"))
+        self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
         self.log_file.setFormatter(root.handlers[0].formatter if root.handlers else None)
         if self.log_buffer is not None:
             self.log_buffer.setTarget(self.log_file)
@@ -195,7 +224,8 @@ class Claim:
         for handler in (self.log_buffer, self.log_file):
             if handler is not None:
                 root.removeHandler(handler)
-                handler.close()
+                with contextlib.suppress(OSError):  # the last lines, to a full disk: said on stderr already
+                    handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
         self.fds = []
@@ -207,7 +237,7 @@ def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
     """Own the run directory (and a local snapshot location) for the body's
     duration. Rank 0 takes the locks and tells the others, so every rank of a
     refused job raises the same RunDirError before anything is written."""
-    owned = Claim(run_dir, [], dist_info.rank, log_buffer)
+    owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
     refusal = None
     try:
         if dist_info.is_main_process:
@@ -218,12 +248,44 @@ def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
                         owned.fds.append(fd)
             except RunDirError as e:
                 refusal = str(e)
-        if dist_info.is_distributed:
-            decision = [refusal]
-            dist.broadcast_object_list(decision, src=0)
-            refusal = decision[0]
-        if refusal is not None:
-            raise RunDirError(refusal)
+        _agree(dist_info, refusal)
         yield owned
     finally:
         owned.release()
+
+
+# ------------------------------------------------------------------ record
+
+# What the record of a run directory is made of, and the kind of file each must be.
+RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
+
+
+def _comparable(snapshot_path: str) -> str:
+    return snapshot_path if "://" in snapshot_path else os.path.abspath(snapshot_path)
+
+
+def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
+    for name, kind in RECORD_FILES.items():
+        path = os.path.join(run_dir, name)
+        if os.path.lexists(path) and os.path.isdir(path) != (kind == "a directory"):
+            return f"run directory {run_dir}: {path} must be {kind}; move it away"
+    last = last_step(run_dir)
+    if last is None or last <= step:
+        return None
+    try:
+        with open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
+            previous = json.loads(f.read() or b"null").get("snapshot")
+    except (OSError, ValueError, AttributeError):
+        previous = None
+    if previous is None or previous == _comparable(snapshot_path):
+        return None  # a killed attempt of this run: its events after the snapshot are dropped
+    return (f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot {previous}; "
+            f"this one starts from step {step} with the snapshot {snapshot_path} and would overwrite that record: "
+            "give trainer_config.snapshot_path and parallelism as that run had them, or start this run in "
+            "another directory (hydra.run.dir=...)")
+
+
+def check_record(run_dir: str, snapshot_path: str, step: int, dist_info: DistInfo) -> None:
+    """Refuse, on every rank, a start from `step` that would cut back the record
+    of another run in `run_dir` (see the module doc), or a record file of the wrong kind."""
+    _agree(dist_info, _record_problem(run_dir, snapshot_path, step) if dist_info.is_main_process else None)

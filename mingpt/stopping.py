@@ -1,7 +1,7 @@
 """Stopping on signals: at a step boundary when a stop can save work, at once otherwise.
 
-The signals of `trainer_config.stop_signals` (SIGINT, SIGTERM and SIGUSR1 by
-default) never interrupt the code they land in. Python's C-level handler writes
+The signals of `trainer_config.stop_signals` (SIGINT, SIGTERM, SIGHUP and
+SIGUSR1 by default) never interrupt the code they land in. Python's C-level handler writes
 each one's number to a pipe (`signal.set_wakeup_fd`), and a watcher thread
 reads it, so a signal is seen even while the main thread waits in C code (a
 collective, process-group initialisation, a long save). What it does:
@@ -16,7 +16,7 @@ collective, process-group initialisation, a long save). What it does:
   exit in the middle of a save leaves the previous one whole.
 
 The exit status is 128 + the signal's number, the shell's convention for "ended
-by signal N": 130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1. It is never 0,
+by signal N": 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP, 138 for SIGUSR1. It is never 0,
 since the run is not finished: torchrun restarts workers that end so (when it
 did not send the signal itself), and SLURM does not record the job as complete.
 """
@@ -34,9 +34,10 @@ from typing import Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
-# Before the configured list is known (imports, composing the config): both mean "stop now".
-STARTUP_SIGNALS = ("SIGINT", "SIGTERM")
+# SIGHUP: the terminal or ssh session of an interactive run went away (torchrun forwards it too).
+DEFAULT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1")
+# Before the configured list is known (imports, composing the config): each means "stop now".
+STARTUP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 class Stopped(BaseException):

@@ -31,6 +31,7 @@ from mingpt.distributed import DistInfo, all_max, barrier
 from mingpt.metrics import Metrics
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, lr_at
+from mingpt.rundir import check_record
 from mingpt.sample import generate
 from mingpt.snapshot import NotFinite, Progress, Snapshot, resolve_path
 from mingpt.stopping import StepFlags
@@ -97,6 +98,7 @@ class Trainer:
             self.progress = self.snapshot.restore()
             self.saved = dataclasses.replace(self.progress)
         self.snapshot.check_same_start(self.progress.step)
+        check_record(run_dir, self.snapshot_path, self.progress.step, dist_info)  # before the record is touched
 
         self.model = self.raw_model  # what the training step calls
         if dist_info.is_distributed and not self.sharded:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun
 
 DEADLINE = 150  # seconds: generous, the machine is shared
@@ -117,6 +118,11 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
                            "(optimizer_config.learning_rate: 0.003 -> 0.001; trainer_config.max_epochs: 1 -> 2)"),
         "other shape": (["gpt_config.n_layer=3"], "gpt_config.n_layer: snapshot 2, config 3"),
         "in use": ([], f"error: run directory {finished_run} is in use by another job"),
+        # Operational keys that would start another snapshot from step 0 under the finished run's record.
+        "other snapshot": ([f"trainer_config.snapshot_path={workdir / 'elsewhere.pt'}"],
+                           f"error: run directory {finished_run} holds the record of a run up to step"),
+        "other parallelism": (["trainer_config.parallelism=fsdp"],
+                              f"with the snapshot {finished_run / 'snapshot.pt'}; this one starts from step 0"),
     }
 
     def start(extra: list[str]) -> subprocess.Popen:
@@ -170,3 +176,60 @@ def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(workdir, tmp_p
     assert proc.stderr.splitlines()[-1].startswith(f"error: snapshot {snapshot} is in use by"), proc.stderr
     assert not snapshot.exists()
 
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "train.log", "tb"])
+def test_a_record_file_of_the_wrong_kind_is_one_line(tmp_path, name):
+    from mingpt.distributed import DistInfo
+    from mingpt.rundir import RunDirError, check_record
+
+    path = tmp_path / name
+    path.mkdir() if name != "tb" else path.write_text("")
+    kind = "a directory" if name == "tb" else "a file"
+    with pytest.raises(RunDirError, match=f"^run directory {tmp_path}: {path} must be {kind}; move it away$"):
+        check_record(str(tmp_path), str(tmp_path / "snapshot.pt"), 0, DistInfo(0, 0, 1, 1, torch.device("cpu")))
+
+
+def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(tmp_path):
+    """The record of an attempt killed after the snapshot it resumes from: the
+    same snapshot, so its later events go (a non-UTF-8 or cut line with them)."""
+    from mingpt.distributed import DistInfo
+    from mingpt.metrics import Metrics
+    from mingpt.rundir import LOCK_FILE, check_record
+
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"snapshot": str(tmp_path / "snapshot.pt")}))
+    lines = [b'{"step": 5, "epoch": 0, "split": "train"}\n', b"\xff\xfe not UTF-8\n",
+             b'{"step": 9, "epoch": 0, "split": "train"}\n', b'{"step": 10, "epo']
+    (tmp_path / "metrics.jsonl").write_bytes(b"".join(lines))
+    check_record(str(tmp_path), str(tmp_path / "snapshot.pt"), 5, DistInfo(0, 0, 1, 1, torch.device("cpu")))
+    Metrics(str(tmp_path), True, resume_step=5).close()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == lines[0]
+
+
+def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir):
+    """The run directory's file system fills up mid-run: one warning each for
+    the metrics and train.log, no traceback, no cut line; the run trains to the
+    end and saves its snapshot, kept on another file system."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        snapshot = tmp_path / "snapshot.pt"
+        argv = args("trainer_config.max_steps=60", "trainer_config.log_every=1", f"hydra.run.dir={mount / 'run'}",
+                    f"trainer_config.snapshot_path={snapshot}")
+        # Leave room for the start (config, the first lines), not for the whole run.
+        filler = mount / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize - 24 * 1024))
+        proc = run_main(argv, workdir)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.count("cannot write the metrics in") == 1, proc.stderr[-3000:]
+        assert "train step 60 " in proc.stderr  # the log on stderr went on
+        text = (mount / "run" / "metrics.jsonl").read_bytes()
+        assert text.endswith(b"\n") and all(json.loads(line)["step"] < 60 for line in text.splitlines())
+        assert torch.load(snapshot, weights_only=True)["step"] == 60
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

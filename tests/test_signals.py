@@ -71,7 +71,8 @@ class Job:
 def runs(tmp_path_factory, data):
     """Every run of this module at once, on a loaded machine: SIGTERM mid-epoch to
     one process and to torchrun with 2 workers, each resumed afterwards, beside
-    their uninterrupted references; and Ctrl-C at each moment of tests/stop_probe.py.
+    their uninterrupted references; Ctrl-C at each moment of tests/stop_probe.py, and a
+    SIGHUP during an evaluation.
     {name: (status, stderr, run directory)}."""
     cwd = tmp_path_factory.mktemp("runs")
     sigterm = lambda job: os.kill(job.proc.pid, signal.SIGTERM)  # noqa: E731
@@ -97,6 +98,11 @@ def runs(tmp_path_factory, data):
         if moment == "save-hang":
             steps.append((Path(f"{marker}.stopping").exists, sigint))
         jobs[moment] = Job(proc, steps)
+    # An ssh session that goes away sends SIGHUP: a stop like SIGTERM's, at the evaluation of step 5.
+    marker = cwd / "at-hangup"
+    proc = launch(cwd, 1, "hangup", data, *PROBE_ARGS, env={"STOP_PROBE": "eval", "STOP_PROBE_FILE": str(marker)},
+                  script=REPO / "tests" / "stop_probe.py")
+    jobs["hangup"] = Job(proc, [(marker.exists, lambda job: os.kill(job.proc.pid, signal.SIGHUP))])
     deadline = time.monotonic() + DEADLINE
     try:
         while any(job.steps or job.stderr is None for job in list(jobs.values())):
@@ -178,6 +184,15 @@ def test_ctrl_c_during_training_saves_and_stops(runs, moment):
         assert "eval step" not in stderr
 
 
+def test_sighup_saves_and_stops_like_sigterm(runs):
+    """A hang-up (the terminal or ssh session closed) is a stop signal by default, not a silent death."""
+    status, stderr, run_dir = runs["hangup"]
+    assert status == 129, stderr[-3000:]
+    assert stderr.splitlines()[-1] == (f"error: stopped by SIGHUP at step 5; the snapshot {run_dir / 'snapshot.pt'} "
+                                       "resumes the run (SIGHUP, exit status 129)"), stderr[-3000:]
+    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == 5
+
+
 def test_second_ctrl_c_exits_at_once(runs):
     """The first Ctrl-C comes during a save that never ends; the second ends the process."""
     status, stderr, run_dir = runs["save-hang"]
@@ -227,7 +242,7 @@ def test_restarted_workers_join_with_and_without_a_fresh_store(tmp_path):
 def test_stop_signals_and_save_every_minutes_are_checked():
     from mingpt.config import ConfigError, TrainerConfig
 
-    assert TrainerConfig().stop_signals == ["SIGINT", "SIGTERM", "SIGUSR1"]
+    assert TrainerConfig().stop_signals == ["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"]
     assert TrainerConfig(stop_signals=["TERM", "SIGUSR2"], save_every_minutes=None).save_every_minutes is None
     for kwargs, says in [({"stop_signals": ["SIGKILL"]}, "'SIGKILL' is not a signal that can be handled"),
                          ({"stop_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal"),
