@@ -154,8 +154,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Set by pytest itself (per phase), and by torch for the rest of the process at its
-# first compile (inductor's and triton's cache directories).
-NOT_A_TESTS_CHANGE = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
+# first compile (inductor's and triton's settings and cache directories).
+NOT_A_TESTS_CHANGE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_")
 
 
 @pytest.fixture(autouse=True)
@@ -163,9 +163,9 @@ def environment_unchanged(request):
     """No test may leave the process environment changed: a later test in the same
     process would inherit it (LOCAL_RANK, say, makes a single-process run look like
     a torchrun rank). monkeypatch.setenv/delenv is undone before this check."""
-    before = {k: v for k, v in os.environ.items() if k not in NOT_A_TESTS_CHANGE}
+    before = {k: v for k, v in os.environ.items() if not k.startswith(NOT_A_TESTS_CHANGE)}
     yield
-    after = {k: v for k, v in os.environ.items() if k not in NOT_A_TESTS_CHANGE}
+    after = {k: v for k, v in os.environ.items() if not k.startswith(NOT_A_TESTS_CHANGE)}
     if after != before:
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         for k in changed:  # the next tests start clean
