@@ -33,6 +33,7 @@ from mingpt.config import register_configs  # noqa: E402
 from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
+from _cli import help_or_go_on, with_defaults  # noqa: E402
 from mingpt.train import CONF_DIR, build, fit_to_data  # noqa: E402
 
 HOOKS = ["none", "fp16", "powersgd", "batched_powersgd", "post_local_sgd"]
@@ -74,9 +75,11 @@ def measure(config, data, info, hook: str) -> tuple[float, float, float]:
 
 
 def main() -> None:
+    help_or_go_on(__doc__)
     register_configs()
+    overrides = with_defaults(DEFAULTS, sys.argv[1:])
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=DEFAULTS + sys.argv[1:])
+        cfg = compose("config", overrides=overrides)
     config = OmegaConf.to_object(cfg)
     with distributed(config.trainer_config.device) as info:
         if not info.is_distributed:

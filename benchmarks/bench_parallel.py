@@ -28,6 +28,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from _cli import with_defaults  # noqa: E402
+
 DEFAULTS = ["gpt_config=gpt2", "trainer_config.batch_size=2", "data_config.block_size=64", "trainer_config.device=cpu",
             "trainer_config.sample_chars=0", "gpt_config.dropout=0.0", "trainer_config.save_every_minutes=null"]
 MIB = 2**20
@@ -101,7 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--parallelism", nargs="+", default=["ddp", "fsdp"])
     args, overrides = parser.parse_known_args()
-    overrides = DEFAULTS + overrides
+    overrides = with_defaults(DEFAULTS, overrides)
     print(f"{' '.join(overrides)}; {args.steps} steps; figures per rank (the largest rank)")
     print("| world | parallelism | parameters | gradients | AdamW state | sum | peak memory | step time |")
     print("|---|---|---|---|---|---|---|---|")

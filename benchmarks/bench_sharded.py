@@ -39,6 +39,8 @@ import tempfile
 import time
 import uuid
 
+from _cli import help_or_go_on
+
 MODES = ("file-buffered", "file-streamed", "sharded-sync", "sharded-async")
 
 
@@ -172,6 +174,7 @@ def fsdp(preset: str, rounds: int, directory: str) -> None:
 
 
 def main() -> None:
+    help_or_go_on(__doc__)
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(one(*sys.argv[2:5])))
         return

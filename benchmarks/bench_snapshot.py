@@ -24,6 +24,8 @@ from mingpt import checkpoint
 from mingpt.config import GPTConfig
 from mingpt.model import GPT
 
+from _cli import help_or_go_on
+
 
 def preset_with_moments(preset: str, vocab_size: int, grad: float = 0.0):
     """(config, model, AdamW) of a preset's shape, block 1024, after one step with
@@ -42,6 +44,7 @@ def preset_with_moments(preset: str, vocab_size: int, grad: float = 0.0):
 
 
 def main() -> None:
+    help_or_go_on(__doc__)
     preset = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
     directory = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()
     config, model, optimizer = preset_with_moments(preset, vocab_size=65)

@@ -5,7 +5,8 @@ trainer's overhead over a bare PyTorch loop of the same model in the same run.
     torchrun --standalone --nproc_per_node=N benchmarks/bench_train.py ...  # DDP
 
 Overrides use the training config's keys. The default shape is the CPU target of
-BENCHMARKS.md: 4 layers, 4 heads, 128 dims, block 64, batch 12, fp32, dropout 0.
+BENCHMARKS.md: 4 layers, 4 heads, 128 dims, block 64, batch 12, fp32, dropout 0;
+your overrides and presets win over it (gpt_config=gpt2 measures GPT-2).
 
 Model FLOPs per token (forward + backward, PaLM's accounting):
     6 * N_matmul + 12 * n_layer * n_embd * block_size
@@ -39,6 +40,8 @@ from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
 from mingpt.optim import create_optimizer  # noqa: E402
 from mingpt.train import CONF_DIR, build, fit_to_data  # noqa: E402
+
+from _cli import help_or_go_on, with_defaults  # noqa: E402
 
 BENCH_DEFAULTS = [
     "gpt_config.n_layer=4", "gpt_config.n_head=4", "gpt_config.n_embd=128", "gpt_config.dropout=0.0",
@@ -217,9 +220,11 @@ def data_pipeline(data, batch_size: int, seconds: float = 1.0) -> float:
 
 
 def main() -> None:
+    help_or_go_on(__doc__)
     register_configs()
+    overrides = with_defaults(BENCH_DEFAULTS, sys.argv[1:])
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=BENCH_DEFAULTS + sys.argv[1:])
+        cfg = compose("config", overrides=overrides)
     config = OmegaConf.to_object(cfg)
     with distributed(config.trainer_config.device) as info:
         setup_logging(info.rank)

@@ -31,7 +31,9 @@ same step (the trainer's `save` runs on every rank), rank 0 receives the lot.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -152,15 +154,17 @@ class PowerSGD(PerRankState):
             matrix_approximation_rank=cfg.powersgd_rank,
             start_powerSGD_iter=cfg.powersgd_start_step,
         )
+        if name == "batched_powersgd":
+            _let_batched_powersgd_orthogonalize()  # before _for_cpu copies the hook's globals
         self.hook = powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
+        if dist_info.device.type != "cuda":
+            self.hook = _for_cpu(self.hook)
         if dist_info.backend == "gloo":
             # One bucket. The hook all-reduces a bucket's Q from a callback of its P's all-reduce;
             # gloo runs that callback when the P arrives, so with several buckets one rank can send
             # bucket 0's Q before bucket 1's P and another after: the collectives mismatch and the
             # run dies ("Received data size doesn't match"). NCCL runs it at once, in issue order.
             self.ddp_options = {"bucket_cap_mb": 2**20}
-        if name == "batched_powersgd":
-            _let_batched_powersgd_orthogonalize()
 
     def own_state(self, model, optimizer, scaler):
         s = self.state
@@ -259,6 +263,31 @@ class PostLocalSGD(PerRankState):
         if scaler.is_enabled() and own["scaler_state"]:
             scaler.load_state_dict(own["scaler_state"])
         self.restart(ddp, step)
+
+
+class _View:
+    """`target` as a copied hook sees it: its own attributes, but for those `replaced`."""
+
+    def __init__(self, target: Any, **replaced: Any):
+        self.__dict__.update(replaced)
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:  # only for names not replaced
+        return getattr(self._target, name)
+
+
+def _for_cpu(hook: Callable) -> Callable:
+    """torch's PowerSGD hooks end each bucket with `torch.cuda.synchronize(device)`
+    whenever CUDA is available, also when the gradients are on the CPU, where it
+    raises ("Expected a cuda device, but got: cpu"; upstream PR 196568): a gloo job
+    on a GPU host dies in its first compressed backward. For a job on the CPU:
+    the same hook (its code, its module's globals) except that its `torch` is a
+    view in which torch.cuda.is_available() is False. torch itself is untouched."""
+    torch_without_cuda = _View(torch, cuda=_View(torch.cuda, is_available=lambda: False))
+    scope = {**hook.__globals__, "torch": torch_without_cuda}
+    copy = types.FunctionType(hook.__code__, scope, hook.__name__, hook.__defaults__, hook.__closure__)
+    copy.__kwdefaults__ = hook.__kwdefaults__
+    return functools.update_wrapper(copy, hook)  # name, annotations (DDP checks them), docs
 
 
 def _let_batched_powersgd_orthogonalize() -> None:

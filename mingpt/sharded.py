@@ -92,6 +92,7 @@ import pickle
 import re
 import sys
 import threading
+import traceback
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -307,10 +308,23 @@ def _gather(value: Any, pg) -> list[Any]:
 def _dcp_reason(error: BaseException) -> str:
     """One line for an exception that DCP may have wrapped (CheckpointException: per-rank failures)."""
     if isinstance(error, CheckpointException):
-        for rank, failure in sorted(error._failures.items()):
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            return f"{reason(inner)} (rank {rank})"
+        for rank, failure in sorted(error.failures.items()):
+            return f"{_failure_reason(failure)} (rank {rank})"
     return reason(error)
+
+
+def _failure_reason(failure: Any) -> str:
+    """One rank's failure, as DCP keeps it ((exception, stack summary)), as one line
+    that names the exception's type (a KeyError's text is only its key: `<class
+    'type'>`) and where it was raised."""
+    parts = failure if isinstance(failure, tuple) else (failure,)
+    inner = next((p for p in parts if isinstance(p, BaseException)), None)
+    if inner is None:
+        return f"unknown failure {parts[0]!r}"
+    where = next((p for p in parts if isinstance(p, traceback.StackSummary) and p), None)
+    at = f", at {os.path.basename(where[-1].filename)}:{where[-1].lineno} in {where[-1].name}" if where else ""
+    name, text = type(inner).__name__, reason(inner)
+    return f"{name if text == name else f'{name}: {text}'}{at}"
 
 
 # ---------------------------------------------------------------- saving
@@ -339,23 +353,27 @@ class SaveHandle:
 
 _pending: Optional[SaveHandle] = None
 _executor: Optional[ThreadPoolExecutor] = None
-_stager: Optional[DefaultStager] = None
+_stagers: dict[bool, DefaultStager] = {}
 _lock = threading.Lock()
 
 
-def _staging() -> DefaultStager:
+def _staging(pinned: bool) -> DefaultStager:
     """DCP's stager, kept for the process: its CPU copy of each tensor is made at
     the first asynchronous save and refilled in place by the later ones, so they
     cost a copy and no allocation (the copy is never in use across two saves:
-    each save first waits for the one before). Synchronous, unpinned: on a GPU
-    the copy is what training waits for."""
-    global _stager
+    each save first waits for the one before). Synchronous; the copy is pinned
+    only for a state on a GPU (`pinned`), whose copy is what training waits for.
+    Whether the host has CUDA does not matter: a CPU job's state on a GPU host
+    gains nothing from pinning, and its asynchronous saves failed there."""
     with _lock:
-        if _stager is None:
-            _stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                   use_shared_memory=False, use_async_staging=False,
-                                                   use_non_blocking_copy=False))
-    return _stager
+        if pinned not in _stagers:
+            _stagers[pinned] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+    return _stagers[pinned]
+
+
+def _on_gpu(flat: dict[str, Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in flat.values())
 
 
 def wait_pending() -> Optional[str]:
@@ -396,7 +414,11 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         raise StorageError(str(name))
     directory = _join(root, name)
     fs, _ = _filesystem(root)
-    writer = FsspecWriter(directory, sync_files=isinstance(fs, LocalFileSystem))
+    on_gpu = _on_gpu(flat)
+    # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
+    # whenever the host has CUDA, so a CPU job on a GPU host would open a CUDA context.
+    writer = FsspecWriter(directory, sync_files=isinstance(fs, LocalFileSystem),
+                          **({} if on_gpu else {"per_thread_copy_ahead": 0}))
     no_dist = pg is None
     if not async_save:
         error = None
@@ -409,7 +431,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         return handle
     try:
         upload = dcp.async_save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist,
-                                async_stager=_staging())
+                                async_stager=_staging(on_gpu))
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
 

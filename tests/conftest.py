@@ -15,8 +15,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
+# Tests say which device they mean: on a GPU host `device=auto` would give every
+# rank CUDA (and refuse a second rank on a 1-GPU host). First, so a later override wins.
+CPU = "trainer_config.device=cpu"
+
 # A model and run small enough to train in seconds on one CPU core.
 TINY = [
+    CPU,
     "gpt_config.n_layer=2",
     "gpt_config.n_head=2",
     "gpt_config.n_embd=32",
@@ -86,9 +91,10 @@ def child_env() -> dict[str, str]:
 
 
 def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python main.py ARGS` in `cwd` (a scratch directory: runs/ lands there)."""
+    """`python main.py ARGS` in `cwd` (a scratch directory: runs/ lands there), on
+    the CPU unless ARGS name another device."""
     return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args],
+        [sys.executable, str(REPO / "main.py"), CPU, *args],
         cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout,
     )
 
@@ -110,9 +116,64 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
 
 
 def run_torchrun(nproc: int, args: list[str], cwd: Path, torchrun_args=(), timeout: float = 180):
-    """`torchrun --standalone --nproc_per_node=N main.py ARGS` in `cwd`."""
-    cmd = torchrun_cmd(nproc, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *args]
+    """`torchrun --standalone --nproc_per_node=N main.py ARGS` in `cwd`, on the CPU
+    (gloo) unless ARGS name another device."""
+    cmd = torchrun_cmd(nproc, "--standalone", *torchrun_args) + [str(REPO / "main.py"), CPU, *args]
     return subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
-__all__ = ["REPO", "TINY", "free_port", "run_dir_of", "run_main", "run_torchrun", "torchrun_cmd", "child_env", "shutil"]
+FAKE_CUDA_DIR = REPO / "tests" / "fake_cuda"
+
+
+def fake_cuda_env(gpus: int = 1, env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: child_env()) for a child process that sees a host with `gpus`
+    GPUs: torch.cuda.is_available() is True there (tests/fake_cuda/sitecustomize.py),
+    though no CUDA work can run. A CPU job must not notice."""
+    env = dict(child_env() if env is None else env)
+    env["PYTHONPATH"] = str(FAKE_CUDA_DIR) + os.pathsep + env.get("PYTHONPATH", "")
+    env["MINGPT_TEST_FAKE_CUDA"] = str(gpus)
+    return env
+
+
+def real_cuda() -> bool:
+    """A GPU this process can use (not one simulated by tests/fake_cuda)."""
+    return not os.environ.get("MINGPT_TEST_FAKE_CUDA") and torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` run only where a GPU is; elsewhere they are skipped, saying so."""
+    if real_cuda():
+        return
+    why = ("CUDA is simulated (MINGPT_TEST_FAKE_CUDA)" if os.environ.get("MINGPT_TEST_FAKE_CUDA")
+           else f"needs a CUDA GPU; this host has none (torch {torch.__version__}, "
+                f"built {'with' if torch.backends.cuda.is_built() else 'without'} CUDA)")
+    skip = pytest.mark.skip(reason=why)
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+# Set by pytest itself (per phase), and by torch for the rest of the process at its
+# first compile (inductor's and triton's settings and cache directories).
+NOT_A_TESTS_CHANGE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_")
+
+
+@pytest.fixture(autouse=True)
+def environment_unchanged(request):
+    """No test may leave the process environment changed: a later test in the same
+    process would inherit it (LOCAL_RANK, say, makes a single-process run look like
+    a torchrun rank). monkeypatch.setenv/delenv is undone before this check."""
+    before = {k: v for k, v in os.environ.items() if not k.startswith(NOT_A_TESTS_CHANGE)}
+    yield
+    after = {k: v for k, v in os.environ.items() if not k.startswith(NOT_A_TESTS_CHANGE)}
+    if after != before:
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        for k in changed:  # the next tests start clean
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                del os.environ[k]
+        pytest.fail(f"the test left os.environ changed: {', '.join(changed)}", pytrace=False)
+
+
+__all__ = ["CPU", "REPO", "TINY", "fake_cuda_env", "real_cuda", "free_port", "run_dir_of", "run_main", "run_torchrun", "torchrun_cmd", "child_env", "shutil"]

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_dir_of, torchrun_cmd
+from conftest import REPO, TINY, child_env, fake_cuda_env, run_dir_of, torchrun_cmd
 from omegaconf import OmegaConf
 
 from mingpt.config import Config
@@ -103,6 +103,18 @@ def test_localsgd_evaluates_the_mean_and_converges_like_ddp(runs, corpus_file):
     ddp = last_eval(tmp, "ddp")["loss"]
     assert logged["loss"] == pytest.approx(ddp, rel=0.03), (logged["loss"], ddp)
     assert ddp < 3.5  # it learnt
+
+
+@pytest.mark.parametrize("hook", list(POWERSGD))
+def test_compressed_cpu_run_on_a_gpu_host_is_unchanged(runs, corpus_file, tmp_path, hook):
+    """A gloo/CPU job on a host where torch.cuda.is_available() (simulated here): torch's
+    PowerSGD hooks synchronize CUDA whenever it is available, also for CPU gradients
+    ("Expected a cuda device, but got: cpu"). The run must go on and end as on a CPU host."""
+    _, results = runs
+    jobs = [job(hook, *POWERSGD[hook], f"trainer_config.max_steps={POWERSGD_STEPS}")]
+    on_gpu_host = run_worker(tmp_path, corpus_file, 2, jobs, env=fake_cuda_env(gpus=2))[hook]
+    for rank in (0, 1):
+        assert same(on_gpu_host[rank]["state"], results[hook][rank]["state"])
 
 
 @pytest.mark.parametrize("hook", list(POWERSGD))

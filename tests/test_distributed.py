@@ -38,13 +38,13 @@ def job(name: str, *overrides: str, train: bool = True) -> dict:
     return {"name": name, "overrides": [*TINY, *FAST, *overrides], "train": train}
 
 
-def run_worker(tmp_path, corpus_file, nproc: int, jobs: list[dict]) -> dict:
-    """Run the jobs in `nproc` processes (plain python for 1, else torchrun);
-    return {job name: [rank 0's result, rank 1's, ...]}."""
+def run_worker(tmp_path, corpus_file, nproc: int, jobs: list[dict], env=None) -> dict:
+    """Run the jobs in `nproc` processes (plain python for 1, else torchrun), with
+    `env` (default child_env()); return {job name: [rank 0's result, rank 1's, ...]}."""
     jobs = [{**j, "overrides": [*j["overrides"], f"data_config.path={corpus_file}"]} for j in jobs]
     out = tmp_path / f"world{nproc}"
     launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
-    proc = subprocess.run([*launcher, WORKER, str(out), json.dumps(jobs)], env=child_env(),
+    proc = subprocess.run([*launcher, WORKER, str(out), json.dumps(jobs)], env=env or child_env(),
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {j["name"]: [torch.load(out / j["name"] / f"rank{r}.pt") for r in range(nproc)] for j in jobs}

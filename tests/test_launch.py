@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -20,10 +21,11 @@ def test_local_rank_argument_is_taken_out_of_the_overrides(argv, monkeypatch):
 
 
 def test_local_rank_argument_fills_in_a_missing_environment(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # setenv first: monkeypatch then undoes whatever take_local_rank_argument sets (a bare
+    # delenv of a missing variable records nothing, and LOCAL_RANK=3 outlived the test)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")
     assert take_local_rank_argument(["--local-rank=3"]) == []
-    import os
-
     assert os.environ["LOCAL_RANK"] == "3"
 
 

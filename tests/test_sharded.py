@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from mingpt import sharded
 from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, TrainerConfig
-from tests.conftest import REPO, child_env, torchrun_cmd
+from tests.conftest import REPO, child_env, fake_cuda_env, torchrun_cmd
 
 WORKER = str(REPO / "tests" / "sharded_worker.py")
 
@@ -241,3 +241,43 @@ def test_a_model_of_another_shape_is_refused_in_one_line(saved):
         with pytest.raises(SnapshotError) as refused:
             sharded.load({"model": msd, "optim": osd}, str(root))
         assert expected in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+ONE_ASYNC_SAVE = """
+import sys, torch
+from mingpt import sharded
+state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}}
+print(sharded.save(state, {"note": 1}, sys.argv[1], 3, keep=1, async_save=True).wait())
+"""
+
+
+def test_async_save_of_a_cpu_state_on_a_gpu_host(tmp_path):
+    """A CPU job's asynchronous save on a host where torch.cuda.is_available() (simulated):
+    the stager pinned its copy because the host had CUDA, and the save failed there."""
+    root = tmp_path / "root"
+    proc = subprocess.run([sys.executable, "-c", ONE_ASYNC_SAVE, str(root)], env=fake_cuda_env(gpus=1),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str(root / "step-00000003")
+    loaded, _ = sharded.load_full(str(root))
+    assert torch.equal(loaded["model"]["w"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_a_rank_failure_is_reported_with_its_type_and_place():
+    """DCP keeps each rank's failure as (exception, stack summary); the message gives the
+    exception's type, its text and where it was raised: a KeyError's text alone is its key
+    (a GPU host reported `cannot save sharded snapshot ...: <class 'type'>`)."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def stage(copiers: dict) -> None:
+        copiers[type]  # noqa: B018: fails as a stager did: KeyError(<class 'type'>)
+
+    try:
+        stage({})
+    except KeyError as e:
+        failure = _wrap_exception(e)
+    line = sharded._dcp_reason(CheckpointException("async_save", {1: failure}))
+    assert line.startswith("KeyError: <class 'type'>") and "(rank 1)" in line, line
+    assert "test_sharded.py:" in line and "in stage" in line and "\n" not in line, line
+    assert sharded._dcp_reason(CheckpointException("save", {0: _wrap_exception(OSError("disk full"))})) == \
+        "OSError: disk full (rank 0)"
