@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import stat
-import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -41,8 +40,7 @@ from mingpt import checkpoint
 from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, check, one_of
 from mingpt.data import CharTokenizer
-from mingpt.distributed import setup_logging
-from mingpt.generate import load_model
+from mingpt.generate import command, load_model
 from mingpt.model import GPT
 
 log = logging.getLogger(__name__)
@@ -250,21 +248,14 @@ def parse_args(argv: list[str]) -> ExportConfig:
     return ExportConfig(**vars(parser.parse_args(argv)))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__.strip())
-        return
-    try:
-        config = parse_args(argv)
-        setup_logging(rank=0)
-        state = export(config)
-    except (ConfigError, SnapshotError, ExportError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+def run(argv: list[str]) -> None:
+    config = parse_args(argv)
+    state = export(config)
     print(f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to {config.dst}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    command(__doc__, run, (ConfigError, SnapshotError, ExportError), argv)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import fsspec
 import torch
@@ -228,6 +228,25 @@ def run(config: GenerateConfig) -> None:
     seconds = time.perf_counter() - started
     chars = config.max_new_tokens * config.num_samples
     log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))
+
+
+def command(doc: str, body: Callable[[list[str]], None], errors: tuple[type[BaseException], ...],
+            argv: Optional[list[str]] = None) -> None:
+    """A command line of mingpt's (mingpt.export, mingpt.score): `--help` prints `doc`;
+    `body(argv)` runs with logging on stderr; one of `errors` ends it with one line on
+    stderr and exit status 2, Ctrl-C with status 130."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(doc.strip())
+        return
+    try:
+        setup_logging(rank=0)
+        body(argv)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -31,8 +30,8 @@ from mingpt import evaluation
 from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, one_of
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
-from mingpt.distributed import DistInfo, pick_device, setup_logging
-from mingpt.generate import GenerateConfig, load_model, parse_args
+from mingpt.distributed import DistInfo, pick_device
+from mingpt.generate import GenerateConfig, command, load_model, parse_args
 
 log = logging.getLogger(__name__)
 
@@ -115,24 +114,17 @@ def score(config: ScoreConfig) -> Score:
     return Score(result.loss, result.tokens, source, state.get("step", "?"))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__.strip())
-        return
-    try:
-        config = parse_args(argv, ScoreConfig, TEXT_KEYS)
-        setup_logging(rank=0)
-        result = score(config)
-    except (ConfigError, SnapshotError, DataError, TextError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+def run(argv: list[str]) -> None:
+    config = parse_args(argv, ScoreConfig, TEXT_KEYS)
+    result = score(config)
     print(f"{config.snapshot_path} (step {result.step}) on {result.source}: {result.tokens:,} characters scored")
     print(f"loss        {result.loss:.6f} nats per character")
     print(f"bpc         {result.bpc:.6f}")
     print(f"perplexity  {result.perplexity:.6f}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    command(__doc__, run, (ConfigError, SnapshotError, DataError, TextError), argv)
 
 
 if __name__ == "__main__":
