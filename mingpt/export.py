@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import logging
 import os
@@ -194,12 +195,16 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
     path = check_destination(dst, directory=True)
     if path is None:
         raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
-    parent = os.path.dirname(path)
+    parent, base = os.path.split(path)
+    prefix = f".{base}.tmp-"
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+        for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):
+            shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
+        tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
     except OSError as e:
         raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
+    old = None
     try:
         for name, data in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
@@ -208,17 +213,18 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
                 os.fsync(f.fileno())
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
         _fsync(tmp)
-        old = None
-        if os.path.isdir(path):
-            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
+        if os.path.isdir(path):  # an earlier export: moved aside, removed once the new one is in place
+            old = f"{prefix}old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, os.path.join(parent, old))
         os.rename(tmp, path)
         _fsync(parent)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
+        if old and not os.path.exists(path):  # put the earlier export back
+            os.rename(os.path.join(parent, old), path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
+    if old:
+        shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
 
 
 def export(config: ExportConfig) -> dict:

@@ -74,7 +74,10 @@ def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device)
     """The held-out windows of the run that wrote the snapshot, from its data_config."""
     if "data_config" not in state:
         raise SnapshotError("the snapshot holds no data_config: give the text to score with path=...")
-    data_config = DataConfig(**state["data_config"])
+    try:
+        data_config = DataConfig(**state["data_config"])
+    except TypeError as e:  # a key this version does not know
+        raise SnapshotError(f"the snapshot's data_config cannot be used ({e}): give the text with path=...") from None
     data = load_data(data_config)
     if data.tokenizer.chars != tokenizer.chars:
         raise TextError(f"the corpus {data_config.path} no longer has the snapshot's vocabulary "

@@ -87,7 +87,9 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(source, tmp_path, 
     export(source, dst, "--format", "hf")
     assert capsys.readouterr().out.startswith(f"exported {source} (step ")
     assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors", "vocab.json"]
-    hf_model = GPT2LMHeadModel.from_pretrained(dst).eval()
+    hf_model, info = GPT2LMHeadModel.from_pretrained(dst, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # every weight is ours, none drawn
+    hf_model.eval()
     model, tokenizer, _ = load_model(source, torch.device("cpu"))
     assert hf_model.config.tie_word_embeddings is False
     assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
@@ -132,8 +134,10 @@ def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_ru
     exported, original = checkpoint.load(str(dst)), checkpoint.load(str(run_dir / "snapshot.pt"))
     assert exported.keys() == original.keys() and exported["step"] == 60
     assert all(torch.equal(exported["model_state"][k], v) for k, v in original["model_state"].items())
-    # A directory export over an earlier one replaces it whole, leaving nothing else beside it.
+    # A directory export over an earlier one replaces it whole, leaving nothing else beside it
+    # (a killed export's temporary directory included).
     export(run_dir, tmp_path / "st")
+    (tmp_path / ".st.tmp-killed").mkdir()
     export(run_dir, tmp_path / "st", "--format", "hf")
     assert json.loads((tmp_path / "st" / "config.json").read_text())["model_type"] == "gpt2"
     assert sorted(os.listdir(tmp_path)) == ["one.pt", "st"]
