@@ -206,3 +206,21 @@ def test_help_and_the_command_line(tiny_run, tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("error: /dev/full is not a regular file or directory")
+
+
+def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
+    """As generate finds it: the snapshot that the run's own .hydra/config.yaml names."""
+    from mingpt.generate import find_snapshot
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    config = run / ".hydra" / "config.yaml"
+    for trainer_config, found in (("{}", run / "snapshot.pt"), ("{parallelism: fsdp}", run / "snapshots"),
+                                  ("{snapshot_path: /elsewhere/s.pt}", "/elsewhere/s.pt")):
+        config.write_text(f"trainer_config: {trainer_config}\n")
+        assert find_snapshot(str(run)) == str(found)
+    assert find_snapshot(str(tmp_path)) == str(tmp_path)  # not a run directory: taken as given
+    config.write_text("trainer_config: {batch_size: many}\n")
+    assert refused(capsys, [run, tmp_path / "out"]) == (
+        f"error: run directory {run}: {config} cannot be read "
+        "(Value 'many' of type 'str' could not be converted to Integer)")
