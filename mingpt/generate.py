@@ -3,7 +3,8 @@
 usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=value ...])
 
   snapshot_path=runs/default/snapshot.pt  snapshot to sample from (local path or fsspec URL): a snapshot
-                            file, or a sharded snapshot (a directory: its newest published snapshot)
+                            file, a sharded snapshot (a directory: its newest published snapshot),
+                            or a run directory (the snapshot its config names)
   prompt=                   text to continue, taken verbatim (empty: start of a new line)
   prompt_file=              read the prompt from this file instead (local path or fsspec URL)
   max_new_tokens=500        characters to generate per sample (>= 0)
@@ -32,7 +33,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import fsspec
 import torch
@@ -41,7 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import checkpoint
 from mingpt.checkpoint import SnapshotError
-from mingpt.config import ConfigError, GPTConfig, check, check_seed, one_of
+from mingpt.config import ConfigError, GPTConfig, TrainerConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
 from mingpt.distributed import pick_device, setup_logging
 from mingpt.model import GPT
@@ -94,20 +95,21 @@ class GenerateConfig:
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
 
 
-def parse_args(argv: list[str]) -> GenerateConfig:
-    """`key=value` overrides on the GenerateConfig defaults. OmegaConf rejects
-    unknown keys and wrong types; __post_init__ rejects bad values."""
+def parse_args(argv: list[str], schema: type = GenerateConfig, text_keys: tuple[str, ...] = TEXT_KEYS):
+    """`key=value` overrides on the defaults of the dataclass `schema` (GenerateConfig;
+    mingpt.score passes its own). OmegaConf rejects unknown keys and wrong types;
+    __post_init__ rejects bad values. The `text_keys` take their value verbatim."""
     text, rest = {}, []
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
             raise ConfigError(f"{arg}: expected key=value")
-        if key in TEXT_KEYS:
+        if key in text_keys:
             text[key] = value
         else:
             rest.append(arg)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(GenerateConfig), OmegaConf.from_dotlist(rest))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         message = str(e).strip().splitlines()[0]
@@ -116,9 +118,29 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     return replace(config, **text)
 
 
+def find_snapshot(path: str) -> str:
+    """The snapshot of a run directory (a local directory with .hydra/config.yaml:
+    where that run's trainer_config puts it); any other path as given."""
+    config_file = os.path.join(path, ".hydra", "config.yaml")
+    if "://" in path or not os.path.isfile(config_file):
+        return path
+    from mingpt.snapshot import resolve_path
+
+    try:
+        saved = OmegaConf.load(config_file).get("trainer_config") or {}
+        trainer_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved))
+    except (OmegaConfBaseException, ConfigError, OSError, ValueError) as e:
+        raise SnapshotError(f"run directory {path}: {config_file} cannot be read ({checkpoint.reason(e)})") from None
+    found = resolve_path(trainer_config, path)
+    log.info("run directory %s: its snapshot is %s", path, found)
+    return found
+
+
 def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict]:
-    """The model and vocabulary of a snapshot (a file, or a sharded snapshot's
-    directory read in this one process), ready for inference on `device`."""
+    """The model and vocabulary of a snapshot (a file, a sharded snapshot's
+    directory read in this one process, or a run directory's snapshot), ready
+    for inference on `device`."""
+    path = find_snapshot(path)
     if checkpoint.is_directory(path):
         from mingpt import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
 
@@ -206,6 +228,25 @@ def run(config: GenerateConfig) -> None:
     seconds = time.perf_counter() - started
     chars = config.max_new_tokens * config.num_samples
     log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))
+
+
+def command(doc: str, body: Callable[[list[str]], None], errors: tuple[type[BaseException], ...],
+            argv: Optional[list[str]] = None) -> None:
+    """A command line of mingpt's (mingpt.export, mingpt.score): `--help` prints `doc`;
+    `body(argv)` runs with logging on stderr; one of `errors` ends it with one line on
+    stderr and exit status 2, Ctrl-C with status 130."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(doc.strip())
+        return
+    try:
+        setup_logging(rank=0)
+        body(argv)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

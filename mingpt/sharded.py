@@ -66,7 +66,7 @@ None is the default group, or no process group at all in a single process):
     load(tensors, root_or_dir, group=None) -> meta   in place into `tensors`, resharding
     load_full(root_or_dir) -> (tensors, meta)        one process, no process group
     to_file_state(tensors, meta) -> dict             the single-file format's dict
-    load_file_state(path) -> dict      load_full + to_file_state, checked (generate, export)
+    load_file_state(path) -> dict      load_full + to_file_state, checked (generate, mingpt.export)
 
 The trainer's use: `msd, osd = get_state_dict(model, optimizer)`, then
 `save({"model": msd, "optim": osd}, meta, root, step, keep=..., async_save=...)`;
@@ -76,9 +76,9 @@ optim_state_dict=tensors["optim"])`. Asynchronous saves keep DCP's CPU copy
 of the state between saves (one more copy of each rank's share in RAM), so
 that later saves cost a copy and no allocation.
 
-`python -m mingpt.sharded export SRC DST` writes a sharded snapshot as one
-mingpt.checkpoint file (model weights, optimizer state re-keyed by parameter
-index, configs, vocabulary, progress), for generation and inspection.
+`python -m mingpt.export SRC DST --format snapshot` writes a sharded snapshot
+as one mingpt.checkpoint file (model weights, optimizer state re-keyed by
+parameter index, configs, vocabulary, progress), for generation and inspection.
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ import logging
 import os
 import pickle
 import re
-import sys
 import threading
 import traceback
 import uuid
@@ -726,41 +725,3 @@ def load_file_state(path: str) -> dict[str, Any]:
     state = to_file_state(*load_full(path))
     checkpoint.check_structure(state, path)
     return state
-
-
-def export(src: str, dst: str) -> dict[str, Any]:
-    """Write the sharded snapshot `src` (root or directory) as one mingpt.checkpoint file `dst`."""
-    state = load_file_state(src)
-    checkpoint.save(state, dst)
-    return state
-
-
-USAGE = """usage: python -m mingpt.sharded export SRC DST
-
-Write the sharded snapshot SRC (a snapshot root: its newest published snapshot;
-or one step-... directory; local path or fsspec URL) as one snapshot file DST
-(local path or fsspec URL), which python -m mingpt.generate reads like any
-snapshot file. For generation and inspection."""
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """python -m mingpt.sharded export SRC DST"""
-    from mingpt.distributed import setup_logging
-
-    argv = sys.argv[1:] if argv is None else argv
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(USAGE)
-        return
-    try:
-        if len(argv) != 3 or argv[0] != "export":
-            raise SnapshotError(f"expected: python -m mingpt.sharded export SRC DST, got {' '.join(argv) or 'nothing'}")
-        setup_logging(rank=0)
-        state = export(argv[1], argv[2])
-    except SnapshotError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    print(f"exported {argv[1]} (step {state.get('step', '?')}) to {argv[2]}")
-
-
-if __name__ == "__main__":
-    main()

@@ -330,6 +330,7 @@ class Trainer:
                 f"training diverged: the held-out loss is {result.loss} at step {p.step}; {self._kept()}")
         p.best_eval_loss = min(p.best_eval_loss, result.loss)
         self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
+                         perplexity=math.exp(result.loss),
                          rank_losses=result.rank_losses, tokens=result.tokens)
         if self.cfg.sample_chars and (self.dist.is_main_process or self.sharded):
             text = self.sample(self.cfg.sample_chars)

@@ -66,6 +66,23 @@ def corpus_file(tmp_path_factory, corpus, request) -> Path:
     return path
 
 
+# A tiny run that evaluates (every 20 steps, and at its end): the snapshot and metrics of a real run.
+TINY_RUN = TINY + ["data_config.path=small.txt", "trainer_config.run_name=tiny", "trainer_config.max_steps=60",
+                   "trainer_config.eval_every=20", "optimizer_config.learning_rate=1e-2",
+                   "optimizer_config.warmup_steps=10"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, corpus) -> tuple[Path, Path]:
+    """(the directory `python main.py TINY_RUN` ran in, its run directory), trained on
+    the first 20,000 characters of the corpus (small.txt there) in a few seconds."""
+    cwd = tmp_path_factory.mktemp("tiny-run")
+    (cwd / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    result = run_main(TINY_RUN, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd, run_dir_of(cwd, TINY_RUN)
+
+
 @pytest.fixture
 def one_thread():
     """In-process work on one thread, like the subprocesses (child_env): the
@@ -176,4 +193,4 @@ def environment_unchanged(request):
         pytest.fail(f"the test left os.environ changed: {', '.join(changed)}", pytrace=False)
 
 
-__all__ = ["CPU", "REPO", "TINY", "fake_cuda_env", "real_cuda", "free_port", "run_dir_of", "run_main", "run_torchrun", "torchrun_cmd", "child_env", "shutil"]
+__all__ = ["CPU", "REPO", "TINY", "TINY_RUN", "fake_cuda_env", "real_cuda", "free_port", "run_dir_of", "run_main", "run_torchrun", "torchrun_cmd", "child_env", "shutil"]

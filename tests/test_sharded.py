@@ -190,10 +190,13 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
     root_logger = logging.getLogger()  # the CLIs set up logging to the captured stderr: put it back after
     monkeypatch.setattr(root_logger, "handlers", root_logger.handlers[:])
     monkeypatch.setattr(root_logger, "level", root_logger.level)
-    sharded.main(["export", str(root), str(exported)])
-    assert capsys.readouterr().out == f"exported {root} (step 4) to {exported}\n"
+    from mingpt.export import main as export_main
+
+    export_main([str(root), str(exported), "--format", "snapshot"])
+    assert capsys.readouterr().out == f"exported {root} (step 4) as snapshot to {exported}\n"
+    (tmp_path / "nothing").mkdir()
     with pytest.raises(SystemExit) as exit_status:
-        sharded.main(["export", str(tmp_path / "nothing"), str(tmp_path / "other.pt")])
+        export_main([str(tmp_path / "nothing"), str(tmp_path / "other.pt"), "--format=snapshot"])
     assert exit_status.value.code == 2 and not (tmp_path / "other.pt").exists()
     assert capsys.readouterr().err == f"error: no published sharded snapshot in {tmp_path / 'nothing'}\n"
 

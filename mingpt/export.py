@@ -1,0 +1,268 @@
+"""Export a snapshot for other tools.
+
+usage: python -m mingpt.export SRC DST [--format safetensors|hf|snapshot]   (or: mingpt-export ...)
+
+  SRC       a snapshot: a snapshot file, a sharded snapshot (a directory: its newest
+            published snapshot, or one step-... directory) or a run directory (the
+            snapshot its config names); local path or fsspec URL
+  DST       where the export goes; it must be absent, or of the kind the format writes
+            (a directory a previous export wrote, or a regular file); never a device
+  --format  safetensors (default): DST a directory of model.safetensors (the weights under
+            the model's own names, float32), config.json (the GPTConfig: the model's shape)
+            and vocab.json (each character and its token id)
+            hf: DST a directory that Hugging Face transformers loads with
+            GPT2LMHeadModel.from_pretrained(DST): config.json, model.safetensors, vocab.json
+            snapshot: DST one snapshot file (mingpt.checkpoint's format, optimizer state
+            included), e.g. a sharded snapshot as one file; local path or fsspec URL
+
+The export is written beside DST and renamed into place, so DST only ever holds
+a complete export. Bad input ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from mingpt import checkpoint
+from mingpt.checkpoint import SnapshotError
+from mingpt.config import ConfigError, check, one_of
+from mingpt.data import CharTokenizer
+from mingpt.generate import command, load_model
+from mingpt.model import GPT
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("safetensors", "hf", "snapshot")
+WEIGHTS, CONFIG, VOCAB = "model.safetensors", "config.json", "vocab.json"
+# GPT-2's Conv1D keeps its weight as (in, out), the transpose of nn.Linear's (out, in).
+CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class ExportError(ValueError):
+    """The export cannot be written where it was asked to go."""
+
+
+@dataclass
+class ExportConfig:
+    src: str
+    dst: str
+    format: str = "safetensors"
+
+    def __post_init__(self) -> None:
+        check(bool(self.src), "SRC", "must not be empty")
+        check(bool(self.dst), "DST", "must not be empty")
+        one_of(self.format, "--format", FORMATS)
+
+
+# ---------------------------------------------------------------- what is written
+
+
+def vocab_json(tokenizer: CharTokenizer) -> bytes:
+    return json.dumps({c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1).encode()
+
+
+def weights(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's float32 weights under its own names (what GPT.load_state_dict takes)."""
+    return {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
+
+
+def safetensors_files(model: GPT, tokenizer: CharTokenizer, step) -> dict[str, bytes]:
+    """`GPT(GPTConfig(**config.json))` loads model.safetensors as it is."""
+    return {
+        WEIGHTS: safetensors_bytes(weights(model), metadata={"format": "pt", "mingpt_step": str(step)}),
+        CONFIG: json.dumps(dataclasses.asdict(model.config), indent=1).encode(),
+        VOCAB: vocab_json(tokenizer),
+    }
+
+
+def hf_config(model: GPT) -> dict:
+    """GPT2Config's fields for this model. The same arithmetic: pre-LayerNorm blocks
+    with biases, attention scaled by 1/sqrt(head size), a 4x MLP, the activation
+    and LayerNorm epsilon read from the model itself, and a head of its own (untied)."""
+    c, gelu = model.config, model.h[0].mlp.gelu
+    activation = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[gelu.approximate]
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab_size,
+        "n_positions": c.block_size,
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_inner": model.h[0].mlp.c_fc.out_features,
+        "activation_function": activation,
+        "layer_norm_epsilon": model.ln_f.eps,
+        "resid_pdrop": c.dropout,
+        "embd_pdrop": c.dropout,
+        "attn_pdrop": c.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,  # a character model has no special tokens
+        "eos_token_id": None,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def hf_weights(model: GPT) -> dict[str, torch.Tensor]:
+    """The weights under GPT2LMHeadModel's names: the body under `transformer.`,
+    the Conv1D weights transposed, lm_head as it is."""
+    out = {}
+    for name, tensor in weights(model).items():
+        module, _, kind = name.rpartition(".")
+        if name != "lm_head.weight":
+            if kind == "weight" and module.split(".", 2)[-1] in CONV1D:  # h.<i>.attn.c_attn
+                tensor = tensor.t().contiguous()
+            name = f"transformer.{name}"
+        out[name] = tensor
+    return out
+
+
+def hf_files(model: GPT, tokenizer: CharTokenizer, step) -> dict[str, bytes]:
+    return {
+        WEIGHTS: safetensors_bytes(hf_weights(model), metadata={"format": "pt", "mingpt_step": str(step)}),
+        CONFIG: json.dumps(hf_config(model), indent=1).encode(),
+        VOCAB: vocab_json(tokenizer),
+    }
+
+
+# ---------------------------------------------------------------- where it is written
+
+
+def _local(dst: str) -> Optional[str]:
+    """The local path of DST (symbolic links followed: the export replaces their
+    target), or None for a URL of another file system."""
+    if "://" in dst and not dst.startswith("file://"):
+        return None
+    return os.path.realpath(dst.removeprefix("file://"))
+
+
+def check_destination(dst: str, directory: bool) -> Optional[str]:
+    """DST's local path, after checking that it is absent or of the kind the export
+    replaces: a regular file (snapshot format), or a directory that holds nothing
+    but an earlier export's files. A device, pipe or socket is never replaced."""
+    path = _local(dst)
+    if path is None:
+        return None
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as e:  # e.g. a parent that is a file
+        raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
+    if stat.S_ISDIR(info.st_mode):
+        if not directory:
+            raise ExportError(f"{dst} is a directory: the snapshot format writes one file")
+        others = sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB})
+        if others:
+            raise ExportError(f"{dst} is a directory with other files ({', '.join(others[:3])}): "
+                              "give a new or an earlier export's directory")
+    elif not stat.S_ISREG(info.st_mode):
+        raise ExportError(f"{dst} is not a regular file or directory (a device, pipe or socket): "
+                          "refusing to replace it")
+    elif directory:
+        raise ExportError(f"{dst} is a file: this format writes a directory")
+    return path
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_directory(dst: str, files: dict[str, bytes]) -> None:
+    """Write `files` into a temporary directory beside DST, then rename it to DST
+    (an earlier export there is moved aside first, then removed)."""
+    path = check_destination(dst, directory=True)
+    if path is None:
+        raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
+    parent, base = os.path.split(path)
+    prefix = f".{base}.tmp-"
+    try:
+        os.makedirs(parent, exist_ok=True)
+        for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):
+            shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
+        tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    except OSError as e:
+        raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
+    old = None
+    try:
+        for name, data in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
+        _fsync(tmp)
+        if os.path.isdir(path):  # an earlier export: moved aside, removed once the new one is in place
+            old = f"{prefix}old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, os.path.join(parent, old))
+        os.rename(tmp, path)
+        _fsync(parent)
+    except OSError as e:
+        if old and not os.path.exists(path):  # put the earlier export back
+            os.rename(os.path.join(parent, old), path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
+    if old:
+        shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
+
+
+def export(config: ExportConfig) -> dict:
+    """Write the export; return the snapshot's state (its progress names the step)."""
+    check_destination(config.dst, directory=config.format != "snapshot")  # before any work; again when writing
+    model, tokenizer, state = load_model(config.src, torch.device("cpu"))
+    step = state.get("step", "?")
+    if config.format == "snapshot":
+        check_destination(config.dst, directory=False)
+        checkpoint.save(state, config.dst)  # streamed to a temporary file, then renamed
+    else:
+        build = safetensors_files if config.format == "safetensors" else hf_files
+        write_directory(config.dst, build(model, tokenizer, step))
+    return state
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, through main's handler, instead of usage + exit
+        raise ConfigError(message)
+
+
+def parse_args(argv: list[str]) -> ExportConfig:
+    parser = _Parser(prog="python -m mingpt.export", add_help=False)
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    parser.add_argument("--format", default=ExportConfig.format)
+    return ExportConfig(**vars(parser.parse_args(argv)))
+
+
+def run(argv: list[str]) -> None:
+    config = parse_args(argv)
+    state = export(config)
+    print(f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to {config.dst}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    command(__doc__, run, (ConfigError, SnapshotError, ExportError), argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Score a text under a snapshot: loss, bits per character, perplexity.
+
+usage: python -m mingpt.score [key=value ...]   (or: mingpt-score [key=value ...])
+
+  snapshot_path=runs/default/snapshot.pt  the model (local path or fsspec URL): a snapshot
+                            file, a sharded snapshot's directory, or a run directory
+  path=                     the text to score (local path or fsspec URL, UTF-8); empty:
+                            the held-out split of the run's own corpus, as the run evaluates it
+  device=auto               auto (CUDA if available), cpu or cuda
+
+The text is cut into non-overlapping windows of the model's block_size (the
+held-out split: exactly the windows of the run's evaluation, trainer_config.eval_tokens
+included; a file: every whole window, or one window of the whole text if it is
+shorter), each predicted from its own start, in float32. Printed to stdout:
+the mean cross-entropy per character in nats, in bits (bpc) and its exponential
+(perplexity). A character outside the snapshot's vocabulary, a missing file or
+snapshot, or a bad value ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from mingpt import evaluation
+from mingpt.checkpoint import SnapshotError
+from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, one_of
+from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
+from mingpt.distributed import DistInfo, pick_device
+from mingpt.generate import GenerateConfig, command, load_model, parse_args
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoreConfig:
+    snapshot_path: str = GenerateConfig.snapshot_path
+    path: str = ""
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
+        one_of(self.device, "device", ("auto", "cpu", "cuda"))
+
+
+TEXT_KEYS = tuple(f.name for f in fields(ScoreConfig))  # all free text, taken verbatim
+
+
+class TextError(ValueError):
+    """The text to score cannot be read or does not fit the snapshot's vocabulary."""
+
+
+@dataclass(frozen=True)
+class Score:
+    loss: float  # mean cross-entropy per scored character, in nats
+    tokens: int  # characters scored (the targets of the windows)
+    source: str  # what was scored, in words
+    step: object  # the snapshot's step
+
+    @property
+    def bpc(self) -> float:
+        return self.loss / math.log(2)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device):
+    """The held-out windows of the run that wrote the snapshot, from its data_config."""
+    if "data_config" not in state:
+        raise SnapshotError("the snapshot holds no data_config: give the text to score with path=...")
+    try:
+        data_config = DataConfig(**state["data_config"])
+    except TypeError as e:  # a key this version does not know
+        raise SnapshotError(f"the snapshot's data_config cannot be used ({e}): give the text with path=...") from None
+    data = load_data(data_config)
+    if data.tokenizer.chars != tokenizer.chars:
+        raise TextError(f"the corpus {data_config.path} no longer has the snapshot's vocabulary "
+                        "(it changed since the run): give the text with path=...")
+    _, heldout = data.place(device, data_config.placement)
+    return heldout, f"the held-out split of {data_config.path}"
+
+
+def text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: torch.device) -> TokenWindows:
+    """Every whole non-overlapping window of block_size of the file (one of its
+    whole length when it is shorter)."""
+    text = read_text(path)
+    unknown = tokenizer.unknown(text)
+    if unknown:
+        raise TextError(f"{path} has characters outside the snapshot's vocabulary: "
+                        f"{' '.join(repr(c) for c in unknown[:20])}")
+    tokens = tokenizer.encode(text).to(device)
+    if len(tokens) < 2:
+        raise TextError(f"{path} has {len(tokens)} character: nothing to predict")
+    block = min(block_size, len(tokens) - 1)
+    return TokenWindows(tokens, block, block)
+
+
+def score(config: ScoreConfig) -> Score:
+    device = pick_device(config.device, key="device")
+    model, tokenizer, state = load_model(config.snapshot_path, device)
+    trainer_config = state.get("trainer_config") or {}
+    if config.path:
+        windows, source = text_windows(config.path, tokenizer, model.config.block_size, device), config.path
+        eval_tokens = 0  # all of it
+    else:
+        windows, source = heldout_windows(state, tokenizer, device)
+        eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
+    batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)  # as the run's evaluation
+    one_process = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
+    result = evaluation.evaluate(model, windows, one_process, eval_tokens, batch_size)
+    return Score(result.loss, result.tokens, source, state.get("step", "?"))
+
+
+def run(argv: list[str]) -> None:
+    config = parse_args(argv, ScoreConfig, TEXT_KEYS)
+    result = score(config)
+    print(f"{config.snapshot_path} (step {result.step}) on {result.source}: {result.tokens:,} characters scored")
+    print(f"loss        {result.loss:.6f} nats per character")
+    print(f"bpc         {result.bpc:.6f}")
+    print(f"perplexity  {result.perplexity:.6f}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    command(__doc__, run, (ConfigError, SnapshotError, DataError, TextError), argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""mingpt.export: safetensors and Hugging Face exports of both snapshot formats and of a
+run directory, loaded back by safetensors and by transformers' own GPT2LMHeadModel,
+the project's logits to 1e-5; the snapshot format; refused destinations and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import child_env
+
+from mingpt.config import GPTConfig
+from mingpt.export import main as export_main
+from mingpt.generate import load_model
+from mingpt.model import GPT
+
+TOLERANCE = 1e-5
+VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))  # 96 characters
+
+
+@pytest.fixture(autouse=True)
+def keep_logging(monkeypatch):
+    """The CLI sets up logging to the (captured) stderr: put the root logger back after."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", root.handlers[:])
+    monkeypatch.setattr(root, "level", root.level)
+
+
+def random_model(seed: int = 0) -> GPT:
+    """A tiny GPT whose every weight is far from its initialisation (LayerNorm gains and
+    biases included), so that a wrong mapping, transpose or activation shows in the logits."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=len(VOCAB), block_size=16))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def sharded_root(tmp_path_factory) -> Path:
+    """A sharded snapshot of random_model, saved by this one process (no process group)."""
+    from mingpt import sharded
+
+    root = tmp_path_factory.mktemp("sharded") / "snapshots"
+    model = random_model()
+    meta = {"gpt_config": dataclasses.asdict(model.config), "vocab": VOCAB, "epoch": 0, "samples_in_epoch": 0,
+            "step": 3}
+    sharded.save({"model": model.state_dict()}, meta, str(root), 3, async_save=False)
+    return root
+
+
+@pytest.fixture(params=["file", "sharded", "run directory"])
+def source(request, tiny_run, sharded_root) -> str:
+    """A snapshot of each kind: a trained run's file, a sharded snapshot, the run's directory."""
+    _, run_dir = tiny_run
+    return {"file": str(run_dir / "snapshot.pt"), "sharded": str(sharded_root),
+            "run directory": str(run_dir)}[request.param]
+
+
+def export(src, dst, *options) -> None:
+    export_main([str(src), str(dst), *options])
+
+
+def max_difference(model: GPT, hf_model, seed: int = 0) -> float:
+    c = model.config
+    idx = torch.randint(0, c.vocab_size, (4, c.block_size), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        theirs = hf_model(input_ids=idx).logits
+    assert theirs.shape == ours.shape
+    return (ours - theirs).abs().max().item()
+
+
+def test_hf_export_loads_in_transformers_with_the_same_logits(source, tmp_path, capsys):
+    from transformers import GPT2LMHeadModel
+
+    dst = tmp_path / "hf"
+    export(source, dst, "--format", "hf")
+    assert capsys.readouterr().out.startswith(f"exported {source} (step ")
+    assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors", "vocab.json"]
+    hf_model, info = GPT2LMHeadModel.from_pretrained(dst, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # every weight is ours, none drawn
+    hf_model.eval()
+    model, tokenizer, _ = load_model(source, torch.device("cpu"))
+    assert hf_model.config.tie_word_embeddings is False
+    assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
+    assert max_difference(model, hf_model) <= TOLERANCE
+    assert json.loads((dst / "vocab.json").read_text(encoding="utf-8")) == tokenizer.stoi
+
+
+def test_the_logit_check_detects_a_wrong_activation(sharded_root, tmp_path):
+    """tanh-approximate GELU (GPT-2's own `gelu_new`) in place of the exact one: off by more than 10x the tolerance."""
+    from transformers import GPT2LMHeadModel
+
+    export(sharded_root, tmp_path / "hf", "--format=hf")
+    model, _, _ = load_model(str(sharded_root), torch.device("cpu"))
+    wrong = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", activation_function="gelu_new").eval()
+    assert max_difference(model, wrong) > 10 * TOLERANCE
+
+
+def test_safetensors_export_rebuilds_the_model(source, tmp_path):
+    from safetensors.torch import load_file
+
+    dst = tmp_path / "st"
+    export(source, dst)  # the default format
+    config = json.loads((dst / "config.json").read_text())
+    vocab = json.loads((dst / "vocab.json").read_text(encoding="utf-8"))
+    rebuilt = GPT(GPTConfig(**config))
+    rebuilt.load_state_dict(load_file(dst / "model.safetensors"))
+    model, tokenizer, _ = load_model(source, torch.device("cpu"))
+    assert dataclasses.asdict(model.config) == config
+    assert sorted(vocab, key=vocab.get) == list(tokenizer.chars)
+    for (name, ours), (name2, theirs) in zip(model.state_dict().items(), rebuilt.state_dict().items()):
+        assert name == name2 and torch.equal(ours, theirs), name
+
+
+def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_run, tmp_path, capsys):
+    from mingpt import checkpoint
+
+    _, run_dir = tiny_run
+    dst = tmp_path / "one.pt"
+    dst.write_bytes(b"an earlier file")  # a regular file is replaced
+    export(run_dir, dst, "--format", "snapshot")
+    assert capsys.readouterr().out == f"exported {run_dir} (step 60) as snapshot to {dst}\n"
+    exported, original = checkpoint.load(str(dst)), checkpoint.load(str(run_dir / "snapshot.pt"))
+    assert exported.keys() == original.keys() and exported["step"] == 60
+    assert all(torch.equal(exported["model_state"][k], v) for k, v in original["model_state"].items())
+    # A directory export over an earlier one replaces it whole, leaving nothing else beside it
+    # (a killed export's temporary directory included).
+    export(run_dir, tmp_path / "st")
+    (tmp_path / ".st.tmp-killed").mkdir()
+    export(run_dir, tmp_path / "st", "--format", "hf")
+    assert json.loads((tmp_path / "st" / "config.json").read_text())["model_type"] == "gpt2"
+    assert sorted(os.listdir(tmp_path)) == ["one.pt", "st"]
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """The one line on stderr of a command that exits with status 2."""
+    with pytest.raises(SystemExit) as exit_status:
+        export_main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_status.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("device", ["/dev/null", "/dev/full"])
+@pytest.mark.parametrize("form", ["snapshot", "safetensors", "hf"])
+def test_a_device_node_is_never_replaced(sharded_root, tmp_path, capsys, device, form):
+    before = os.stat(device)
+    line = refused(capsys, [sharded_root, device, "--format", form])
+    assert line == (f"error: {device} is not a regular file or directory (a device, pipe or socket): "
+                    "refusing to replace it")
+    link = tmp_path / "link"  # nor through a symbolic link
+    link.symlink_to(device)
+    assert "is not a regular file or directory" in refused(capsys, [sharded_root, link, "--format", form])
+    after = os.stat(device)
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev and link.is_symlink()
+    assert os.listdir("/dev").count(os.path.basename(device)) == 1 and not list(Path("/dev").glob("*.tmp-*"))
+
+
+def test_bad_input_is_one_line(sharded_root, tiny_run, tmp_path, capsys):
+    _, run_dir = tiny_run
+    snapshot = run_dir / "snapshot.pt"
+    missing = tmp_path / "missing.pt"
+    assert refused(capsys, [missing, tmp_path / "out"]) == f"error: snapshot not found: {missing}"
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(snapshot.read_bytes()[:-100])
+    assert refused(capsys, [damaged, tmp_path / "out"]).startswith(f"error: snapshot {damaged} is truncated")
+    assert refused(capsys, [snapshot, tmp_path / "out", "--format", "onnx"]) == (
+        "error: --format: 'onnx' is not one of safetensors, hf, snapshot")
+    assert refused(capsys, [snapshot]) == "error: the following arguments are required: dst"
+    assert refused(capsys, [snapshot, tmp_path / "out", "--level=3"]) == "error: unrecognized arguments: --level=3"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for form in ("safetensors", "snapshot"):  # a parent that is a file: nothing can be written there
+        assert refused(capsys, [snapshot, blocker / "out", "--format", form]).startswith(
+            f"error: cannot write {blocker / 'out'}: Not a directory")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert refused(capsys, [snapshot, mine]) == (
+        f"error: {mine} is a directory with other files (notes.txt): give a new or an earlier export's directory")
+    assert refused(capsys, [snapshot, mine, "--format", "snapshot"]) == (
+        f"error: {mine} is a directory: the snapshot format writes one file")
+    assert refused(capsys, [snapshot, blocker]) == f"error: {blocker} is a file: this format writes a directory"
+    assert (mine / "notes.txt").read_text() == "keep me" and blocker.read_text() == "x"
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "damaged.pt", "mine"]  # no temporary left behind
+
+
+def test_help_and_the_command_line(tiny_run, tmp_path):
+    cwd, run_dir = tiny_run
+    result = subprocess.run([sys.executable, "-m", "mingpt.export", "--help"], env=child_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("Export a snapshot for other tools.")
+    assert "--format" in result.stdout and not result.stderr
+    result = subprocess.run([sys.executable, "-m", "mingpt.export", str(run_dir), "/dev/full"], env=child_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: /dev/full is not a regular file or directory")
+
+
+def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
+    """As generate finds it: the snapshot that the run's own .hydra/config.yaml names."""
+    from mingpt.generate import find_snapshot
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    config = run / ".hydra" / "config.yaml"
+    for trainer_config, found in (("{}", run / "snapshot.pt"), ("{parallelism: fsdp}", run / "snapshots"),
+                                  ("{snapshot_path: /elsewhere/s.pt}", "/elsewhere/s.pt")):
+        config.write_text(f"trainer_config: {trainer_config}\n")
+        assert find_snapshot(str(run)) == str(found)
+    assert find_snapshot(str(tmp_path)) == str(tmp_path)  # not a run directory: taken as given
+    config.write_text("trainer_config: {batch_size: many}\n")
+    assert refused(capsys, [run, tmp_path / "out"]) == (
+        f"error: run directory {run}: {config} cannot be read "
+        "(Value 'many' of type 'str' could not be converted to Integer)")

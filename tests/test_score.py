@@ -1,0 +1,104 @@
+"""mingpt.score: the held-out split scored exactly as the run's final evaluation, any
+text file, a character outside the vocabulary, bad input; eval events carry perplexity."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import child_env
+
+from mingpt.generate import load_model
+from mingpt.score import ScoreConfig, main, score
+
+
+@pytest.fixture(autouse=True)
+def keep_logging(monkeypatch):
+    """The CLI sets up logging to the (captured) stderr: put the root logger back after."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", root.handlers[:])
+    monkeypatch.setattr(root, "level", root.level)
+
+
+def last_eval(run_dir) -> dict:
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [e for e in events if e["split"] == "eval"][-1]
+
+
+def test_held_out_split_scores_as_the_runs_last_evaluation(tiny_run, monkeypatch, capsys, one_thread):
+    cwd, run_dir = tiny_run
+    monkeypatch.chdir(cwd)  # the run's data_config.path is relative to where it ran
+    final = last_eval(run_dir)
+    assert final["step"] == 60 and final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=1e-12)
+    for snapshot in (run_dir, run_dir / "snapshot.pt"):
+        result = score(ScoreConfig(snapshot_path=str(snapshot), device="cpu"))
+        assert result.loss == pytest.approx(final["loss"], rel=1e-6, abs=0)
+        assert result.tokens == final["tokens"] and result.step == 60
+        assert result.bpc == pytest.approx(final["bpc"], rel=1e-6)
+    main([f"snapshot_path={run_dir}", "device=cpu"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{run_dir} (step 60) on the held-out split of small.txt: {final['tokens']:,} characters scored"
+    loss, bpc, perplexity = (float(line.split()[1]) for line in out[1:])
+    assert loss == pytest.approx(final["loss"], abs=1e-6) and bpc == pytest.approx(final["bpc"], abs=1e-6)
+    assert perplexity == pytest.approx(final["perplexity"], abs=1e-5)
+
+
+def test_a_text_file_is_scored_window_by_window(tiny_run, tmp_path, one_thread):
+    _, run_dir = tiny_run
+    model, tokenizer, _ = load_model(str(run_dir), torch.device("cpu"))
+    block = model.config.block_size
+    text = "ROMEO:\nWhat light through yonder window breaks? It is the east."[: 2 * block + 5]
+    path = tmp_path / "text.txt"
+    path.write_text(text, encoding="utf-8")
+    result = score(ScoreConfig(snapshot_path=str(run_dir), path=str(path), device="cpu"))
+    # Two whole windows of block_size, each predicted from its own start; the 4 characters after them are not.
+    tokens = tokenizer.encode(text).long()
+    windows = torch.stack([tokens[i * block : (i + 1) * block + 1] for i in range(2)])
+    with torch.no_grad():
+        logits, _ = model(windows[:, :-1])
+    expected = F.cross_entropy(logits.reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1)).item()
+    assert result.tokens == 2 * block and result.loss == pytest.approx(expected, rel=1e-6)
+    assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-6) and result.source == str(path)
+    # A text shorter than one window is one window of its whole length.
+    path.write_text("ROMEO:", encoding="utf-8")
+    short = score(ScoreConfig(snapshot_path=str(run_dir), path=str(path), device="cpu"))
+    with torch.no_grad():
+        logits, loss = model(tokens[None, :5], tokens[None, 1:6])
+    assert short.tokens == 5 and short.loss == pytest.approx(loss.item(), rel=1e-6)
+
+
+def refused(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_status:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_status.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
+    _, run_dir = tiny_run
+    snapshot = f"snapshot_path={run_dir / 'snapshot.pt'}"
+    foreign = tmp_path / "foreign.txt"
+    foreign.write_text("Romeo é~ Romeo\n", encoding="utf-8")
+    assert refused(capsys, [snapshot, f"path={foreign}"]) == (
+        f"error: {foreign} has characters outside the snapshot's vocabulary: '~' 'é'")
+    missing = tmp_path / "missing.txt"
+    assert refused(capsys, [snapshot, f"path={missing}"]) == f"error: data file not found: {missing}"
+    assert refused(capsys, [f"snapshot_path={tmp_path / 'none.pt'}"]) == (
+        f"error: snapshot not found: {tmp_path / 'none.pt'}")
+    assert refused(capsys, [snapshot, "batch=3"]) == "error: Key 'batch' not in 'ScoreConfig'"
+    assert refused(capsys, [snapshot, "device=tpu"]) == "error: device: 'tpu' is not one of auto, cpu, cuda"
+    if not torch.cuda.is_available():
+        assert refused(capsys, [snapshot, "device=cuda"]) == "error: device: cuda, but CUDA is not available"
+
+
+def test_help():
+    result = subprocess.run([sys.executable, "-m", "mingpt.score", "--help"], env=child_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("Score a text under a snapshot") and not result.stderr
