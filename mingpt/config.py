@@ -218,8 +218,9 @@ class TrainerConfig:
     # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd",
     # "batched_powersgd", "post_local_sgd" (see mingpt/comm_hooks.py).
     ddp_comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_step: int = 10
+    # PowerSGD's rank, and its start: after the warmup (measured in BENCHMARKS.md: 2% behind DDP).
+    powersgd_rank: int = 8
+    powersgd_start_step: int = 100
     # Resuming a snapshot written with other values of result-affecting keys is
     # refused; true continues it with this config's values (more epochs, a lower
     # learning rate). The model's shape and vocabulary can never change.
