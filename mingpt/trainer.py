@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from typing import Iterator
 
@@ -60,6 +61,7 @@ class Trainer:
         self.device = device = dist_info.device
         self.data = data
         self.train_windows, self.eval_windows = data.place(device, config.data_config.placement)
+        self.run_dir = run_dir
         self.snapshot_path = resolve_path(cfg, run_dir)
         comm_hooks.check(cfg, dist_info)  # a hook this run cannot use is refused before any work
         self.comm = comm_hooks.create(cfg, dist_info)
@@ -131,7 +133,7 @@ class Trainer:
     def train(self) -> None:
         p = self.progress
         if self._finished():
-            log.info("run already complete at step %d (snapshot %s)", p.step, self.snapshot_path)
+            log.info("%s", self._already_complete())
             self._print_sample()
             return
         try:
@@ -207,6 +209,22 @@ class Trainer:
         self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
                          tokens_per_s=tokens_per_s, note=f"elapsed {_duration(elapsed)} eta {_duration(eta)}")
         self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def _already_complete(self) -> str:
+        """What to type instead, when a command finds its run complete. The number of
+        processes is not part of a run (an elastic restart with fewer or more resumes
+        the same one), so the same command under torchrun finds it complete too."""
+        cfg, p = self.cfg, self.progress
+        if cfg.max_steps is not None and p.step >= cfg.max_steps:
+            further = f"trainer_config.max_steps={2 * cfg.max_steps}"
+        else:
+            further = f"trainer_config.max_epochs={p.epoch + 1}"
+        # hydra.run.dir=PATH names the directory itself: there a new run needs another path.
+        named = os.path.basename(os.path.normpath(self.run_dir)).startswith(cfg.run_name)
+        new = "trainer_config.run_name=NAME (a name not used yet)" if named else "hydra.run.dir=ANOTHER_DIRECTORY"
+        return (f"run already complete at step {p.step} (snapshot {self.snapshot_path}), whatever the number of "
+                f"processes: nothing to train. For a new run add {new}; "
+                f"to train this one further add {further} trainer_config.allow_config_change=true")
 
     def _agree(self) -> list[int]:
         """The per-step decisions (StepFlags), the same on every rank: one tiny
