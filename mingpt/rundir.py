@@ -63,7 +63,7 @@ def config_hash(sections: Mapping[str, Any]) -> str:
 
 # The readable part of a run directory's name is at most this long; a longer
 # list of changed values leaves only the hash (experiments change many).
-LABEL_MAX_CHARS = 64
+LABEL_MAX_CHARS = 80
 
 
 def _short_key(key: str) -> str:
