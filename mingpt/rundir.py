@@ -227,6 +227,8 @@ class Claim:
         root = logging.getLogger()
         self.log_file = logging.FileHandler(os.path.join(self.run_dir, "train.log"))
         self.log_file.setFormatter(root.handlers[0].formatter if root.handlers else None)
+        for log_filter in root.handlers[0].filters if root.handlers else ():  # mingpt's INFO only
+            self.log_file.addFilter(log_filter)
         if self.log_buffer is not None:
             self.log_buffer.setTarget(self.log_file)
             self.log_buffer.flush()

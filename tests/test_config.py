@@ -241,3 +241,15 @@ def test_readme_commands_each_get_their_own_run_directory():
     assert runs[0] == [] and run_dir() == "runs/default" and "`runs/default`" in readme
     dirs = [run_dir(*args) for args in runs]
     assert len(runs) >= 4 and len(set(dirs)) == len(dirs), list(zip(runs, dirs))
+
+
+def test_every_config_folder_is_a_declared_package_with_its_yaml_files():
+    """pip/setuptools warn for each folder of conf/ that pyproject.toml leaves out
+    of `packages`, and a non-editable install needs their YAML files."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"mingpt.conf": "conf"}
+    folders = {"mingpt.conf"} | {f"mingpt.conf.{p.name}" for p in (REPO / "conf").iterdir()
+                                 if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= set(setuptools["packages"])
+    assert all(setuptools["package-data"][name] == ["*.yaml"] for name in folders)
