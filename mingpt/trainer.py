@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt import comm_hooks, evaluation, parallel, stopping
+from mingpt import comm_hooks, evaluation, fit, parallel, stopping
 from mingpt.config import Config, ConfigError
 from mingpt.data import CharData, ResumableSampler
 from mingpt.distributed import DistInfo, all_max, barrier
@@ -128,6 +128,17 @@ class Trainer:
             steps_per_epoch, self.total_steps, device, f" amp {cfg.amp_dtype}" if self.use_amp else "",
             f" | fsdp: 1/{W} of the model on each rank" if self.sharded else "",
         )
+        self._warn_if_slow_on_cpu()
+
+    def _warn_if_slow_on_cpu(self) -> None:
+        """A recipe sized for a GPU says, on a CPU, how long its steps will take (mingpt/fit.py)."""
+        if self.device.type != "cpu" or not self.dist.is_main_process or self._finished():
+            return
+        g, tokens = self.config.gpt_config, self.samples_per_step * self.train_windows.block_size
+        flops = fit.flops_per_token(self.raw_model, g.n_layer, g.n_embd, self.train_windows.block_size) * tokens
+        warning = fit.slow_on_cpu(flops, self.total_steps - self.progress.step)
+        if warning:
+            log.warning(warning)
 
     # ----------------------------------------------------------------- the loop
 
