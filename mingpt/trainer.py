@@ -261,8 +261,8 @@ class Trainer:
         # hydra.run.dir=PATH names the directory itself: there a new run needs another path.
         named = os.path.basename(os.path.normpath(self.run_dir)).startswith(cfg.run_name)
         new = "trainer_config.run_name=NAME (a name not used yet)" if named else "hydra.run.dir=ANOTHER_DIRECTORY"
-        return (f"run already complete at step {p.step} (snapshot {self._shown_snapshot_path()}), whatever the number of "
-                f"processes: nothing to train. For a new run add {new}; "
+        return (f"run already complete at step {p.step} (snapshot {self._shown_snapshot_path()}), whatever the "
+                f"number of processes: nothing to train. For a new run add {new}; "
                 f"to train this one further add {further} trainer_config.allow_config_change=true")
 
     def _agree(self) -> list[int]:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from mingpt import fit
 from mingpt.data import load_data
 from mingpt.distributed import DistInfo
+from mingpt.model import GPT
 from mingpt.train import CONF_DIR, build, fit_to_data
 
 QUIET_2_CORES = 170e9  # FLOP/s of fp32 matmuls on the 2-core machine of BENCHMARKS.md
@@ -29,16 +30,10 @@ def config(*overrides: str):
 def step_flops(cfg) -> float:
     """The FLOPs of one step of `cfg`'s model (a vocabulary of 65 characters)."""
     g, block = cfg.gpt_config, cfg.data_config.block_size
-    with torch.device("meta"):
-        model = fit_to_data_model(g, block)
+    with torch.device("meta"):  # shapes only
+        model = GPT(fit_to_data(g, 65, block))
     tokens = cfg.trainer_config.batch_size * cfg.trainer_config.grad_accum_steps * block
     return fit.flops_per_token(model, g.n_layer, g.n_embd, block) * tokens
-
-
-def fit_to_data_model(g, block):
-    from mingpt.model import GPT
-
-    return GPT(fit_to_data(g, 65, block))
 
 
 def test_the_default_run_is_not_measured_and_every_experiment_warns(monkeypatch):
@@ -57,7 +52,8 @@ def test_the_rule_is_the_expected_seconds_per_step():
     rate = 100e9
     assert fit.slow_on_cpu(90e9, 10, rate) is None  # 0.9 s
     warning = fit.slow_on_cpu(120e9, 7200, rate)  # 1.2 s
-    assert warning.startswith("this run is sized for a GPU: expect about 1 s per step on this CPU, 2.4 h for 7,200 steps")
+    assert warning.startswith("this run is sized for a GPU: expect about 1 s per step on this CPU, "
+                              "2.4 h for 7,200 steps")
 
 
 def test_a_gpu_preset_on_a_cpu_warns_before_training(small_corpus, monkeypatch, caplog):
