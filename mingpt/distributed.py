@@ -65,9 +65,19 @@ def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config
     return torch.device("cpu")
 
 
+class OwnInfo(logging.Filter):
+    """mingpt's own INFO lines (also those of `python -m mingpt.X`, logged as
+    __main__); other libraries' only from WARNING up: botocore's `Found
+    credentials in environment variables` stays out of the log and train.log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = record.name
+        return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
+
+
 def setup_logging(rank: int, log_file: str | None = None) -> None:
-    """Rank 0 logs at INFO to stderr and `log_file`; other ranks log warnings
-    and errors, prefixed with their rank."""
+    """Rank 0 logs at INFO to stderr and `log_file` (mingpt's INFO: OwnInfo);
+    other ranks log warnings and errors, prefixed with their rank."""
     prefix = "" if rank == 0 else f"[rank {rank}] "
     formatter = logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
@@ -76,6 +86,7 @@ def setup_logging(rank: int, log_file: str | None = None) -> None:
         handlers.append(logging.FileHandler(log_file))
     for handler in handlers:
         handler.setFormatter(formatter)
+        handler.addFilter(OwnInfo())
     root = logging.getLogger()
     root.handlers[:] = handlers
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)

@@ -1,8 +1,10 @@
 """The run directory: its name, its one owner, and what is written there once a run is accepted.
 
 Name. `runs/<run_name>` for the default config; any result-affecting change
-(every key but mingpt.config.OPERATIONAL_KEYS) appends a short hash of those
-values: `runs/default-1a2b3c4d`. So another command starts its own run, while
+(every key but mingpt.config.OPERATIONAL_KEYS) appends the values that differ
+from the defaults, readable, and a short hash of all those values:
+`runs/default-learning_rate=0.001-1a2b3c4d` (the hash alone when the list is
+long). So another command starts its own run, while
 the same command again, on every rank, after every torchrun restart or a SLURM
 requeue, lands in the same directory. Hydra computes the name through the
 resolvers registered here (conf/config.yaml).
@@ -37,6 +39,7 @@ import json
 import logging
 import logging.handlers
 import os
+import re
 import socket
 import sys
 import time
@@ -67,11 +70,53 @@ def config_hash(sections: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
+# The readable part of a run directory's name is at most this long; a longer
+# list of changed values leaves only the hash (experiments change many).
+LABEL_MAX_CHARS = 80
+
+
+def _short_key(key: str) -> str:
+    """`learning_rate` for optimizer_config.learning_rate; the full key where
+    another section has a field of the same name (block_size)."""
+    field = key.partition(".")[2]
+    sections = [{g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(Config)]
+    return key if sum(field in names for names in sections) > 1 else field
+
+
+def _value_text(value: Any) -> str:
+    """A value as shown in a name: lists joined by '_', anything but letters,
+    digits and `._+-` (a path's '/') replaced by '_'."""
+    if isinstance(value, list):
+        text = "_".join(_value_text(v) for v in value)
+    else:
+        text = value if isinstance(value, str) else json.dumps(value)
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def config_label(sections: Mapping[str, Any]) -> str:
+    """The result-affecting values that differ from the defaults, readable and
+    safe in a directory name (`learning_rate=0.001,max_epochs=5`), sorted by
+    key; '' when none differ or they take more than LABEL_MAX_CHARS."""
+    defaults = result_items(dataclasses.asdict(Config()))
+    changed = {_short_key(k): _value_text(v) for k, v in result_items(sections).items()
+               if k not in defaults or defaults[k] != v}
+    label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
+    return label if len(label) <= LABEL_MAX_CHARS else ""
+
+
+def config_tag(sections: Mapping[str, Any]) -> str:
+    """`<config_label>-<config_hash>`, or the hash alone when the label is empty.
+    The hash keeps the identity: equal values, equal tag; other values, another."""
+    label = config_label(sections)
+    return f"{label}-{config_hash(sections)}" if label else config_hash(sections)
+
+
 def run_dir_name(sections: Mapping[str, Any]) -> str:
-    """`<run_name>` for the default config, `<run_name>-<config_hash>` for any other."""
+    """`<run_name>` for the default config, `<run_name>-<config_tag>` for any
+    other: `default-learning_rate=0.001-1a2b3c4d`."""
     name = sections["trainer_config"]["run_name"]
     defaults = dataclasses.asdict(Config())
-    return name if result_items(sections) == result_items(defaults) else f"{name}-{config_hash(sections)}"
+    return name if result_items(sections) == result_items(defaults) else f"{name}-{config_tag(sections)}"
 
 
 def _sections(root: DictConfig) -> dict[str, Any]:
@@ -80,8 +125,11 @@ def _sections(root: DictConfig) -> dict[str, Any]:
 
 
 def register_resolvers() -> None:
-    """`${mingpt.run_dir_name:}` and `${mingpt.config_hash:}` for conf/config.yaml's hydra.run/sweep dirs."""
+    """`${mingpt.run_dir_name:}`, `${mingpt.config_tag:}` and `${mingpt.config_hash:}`
+    for conf/config.yaml's hydra.run/sweep dirs."""
     OmegaConf.register_new_resolver("mingpt.run_dir_name", lambda _root_: run_dir_name(_sections(_root_)),
+                                    replace=True)
+    OmegaConf.register_new_resolver("mingpt.config_tag", lambda _root_: config_tag(_sections(_root_)),
                                     replace=True)
     OmegaConf.register_new_resolver("mingpt.config_hash", lambda _root_: config_hash(_sections(_root_)),
                                     replace=True)
@@ -208,6 +256,8 @@ class Claim:
         root = logging.getLogger()
         self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
         self.log_file.setFormatter(root.handlers[0].formatter if root.handlers else None)
+        for log_filter in root.handlers[0].filters if root.handlers else ():  # mingpt's INFO only
+            self.log_file.addFilter(log_filter)
         if self.log_buffer is not None:
             self.log_buffer.setTarget(self.log_file)
             self.log_buffer.flush()

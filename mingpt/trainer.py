@@ -17,6 +17,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import shlex
 import time
 from typing import Iterator
 
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt import comm_hooks, evaluation, parallel, stopping
+from mingpt import comm_hooks, evaluation, fit, parallel, stopping
 from mingpt.config import Config, ConfigError
 from mingpt.data import CharData, ResumableSampler
 from mingpt.distributed import DistInfo, all_max, barrier
@@ -61,6 +63,7 @@ class Trainer:
         self.device = device = dist_info.device
         self.data = data
         self.train_windows, self.eval_windows = data.place(device, config.data_config.placement)
+        self.run_dir = run_dir
         self.snapshot_path = resolve_path(cfg, run_dir)
         comm_hooks.check(cfg, dist_info)  # a hook this run cannot use is refused before any work
         self.comm = comm_hooks.create(cfg, dist_info)
@@ -127,30 +130,62 @@ class Trainer:
             steps_per_epoch, self.total_steps, device, f" amp {cfg.amp_dtype}" if self.use_amp else "",
             f" | fsdp: 1/{W} of the model on each rank" if self.sharded else "",
         )
+        self._warn_if_slow_on_cpu()
+
+    def _warn_if_slow_on_cpu(self) -> None:
+        """A recipe sized for a GPU says, on a CPU, how long its steps will take (mingpt/fit.py)."""
+        if self.device.type != "cpu" or not self.dist.is_main_process or self._finished():
+            return
+        g, tokens = self.config.gpt_config, self.samples_per_step * self.train_windows.block_size
+        flops = fit.flops_per_token(self.raw_model, g.n_layer, g.n_embd, self.train_windows.block_size) * tokens
+        warning = fit.slow_on_cpu(flops, self.total_steps - self.progress.step)
+        if warning:
+            log.warning(warning)
 
     # ----------------------------------------------------------------- the loop
 
     def train(self) -> None:
         p = self.progress
         if self._finished():
-            log.info("run already complete at step %d (snapshot %s)", p.step, self.snapshot_path)
+            log.info("%s", self._already_complete())
             self._print_sample()
+            log.info("%s", self._summary(None))
             return
         try:
             # Inside, a stop signal is acted on at the next step boundary (mingpt/stopping.py).
             with stopping.graceful():
                 self._window_start, self._window_steps = time.perf_counter(), 0  # for tokens/s
-                self._started, self._start_step = time.monotonic(), p.step  # for the ETA
+                self._started = time.monotonic()  # for the elapsed time
+                self._pace_from: tuple[float, int] | None = None  # for the ETA: (time, step) of the first log
                 self._last_save = time.monotonic()  # for save_every_minutes
                 while not self._finished():
                     self._train_epoch()
-                self.evaluate()
+                final = self.evaluate()
                 self.save()
                 self.snapshot.wait()  # an asynchronous save is written before the run ends
                 self._stop_if_requested(self._agree())
+            self.metrics.end_progress()  # the bar's line is cleared before the sample is printed
             self._print_sample()
+            log.info("%s", self._summary(final))
         finally:
             self.metrics.close()
+
+    def _shown_snapshot_path(self) -> str:
+        """The snapshot's path as typed from the directory the run started in, where it is inside."""
+        path = self.snapshot_path
+        return path if "://" in path or os.path.relpath(path).startswith("..") else os.path.relpath(path)
+
+    def _summary(self, final: float | None) -> str:
+        """The closing line: the held-out losses, the snapshot and the command that samples from it."""
+        p = self.progress
+        losses = []
+        if final is not None and math.isfinite(final):
+            losses.append(f"held-out loss {final:.4f}")
+        if math.isfinite(p.best_eval_loss):
+            losses.append(f"best {p.best_eval_loss:.4f}")
+        path = self._shown_snapshot_path()
+        return (f"done at step {p.step}: {', '.join(losses) or 'no held-out loss'} | snapshot {path}"
+                f" | sample from it: python -m mingpt.generate snapshot_path={shlex.quote(path)}")
 
     def _train_epoch(self) -> None:
         """Train from the next unseen sample of the current epoch to its end (or to the last step)."""
@@ -202,13 +237,35 @@ class Trainer:
         grad_norm = grad_norm if math.isfinite(grad_norm) else None  # an fp16 step the GradScaler skipped
         tokens = self._window_steps * self.samples_per_step * self.dist.world_size * self.train_windows.block_size
         tokens_per_s = tokens / (time.perf_counter() - self._window_start)
-        # Elapsed and ETA (at this session's pace so far, evaluations and saves included) go
-        # to the log line only: metrics.jsonl holds the same records for any machine.
-        elapsed = time.monotonic() - self._started
-        eta = elapsed / max(1, p.step - self._start_step) * (self.total_steps - p.step)
+        # Elapsed and ETA go to the log line only: metrics.jsonl holds the same records for any
+        # machine. The ETA is at this session's pace since its first log line, evaluations and
+        # saves included: the first window holds the start-up and compile, so it has none.
+        now = time.monotonic()
+        note = f"elapsed {_duration(now - self._started)}"
+        if self._pace_from is None:
+            self._pace_from = (now, p.step)
+        else:
+            since, step = self._pace_from
+            note += f" eta {_duration((now - since) / max(1, p.step - step) * (self.total_steps - p.step))}"
         self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
-                         tokens_per_s=tokens_per_s, note=f"elapsed {_duration(elapsed)} eta {_duration(eta)}")
+                         tokens_per_s=tokens_per_s, note=note)
         self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def _already_complete(self) -> str:
+        """What to type instead, when a command finds its run complete. The number of
+        processes is not part of a run (an elastic restart with fewer or more resumes
+        the same one), so the same command under torchrun finds it complete too."""
+        cfg, p = self.cfg, self.progress
+        if cfg.max_steps is not None and p.step >= cfg.max_steps:
+            further = f"trainer_config.max_steps={2 * cfg.max_steps}"
+        else:
+            further = f"trainer_config.max_epochs={p.epoch + 1}"
+        # hydra.run.dir=PATH names the directory itself: there a new run needs another path.
+        named = os.path.basename(os.path.normpath(self.run_dir)).startswith(cfg.run_name)
+        new = "trainer_config.run_name=NAME (a name not used yet)" if named else "hydra.run.dir=ANOTHER_DIRECTORY"
+        return (f"run already complete at step {p.step} (snapshot {self._shown_snapshot_path()}), whatever the "
+                f"number of processes: nothing to train. For a new run add {new}; "
+                f"to train this one further add {further} trainer_config.allow_config_change=true")
 
     def _agree(self) -> list[int]:
         """The per-step decisions (StepFlags), the same on every rank: one tiny

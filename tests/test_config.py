@@ -12,6 +12,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from mingpt.config import OPERATIONAL_KEYS, Config, ConfigError
+from mingpt.rundir import config_tag
 from mingpt.train import CONF_DIR
 
 
@@ -180,7 +181,12 @@ def test_another_result_affecting_config_gets_its_own_run_directory():
         "experiment": run_dir("experiment=ddp-tutorial"),
         "allow": run_dir("trainer_config.allow_config_change=true", "trainer_config.max_epochs=5"),
     }
-    assert all(re.fullmatch(r"runs/default-[0-9a-f]{8}", d) for k, d in changed.items() if k != "experiment")
+    assert changed["lr"] == "runs/default-learning_rate=0.001-" + changed["lr"][-8:]
+    assert changed["epochs"] == "runs/default-max_epochs=5-" + changed["epochs"][-8:]
+    assert changed["preset"] == "runs/default-n_embd=192,n_head=6,n_layer=6-" + changed["preset"][-8:]
+    assert changed["data"] == "runs/default-path=other.txt-" + changed["data"][-8:]
+    assert all(re.fullmatch(r"[0-9a-f]{8}", d[-8:]) for d in changed.values())
+    # An experiment changes too many values to read: the hash alone.
     assert re.fullmatch(r"runs/ddp-tutorial-[0-9a-f]{8}", changed["experiment"])
     assert changed.pop("allow") == changed["epochs"]  # allow_config_change is not part of the name
     assert len(set(changed.values())) == len(changed)
@@ -190,6 +196,30 @@ def test_another_result_affecting_config_gets_its_own_run_directory():
     both = run_dir("trainer_config.max_epochs=5", "optimizer_config.learning_rate=1e-3")
     assert both == run_dir("optimizer_config.learning_rate=1e-3", "trainer_config.max_epochs=5")
     assert run_dir("trainer_config.run_name=x", "trainer_config.max_epochs=5") == "runs/x" + changed["epochs"][12:]
+
+
+def test_the_run_directory_names_the_changed_values_readably_and_safely():
+    lr, epochs = run_dir("optimizer_config.learning_rate=1e-3"), run_dir("trainer_config.max_epochs=5")
+    both = run_dir("trainer_config.max_epochs=5", "optimizer_config.learning_rate=1e-3")
+    # Sorted by key, whatever the order on the command line; the hash of all values last.
+    assert re.fullmatch(r"runs/default-learning_rate=0\.001,max_epochs=5-[0-9a-f]{8}", both)
+    assert len({lr[-8:], epochs[-8:], both[-8:]}) == 3
+    # A key that two sections have is named in full; lists and paths become safe characters.
+    assert "-data_config.block_size=32-" in run_dir("data_config.block_size=32")
+    assert "-betas=0.9_0.95-" in run_dir("optimizer_config.betas=[0.9,0.95]")
+    name = run_dir("data_config.path=/data/a b.txt")
+    assert "-path=_data_a_b.txt-" in name and name.count("/") == 1  # only runs/
+    # A long list of changes (over LABEL_MAX_CHARS): the hash alone.
+    many = [f"trainer_config.{k}=3" for k in ("max_epochs", "batch_size", "grad_accum_steps")] + [
+        "optimizer_config.learning_rate=0.0005", "optimizer_config.warmup_steps=7", "gpt_config.n_layer=3",
+        "optimizer_config.min_lr_ratio=0.5"]
+    assert re.fullmatch(r"runs/default-[0-9a-f]{8}", run_dir(*many))
+    # A sweep's jobs are named the same way, after their number.
+    cfg = composed("optimizer_config.learning_rate=1e-3", hydra_config=True)
+    job = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"]
+    assert job == "${hydra.job.num}-${mingpt.config_tag:}"
+    sections = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in Config.__dataclass_fields__}
+    assert config_tag(sections) == lr.removeprefix("runs/default-")
 
 
 @pytest.mark.parametrize("key", sorted(OPERATIONAL_KEYS - {"trainer_config.run_name"}))
@@ -211,3 +241,15 @@ def test_readme_commands_each_get_their_own_run_directory():
     assert runs[0] == [] and run_dir() == "runs/default" and "`runs/default`" in readme
     dirs = [run_dir(*args) for args in runs]
     assert len(runs) >= 4 and len(set(dirs)) == len(dirs), list(zip(runs, dirs))
+
+
+def test_every_config_folder_is_a_declared_package_with_its_yaml_files():
+    """pip/setuptools warn for each folder of conf/ that pyproject.toml leaves out
+    of `packages`, and a non-editable install needs their YAML files."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"mingpt.conf": "conf"}
+    folders = {"mingpt.conf"} | {f"mingpt.conf.{p.name}" for p in (REPO / "conf").iterdir()
+                                 if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= set(setuptools["packages"])
+    assert all(setuptools["package-data"][name] == ["*.yaml"] for name in folders)

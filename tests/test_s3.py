@@ -49,7 +49,7 @@ def s3(endpoint, monkeypatch):
 
 def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     s3.pipe("runs/small.txt", corpus.read_bytes()[:20_000])
-    env = {**child_env(), **CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": endpoint}
+    env = {**child_env(), **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}  # as the README says
     args = [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", "trainer_config.max_steps=2",
             "data_config.path=s3://runs/small.txt", "trainer_config.snapshot_path=s3://runs/run1/snapshot.pt"]
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path, env=env,
@@ -57,6 +57,9 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert checkpoint.load("s3://runs/run1/snapshot.pt")["step"] == 2
     assert s3.ls("runs/run1") == ["runs/run1/snapshot.pt"]  # no probe or temporary file left
+    # botocore's INFO `Found credentials in environment variables` is not ours to log.
+    assert "Found credentials" not in proc.stderr
+    assert not [p for p in tmp_path.glob("runs/*/train.log") if "Found credentials" in p.read_text()]
 
 
 def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):

@@ -1,0 +1,71 @@
+"""Whether a run fits the CPU it is about to train on.
+
+A GPU recipe (experiment=gpu-quick, ddp-tutorial, a GPT-2 preset) runs on a
+CPU too, at minutes per step. The rule, with no list of presets: the model's
+FLOPs per step (6 per weight of its Linear layers per token, plus attention's
+12 * n_layer * n_embd * block_size, as benchmarks/bench_train.py counts them)
+over the fp32 matmul rate this process measures at start (512 x 512, under the
+machine's present load) is the expected time of a step; over
+SLOW_STEP_SECONDS, the run says so in one line before it starts.
+
+Measured on the loaded 2-core machine, steps of these sizes ran near that rate:
+gpu-quick's model (batch 4) at 0.87-1.09x of the matmul rate measured around
+each step, ddp-tutorial's (batch 8) at 0.33-1.77x as the load changed, so the
+estimate is good to a factor of about 2. (The default model reaches 50-66% of
+a 2048 x 2048 peak, BENCHMARKS.md; it is far below the threshold.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SLOW_STEP_SECONDS = 1.0
+# Steps under this many FLOPs take well under a second on any CPU: no measurement (the default
+# run's step is 4 GFLOP, the tests' tiny ones far less), so small runs start no later.
+MEASURE_ABOVE_FLOPS = 1e10
+
+
+def flops_per_token(model: nn.Module, n_layer: int, n_embd: int, block_size: int) -> float:
+    """Forward and backward FLOPs per token: 6 per Linear weight, plus attention's two matmuls."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6 * linear + 12 * n_layer * n_embd * block_size
+
+
+def matmul_rate(n: int = 512, seconds: float = 0.05) -> float:
+    """FLOP/s of n x n fp32 matmuls on this process's CPU threads, timed for about `seconds`
+    (at least 3 of them): as fast as the machine is now, under its present load."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    reps, start = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.0f} days"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def slow_on_cpu(flops_per_step: float, total_steps: int, rate: float | None = None) -> str | None:
+    """The warning for a run whose steps take over SLOW_STEP_SECONDS on this CPU, else None."""
+    if flops_per_step < MEASURE_ABOVE_FLOPS:
+        return None
+    rate = matmul_rate() if rate is None else rate
+    seconds = flops_per_step / rate
+    if seconds <= SLOW_STEP_SECONDS:
+        return None
+    return (f"this run is sized for a GPU: expect about {seconds:,.0f} s per step on this CPU, "
+            f"{_duration(seconds * total_steps)} for {total_steps:,} steps ({flops_per_step / 1e9:,.0f} GFLOP "
+            f"per step and process at the {rate / 1e9:,.0f} GFLOP/s this CPU measured in fp32 matmuls); "
+            f"train it on a GPU, or here with a smaller model or batch")

@@ -1,0 +1,41 @@
+"""What reaches stderr and train.log: mingpt's INFO lines, other libraries' warnings, not their INFO."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from mingpt.distributed import setup_logging
+from mingpt.rundir import Claim, hold_log_lines
+
+
+@pytest.fixture
+def root_logger():
+    """setup_logging replaces the root logger's handlers and level: put them back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield root
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_third_party_info_stays_out_of_stderr_and_train_log(tmp_path, capsys, root_logger):
+    setup_logging(rank=0)
+    buffer = hold_log_lines(0)  # as mingpt.train does: lines before the run is accepted are kept
+    logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
+    logging.getLogger("mingpt.train").info("run directory here")
+    claim = Claim(str(tmp_path), [], 0, buffer)
+    claim.accept()
+    logging.getLogger("botocore.credentials").info("Found credentials again")
+    logging.getLogger("s3fs").warning("a third-party warning")
+    logging.getLogger("mingpt.trainer").info("a line of ours")
+    logging.getLogger("__main__").info("a line of python -m mingpt.generate")
+    claim.release()
+    err = capsys.readouterr().err
+    log_file = (tmp_path / "train.log").read_text(encoding="utf-8")
+    for shown in (err, log_file):
+        assert "Found credentials" not in shown
+        for line in ("run directory here", "WARNING a third-party warning", "a line of ours",
+                     "a line of python -m mingpt.generate"):
+            assert line in shown, shown

@@ -1,0 +1,118 @@
+"""The README's commands in the order a newcomer types them: the Quick start's
+`python main.py` (on a terminal), then the scale-out under torchrun. Each is
+taken from the README's text, with a tiny model appended, so a README that
+sends the second command into the first one's finished run fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shlex
+import subprocess
+import sys
+import time
+
+import torch
+from conftest import REPO, TINY, child_env, run_dir_of, run_main
+
+EXTRA = [*TINY, "trainer_config.max_steps=6", "trainer_config.device=cpu"]
+
+
+def readme_command(pattern: str) -> list[str]:
+    """The first command line of the README that matches `pattern`, as words."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    line = re.search(rf"^.*{pattern}.*$", readme, re.M)
+    assert line, f"no README line matches {pattern!r}"
+    return shlex.split(line.group(0).split("#")[0])
+
+
+def main_args(words: list[str]) -> list[str]:
+    """The words after main.py."""
+    return words[words.index("main.py") + 1:]
+
+
+def train_steps(run_dir) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [e["step"] for e in map(json.loads, lines) if e["split"] == "train"]
+
+
+def run_on_terminal(cmd: list[str], cwd, timeout: float = 240) -> tuple[int, str]:
+    """Run `cmd` with stdout and stderr on a pseudo-terminal; its exit status and all it showed."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=follower,
+                            stderr=follower)
+    os.close(follower)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        status = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    return status, b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "input.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+
+    quick = readme_command(r"&& python main\.py")  # `pip install -e . && python main.py`
+    quick = main_args(quick[quick.index("&&") + 1:])
+    # On a terminal, as a newcomer runs it: the progress bar is on.
+    status, shown = run_on_terminal([sys.executable, str(REPO / "main.py"), *quick, *EXTRA], tmp_path)
+    assert status == 0, shown[-3000:]
+    # The bar's line is cleared before the sample header, which starts a line of its own.
+    assert re.search(r"[\r\n]--- sample after step 6 ---", shown) and "]--- sample" not in shown, shown[-3000:]
+    # The first log line's window holds the start-up: no ETA; the next one has it.
+    logs = re.findall(r"train step (\d+) .*\| (elapsed \S+(?: eta \S+)?)\r?$", shown, re.M)
+    assert [(step, "eta" in note) for step, note in logs] == [("5", False), ("6", True)], logs
+    # The closing line, after the sample: the losses, the snapshot and the command that samples from it.
+    closing = shown.rstrip().splitlines()[-1]
+    snapshot = run_dir_of(tmp_path, [*quick, *EXTRA]) / "snapshot.pt"
+    best = torch.load(snapshot, weights_only=True)["best_eval_loss"]
+    assert re.search(rf"done at step 6: held-out loss [\d.]+, best {best:.4f} \| snapshot ", closing), closing
+    command = closing.split("sample from it: ")[1].strip()
+    assert shlex.split(command)[:3] == ["python", "-m", "mingpt.generate"]
+    sampled = subprocess.run([sys.executable, *shlex.split(command)[1:], "max_new_tokens=5"], cwd=tmp_path,
+                             env=child_env(), capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-3000:]
+    assert shlex.split(command)[3] == f"snapshot_path={snapshot.relative_to(tmp_path)}"  # where it was started
+
+    # The same command again finds its run complete and says what to type instead.
+    again = run_main([*quick, *EXTRA], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    line = next(line for line in again.stderr.splitlines() if "run already complete at step 6" in line)
+    assert "nothing to train" in line and "add trainer_config.run_name=NAME" in line
+    assert line.endswith("add trainer_config.max_steps=12 trainer_config.allow_config_change=true")
+
+    scale = readme_command(r"torchrun --standalone --nproc_per_node=2 main\.py")
+    env = child_env()
+    while re.fullmatch(r"[A-Z_]+=\S*", scale[0]):  # OMP_NUM_THREADS=1
+        key, _, value = scale.pop(0).partition("=")
+        env[key] = value
+    assert scale[0] == "torchrun"
+    launcher = scale[1:scale.index("main.py")]
+    args = [*main_args(scale), *EXTRA]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(REPO / "main.py"), *args]
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "already complete" not in second.stderr
+    run_dir = run_dir_of(tmp_path, args)
+    assert run_dir != run_dir_of(tmp_path, [*quick, *EXTRA])
+    assert train_steps(run_dir) == [5, 6]
+    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["world_size"] == 2
