@@ -41,8 +41,7 @@ def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
 
 
 def operational(**kwargs: Any) -> Any:
-    """A field that changes how a run is carried out, logged or saved, never what
-    it computes (see OPERATIONAL_KEYS); the other fields are result-affecting."""
+    """A field that changes how a run is carried out, logged or saved, never what it computes."""
     return field(metadata={"operational": True}, **kwargs)
 
 
@@ -296,7 +295,7 @@ class Config:
 
 # The keys of the fields marked `operational` above. Every other key is
 # result-affecting: the run directory's name and the check on resume
-# (mingpt/rundir.py, mingpt/checkpoint.py) compare those.
+# (mingpt/rundir.py, mingpt/snapshot/fit.py) compare those.
 OPERATIONAL_KEYS = frozenset(f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
                              for f in dataclasses.fields(section.default_factory) if f.metadata.get("operational"))
 
@@ -325,8 +324,8 @@ def check_known_keys(cfg: Mapping) -> None:
 # Keys of the PyTorch DDP minGPT tutorial's config file that mean nothing here:
 # a user's file that has them still runs, and the run says they are ignored.
 IGNORED_KEYS = {
-    ("trainer_config", "data_loader_workers"): "batches are slices of the token tensor already on the device, "
-    "so there is no DataLoader to give worker processes",
+    ("trainer_config", "data_loader_workers"): "each process reads its own batches from the token cache "
+    "(or gathers them on the GPU), so there is no DataLoader to give worker processes",
 }
 
 

@@ -13,7 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from mingpt.config import OPERATIONAL_KEYS, Config, ConfigError
-from mingpt.train import CONF_DIR
+from mingpt.cli import CONF_DIR
 
 
 def composed(*overrides: str, hydra_config: bool = False):
@@ -169,7 +169,7 @@ def test_run_directory_comes_from_the_run_name_and_the_config_not_the_clock():
     hydra = composed("trainer_config.run_name=x", hydra_config=True).hydra
     assert hydra.sweep.dir == "runs/x-multirun"
     assert hydra.job.chdir is False
-    assert hydra.output_subdir is None  # .hydra/ is written by mingpt.train once the run is accepted
+    assert hydra.output_subdir is None  # .hydra/ is written by mingpt.cli once the run is accepted
 
 
 def test_another_result_affecting_config_gets_its_own_run_directory():
