@@ -33,7 +33,7 @@ def with_defaults(defaults: list[str], given: list[str]) -> list[str]:
     from omegaconf import OmegaConf
 
     from mingpt.config import register_configs
-    from mingpt.train import CONF_DIR
+    from mingpt.cli import CONF_DIR
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

@@ -34,7 +34,8 @@ from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
 from _cli import help_or_go_on, with_defaults  # noqa: E402
-from mingpt.train import CONF_DIR, build, fit_to_data  # noqa: E402
+from mingpt.cli import CONF_DIR  # noqa: E402
+from mingpt.train import build, fit_to_data  # noqa: E402
 
 HOOKS = ["none", "fp16", "powersgd", "batched_powersgd", "post_local_sgd"]
 START, STEPS = 4, 40  # plain steps before compression / local SGD; steps counted after them

@@ -9,7 +9,7 @@ a vocabulary of 65 (the tiny-shakespeare shape; speed does not depend on the
 weights) generates from a one-character prompt. Rows, each the median of
 --rounds alternating rounds, so that the machine's drifts hit every row alike:
 
-- cached: mingpt.sample.generate with the KV cache, eager or compiled
+- cached: mingpt.decoding.generate with the KV cache, eager or compiled
   (torch.compile of the fixed-shape step; its compile time is reported apart);
   with N samples, the N rows are one batch;
 - uncached: the same context policy, recomputing the whole window per token;
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a cl
 
 from mingpt.config import GPTConfig  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
-from mingpt.sample import compile_for_decoding, generate, next_token  # noqa: E402
+from mingpt.decoding import compile_for_decoding, generate, next_token  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -51,7 +51,8 @@ def worker(overrides: list[str], steps: int) -> None:
 
     from mingpt.config import register_configs
     from mingpt.distributed import distributed, setup_logging
-    from mingpt.train import CONF_DIR, build
+    from mingpt.cli import CONF_DIR
+    from mingpt.train import build
 
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t

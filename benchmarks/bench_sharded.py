@@ -12,9 +12,9 @@ each mode in a fresh process, the modes alternating over the rounds:
 
   file-buffered   the single-file save as it was before issue 11: torch.save into
                   a BytesIO, then the bytes written to a temporary file, fsynced, renamed
-  file-streamed   mingpt.checkpoint.save: torch.save straight into the temporary file
-  sharded-sync    mingpt.sharded.save(async_save=False): DCP writes, then publication
-  sharded-async   mingpt.sharded.save(async_save=True): returns once the state is
+  file-streamed   mingpt.snapshot.single_file.save: torch.save straight into the temporary file
+  sharded-sync    mingpt.snapshot.sharded.save(async_save=False): DCP writes, then publication
+  sharded-async   mingpt.snapshot.sharded.save(async_save=True): returns once the state is
                   copied; DCP writes and publishes in the background
 
 For each it prints the stall of each save (from the call until training could
@@ -73,7 +73,7 @@ def one(mode: str, preset: str, directory: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from bench_snapshot import preset_with_moments
-    from mingpt import checkpoint, sharded
+    from mingpt.snapshot import sharded, single_file
 
     config, model, optimizer = preset_with_moments(preset, vocab_size=50257, grad=1e-3)
     meta = {"gpt_config": vars(config), "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0, "step": 1}
@@ -96,7 +96,7 @@ def one(mode: str, preset: str, directory: str) -> dict:
         if mode == "file-buffered":
             buffered_save(state, os.path.join(directory, "snapshot.pt"))
         elif mode == "file-streamed":
-            checkpoint.save(state, os.path.join(directory, "snapshot.pt"))
+            single_file.save(state, os.path.join(directory, "snapshot.pt"))
         else:
             handle = sharded.save(tensors, {**meta, "step": step}, os.path.join(directory, "sharded"), step,
                                   keep=1, async_save=mode == "sharded-async")
@@ -120,7 +120,7 @@ def fsdp(preset: str, rounds: int, directory: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from mingpt import sharded
+    from mingpt.snapshot import sharded
     from mingpt.config import GPTConfig
     from mingpt.model import GPT
 

@@ -39,7 +39,8 @@ from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
 from mingpt.optim import create_optimizer  # noqa: E402
-from mingpt.train import CONF_DIR, build, fit_to_data  # noqa: E402
+from mingpt.cli import CONF_DIR  # noqa: E402
+from mingpt.train import build, fit_to_data  # noqa: E402
 
 from _cli import help_or_go_on, with_defaults  # noqa: E402
 
@@ -204,7 +205,8 @@ def trainer_loop(config, data, info, steps: int) -> float:
 
 
 def data_pipeline(data, batch_size: int, seconds: float = 1.0) -> float:
-    """Samples/s of the sampler plus batch gathering, as the trainer does it."""
+    """Samples/s of the sampler plus batch gathering through the token cache's memory map
+    (data.train.batch); the trainer reads batches with pread instead (data.place: host)."""
     from mingpt.data import ResumableSampler
 
     sampler = ResumableSampler(len(data.train), 1, 0, shuffle=True, seed=0)

@@ -40,6 +40,11 @@ def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
+def operational(**kwargs: Any) -> Any:
+    """A field that changes how a run is carried out, logged or saved, never what it computes."""
+    return field(metadata={"operational": True}, **kwargs)
+
+
 @dataclass
 class GPTConfig:
     """Model shape. The defaults are the CPU default run (measured, see BENCHMARKS.md)."""
@@ -129,12 +134,12 @@ class DataConfig:
     # Directory of the token cache (the encoded corpus, read by every
     # process). null: .mingpt-cache/ beside a local corpus if that directory is
     # writable, else $XDG_CACHE_HOME/mingpt (~/.cache/mingpt).
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = operational(default=None)
     # Where batches are gathered: "device" (the whole corpus read into the
     # device's memory), "host" (each batch read from the token cache file, on
     # a GPU into pinned memory and copied asynchronously), "auto" (on a GPU:
     # device if the corpus takes at most 1/8 of its memory; on a CPU: host).
-    placement: str = "auto"
+    placement: str = operational(default="auto")
 
     def __post_init__(self) -> None:
         paths = [self.path] if isinstance(self.path, str) else self.path
@@ -162,7 +167,7 @@ class TrainerConfig:
 
     # Names the run directory runs/<run_name>: every rank and every restart of a
     # job agree on it, so they share one snapshot. `hydra.run.dir=...` overrides.
-    run_name: str = "default"
+    run_name: str = operational(default="default")
     max_epochs: int = 2
     # Stop after this many optimizer steps (null: run all epochs).
     max_steps: Optional[int] = None
@@ -173,44 +178,44 @@ class TrainerConfig:
     grad_norm_clip: float = 1.0
     seed: int = 1337
     # "auto" (CUDA if available, else CPU), "cpu" or "cuda".
-    device: str = "auto"
+    device: str = operational(default="auto")
     # Evaluate every eval_every optimizer steps (0: at the end of each epoch);
     # always at the end of the run.
-    eval_every: int = 500
+    eval_every: int = operational(default=500)
     # Evaluate on at most this many held-out tokens: whole non-overlapping
     # windows spread evenly over the held-out split, the same for any world
     # size (0: all of it). 131,072 covers tiny shakespeare's whole held-out
     # split (111,488 tokens) and caps a large one at ~1/3 of the training
     # tokens between two default evaluations (500 steps x 12 x 64).
     eval_tokens: int = 131_072
-    log_every: int = 50
+    log_every: int = operational(default=50)
     # Characters generated from the model at each evaluation (0: none).
-    sample_chars: int = 200
+    sample_chars: int = operational(default=200)
     # Snapshot path (fsspec URL or local path); relative paths are inside the run
     # directory. null: snapshot.pt (parallelism=ddp: one file) or snapshots
     # (parallelism=fsdp: a directory of sharded snapshots).
-    snapshot_path: Optional[str] = None
-    save_every: int = 1
+    snapshot_path: Optional[str] = operational(default=None)
+    save_every: int = operational(default=1)
     # Also save every this many optimizer steps (null: only per epoch and at the end).
-    save_every_steps: Optional[int] = None
+    save_every_steps: Optional[int] = operational(default=None)
     # Also save when this many minutes have passed since the last save, by rank
     # 0's clock (null: never by time): a bound on the work a crash can lose.
-    save_every_minutes: Optional[float] = 5.0
+    save_every_minutes: Optional[float] = operational(default=5.0)
     # Sharded snapshots (parallelism=fsdp): keep the newest keep_snapshots published
     # snapshots, removing older ones once a new one is published.
-    keep_snapshots: int = 2
+    keep_snapshots: int = operational(default=2)
     # Sharded snapshots only: training waits for the state's copy to CPU memory, not
     # for the write; the next save, the end of the run and a stop wait for it.
-    async_save: bool = True
+    async_save: bool = operational(default=True)
     # Signals that stop the run at the next step boundary, after a snapshot
     # (exit status 128 + the signal's number; README, Fault tolerance).
-    stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+    stop_signals: list[str] = operational(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
     # Mixed precision on CUDA: amp_dtype "bf16" or "fp16" (fp16 uses a GradScaler).
     use_amp: bool = False
     amp_dtype: str = "bf16"
     # AMP on a CPU is ignored unless forced: without bf16 units it is far slower.
     amp_on_cpu: bool = False
-    compile: bool = False
+    compile: bool = operational(default=False)
     # How the model is spread over the processes (mingpt/parallel.py): "ddp"
     # (each rank holds all of it) or "fsdp" (FSDP2: parameters, gradients and
     # optimizer state sharded over the ranks; snapshots sharded too).
@@ -224,7 +229,7 @@ class TrainerConfig:
     # Resuming a snapshot written with other values of result-affecting keys is
     # refused; true continues it with this config's values (more epochs, a lower
     # learning rate). The model's shape and vocabulary can never change.
-    allow_config_change: bool = False
+    allow_config_change: bool = operational(default=False)
     # post_local_sgd: plain all-reduce for localsgd_start_step steps, then each
     # replica steps on its own and all are averaged every localsgd_period steps.
     # A replica is a rank, or with "node" the ranks of a node (their gradients
@@ -289,15 +294,11 @@ class Config:
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# Keys that change how a run is carried out, logged or saved, never what it
-# computes. Every other key is result-affecting: the run directory's name and
-# the check on resume (mingpt/rundir.py, mingpt/checkpoint.py) compare those.
-OPERATIONAL_KEYS = frozenset({
-    "trainer_config.run_name", "trainer_config.device", "trainer_config.compile",
-    "trainer_config.eval_every", "trainer_config.log_every", "trainer_config.sample_chars",
-    "trainer_config.snapshot_path", "trainer_config.save_every", "trainer_config.save_every_steps",
-    "trainer_config.allow_config_change", "trainer_config.keep_snapshots", "trainer_config.async_save",
-})
+# The keys of the fields marked `operational` above. Every other key is
+# result-affecting: the run directory's name and the check on resume
+# (mingpt/rundir.py, mingpt/snapshot/fit.py) compare those.
+OPERATIONAL_KEYS = frozenset(f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
+                             for f in dataclasses.fields(section.default_factory) if f.metadata.get("operational"))
 
 
 def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
@@ -324,8 +325,8 @@ def check_known_keys(cfg: Mapping) -> None:
 # Keys of the PyTorch DDP minGPT tutorial's config file that mean nothing here:
 # a user's file that has them still runs, and the run says they are ignored.
 IGNORED_KEYS = {
-    ("trainer_config", "data_loader_workers"): "batches are slices of the token tensor already on the device, "
-    "so there is no DataLoader to give worker processes",
+    ("trainer_config", "data_loader_workers"): "each process reads its own batches from the token cache "
+    "(or gathers them on the GPU), so there is no DataLoader to give worker processes",
 }
 
 

@@ -24,8 +24,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DistributedSampler
 
-from mingpt import token_cache
-from mingpt.checkpoint import reason, storage_errors
+from mingpt import storage, token_cache
+from mingpt.storage import reason, storage_errors
 from mingpt.config import DEFAULT_DATA_PATH, DataConfig
 
 log = logging.getLogger(__name__)
@@ -40,20 +40,15 @@ class DataError(ValueError):
 def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> None:
     """Download the tiny-shakespeare corpus to `path`, atomically."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.download-{os.getpid()}"
     log.info("downloading %s to %s", url, path)
     try:
-        with urllib.request.urlopen(url, timeout=30) as response, open(tmp, "wb") as f:
+        with urllib.request.urlopen(url, timeout=30) as response, storage.atomic_open(path) as f:
             f.write(response.read())
-        os.replace(tmp, path)
     except OSError as e:
         raise DataError(
             f"{path} is missing and could not be downloaded from {url} ({e}); "
             f"put the tiny-shakespeare text at {path} or set data_config.path"
         ) from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @contextlib.contextmanager
@@ -135,6 +130,11 @@ class CharTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.chars)
+
+    def line_start(self) -> str:
+        """What starts the model at the beginning of a line (an empty prompt): a
+        newline, or the first character of a vocabulary without one."""
+        return "\n" if "\n" in self.stoi else self.chars[0]
 
     def unknown(self, text: str) -> str:
         """The distinct characters of `text` outside the vocabulary, sorted."""

@@ -75,20 +75,16 @@ class OwnInfo(logging.Filter):
         return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
 
 
-def setup_logging(rank: int, log_file: str | None = None) -> None:
-    """Rank 0 logs at INFO to stderr and `log_file` (mingpt's INFO: OwnInfo);
-    other ranks log warnings and errors, prefixed with their rank."""
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO to stderr (mingpt's INFO: OwnInfo; train.log joins once
+    the run is accepted: mingpt/rundir.py); other ranks log warnings and errors,
+    prefixed with their rank."""
     prefix = "" if rank == 0 else f"[rank {rank}] "
-    formatter = logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_file and rank == 0:
-        os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        handler.addFilter(OwnInfo())
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.addFilter(OwnInfo())
     root = logging.getLogger()
-    root.handlers[:] = handlers
+    root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 

@@ -12,7 +12,7 @@ usage: python -m mingpt.export SRC DST [--format safetensors|hf|snapshot]   (or:
             and vocab.json (each character and its token id)
             hf: DST a directory that Hugging Face transformers loads with
             GPT2LMHeadModel.from_pretrained(DST): config.json, model.safetensors, vocab.json
-            snapshot: DST one snapshot file (mingpt.checkpoint's format, optimizer state
+            snapshot: DST one snapshot file (the single-file format, optimizer state
             included), e.g. a sharded snapshot as one file; local path or fsspec URL
 
 The export is written beside DST and renamed into place, so DST only ever holds
@@ -37,12 +37,12 @@ from typing import Optional
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from mingpt import checkpoint
-from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, check, one_of
 from mingpt.data import CharTokenizer
 from mingpt.generate import command, load_model
 from mingpt.model import GPT
+from mingpt.snapshot import SnapshotError, single_file
+from mingpt.storage import StorageError, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -181,14 +181,6 @@ def check_destination(dst: str, directory: bool) -> Optional[str]:
     return path
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_directory(dst: str, files: dict[str, bytes]) -> None:
     """Write `files` into a temporary directory beside DST, then rename it to DST
     (an earlier export there is moved aside first, then removed)."""
@@ -212,12 +204,12 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
-        _fsync(tmp)
+        fsync_dir(tmp)
         if os.path.isdir(path):  # an earlier export: moved aside, removed once the new one is in place
             old = f"{prefix}old-{uuid.uuid4().hex[:8]}"
             os.rename(path, os.path.join(parent, old))
         os.rename(tmp, path)
-        _fsync(parent)
+        fsync_dir(parent)
     except OSError as e:
         if old and not os.path.exists(path):  # put the earlier export back
             os.rename(os.path.join(parent, old), path)
@@ -234,7 +226,7 @@ def export(config: ExportConfig) -> dict:
     step = state.get("step", "?")
     if config.format == "snapshot":
         check_destination(config.dst, directory=False)
-        checkpoint.save(state, config.dst)  # streamed to a temporary file, then renamed
+        single_file.save(state, config.dst)  # streamed to a temporary file, then renamed
     else:
         build = safetensors_files if config.format == "safetensors" else hf_files
         write_directory(config.dst, build(model, tokenizer, step))
@@ -261,7 +253,7 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    command(__doc__, run, (ConfigError, SnapshotError, ExportError), argv)
+    command(__doc__, run, (ConfigError, SnapshotError, StorageError, ExportError), argv)
 
 
 if __name__ == "__main__":

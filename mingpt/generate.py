@@ -40,13 +40,13 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt import checkpoint
-from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, GPTConfig, TrainerConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
+from mingpt.decoding import generate
 from mingpt.distributed import pick_device, setup_logging
 from mingpt.model import GPT
-from mingpt.sample import generate
+from mingpt.snapshot import SnapshotError, manager
+from mingpt.storage import StorageError, reason, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +124,12 @@ def find_snapshot(path: str) -> str:
     config_file = os.path.join(path, ".hydra", "config.yaml")
     if "://" in path or not os.path.isfile(config_file):
         return path
-    from mingpt.snapshot import resolve_path
-
     try:
         saved = OmegaConf.load(config_file).get("trainer_config") or {}
         trainer_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved))
     except (OmegaConfBaseException, ConfigError, OSError, ValueError) as e:
-        raise SnapshotError(f"run directory {path}: {config_file} cannot be read ({checkpoint.reason(e)})") from None
-    found = resolve_path(trainer_config, path)
+        raise SnapshotError(f"run directory {path}: {config_file} cannot be read ({reason(e)})") from None
+    found = manager.resolve_path(trainer_config, path)
     log.info("run directory %s: its snapshot is %s", path, found)
     return found
 
@@ -140,13 +138,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
     """The model and vocabulary of a snapshot (a file, a sharded snapshot's
     directory read in this one process, or a run directory's snapshot), ready
     for inference on `device`."""
-    path = find_snapshot(path)
-    if checkpoint.is_directory(path):
-        from mingpt import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
-
-        state = sharded.load_file_state(path)
-    else:
-        state = checkpoint.load(path)
+    state = manager.read(find_snapshot(path))
     vocab = state.get("vocab")
     try:
         config = GPTConfig(**state["gpt_config"])
@@ -158,8 +150,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
         weights = {name: tensor.float() for name, tensor in state["model_state"].items()}
         model.load_state_dict(weights, assign=True)
     except (TypeError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SnapshotError(f"snapshot {path} cannot be used: {first}") from None
+        raise SnapshotError(f"snapshot {path} cannot be used: {reason(e)}") from None
     return model.to(device).eval(), CharTokenizer(vocab), state
 
 
@@ -171,19 +162,17 @@ def read_prompt(config: GenerateConfig) -> str:
             return f.read()
     except FileNotFoundError:
         raise PromptError(f"prompt_file not found: {config.prompt_file}") from None
-    except (*checkpoint.storage_errors(), ValueError, ImportError) as e:  # UnicodeDecodeError is a ValueError
-        raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {checkpoint.reason(e)}") from None
+    except (*storage_errors(), ValueError, ImportError) as e:  # UnicodeDecodeError is a ValueError
+        raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {reason(e)}") from None
 
 
 def encode_prompt(prompt: str, tokenizer: CharTokenizer) -> torch.Tensor:
-    """The prompt's token ids, (1, T). An empty prompt starts the model at the
-    beginning of a line: a newline, or the first character of a vocabulary without one."""
+    """The prompt's token ids, (1, T); an empty prompt starts a line (CharTokenizer.line_start)."""
     unknown = tokenizer.unknown(prompt)
     if unknown:
         shown = " ".join(repr(c) for c in unknown)
         raise PromptError(f"prompt has characters outside the snapshot's vocabulary: {shown}")
-    context = prompt or ("\n" if "\n" in tokenizer.stoi else tokenizer.chars[0])
-    return tokenizer.encode(context).long()[None]
+    return tokenizer.encode(prompt or tokenizer.line_start()).long()[None]
 
 
 def write(text: str) -> None:
@@ -257,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
         setup_logging(rank=0)
         run(parse_args(argv))
-    except (ConfigError, SnapshotError, PromptError, OutputError) as e:
+    except (ConfigError, SnapshotError, StorageError, PromptError, OutputError) as e:
         if isinstance(e, OutputError) and sys.stdout is not None:  # the exit's flush would fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -16,6 +16,16 @@ from typing import Any, Callable, Iterator, Optional
 log = logging.getLogger(__name__)
 
 
+class SlowNotice:
+    """Whether to announce work (an evaluation, a save) before it starts: the first time, and after it took 1 s or more."""
+
+    slow = True
+
+    def took(self, seconds: float) -> bool:
+        self.slow = seconds >= 1.0
+        return self.slow
+
+
 class Metrics:
     def __init__(self, run_dir: str, enabled: bool, resume_step: Optional[int] = None):
         self.enabled = enabled

@@ -129,8 +129,10 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters; non_embedding leaves out the token and position embeddings
+        (lookups, no compute: the head is not tied to the token embedding)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        return n - self.wte.weight.numel() - self.wpe.weight.numel() if non_embedding else n
 
     def forward(
         self,

@@ -24,6 +24,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def set_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
+    """Give the groups of param_groups (decayed, then not) `cfg`'s weight decay, betas and eps."""
+    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):
+        group.update(weight_decay=decay, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     """AdamW, fused where every parameter sits on a device with the fused kernel
     (CUDA, and CPU in recent torch), otherwise the foreach implementation."""

@@ -17,7 +17,7 @@ One process is plain: no wrapper at all. `torch.compile` goes around either.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from mingpt.distributed import DistInfo
 from mingpt.model import GPT
 
 
-def is_sharded(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
+def uses_fsdp(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
     """Whether the model's parameters are FSDP2 shards (a single process never shards)."""
     return cfg.parallelism == "fsdp" and dist_info.is_distributed
 
@@ -50,13 +50,12 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
     register_fsdp_forward_method(model, "step")
 
 
-def replicate(model: GPT, dist_info: DistInfo, comm: CommHook, start_hook: Callable[[DDP], None]) -> DDP:
-    """DDP around the model (which copies rank 0's weights to every rank), with its comm hook."""
+def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
+    """DDP around the model (which copies rank 0's weights to every rank), with
+    the options of its comm hook; the caller starts the hook on it."""
     device = dist_info.device
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-              **comm.ddp_options)
-    start_hook(ddp)
-    return ddp
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+               **comm.ddp_options)
 
 
 def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:

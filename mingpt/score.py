@@ -27,11 +27,12 @@ from typing import Optional
 import torch
 
 from mingpt import evaluation
-from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, one_of
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig, command, load_model, parse_args
+from mingpt.snapshot import SnapshotError
+from mingpt.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    command(__doc__, run, (ConfigError, SnapshotError, DataError, TextError), argv)
+    command(__doc__, run, (ConfigError, SnapshotError, StorageError, DataError, TextError), argv)
 
 
 if __name__ == "__main__":

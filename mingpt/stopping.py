@@ -57,7 +57,6 @@ class StepFlags(enum.IntEnum):
 
     STOP = 0  # the number of a stop signal that some rank received (0: none)
     SAVE_DUE = 1  # rank 0's clock: a time-based snapshot is due (1) or not (0)
-    # NONFINITE = 2 is kept for a "loss is not finite on some rank" flag.
 
 
 def exit_status(signum: int) -> int:

@@ -6,15 +6,15 @@ other, as uint8, int16 or int32 (by vocabulary size). The header is JSON padded
 to a page: the vocabulary, how many tokens each file gave, the SHA-256 and size
 of each source file (the key: a changed corpus is re-encoded), the
 `data_config.truncate` it was built with, and the SHA-256 of the token ids (a
-damaged cache is detected and rebuilt, never used). It is written to a
-temporary file and renamed into place, so a reader never sees half a cache.
+damaged cache is detected and rebuilt, never used). It is written through
+mingpt/storage.py's atomic_open, so a reader never sees half a cache.
 
 Batches are read from the file with one `pread` per window into a reusable
-buffer (`TokenCache.read_windows`), not gathered through the memory map: this
-kernel (6.18) maps a whole large page-cache folio, about 1 MB, on each fault
-in a file mapping, whatever madvise says, so every randomly sampled window
-would add about 1 MB of (shared, clean) page cache to the process's RSS. A
-read copies just the window. The map stays for whole-corpus reads (tests).
+buffer (`TokenCache.read_windows`), not gathered through the memory map: a
+kernel that maps large page-cache folios (as the one we measured on did,
+whatever madvise says) maps about 1 MB on each fault in a file mapping, so
+every randomly sampled window could add that much (shared, clean) page cache
+to the process's RSS. A read copies just the window. The map stays for whole-corpus reads (tests).
 
 Encoding is vectorised: each source is read in chunks, decoded as UTF-8 (a
 leading byte-order mark dropped), turned into an array of code points, counted
@@ -30,7 +30,6 @@ import json
 import logging
 import mmap
 import os
-import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -38,6 +37,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from mingpt import storage
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +159,9 @@ def kept_chunks(source: str, open_source, keep: int) -> Iterator[np.ndarray]:
 
 
 def source_key(source: str, open_source) -> dict:
-    digest, size = hashlib.sha256(), 0
     with open_source(source) as f:
-        while raw := f.read(CHUNK):
-            digest.update(raw)
-            size += len(raw)
-    return {"source": source, "size": size, "sha256": digest.hexdigest()}
+        size, digest = storage.sha256(f)
+    return {"source": source, "size": size, "sha256": digest}
 
 
 # ------------------------------------------------------------------- the file
@@ -215,10 +213,9 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
         "counts": kept,
         "digest": DIGEST_PLACEHOLDER,
     }
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "wb") as f:
+        with storage.atomic_open(path) as f:
             head = _header_bytes(header)
             f.write(head.ljust(_data_offset(len(head) - len(MAGIC) - 8), b"\0"))
             digest = hashlib.sha256()
@@ -230,14 +227,8 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
             header["digest"] = digest.hexdigest()  # same length as the placeholder
             f.seek(0)
             f.write(_header_bytes(header))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
         raise CacheError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def problem(path: str, sources: list[str], truncate: float, open_source) -> str | None:
@@ -257,10 +248,7 @@ def problem(path: str, sources: list[str], truncate: float, open_source) -> str 
             if os.fstat(f.fileno()).st_size != offset + n_bytes:
                 return "damaged (wrong size)"
             f.seek(offset)
-            digest = hashlib.sha256()
-            while block := f.read(CHUNK):
-                digest.update(block)
-            if digest.hexdigest() != header["digest"]:
+            if storage.sha256(f)[1] != header["digest"]:
                 return "damaged (its checksum does not match)"
     except (ValueError, KeyError, TypeError, OSError) as e:
         return f"damaged ({e})"

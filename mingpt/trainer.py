@@ -2,7 +2,7 @@
 
 Its parts live beside it: how the model is spread over the ranks in
 mingpt/parallel.py, the held-out loss in mingpt/evaluation.py, what a
-snapshot holds and how it is written and restored in mingpt/snapshot.py.
+snapshot holds and how it is written and restored in mingpt/snapshot/.
 
 Exact resume rests on three facts, so a snapshot needs no generator states:
 - the order of epoch e's samples is a permutation seeded by (seed, e), and the
@@ -20,29 +20,25 @@ import math
 import os
 import shlex
 import time
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt import comm_hooks, evaluation, fit, parallel, stopping
-from mingpt.config import Config, ConfigError
+from mingpt import comm_hooks, evaluation, flops, parallel, stopping
+from mingpt.config import Config, ConfigError, TrainerConfig
 from mingpt.data import CharData, ResumableSampler
+from mingpt.decoding import generate
 from mingpt.distributed import DistInfo, all_max, barrier
-from mingpt.metrics import Metrics
+from mingpt.metrics import Metrics, SlowNotice
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, lr_at
 from mingpt.rundir import check_record
-from mingpt.sample import generate
-from mingpt.snapshot import NotFinite, Progress, Snapshot, resolve_path
+from mingpt.snapshot.manager import NotFinite, Progress, Snapshot, resolve_path
 from mingpt.stopping import StepFlags
 
 log = logging.getLogger(__name__)
-
-
-# Evaluations that take this long are announced before they start (the next time).
-SLOW_SECONDS = 1.0
 
 
 class TrainingError(RuntimeError):
@@ -53,6 +49,43 @@ def _duration(seconds: float) -> str:
     """1h02m, 3m05s, 42s."""
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class AmpPolicy(NamedTuple):
+    enabled: bool  # autocast (with FSDP: its mixed-precision policy) in `dtype`
+    dtype: torch.dtype
+    scaler: bool  # fp16 needs a gradient scaler; bf16 does not
+
+
+def amp_policy(cfg: TrainerConfig, device_type: str, bf16_supported: bool = True) -> AmpPolicy:
+    """AMP on CUDA when use_amp; on a CPU only when amp_on_cpu forces it (warned:
+    CPUs without bf16 units run it far slower). bf16 on a GPU without it: ConfigError."""
+    enabled = cfg.use_amp and (device_type == "cuda" or cfg.amp_on_cpu)
+    dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
+    if enabled and device_type == "cuda" and cfg.amp_dtype == "bf16" and not bf16_supported:
+        raise ConfigError("trainer_config.amp_dtype: bf16 is not supported on this GPU; use fp16")
+    if cfg.use_amp and device_type == "cpu":
+        log.warning("trainer_config.use_amp %s on CPU: CPUs without bf16/fp16 units run it far slower than fp32%s",
+                    "forced" if cfg.amp_on_cpu else "ignored",
+                    "" if cfg.amp_on_cpu else " (trainer_config.amp_on_cpu=true forces it)")
+    return AmpPolicy(enabled, dtype, enabled and dtype == torch.float16)
+
+
+class StepPlan(NamedTuple):
+    samples_per_step: int  # per rank: batch_size windows for each of grad_accum_steps micro-steps
+    steps_per_epoch: int  # at this world size
+    total_steps: int  # steps done plus steps to go, so a resume with another world size still finishes every epoch
+
+
+def step_plan(cfg: TrainerConfig, n_train: int, world_size: int, progress: Progress) -> StepPlan:
+    """How many optimizer steps the run takes from `progress` on, capped by max_steps."""
+    per_step = cfg.batch_size * cfg.grad_accum_steps
+    steps_per_epoch = math.ceil(n_train / (per_step * world_size))
+    total = progress.step
+    if progress.epoch < cfg.max_epochs:
+        total += math.ceil((n_train - progress.samples_in_epoch) / (per_step * world_size))
+        total += steps_per_epoch * (cfg.max_epochs - progress.epoch - 1)
+    return StepPlan(per_step, steps_per_epoch, total if cfg.max_steps is None else min(total, cfg.max_steps))
 
 
 class Trainer:
@@ -67,59 +100,40 @@ class Trainer:
         self.snapshot_path = resolve_path(cfg, run_dir)
         comm_hooks.check(cfg, dist_info)  # a hook this run cannot use is refused before any work
         self.comm = comm_hooks.create(cfg, dist_info)
-
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
-        self.amp_dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
-        self.use_amp = cfg.use_amp and (device.type == "cuda" or cfg.amp_on_cpu)
-        if self.use_amp and device.type == "cuda" and cfg.amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("trainer_config.amp_dtype: bf16 is not supported on this GPU; use fp16")
-        if cfg.use_amp and device.type == "cpu":
-            log.warning(
-                "trainer_config.use_amp %s on CPU: CPUs without bf16/fp16 units run it far slower than fp32%s",
-                "forced" if cfg.amp_on_cpu else "ignored",
-                "" if cfg.amp_on_cpu else " (trainer_config.amp_on_cpu=true forces it)",
-            )
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.use_amp and self.amp_dtype == torch.float16)
-        self.sharded = parallel.is_sharded(cfg, dist_info)
-
-        if self.sharded:  # before the optimizer: the parameters become shards
+        self.amp = amp_policy(cfg, device.type, device.type != "cuda" or torch.cuda.is_bf16_supported())
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp.scaler)
+        self.fsdp = parallel.uses_fsdp(cfg, dist_info)  # the parameters are FSDP2 shards over the ranks
+        if self.fsdp:  # before the optimizer: the parameters become shards
             # Sharded where it was built (the CPU), so only this rank's shards go to the device.
-            parallel.shard(model, dist_info, self.amp_dtype if self.use_amp else None)
+            parallel.shard(model, dist_info, self.amp.dtype if self.amp.enabled else None)
         self.raw_model = model.to(device)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
-        self.progress = Progress()
         # The first step whose loss was not finite (0: none yet), kept on the device so that
         # checking every step costs no host sync; read where the loop syncs anyway.
         self.nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
-        self.saved: Progress | None = None  # the position of the snapshot at snapshot_path, if any
         self._last_save = time.monotonic()
-        self._slow: dict[str, bool] = {}  # whether the last evaluation took long
+        self.eval_notice = SlowNotice()
         self.snapshot = Snapshot(config, dist_info, self.snapshot_path, data.tokenizer.chars, self.raw_model,
                                  self.optimizer, self.scaler, self.comm)
-        if self.snapshot.exists():
-            self.progress = self.snapshot.restore()
-            self.saved = dataclasses.replace(self.progress)
-        self.snapshot.check_same_start(self.progress.step)
+        self.saved = self.snapshot.restore()  # the position of the snapshot at snapshot_path (None: none yet)
+        self.progress = dataclasses.replace(self.saved) if self.saved else Progress()
         check_record(run_dir, self.snapshot_path, self.progress.step, dist_info)  # before the record is touched
 
         self.model = self.raw_model  # what the training step calls
-        if dist_info.is_distributed and not self.sharded:
-            self.model = parallel.replicate(self.raw_model, dist_info, self.comm, self._start_comm_hook)
+        if dist_info.is_distributed and not self.fsdp:
+            ddp = parallel.replicate(self.raw_model, dist_info, self.comm)
+            # The comm hook on the DDP model, with the state the snapshot saved (mingpt/comm_hooks.py).
+            self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
+                            self.scaler, lambda: self._warm_up_ddp(ddp))
+            self.model = ddp
         self.model = parallel.maybe_compile(self.model, cfg)
 
         W = dist_info.world_size
         self.train_sampler = ResumableSampler(len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed)
-        self.samples_per_step = cfg.batch_size * cfg.grad_accum_steps  # per rank
-        steps_per_epoch = math.ceil(len(data.train) / (self.samples_per_step * W))
-        # Steps done plus steps to go, so a resume with another world size still finishes every epoch.
-        p = self.progress
-        self.total_steps = p.step
-        if p.epoch < cfg.max_epochs:
-            self.total_steps += math.ceil((len(data.train) - p.samples_in_epoch) / (self.samples_per_step * W))
-            self.total_steps += steps_per_epoch * (cfg.max_epochs - p.epoch - 1)
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
+        plan = step_plan(cfg, len(data.train), W, self.progress)
+        self.samples_per_step, self.total_steps = plan.samples_per_step, plan.total_steps
         # Events after the step we start from (0 when fresh) are from a killed attempt: dropped.
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step)
         log.info(
@@ -127,25 +141,24 @@ class Trainer:
             " | %d steps per epoch, %d in all | device %s%s%s",
             self.raw_model.num_params() / 1e6, len(data.train), len(data.heldout),
             self.samples_per_step * W, cfg.batch_size, cfg.grad_accum_steps, W,
-            steps_per_epoch, self.total_steps, device, f" amp {cfg.amp_dtype}" if self.use_amp else "",
-            f" | fsdp: 1/{W} of the model on each rank" if self.sharded else "",
+            plan.steps_per_epoch, self.total_steps, device, f" amp {cfg.amp_dtype}" if self.amp.enabled else "",
+            f" | fsdp: 1/{W} of the model on each rank" if self.fsdp else "",
         )
         self._warn_if_slow_on_cpu()
 
     def _warn_if_slow_on_cpu(self) -> None:
-        """A recipe sized for a GPU says, on a CPU, how long its steps will take (mingpt/fit.py)."""
+        """A recipe sized for a GPU says, on a CPU, how long its steps will take (mingpt/flops.py)."""
         if self.device.type != "cpu" or not self.dist.is_main_process or self._finished():
             return
         g, tokens = self.config.gpt_config, self.samples_per_step * self.train_windows.block_size
-        flops = fit.flops_per_token(self.raw_model, g.n_layer, g.n_embd, self.train_windows.block_size) * tokens
-        warning = fit.slow_on_cpu(flops, self.total_steps - self.progress.step)
+        step_flops = flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd, self.train_windows.block_size) * tokens
+        warning = flops.slow_on_cpu(step_flops, self.total_steps - self.progress.step)
         if warning:
             log.warning(warning)
 
     # ----------------------------------------------------------------- the loop
 
     def train(self) -> None:
-        p = self.progress
         if self._finished():
             log.info("%s", self._already_complete())
             self._print_sample()
@@ -372,12 +385,12 @@ class Trainer:
         self._check_diverged(self.progress.step)
         p = self.progress
         start = time.monotonic()
-        if self._slow.get("eval", True):
+        if self.eval_notice.slow:
             n = len(evaluation.chosen_windows(len(self.eval_windows), self.eval_windows.block_size,
                                               self.cfg.eval_tokens))
             log.info("evaluating at step %d on %d held-out windows", p.step, n)
         result = evaluation.evaluate(self.raw_model, self.eval_windows, self.dist, self.cfg.eval_tokens,
-                                     self.cfg.batch_size * 4, self._autocast, lockstep=self.sharded,
+                                     self.cfg.batch_size * 4, self._autocast, lockstep=self.fsdp,
                                      stop_requested=stopping.stop_requested)
         if result.interrupted:
             log.info("evaluation at step %d interrupted by a stop signal: not recorded", p.step)
@@ -389,25 +402,24 @@ class Trainer:
         self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
                          perplexity=math.exp(result.loss),
                          rank_losses=result.rank_losses, tokens=result.tokens)
-        if self.cfg.sample_chars and (self.dist.is_main_process or self.sharded):
+        if self.cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
             text = self.sample(self.cfg.sample_chars)
             self.metrics.text("sample", text, p.step)
         seconds = time.monotonic() - start
-        self._slow["eval"] = seconds >= SLOW_SECONDS
-        if self._slow["eval"]:
+        if self.eval_notice.took(seconds):
             log.info("evaluation at step %d took %.1f s", p.step, seconds)
         return result.loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Autocast for AMP; a sharded model casts by FSDP's own mixed-precision policy instead."""
-        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp and not self.sharded)
+        return torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled and not self.fsdp)
 
-    def sample(self, n_chars: int, prompt: str = "\n") -> str:
-        """Text generated from the current weights, seeded by (seed, step); it
-        leaves the training random streams untouched. A sharded model's ranks
-        all generate, in lockstep (each forward gathers the parameters)."""
+    def sample(self, n_chars: int) -> str:
+        """Text generated from the current weights at the start of a line, seeded
+        by (seed, step); it leaves the training random streams untouched. A sharded
+        model's ranks all generate, in lockstep (each forward gathers the parameters)."""
         tok = self.data.tokenizer
-        prompt = "".join(c for c in prompt if c in tok.stoi) or tok.chars[0]
+        prompt = tok.line_start()
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed + self.progress.step)
         idx = tok.encode(prompt).long()[None].to(self.device)
         new = generate(self.raw_model, idx, n_chars, temperature=1.0, top_k=None, generator=generator)
@@ -415,7 +427,7 @@ class Trainer:
 
     def _print_sample(self) -> None:
         with self.comm.mean_weights(self.raw_model):  # every rank takes part
-            if self.cfg.sample_chars and (self.dist.is_main_process or self.sharded):
+            if self.cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
                 sample = self.sample(self.cfg.sample_chars)
                 if self.dist.is_main_process:
                     print(f"--- sample after step {self.progress.step} ---\n{sample}", flush=True)
@@ -423,7 +435,7 @@ class Trainer:
     # ----------------------------------------------------------------- snapshots
 
     def save(self) -> None:
-        """Save a snapshot (mingpt/snapshot.py), never with non-finite weights
+        """Save a snapshot (mingpt/snapshot/manager.py), never with non-finite weights
         (all ranks agree, so all stop together). Every rank calls it. Saving
         changes nothing in the training state (time-based saves come at any
         step); a second call at the same position does nothing."""
@@ -439,11 +451,6 @@ class Trainer:
         self._last_save = time.monotonic()
 
     # ---------------------------------------------------------- communication
-
-    def _start_comm_hook(self, ddp: DDP) -> None:
-        """Register the hook on the DDP model and give it the state the snapshot saved (mingpt/comm_hooks.py)."""
-        self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
-                        self.scaler, lambda: self._warm_up_ddp(ddp))
 
     def _warm_up_ddp(self, ddp: DDP) -> None:
         """One DDP forward and backward on a training batch, gradients dropped: DDP

@@ -122,7 +122,7 @@ def run_dir_of(cwd: Path, args: list[str]) -> Path:
     result-affecting values when they are not the defaults)."""
     from hydra import compose, initialize_config_dir
 
-    from mingpt.train import CONF_DIR
+    from mingpt.cli import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return cwd / compose("config", overrides=list(args), return_hydra_config=True).hydra.run.dir

@@ -14,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mingpt import trainer  # noqa: E402
-from mingpt.train import main  # noqa: E402
+from mingpt.cli import main  # noqa: E402
 
 _train_step = trainer.Trainer.train_step
 

@@ -2,7 +2,7 @@
 
     FT_RECORD_DIR=DIR [torchrun ...] python tests/ft_record.py [overrides ...]
 
-Runs the real training CLI (mingpt.train.main). Each rank appends one line per
+Runs the real training CLI (mingpt.cli.main). Each rank appends one line per
 optimizer step to DIR/samples-rank<r>.txt ("epoch step i i i ...": the training
 samples of its share of the step) and one line per snapshot write to
 DIR/saves-rank<r>.txt (the step saved). Nothing else changes.
@@ -15,8 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mingpt import checkpoint, trainer  # noqa: E402
-from mingpt.train import main  # noqa: E402
+from mingpt import trainer  # noqa: E402
+from mingpt.snapshot import single_file  # noqa: E402
+from mingpt.cli import main  # noqa: E402
 
 RECORD_DIR = os.environ["FT_RECORD_DIR"]
 RANK = int(os.environ.get("RANK", 0))
@@ -28,7 +29,7 @@ def _append(name: str, line: str) -> None:
 
 
 _train_step = trainer.Trainer.train_step
-_save = checkpoint.save
+_save = single_file.save
 
 
 def recording_train_step(self, indices):
@@ -42,7 +43,7 @@ def recording_save(state, path):
 
 
 trainer.Trainer.train_step = recording_train_step
-checkpoint.save = recording_save
+single_file.save = recording_save
 
 if __name__ == "__main__":
     os.makedirs(RECORD_DIR, exist_ok=True)

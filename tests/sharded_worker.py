@@ -1,4 +1,4 @@
-"""Test-only worker for mingpt.sharded: a tiny GPT sharded with FSDP2 on gloo.
+"""Test-only worker for mingpt.snapshot.sharded: a tiny GPT sharded with FSDP2 on gloo.
 
     torchrun ... tests/sharded_worker.py save OUT ROOT
     torchrun ... tests/sharded_worker.py load OUT ROOT
@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from mingpt import sharded
-from mingpt.checkpoint import StorageError
 from mingpt.config import GPTConfig
 from mingpt.model import GPT
+from mingpt.snapshot import sharded
+from mingpt.storage import StorageError
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16)
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 96))  # 65 characters

@@ -3,7 +3,7 @@
     STOP_PROBE=MOMENT STOP_PROBE_FILE=PATH [torchrun ...] python tests/stop_probe.py [overrides ...]
 
 MOMENT is one of
-    import  after the signal handler is installed, before mingpt.train is imported
+    import  after the signal handler is installed, before mingpt.cli is imported
     init    joining the process group (no wait here: a run of WORLD_SIZE=2 without
             a second process waits in torch's C++ code for the peer)
     load    while loading the corpus (start-up)
@@ -61,14 +61,15 @@ pause("import")
 
 import torch.distributed  # noqa: E402
 
-from mingpt import checkpoint, train, trainer  # noqa: E402
+from mingpt import cli, train, trainer  # noqa: E402
+from mingpt.snapshot import single_file  # noqa: E402
 
 before(torch.distributed, "init_process_group", "init")
 
 before(train, "load_data", "load")
 before(trainer.Trainer, "evaluate", "eval")
-before(checkpoint, "save", "save")
+before(single_file, "save", "save")
 before(trainer.Trainer, "_print_sample", "sample")
 
 if __name__ == "__main__":
-    train.main()
+    cli.main()

@@ -58,7 +58,7 @@ def test_the_users_preset_beats_a_scripts_defaults(monkeypatch):
     from _cli import with_defaults
     from hydra import compose, initialize_config_dir
 
-    from mingpt.train import CONF_DIR
+    from mingpt.cli import CONF_DIR
 
     defaults = ["gpt_config.n_layer=4", "gpt_config.n_embd=128", "data_config.block_size=64",
                 "trainer_config.batch_size=12"]

@@ -17,12 +17,12 @@ import pytest
 import torch
 from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
 
-from mingpt import sharded
+from mingpt.snapshot import sharded
 from mingpt.config import DataConfig, GPTConfig
 from mingpt.data import HostBatches, TokenWindows, load_data
 from mingpt.generate import load_model
 from mingpt.model import GPT
-from mingpt.sample import generate
+from mingpt.decoding import generate
 
 pytestmark = pytest.mark.cuda
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, TINY, child_env, free_port, run_dir_of, run_torchrun, torchrun_cmd
-from mingpt import sharded
+from mingpt.snapshot import sharded
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
 # 20,010 characters: 1,125 training windows and 125 held-out windows of 16

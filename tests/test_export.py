@@ -48,7 +48,7 @@ def random_model(seed: int = 0) -> GPT:
 @pytest.fixture(scope="module")
 def sharded_root(tmp_path_factory) -> Path:
     """A sharded snapshot of random_model, saved by this one process (no process group)."""
-    from mingpt import sharded
+    from mingpt.snapshot import sharded
 
     root = tmp_path_factory.mktemp("sharded") / "snapshots"
     model = random_model()
@@ -124,14 +124,14 @@ def test_safetensors_export_rebuilds_the_model(source, tmp_path):
 
 
 def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_run, tmp_path, capsys):
-    from mingpt import checkpoint
+    from mingpt.snapshot import single_file
 
     _, run_dir = tiny_run
     dst = tmp_path / "one.pt"
     dst.write_bytes(b"an earlier file")  # a regular file is replaced
     export(run_dir, dst, "--format", "snapshot")
     assert capsys.readouterr().out == f"exported {run_dir} (step 60) as snapshot to {dst}\n"
-    exported, original = checkpoint.load(str(dst)), checkpoint.load(str(run_dir / "snapshot.pt"))
+    exported, original = single_file.load(str(dst)), single_file.load(str(run_dir / "snapshot.pt"))
     assert exported.keys() == original.keys() and exported["step"] == 60
     assert all(torch.equal(exported["model_state"][k], v) for k, v in original["model_state"].items())
     # A directory export over an earlier one replaces it whole, leaving nothing else beside it

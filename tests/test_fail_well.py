@@ -29,13 +29,15 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, child_env, run_main
-from mingpt import checkpoint
+from mingpt import storage
 from mingpt.config import Config, ConfigError
 from mingpt.distributed import DistInfo
+from mingpt.decoding import generate
 from mingpt.generate import load_model, parse_args
-from mingpt.sample import generate
-from mingpt import train
-from mingpt.train import CONF_DIR, build
+from mingpt.snapshot import SnapshotError, single_file
+from mingpt import cli
+from mingpt.cli import CONF_DIR
+from mingpt.train import build
 from mingpt.trainer import Trainer, TrainingError
 
 
@@ -174,11 +176,11 @@ def test_torch_records_carry_real_checksums(snap):
     """The zip's CRC-32s are real (torch computes them): a flipped bit is found in any record."""
     _, good = snap
     data = good.read_bytes()
-    checkpoint.verify(data, "good")
+    single_file.verify(data, "good")
     for record in ("data.pkl", "data/0", "data/3"):
-        with pytest.raises(checkpoint.SnapshotError, match=rf"snapshot x is damaged: the checksum of its record "
+        with pytest.raises(SnapshotError, match=rf"snapshot x is damaged: the checksum of its record "
                                                              rf"\S*{record} does not match"):
-            checkpoint.verify(flip_byte(data, record), "x")
+            single_file.verify(flip_byte(data, record), "x")
 
 
 def test_resume_from_a_damaged_snapshot_stops_and_keeps_it(snap, runs):
@@ -193,7 +195,7 @@ def test_generate_refuses_a_damaged_snapshot(snap, tmp_path):
     """(test_generate checks that a SnapshotError is one line of the command.)"""
     _, good = snap
     (tmp_path / "damaged.pt").write_bytes(flip_byte(good.read_bytes(), "data/0"))
-    with pytest.raises(checkpoint.SnapshotError, match=f"snapshot {tmp_path / 'damaged.pt'} is damaged: the checksum"):
+    with pytest.raises(SnapshotError, match=f"snapshot {tmp_path / 'damaged.pt'} is damaged: the checksum"):
         load_model(str(tmp_path / "damaged.pt"), torch.device("cpu"))
 
 
@@ -202,8 +204,8 @@ def test_damaged_pickle_is_reported_as_damage(snap, tmp_path):
     _, good = snap
     data = good.read_bytes()
     (tmp_path / "flipped.pt").write_bytes(flip_byte(data, "data.pkl", offset=0))
-    with pytest.raises(checkpoint.SnapshotError, match=r"is damaged: the checksum of its record \S*data.pkl"):
-        checkpoint.load(str(tmp_path / "flipped.pt"))
+    with pytest.raises(SnapshotError, match=r"is damaged: the checksum of its record \S*data.pkl"):
+        single_file.load(str(tmp_path / "flipped.pt"))
     # The same damage with the checksums rewritten to match: the pickle itself cannot be read.
     rewritten = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(rewritten, "w") as dst:
@@ -213,8 +215,8 @@ def test_damaged_pickle_is_reported_as_damage(snap, tmp_path):
                 content = bytes([content[0] ^ 0xFF]) + content[1:]
             dst.writestr(info.filename, content)
     (tmp_path / "rewritten.pt").write_bytes(rewritten.getvalue())
-    with pytest.raises(checkpoint.SnapshotError) as e:
-        checkpoint.load(str(tmp_path / "rewritten.pt"))
+    with pytest.raises(SnapshotError) as e:
+        single_file.load(str(tmp_path / "rewritten.pt"))
     assert "is damaged (its pickle cannot be read" in str(e.value) and "()" not in str(e.value), str(e.value)
 
 
@@ -231,16 +233,16 @@ WRONG_FIELDS = {
 def test_snapshot_fields_of_the_wrong_type_are_refused(snap, field):
     value, message = WRONG_FIELDS[field]
     path = save_variant(snap, f"wrong-{field}.pt", lambda s: s.update({field: value}))
-    with pytest.raises(checkpoint.SnapshotError, match=f"snapshot {path} is not usable: {message}"):
-        checkpoint.load(str(path))
+    with pytest.raises(SnapshotError, match=f"snapshot {path} is not usable: {message}"):
+        single_file.load(str(path))
 
 
 def test_snapshot_weights_that_are_not_floats_are_refused(snap):
     path = save_variant(snap, "int-weights.pt",
                         lambda s: s["model_state"].update({"wte.weight": torch.zeros(2, dtype=torch.long)}))
     not_float = r"model_state\['wte.weight'\] is torch.int64, not a float tensor"
-    with pytest.raises(checkpoint.SnapshotError, match=not_float):
-        checkpoint.load(str(path))
+    with pytest.raises(SnapshotError, match=not_float):
+        single_file.load(str(path))
 
 
 def test_generate_samples_from_float64_weights(snap, one_thread):
@@ -254,7 +256,7 @@ def test_generate_samples_from_float64_weights(snap, one_thread):
 
 def test_generate_refuses_non_finite_weights(snap):
     path = save_variant(snap, "nonfinite.pt", lambda s: s["model_state"]["h.0.attn.c_attn.weight"][0].fill_(math.nan))
-    with pytest.raises(checkpoint.SnapshotError,
+    with pytest.raises(SnapshotError,
                        match=f"snapshot {path} has non-finite weights .nan or inf in h.0.attn.c_attn.weight."):
         load_model(str(path), torch.device("cpu"))
 
@@ -288,10 +290,10 @@ def test_unwritable_snapshot_location_stops_before_training(snap, runs):
 
 def test_storage_that_cannot_be_written_is_one_error(tmp_path):
     for snapshot in ("/proc/nope/snapshot.pt", "/sys/snapshot.pt"):
-        with pytest.raises(checkpoint.StorageError, match=f"cannot write to the snapshot path {snapshot}: "):
-            checkpoint.check_writable(str(tmp_path), snapshot)
-    with pytest.raises(checkpoint.StorageError, match=r"cannot save snapshot /sys/snapshot.pt: .*; the file there"):
-        checkpoint.save({"step": 1}, "/sys/snapshot.pt")
+        with pytest.raises(storage.StorageError, match=f"cannot write to the snapshot path {snapshot}: "):
+            storage.check_writable(str(tmp_path), snapshot)
+    with pytest.raises(storage.StorageError, match=r"cannot save snapshot /sys/snapshot.pt: .*; the file there"):
+        single_file.save({"step": 1}, "/sys/snapshot.pt")
 
 
 def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
@@ -371,7 +373,7 @@ def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
 def test_unparseable_override_names_it_and_how_to_quote(override, expected):
     with pytest.raises(HydraException) as e:
         composed(override)
-    assert train.config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
+    assert cli.config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
     if "quote" in expected:  # the advice works
         quoted = expected.split("'")[1]
         assert composed(quoted).data_config.path == override.split("=", 1)[1]
@@ -382,7 +384,7 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer_config:\n  nope: 1\n")
     with pytest.raises(HydraException) as e:
         composed(f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo")
-    line = train.config_error_line(e.value)
+    line = cli.config_error_line(e.value)
     assert line == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
 
 
@@ -393,6 +395,6 @@ def test_interpolation_error_is_one_line(runs):
 
 def test_dropping_a_group_and_choosing_from_it_is_refused():
     with pytest.raises(ConfigError, match=r"^gpt_config=gpt2: ~gpt_config drops the gpt_config group"):
-        train.check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
-    train.check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
-    train.check_group_overrides(["gpt_config=gpt2"])
+        cli.check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
+    cli.check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
+    cli.check_group_overrides(["gpt_config=gpt2"])

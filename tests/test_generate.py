@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import TINY, child_env, run_dir_of, run_main
 
+from mingpt.decoding import generate, next_token
 from mingpt.generate import load_model
-from mingpt.sample import generate, next_token
 
 
 TRAIN_ARGS = TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",

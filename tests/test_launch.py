@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, child_env, run_dir_of
 
-from mingpt.train import take_local_rank_argument
+from mingpt.cli import take_local_rank_argument
 
 
 @pytest.mark.parametrize("argv", [["--local-rank=1", "a=1"], ["a=1", "--local_rank=1"], ["--local_rank", "1", "a=1"],

@@ -83,9 +83,9 @@ def test_run_writes_tensorboard_events(first_run):
 def test_run_writes_a_loadable_snapshot_and_prints_a_sample(first_run, workdir):
     proc, run_dir = first_run
     state = torch.load(run_dir / "snapshot.pt", weights_only=True)
-    assert {"model_state", "optimizer_state", "finished_epoch", "gpt_config", "optimizer_config",
+    assert {"model_state", "optimizer_state", "epoch", "gpt_config", "optimizer_config",
             "data_config", "trainer_config", "vocab"} <= state.keys()
-    assert state["finished_epoch"] == 2
+    assert state["epoch"] == 2
     text = (workdir / "corpus.txt").read_text(encoding="utf-8")
     assert state["vocab"] == "".join(sorted(set(text)))
     g = state["gpt_config"]
@@ -128,7 +128,7 @@ def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, 
     new = records(copy)[len(records(run_dir)):]
     assert new and new[0]["step"] > 2 * STEPS_PER_EPOCH  # no step of the first two epochs repeated
     assert new[-1] == {**new[-1], "split": "eval", "step": 3 * STEPS_PER_EPOCH, "epoch": 3}
-    assert torch.load(copy / "snapshot.pt", weights_only=True)["finished_epoch"] == 3
+    assert torch.load(copy / "snapshot.pt", weights_only=True)["epoch"] == 3
 
 
 def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(first_run, workdir):

@@ -18,9 +18,10 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 from conftest import REPO, TINY, child_env, free_port  # noqa: E402
-from mingpt import checkpoint  # noqa: E402
+from mingpt import storage  # noqa: E402
 from mingpt.data import DataError, read_text  # noqa: E402
 from mingpt.generate import GenerateConfig, PromptError, read_prompt  # noqa: E402
+from mingpt.snapshot import single_file  # noqa: E402
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -55,7 +56,7 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert checkpoint.load("s3://runs/run1/snapshot.pt")["step"] == 2
+    assert single_file.load("s3://runs/run1/snapshot.pt")["step"] == 2
     assert s3.ls("runs/run1") == ["runs/run1/snapshot.pt"]  # no probe or temporary file left
     # botocore's INFO `Found credentials in environment variables` is not ours to log.
     assert "Found credentials" not in proc.stderr
@@ -65,10 +66,10 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
 def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):
     url = "s3://no-such-bucket/run1/snapshot.pt"
     refused = rf"^cannot use snapshot path {url}: bucket 'no-such-bucket' does not exist \(create it first\)$"
-    with pytest.raises(checkpoint.StorageError, match=refused):  # at start
-        checkpoint.check_writable(str(tmp_path), url)
-    with pytest.raises(checkpoint.StorageError, match=refused):  # and at every save
-        checkpoint.save({"step": 1, "w": torch.zeros(2)}, url)
+    with pytest.raises(storage.StorageError, match=refused):  # at start
+        storage.check_writable(str(tmp_path), url)
+    with pytest.raises(storage.StorageError, match=refused):  # and at every save
+        single_file.save({"step": 1, "w": torch.zeros(2)}, url)
     s3.invalidate_cache()
     assert not s3.exists("no-such-bucket")
 
@@ -82,19 +83,19 @@ def test_an_unreachable_endpoint_is_one_line(monkeypatch, tmp_path):
     cant_connect = "Could not connect to the endpoint URL"
     with pytest.raises(DataError, match=f"^cannot read data file s3://runs/small.txt: {cant_connect}"):
         read_text("s3://runs/small.txt")
-    with pytest.raises(checkpoint.StorageError, match=f"^cannot reach snapshot path s3://runs/s.pt: {cant_connect}"):
-        checkpoint.exists("s3://runs/s.pt")
-    with pytest.raises(checkpoint.StorageError,
+    with pytest.raises(storage.StorageError, match=f"^cannot reach snapshot path s3://runs/s.pt: {cant_connect}"):
+        storage.exists("s3://runs/s.pt")
+    with pytest.raises(storage.StorageError,
                        match=f"^cannot write to the snapshot path s3://runs/s.pt: {cant_connect}"):
-        checkpoint.check_writable(str(tmp_path), "s3://runs/s.pt")
+        storage.check_writable(str(tmp_path), "s3://runs/s.pt")
     with pytest.raises(PromptError, match=f"^prompt_file s3://runs/prompt.txt cannot be read: {cant_connect}"):
         read_prompt(GenerateConfig(prompt_file="s3://runs/prompt.txt"))
 
 
 def test_sharded_snapshots_publish_and_load_through_s3(s3):
-    """mingpt.sharded on an object store (no rename of directories): one process saves
+    """mingpt.snapshot.sharded on an object store (no rename of directories): one process saves
     synchronously and asynchronously, keeps the newest, and reads the published one."""
-    from mingpt import sharded
+    from mingpt.snapshot import sharded
 
     model = torch.nn.Linear(4, 3)
     tensors = {"model": model.state_dict(), "extra": {"lr": 0.5, "betas": (0.9, 0.99)}}

@@ -1,4 +1,4 @@
-"""Sharded snapshots (mingpt.sharded): FSDP2 on real gloo processes saves, resharded loads,
+"""Sharded snapshots (mingpt.snapshot.sharded): FSDP2 on real gloo processes saves, resharded loads,
 publication and pruning, asynchronous saves and their errors, integrity, refused pickles,
 one-process reads, export and generation."""
 
@@ -19,9 +19,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from mingpt import sharded
-from mingpt.checkpoint import SnapshotError
 from mingpt.config import ConfigError, TrainerConfig
+from mingpt.snapshot import SnapshotError, sharded
 from tests.conftest import REPO, child_env, fake_cuda_env, torchrun_cmd
 
 WORKER = str(REPO / "tests" / "sharded_worker.py")
@@ -200,11 +199,11 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
     assert exit_status.value.code == 2 and not (tmp_path / "other.pt").exists()
     assert capsys.readouterr().err == f"error: no published sharded snapshot in {tmp_path / 'nothing'}\n"
 
-    from mingpt import checkpoint
+    from mingpt.snapshot import single_file
     from mingpt.generate import load_model
     from mingpt.generate import main as generate_main
 
-    state = checkpoint.load(str(exported))
+    state = single_file.load(str(exported))
     assert state["step"] == 4 and state["samples_in_epoch"] == 32
     for name, tensor in reference["model"].items():
         assert torch.equal(state["model_state"][name], tensor), name
@@ -248,7 +247,7 @@ def test_a_model_of_another_shape_is_refused_in_one_line(saved):
 
 ONE_ASYNC_SAVE = """
 import sys, torch
-from mingpt import sharded
+from mingpt.snapshot import sharded
 state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}}
 print(sharded.save(state, {"note": 1}, sys.argv[1], 3, keep=1, async_save=True).wait())
 """

@@ -24,10 +24,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
-from mingpt import checkpoint, sharded
 from mingpt.config import Config
 from mingpt.data import ResumableSampler
 from mingpt.distributed import DistInfo
+from mingpt.snapshot import SnapshotError, fit, sharded, single_file
 from mingpt.train import build
 from mingpt.trainer import Trainer, TrainingError
 
@@ -110,8 +110,8 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus
     make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.allow_config_change=true").train()
     assert any(r.getMessage() == f"resumed from {resumed_url}: epoch 0, 960 samples into it, step 30"
                for r in caplog.records)
-    reference, final = checkpoint.load(reference_url), checkpoint.load(resumed_url)
-    assert final["step"] == reference["step"] == 108 and final["finished_epoch"] == 3
+    reference, final = single_file.load(reference_url), single_file.load(resumed_url)
+    assert final["step"] == reference["step"] == 108 and final["epoch"] == 3
     assert same_tensors(final["model_state"], reference["model_state"])
     assert train_steps(tmp_path / "resumed") == list(range(5, 106, 5)) + [108]  # no event twice
 
@@ -135,8 +135,8 @@ def test_unreadable_snapshots_are_refused_naming_the_file(tmp_path):
     good = {"model_state": {"w": torch.randn(256, 256)}, "optimizer_state": {}, "gpt_config": {"n_layer": 2},
             "vocab": "abc", "epoch": 0, "samples_in_epoch": 0, "step": 3}
     path = str(tmp_path / "good.pt")
-    checkpoint.save(good, path)
-    assert checkpoint.load(path)["step"] == 3
+    single_file.save(good, path)
+    assert single_file.load(path)["step"] == 3
     whole = (tmp_path / "good.pt").read_bytes()
     cases = {
         "truncated.pt": whole[: len(whole) // 2],
@@ -146,19 +146,19 @@ def test_unreadable_snapshots_are_refused_naming_the_file(tmp_path):
     }
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
-        with pytest.raises(checkpoint.SnapshotError) as e:
-            checkpoint.load(str(tmp_path / name))
+        with pytest.raises(SnapshotError) as e:
+            single_file.load(str(tmp_path / name))
         assert str(tmp_path / name) in str(e.value) and "truncated or not a torch snapshot" in str(e.value)
         assert "\n" not in str(e.value)
     torch.save({"model_state": {}}, tmp_path / "other.pt")  # a torch file, but not ours
-    with pytest.raises(checkpoint.SnapshotError, match="is not a mingpt snapshot .no optimizer_state, gpt_config"):
-        checkpoint.load(str(tmp_path / "other.pt"))
-    with pytest.raises(checkpoint.SnapshotError, match="snapshot not found"):
-        checkpoint.load(str(tmp_path / "missing.pt"))
+    with pytest.raises(SnapshotError, match="is not a mingpt snapshot .no optimizer_state, gpt_config"):
+        single_file.load(str(tmp_path / "other.pt"))
+    with pytest.raises(SnapshotError, match="snapshot not found"):
+        single_file.load(str(tmp_path / "missing.pt"))
     # Same vocabulary size, other characters: the shapes fit, the vocabulary does not.
     mismatch = r"vocabulary of 3 characters in the snapshot, 3 in the data \(differs: 'cd'\)"
-    with pytest.raises(checkpoint.SnapshotError, match=mismatch):
-        checkpoint.check_compatible(good, {"n_layer": 2}, "abd", path)
+    with pytest.raises(SnapshotError, match=mismatch):
+        fit.check_compatible(good, {"n_layer": 2}, "abd", path)
 
 
 class _CreatesFile:
@@ -213,7 +213,7 @@ def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
     path = tmp_path / "snapshot.pt"
     previous = {"model_state": {"w": torch.arange(10.0)}, "optimizer_state": {}, "gpt_config": {}, "vocab": "ab",
                 "epoch": 0, "samples_in_epoch": 0, "step": 1}
-    checkpoint.save(previous, str(path))
+    single_file.save(previous, str(path))
     before = path.read_bytes()
     # The writer saves 200 MB over and over; it is killed as soon as a temporary file appears.
     writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200"],
@@ -233,10 +233,10 @@ def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
     leftovers = list(tmp_path.glob("snapshot.pt.tmp-*"))
     assert leftovers, "the kill did not land during the save"
     assert path.read_bytes() == before  # the previous snapshot, byte for byte
-    assert checkpoint.load(str(path))["step"] == 1
+    assert single_file.load(str(path))["step"] == 1
     # The next save replaces it and clears the killed save's temporary file.
-    checkpoint.save({**previous, "step": 2}, str(path))
-    assert checkpoint.load(str(path))["step"] == 2 and not list(tmp_path.glob("snapshot.pt.tmp-*"))
+    single_file.save({**previous, "step": 2}, str(path))
+    assert single_file.load(str(path))["step"] == 2 and not list(tmp_path.glob("snapshot.pt.tmp-*"))
 
 
 def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_snapshot):
@@ -340,8 +340,8 @@ def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus
     assert "resumed from file://" in part(1, "70")  # 60 steps of 8: 640
     log = part(2, "null")  # 484 left: 30 steps of 16 and one of 4
     assert f"resumed from {url}: epoch 0, 640 samples into it, step 70" in log
-    final = checkpoint.load(url)
-    assert (final["step"], final["finished_epoch"], final["samples_in_epoch"], final["world_size"]) == (101, 1, 0, 2)
+    final = single_file.load(url)
+    assert (final["step"], final["epoch"], final["samples_in_epoch"], final["world_size"]) == (101, 1, 0, 2)
     assert read_samples(record) == Counter(range(N_TRAIN))
     assert not (record / "saves-rank1.txt").exists()
     saves = [int(s) for s in (record / "saves-rank0.txt").read_text().split()]
@@ -364,7 +364,7 @@ def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_c
     log = part(4, "null")  # 484 left: 15 steps of 32 and one of 4
     assert f"resumed from {root}: epoch 0, 640 samples into it, step 70" in log
     _, meta = sharded.load_full(str(root))
-    assert (meta["step"], meta["finished_epoch"], meta["samples_in_epoch"], meta["world_size"]) == (86, 1, 0, 4)
+    assert (meta["step"], meta["epoch"], meta["samples_in_epoch"], meta["world_size"]) == (86, 1, 0, 4)
     assert read_samples(record) == Counter(range(N_TRAIN))
 
 

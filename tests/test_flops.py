@@ -1,4 +1,4 @@
-"""A recipe sized for a GPU says so on a CPU, with the expected time per step (mingpt/fit.py)."""
+"""A recipe sized for a GPU says so on a CPU, with the expected time per step (mingpt/flops.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from conftest import REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mingpt import fit
+from mingpt import flops
 from mingpt.data import load_data
 from mingpt.distributed import DistInfo
 from mingpt.model import GPT
-from mingpt.train import CONF_DIR, build, fit_to_data
+from mingpt.cli import CONF_DIR
+from mingpt.train import build, fit_to_data
 
 QUIET_2_CORES = 170e9  # FLOP/s of fp32 matmuls on the 2-core machine of BENCHMARKS.md
 
@@ -33,31 +34,31 @@ def step_flops(cfg) -> float:
     with torch.device("meta"):  # shapes only
         model = GPT(fit_to_data(g, 65, block))
     tokens = cfg.trainer_config.batch_size * cfg.trainer_config.grad_accum_steps * block
-    return fit.flops_per_token(model, g.n_layer, g.n_embd, block) * tokens
+    return flops.flops_per_token(model, g.n_layer, g.n_embd, block) * tokens
 
 
 def test_the_default_run_is_not_measured_and_every_experiment_warns(monkeypatch):
     measured = []
-    monkeypatch.setattr(fit, "matmul_rate", lambda: measured.append(1) or QUIET_2_CORES)
-    assert fit.slow_on_cpu(step_flops(config()), 2616) is None and not measured  # 4 GFLOP: no measurement
+    monkeypatch.setattr(flops, "matmul_rate", lambda: measured.append(1) or QUIET_2_CORES)
+    assert flops.slow_on_cpu(step_flops(config()), 2616) is None and not measured  # 4 GFLOP: no measurement
     assert EXPERIMENTS  # derived from conf/experiment/, not a list kept here
     for name in EXPERIMENTS:
-        warning = fit.slow_on_cpu(step_flops(config(f"experiment={name}")), 1000)
+        warning = flops.slow_on_cpu(step_flops(config(f"experiment={name}")), 1000)
         seconds = re.search(r"expect about ([\d,]+) s per step on this CPU", warning or "")
-        assert seconds and int(seconds.group(1).replace(",", "")) > fit.SLOW_STEP_SECONDS, (name, warning)
+        assert seconds and int(seconds.group(1).replace(",", "")) > flops.SLOW_STEP_SECONDS, (name, warning)
         assert "\n" not in warning and "170 GFLOP/s" in warning
 
 
 def test_the_rule_is_the_expected_seconds_per_step():
     rate = 100e9
-    assert fit.slow_on_cpu(90e9, 10, rate) is None  # 0.9 s
-    warning = fit.slow_on_cpu(120e9, 7200, rate)  # 1.2 s
+    assert flops.slow_on_cpu(90e9, 10, rate) is None  # 0.9 s
+    warning = flops.slow_on_cpu(120e9, 7200, rate)  # 1.2 s
     assert warning.startswith("this run is sized for a GPU: expect about 1 s per step on this CPU, "
                               "2.4 h for 7,200 steps")
 
 
 def test_a_gpu_preset_on_a_cpu_warns_before_training(small_corpus, monkeypatch, caplog):
-    monkeypatch.setattr(fit, "matmul_rate", lambda: QUIET_2_CORES)
+    monkeypatch.setattr(flops, "matmul_rate", lambda: QUIET_2_CORES)
     cfg = config("experiment=gpu-quick", f"data_config.path={small_corpus}", "trainer_config.compile=false")
     data = load_data(cfg.data_config)
     with caplog.at_level(logging.WARNING, logger="mingpt"):
@@ -65,9 +66,9 @@ def test_a_gpu_preset_on_a_cpu_warns_before_training(small_corpus, monkeypatch, 
     warnings = [r.getMessage() for r in caplog.records if "sized for a GPU" in r.getMessage()]
     assert len(warnings) == 1 and f"for {trainer.total_steps:,} steps" in warnings[0]
     # The same model on the GPU it is meant for: no warning (only CPUs are checked).
-    assert fit.slow_on_cpu(1e9, 10, QUIET_2_CORES) is None
+    assert flops.slow_on_cpu(1e9, 10, QUIET_2_CORES) is None
 
 
 @pytest.mark.parametrize("preset", ["gpt-nano", "gpt-micro"])
 def test_small_presets_do_not_warn_on_a_quiet_cpu(preset):
-    assert fit.slow_on_cpu(step_flops(config(f"gpt_config={preset}")), 100, QUIET_2_CORES) is None
+    assert flops.slow_on_cpu(step_flops(config(f"gpt_config={preset}")), 100, QUIET_2_CORES) is None

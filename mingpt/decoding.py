@@ -1,4 +1,5 @@
-"""Autoregressive sampling from a GPT, with or without a key/value cache.
+"""Decoding: autoregressive sampling from a GPT (temperature, top-k, top-p), with
+or without a key/value cache. The command line around it is mingpt/generate.py.
 
 The context policy, the same with and without the cache: the window of tokens
 the model sees grows to block_size; when one more token would not fit, it

@@ -1,12 +1,8 @@
 """Sharded snapshots: PyTorch Distributed Checkpoint (DCP) in a directory at any fsspec URL.
 
-The snapshot format of `trainer_config.parallelism=fsdp` (the single-file format
-of mingpt.checkpoint stays the `ddp` one). Every rank writes its own shards, in
-parallel, with `torch.distributed.checkpoint`; a snapshot written by W ranks
-loads into any number of ranks (DCP reshards), or into one process without a
-process group (generation, export).
-
-Layout of a snapshot root (`trainer_config.snapshot_path`):
+The format of `parallelism=fsdp`: every rank writes its own shards in
+parallel; a snapshot written by W ranks loads into any number of ranks (DCP
+reshards), or into one process without a process group (generation, export).
 
     ROOT/step-00000120/         one snapshot: the state after optimizer step 120
         __0_0.distcp ...        DCP's shard files, one per rank (__<rank>_<n>.distcp)
@@ -15,70 +11,35 @@ Layout of a snapshot root (`trainer_config.snapshot_path`):
         manifest.json           size and sha256 of every file above; written LAST
     ROOT/step-00000120-1/       a second save of the same step (numbered on)
 
-**Publication.** A snapshot exists once its `manifest.json` does, and readers
-(`latest`, `load`, `load_full`) trust nothing else. Rank 0 writes the manifest
-only when every rank's shards, DCP's `.metadata` and `meta.json` are complete
-(each rank hashes its own shard files, rank 0 gathers the digests), in one
-piece: a temporary file renamed into place on a local disk (after fsyncing the
-files and the directory), a single PUT on an object store, which has no rename
-of directories but never shows a half-written object. A crash mid-save leaves
-a directory without a manifest: ignored by readers, removed by a later save.
-After publishing, rank 0 removes all but the newest `keep` published snapshots
-and the unpublished directories older than the new one, so the previous
-snapshot stays intact until the new one is published.
+**Publication.** A snapshot exists once its manifest does; readers trust
+nothing else. Rank 0 writes it, whole (mingpt/storage.py), when every rank's
+shards (each rank hashes its own), DCP's index and meta.json are complete. A
+crash mid-save leaves a directory without a manifest: ignored, and removed by
+a later save. After publishing, rank 0 keeps the newest `keep` snapshots.
 
-**What goes where.** `save` takes a nested dict (`{"model": ..., "optim": ...}`
-as `torch.distributed.checkpoint.state_dict.get_state_dict` returns them:
-tensors or DTensor shards, and plain values such as the optimizer's
-hyperparameters) and a small JSON-able `meta` (progress, configs, vocabulary).
-Only tensors go into DCP, under flat keys `model/<fqn>`, `optim/state/<fqn>/exp_avg`
-...; the plain values, the nesting and `meta` go into `meta.json`. So DCP never
-stores pickled "bytes" entries, which it would read back with
-`torch.load(weights_only=False)`.
+**What goes where.** `save` takes nested dicts as get_state_dict returns them
+(tensors or DTensor shards, and plain values such as hyperparameters) and a
+JSON-able `meta`. Only tensors go into DCP, under flat keys (`model/<fqn>`,
+`optim/state/<fqn>/exp_avg`, ...); the rest goes into meta.json, so DCP never
+stores "bytes" entries, which it would read with torch.load(weights_only=False).
 
-**Asynchronous saves** (`async_save=True`): `save` returns once the state is
-copied to CPU memory (DCP's staging); DCP writes it from a background thread,
-and publication follows there. Their collectives run on a gloo process group of
-their own, created at the first save (all ranks call `save` together), never on
-the training group. `save` returns a `SaveHandle`; call `wait_pending()` before
-anything that must see the save complete (the next save does it itself, and a
-run must before it exits, also when stopped by a signal). An error in the
-background (a full disk, a read-only location) is raised there, as one
-`StorageError` line, on every rank; never lost.
+**Asynchronous saves.** `save` returns once the state is copied to CPU memory
+(DCP's staging, kept between saves: one more copy of each rank's share, but no
+allocation after the first); the write and the publication follow in a
+background thread, with collectives on a gloo group of their own. Anything that
+must see the save complete calls `wait_pending()`, which raises a background
+failure as one StorageError line on every rank.
 
-**Loading.** Before DCP reads anything, every file listed in the manifest is
-checked against its size and sha256 (the ranks share the work), and any file
-DCP's index points to must be one of them: a flipped bit, a truncated or a
-missing file is one `SnapshotError` naming the file. DCP's `.metadata` is a
-pickle; it is read here, not by DCP, with an unpickler that builds only DCP's
-metadata classes, torch.Size and dtypes, and refuses any other global, so a
-pickled payload is refused and never runs (the manifest alone would not stop
-that: whoever can rewrite a file can rewrite the manifest). The shards
-themselves are read by DCP with `torch.load(weights_only=True)`.
+**Loading.** Every file is first checked against the manifest's size and
+sha256 (the ranks share the work), and DCP may read only those files. DCP's
+`.metadata` is unpickled here with only DCP's metadata classes, torch.Size and
+dtypes allowed, so a pickled payload never runs (whoever can rewrite a file can
+rewrite the manifest). DCP reads the shards with torch.load(weights_only=True).
 
-API (every function that takes `group` is called by every rank of it; group
-None is the default group, or no process group at all in a single process):
-
-    save(tensors, meta, root, step, *, keep, async_save, group=None) -> SaveHandle
-        SaveHandle.wait() -> the published directory, or StorageError; .done()
-    wait_pending() -> str | None       wait for the asynchronous save in flight; raise its error
-    latest(root) -> str | None         the newest published snapshot directory
-    load(tensors, root_or_dir, group=None) -> meta   in place into `tensors`, resharding
-    load_full(root_or_dir) -> (tensors, meta)        one process, no process group
-    to_file_state(tensors, meta) -> dict             the single-file format's dict
-    load_file_state(path) -> dict      load_full + to_file_state, checked (generate, mingpt.export)
-
-The trainer's use: `msd, osd = get_state_dict(model, optimizer)`, then
-`save({"model": msd, "optim": osd}, meta, root, step, keep=..., async_save=...)`;
-to resume, `meta = load(tensors, root)` into the same kind of dict, then
-`set_state_dict(model, optimizer, model_state_dict=tensors["model"],
-optim_state_dict=tensors["optim"])`. Asynchronous saves keep DCP's CPU copy
-of the state between saves (one more copy of each rank's share in RAM), so
-that later saves cost a copy and no allocation.
-
-`python -m mingpt.export SRC DST --format snapshot` writes a sharded snapshot
-as one mingpt.checkpoint file (model weights, optimizer state re-keyed by
-parameter index, configs, vocabulary, progress), for generation and inspection.
+Every function that takes `group` is called by every rank of it (None: the
+default group, or none at all in one process); the run uses them through
+ShardedFormat. `python -m mingpt.export SRC DST --format snapshot` writes a
+sharded snapshot as one single-file snapshot, for generation and inspection.
 """
 
 from __future__ import annotations
@@ -92,22 +53,21 @@ import pickle
 import re
 import threading
 import traceback
-import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from mingpt import checkpoint
-from mingpt.checkpoint import SnapshotError, StorageError, _filesystem, reason, storage_errors
+from mingpt import storage
+from mingpt.snapshot import SnapshotError, single_file
+from mingpt.storage import StorageError, reason, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +76,6 @@ MANIFEST = "manifest.json"
 META = "meta.json"
 DCP_METADATA = ".metadata"
 NAME = re.compile(r"step-(\d{8,})(?:-(\d+))?")
-CHUNK = 16 << 20  # bytes hashed per read
 
 # DCP warns at every single-process save and load that it assumes one process: that is the intent here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -190,7 +149,7 @@ def _order(name: str) -> Optional[tuple[int, int]]:
 
 def _listing(root: str) -> tuple[list[str], set[str]]:
     """The snapshot directory names under `root` (oldest first) and the published ones."""
-    fs, p = _filesystem(root)
+    fs, p = storage.filesystem(root)
     try:
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
         if not fs.isdir(p):
@@ -213,7 +172,7 @@ def latest(root: str) -> Optional[str]:
 
 def _resolve(root_or_dir: str) -> str:
     """A published snapshot directory: `root_or_dir` itself, or the newest under it."""
-    fs, p = _filesystem(root_or_dir)
+    fs, p = storage.filesystem(root_or_dir)
     try:
         if fs.exists(f"{p.rstrip('/')}/{MANIFEST}"):
             return root_or_dir
@@ -228,36 +187,8 @@ def _resolve(root_or_dir: str) -> str:
 
 
 def _sha256(fs, path: str) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
     with fs.open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
-
-
-def _write_small(fs, path: str, data: bytes) -> None:
-    """Write a small file whole: on a local disk through a temporary file that is
-    fsynced and renamed (also fsyncing the directory); an object store's PUT is whole anyway."""
-    if not isinstance(fs, LocalFileSystem):
-        with fs.open(path, "wb") as f:
-            f.write(data)
-        return
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return storage.sha256(f)
 
 
 # ---------------------------------------------------------------- process groups
@@ -334,9 +265,7 @@ class SaveHandle:
     directory, or raises StorageError on every rank if the save failed."""
 
     def __init__(self, directory: str, future: Optional[Future] = None, error: Optional[str] = None):
-        self.directory = directory
-        self._future = future
-        self._error = error
+        self.directory, self._future, self._error = directory, future, error
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
@@ -412,11 +341,10 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     if isinstance(name, StorageError):
         raise StorageError(str(name))
     directory = _join(root, name)
-    fs, _ = _filesystem(root)
     on_gpu = _on_gpu(flat)
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
     # whenever the host has CUDA, so a CPU job on a GPU host would open a CUDA context.
-    writer = FsspecWriter(directory, sync_files=isinstance(fs, LocalFileSystem),
+    writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
                           **({} if on_gpu else {"per_thread_copy_ahead": 0}))
     no_dist = pg is None
     if not async_save:
@@ -456,7 +384,7 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
     """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes
     meta.json and the manifest (publishing the snapshot) and prunes. Returns the
     error, the same on every rank, or None."""
-    fs, p = _filesystem(directory)
+    fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
     if error is None:
@@ -477,13 +405,14 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
         else:
             try:
                 manifest = {name: entry for shard_files, _ in gathered for name, entry in shard_files.items()}
-                _write_small(fs, f"{p}/{META}", document)
+                with storage.atomic_open(f"{p}/{META}", fs) as f:
+                    f.write(document)
                 for name in (DCP_METADATA, META):
                     manifest[name] = list(_sha256(fs, f"{p}/{name}"))
-                if isinstance(fs, LocalFileSystem):
-                    _fsync_dir(p)
-                body = json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode()
-                _write_small(fs, f"{p}/{MANIFEST}", body)  # the publication
+                if storage.is_local(fs):
+                    storage.fsync_dir(p)
+                with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
+                    f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
             except storage_errors() as e:
                 outcome = f"cannot save sharded snapshot {directory}: {reason(e)}; the previous snapshots are unchanged"
             except Exception as e:  # anything else: still one line on every rank, no rank left waiting
@@ -502,13 +431,13 @@ def _prune(root: str, newest: str, keep: int) -> None:
         names, published = _listing(root)
         done = [n for n in names if n in published]
         doomed = done[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
-        fs, p = _filesystem(root)
+        fs, p = storage.filesystem(root)
         for name in doomed:
             # The manifest first: a removal cut short leaves an unpublished directory, never a damaged snapshot.
             if name in published:
                 fs.rm(f"{p.rstrip('/')}/{name}/{MANIFEST}")
             fs.rm(f"{p.rstrip('/')}/{name}", recursive=True)
-    except (SnapshotError, *storage_errors()) as e:
+    except (SnapshotError, StorageError, *storage_errors()) as e:
         log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
 
 
@@ -570,7 +499,7 @@ class _Reader(FsspecReader):
 def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
     """The manifest, meta.json and DCP metadata of a published snapshot, sizes and digests
     of those two files checked. SnapshotError names a damaged or missing file."""
-    fs, p = _filesystem(directory)
+    fs, p = storage.filesystem(directory)
 
     def read(name: str) -> bytes:
         try:
@@ -611,7 +540,7 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
 
 def _verify(directory: str, names: list[str], files: dict[str, list]) -> Optional[str]:
     """Check each named file's size and sha256 against the manifest; the first problem as a line, or None."""
-    fs, p = _filesystem(directory)
+    fs, p = storage.filesystem(directory)
     for name in names:
         try:
             size, digest = _sha256(fs, f"{p}/{name}")
@@ -635,6 +564,13 @@ def _check_keys(directory: str, expected: list[str], saved: list[str], metadata:
             raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {key} that this run has not")
 
 
+def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **options: Any) -> None:
+    try:
+        dcp.load(flat, storage_reader=_Reader(directory, metadata), **options)
+    except (Exception, CheckpointException) as e:
+        raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
+
+
 def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     """Verify the newest published snapshot of a root (or the given snapshot
     directory), then load it in place into `tensors` (tensors and DTensors are
@@ -646,7 +582,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     if _rank(pg) == 0:
         try:
             directory = _resolve(root_or_dir)
-        except SnapshotError as e:
+        except (SnapshotError, StorageError) as e:
             problem = (type(e).__name__, str(e))
     directory, problem = _broadcast((directory, problem), pg)
     if problem:
@@ -655,7 +591,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
         files, document, metadata = _read_manifest(directory)
         shards = sorted(n for n in files if n not in (META, DCP_METADATA))
         problem = _verify(directory, shards[_rank(pg)::_world(pg)], files)
-    except SnapshotError as e:
+    except (SnapshotError, StorageError) as e:
         problem = str(e)
     errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
     if errors:
@@ -663,10 +599,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     flat, _ = _flatten(tensors)
     structure = document["structure"]
     _check_keys(directory, sorted(flat), _tensor_keys(structure), metadata)
-    try:
-        dcp.load(flat, storage_reader=_Reader(directory, metadata), process_group=group, no_dist=pg is None)
-    except (Exception, CheckpointException) as e:
-        raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
+    _dcp_load(flat, directory, metadata, process_group=group, no_dist=pg is None)
     loaded = _unflatten(structure, flat)
     for key in list(tensors):
         tensors[key] = loaded.get(key, tensors[key])
@@ -689,19 +622,54 @@ def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     for key in keys:
         entry = metadata.state_dict_metadata[key]
         flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    try:
-        dcp.load(flat, storage_reader=_Reader(directory, metadata), no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
+    _dcp_load(flat, directory, metadata, no_dist=True)
     log.info("read sharded snapshot %s (step %s) in one process", directory, document.get("step"))
     return _unflatten(structure, flat), document["meta"]
+
+
+# ---------------------------------------------------------------- the run's format
+
+
+class ShardedFormat:
+    """The run's snapshot as sharded snapshots under a root (mingpt/snapshot/manager.py
+    chooses it): every rank saves and loads its shards of the model and optimizer."""
+
+    def __init__(self, root: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, keep: int, async_save: bool):
+        self.root, self.model, self.optimizer, self.scaler = root, model, optimizer, scaler
+        self.keep, self.background = keep, async_save
+
+    def exists(self) -> bool:
+        return latest(self.root) is not None
+
+    def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        check_finite(model_state.values())
+        save({"model": model_state, "optim": optim_state}, {**meta, "scaler_state": self.scaler.state_dict()},
+             self.root, step, keep=self.keep, async_save=self.background)
+
+    def load(self, check_fits: Callable) -> dict[str, Any]:
+        """Into the model and optimizer (after the model is sharded), resharded to this run's layout."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # the layout to load into
+        tensors = {"model": model_state, "optim": optim_state}
+        meta = load(tensors, self.root)
+        check_fits(meta)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+        return meta
+
+    def wait(self) -> None:
+        wait_pending()
 
 
 # ---------------------------------------------------------------- the single-file format
 
 
 def to_file_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The single-file snapshot dict (mingpt.checkpoint) of a sharded snapshot
+    """The single-file snapshot dict (mingpt/snapshot/single_file.py) of a sharded snapshot
     read by load_full: `model` becomes model_state, and `optim` (keyed by
     parameter names, as get_state_dict gives it) becomes optimizer_state keyed
     by parameter index in the optimizer's order, as Optimizer.state_dict() has
@@ -721,7 +689,7 @@ def to_file_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, An
 
 def load_file_state(path: str) -> dict[str, Any]:
     """A sharded snapshot (root or directory) read in one process as the
-    single-file format's dict, its structure checked as checkpoint.load does."""
+    single-file format's dict, its structure checked as single_file.load does."""
     state = to_file_state(*load_full(path))
-    checkpoint.check_structure(state, path)
+    single_file.check_structure(state, path)
     return state

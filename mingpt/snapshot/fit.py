@@ -1,0 +1,75 @@
+"""Whether a snapshot fits this run: shapes, vocabulary, result-affecting config, the same step on every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mingpt.config import Config, result_items
+from mingpt.distributed import DistInfo
+from mingpt.snapshot import SnapshotError
+
+log = logging.getLogger(__name__)
+
+# The GPTConfig fields that fix the shapes of the weights.
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+
+
+def check_compatible(state: dict[str, Any], gpt_config: dict[str, Any], vocab: str, path: str) -> None:
+    """Stop with one line naming the first difference between a snapshot and this run."""
+    for key in SHAPE_KEYS:
+        saved, current = state["gpt_config"].get(key), gpt_config.get(key)
+        if saved != current:
+            raise SnapshotError(f"snapshot {path} does not match: gpt_config.{key}: snapshot {saved}, config {current}")
+    if state["vocab"] != vocab:
+        saved = state["vocab"]
+        raise SnapshotError(f"snapshot {path} does not match: vocabulary of {len(saved)} characters in the snapshot, "
+                            f"{len(vocab)} in the data (differs: {''.join(sorted(set(saved) ^ set(vocab)))!r})")
+
+
+def config_changes(state: dict[str, Any], config: Config) -> list[str]:
+    """`key: old -> new` for each result-affecting key (mingpt.config.OPERATIONAL_KEYS
+    lists the others) whose value in the snapshot's saved configs differs from
+    `config`'s. Keys that one of them lacks (an older snapshot) are not compared."""
+    saved = result_items(state)
+    current = result_items({f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)})
+    return [f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
+            for key in sorted(saved.keys() & current.keys()) if saved[key] != current[key]]
+
+
+def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
+    """Refuse to resume a snapshot written with other result-affecting values,
+    naming each, unless trainer_config.allow_config_change; return the changes."""
+    changes = config_changes(state, config)
+    if changes and not config.trainer_config.allow_config_change:
+        raise SnapshotError(f"snapshot {path} was written with another config ({'; '.join(changes)}): start a new "
+                            "run in another directory (trainer_config.run_name or hydra.run.dir), or continue this one "
+                            "with the new values by adding trainer_config.allow_config_change=true")
+    return changes
+
+
+def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dist_info: DistInfo) -> None:
+    """The snapshot's shapes, vocabulary and config are this run's (or the change is allowed: rank 0 says so)."""
+    check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
+    changes = check_same_config(state, config, path)
+    if changes and dist_info.is_main_process:
+        log.warning("continuing %s with a changed config: %s", path, "; ".join(changes))
+
+
+def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
+    """All ranks must start from the same step: a snapshot that only some of
+    them see (a node-local path in a multi-node job) would split the run."""
+    if not dist_info.is_distributed:
+        return
+    mine = torch.tensor([step], device=dist_info.device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist_info.world_size)]
+    dist.all_gather(gathered, mine)
+    steps = [int(t) for t in gathered]
+    if len(set(steps)) > 1:
+        raise SnapshotError(f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "
+                            "where every node sees it (a shared file system, s3://, gs://)")

@@ -1,0 +1,139 @@
+"""A run's snapshot: what it holds, which format, how it is saved and restored.
+
+One object over the run's stateful parts (model, optimizer, gradient scaler,
+comm hook, progress). The format is chosen once, here, by `parallelism`:
+`ddp`, one file that rank 0 writes (single_file.py: weights, AdamW's and the
+scaler's state, the comm hook's per-rank state gathered to rank 0); `fsdp`,
+sharded snapshots that every rank writes its shards of, asynchronously by
+default, loadable into any world size (sharded.py). Both hold the progress,
+the configs, the vocabulary and the world size that wrote them, and are
+verified (checksums, structure, and fit.py's checks) before any of it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mingpt import storage
+from mingpt.comm_hooks import CommHook
+from mingpt.config import Config, TrainerConfig
+from mingpt.distributed import DistInfo, all_max
+from mingpt.metrics import SlowNotice
+from mingpt.optim import set_hyperparameters
+from mingpt.snapshot import fit, single_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Where the run is: restored from a snapshot, advanced by each step."""
+
+    epoch: int = 0  # the epoch in progress (= epochs finished)
+    samples_in_epoch: int = 0  # global samples of that epoch consumed by all ranks together
+    step: int = 0  # optimizer steps done
+    best_eval_loss: float = math.inf
+
+
+class NotFinite(ValueError):
+    """The weights to save are not finite; nothing was written."""
+
+
+def resolve_path(cfg: TrainerConfig, run_dir: str) -> str:
+    """The snapshot's location: relative local paths live in the run directory;
+    URLs and absolute paths are kept. Unset: a file, or a directory of sharded snapshots."""
+    path = cfg.snapshot_path or ("snapshots" if cfg.parallelism == "fsdp" else "snapshot.pt")
+    if "://" in path or os.path.isabs(path):
+        return path
+    return os.path.join(run_dir, path)
+
+
+def read(path: str) -> dict[str, Any]:
+    """A snapshot of either format whole, in this one process, as the single-file format's dict."""
+    if storage.exists(path, directory=True):
+        from mingpt.snapshot import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
+
+        return sharded.load_file_state(path)
+    return single_file.load(path)
+
+
+class Snapshot:
+    def __init__(self, config: Config, dist_info: DistInfo, path: str, vocab: str, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, comm: CommHook):
+        self.config, self.dist, self.path, self.vocab = config, dist_info, path, vocab
+        self.optimizer, self.scaler, self.notice = optimizer, scaler, SlowNotice()
+        cfg = config.trainer_config
+        if cfg.parallelism == "fsdp":  # the one place the format is chosen
+            from mingpt.snapshot import sharded  # Distributed Checkpoint: about a second of import, only when used
+
+            self.format = sharded.ShardedFormat(path, model, optimizer, scaler, cfg.keep_snapshots, cfg.async_save)
+        else:
+            self.format = single_file.SingleFileFormat(path, model, optimizer, scaler, comm, dist_info.is_main_process)
+
+    @property
+    def comm_state(self) -> dict[str, Any] | None:
+        """The comm hook's state that restore found (single-file snapshots only)."""
+        return getattr(self.format, "comm_state", None)
+
+    def save(self, progress: Progress) -> None:
+        """Save the run at `progress`. Every rank calls it (with FSDP every rank
+        writes its shards; with a comm hook its state is gathered). Raises
+        NotFinite, on every rank alike, if the weights are not finite."""
+        start = time.monotonic()
+        if self.notice.slow and self.dist.is_main_process:
+            log.info("saving snapshot %s at step %d", self.path, progress.step)
+        meta: dict[str, Any] = {
+            **dataclasses.asdict(progress),
+            "world_size": self.dist.world_size,
+            "vocab": self.vocab,
+            **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)},
+        }
+        self.format.save(meta, progress.step, self._check_finite)
+        seconds = time.monotonic() - start
+        self.notice.took(seconds)
+        if self.dist.is_main_process:
+            log.info("saved snapshot %s at step %d in %.2f s%s", self.path, progress.step, seconds,
+                     " (writing on in the background)" if self.format.background else "")
+
+    def _check_finite(self, tensors) -> None:
+        """All ranks agree: with FSDP each holds other shards."""
+        bad = 0
+        for t in tensors:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if not torch.isfinite(local).all():
+                bad = 1
+                break
+        if all_max(self.dist, [bad])[0]:
+            raise NotFinite("the weights are not finite")
+
+    def wait(self) -> None:
+        """Wait for a save still being written (sharded, asynchronous); raise its StorageError."""
+        self.format.wait()
+
+    def restore(self) -> Progress | None:
+        """Load the snapshot, if there is one, into the model, optimizer and
+        scaler, after checking that it fits this run (shapes, vocabulary,
+        config); return the progress it was saved at (None: no snapshot yet).
+        With `ddp`, before DDP wraps the model; with `fsdp`, after the model is
+        sharded. Every rank calls it, and all must start from the same step."""
+        if not self.format.exists():
+            fit.check_same_start(self.dist, 0, self.path)
+            return None
+        state = self.format.load(lambda state: fit.check_fits(state, self.config, self.vocab, self.path, self.dist))
+        if self.scaler.is_enabled() and state.get("scaler_state"):
+            self.scaler.load_state_dict(state["scaler_state"])
+        set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's
+        fields = {f.name for f in dataclasses.fields(Progress)}
+        progress = Progress(**{k: state[k] for k in fields if k in state})
+        log.info("resumed from %s: epoch %d, %d samples into it, step %d",
+                 self.path, progress.epoch, progress.samples_in_epoch, progress.step)
+        fit.check_same_start(self.dist, progress.step, self.path)
+        return progress

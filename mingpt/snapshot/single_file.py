@@ -1,0 +1,209 @@
+"""The single-file snapshot (`parallelism=ddp`): one torch.save file at any fsspec URL.
+
+A plain dict of tensors, numbers, strings, lists and dicts, loaded with
+torch.load(weights_only=True): pickled code is refused and none of it runs.
+Rank 0 writes it atomically (mingpt/storage.py), so one snapshot is kept: an
+unreadable one means outside damage, and the run stops rather than quietly go
+back to an older state. `verify` recomputes the CRC-32 that torch.save's zip
+archive stores for each record, so a flipped bit anywhere is caught, not loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import struct
+import zipfile
+import zlib
+from typing import Any, Callable
+
+import torch
+
+from mingpt import storage
+from mingpt.snapshot import SnapshotError
+from mingpt.storage import StorageError, reason, storage_errors
+
+
+# What every mingpt snapshot holds (the trainer writes more).
+REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", "epoch", "samples_in_epoch", "step")
+
+
+class _Sink:
+    """The file torch.save writes to, keeping the first storage error a write met:
+    torch reports it as a RuntimeError ("unexpected pos ...") that hides the cause."""
+
+    def __init__(self, file: Any):
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except storage_errors() as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_to(state: dict[str, Any], file: Any) -> None:
+    """torch.save into an open file, raising the storage error behind a failed write."""
+    sink = _Sink(file)
+    try:
+        torch.save(state, sink)
+    except RuntimeError:
+        if sink.error is None:
+            raise
+    if sink.error is not None:
+        raise sink.error
+
+
+def save(state: dict[str, Any], path: str) -> None:
+    """Write `state` to `path` atomically: a crash mid-save leaves the previous
+    file intact. A storage failure raises StorageError, with the previous file
+    intact too. torch.save streams into the temporary file (an object store's
+    file uploads in parts as it fills), so the snapshot is never built whole in memory."""
+    fs, p = storage.filesystem(path)
+    try:
+        storage.prepare_parent(fs, p, path)
+        for stale in fs.glob(f"{p}{storage.TMP_MARK}*"):  # left by a save that was killed
+            fs.rm(stale)
+        with storage.atomic_open(p, fs) as f:
+            _save_to(state, f)
+    except storage_errors() as e:
+        raise StorageError(f"cannot save snapshot {path}: {reason(e)}; the file there before is unchanged") from None
+
+
+def verify(data: bytes, name: str) -> None:
+    """Check a snapshot file's bytes against the CRC-32 that torch.save stored
+    with each record of its zip archive (the pickle, every tensor's storage),
+    or raise SnapshotError naming the file, before torch reads it (sharded
+    snapshots are checked against their manifest's SHA-256s instead). The checksums are computed over the bytes in place, without copies."""
+    view = memoryview(data)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            records = archive.infolist()
+        for record in records:
+            h = record.header_offset
+            if bytes(view[h : h + 4]) != b"PK\x03\x04" or record.compress_type != zipfile.ZIP_STORED:
+                raise zipfile.BadZipFile(f"record {record.filename} has no valid header")
+            name_len, extra_len = struct.unpack("<HH", view[h + 26 : h + 30])
+            begin = h + 30 + name_len + extra_len
+            if begin + record.compress_size > len(data):
+                raise zipfile.BadZipFile(f"record {record.filename} ends past the end of the file")
+            if zlib.crc32(view[begin : begin + record.compress_size]) != record.CRC:
+                break
+        else:
+            return
+    except (zipfile.BadZipFile, struct.error, ValueError, EOFError) as e:
+        raise SnapshotError(f"snapshot {name} is damaged ({reason(e)})") from None
+    raise SnapshotError(
+        f"snapshot {name} is damaged: the checksum of its record {record.filename} does not match its bytes "
+        "(changed after it was written)"
+    )
+
+
+# What each field of a snapshot must be: (accepted types, description).
+FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model_state": ((dict,), "a mapping of names to tensors"),
+    "optimizer_state": ((dict,), "a mapping"),
+    "gpt_config": ((dict,), "a mapping"),
+    "vocab": ((str,), "a string"),
+    "epoch": ((int,), "a whole number >= 0"),
+    "samples_in_epoch": ((int,), "a whole number >= 0"),
+    "step": ((int,), "a whole number >= 0"),
+    "scaler_state": ((dict,), "a mapping"),
+    "best_eval_loss": ((float, int), "a number"),
+}
+
+
+def check_structure(state: Any, path: str) -> None:
+    """The snapshot is a dict with every required field, each of the right
+    type, and finite floating-point weights; else SnapshotError naming the field."""
+    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise SnapshotError(f"{path} is not a mingpt snapshot (no {', '.join(missing)})")
+    for key, (types, what) in FIELD_TYPES.items():
+        value = state.get(key)
+        if key not in state or (isinstance(value, types) and not isinstance(value, bool)):
+            if key in ("epoch", "samples_in_epoch", "step") and value < 0:
+                raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {value}")
+            continue
+        raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}")
+    for name, tensor in state["model_state"].items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise SnapshotError(f"snapshot {path} is not usable: model_state[{name!r}] is {kind}, not a float tensor")
+        if not torch.isfinite(tensor).all():
+            raise SnapshotError(f"snapshot {path} has non-finite weights (nan or inf in {name}): it cannot be used")
+
+
+def load(path: str) -> dict[str, Any]:
+    """Read a snapshot to CPU with weights_only=True after verifying its
+    checksums and before checking its structure, or raise SnapshotError naming the file."""
+    fs, p = storage.filesystem(path)
+    try:
+        with fs.open(p, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot not found: {path}") from None
+    except storage_errors() as e:
+        raise StorageError(f"cannot read snapshot {path}: {reason(e)}") from None
+    if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.save writes a zip archive; its index is at the end
+        raise SnapshotError(f"snapshot {path} is truncated or not a torch snapshot ({len(data)} bytes)")
+    verify(data, path)
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|\n|$)", str(e))
+        if not found or not found.group(1).strip() or found.group(1).startswith("Unsupported operand"):
+            # Nothing was refused: the pickle itself is malformed.
+            raise SnapshotError(f"snapshot {path} is damaged (its pickle cannot be read: {reason(e)})") from None
+        raise SnapshotError(
+            f"refusing to load {path}: it holds pickled objects other than tensors and plain data, "
+            f"and none of it was run ({found.group(1)})"
+        ) from None
+    except Exception as e:  # torch.load on damaged bytes raises many types
+        raise SnapshotError(f"snapshot {path} is damaged ({type(e).__name__}: {reason(e)})") from None
+    check_structure(state, path)
+    return state
+
+
+class SingleFileFormat:
+    """The run's snapshot as one file (mingpt/snapshot/manager.py chooses it):
+    the comm hook's per-rank state is gathered to rank 0, which writes."""
+
+    background = False  # saves are complete when save returns
+
+    def __init__(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, comm: Any, is_main_process: bool):
+        self.path, self.model, self.optimizer, self.scaler, self.comm = path, model, optimizer, scaler, comm
+        self.is_main_process = is_main_process
+        self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
+
+    def exists(self) -> bool:
+        return storage.exists(self.path)
+
+    def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
+        model_state = self.comm.model_state(self.model)
+        check_finite(model_state.values())
+        comm_state = self.comm.state_dict(self.model, self.optimizer, self.scaler)
+        if self.is_main_process:
+            save({"model_state": model_state, "comm_hook": comm_state, "optimizer_state": self.optimizer.state_dict(),
+                  "scaler_state": self.scaler.state_dict(), **meta}, self.path)
+
+    def load(self, check_fits: Callable) -> dict[str, Any]:
+        """Into the model and optimizer, before DDP wraps the model."""
+        state = load(self.path)
+        check_fits(state)
+        try:
+            self.model.load_state_dict(state["model_state"])
+            self.optimizer.load_state_dict(state["optimizer_state"])
+        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as e:
+            raise SnapshotError(f"snapshot {self.path} cannot be restored: {reason(e)}") from None
+        self.comm_state = state.get("comm_hook")  # per rank: restored once DDP has wrapped the model
+        return state
+
+    def wait(self) -> None:  # nothing in flight: saves are synchronous
+        pass

@@ -1,0 +1,151 @@
+"""Storage: local paths and fsspec URLs, their errors, atomic writes, hashing.
+
+Every file written for others to read (snapshots, the token cache, the
+corpus) goes through `atomic_open`, so a reader sees the old file or the whole
+new one. Failing storage (a full disk, a read-only or missing location, an
+unreachable object store) is one StorageError naming the path;
+`check_writable` finds most of these at start, before any training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import uuid
+from typing import Any, BinaryIO, Iterator
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<random>
+CHUNK = 16 << 20  # bytes hashed per read
+
+
+class StorageError(ValueError):
+    """Storage cannot be reached, read or written; the message names the path."""
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What fsspec raises when the storage behind it fails: OSError, and the client
+    libraries' own errors (botocore's for an unreachable S3 endpoint, aiohttp's for
+    GCS), once imported (one not imported yet cannot have raised anything)."""
+    errors: list[type[BaseException]] = [OSError]
+    if "botocore" in sys.modules:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        errors += [BotoCoreError, ClientError]
+    if "aiohttp" in sys.modules:
+        from aiohttp import ClientError as AiohttpClientError
+
+        errors.append(AiohttpClientError)
+    return tuple(errors)
+
+
+def reason(error: BaseException) -> str:
+    """An exception as one line."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The file system of a local path or URL, and the path within it."""
+    try:
+        return fsspec.core.url_to_fs(path)
+    except (ImportError, ValueError) as e:  # s3fs or gcsfs not installed, unknown protocol
+        raise StorageError(
+            f"cannot use snapshot path {path}: {e} (s3:// and gs:// need pip install -e \".[s3]\" or \".[gcs]\")"
+        ) from None
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def exists(path: str, directory: bool = False) -> bool:  # with `directory`: is a directory
+    fs, p = filesystem(path)
+    try:
+        return fs.isdir(p) if directory else fs.exists(p)
+    except storage_errors() as e:
+        raise StorageError(f"cannot reach snapshot path {path}: {reason(e)}") from None
+
+
+def bucket(fs: fsspec.AbstractFileSystem, p: str) -> str | None:
+    """The bucket of an object-store path (s3, gs, ...: paths without a leading /), else None."""
+    if is_local(fs) or p.startswith("/"):
+        return None
+    return p.split("/", 1)[0]
+
+
+def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
+    """Make the directory that will hold `p`. An object store's bucket must exist:
+    s3fs would create a missing one, so a typo would make a new bucket."""
+    name = bucket(fs, p)
+    if name is None:
+        fs.makedirs(fs._parent(p), exist_ok=True)
+        return
+    try:
+        fs.info(name)  # not exists(): s3fs answers False for a bucket it cannot reach
+    except FileNotFoundError:
+        raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)") from None
+
+
+def check_writable(run_dir: str, snapshot_path: str) -> None:
+    """Before any training: the run directory and the snapshot location can be
+    written (a file is created there and removed), and an object store's bucket
+    exists. Raises StorageError naming the path."""
+    for label, path, probe in (
+        ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")),
+        ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"),
+    ):
+        fs, p = filesystem(probe)
+        try:
+            prepare_parent(fs, p, path)
+            with fs.open(p, "wb") as f:
+                f.write(b"\0")
+            fs.rm(p)
+        except storage_errors() as e:
+            raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
+
+
+def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path` durable
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Iterator[BinaryIO]:
+    """A file that replaces `path` whole when the body ends: a temporary file beside
+    it, fsynced on a local disk (and then its directory), moved over it; on failure
+    removed, `path` as it was. With `fs`, `path` is a path in it, not a URL."""
+    if fs is None:
+        fs, path = filesystem(path)
+    tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            yield f
+            if is_local(fs):  # the bytes reach the disk before the new name points at them
+                f.flush()
+                os.fsync(f.fileno())
+        fs.mv(tmp, path)  # a rename on local disks; object stores publish whole objects
+    finally:
+        try:
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        except storage_errors():
+            pass  # the write's own error says more
+    if is_local(fs):
+        fsync_dir(fs._parent(path))
+
+
+def sha256(f: Any) -> tuple[int, str]:
+    """The size and SHA-256 of what is left to read in the open binary file `f`, read a chunk at a time."""
+    digest, size = hashlib.sha256(), 0
+    while block := f.read(CHUNK):
+        digest.update(block)
+        size += len(block)
+    return size, digest.hexdigest()
