@@ -14,6 +14,7 @@ from conftest import REPO
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from mingpt.config import DataConfig, GPTConfig, OptimizerConfig, TrainerConfig
+from mingpt.optim import lr_at
 
 SECTIONS = {"gpt_config": GPTConfig, "optimizer_config": OptimizerConfig, "data_config": DataConfig,
             "trainer_config": TrainerConfig}
@@ -116,3 +117,16 @@ def test_the_readme_links_every_document():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     linked = set(re.findall(r"\]\(docs/([^)#]+)", readme))
     assert linked == {path.name for path in (REPO / "docs").glob("*.md")}
+
+
+def test_example_log_lines_have_the_default_runs_learning_rate():
+    """The train lines shown in the docs are the default run's: their lr is the
+    schedule's for the step that line ends (steps done - 1, 0-based). A line
+    from an older schedule once said 0.0021 at step 2050, where the run has
+    0.0006244."""
+    total = 2 * 1308  # the default run's steps (its first log line says so)
+    shown = [(int(step), lr) for doc in documents()
+             for step, lr in re.findall(r"INFO train step (\d+) epoch \d+ \| loss \S+ lr (\S+)", doc.read_text("utf-8"))]
+    assert shown
+    for step, lr in shown:
+        assert float(lr) == pytest.approx(lr_at(step - 1, OptimizerConfig(), total), rel=1e-3), (step, lr)
