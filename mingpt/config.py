@@ -208,7 +208,7 @@ class TrainerConfig:
     # for the write; the next save, the end of the run and a stop wait for it.
     async_save: bool = operational(default=True)
     # Signals that stop the run at the next step boundary, after a snapshot
-    # (exit status 128 + the signal's number; README, Fault tolerance).
+    # (exit status 128 + the signal's number; docs/fault-tolerance.md).
     stop_signals: list[str] = operational(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
     # Mixed precision on CUDA: amp_dtype "bf16" or "fp16" (fp16 uses a GradScaler).
     use_amp: bool = False

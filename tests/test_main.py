@@ -112,7 +112,7 @@ def test_identical_invocation_finds_the_finished_run(first_run, workdir):
 
 
 def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, workdir, tmp_path):
-    """The README's continue-with-changes path: the run's directory, the new
+    """The continue-with-changes path of docs/fault-tolerance.md: the run's directory, the new
     values and trainer_config.allow_config_change=true."""
     _, run_dir = first_run
     copy = tmp_path / "continued"

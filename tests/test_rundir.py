@@ -151,7 +151,7 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
 
 
 def test_another_command_starts_its_own_run(workdir, finished_run):
-    """The README's second example after the Quick start: other values, its own
+    """The README's first example of other settings: other values, its own
     run from step 0; the first run stays as it was."""
     before = contents(finished_run)
     argv = args("trainer_config.max_epochs=1", "trainer_config.run_name=done", "optimizer_config.learning_rate=1e-3",

@@ -50,7 +50,7 @@ def s3(endpoint, monkeypatch):
 
 def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     s3.pipe("runs/small.txt", corpus.read_bytes()[:20_000])
-    env = {**child_env(), **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}  # as the README says
+    env = {**child_env(), **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}  # as docs/training.md says
     args = [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", "trainer_config.max_steps=2",
             "data_config.path=s3://runs/small.txt", "trainer_config.snapshot_path=s3://runs/run1/snapshot.pt"]
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path, env=env,

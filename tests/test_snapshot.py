@@ -370,7 +370,7 @@ def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_c
 
 # The key test: SIGKILL a worker mid-epoch, torchrun restarts, the run ends bitwise where it would have.
 # torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can
-# read the dead ones' addresses from it (pytorch#135712); this opts out, as the README says.
+# read the dead ones' addresses from it (pytorch#135712); this opts out, as docs/fault-tolerance.md says.
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 KILL_ARGS = ["gpt_config.dropout=0.1", "trainer_config.log_every=1", "trainer_config.save_every_steps=10"]
 STEPS_PER_EPOCH = 71  # with 2 ranks
