@@ -109,6 +109,7 @@ class Trainer:
             # Sharded where it was built (the CPU), so only this rank's shards go to the device.
             parallel.shard(model, dist_info, self.amp.dtype if self.amp.enabled else None)
         self.raw_model = model.to(device)
+        model.checkpoint_blocks = cfg.activation_checkpointing
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         # The first step whose loss was not finite (0: none yet), kept on the device so that
         # checking every step costs no host sync; read where the loop syncs anyway.
