@@ -12,8 +12,9 @@ Model FLOPs per token (forward + backward, PaLM's accounting):
     6 * N_matmul + 12 * n_layer * n_embd * block_size
 where N_matmul counts the weights of every Linear layer (embedding lookups do
 no matmul work) and the second term is attention's QK^T and AV products over
-the full block. MFU = achieved FLOP/s over the peak this script measures: a
-large fp32 matmul on CPU, a large bf16 matmul on GPU.
+the full block (mingpt/flops.py). MFU = achieved FLOP/s over the peak that
+mingpt/flops.py's peak_rate measures, as the train log's `mfu`: a 1024-square
+fp32 matmul on CPU, an 8192-square bf16 matmul on GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mingpt import flops  # noqa: E402
 from mingpt.config import register_configs  # noqa: E402
 from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
@@ -49,26 +51,6 @@ BENCH_DEFAULTS = [
     "data_config.block_size=64", "trainer_config.batch_size=12",
 ]
 ROUNDS, STEPS = 30, 10
-
-
-def measure_peak(device: torch.device) -> tuple[float, str]:
-    """FLOP/s of a large matmul: fp32 on CPU, bf16 on GPU."""
-    n, dtype = (2048, torch.float32) if device.type == "cpu" else (8192, torch.bfloat16)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    sync(device)
-    reps, t0 = 10, time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0), f"{n}x{n} {str(dtype).removeprefix('torch.')} matmul"
-
-
-def flops_per_token(model: GPT) -> float:
-    cfg = model.config
-    n_matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
 def sync(device: torch.device) -> None:
@@ -237,9 +219,12 @@ def main() -> None:
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         device = info.device
         tokens_per_step = config.trainer_config.batch_size * info.world_size * config.data_config.block_size
-        peak, peak_what = measure_peak(device)  # every process at once: the machine's share each gets
-        peak *= info.world_size
-        fpt = flops_per_token(GPT(config.gpt_config))
+        # Every process at once: the machine's share each gets (the trainer's MFU: rank 0 alone).
+        peak_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        peak = flops.peak_rate(device, peak_dtype) * info.world_size
+        peak_what = f"{1024 if device.type == 'cpu' else 8192}-square {str(peak_dtype).removeprefix('torch.')} matmul"
+        g = config.gpt_config
+        fpt = flops.flops_per_token(GPT(g), g.n_layer, g.n_embd, config.data_config.block_size)
 
         b, t = compare(config, data, info, ROUNDS, STEPS)
         loop_tokens_per_s = trainer_loop(copy.deepcopy(config), data, info, 100)
@@ -250,12 +235,8 @@ def main() -> None:
         bare_steps(config, info, built, generator, 10)
         bare_steps(config, info, built, generator, 100, phases)
         phases = {k: v / 100 for k, v in phases.items()}
-        if device.type == "cuda":
-            peak_mem = f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB (CUDA allocated)"
-        else:
-            import resource
-
-            peak_mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB (process max RSS)"
+        peak_mem = (f"{flops.peak_memory_mib(device):.0f} MiB "
+                    f"({'CUDA allocated' if device.type == 'cuda' else 'process max RSS'})")
         data_rate = data_pipeline(data, config.trainer_config.batch_size)
 
         if not info.is_main_process:

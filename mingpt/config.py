@@ -216,6 +216,9 @@ class TrainerConfig:
     # AMP on a CPU is ignored unless forced: without bf16 units it is far slower.
     amp_on_cpu: bool = False
     compile: bool = operational(default=False)
+    # Recompute each transformer block's activations in backward instead of keeping them:
+    # less memory for more compute, the same gradients (mingpt/model.py).
+    activation_checkpointing: bool = operational(default=False)
     # How the model is spread over the processes (mingpt/parallel.py): "ddp"
     # (each rank holds all of it) or "fsdp" (FSDP2: parameters, gradients and
     # optimizer state sharded over the ranks; snapshots sharded too).

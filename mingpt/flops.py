@@ -1,4 +1,6 @@
-"""Whether a run fits the CPU it is about to train on.
+"""FLOPs and rates: a step's model FLOPs, the matmul rate they are measured
+against (MFU in the train log and in benchmarks/bench_train.py), and whether a
+run fits the CPU it is about to train on.
 
 A GPU recipe (experiment=gpu-quick, ddp-tutorial, a GPT-2 preset) runs on a
 CPU too, at minutes per step. The rule, with no list of presets: the model's
@@ -18,6 +20,7 @@ a 2048 x 2048 peak, BENCHMARKS.md; it is far below the threshold.)
 from __future__ import annotations
 
 import logging
+import resource
 import time
 
 import torch
@@ -29,6 +32,9 @@ SLOW_STEP_SECONDS = 1.0
 # Steps under this many FLOPs take well under a second on any CPU: no measurement (the default
 # run's step is 4 GFLOP, the tests' tiny ones far less), so small runs start no later.
 MEASURE_ABOVE_FLOPS = 1e10
+# Steps of fewer FLOPs per process get no MFU in the train log: overheads, not matmuls, set
+# their pace (the default run's step is 4 GFLOP, the tests' models' a few MFLOP).
+MFU_ABOVE_FLOPS = 1e9
 
 
 def flops_per_token(model: nn.Module, n_layer: int, n_embd: int, block_size: int) -> float:
@@ -37,16 +43,39 @@ def flops_per_token(model: nn.Module, n_layer: int, n_embd: int, block_size: int
     return 6 * linear + 12 * n_layer * n_embd * block_size
 
 
-def matmul_rate(n: int = 512, seconds: float = 0.05) -> float:
-    """FLOP/s of n x n fp32 matmuls on this process's CPU threads, timed for about `seconds`
-    (at least 3 of them): as fast as the machine is now, under its present load."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_rate(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32, n: int = 512,
+                seconds: float = 0.05) -> float:
+    """FLOP/s of n x n matmuls in `dtype` on `device`, timed for about `seconds`
+    (at least 3 of them): as fast as the device is now (a CPU: under its present load)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     a @ b  # warm-up
+    _sync(device)
     reps, start = 0, time.perf_counter()
     while reps < 3 or time.perf_counter() - start < seconds:
         a @ b
         reps += 1
+        if reps % 3 == 0:
+            _sync(device)
+    _sync(device)
     return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def peak_rate(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """The FLOP/s that MFU is measured against: a large matmul in the step's
+    precision (CPU: 1024, fp32; GPU: 8192), at present speed."""
+    return matmul_rate(device, dtype, n=1024 if device.type == "cpu" else 8192, seconds=0.2)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The most memory this process has held: CUDA's allocated memory on a GPU, max RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _duration(seconds: float) -> str:

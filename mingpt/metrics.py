@@ -15,6 +15,9 @@ from typing import Any, Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
+# Values of a train event that depend on the machine and its load, not on what the run computes.
+MACHINE_KEYS = ("tokens_per_s", "mfu", "peak_mem_mib")
+
 
 class SlowNotice:
     """Whether to announce work (an evaluation, a save) before it starts: the first time, and after it took 1 s or more."""

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from mingpt.config import GPTConfig
 
@@ -110,6 +111,9 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Training only: each block's activations are recomputed in backward instead of kept
+        # (trainer_config.activation_checkpointing); dropout's random stream is replayed.
+        self.checkpoint_blocks = False
 
         # GPT-2 initialisation: N(0, 0.02), zero biases, and the projections
         # that write into the residual stream scaled by 1/sqrt(2 * n_layer).
@@ -149,7 +153,10 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for i, block in enumerate(self.h):
-            x = block(x, cache, i)
+            if self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, cache, i)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:

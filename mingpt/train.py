@@ -23,6 +23,7 @@ from mingpt.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
+
 def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTConfig:
     """The model's vocabulary and context length come from the data."""
     for key, value in (("vocab_size", vocab_size), ("block_size", block_size)):

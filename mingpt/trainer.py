@@ -109,12 +109,15 @@ class Trainer:
             # Sharded where it was built (the CPU), so only this rank's shards go to the device.
             parallel.shard(model, dist_info, self.amp.dtype if self.amp.enabled else None)
         self.raw_model = model.to(device)
+        model.checkpoint_blocks = cfg.activation_checkpointing
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
         # The first step whose loss was not finite (0: none yet), kept on the device so that
         # checking every step costs no host sync; read where the loop syncs anyway.
         self.nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
         self._last_save = time.monotonic()
         self.eval_notice = SlowNotice()
+        self._flops_per_token: float | None = None  # for MFU, at the first log line (_mfu)
+        self._peak_flops = 0.0
         self.snapshot = Snapshot(config, dist_info, self.snapshot_path, data.tokenizer.chars, self.raw_model,
                                  self.optimizer, self.scaler, self.comm)
         self.saved = self.snapshot.restore()  # the position of the snapshot at snapshot_path (None: none yet)
@@ -261,8 +264,26 @@ class Trainer:
             since, step = self._pace_from
             note += f" eta {_duration((now - since) / max(1, p.step - step) * (self.total_steps - p.step))}"
         self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
-                         tokens_per_s=tokens_per_s, note=note)
+                         tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s),
+                         peak_mem_mib=round(flops.peak_memory_mib(self.device)), note=note)
         self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation: the model's FLOP/s (flops.flops_per_token, as
+        bench_train counts them) over a large matmul's in the step's precision,
+        measured once by rank 0 (flops.peak_rate) and counted once per process.
+        None for steps too small for it to mean anything (the tests' models)."""
+        if self._flops_per_token is None:
+            g = self.config.gpt_config
+            self._flops_per_token = flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd,
+                                                          self.train_windows.block_size)
+            step_flops = self._flops_per_token * self.samples_per_step * self.train_windows.block_size
+            if self.dist.is_main_process and step_flops >= flops.MFU_ABOVE_FLOPS:
+                dtype = self.amp.dtype if self.amp.enabled else torch.float32
+                self._peak_flops = flops.peak_rate(self.device, dtype) * self.dist.world_size
+        if not self._peak_flops:
+            return None
+        return tokens_per_s * self._flops_per_token / self._peak_flops
 
     def _already_complete(self) -> str:
         """What to type instead, when a command finds its run complete. The number of

@@ -18,6 +18,7 @@ MODEL = ["gpt_config.n_layer=1", "gpt_config.n_head=2", "gpt_config.n_embd=16", 
 SMOKE = {
     "bench_comm.py": (2, [*MODEL, "data_config.path=DATA", "trainer_config.snapshot_path=TMP/s.pt"]),
     "bench_data.py": (1, ["--size-mb", "1", "--nproc", "1", "--dir", "TMP"]),
+    "bench_memory.py": (1, ["--steps", "1", *MODEL, "data_config.path=DATA"]),
     "bench_generate.py": (1, ["--max-new-tokens", "3", "--rounds", "1", "--threads", "1", "--no-compile",
                               "--no-uncached"]),
     "bench_parallel.py": (1, ["--world", "1", "--steps", "1", *MODEL, "data_config.path=DATA"]),

@@ -227,7 +227,8 @@ def test_the_run_directory_names_the_changed_values_readably_and_safely():
 def test_operational_keys_keep_the_run_directory(key):
     field = key.split(".")[1]
     value = {"device": "cpu", "snapshot_path": "/tmp/s.pt", "compile": "true", "allow_config_change": "true",
-             "async_save": "false", "stop_signals": "[SIGTERM]", "placement": "host"}.get(field, "7")
+             "async_save": "false", "stop_signals": "[SIGTERM]", "placement": "host",
+             "activation_checkpointing": "true"}.get(field, "7")
     assert run_dir(f"{key}={value}") == "runs/default"
 
 

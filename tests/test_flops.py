@@ -72,3 +72,26 @@ def test_a_gpu_preset_on_a_cpu_warns_before_training(small_corpus, monkeypatch, 
 @pytest.mark.parametrize("preset", ["gpt-nano", "gpt-micro"])
 def test_small_presets_do_not_warn_on_a_quiet_cpu(preset):
     assert flops.slow_on_cpu(step_flops(config(f"gpt_config={preset}")), 100, QUIET_2_CORES) is None
+
+
+def test_train_events_carry_mfu_and_peak_memory(small_corpus, monkeypatch, one_thread):
+    """The default model's steps (4 GFLOP) get an MFU against the measured peak,
+    computed as bench_train computes it; the tests' tiny models get none."""
+    import json
+
+    peaks = []
+    monkeypatch.setattr(flops, "peak_rate", lambda device, dtype: peaks.append(dtype) or QUIET_2_CORES)
+    cfg = config(f"data_config.path={small_corpus}", "trainer_config.max_steps=2", "trainer_config.log_every=1",
+                 "trainer_config.eval_every=0", "trainer_config.sample_chars=0")
+    run_dir = small_corpus.parent / "mfu"
+    trainer = build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+    trainer.train()
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [e for e in events if e["split"] == "train"]
+    g = cfg.gpt_config
+    per_token = flops.flops_per_token(trainer.raw_model, g.n_layer, g.n_embd, cfg.data_config.block_size)
+    assert peaks == [torch.float32]  # measured once, in the step's precision
+    assert [e["step"] for e in train] == [1, 2]
+    for e in train:
+        assert e["mfu"] == pytest.approx(e["tokens_per_s"] * per_token / QUIET_2_CORES, rel=1e-3)
+        assert 0 < e["mfu"] < 1 and e["peak_mem_mib"] > 100  # torch alone takes more
