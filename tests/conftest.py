@@ -17,7 +17,7 @@ SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 # Tests say which device they mean: on a GPU host `device=auto` would give every
 # rank CUDA (and refuse a second rank on a 1-GPU host). First, so a later override wins.
-CPU = "trainer_config.device=cpu"
+CPU = "++trainer_config.device=cpu"  # ++: also into a user's own config file without the key
 
 # A model and run small enough to train in seconds on one CPU core.
 TINY = [
@@ -107,11 +107,25 @@ def child_env() -> dict[str, str]:
     return env
 
 
+# Hydra's options that take a value: main.py's overrides must stay together around them.
+VALUE_OPTIONS = {"--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp", "--cfg", "-c", "--package",
+                 "-p", "--experimental-rerun"}
+
+
+def on_cpu(args: list[str]) -> list[str]:
+    """ARGS with CPU as the first override (a later one naming another device wins), placed
+    among the other overrides: argparse refuses overrides on both sides of an option."""
+    for i, arg in enumerate(args):
+        if not arg.startswith("-") and not (i and args[i - 1] in VALUE_OPTIONS):
+            return [*args[:i], CPU, *args[i:]]
+    return [*args, CPU]
+
+
 def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python main.py ARGS` in `cwd` (a scratch directory: runs/ lands there), on
     the CPU unless ARGS name another device."""
     return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), CPU, *args],
+        [sys.executable, str(REPO / "main.py"), *on_cpu(args)],
         cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout,
     )
 
@@ -135,7 +149,7 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
 def run_torchrun(nproc: int, args: list[str], cwd: Path, torchrun_args=(), timeout: float = 180):
     """`torchrun --standalone --nproc_per_node=N main.py ARGS` in `cwd`, on the CPU
     (gloo) unless ARGS name another device."""
-    cmd = torchrun_cmd(nproc, "--standalone", *torchrun_args) + [str(REPO / "main.py"), CPU, *args]
+    cmd = torchrun_cmd(nproc, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *on_cpu(args)]
     return subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
