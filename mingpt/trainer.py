@@ -116,7 +116,7 @@ class Trainer:
         self._last_save = time.monotonic()
         self.eval_notice = SlowNotice()
         self.snapshot = Snapshot(config, dist_info, self.snapshot_path, data.tokenizer.chars, self.raw_model,
-                                 self.optimizer, self.scaler, self.comm)
+                                 self.optimizer, self.scaler, self.comm, data.fingerprint())
         self.saved = self.snapshot.restore()  # the position of the snapshot at snapshot_path (None: none yet)
         self.progress = dataclasses.replace(self.saved) if self.saved else Progress()
         check_record(run_dir, self.snapshot_path, self.progress.step, dist_info)  # before the record is touched
