@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,6 +241,26 @@ def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_cor
     torch.save(state, path)
     small_corpus.write_text(small_corpus.read_text(encoding="utf-8") * 2, encoding="utf-8")
     assert make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").progress.step == 2
+
+
+def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(tmp_path, small_corpus, caplog, one_thread):
+    """A valid older sharded snapshot copied to step-99999999 would be the newest by
+    name: it is skipped with one warning naming it, the run resumes from its true
+    newest, and keep_snapshots prunes by the true steps, never the stray."""
+    run = ("trainer_config.parallelism=fsdp", "trainer_config.async_save=false", "trainer_config.save_every_steps=1",
+           "trainer_config.keep_snapshots=2", "trainer_config.allow_config_change=true")
+    make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=2").train()
+    root = tmp_path / "run" / "snapshots"
+    stray = root / "step-99999999"
+    shutil.copytree(root / "step-00000001", stray)
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        trainer = make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=4")
+        assert trainer.progress.step == 2
+        trainer.train()
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003", "step-00000004", "step-99999999"]
+    warnings = [r.getMessage() for r in caplog.records if "ignoring sharded snapshot" in r.getMessage()]
+    assert warnings == [f"ignoring sharded snapshot {stray}: its name says step 99999999 but it holds step 1 "
+                        "(a stray copy or a renamed directory?); it is neither resumed nor removed"]
 
 
 def test_corpus_changes_name_each_file():

@@ -147,8 +147,11 @@ def _order(name: str) -> Optional[tuple[int, int]]:
     return (int(found.group(1)), int(found.group(2) or 0)) if found else None
 
 
-def _listing(root: str) -> tuple[list[str], set[str]]:
-    """The snapshot directory names under `root` (oldest first) and the published ones."""
+def _listing(root: str, every_name: bool = False) -> tuple[list[str], set[str]]:
+    """The snapshot directory names under `root` (oldest first) and the published ones.
+    A published directory whose name's step is not the step it holds (a stray copy,
+    a manual rename) is left out of both, with one warning, so it is neither resumed
+    nor pruned; `every_name` keeps it in the names (to name a new snapshot)."""
     fs, p = storage.filesystem(root)
     try:
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
@@ -156,11 +159,38 @@ def _listing(root: str) -> tuple[list[str], set[str]]:
             return [], set()
         names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
         manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
-        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests}
+        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests} & set(names)
+        lying = set() if every_name else {n for n in published if _name_lies(fs, p, root, n)}
     except storage_errors() as e:
         raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
     names.sort(key=_order)
-    return names, published & set(names)
+    return [n for n in names if n not in lying], published - lying
+
+
+_honest: set[str] = set()  # published directories whose name was checked against their step
+_warned: set[str] = set()  # directories whose lying name was reported
+
+
+def _name_lies(fs, p: str, root: str, name: str) -> bool:
+    """Whether the published directory `name` holds another step than its name says
+    (read from its meta.json; one that cannot be read is left for loading to report)."""
+    path = f"{p.rstrip('/')}/{name}"
+    if path in _honest:
+        return False
+    try:
+        with fs.open(f"{path}/{META}", "rb") as f:
+            inside = json.loads(f.read()).get("step")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False
+    if inside == _order(name)[0]:
+        _honest.add(path)
+        return False
+    if path not in _warned and (not dist.is_initialized() or dist.get_rank() == 0):  # once, by rank 0
+        _warned.add(path)
+        log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
+                    "a renamed directory?); it is neither resumed nor removed", _join(root, name), _order(name)[0],
+                    inside)
+    return True
 
 
 def latest(root: str) -> Optional[str]:
@@ -330,7 +360,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     name = None
     if _rank(pg) == 0:  # rank 0 names it; a crashed save's directory is never reused
         try:
-            names, _ = _listing(root)
+            names, _ = _listing(root, every_name=True)
         except StorageError as e:
             name = e
         else:
