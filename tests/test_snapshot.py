@@ -263,6 +263,20 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(tmp_path
                         "(a stray copy or a renamed directory?); it is neither resumed nor removed"]
 
 
+@pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
+def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(tmp_path, small_corpus, parallelism):
+    """A regular file where sharded snapshots need a directory, or a directory where the
+    single file goes: one line at start, before any training, not at the first save."""
+    path = tmp_path / "taken"
+    path.write_text("not a snapshot") if parallelism == "fsdp" else path.mkdir()
+    args = overrides(f"data_config.path={small_corpus}", f"trainer_config.parallelism={parallelism}",
+                     f"trainer_config.snapshot_path={path}", "trainer_config.max_steps=2")
+    proc = run_main(args, tmp_path)
+    kind = "a file" if parallelism == "fsdp" else "a directory"
+    assert_one_error(proc, f"cannot write to the snapshot path {path}: it is {kind}")
+    assert "train step" not in proc.stderr and not list(tmp_path.glob("runs/*/metrics.jsonl"))
+
+
 def test_corpus_changes_name_each_file():
     old = [{"source": "a.txt", "size": 10, "sha256": "x"}, {"source": "b.txt", "size": 5, "sha256": "y"}]
     assert fit.corpus_changes(None, old) == []

@@ -47,10 +47,16 @@ class NotFinite(ValueError):
     """The weights to save are not finite; nothing was written."""
 
 
+def is_sharded(cfg: TrainerConfig) -> bool:
+    """The one place the format is chosen: sharded snapshots under a directory with
+    `fsdp`, else one file."""
+    return cfg.parallelism == "fsdp"
+
+
 def resolve_path(cfg: TrainerConfig, run_dir: str) -> str:
     """The snapshot's location: relative local paths live in the run directory;
     URLs and absolute paths are kept. Unset: a file, or a directory of sharded snapshots."""
-    path = cfg.snapshot_path or ("snapshots" if cfg.parallelism == "fsdp" else "snapshot.pt")
+    path = cfg.snapshot_path or ("snapshots" if is_sharded(cfg) else "snapshot.pt")
     if "://" in path or os.path.isabs(path):
         return path
     return os.path.join(run_dir, path)
@@ -73,7 +79,7 @@ class Snapshot:
         self.corpus = corpus  # the corpus's fingerprint (data.CharData.fingerprint): saved, and checked on restore
         self.optimizer, self.scaler, self.notice = optimizer, scaler, SlowNotice()
         cfg = config.trainer_config
-        if cfg.parallelism == "fsdp":  # the one place the format is chosen
+        if is_sharded(cfg):
             from mingpt.snapshot import sharded  # Distributed Checkpoint: about a second of import, only when used
 
             self.format = sharded.ShardedFormat(path, model, optimizer, scaler, cfg.keep_snapshots, cfg.async_save)
