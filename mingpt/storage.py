@@ -49,6 +49,25 @@ def reason(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+class Sink:
+    """A binary file that keeps the first storage error a write met (`error`):
+    torch.save reports it as a RuntimeError ("unexpected pos ...") that hides the
+    cause, such as a full disk. Everything but `write` is the file's own."""
+
+    def __init__(self, file: Any):
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except storage_errors() as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The file system of a local path or URL, and the path within it."""
     try:

@@ -44,6 +44,7 @@ sharded snapshot as one single-file snapshot, for generation and inspection.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -55,12 +56,12 @@ import threading
 import traceback
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -290,6 +291,38 @@ def _failure_reason(failure: Any) -> str:
 # ---------------------------------------------------------------- saving
 
 
+class _Streams(FileSystem):
+    """DCP's fsspec file system with each stream it writes wrapped in storage.Sink:
+    the first storage error a write met is kept in `error`, since DCP's torch.save
+    reports it as "unexpected pos ..." (a full disk included)."""
+
+    error: Optional[BaseException] = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            sink = storage.Sink(stream)
+            try:
+                yield sink
+            finally:
+                self.error = self.error or sink.error
+
+
+class _Writer(FsspecWriter):
+    """DCP's fsspec writer over _Streams; `reason(e)` is a failed write's cause as one line."""
+
+    def __init__(self, path: str, **options: Any):
+        super().__init__(path, **options)
+        streams = _Streams()
+        streams.fs = self.fs.fs
+        self.fs = streams
+
+    def reason(self, error: BaseException, rank: int) -> str:
+        if self.fs.error is not None:
+            return f"{reason(self.fs.error)} (rank {rank})"
+        return _dcp_reason(error)
+
+
 class SaveHandle:
     """A save in progress (asynchronous) or done. `wait()` returns the published
     directory, or raises StorageError on every rank if the save failed."""
@@ -374,7 +407,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     on_gpu = _on_gpu(flat)
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
     # whenever the host has CUDA, so a CPU job on a GPU host would open a CUDA context.
-    writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
+    writer = _Writer(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
                           **({} if on_gpu else {"per_thread_copy_ahead": 0}))
     no_dist = pg is None
     if not async_save:
@@ -382,8 +415,9 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         try:
             dcp.save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist)
         except (Exception, CheckpointException) as e:
-            error = _dcp_reason(e)
-        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error))
+            error = writer.reason(e, _rank(pg))
+        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error,
+                                                           writer.fs.error is not None))
         handle.wait()
         return handle
     try:
@@ -397,9 +431,9 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
             upload.result()
             error = None
         except (Exception, CheckpointException) as e:
-            error = _dcp_reason(e)
+            error = writer.reason(e, _rank(pg))
         try:
-            return _publish(directory, root, document, keep, pg, error)
+            return _publish(directory, root, document, keep, pg, error, writer.fs.error is not None)
         except BaseException as e:  # never lost: the handle reports it
             return f"cannot save sharded snapshot {directory}: {reason(e)}"
 
@@ -410,10 +444,12 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     return _pending
 
 
-def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str]) -> Optional[str]:
+def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
+             storage_cause: bool = False) -> Optional[str]:
     """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes
     meta.json and the manifest (publishing the snapshot) and prunes. Returns the
-    error, the same on every rank, or None."""
+    error, the same on every rank, or None: a rank's own storage error (`storage_cause`)
+    comes before what the other ranks saw of it (torch's "unexpected pos", as DCP passes it on)."""
     fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
@@ -426,15 +462,15 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
                     files[base] = list(_sha256(fs, path))
         except storage_errors() as e:
             error = f"rank {rank}: {reason(e)}"
-    gathered = _gather((files, error), pg)
+    gathered = _gather((files, error, storage_cause), pg)
     outcome = None
     if rank == 0:
-        errors = [e for _, e in gathered if e]
+        errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
         if errors:
             outcome = f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
         else:
             try:
-                manifest = {name: entry for shard_files, _ in gathered for name, entry in shard_files.items()}
+                manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
                 with storage.atomic_open(f"{p}/{META}", fs) as f:
                     f.write(document)
                 for name in (DCP_METADATA, META):
