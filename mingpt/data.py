@@ -272,6 +272,12 @@ class CharData:
     cache: token_cache.TokenCache  # the file the tokens are read from
     files: list[tuple[str, int]] = field(default_factory=list)  # (source, characters) in corpus order
 
+    def fingerprint(self) -> list[dict]:
+        """The corpus's identity, as snapshots record it: each file's name, size in
+        bytes and SHA-256, in corpus order (from the token cache's header: no second read)."""
+        return [{"source": source, "size": key["size"], "sha256": key["sha256"]}
+                for (source, _), key in zip(self.files, self.cache.sources)]
+
     def place(self, device: torch.device, placement: str = "auto") -> tuple[TokenWindows | HostBatches, ...]:
         """Training and held-out windows for `device`. With `device` the whole
         corpus is read into the device's memory and batches are gathered

@@ -7,6 +7,8 @@ usage: python -m mingpt.score [key=value ...]   (or: mingpt-score [key=value ...
   path=                     the text to score (local path or fsspec URL, UTF-8); empty:
                             the held-out split of the run's own corpus, as the run evaluates it
   device=auto               auto (CUDA if available), cpu or cuda
+  allow_corpus_change=false score the held-out split of a corpus changed since the
+                            snapshot was written (with a warning: that split moved)
 
 The text is cut into non-overlapping windows of the model's block_size (the
 held-out split: exactly the windows of the run's evaluation, trainer_config.eval_tokens
@@ -31,7 +33,7 @@ from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, one_of
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig, command, load_model, parse_args
-from mingpt.snapshot import SnapshotError
+from mingpt.snapshot import SnapshotError, fit
 from mingpt.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -42,13 +44,14 @@ class ScoreConfig:
     snapshot_path: str = GenerateConfig.snapshot_path
     path: str = ""
     device: str = "auto"
+    allow_corpus_change: bool = False  # the run's corpus changed since the snapshot: score its new held-out split
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
-TEXT_KEYS = tuple(f.name for f in fields(ScoreConfig))  # all free text, taken verbatim
+TEXT_KEYS = ("snapshot_path", "path", "device")  # free text, taken verbatim
 
 
 class TextError(ValueError):
@@ -71,8 +74,9 @@ class Score:
         return math.exp(self.loss)
 
 
-def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device):
-    """The held-out windows of the run that wrote the snapshot, from its data_config."""
+def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool = False):
+    """The held-out windows of the run that wrote the snapshot, from its data_config,
+    refused (unless `allow_corpus_change`: a warning) when the corpus changed since."""
     if "data_config" not in state:
         raise SnapshotError("the snapshot holds no data_config: give the text to score with path=...")
     try:
@@ -83,6 +87,14 @@ def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device)
     if data.tokenizer.chars != tokenizer.chars:
         raise TextError(f"the corpus {data_config.path} no longer has the snapshot's vocabulary "
                         "(it changed since the run): give the text with path=...")
+    moved = fit.corpus_changes(state.get("corpus"), data.fingerprint())
+    if moved and not allow_corpus_change:
+        raise TextError(f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its held-out "
+                        "split is not the run's: give the text with path=..., or score the new split with "
+                        "allow_corpus_change=true")
+    if moved:
+        log.warning("the corpus changed since the snapshot was written (%s): scoring its new held-out split, "
+                    "which is not the one the run evaluated", "; ".join(moved))
     _, heldout = data.place(device, data_config.placement)
     return heldout, f"the held-out split of {data_config.path}"
 
@@ -110,7 +122,7 @@ def score(config: ScoreConfig) -> Score:
         windows, source = text_windows(config.path, tokenizer, model.config.block_size, device), config.path
         eval_tokens = 0  # all of it
     else:
-        windows, source = heldout_windows(state, tokenizer, device)
+        windows, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
     batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)  # as the run's evaluation
     one_process = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)

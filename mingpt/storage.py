@@ -49,6 +49,25 @@ def reason(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+class Sink:
+    """A binary file that keeps the first storage error a write met (`error`):
+    torch.save reports it as a RuntimeError ("unexpected pos ...") that hides the
+    cause, such as a full disk. Everything but `write` is the file's own."""
+
+    def __init__(self, file: Any):
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except storage_errors() as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The file system of a local path or URL, and the path within it."""
     try:
@@ -91,10 +110,12 @@ def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
         raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)") from None
 
 
-def check_writable(run_dir: str, snapshot_path: str) -> None:
+def check_writable(run_dir: str, snapshot_path: str, directory: bool = False) -> None:
     """Before any training: the run directory and the snapshot location can be
-    written (a file is created there and removed), and an object store's bucket
-    exists. Raises StorageError naming the path."""
+    written (a file is created there and removed), an object store's bucket
+    exists, and the snapshot path is not of the other kind than the snapshot
+    (`directory`: sharded snapshots under it; else one file). Raises StorageError naming the path."""
+    check_kind(snapshot_path, directory)
     for label, path, probe in (
         ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")),
         ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"),
@@ -107,6 +128,19 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
             fs.rm(p)
         except storage_errors() as e:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
+
+
+def check_kind(snapshot_path: str, directory: bool) -> None:
+    """The snapshot path, if it exists, is a directory for sharded snapshots and not one for a file."""
+    fs, p = filesystem(snapshot_path)
+    try:
+        wrong = fs.isfile(p) if directory else fs.isdir(p)
+    except storage_errors():
+        return  # the write probe names the storage's fault
+    if wrong:
+        what = ("a file, and sharded snapshots (parallelism=fsdp) are kept in a directory there" if directory else
+                "a directory, and the snapshot (parallelism=ddp) is one file there")
+        raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is {what}")
 
 
 def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path` durable

@@ -32,7 +32,7 @@ import mmap
 import os
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -63,6 +63,7 @@ class TokenCache:
     files: list[tuple[str, int]]  # (source, number of tokens) in order
     fd: int  # the cache, open for reads (batches are read from it, not through the map); closed with this object
     offset: int  # where the token ids start in the file, in bytes
+    sources: list[dict] = field(default_factory=list)  # each source's {"source", "size", "sha256"}, from the header
 
     def read_windows(self, starts: torch.Tensor, out: torch.Tensor) -> None:
         """Row i of `out` (windows x width, contiguous, on the CPU, in the
@@ -271,7 +272,7 @@ def open_cache(path: str) -> TokenCache:
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(dtype)  # keeps `mapped` alive
     files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
-    cache = TokenCache(path, tokens, header["vocab"], files, fd, offset)
+    cache = TokenCache(path, tokens, header["vocab"], files, fd, offset, header["sources"])
     weakref.finalize(cache, os.close, fd)
     return cache
 

@@ -17,7 +17,7 @@ from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.rundir import claim, hold_log_lines
-from mingpt.snapshot.manager import resolve_path
+from mingpt.snapshot.manager import is_sharded, resolve_path
 from mingpt.storage import check_writable
 from mingpt.trainer import Trainer
 
@@ -83,7 +83,7 @@ def _run(config: Config, run_dir: str, dist_info: DistInfo, files: dict[str, str
     for notice in notices if dist_info.is_main_process else ():
         log.warning(notice)
     snapshot_path = resolve_path(config.trainer_config, run_dir)
-    check_writable(run_dir, snapshot_path)
+    check_writable(run_dir, snapshot_path, directory=is_sharded(config.trainer_config))
     log.info("run directory %s", os.path.abspath(run_dir))
     data_path = config.data_config.path
     if dist_info.is_local_main_process:  # once per node; the others wait

@@ -119,7 +119,7 @@ class Trainer:
         self._flops_per_token: float | None = None  # for MFU, at the first log line (_mfu)
         self._peak_flops = 0.0
         self.snapshot = Snapshot(config, dist_info, self.snapshot_path, data.tokenizer.chars, self.raw_model,
-                                 self.optimizer, self.scaler, self.comm)
+                                 self.optimizer, self.scaler, self.comm, data.fingerprint())
         self.saved = self.snapshot.restore()  # the position of the snapshot at snapshot_path (None: none yet)
         self.progress = dataclasses.replace(self.saved) if self.saved else Progress()
         check_record(run_dir, self.snapshot_path, self.progress.step, dist_info)  # before the record is touched

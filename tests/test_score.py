@@ -102,3 +102,26 @@ def test_help():
     result = subprocess.run([sys.executable, "-m", "mingpt.score", "--help"], env=child_env(),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.startswith("Score a text under a snapshot") and not result.stderr
+
+
+def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(tiny_run, tmp_path, monkeypatch, capsys,
+                                                                     one_thread):
+    """The held-out split is rebuilt from the snapshot's data_config: on a corpus that grew
+    since, it is another split, refused naming the file, or scored with a warning."""
+    cwd, run_dir = tiny_run
+    text = (cwd / "small.txt").read_text(encoding="utf-8")
+    (tmp_path / "small.txt").write_text(text + text[:3000], encoding="utf-8")
+    (tmp_path / "snapshot.pt").write_bytes((run_dir / "snapshot.pt").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    before, after = len(text.encode()), (tmp_path / "small.txt").stat().st_size
+    with pytest.raises(SystemExit) as exit_status:
+        main(["snapshot_path=snapshot.pt", "device=cpu"])  # builds the new corpus's token cache (an INFO line)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_status.value.code == 2 and errors == [
+        f"error: the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes), so its "
+        "held-out split is not the run's: give the text with path=..., or score the new split with "
+        "allow_corpus_change=true"]
+    main(["snapshot_path=snapshot.pt", "device=cpu", "allow_corpus_change=true"])
+    out, err = capsys.readouterr()
+    assert out.startswith("snapshot.pt (step 60) on the held-out split of small.txt")
+    assert f"WARNING the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes)" in err

@@ -7,10 +7,12 @@ Tiny model, 20,000-character corpus: 1,124 training windows of 16 tokens.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,6 +206,87 @@ def test_snapshot_of_another_shape_is_refused(good_snapshot):
                               f"hydra.run.dir={snapshot.parent}"), tmp)
     assert_one_error(proc, f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3")
     assert snapshot.read_bytes() == before
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(tmp_path, small_corpus, caplog, one_thread,
+                                                                    parallelism):
+    """Text appended (no new characters) moves every file's held-out split: the snapshot
+    records the corpus (each file's size and SHA-256) and a resume on another one is
+    refused, naming the file and its sizes, unless allow_config_change (a warning)."""
+    run = (f"trainer_config.parallelism={parallelism}", "trainer_config.async_save=false", "trainer_config.max_steps=2")
+    make_trainer(tmp_path / "run", small_corpus, *run).train()
+    before = small_corpus.stat().st_size
+    text = small_corpus.read_text(encoding="utf-8")
+    small_corpus.write_text(text + text[:3000], encoding="utf-8")
+    after = small_corpus.stat().st_size
+    with pytest.raises(SnapshotError) as refused:
+        make_trainer(tmp_path / "run", small_corpus, *run)
+    assert f"was written for another corpus ({small_corpus}: {before} -> {after} bytes)" in str(refused.value)
+    assert "allow_config_change=true" in str(refused.value) and "\n" not in str(refused.value)
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        resumed = make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.allow_config_change=true")
+    assert resumed.progress.step == 2
+    assert "the held-out split moved" in caplog.text and f"{before} -> {after} bytes" in caplog.text
+
+
+def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_corpus, one_thread):
+    """Snapshots written before the corpus was recorded resume without the check."""
+    make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").train()
+    path = tmp_path / "run" / "snapshot.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["corpus"] == [{"source": str(small_corpus), "size": small_corpus.stat().st_size,
+                                "sha256": hashlib.sha256(small_corpus.read_bytes()).hexdigest()}]
+    del state["corpus"]
+    torch.save(state, path)
+    small_corpus.write_text(small_corpus.read_text(encoding="utf-8") * 2, encoding="utf-8")
+    assert make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").progress.step == 2
+
+
+def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(tmp_path, small_corpus, caplog, one_thread):
+    """A valid older sharded snapshot copied to step-99999999 would be the newest by
+    name: it is skipped with one warning naming it, the run resumes from its true
+    newest, and keep_snapshots prunes by the true steps, never the stray."""
+    run = ("trainer_config.parallelism=fsdp", "trainer_config.async_save=false", "trainer_config.save_every_steps=1",
+           "trainer_config.keep_snapshots=2", "trainer_config.allow_config_change=true")
+    make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=2").train()
+    root = tmp_path / "run" / "snapshots"
+    stray = root / "step-99999999"
+    shutil.copytree(root / "step-00000001", stray)
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        trainer = make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=4")
+        assert trainer.progress.step == 2
+        trainer.train()
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003", "step-00000004", "step-99999999"]
+    warnings = [r.getMessage() for r in caplog.records if "ignoring sharded snapshot" in r.getMessage()]
+    assert warnings == [f"ignoring sharded snapshot {stray}: its name says step 99999999 but it holds step 1 "
+                        "(a stray copy or a renamed directory?); it is neither resumed nor removed"]
+
+
+@pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
+def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(tmp_path, small_corpus, parallelism):
+    """A regular file where sharded snapshots need a directory, or a directory where the
+    single file goes: one line at start, before any training, not at the first save."""
+    path = tmp_path / "taken"
+    path.write_text("not a snapshot") if parallelism == "fsdp" else path.mkdir()
+    args = overrides(f"data_config.path={small_corpus}", f"trainer_config.parallelism={parallelism}",
+                     f"trainer_config.snapshot_path={path}", "trainer_config.max_steps=2")
+    proc = run_main(args, tmp_path)
+    kind = "a file" if parallelism == "fsdp" else "a directory"
+    assert_one_error(proc, f"cannot write to the snapshot path {path}: it is {kind}")
+    assert "train step" not in proc.stderr and not list(tmp_path.glob("runs/*/metrics.jsonl"))
+
+
+def test_corpus_changes_name_each_file():
+    old = [{"source": "a.txt", "size": 10, "sha256": "x"}, {"source": "b.txt", "size": 5, "sha256": "y"}]
+    assert fit.corpus_changes(None, old) == []
+    assert fit.corpus_changes(old, old) == []
+    new = [{"source": "a.txt", "size": 10, "sha256": "z"}, {"source": "b.txt", "size": 7, "sha256": "y"},
+           {"source": "c.txt", "size": 1, "sha256": "w"}]
+    assert fit.corpus_changes(old, new) == ["a.txt: other content (same size, 10 bytes)", "b.txt: 5 -> 7 bytes",
+                                            "c.txt added"]
+    assert fit.corpus_changes(new, old[:1]) == ["a.txt: other content (same size, 10 bytes)", "b.txt removed",
+                                                "c.txt removed"]
 
 
 # ------------------------------------------------------------- saving safely

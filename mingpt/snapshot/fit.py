@@ -53,10 +53,46 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
     return changes
 
 
-def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dist_info: DistInfo) -> None:
-    """The snapshot's shapes, vocabulary and config are this run's (or the change is allowed: rank 0 says so)."""
+def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
+    """What differs between the corpus a snapshot recorded (data.CharData.fingerprint)
+    and `current`, one entry per file: `FILE: SIZE -> SIZE bytes`, `FILE: other content
+    (same size ...)`, `FILE added`, `FILE removed`. None (a snapshot older than the record): nothing."""
+    if not isinstance(saved, list):
+        return []
+    changes = []
+    for old, new in zip(saved, current):
+        if old.get("size") != new["size"]:
+            changes.append(f"{new['source']}: {old.get('size')} -> {new['size']} bytes")
+        elif old.get("sha256") != new["sha256"]:
+            changes.append(f"{new['source']}: other content (same size, {new['size']} bytes)")
+    changes += [f"{new['source']} added" for new in current[len(saved):]]
+    changes += [f"{old.get('source')} removed" for old in saved[len(current):]]
+    return changes
+
+
+def check_same_corpus(saved: list[dict] | None, current: list[dict], path: str, allow: bool) -> list[str]:
+    """Refuse a snapshot written for another corpus, naming what changed (the split
+    of each file into training and held-out text moved with it), unless `allow`;
+    return the changes."""
+    changes = corpus_changes(saved, current)
+    if changes and not allow:
+        raise SnapshotError(f"snapshot {path} was written for another corpus ({'; '.join(changes)}): its held-out "
+                            "split is no longer this corpus's; start a new run in another directory, or continue "
+                            "this one on the new corpus by adding trainer_config.allow_config_change=true")
+    return changes
+
+
+def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dist_info: DistInfo,
+               corpus: list[dict] | None = None) -> None:
+    """The snapshot's shapes, vocabulary, corpus (when `corpus`, the run's fingerprint, is given)
+    and config are this run's (or the change is allowed: rank 0 says so)."""
     check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
+    allow = config.trainer_config.allow_config_change
+    moved = check_same_corpus(state.get("corpus"), corpus, path, allow) if corpus is not None else []
     changes = check_same_config(state, config, path)
+    if moved and dist_info.is_main_process:
+        log.warning("continuing %s on a changed corpus (%s): the held-out split moved, so evaluation losses before "
+                    "and after differ in text, and text held out before may now be trained on", path, "; ".join(moved))
     if changes and dist_info.is_main_process:
         log.warning("continuing %s with a changed config: %s", path, "; ".join(changes))
 

@@ -47,10 +47,16 @@ class NotFinite(ValueError):
     """The weights to save are not finite; nothing was written."""
 
 
+def is_sharded(cfg: TrainerConfig) -> bool:
+    """The one place the format is chosen: sharded snapshots under a directory with
+    `fsdp`, else one file."""
+    return cfg.parallelism == "fsdp"
+
+
 def resolve_path(cfg: TrainerConfig, run_dir: str) -> str:
     """The snapshot's location: relative local paths live in the run directory;
     URLs and absolute paths are kept. Unset: a file, or a directory of sharded snapshots."""
-    path = cfg.snapshot_path or ("snapshots" if cfg.parallelism == "fsdp" else "snapshot.pt")
+    path = cfg.snapshot_path or ("snapshots" if is_sharded(cfg) else "snapshot.pt")
     if "://" in path or os.path.isabs(path):
         return path
     return os.path.join(run_dir, path)
@@ -67,11 +73,13 @@ def read(path: str) -> dict[str, Any]:
 
 class Snapshot:
     def __init__(self, config: Config, dist_info: DistInfo, path: str, vocab: str, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, comm: CommHook):
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, comm: CommHook,
+                 corpus: list[dict] | None = None):
         self.config, self.dist, self.path, self.vocab = config, dist_info, path, vocab
+        self.corpus = corpus  # the corpus's fingerprint (data.CharData.fingerprint): saved, and checked on restore
         self.optimizer, self.scaler, self.notice = optimizer, scaler, SlowNotice()
         cfg = config.trainer_config
-        if cfg.parallelism == "fsdp":  # the one place the format is chosen
+        if is_sharded(cfg):
             from mingpt.snapshot import sharded  # Distributed Checkpoint: about a second of import, only when used
 
             self.format = sharded.ShardedFormat(path, model, optimizer, scaler, cfg.keep_snapshots, cfg.async_save)
@@ -94,6 +102,7 @@ class Snapshot:
             **dataclasses.asdict(progress),
             "world_size": self.dist.world_size,
             "vocab": self.vocab,
+            **({"corpus": self.corpus} if self.corpus is not None else {}),
             **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)},
         }
         self.format.save(meta, progress.step, self._check_finite)
@@ -127,7 +136,8 @@ class Snapshot:
         if not self.format.exists():
             fit.check_same_start(self.dist, 0, self.path)
             return None
-        state = self.format.load(lambda state: fit.check_fits(state, self.config, self.vocab, self.path, self.dist))
+        state = self.format.load(lambda state: fit.check_fits(state, self.config, self.vocab, self.path, self.dist,
+                                                                self.corpus))
         if self.scaler.is_enabled() and state.get("scaler_state"):
             self.scaler.load_state_dict(state["scaler_state"])
         set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's

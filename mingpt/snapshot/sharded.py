@@ -44,6 +44,7 @@ sharded snapshot as one single-file snapshot, for generation and inspection.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -55,12 +56,12 @@ import threading
 import traceback
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -147,8 +148,11 @@ def _order(name: str) -> Optional[tuple[int, int]]:
     return (int(found.group(1)), int(found.group(2) or 0)) if found else None
 
 
-def _listing(root: str) -> tuple[list[str], set[str]]:
-    """The snapshot directory names under `root` (oldest first) and the published ones."""
+def _listing(root: str, every_name: bool = False) -> tuple[list[str], set[str]]:
+    """The snapshot directory names under `root` (oldest first) and the published ones.
+    A published directory whose name's step is not the step it holds (a stray copy,
+    a manual rename) is left out of both, with one warning, so it is neither resumed
+    nor pruned; `every_name` keeps it in the names (to name a new snapshot)."""
     fs, p = storage.filesystem(root)
     try:
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
@@ -156,11 +160,38 @@ def _listing(root: str) -> tuple[list[str], set[str]]:
             return [], set()
         names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
         manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
-        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests}
+        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests} & set(names)
+        lying = set() if every_name else {n for n in published if _name_lies(fs, p, root, n)}
     except storage_errors() as e:
         raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
     names.sort(key=_order)
-    return names, published & set(names)
+    return [n for n in names if n not in lying], published - lying
+
+
+_honest: set[str] = set()  # published directories whose name was checked against their step
+_warned: set[str] = set()  # directories whose lying name was reported
+
+
+def _name_lies(fs, p: str, root: str, name: str) -> bool:
+    """Whether the published directory `name` holds another step than its name says
+    (read from its meta.json; one that cannot be read is left for loading to report)."""
+    path = f"{p.rstrip('/')}/{name}"
+    if path in _honest:
+        return False
+    try:
+        with fs.open(f"{path}/{META}", "rb") as f:
+            inside = json.loads(f.read()).get("step")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False
+    if inside == _order(name)[0]:
+        _honest.add(path)
+        return False
+    if path not in _warned and (not dist.is_initialized() or dist.get_rank() == 0):  # once, by rank 0
+        _warned.add(path)
+        log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
+                    "a renamed directory?); it is neither resumed nor removed", _join(root, name), _order(name)[0],
+                    inside)
+    return True
 
 
 def latest(root: str) -> Optional[str]:
@@ -260,6 +291,38 @@ def _failure_reason(failure: Any) -> str:
 # ---------------------------------------------------------------- saving
 
 
+class _Streams(FileSystem):
+    """DCP's fsspec file system with each stream it writes wrapped in storage.Sink:
+    the first storage error a write met is kept in `error`, since DCP's torch.save
+    reports it as "unexpected pos ..." (a full disk included)."""
+
+    error: Optional[BaseException] = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            sink = storage.Sink(stream)
+            try:
+                yield sink
+            finally:
+                self.error = self.error or sink.error
+
+
+class _Writer(FsspecWriter):
+    """DCP's fsspec writer over _Streams; `reason(e)` is a failed write's cause as one line."""
+
+    def __init__(self, path: str, **options: Any):
+        super().__init__(path, **options)
+        streams = _Streams()
+        streams.fs = self.fs.fs
+        self.fs = streams
+
+    def reason(self, error: BaseException, rank: int) -> str:
+        if self.fs.error is not None:
+            return f"{reason(self.fs.error)} (rank {rank})"
+        return _dcp_reason(error)
+
+
 class SaveHandle:
     """A save in progress (asynchronous) or done. `wait()` returns the published
     directory, or raises StorageError on every rank if the save failed."""
@@ -330,7 +393,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     name = None
     if _rank(pg) == 0:  # rank 0 names it; a crashed save's directory is never reused
         try:
-            names, _ = _listing(root)
+            names, _ = _listing(root, every_name=True)
         except StorageError as e:
             name = e
         else:
@@ -344,7 +407,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     on_gpu = _on_gpu(flat)
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
     # whenever the host has CUDA, so a CPU job on a GPU host would open a CUDA context.
-    writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
+    writer = _Writer(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
                           **({} if on_gpu else {"per_thread_copy_ahead": 0}))
     no_dist = pg is None
     if not async_save:
@@ -352,8 +415,9 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         try:
             dcp.save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist)
         except (Exception, CheckpointException) as e:
-            error = _dcp_reason(e)
-        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error))
+            error = writer.reason(e, _rank(pg))
+        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error,
+                                                           writer.fs.error is not None))
         handle.wait()
         return handle
     try:
@@ -367,9 +431,9 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
             upload.result()
             error = None
         except (Exception, CheckpointException) as e:
-            error = _dcp_reason(e)
+            error = writer.reason(e, _rank(pg))
         try:
-            return _publish(directory, root, document, keep, pg, error)
+            return _publish(directory, root, document, keep, pg, error, writer.fs.error is not None)
         except BaseException as e:  # never lost: the handle reports it
             return f"cannot save sharded snapshot {directory}: {reason(e)}"
 
@@ -380,10 +444,12 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     return _pending
 
 
-def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str]) -> Optional[str]:
+def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
+             storage_cause: bool = False) -> Optional[str]:
     """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes
     meta.json and the manifest (publishing the snapshot) and prunes. Returns the
-    error, the same on every rank, or None."""
+    error, the same on every rank, or None: a rank's own storage error (`storage_cause`)
+    comes before what the other ranks saw of it (torch's "unexpected pos", as DCP passes it on)."""
     fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
@@ -396,15 +462,15 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
                     files[base] = list(_sha256(fs, path))
         except storage_errors() as e:
             error = f"rank {rank}: {reason(e)}"
-    gathered = _gather((files, error), pg)
+    gathered = _gather((files, error, storage_cause), pg)
     outcome = None
     if rank == 0:
-        errors = [e for _, e in gathered if e]
+        errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
         if errors:
             outcome = f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
         else:
             try:
-                manifest = {name: entry for shard_files, _ in gathered for name, entry in shard_files.items()}
+                manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
                 with storage.atomic_open(f"{p}/{META}", fs) as f:
                     f.write(document)
                 for name in (DCP_METADATA, META):

@@ -29,27 +29,9 @@ from mingpt.storage import StorageError, reason, storage_errors
 REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", "epoch", "samples_in_epoch", "step")
 
 
-class _Sink:
-    """The file torch.save writes to, keeping the first storage error a write met:
-    torch reports it as a RuntimeError ("unexpected pos ...") that hides the cause."""
-
-    def __init__(self, file: Any):
-        self.file, self.error = file, None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self.file.write(data)
-        except storage_errors() as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def _save_to(state: dict[str, Any], file: Any) -> None:
     """torch.save into an open file, raising the storage error behind a failed write."""
-    sink = _Sink(file)
+    sink = storage.Sink(file)
     try:
         torch.save(state, sink)
     except RuntimeError:
