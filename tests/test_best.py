@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import child_env, run_dir_of, run_main, run_torchrun
+from conftest import TINY, child_env, run_dir_of, run_main, run_torchrun
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.snapshot import manager, sharded, single_file
@@ -127,7 +127,7 @@ def test_best_path_is_beside_the_snapshot():
 def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, small_corpus):
     """Through `python main.py`: exit status 0, the same command again finds the run
     complete; `python -m mingpt.generate` with the run directory samples the best weights."""
-    args = [*BUMPY, f"data_config.path={small_corpus}", "trainer_config.max_steps=40",
+    args = [*TINY, *BUMPY, f"data_config.path={small_corpus}", "trainer_config.max_steps=40",
             "trainer_config.early_stop_patience=1", "trainer_config.early_stop_min_delta=10"]
     first = run_main(args, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -153,7 +153,7 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
 
 
 def test_fsdp_ranks_early_stop_together_and_keep_a_sharded_best(tmp_path, small_corpus):
-    args = [*BUMPY, f"data_config.path={small_corpus}", "trainer_config.parallelism=fsdp",
+    args = [*TINY, *BUMPY, f"data_config.path={small_corpus}", "trainer_config.parallelism=fsdp",
             "trainer_config.max_steps=40", "trainer_config.early_stop_patience=1", "trainer_config.early_stop_min_delta=10"]
     result = run_torchrun(2, args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
