@@ -39,9 +39,9 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     reference = make_trainer(tmp_path / "ref", small_corpus, *args)
     evaluated = {}  # step -> the weights that evaluation saw
     record = reference._record_eval
-    monkeypatch.setattr(reference, "_record_eval", lambda loss: (
-        evaluated.__setitem__(reference.progress.step, {k: v.clone() for k, v in reference.raw_model.state_dict().items()}),
-        record(loss)))
+    weights = lambda: {k: v.clone() for k, v in reference.raw_model.state_dict().items()}  # noqa: E731
+    monkeypatch.setattr(reference, "_record_eval",
+                        lambda loss: (evaluated.__setitem__(reference.progress.step, weights()), record(loss)))
     reference.train()
     losses = eval_losses(tmp_path / "ref")
     best_step = min(losses, key=losses.get)
@@ -154,7 +154,8 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
 
 def test_fsdp_ranks_early_stop_together_and_keep_a_sharded_best(tmp_path, small_corpus):
     args = [*TINY, *BUMPY, f"data_config.path={small_corpus}", "trainer_config.parallelism=fsdp",
-            "trainer_config.max_steps=40", "trainer_config.early_stop_patience=1", "trainer_config.early_stop_min_delta=10"]
+            "trainer_config.max_steps=40", "trainer_config.early_stop_patience=1",
+            "trainer_config.early_stop_min_delta=10"]
     result = run_torchrun(2, args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = run_dir_of(tmp_path, args)
