@@ -188,6 +188,11 @@ class TrainerConfig:
     # split (111,488 tokens) and caps a large one at ~1/3 of the training
     # tokens between two default evaluations (500 steps x 12 x 64).
     eval_tokens: int = 131_072
+    # Early stopping: stop (a finished run) once early_stop_patience evaluations in a
+    # row have not lowered the best held-out loss by at least early_stop_min_delta
+    # (null: never). The run's best weights are kept whatever this says (README, Snapshots).
+    early_stop_patience: Optional[int] = None
+    early_stop_min_delta: float = 0.0
     log_every: int = operational(default=50)
     # Characters generated from the model at each evaluation (0: none).
     sample_chars: int = operational(default=200)
@@ -253,11 +258,13 @@ class TrainerConfig:
         check(per_step < 2**31, "trainer_config.grad_accum_steps",
               f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}")
         check_seed(self.seed, "trainer_config.seed")
-        for key in ("max_steps", "save_every_steps"):
+        for key in ("max_steps", "save_every_steps", "early_stop_patience"):
             value = getattr(self, key)
             check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")
         for key in ("eval_every", "sample_chars", "eval_tokens"):
             check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
+        check(math.isfinite(self.early_stop_min_delta) and self.early_stop_min_delta >= 0,
+              "trainer_config.early_stop_min_delta", f"must be a finite number >= 0, got {self.early_stop_min_delta}")
         check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
                f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
         check(self.save_every_minutes is None or self.save_every_minutes > 0, "trainer_config.save_every_minutes",

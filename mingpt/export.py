@@ -3,8 +3,8 @@
 usage: python -m mingpt.export SRC DST [--format safetensors|hf|snapshot]   (or: mingpt-export ...)
 
   SRC       a snapshot: a snapshot file, a sharded snapshot (a directory: its newest
-            published snapshot, or one step-... directory) or a run directory (the
-            snapshot its config names); local path or fsspec URL
+            published snapshot, or one step-... directory) or a run directory (its
+            best weights, else the snapshot its config names); local path or fsspec URL
   DST       where the export goes; it must be absent, or of the kind the format writes
             (a directory a previous export wrote, or a regular file); never a device
   --format  safetensors (default): DST a directory of model.safetensors (the weights under

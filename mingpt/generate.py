@@ -2,9 +2,10 @@
 
 usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=value ...])
 
-  snapshot_path=runs/default/snapshot.pt  snapshot to sample from (local path or fsspec URL): a snapshot
+  snapshot_path=runs/default  snapshot to sample from (local path or fsspec URL): a snapshot
                             file, a sharded snapshot (a directory: its newest published snapshot),
-                            or a run directory (the snapshot its config names)
+                            or a run directory (its best weights: the lowest held-out loss, beside
+                            the snapshot its config names; that snapshot while there are none)
   prompt=                   text to continue, taken verbatim (empty: start of a new line)
   prompt_file=              read the prompt from this file instead (local path or fsspec URL)
   max_new_tokens=500        characters to generate per sample (>= 0)
@@ -61,7 +62,7 @@ class OutputError(ValueError):
 
 @dataclass
 class GenerateConfig:
-    snapshot_path: str = "runs/default/snapshot.pt"
+    snapshot_path: str = "runs/default"
     prompt: str = ""
     prompt_file: str = ""
     max_new_tokens: int = 500
@@ -119,8 +120,9 @@ def parse_args(argv: list[str], schema: type = GenerateConfig, text_keys: tuple[
 
 
 def find_snapshot(path: str) -> str:
-    """The snapshot of a run directory (a local directory with .hydra/config.yaml:
-    where that run's trainer_config puts it); any other path as given."""
+    """The best weights of a run directory (a local directory with .hydra/config.yaml),
+    beside the snapshot where that run's trainer_config puts it, or that snapshot while
+    the run has none; said on stderr. Any other path as given."""
     config_file = os.path.join(path, ".hydra", "config.yaml")
     if "://" in path or not os.path.isfile(config_file):
         return path
@@ -130,7 +132,12 @@ def find_snapshot(path: str) -> str:
     except (OmegaConfBaseException, ConfigError, OSError, ValueError) as e:
         raise SnapshotError(f"run directory {path}: {config_file} cannot be read ({reason(e)})") from None
     found = manager.resolve_path(trainer_config, path)
-    log.info("run directory %s: its snapshot is %s", path, found)
+    best = manager.find_best(found)
+    if best:
+        log.info("run directory %s: its best weights, %s (the lowest held-out loss; the latest snapshot is %s)",
+                 path, best, found)
+        return best
+    log.info("run directory %s: its snapshot is %s (no best weights written yet)", path, found)
     return found
 
 

@@ -2,8 +2,8 @@
 
 usage: python -m mingpt.score [key=value ...]   (or: mingpt-score [key=value ...])
 
-  snapshot_path=runs/default/snapshot.pt  the model (local path or fsspec URL): a snapshot
-                            file, a sharded snapshot's directory, or a run directory
+  snapshot_path=runs/default  the model (local path or fsspec URL): a snapshot
+                            file, a sharded snapshot's directory, or a run directory (its best weights)
   path=                     the text to score (local path or fsspec URL, UTF-8); empty:
                             the held-out split of the run's own corpus, as the run evaluates it
   device=auto               auto (CUDA if available), cpu or cuda
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch

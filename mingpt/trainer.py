@@ -35,7 +35,7 @@ from mingpt.metrics import Metrics, SlowNotice
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, lr_at
 from mingpt.rundir import check_record
-from mingpt.snapshot.manager import NotFinite, Progress, Snapshot, resolve_path
+from mingpt.snapshot.manager import NotFinite, Progress, Snapshot, find_best, resolve_path
 from mingpt.stopping import StepFlags
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class Trainer:
         self.snapshot = Snapshot(config, dist_info, self.snapshot_path, data.tokenizer.chars, self.raw_model,
                                  self.optimizer, self.scaler, self.comm, data.fingerprint())
         self.saved = self.snapshot.restore()  # the position of the snapshot at snapshot_path (None: none yet)
+        self._last_eval = math.nan  # the held-out loss of the last evaluation recorded
         self.progress = dataclasses.replace(self.saved) if self.saved else Progress()
         check_record(run_dir, self.snapshot_path, self.progress.step, dist_info)  # before the record is touched
 
@@ -176,7 +177,7 @@ class Trainer:
                 self._last_save = time.monotonic()  # for save_every_minutes
                 while not self._finished():
                     self._train_epoch()
-                final = self.evaluate()
+                final = self._last_eval if self._stopped_early() else self.evaluate()  # evaluated at this step
                 self.save()
                 self.snapshot.wait()  # an asynchronous save is written before the run ends
                 self._stop_if_requested(self._agree())
@@ -188,20 +189,26 @@ class Trainer:
 
     def _shown_snapshot_path(self) -> str:
         """The snapshot's path as typed from the directory the run started in, where it is inside."""
-        path = self.snapshot_path
+        return self._shown(self.snapshot_path)
+
+    @staticmethod
+    def _shown(path: str) -> str:
+        """`path` as typed from the directory the run started in, where it is inside."""
         return path if "://" in path or os.path.relpath(path).startswith("..") else os.path.relpath(path)
 
     def _summary(self, final: float | None) -> str:
-        """The closing line: the held-out losses, the snapshot and the command that samples from it."""
+        """The closing line: the held-out losses, the best weights, the snapshot and the
+        command that samples from the best weights (from the snapshot while there are none)."""
         p = self.progress
-        losses = []
-        if final is not None and math.isfinite(final):
-            losses.append(f"held-out loss {final:.4f}")
+        losses = [f"held-out loss {final:.4f}"] if final is not None and math.isfinite(final) else []
+        best = find_best(self.snapshot_path) if math.isfinite(p.best_eval_loss) else None
         if math.isfinite(p.best_eval_loss):
-            losses.append(f"best {p.best_eval_loss:.4f}")
-        path = self._shown_snapshot_path()
-        return (f"done at step {p.step}: {', '.join(losses) or 'no held-out loss'} | snapshot {path}"
-                f" | sample from it: python -m mingpt.generate snapshot_path={shlex.quote(path)}")
+            where = f" ({self._shown(best)})" if best else ""
+            losses.append(f"best {p.best_eval_loss:.4f} at step {p.best_step}{where}")
+        stopped = " (stopped early)" if self._stopped_early() else ""
+        return (f"done at step {p.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
+                f"{self._shown_snapshot_path()} | sample from {'the best' if best else 'it'}: "
+                f"python -m mingpt.generate snapshot_path={shlex.quote(self._shown(best or self.snapshot_path))}")
 
     def _train_epoch(self) -> None:
         """Train from the next unseen sample of the current epoch to its end (or to the last step)."""
@@ -233,6 +240,8 @@ class Trainer:
                 self._stop_if_requested(flags)
                 if (cfg.save_every_steps and p.step % cfg.save_every_steps == 0) or flags[StepFlags.SAVE_DUE]:
                     self.save()
+            if self._stopped_early():
+                break
         if p.samples_in_epoch >= len(self.data.train):
             p.epoch, p.samples_in_epoch = p.epoch + 1, 0
             with self._paused():
@@ -290,14 +299,18 @@ class Trainer:
         processes is not part of a run (an elastic restart with fewer or more resumes
         the same one), so the same command under torchrun finds it complete too."""
         cfg, p = self.cfg, self.progress
-        if cfg.max_steps is not None and p.step >= cfg.max_steps:
+        if self._stopped_early():
+            further = "trainer_config.early_stop_patience=null"
+        elif cfg.max_steps is not None and p.step >= cfg.max_steps:
             further = f"trainer_config.max_steps={2 * cfg.max_steps}"
         else:
             further = f"trainer_config.max_epochs={p.epoch + 1}"
         # hydra.run.dir=PATH names the directory itself: there a new run needs another path.
         named = os.path.basename(os.path.normpath(self.run_dir)).startswith(cfg.run_name)
         new = "trainer_config.run_name=NAME (a name not used yet)" if named else "hydra.run.dir=ANOTHER_DIRECTORY"
-        return (f"run already complete at step {p.step} (snapshot {self._shown_snapshot_path()}), whatever the "
+        early = f", stopped early (best held-out loss {p.best_eval_loss:.4f} at step {p.best_step})" \
+            if self._stopped_early() else ""
+        return (f"run already complete at step {p.step}{early} (snapshot {self._shown_snapshot_path()}), whatever the "
                 f"number of processes: nothing to train. For a new run add {new}; "
                 f"to train this one further add {further} trainer_config.allow_config_change=true")
 
@@ -353,7 +366,13 @@ class Trainer:
 
     def _finished(self) -> bool:
         p = self.progress
-        return p.epoch >= self.cfg.max_epochs or p.step >= self.total_steps
+        return p.epoch >= self.cfg.max_epochs or p.step >= self.total_steps or self._stopped_early()
+
+    def _stopped_early(self) -> bool:
+        """Early stopping ended the run (as the snapshot records it), and this config
+        still would: a larger early_stop_patience, or null, trains on."""
+        p, patience = self.progress, self.cfg.early_stop_patience
+        return p.stopped_early and patience is not None and p.evals_without_improvement >= patience
 
     def train_step(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over this rank's share of the global batch, in
@@ -419,7 +438,7 @@ class Trainer:
         if not math.isfinite(result.loss):  # the weights of the last update are not: no log, no sample
             raise TrainingError(
                 f"training diverged: the held-out loss is {result.loss} at step {p.step}; {self._kept()}")
-        p.best_eval_loss = min(p.best_eval_loss, result.loss)
+        self._record_eval(result.loss)
         self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
                          perplexity=math.exp(result.loss),
                          rank_losses=result.rank_losses, tokens=result.tokens)
@@ -430,6 +449,30 @@ class Trainer:
         if self.eval_notice.took(seconds):
             log.info("evaluation at step %d took %.1f s", p.step, seconds)
         return result.loss
+
+    def _record_eval(self, loss: float) -> None:
+        """A completed evaluation's loss (all-reduced: the same on every rank, so every
+        rank decides alike): a new best writes the best weights (every rank takes part);
+        early stopping counts the evaluations without an improvement of at least
+        early_stop_min_delta, and stops the run once early_stop_patience of them follow."""
+        cfg, p = self.cfg, self.progress
+        self._last_eval, p.stopped_early = loss, False  # evaluating: not stopped (a larger patience trains on)
+        improved = loss < p.best_eval_loss
+        p.evals_without_improvement = 0 if improved and p.best_eval_loss - loss >= cfg.early_stop_min_delta \
+            else p.evals_without_improvement + 1
+        if improved:
+            p.best_eval_loss, p.best_step = loss, p.step
+            try:
+                self.snapshot.save_best(p)
+            except NotFinite:
+                raise TrainingError(f"weights are not finite at step {p.step}, not saving; {self._kept()}") from None
+        patience = cfg.early_stop_patience
+        if patience is not None and p.evals_without_improvement >= patience and not self._finished():
+            p.stopped_early = True
+            log.info("stopping early at step %d: %d evaluations in a row without lowering the held-out loss by at "
+                     "least %g (trainer_config.early_stop_patience=%d, early_stop_min_delta); best %.4f at step %d",
+                     p.step, p.evals_without_improvement, cfg.early_stop_min_delta, patience,
+                     p.best_eval_loss, p.best_step)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Autocast for AMP; a sharded model casts by FSDP's own mixed-precision policy instead."""

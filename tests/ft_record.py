@@ -5,7 +5,8 @@
 Runs the real training CLI (mingpt.cli.main). Each rank appends one line per
 optimizer step to DIR/samples-rank<r>.txt ("epoch step i i i ...": the training
 samples of its share of the step) and one line per snapshot write to
-DIR/saves-rank<r>.txt (the step saved). Nothing else changes.
+DIR/saves-rank<r>.txt (the step saved; best-saves-rank<r>.txt for the best
+weights). Nothing else changes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def recording_train_step(self, indices):
 
 
 def recording_save(state, path):
-    _append("saves", str(state["step"]))
+    _append("best-saves" if path.endswith("-best.pt") else "saves", str(state["step"]))  # the best weights apart
     _save(state, path)
 
 

@@ -129,10 +129,10 @@ def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_ru
     _, run_dir = tiny_run
     dst = tmp_path / "one.pt"
     dst.write_bytes(b"an earlier file")  # a regular file is replaced
-    export(run_dir, dst, "--format", "snapshot")
-    assert capsys.readouterr().out == f"exported {run_dir} (step 60) as snapshot to {dst}\n"
-    exported, original = single_file.load(str(dst)), single_file.load(str(run_dir / "snapshot.pt"))
-    assert exported.keys() == original.keys() and exported["step"] == 60
+    export(run_dir, dst, "--format", "snapshot")  # a run directory: its best weights
+    exported, original = single_file.load(str(dst)), single_file.load(str(run_dir / "snapshot-best.pt"))
+    assert capsys.readouterr().out == f"exported {run_dir} (step {original['step']}) as snapshot to {dst}\n"
+    assert exported.keys() == original.keys() and exported["step"] == original["best_step"]
     assert all(torch.equal(exported["model_state"][k], v) for k, v in original["model_state"].items())
     # A directory export over an earlier one replaces it whole, leaving nothing else beside it
     # (a killed export's temporary directory included).

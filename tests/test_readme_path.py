@@ -85,13 +85,16 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     closing = shown.rstrip().splitlines()[-1]
     snapshot = run_dir_of(tmp_path, [*quick, *EXTRA]) / "snapshot.pt"
     best = torch.load(snapshot, weights_only=True)["best_eval_loss"]
-    assert re.search(rf"done at step 6: held-out loss [\d.]+, best {best:.4f} \| snapshot ", closing), closing
-    command = closing.split("sample from it: ")[1].strip()
+    best_file = snapshot.with_name("snapshot-best.pt")  # the best weights, beside the snapshot
+    best_shown = re.escape(str(best_file.relative_to(tmp_path)))
+    assert re.search(rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) \| snapshot ",
+                     closing), closing
+    command = closing.split("sample from the best: ")[1].strip()
     assert shlex.split(command)[:3] == ["python", "-m", "mingpt.generate"]
     sampled = subprocess.run([sys.executable, *shlex.split(command)[1:], "max_new_tokens=5"], cwd=tmp_path,
                              env=child_env(), capture_output=True, text=True, timeout=120)
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-3000:]
-    assert shlex.split(command)[3] == f"snapshot_path={snapshot.relative_to(tmp_path)}"  # where it was started
+    assert shlex.split(command)[3] == f"snapshot_path={best_file.relative_to(tmp_path)}"  # where it was started
 
     # The same command again finds its run complete and says what to type instead.
     again = run_main([*quick, *EXTRA], tmp_path)

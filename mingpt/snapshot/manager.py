@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 import os
+import posixpath
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ class Progress:
     samples_in_epoch: int = 0  # global samples of that epoch consumed by all ranks together
     step: int = 0  # optimizer steps done
     best_eval_loss: float = math.inf
+    best_step: int = 0  # the step of the evaluation that gave best_eval_loss
+    evals_without_improvement: int = 0  # in a row, by early_stop_min_delta: early stopping's count
+    stopped_early: bool = False  # early stopping ended the run here
 
 
 class NotFinite(ValueError):
@@ -60,6 +64,24 @@ def resolve_path(cfg: TrainerConfig, run_dir: str) -> str:
     if "://" in path or os.path.isabs(path):
         return path
     return os.path.join(run_dir, path)
+
+
+def best_path(path: str) -> str:
+    """Where a run whose snapshot is at `path` keeps its best weights: beside it, the
+    same name with `-best` (snapshot.pt: snapshot-best.pt; a sharded root snapshots:
+    snapshots-best, a root of its own), in the snapshot's format."""
+    head, ext = posixpath.splitext(path.rstrip("/"))
+    return f"{head}-best{ext}"
+
+
+def find_best(path: str) -> str | None:
+    """The best weights of the run whose snapshot is at `path`, if it has written them."""
+    best = best_path(path)
+    if storage.exists(best, directory=True):
+        from mingpt.snapshot import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
+
+        return best if sharded.latest(best) else None
+    return best if storage.exists(best) else None
 
 
 def read(path: str) -> dict[str, Any]:
@@ -98,19 +120,33 @@ class Snapshot:
         start = time.monotonic()
         if self.notice.slow and self.dist.is_main_process:
             log.info("saving snapshot %s at step %d", self.path, progress.step)
-        meta: dict[str, Any] = {
+        self.format.save(self._meta(progress), progress.step, self._check_finite)
+        seconds = time.monotonic() - start
+        self.notice.took(seconds)
+        if self.dist.is_main_process:
+            log.info("saved snapshot %s at step %d in %.2f s%s", self.path, progress.step, seconds,
+                     " (writing on in the background)" if self.format.background else "")
+
+    def _meta(self, progress: Progress) -> dict[str, Any]:
+        """What a snapshot holds besides tensors: the progress, the configs, the vocabulary, the corpus."""
+        return {
             **dataclasses.asdict(progress),
             "world_size": self.dist.world_size,
             "vocab": self.vocab,
             **({"corpus": self.corpus} if self.corpus is not None else {}),
             **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)},
         }
-        self.format.save(meta, progress.step, self._check_finite)
-        seconds = time.monotonic() - start
-        self.notice.took(seconds)
+
+    def save_best(self, progress: Progress) -> None:
+        """Write the current weights (with LocalSGD: the replicas' mean) as the run's
+        best, at best_path: the snapshot's format, atomic and verified as it is, with
+        the progress, configs and vocabulary but no optimizer state (enough to
+        generate, export and score; resume uses the latest snapshot). Synchronous.
+        Every rank calls it; raises NotFinite, on every rank alike, as save does."""
+        self.format.save_best(self._meta(progress), best_path(self.path), progress.step, self._check_finite)
         if self.dist.is_main_process:
-            log.info("saved snapshot %s at step %d in %.2f s%s", self.path, progress.step, seconds,
-                     " (writing on in the background)" if self.format.background else "")
+            log.info("saved the best weights so far (held-out loss %.4f at step %d) to %s",
+                     progress.best_eval_loss, progress.step, best_path(self.path))
 
     def _check_finite(self, tensors) -> None:
         """All ranks agree: with FSDP each holds other shards."""

@@ -716,6 +716,15 @@ class ShardedFormat:
         save({"model": model_state, "optim": optim_state}, {**meta, "scaler_state": self.scaler.state_dict()},
              self.root, step, keep=self.keep, async_save=self.background)
 
+    def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
+        """The weights alone, as a sharded snapshot of their own root that keeps one
+        (Snapshot.save_best); synchronous, after any save in flight."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model_state = get_model_state_dict(self.model)
+        check_finite(model_state.values())
+        save({"model": model_state}, meta, root, step, keep=1, async_save=False)
+
     def load(self, check_fits: Callable) -> dict[str, Any]:
         """Into the model and optimizer (after the model is sharded), resharded to this run's layout."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

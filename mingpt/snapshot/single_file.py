@@ -175,6 +175,13 @@ class SingleFileFormat:
             save({"model_state": model_state, "comm_hook": comm_state, "optimizer_state": self.optimizer.state_dict(),
                   "scaler_state": self.scaler.state_dict(), **meta}, self.path)
 
+    def save_best(self, meta: dict[str, Any], path: str, step: int, check_finite: Callable) -> None:
+        """The weights alone (an empty optimizer state) at `path` (Snapshot.save_best)."""
+        model_state = self.comm.model_state(self.model)
+        check_finite(model_state.values())
+        if self.is_main_process:
+            save({"model_state": model_state, "optimizer_state": {"state": {}, "param_groups": []}, **meta}, path)
+
     def load(self, check_fits: Callable) -> dict[str, Any]:
         """Into the model and optimizer, before DDP wraps the model."""
         state = load(self.path)
