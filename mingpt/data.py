@@ -53,7 +53,9 @@ def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> Non
 @contextlib.contextmanager
 def open_source(path: str) -> Iterator[BinaryIO]:
     """A corpus file from any fsspec URL or local path, opened for reading;
-    failing to open or read it is one DataError naming the file."""
+    failing to open or read it is one DataError naming the file. A local file
+    that is not regular is refused (storage.check_regular raises StorageError)."""
+    storage.check_regular(path, "data file")
     try:
         with fsspec.open(path, "rb") as f:
             yield f
