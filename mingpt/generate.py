@@ -203,9 +203,9 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
     """num_samples are decoded as one batch: refuse a batch that cannot fit in memory."""
     need, free = bytes_per_sample(model, config, device), available_memory(device)
     if need * config.num_samples > free:
-        raise ConfigError(f"num_samples: {config.num_samples:,} samples need about {need * config.num_samples / 2**30:,.1f}"
-                          f" GiB on {device}, more than the {free / 2**30:,.1f} GiB available; "
-                          f"at most {free // need:,} fit")
+        total = need * config.num_samples / 2**30
+        raise ConfigError(f"num_samples: {config.num_samples:,} samples need about {total:,.1f} GiB on {device}, "
+                          f"more than the {free / 2**30:,.1f} GiB available; at most {free // need:,} fit")
 
 
 def write(text: str) -> None:
