@@ -35,6 +35,7 @@ USER_ERRORS = (ConfigError, DataError, SnapshotError, StorageError, TrainingErro
 
 def fail(message: str, status: int = 2) -> NoReturn:
     """End the process with one line on stderr (one write, so ranks' lines do not interleave)."""
+    stopping.tell_launcher(f"error: {message}")
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     sys.exit(status)
@@ -107,6 +108,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         fail(config_error_line(e))
     except stopping.Stopped as e:
         fail(str(e), status=e.status)
+    except BaseException:  # Hydra would print "Error executing job with overrides: ..." on the way out
+        stopping.park_if_exiting()
+        raise
     _in_task = False  # an OSError from inside a task keeps its traceback: a bug
 
 

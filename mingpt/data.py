@@ -13,7 +13,6 @@ import contextlib
 import glob
 import logging
 import os
-import stat
 import urllib.request
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
@@ -54,7 +53,9 @@ def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> Non
 @contextlib.contextmanager
 def open_source(path: str) -> Iterator[BinaryIO]:
     """A corpus file from any fsspec URL or local path, opened for reading;
-    failing to open or read it is one DataError naming the file."""
+    failing to open or read it is one DataError naming the file. A local file
+    that is not regular is refused (storage.check_regular raises StorageError)."""
+    storage.check_regular(path, "data file")
     try:
         with fsspec.open(path, "rb") as f:
             yield f
@@ -79,6 +80,7 @@ def read_text(path: str) -> str:
 def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
     """The corpus files named by data_config.path (a path, URL or glob, or a
     list of them), in order, and the directory of the first when it is local.
+    A glob never matches the token cache's own files (`token_cache.is_own`).
     A local file must be a regular, non-empty file: a FIFO would block the
     read forever, and a device such as /dev/zero never ends."""
     sources: list[str] = []
@@ -88,6 +90,8 @@ def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
             matches = sorted(fs.glob(stripped)) if glob.has_magic(pattern) else [stripped]
         except (OSError, ValueError, ImportError) as e:
             raise DataError(f"cannot read data file {pattern}: {e}") from None
+        if glob.has_magic(pattern):  # never the token cache's own files (cache_dir may be the corpus's directory)
+            matches = [m for m in matches if not token_cache.is_own(m)]
         if not matches:
             raise DataError(f"no data file matches {pattern}")
         local = isinstance(fs, LocalFileSystem)
@@ -108,8 +112,8 @@ def check_local_file(source: str, path: str) -> None:
         raise DataError(f"data file not found: {source}") from None
     except OSError as e:
         raise DataError(f"cannot read data file {source}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or socket"
+    kind = storage.irregular(st.st_mode)
+    if kind:
         raise DataError(f"data file is not a regular file: {source} is {kind}")
     if st.st_size == 0:
         raise DataError(f"data file is empty: {source}")

@@ -19,6 +19,9 @@ import torch
 from mingpt.model import GPT, KVCache
 
 
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # the smallest normal float32: logits / it is no nan
+
+
 def next_token(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -31,13 +34,17 @@ def next_token(
     generator: one random stream for the whole batch, or one per row (then a row
     draws what it would draw alone with its generator).
 
-    temperature 0 is greedy decoding (top_k and top_p do not matter then).
+    temperature 0 is greedy decoding (top_k and top_p do not matter then); a
+    temperature below MIN_TEMPERATURE counts as MIN_TEMPERATURE.
     top_k keeps exactly the k most likely tokens; top_p keeps the smallest set
     of most likely tokens whose probability reaches top_p (always at least one).
     """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    # Shifted so that the largest is 0: with any temperature >= MIN_TEMPERATURE the
+    # scaled logits are 0 or negative (-inf at worst), never inf or nan.
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, MIN_TEMPERATURE)
     if top_k is not None and top_k < logits.size(-1):
         top = torch.topk(logits, top_k, dim=-1)
         logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)

@@ -9,7 +9,7 @@ usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=val
   prompt=                   text to continue, taken verbatim (empty: start of a new line)
   prompt_file=              read the prompt from this file instead (local path or fsspec URL)
   max_new_tokens=500        characters to generate per sample (>= 0)
-  temperature=1.0           0 is greedy decoding; higher is more random (>= 0)
+  temperature=1.0           0 is greedy decoding; higher is more random (0, or >= 1.18e-38)
   top_k=null                sample only from the k most likely characters (>= 1)
   top_p=1.0                 sample only from the most likely characters whose probability reaches top_p, in (0, 1]
   num_samples=1             samples, decoded as one batch, each headed by a separator line;
@@ -43,11 +43,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.config import ConfigError, GPTConfig, TrainerConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
-from mingpt.decoding import generate
+from mingpt.decoding import MIN_TEMPERATURE, generate
 from mingpt.distributed import pick_device, setup_logging
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, manager
-from mingpt.storage import StorageError, reason, storage_errors
+from mingpt.storage import StorageError, check_regular, reason, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ class GenerateConfig:
         check(not (self.prompt and self.prompt_file), "prompt_file", "give prompt or prompt_file, not both")
         check(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
         check(
-            math.isfinite(self.temperature) and self.temperature >= 0,
-            "temperature", f"must be a finite number >= 0, got {self.temperature}",
+            math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+            "temperature", f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}",
         )
         check(self.top_k is None or self.top_k >= 1, "top_k", f"must be >= 1 or null, got {self.top_k}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -164,6 +164,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
 def read_prompt(config: GenerateConfig) -> str:
     if not config.prompt_file:
         return config.prompt
+    check_regular(config.prompt_file, "prompt_file")
     try:
         with fsspec.open(config.prompt_file, "r", encoding="utf-8") as f:
             return f.read()
@@ -180,6 +181,38 @@ def encode_prompt(prompt: str, tokenizer: CharTokenizer) -> torch.Tensor:
         shown = " ".join(repr(c) for c in unknown)
         raise PromptError(f"prompt has characters outside the snapshot's vocabulary: {shown}")
     return tokenizer.encode(prompt or tokenizer.line_start()).long()[None]
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: the GPU's free memory, or the
+    host's available memory (MemAvailable: free plus reclaimable page cache)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def bytes_per_sample(model: GPT, config: GenerateConfig, device: torch.device) -> int:
+    """What one more sample of a batch holds while decoding: its random stream, its
+    key/value cache, a window's largest activations (one layer's MLP and attention
+    scores, twice over), a few rows of logits, and its tokens (kept, then joined)."""
+    c, item = model.config, next(model.parameters()).element_size()
+    stream = len(torch.Generator(device).get_state())
+    cache = 2 * c.n_layer * c.block_size * c.n_embd * item if config.use_cache else 0
+    activations = 2 * c.block_size * (4 * c.n_embd + c.n_head * c.block_size) * 4
+    return stream + cache + activations + 4 * c.vocab_size * 4 + 2 * 8 * config.max_new_tokens
+
+
+def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None:
+    """num_samples are decoded as one batch: refuse a batch that cannot fit in memory."""
+    need, free = bytes_per_sample(model, config, device), available_memory(device)
+    if need * config.num_samples > free:
+        total = need * config.num_samples / 2**30
+        raise ConfigError(f"num_samples: {config.num_samples:,} samples need about {total:,.1f} GiB on {device}, "
+                          f"more than the {free / 2**30:,.1f} GiB available; at most {free // need:,} fit")
 
 
 def write(text: str) -> None:
@@ -199,6 +232,7 @@ def run(config: GenerateConfig) -> None:
     model, tokenizer, state = load_model(config.snapshot_path, device)
     prompt = read_prompt(config)
     idx = encode_prompt(prompt, tokenizer).to(device)
+    check_fits(model, config, device)
     log.info(
         "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache",
         config.snapshot_path, state.get("step", "?"), model.num_params() / 1e6, model.config.block_size,

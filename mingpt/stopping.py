@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Iterator, Sequence
 
 log = logging.getLogger(__name__)
@@ -158,11 +160,39 @@ def graceful() -> Iterator[None]:
         _watcher.graceful = False
 
 
+_exiting = threading.Event()  # exit_now is ending the process
+
+
 def exit_now(signum: int, again: str = "") -> None:
     """One line on stderr, then exit with 128 + signum, skipping every cleanup
     that could hang (threads, process groups, buffered writers)."""
-    line = f"error: {describe(signum)}{' ' + again if again else ''}, exiting at once\n"
+    _exiting.set()
+    line = f"error: {describe(signum)}{' ' + again if again else ''}, exiting at once"
+    tell_launcher(line)
     with contextlib.suppress(OSError):
-        os.write(sys.stderr.fileno(), line.encode())
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
     os._exit(exit_status(signum))
+
+
+def park_if_exiting() -> None:
+    """For the main thread on its way out with an error: when exit_now is ending
+    the process (a signal came as the error rose; under torchrun, the SIGTERM that
+    stops the workers beside a dead one, whose collectives fail), wait for it
+    forever, so that its line is the only one (no Hydra report, no traceback)."""
+    if _exiting.is_set():
+        threading.Event().wait()
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun, write the worker's one error line to its error file
+    (TORCHELASTIC_ERROR_FILE, in the JSON of torch.distributed.elastic's
+    ErrorHandler), so that torchrun's failure summary shows this line as the
+    worker's "traceback" instead of a pointer to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump(record, f)
 

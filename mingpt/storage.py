@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
+import socket
+import stat
 import sys
 import uuid
 from typing import Any, BinaryIO, Iterator
@@ -19,7 +22,7 @@ from typing import Any, BinaryIO, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<random>
+TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<pid>-<host>-<random> (atomic_open)
 CHUNK = 16 << 20  # bytes hashed per read
 
 
@@ -158,7 +161,7 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
     removed, `path` as it was. With `fs`, `path` is a path in it, not a URL."""
     if fs is None:
         fs, path = filesystem(path)
-    tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+    tmp = f"{path}{TMP_MARK}{os.getpid()}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     try:
         with fs.open(tmp, "wb") as f:
             yield f
@@ -174,6 +177,58 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
             pass  # the write's own error says more
     if is_local(fs):
         fsync_dir(fs._parent(path))
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Remove the temporary files of `path` (local) that atomic_open left behind
+    when its process died (a Ctrl-C at start-up ends the process at once, with
+    no cleanup): those written on this host by a process that no longer runs.
+    Another host's temporary, on a shared file system, may be a live writer's:
+    it is left, as is one whose name does not say its writer. Returns the removed paths."""
+    here = re.escape(socket.gethostname())
+    removed = []
+    for name in os.listdir(os.path.dirname(path) or "."):
+        found = re.fullmatch(re.escape(os.path.basename(path) + TMP_MARK) + rf"(\d+)-{here}-[0-9a-f]{{8}}", name)
+        if found and not process_runs(int(found.group(1))):
+            stale = os.path.join(os.path.dirname(path), name)
+            with contextlib.suppress(FileNotFoundError):  # another process removed it first
+                os.remove(stale)
+                removed.append(stale)
+    return removed
+
+
+def process_runs(pid: int) -> bool:
+    """Whether a process of this id runs on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, the process is only looked up
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        pass
+    return True
+
+
+def irregular(mode: int) -> str | None:
+    """What a file of this st_mode is when it is not a regular file, in words; None
+    for a regular file. A command never reads such a path: a FIFO blocks the read
+    forever, and a device such as /dev/zero never ends."""
+    if stat.S_ISREG(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+
+
+def check_regular(path: str, label: str) -> None:
+    """Raise StorageError when the local path exists and is not a regular file (see
+    `irregular`); a URL, or a path that does not exist, is left to the reader."""
+    fs, p = filesystem(path)
+    if not is_local(fs):
+        return
+    try:
+        kind = irregular(os.stat(p).st_mode)
+    except OSError:
+        return
+    if kind:
+        raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 
 def sha256(f: Any) -> tuple[int, str]:

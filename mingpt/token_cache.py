@@ -30,6 +30,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -278,13 +279,27 @@ def open_cache(path: str) -> TokenCache:
 
 
 def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Build the cache at `path` unless a valid one is there."""
+    """Build the cache at `path` unless a valid one is there (first removing the
+    temporaries of builds whose process died: storage.remove_stale_temporaries)."""
     why = problem(path, sources, truncate, open_source)
     if why is None:
         log.info("token cache %s is up to date", path)
         return
+    if os.path.isdir(os.path.dirname(path) or "."):
+        for stale in storage.remove_stale_temporaries(path):
+            log.info("removed %s, left by a build that was stopped", stale)
     (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
     write(path, sources, truncate, open_source)
+
+
+DEFAULT_DIR = ".mingpt-cache"  # beside a local corpus
+OWN_NAME = re.compile(rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?")
+
+
+def is_own(path: str) -> bool:
+    """Whether `path` is one of the token cache's files, a temporary of one, or the
+    default cache directory: a corpus glob never matches these."""
+    return OWN_NAME.fullmatch(os.path.basename(path.rstrip("/"))) is not None
 
 
 def default_cache_path(sources: list[str], truncate: float, cache_dir: str | None, local_dir: str | None) -> str:
@@ -295,7 +310,7 @@ def default_cache_path(sources: list[str], truncate: float, cache_dir: str | Non
     cache instead of adding one."""
     if cache_dir is None:
         if local_dir is not None and os.access(local_dir, os.W_OK):
-            cache_dir = os.path.join(local_dir, ".mingpt-cache")
+            cache_dir = os.path.join(local_dir, DEFAULT_DIR)
         else:
             base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             cache_dir = os.path.join(base, "mingpt")

@@ -40,6 +40,8 @@ from mingpt.stopping import StepFlags
 
 log = logging.getLogger(__name__)
 
+STOP_CHECK_EVERY = 16  # tokens of an evaluation's sample between two looks for a stop request
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on (for example, the loss diverged)."""
@@ -443,8 +445,11 @@ class Trainer:
                          perplexity=math.exp(result.loss),
                          rank_losses=result.rank_losses, tokens=result.tokens)
         if self.cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
-            text = self.sample(self.cfg.sample_chars)
-            self.metrics.text("sample", text, p.step)
+            text = self.sample(self.cfg.sample_chars, stoppable=True)
+            if text is None:  # the step boundary right after stops the run
+                log.info("sample at step %d interrupted by a stop signal: not recorded", p.step)
+            else:
+                self.metrics.text("sample", text, p.step)
         seconds = time.monotonic() - start
         if self.eval_notice.took(seconds):
             log.info("evaluation at step %d took %.1f s", p.step, seconds)
@@ -478,16 +483,30 @@ class Trainer:
         """Autocast for AMP; a sharded model casts by FSDP's own mixed-precision policy instead."""
         return torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled and not self.fsdp)
 
-    def sample(self, n_chars: int) -> str:
+    def sample(self, n_chars: int, stoppable: bool = False) -> str | None:
         """Text generated from the current weights at the start of a line, seeded
         by (seed, step); it leaves the training random streams untouched. A sharded
-        model's ranks all generate, in lockstep (each forward gathers the parameters)."""
+        model's ranks all generate, in lockstep (each forward gathers the parameters).
+        `stoppable`: a stop request ends it early (every STOP_CHECK_EVERY tokens; with
+        a sharded model all ranks decide together), and it returns None."""
         tok = self.data.tokenizer
         prompt = tok.line_start()
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed + self.progress.step)
         idx = tok.encode(prompt).long()[None].to(self.device)
-        new = generate(self.raw_model, idx, n_chars, temperature=1.0, top_k=None, generator=generator)
-        return prompt + tok.decode(torch.cat(list(new), dim=1)[0].tolist())
+        tokens = []
+        with contextlib.closing(generate(self.raw_model, idx, n_chars, temperature=1.0, top_k=None,
+                                         generator=generator)) as new:
+            for token in new:
+                if stoppable and len(tokens) % STOP_CHECK_EVERY == 0 and self._stop_requested_in_sample():
+                    return None
+                tokens.append(token)
+        return prompt + tok.decode(torch.cat(tokens, dim=1)[0].tolist()) if tokens else prompt
+
+    def _stop_requested_in_sample(self) -> bool:
+        """This rank's stop request, or with a sharded model any rank's (one tiny all-reduce)."""
+        if self.fsdp:
+            return bool(all_max(self.dist, [stopping.stop_requested()])[0])
+        return bool(stopping.stop_requested())
 
     def _print_sample(self) -> None:
         with self.comm.mean_weights(self.raw_model):  # every rank takes part

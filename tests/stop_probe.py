@@ -10,6 +10,11 @@ MOMENT is one of
     eval    at the start of the first evaluation
     save    at the start of the first snapshot write
     sample  before the final sample is printed
+    generating  at the start of each sample (the first: the evaluation's at step 5);
+            no wait here: the sample goes on, and the signal comes during it
+With MOMENT `race`, loading the corpus creates PATH, waits for the signal's
+exit_now to begin (it is held until the main thread parks or ends), then raises,
+as a collective does when torchrun stops the workers beside a dead one.
 On reaching it, the probe creates PATH (so a test knows when to send the signal)
 and waits until a stop is requested, for at most 10 minutes; then the run goes
 on as main.py would. With MOMENT `save-hang`, the first save then never ends: the
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +41,7 @@ def pause(moment: str) -> None:
     if moment != MOMENT or os.environ.get("RANK", "0") != "0":
         return
     open(MARKER, "w").close()
-    if moment == "init":
+    if moment in ("init", "generating"):
         return
     deadline = time.monotonic() + 600
     while not stopping.stop_requested() and time.monotonic() < deadline:
@@ -70,6 +76,32 @@ before(train, "load_data", "load")
 before(trainer.Trainer, "evaluate", "eval")
 before(single_file, "save", "save")
 before(trainer.Trainer, "_print_sample", "sample")
+before(trainer.Trainer, "sample", "generating")
+
+if MOMENT == "race":
+    exit_begun, parked = threading.Event(), threading.Event()
+    real_exit, real_park = os._exit, stopping.park_if_exiting if hasattr(stopping, "park_if_exiting") else None
+
+    def held_exit(status: int) -> None:
+        exit_begun.set()
+        deadline = time.monotonic() + 600
+        while not parked.is_set() and threading.main_thread().is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        real_exit(status)
+
+    def park() -> None:
+        parked.set()
+        real_park()
+
+    def failing_load(*args, **kwargs):
+        open(MARKER, "w").close()
+        exit_begun.wait(600)
+        raise RuntimeError("Connection closed by peer")
+
+    os._exit = held_exit
+    if real_park is not None:
+        stopping.park_if_exiting = park
+    train.load_data = failing_load
 
 if __name__ == "__main__":
     cli.main()

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 
 import pytest
@@ -260,3 +261,48 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
     final = [r for r in records if r["split"] == "eval"][-1]
     assert final["tokens"] == 160
     assert final["bpc"] == pytest.approx(final["loss"] / math.log(2), rel=1e-12)
+
+
+def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
+    """data_config.path=G/* with the cache in G (cache_dir=G, or the default G/.mingpt-cache/):
+    the second run reads the same corpus, not its cache file, a temporary of one or the cache directory."""
+    corpus = tmp_path / "g"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    for cache_dir in (str(corpus), None):
+        cfg = DataConfig(path=str(corpus / "*"), block_size=8, stride=8, cache_dir=cache_dir)
+        first = load_data(cfg)
+        [cache] = cache_files(corpus if cache_dir else corpus / ".mingpt-cache")
+        (cache.parent / f"{cache.name}.tmp-1-otherhost-0123abcd").write_bytes(b"\xff")  # another node's build
+        second = load_data(cfg)
+        assert [f for f, _ in second.cache.files] == [f for f, _ in first.cache.files] == [str(corpus / "a.txt")]
+        assert second.tokenizer.chars == "abcdefgh"
+
+
+def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path):
+    """Ctrl-C during a build ends the process at once (os._exit, no cleanup): the
+    next build removes the temporary of a dead process on this host, never one of
+    a live process or of another host (a shared file system: a live writer's, maybe)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, child_env
+    from mingpt.data import cache_location
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefgh" * 50, encoding="utf-8")
+    cfg = DataConfig(path=str(corpus), block_size=8, stride=8, cache_dir=str(tmp_path / "cache"))
+    _, path = cache_location(cfg)
+    os.makedirs(tmp_path / "cache")
+    stopped = ("import os, sys\nfrom mingpt import storage\n"
+               "with storage.atomic_open(sys.argv[1]) as f:\n    f.write(b'half')\n    os._exit(130)\n")
+    subprocess.run([sys.executable, "-c", stopped, path], cwd=REPO, env=child_env(), check=False, timeout=120)
+    [dead] = [p for p in (tmp_path / "cache").iterdir()]
+    assert dead.name.startswith(os.path.basename(path) + ".tmp-"), dead.name
+    live = f"{path}.tmp-{os.getpid()}-{socket.gethostname()}-0123abcd"
+    elsewhere = f"{path}.tmp-{dead.name.split('.tmp-')[1].split('-')[0]}-other.host-0123abcd"
+    for name in (live, elsewhere):
+        open(name, "wb").close()
+    data = load_data(cfg)
+    assert data.tokenizer.chars == "abcdefgh"
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(os.path.basename(p) for p in (path, live, elsewhere))

@@ -4,6 +4,7 @@ samples, the sampling filters, bad input."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -172,12 +173,16 @@ BAD_SETTINGS = {  # override -> the key the error must name
     "use_cache=false compile=true": "compile",
     "top_k=many": "top_k",  # wrong type
     "temprature=0.5": "temprature",  # unknown key
+    "temperature=1e-42": "temperature",  # logits / 1e-42 would be inf, their softmax nan
+    "num_samples=100000000": "num_samples",  # would end in MemoryError: refused before, naming how many fit
 }
 BAD_SNAPSHOTS = {  # kind -> file name in the work directory
     "missing": "missing.pt",
     "truncated": "truncated.pt",
     "text": "small.txt",
     "not_mingpt": "not_mingpt.pt",
+    "fifo": "snapshot.fifo",  # a read would wait for a writer forever
+    "device": "zero.pt",  # a link to /dev/zero: a read would never end
 }
 
 
@@ -187,9 +192,13 @@ def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
     truncated = workdir / "truncated.pt"
     truncated.write_bytes(snapshot.read_bytes()[: snapshot.stat().st_size // 2])
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
+    os.mkfifo(workdir / "snapshot.fifo")
+    os.symlink("/dev/zero", workdir / "zero.pt")
     cases = {kind: [f"snapshot_path={workdir / name}", "prompt=ROMEO:"] for kind, name in BAD_SNAPSHOTS.items()}
     cases.update({override: [f"snapshot_path={snapshot}", *override.split()] for override in BAD_SETTINGS})
     cases["prompt"] = [f"snapshot_path={snapshot}", "prompt=ROMEO: é€"]
+    for kind, name in (("fifo", "snapshot.fifo"), ("device", "zero.pt")):
+        cases[f"prompt_file-{kind}"] = [f"snapshot_path={snapshot}", f"prompt_file={workdir / name}"]
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(cases, pool.map(lambda args: run_generate(args, workdir), cases.values())))
 
@@ -206,6 +215,13 @@ def test_unusable_snapshot_is_one_line_naming_the_path(bad_runs, workdir, kind):
     assert str(workdir / BAD_SNAPSHOTS[kind]) in one_error_line(bad_runs[kind])
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_prompt_file_not_a_regular_file_is_one_line(bad_runs, workdir, kind):
+    what = {"fifo": "a FIFO", "device": "a device or socket"}[kind]
+    line = one_error_line(bad_runs[f"prompt_file-{kind}"])
+    assert line == f"error: prompt_file is not a regular file: {workdir / BAD_SNAPSHOTS[kind]} is {what}", line
+
+
 def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_runs):
     line = one_error_line(bad_runs["prompt"])
     assert "'é'" in line and "'€'" in line and "'R'" not in line, line
@@ -214,3 +230,14 @@ def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_run
 @pytest.mark.parametrize("override", BAD_SETTINGS)
 def test_bad_setting_is_one_line_naming_the_key(bad_runs, override):
     assert BAD_SETTINGS[override] in one_error_line(bad_runs[override])
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token():
+    """logits / 1e-42 overflow to inf (softmax: nan, multinomial fails); shifted by the max they stay numbers."""
+    from mingpt.decoding import MIN_TEMPERATURE
+
+    logits = torch.tensor([[3.0, 40.0, 39.5, -7.0], [1.0, 1.0, 0.0, 0.5]])
+    for temperature in (MIN_TEMPERATURE, 1e-42, 1e-300):
+        for _ in range(20):
+            token = next_token(logits, temperature=temperature)
+            assert token[0, 0] == 1 and token[1, 0] in (0, 1)

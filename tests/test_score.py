@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 
@@ -88,6 +89,12 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     foreign.write_text("Romeo é~ Romeo\n", encoding="utf-8")
     assert refused(capsys, [snapshot, f"path={foreign}"]) == (
         f"error: {foreign} has characters outside the snapshot's vocabulary: '~' 'é'")
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)  # a read would wait for a writer forever; /dev/zero's would never end
+    assert refused(capsys, [snapshot, f"path={fifo}"]) == f"error: data file is not a regular file: {fifo} is a FIFO"
+    assert refused(capsys, [snapshot, "path=/dev/zero"]) == (
+        "error: data file is not a regular file: /dev/zero is a device or socket")
+    assert refused(capsys, [f"snapshot_path={fifo}"]) == f"error: snapshot is not a regular file: {fifo} is a FIFO"
     missing = tmp_path / "missing.txt"
     assert refused(capsys, [snapshot, f"path={missing}"]) == f"error: data file not found: {missing}"
     assert refused(capsys, [f"snapshot_path={tmp_path / 'none.pt'}"]) == (

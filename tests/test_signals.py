@@ -87,13 +87,16 @@ def runs(tmp_path_factory, data):
             (lambda run_dir=run_dir: train_lines(run_dir) >= 10, sigterm),
             (None, lambda job, nproc=nproc, resume=resume: jobs.setdefault(f"resumed-{nproc}", resume(job))),
         ])
-    for moment in ("import", "init", "load", "eval", "save", "sample", "save-hang"):
+    for moment in ("import", "init", "load", "eval", "save", "sample", "save-hang", "generating"):
         marker = cwd / f"at-{moment}"
         env = {"STOP_PROBE": moment, "STOP_PROBE_FILE": str(marker)}
         if moment == "init":  # rank 0 of 2, alone: it waits for rank 1 in C++ code
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(free_port()))
-        proc = launch(cwd, 1, moment, data, *PROBE_ARGS, env=env, script=REPO / "tests" / "stop_probe.py")
+        args = PROBE_ARGS
+        if moment == "generating":  # a sample that takes a minute or more: the signal comes during it
+            args = [a for a in PROBE_ARGS if "sample_chars" not in a] + ["trainer_config.sample_chars=300000"]
+        proc = launch(cwd, 1, moment, data, *args, env=env, script=REPO / "tests" / "stop_probe.py")
         steps = [(marker.exists, sigint)]
         if moment == "save-hang":
             steps.append((Path(f"{marker}.stopping").exists, sigint))
@@ -184,6 +187,17 @@ def test_ctrl_c_during_training_saves_and_stops(runs, moment):
         assert "eval step" not in stderr
 
 
+def test_ctrl_c_during_an_evaluations_sample_stops_at_once(runs):
+    """The sample after the evaluation at step 5 is cut short (not recorded), like
+    the evaluation: the run saves at step 5 and stops without sampling on."""
+    status, stderr, run_dir = runs["generating"]
+    assert status == 130, stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith("error: interrupted at step 5; the snapshot"), stderr[-3000:]
+    assert "sample at step 5 interrupted by a stop signal: not recorded" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "train step 6 " not in stderr
+    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == 5
+
+
 def test_sighup_saves_and_stops_like_sigterm(runs):
     """A hang-up (the terminal or ssh session closed) is a stop signal by default, not a silent death."""
     status, stderr, run_dir = runs["hangup"]
@@ -201,6 +215,45 @@ def test_second_ctrl_c_exits_at_once(runs):
     assert stderr.splitlines()[-1] == "error: interrupted again, exiting at once", stderr[-3000:]
     assert "SIGINT received: stopping at the end of this step, after saving a snapshot (Ctrl-C again" in stderr
     assert not (run_dir / "snapshot.pt").exists()
+
+
+# ------------------------------------------------- torchrun's failure summary
+
+
+def test_a_signal_while_an_error_rises_gives_its_one_line_only(tmp_path, data):
+    """torchrun stops the workers beside a dead one with SIGTERM while their
+    collectives fail: the main thread's error must not add Hydra's "Error
+    executing job with overrides" (or a traceback) to the signal's one line."""
+    marker = tmp_path / "at-race"
+    proc = launch(tmp_path, 1, "race", data, env={"STOP_PROBE": "race", "STOP_PROBE_FILE": str(marker)},
+                  script=REPO / "tests" / "stop_probe.py")
+    deadline = time.monotonic() + DEADLINE / 2
+    try:
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr_path.read_text()[-3000:]
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = proc.stderr_path.read_text()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.endswith("\nerror: stopped by SIGTERM, exiting at once\n"), stderr[-3000:]
+    assert "Error executing job" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_torchruns_failure_summary_carries_the_workers_line(tmp_path):
+    """Each worker writes its one error line to torchrun's error file
+    (TORCHELASTIC_ERROR_FILE): the summary shows it, not a pointer to torch's docs."""
+    from conftest import TINY, run_torchrun
+
+    missing = tmp_path / "missing.txt"
+    result = run_torchrun(2, [*TINY, f"data_config.path={missing}"], tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = f"error: data file not found: {missing}"
+    root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
+    assert f"traceback : {line}\n" in root_cause, result.stderr[-3000:]  # not "To enable traceback see: ..."
 
 
 # ------------------------------------------------------- torchrun restarts

@@ -124,6 +124,7 @@ def check_structure(state: Any, path: str) -> None:
 def load(path: str) -> dict[str, Any]:
     """Read a snapshot to CPU with weights_only=True after verifying its
     checksums and before checking its structure, or raise SnapshotError naming the file."""
+    storage.check_regular(path, "snapshot")
     fs, p = storage.filesystem(path)
     try:
         with fs.open(p, "rb") as f:
