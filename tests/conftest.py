@@ -17,7 +17,7 @@ SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 # Tests say which device they mean: on a GPU host `device=auto` would give every
 # rank CUDA (and refuse a second rank on a 1-GPU host). First, so a later override wins.
-CPU = "++trainer_config.device=cpu"  # ++: also into a user's own config file without the key
+CPU = "trainer_config.device=cpu"
 
 # A model and run small enough to train in seconds on one CPU core.
 TINY = [
@@ -115,10 +115,11 @@ VALUE_OPTIONS = {"--config-dir", "-cd", "--config-name", "-cn", "--config-path",
 def on_cpu(args: list[str]) -> list[str]:
     """ARGS with CPU as the first override (a later one naming another device wins), placed
     among the other overrides: argparse refuses overrides on both sides of an option."""
+    cpu = f"++{CPU}"  # ++: also into a user's own config file that lacks the key
     for i, arg in enumerate(args):
         if not arg.startswith("-") and not (i and args[i - 1] in VALUE_OPTIONS):
-            return [*args[:i], CPU, *args[i:]]
-    return [*args, CPU]
+            return [*args[:i], cpu, *args[i:]]
+    return [*args, cpu]
 
 
 def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
