@@ -1,10 +1,10 @@
 """Training stall and peak extra RAM of one snapshot save, per format.
 
-usage: python benchmarks/bench_sharded.py [preset] [rounds] [directory]
-       (defaults: gpt2, 2, a temporary directory)
-       torchrun --standalone --nproc_per_node=2 benchmarks/bench_sharded.py --fsdp PRESET ROUNDS DIRECTORY
+usage: python benchmarks/bench_sharded.py [--vocab N] [preset] [rounds] [directory]
+       (defaults: 50257, gpt2, 2, a temporary directory)
+       torchrun --standalone --nproc_per_node=2 benchmarks/bench_sharded.py [--vocab N] --fsdp PRESET ROUNDS DIRECTORY
 
-Builds the preset's model with GPT-2's vocabulary of 50,257 tokens (gpt2:
+Builds the preset's model with GPT-2's vocabulary of 50,257 tokens (--vocab: another; gpt2:
 163M parameters, as the output layer is not tied to the embedding) and AdamW
 after one step (both moments populated: a 1.96 GB state), then saves it twice
 per mode (a first save, and a later one after the state changed in place),
@@ -67,6 +67,9 @@ def buffered_save(state: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
+VOCAB = 50257  # GPT-2's; --vocab sets another (the tests' smoke run: a tiny one)
+
+
 def one(mode: str, preset: str, directory: str) -> dict:
     """Build the state, save it once with `mode`; the figures as a dict."""
     import torch
@@ -75,7 +78,7 @@ def one(mode: str, preset: str, directory: str) -> dict:
     from bench_snapshot import preset_with_moments
     from mingpt.snapshot import sharded, single_file
 
-    config, model, optimizer = preset_with_moments(preset, vocab_size=50257, grad=1e-3)
+    config, model, optimizer = preset_with_moments(preset, vocab_size=VOCAB, grad=1e-3)
     meta = {"gpt_config": vars(config), "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0, "step": 1}
     if mode.startswith("file"):
         state = {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict(), **meta}
@@ -129,7 +132,7 @@ def fsdp(preset: str, rounds: int, directory: str) -> None:
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config")
     shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GPTConfig),
                                                 OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))))
-    config = GPTConfig(**{**vars(shape), "vocab_size": 50257, "block_size": 1024})
+    config = GPTConfig(**{**vars(shape), "vocab_size": VOCAB, "block_size": 1024})
     model = GPT(config)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.h:
@@ -174,7 +177,12 @@ def fsdp(preset: str, rounds: int, directory: str) -> None:
 
 
 def main() -> None:
+    global VOCAB
     help_or_go_on(__doc__)
+    if "--vocab" in sys.argv:
+        at = sys.argv.index("--vocab")
+        VOCAB = int(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(one(*sys.argv[2:5])))
         return
@@ -189,7 +197,8 @@ def main() -> None:
         for mode in MODES if r % 2 == 0 else reversed(MODES):  # alternate the order: drifting load hits all alike
             directory = os.path.join(base, f"{mode}-{r}")
             os.makedirs(directory)
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", mode, preset, directory],
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--vocab", str(VOCAB), "--one", mode, preset,
+                                  directory],
                                  capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")

@@ -22,10 +22,7 @@ SMOKE = {
     "bench_generate.py": (1, ["--max-new-tokens", "3", "--rounds", "1", "--threads", "1", "--no-compile",
                               "--no-uncached"]),
     "bench_parallel.py": (1, ["--world", "1", "--steps", "1", *MODEL, "data_config.path=DATA"]),
-    # Not tiny: GPT-2's vocabulary of 50,257 is built in, and each round saves in four
-    # formats, each in a fresh process, plus a torchrun FSDP job (over 300 s at gpt-nano
-    # on a loaded 2-core machine). None: skipped, saying so, until it takes a vocabulary size.
-    "bench_sharded.py": None,
+    "bench_sharded.py": (1, ["--vocab", "65", "gpt-nano", "1", "TMP"]),
     "bench_snapshot.py": (1, ["gpt-nano", "TMP"]),
     "bench_train.py": (1, [*MODEL, "data_config.path=DATA"]),
     "profile_train_step.py": (1, ["--rounds", "1", "--threads", "1", "--no-compile"]),
