@@ -93,6 +93,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A real 256 KB file system (tmpfs) to fill up, unmounted afterwards; the test
+    is skipped where it cannot be mounted (not root)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

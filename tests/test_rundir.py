@@ -206,30 +206,22 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
     assert (tmp_path / "metrics.jsonl").read_bytes() == lines[0]
 
 
-def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir):
+def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir, small_disk):
     """The run directory's file system fills up mid-run: one warning each for
     the metrics and train.log, no traceback, no cut line; the run trains to the
     end and saves its snapshot, kept on another file system."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        snapshot = tmp_path / "snapshot.pt"
-        argv = args("trainer_config.max_steps=60", "trainer_config.log_every=1", f"hydra.run.dir={mount / 'run'}",
-                    f"trainer_config.snapshot_path={snapshot}")
-        # Leave room for the start (config, the first lines), not for the whole run.
-        filler = mount / "filler"
-        with open(filler, "wb") as f:
-            f.write(b"\0" * (os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize - 24 * 1024))
-        proc = run_main(argv, workdir)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[-3000:]
-        assert proc.stderr.count("cannot write the metrics in") == 1, proc.stderr[-3000:]
-        assert "train step 60 " in proc.stderr  # the log on stderr went on
-        text = (mount / "run" / "metrics.jsonl").read_bytes()
-        assert text.endswith(b"\n") and all(json.loads(line)["step"] < 60 for line in text.splitlines())
-        assert torch.load(snapshot, weights_only=True)["step"] == 60
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    snapshot = tmp_path / "snapshot.pt"
+    argv = args("trainer_config.max_steps=60", "trainer_config.log_every=1", f"hydra.run.dir={small_disk / 'run'}",
+                f"trainer_config.snapshot_path={snapshot}")
+    # Leave room for the start (config, the first lines), not for the whole run.
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - 24 * 1024))
+    proc = run_main(argv, workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("cannot write the metrics in") == 1, proc.stderr[-3000:]
+    assert "train step 60 " in proc.stderr  # the log on stderr went on
+    text = (small_disk / "run" / "metrics.jsonl").read_bytes()
+    assert text.endswith(b"\n") and all(json.loads(line)["step"] < 60 for line in text.splitlines())
+    assert torch.load(snapshot, weights_only=True)["step"] == 60

@@ -286,22 +286,14 @@ def test_a_rank_failure_is_reported_with_its_type_and_place():
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_full_disk_says_so(tmp_path, async_save):
+def test_a_full_disk_says_so(small_disk, async_save):
     """DCP writes each tensor with torch.save, which reports a failed write as `unexpected
     pos 704 vs 598`: the message is the storage's own error, on a real full file system
     (a 256 KB tmpfs), and the published snapshot before it is kept."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        root = str(mount / "snapshots")
-        sharded.save({"w": torch.ones(1000)}, {"step": 1}, root, 1, async_save=async_save).wait()
-        with pytest.raises(sharded.StorageError) as failed:
-            sharded.save({"w": torch.ones(100_000)}, {"step": 2}, root, 2, async_save=async_save).wait()
-        assert str(failed.value) == (f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
-                                     "device (rank 0); the previous snapshots are unchanged")
-        assert sharded.latest(root) == f"{root}/step-00000001"
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    root = str(small_disk / "snapshots")
+    sharded.save({"w": torch.ones(1000)}, {"step": 1}, root, 1, async_save=async_save).wait()
+    with pytest.raises(sharded.StorageError) as failed:
+        sharded.save({"w": torch.ones(100_000)}, {"step": 2}, root, 2, async_save=async_save).wait()
+    assert str(failed.value) == (f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
+                                 "device (rank 0); the previous snapshots are unchanged")
+    assert sharded.latest(root) == f"{root}/step-00000001"
