@@ -199,11 +199,11 @@ def test_bad_input_is_one_line(sharded_root, tiny_run, tmp_path, capsys):
 def test_help_and_the_command_line(tiny_run, tmp_path):
     cwd, run_dir = tiny_run
     result = subprocess.run([sys.executable, "-m", "mingpt.export", "--help"], env=child_env(),
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith("Export a snapshot for other tools.")
     assert "--format" in result.stdout and not result.stderr
     result = subprocess.run([sys.executable, "-m", "mingpt.export", str(run_dir), "/dev/full"], env=child_env(),
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("error: /dev/full is not a regular file or directory")
 

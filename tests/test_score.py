@@ -107,7 +107,7 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
 
 def test_help():
     result = subprocess.run([sys.executable, "-m", "mingpt.score", "--help"], env=child_env(),
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith("Score a text under a snapshot") and not result.stderr
 
 
