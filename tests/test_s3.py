@@ -57,7 +57,9 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert single_file.load("s3://runs/run1/snapshot.pt")["step"] == 2
-    assert s3.ls("runs/run1") == ["runs/run1/snapshot.pt"]  # no probe or temporary file left
+    # The best weights beside the snapshot (through s3:// too); no probe or temporary file left.
+    assert sorted(s3.ls("runs/run1")) == ["runs/run1/snapshot-best.pt", "runs/run1/snapshot.pt"]
+    assert single_file.load("s3://runs/run1/snapshot-best.pt")["step"] == 2
     # botocore's INFO `Found credentials in environment variables` is not ours to log.
     assert "Found credentials" not in proc.stderr
     assert not [p for p in tmp_path.glob("runs/*/train.log") if "Found credentials" in p.read_text()]

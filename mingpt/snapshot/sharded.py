@@ -334,6 +334,9 @@ class SaveHandle:
         return self._future is None or self._future.done()
 
     def wait(self) -> str:
+        global _pending
+        if _pending is self:  # its outcome is given here: wait_pending() does not give it again
+            _pending = None
         if self._future is not None:
             self._error = self._future.result()
             self._future = None
