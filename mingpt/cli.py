@@ -34,10 +34,12 @@ USER_ERRORS = (ConfigError, DataError, SnapshotError, StorageError, TrainingErro
 
 
 def fail(message: str, status: int = 2) -> NoReturn:
-    """End the process with one line on stderr (one write, so ranks' lines do not interleave)."""
-    stopping.tell_launcher(f"error: {message}")
+    """End the process with one line on stderr (one write, so ranks' lines do not interleave),
+    also given to torchrun for its summary: first the line (torchrun stops the other
+    workers as soon as one exits), then the error file."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+    stopping.tell_launcher(f"error: {message}")
     sys.exit(status)
 
 
