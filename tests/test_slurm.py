@@ -111,7 +111,7 @@ class Cluster:
         return {**env, **extra}
 
     def cmd(self, *args: str, check: bool = True) -> str:
-        proc = subprocess.run(list(args), env=self.env(), capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(list(args), env=self.env(), capture_output=True, text=True, timeout=300)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()}")
         return proc.stdout
@@ -262,7 +262,7 @@ def submit(cluster: Cluster, corpus_path: Path, name: str) -> Job:
     proc = subprocess.run(
         ["sbatch", "--parsable", "--partition=low", "--nodes=1", "--gres=none", "--cpus-per-task=2",
          f"--output={out}", str(REPO / "scripts" / "slurm.sbatch"), *(f"{k}={v}" for k, v in overrides.items())],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     return Job(cluster, proc.stdout.strip().split(";")[0], out, run_dir)
