@@ -18,7 +18,8 @@ Skips, with the reason, where the daemons are not installed (`.ci/run` installs
 them on Debian) or cannot start (they run as root here).
 
 SLURM holds a requeued batch job for about two minutes (Reason=BeginTime); the
-test lets it start at once with `scontrol update StartTime=now`, as an operator can.
+test lets it start sooner with `scontrol update StartTime=now`, as an operator can,
+once the node has ended the first attempt and the clock has passed that second.
 """
 
 from __future__ import annotations
@@ -145,8 +146,10 @@ class Cluster:
         self.daemon("slurmctld", "-D", "-i")
         self.wait("slurmctld to answer", lambda: "is UP" in self.cmd("scontrol", "ping", check=False), deadline=60)
         self.daemon("slurmd", "-D", "-N", self.host)
-        self.wait("the node to be idle", lambda: self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False).split()
-                  [:1] == ["idle"], deadline=60)
+        self.wait("the node to be idle", self.idle, deadline=60)
+
+    def idle(self) -> bool:
+        return self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False).split()[:1] == ["idle"]
 
     def wait(self, what: str, ready, deadline: float = DEADLINE) -> None:
         """Until ready(); a daemon that exits meanwhile, or the deadline, skips (at start) or fails."""
@@ -245,6 +248,13 @@ class Job:
     def resume_requeued(self) -> dict[str, str]:
         """The job requeued (same id, pending again): let it start now rather than in two minutes, until done."""
         self.until("the requeue", lambda info: info["Restarts"] == "1" and info["JobState"] == "PENDING")
+        # slurmd revokes the first attempt's credential when it ends that attempt, and refuses any
+        # credential of the same job issued in the same second ("Job credential revoked": the job
+        # FAILS). SLURM's two-minute hold avoids this; the test waits for the node to have ended
+        # the attempt (idle again), then for the clock's next second, and only then lets it start.
+        self.cluster.wait("the node to be idle after the first attempt", self.cluster.idle)
+        ended = time.time()
+        self.cluster.wait("the second after the first attempt ended", lambda: time.time() >= int(ended) + 1.1)
         self.cluster.cmd("scontrol", "update", f"JobId={self.id}", "StartTime=now")
         return self.until("the resumed job to complete", lambda info: info["JobState"] == "COMPLETED")
 
