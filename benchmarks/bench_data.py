@@ -54,11 +54,11 @@ def generate(path: str, size_bytes: int, seed: int = 0) -> None:
     others = np.concatenate([np.arange(0xC0, 0x17F), np.arange(0x4E00, 0x4E00 + 79)]).astype(np.uint32)  # 270
     chars = np.concatenate([ascii_chars, others])
     weights = np.concatenate([np.full(95, 0.99 / 95), np.full(270, 0.01 / 270)])
-    cps = rng.choice(chars, size=4_000_000, p=weights)
+    cps = rng.choice(chars, size=max(len(chars), min(4_000_000, size_bytes)), p=weights)  # a code point is >= 1 byte
     cps[rng.random(len(cps)) < 0.15] = ord(" ")
     cps[rng.random(len(cps)) < 0.015] = ord("\n")
     cps[:365] = chars  # every character
-    block = cps.astype("<u4").tobytes().decode("utf-32-le").encode("utf-8")  # ~4 MB, repeated
+    block = cps.astype("<u4").tobytes().decode("utf-32-le").encode("utf-8")  # up to ~4 MB, repeated
     with open(path + ".tmp", "wb") as f:
         for _ in range(size_bytes // len(block)):
             f.write(block)

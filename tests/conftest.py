@@ -185,6 +185,12 @@ def real_cuda() -> bool:
     return not os.environ.get("MINGPT_TEST_FAKE_CUDA") and torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one test worker per core this process may use, at most 8 (a
+    worker's test can start four training processes of a few hundred MB each)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` run only where a GPU is; elsewhere they are skipped, saying so."""
     if real_cuda():
