@@ -6,7 +6,8 @@ comm hook, progress). The format is chosen once, here, by `parallelism`:
 scaler's state, the comm hook's per-rank state gathered to rank 0); `fsdp`,
 sharded snapshots that every rank writes its shards of, asynchronously by
 default, loadable into any world size (sharded.py). Both hold the progress,
-the configs, the vocabulary and the world size that wrote them, and are
+the configs, the vocabulary, the world size that wrote them and the
+experiment tracker's run id (mingpt/tracking.py), and are
 verified (checksums, structure, and fit.py's checks) before any of it is used.
 """
 
@@ -131,7 +132,8 @@ class Snapshot:
                      " (writing on in the background)" if self.format.background else "")
 
     def _meta(self, progress: Progress) -> dict[str, Any]:
-        """What a snapshot holds besides tensors: the progress, the configs, the vocabulary, the corpus."""
+        """What a snapshot holds besides tensors: the progress, the configs, the vocabulary, the corpus,
+        the tracker's run."""
         return {
             **dataclasses.asdict(progress),
             "world_size": self.dist.world_size,
