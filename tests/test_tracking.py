@@ -163,10 +163,12 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
 
 
 def test_only_rank_0_logs_under_torchrun(cwd, monkeypatch):
-    result = run_torchrun(2, args_for(cwd, "trainer_config.max_steps=20"), cwd)
+    """With FSDP, where every rank generates the samples too, and the id goes into the sharded snapshot."""
+    result = run_torchrun(2, args_for(cwd, "trainer_config.max_steps=20", "trainer_config.parallelism=fsdp"), cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     store = Store(cwd, monkeypatch)
     run = store.only_run()
+    assert read(str(cwd / "runs" / "t" / "snapshots"))["tracker_run_id"] == run.info.run_id
     history = store.history[run.info.run_id]
     assert steps_of(history["train/loss"]) == [5, 10, 15, 20] and steps_of(history["eval/loss"]) == [10, 20]
     assert same(history["eval/loss"], recorded(cwd / "runs" / "t", "eval"))
