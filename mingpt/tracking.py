@@ -119,6 +119,8 @@ class MlflowTracker(Tracker):
             from mlflow.tracking import MlflowClient
         except ImportError as e:
             raise TrackerUnavailable(f"mlflow is not installed ({INSTALL_HINT}): {_first_line(e)}") from None
+        except Exception as e:  # an installation that is broken
+            raise TrackerUnavailable(f"mlflow cannot be imported ({_first_line(e)})") from None
         cfg = config.trainer_config
         self.uri = cfg.tracker_uri or mlflow.get_tracking_uri()
         self._env = dict(HTTP_LIMITS, **({"MLFLOW_ALLOW_FILE_STORE": "true"} if is_directory_store(self.uri) else {}))
@@ -137,6 +139,9 @@ class MlflowTracker(Tracker):
                     self.run_id = self._create(experiment_id, run_dir)
                 self._log_params(flat_config(config), step)
         except Exception as e:
+            if self.run_id is not None:  # left RUNNING otherwise
+                with contextlib.suppress(Exception), _environment(self._env):
+                    self.client.set_terminated(self.run_id, "FAILED")
             raise TrackerUnavailable(f"MLflow at {self.uri} failed ({_first_line(e)})") from None
         self.failed = False
         log.info("tracking in MLflow at %s: experiment %s, run %s%s", self.uri, name, self.run_id,

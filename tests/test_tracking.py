@@ -232,3 +232,13 @@ def test_tracker_keys_are_checked():
         TrainerConfig(tracker_uri=" ")
     assert tracking.start(Config(), "run", None, 0, enabled=True) is tracking.OFF
     assert tracking.start(config(), "run", None, 0, enabled=False) is tracking.OFF
+
+
+def test_a_run_id_the_store_lacks_starts_a_new_run(tmp_path, caplog):
+    """The snapshot's MLflow run is in another store (tracker_uri changed): one warning, a new run."""
+    uri = (tmp_path / "mlruns").as_uri()
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        tracker = tracking.start(config(tracker_uri=uri), str(tmp_path / "run"), "0123456789abcdef", 7, enabled=True)
+    assert tracker.run_id and tracker.run_id != "0123456789abcdef"
+    assert len(caplog.records) == 1 and "0123456789abcdef" in caplog.records[0].getMessage()
+    tracker.close()
