@@ -300,8 +300,8 @@ class TrainerConfig:
         check(self.localsgd_period >= 2, "trainer_config.localsgd_period",
               f"must be >= 2 (1 averages every step: that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}")
         one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
-        if self.tracker is not None:
-            one_of(self.tracker, "trainer_config.tracker", ("mlflow",))
+        check(self.tracker in (None, "mlflow"), "trainer_config.tracker",
+              f"{self.tracker!r} is not a tracker mingpt has: mlflow, or null (none)")
         check(self.tracker_uri is None or bool(self.tracker_uri.strip()), "trainer_config.tracker_uri",
               "must not be empty (null: MLflow's default)")
 
