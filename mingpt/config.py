@@ -245,6 +245,12 @@ class TrainerConfig:
     localsgd_start_step: int = 100
     localsgd_period: int = 4
     localsgd_group: str = "rank"
+    # An experiment tracker beside metrics.jsonl and TensorBoard (mingpt/tracking.py):
+    # "mlflow" (needs `pip install -e .[mlflow]`) or null (none). Rank 0 logs.
+    tracker: Optional[str] = operational(default=None)
+    # Its tracking store: an MLflow tracking URI (http://host:5000, sqlite:///mlflow.db,
+    # file:./mlruns or a directory). null: MLflow's default (MLFLOW_TRACKING_URI, else ./mlruns).
+    tracker_uri: Optional[str] = operational(default=None)
 
     def __post_init__(self) -> None:
         check(bool(self.run_name) and "/" not in self.run_name and self.run_name not in (".", ".."),
@@ -294,6 +300,10 @@ class TrainerConfig:
         check(self.localsgd_period >= 2, "trainer_config.localsgd_period",
               f"must be >= 2 (1 averages every step: that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}")
         one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
+        check(self.tracker in (None, "mlflow"), "trainer_config.tracker",
+              f"{self.tracker!r} is not a tracker mingpt has: mlflow, or null (none)")
+        check(self.tracker_uri is None or bool(self.tracker_uri.strip()), "trainer_config.tracker_uri",
+              "must not be empty (null: MLflow's default)")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Where metrics go: log lines (and a tqdm progress bar with rate and ETA when
-stderr is a terminal), TensorBoard scalars and text, and metrics.jsonl in the
-run directory. Only the global main process writes; the others get a logger
-that does nothing."""
+stderr is a terminal), TensorBoard scalars and text, metrics.jsonl in the
+run directory, and the experiment tracker if one is on (mingpt/tracking.py).
+Only the global main process writes; the others get a logger that does nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import os
 import sys
 import threading
 from typing import Any, Callable, Iterator, Optional
+
+from mingpt.tracking import OFF, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,9 @@ class SlowNotice:
 
 
 class Metrics:
-    def __init__(self, run_dir: str, enabled: bool, resume_step: Optional[int] = None):
+    def __init__(self, run_dir: str, enabled: bool, resume_step: Optional[int] = None, tracker: Tracker = OFF):
         self.enabled = enabled
+        self.tracker = tracker  # gets the same events and samples (closed by close)
         self.progress = enabled and sys.stderr.isatty()
         self.run_dir = run_dir
         self._bar = None  # the progress bar, created at the first step shown
@@ -59,6 +62,7 @@ class Metrics:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
         log.info("%s step %d epoch %d | %s%s", split, step, epoch, text, f" | {note}" if note else "")
+        self.tracker.log(split, step, values)
         if self._jsonl is None:
             return
         record = {"step": step, "epoch": epoch, "split": split, **values}
@@ -68,6 +72,7 @@ class Metrics:
                 self._write(lambda: self._writer.add_scalar(f"{split}/{key}", value, step))
 
     def text(self, tag: str, text: str, step: int) -> None:
+        self.tracker.text(tag, text, step)
         if self._writer is not None:
             # Markdown would reflow the sample; a code block keeps its lines.
             self._write(lambda: self._writer.add_text(tag, "```\n" + text + "\n```", step))
@@ -124,8 +129,10 @@ class Metrics:
             self._bar.close()
             self._bar = self._redirect = None
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """`status`: how the run ended, for the tracker (FINISHED, KILLED by a stop signal, FAILED)."""
         self.end_progress()
+        self.tracker.close(status)
         if self._jsonl is not None:
             self._write(self._writer.flush)
             self._close_record()

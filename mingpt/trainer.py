@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt import comm_hooks, evaluation, flops, parallel, stopping
+from mingpt import comm_hooks, evaluation, flops, parallel, stopping, tracking
 from mingpt.config import Config, ConfigError, TrainerConfig
 from mingpt.data import CharData, ResumableSampler
 from mingpt.decoding import generate
@@ -141,7 +141,11 @@ class Trainer:
         plan = step_plan(cfg, len(data.train), W, self.progress)
         self.samples_per_step, self.total_steps = plan.samples_per_step, plan.total_steps
         # Events after the step we start from (0 when fresh) are from a killed attempt: dropped.
-        self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step)
+        # The tracker continues the run the snapshot names (mingpt/tracking.py); a complete run starts none.
+        tracker = tracking.start(config, run_dir, self.snapshot.tracker_run_id, self.progress.step,
+                                 enabled=dist_info.is_main_process and not self._finished())
+        self.snapshot.tracker_run_id = tracker.run_id or self.snapshot.tracker_run_id
+        self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step, tracker)
         log.info(
             "model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per rank x %d accum x %d ranks)"
             " | %d steps per epoch, %d in all | device %s%s%s",
@@ -170,6 +174,7 @@ class Trainer:
             self._print_sample()
             log.info("%s", self._summary(None))
             return
+        status = "FAILED"  # how the run ended, for the tracker
         try:
             # Inside, a stop signal is acted on at the next step boundary (mingpt/stopping.py).
             with stopping.graceful():
@@ -186,8 +191,12 @@ class Trainer:
             self.metrics.end_progress()  # the bar's line is cleared before the sample is printed
             self._print_sample()
             log.info("%s", self._summary(final))
+            status = "FINISHED"
+        except stopping.Stopped:
+            status = "KILLED"  # stopped by a signal, after a snapshot: a resume continues it
+            raise
         finally:
-            self.metrics.close()
+            self.metrics.close(status)
 
     def _shown_snapshot_path(self) -> str:
         """The snapshot's path as typed from the directory the run started in, where it is inside."""

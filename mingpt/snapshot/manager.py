@@ -6,7 +6,8 @@ comm hook, progress). The format is chosen once, here, by `parallelism`:
 scaler's state, the comm hook's per-rank state gathered to rank 0); `fsdp`,
 sharded snapshots that every rank writes its shards of, asynchronously by
 default, loadable into any world size (sharded.py). Both hold the progress,
-the configs, the vocabulary and the world size that wrote them, and are
+the configs, the vocabulary, the world size that wrote them and the
+experiment tracker's run id (mingpt/tracking.py), and are
 verified (checksums, structure, and fit.py's checks) before any of it is used.
 """
 
@@ -100,6 +101,9 @@ class Snapshot:
         self.config, self.dist, self.path, self.vocab = config, dist_info, path, vocab
         self.corpus = corpus  # the corpus's fingerprint (data.CharData.fingerprint): saved, and checked on restore
         self.optimizer, self.scaler, self.notice = optimizer, scaler, SlowNotice()
+        # The experiment tracker's run (mingpt/tracking.py): saved, so a resume continues it.
+        # Restored from the snapshot (None: none, or a snapshot from before trackers).
+        self.tracker_run_id: str | None = None
         cfg = config.trainer_config
         if is_sharded(cfg):
             from mingpt.snapshot import sharded  # Distributed Checkpoint: about a second of import, only when used
@@ -128,12 +132,14 @@ class Snapshot:
                      " (writing on in the background)" if self.format.background else "")
 
     def _meta(self, progress: Progress) -> dict[str, Any]:
-        """What a snapshot holds besides tensors: the progress, the configs, the vocabulary, the corpus."""
+        """What a snapshot holds besides tensors: the progress, the configs, the vocabulary, the corpus,
+        the tracker's run."""
         return {
             **dataclasses.asdict(progress),
             "world_size": self.dist.world_size,
             "vocab": self.vocab,
             **({"corpus": self.corpus} if self.corpus is not None else {}),
+            **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {}),
             **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)},
         }
 
@@ -177,6 +183,8 @@ class Snapshot:
         if self.scaler.is_enabled() and state.get("scaler_state"):
             self.scaler.load_state_dict(state["scaler_state"])
         set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's
+        run_id = state.get("tracker_run_id")
+        self.tracker_run_id = run_id if isinstance(run_id, str) and run_id else None
         fields = {f.name for f in dataclasses.fields(Progress)}
         progress = Progress(**{k: state[k] for k in fields if k in state})
         log.info("resumed from %s: epoch %d, %d samples into it, step %d",

@@ -1,0 +1,216 @@
+"""An experiment tracker beside metrics.jsonl and TensorBoard: MLflow, optional.
+
+`trainer_config.tracker=mlflow` sends rank 0's record of the run to an MLflow
+tracking store (`tracker_uri`, else MLflow's own default): the resolved config
+as params, the same train and eval scalars that metrics.jsonl gets (through
+mingpt/metrics.py, as `train/loss`, `eval/loss`, ... at their step), and each
+evaluation's sample as a text artifact. The MLflow run's id is saved in the
+snapshot, so a resumed, restarted or requeued run continues the same MLflow
+run. The tracker is never worth the run: MLflow not installed, a store that
+cannot be reached or a call that fails mid-run costs one warning, and training
+goes on without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from typing import Any, Iterator, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+# MLflow retries an HTTP request 7 times with a growing backoff and waits 120 s for
+# each by default: minutes in which training would stand still. Its calls here run
+# with these instead (an environment that sets them wins).
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# The first call (finding the experiment) tells whether the store answers at all: no retry.
+PROBE_LIMITS = {**HTTP_LIMITS, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+DEFAULT_EXPERIMENT = "mingpt"
+INSTALL_HINT = "pip install -e .[mlflow]"
+
+
+class Tracker:
+    """Rank 0's link to the tracker; on other ranks, and once it has failed, every call does nothing."""
+
+    run_id: Optional[str] = None
+
+    def log(self, split: str, step: int, values: Mapping[str, Any]) -> None:
+        pass
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        pass
+
+    def close(self, status: str = "FINISHED") -> None:
+        pass
+
+
+OFF = Tracker()
+
+
+def start(config: Any, run_dir: str, run_id: Optional[str], step: int, enabled: bool) -> Tracker:
+    """The tracker `config.trainer_config.tracker` names, continuing the tracker run
+    `run_id` (saved in the snapshot resumed from; None: a new run), at `step`.
+    OFF where no tracker is asked for, off rank 0, or where it cannot start (one warning)."""
+    cfg = config.trainer_config
+    if not enabled or cfg.tracker is None:
+        return OFF
+    try:
+        return MlflowTracker(config, run_dir, run_id, step)
+    except TrackerUnavailable as e:
+        log.warning("trainer_config.tracker=%s: %s; training goes on without it", cfg.tracker, e)
+        return OFF
+
+
+class TrackerUnavailable(RuntimeError):
+    """The tracker cannot start; the message says why."""
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of MLflow's error in one short line: an HTTP request's OS error
+    (`[Errno 111] Connection refused`) rather than the whole retry story."""
+    text = str(e).strip()
+    errno = re.search(r"\[Errno -?\d+\][^'\")]*", text)
+    if errno:
+        return errno.group(0).strip()
+    lines = text.splitlines()
+    line = lines[0] if lines else ""
+    return f"{type(e).__name__}: {line[:200]}{'...' if len(line) > 200 else ''}"
+
+
+def is_directory_store(uri: str) -> bool:
+    """A file store: `file:` or a path (MLflow 3 refuses one unless MLFLOW_ALLOW_FILE_STORE=true)."""
+    return uri.startswith("file:") or "://" not in uri and not uri.startswith(("sqlite:", "databricks", "uc:"))
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` set in os.environ (those the environment does not set already) for the
+    body, and taken out again after it."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def flat_config(config: Any) -> dict[str, str]:
+    """{"section.key": value as text} for every key of the config's sections."""
+    flat = {}
+    for section in dataclasses.fields(config):
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            flat[f"{section.name}.{key}"] = value if isinstance(value, str) else json.dumps(value)
+    return flat
+
+
+class MlflowTracker(Tracker):
+    """The run's record in MLflow, through its client (no global active run)."""
+
+    def __init__(self, config: Any, run_dir: str, run_id: Optional[str], step: int):
+        try:
+            import mlflow
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:
+            raise TrackerUnavailable(f"mlflow is not installed ({INSTALL_HINT}): {_first_line(e)}") from None
+        except Exception as e:  # an installation that is broken
+            raise TrackerUnavailable(f"mlflow cannot be imported ({_first_line(e)})") from None
+        cfg = config.trainer_config
+        self.uri = cfg.tracker_uri or mlflow.get_tracking_uri()
+        self._env = dict(HTTP_LIMITS, **({"MLFLOW_ALLOW_FILE_STORE": "true"} if is_directory_store(self.uri) else {}))
+        try:
+            with _environment({**self._env, **PROBE_LIMITS}):
+                self.client = MlflowClient(self.uri)
+                name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+                experiment = self.client.get_experiment_by_name(name)
+        except Exception as e:  # MLflow raises many types for a store it cannot use
+            raise TrackerUnavailable(f"cannot reach the MLflow tracking store {self.uri} ({_first_line(e)})") from None
+        try:
+            with _environment(self._env):
+                experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+                self.run_id = self._continue(run_id, step) if run_id else None
+                if self.run_id is None:
+                    self.run_id = self._create(experiment_id, run_dir)
+                self._log_params(flat_config(config), step)
+        except Exception as e:
+            if self.run_id is not None:  # left RUNNING otherwise
+                with contextlib.suppress(Exception), _environment(self._env):
+                    self.client.set_terminated(self.run_id, "FAILED")
+            raise TrackerUnavailable(f"MLflow at {self.uri} failed ({_first_line(e)})") from None
+        self.failed = False
+        log.info("tracking in MLflow at %s: experiment %s, run %s%s", self.uri, name, self.run_id,
+                 f" (continued at step {step})" if run_id == self.run_id else "")
+
+    def _continue(self, run_id: str, step: int) -> Optional[str]:
+        """The snapshot's tracker run, running again; None if this store has no such run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            log.warning("MLflow run %s (saved in the snapshot) is not in %s: starting a new MLflow run",
+                        run_id, self.uri)
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(run_id, "mingpt.resumed_at_step", str(step))
+        return run_id
+
+    def _create(self, experiment_id: str, run_dir: str) -> str:
+        tags = {"mingpt.run_dir": os.path.abspath(run_dir)}
+        run = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)), tags=tags)
+        return run.info.run_id
+
+    def _log_params(self, params: dict[str, str], step: int) -> None:
+        """The config as params. MLflow's params cannot change: a resumed run whose config
+        changed (allow_config_change) logs each changed value as `key:step<N>`, N the step it
+        resumed from (MLflow's names take no `@`)."""
+        from mlflow.entities import Param
+
+        logged = self.client.get_run(self.run_id).data.params
+        new = {}
+        for key, value in params.items():
+            value = str(value)[:6000]  # MLflow's limit on a param's value
+            if key not in logged:
+                new[key] = value
+            elif logged[key] != value:
+                new[f"{key}:step{step}"] = value
+        items = [Param(k, v) for k, v in new.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def _call(self, what: str, call: Any) -> None:
+        """A failure of the tracker costs one warning; then tracking is off, the run goes on."""
+        if self.failed:
+            return
+        try:
+            with _environment(self._env):
+                call()
+        except Exception as e:
+            self.failed = True
+            log.warning("MLflow at %s failed %s (%s): training goes on without the tracker", self.uri, what,
+                        _first_line(e))
+
+    def log(self, split: str, step: int, values: Mapping[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(f"{split}/{key}", float(value), now, step) for key, value in values.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)]
+        if metrics:
+            self._call(f"logging the {split} metrics at step {step}",
+                       lambda: self.client.log_batch(self.run_id, metrics=metrics))
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self._call(f"logging the {tag} at step {step}",
+                   lambda: self.client.log_text(self.run_id, text, f"{tag}s/step_{step:07d}.txt"))
+
+    def close(self, status: str = "FINISHED") -> None:
+        """End the MLflow run as FINISHED, KILLED (stopped by a signal: a resume continues it) or FAILED."""
+        self._call("ending the run", lambda: self.client.set_terminated(self.run_id, status))
+        self.failed = True  # nothing after the end
