@@ -21,6 +21,7 @@ from conftest import TINY, run_dir_of, run_main, run_torchrun
 from mingpt import stopping
 from mingpt.config import Config, ConfigError
 from mingpt.rundir import run_dir_name
+from mingpt.score import ScoreConfig, score
 from mingpt.snapshot import manager, sharded, single_file
 from test_snapshot import assert_one_error, make_trainer, same_tensors
 
@@ -81,6 +82,9 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(tm
     saved = single_file.load(str(tmp_path / "ft" / "snapshot.pt"))
     assert saved["step"] == 20 and saved["trainer_config"]["init_from"] == str(pretrained.run_dir)
     assert saved["corpus"][0]["source"] == str(pretrained.b)  # the held-out split is B's
+    # mingpt.score reads B in the snapshot's vocabulary too: the run's own held-out loss.
+    scored = score(ScoreConfig(snapshot_path=str(tmp_path / "ft" / "snapshot.pt"), device="cpu"))
+    assert scored.loss == pytest.approx(ft_loss, rel=1e-5)
 
 
 def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pretrained, tmp_path):
