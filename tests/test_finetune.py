@@ -73,6 +73,8 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(tm
     finetuned = make_trainer(tmp_path / "ft", pretrained.b, *steps, f"trainer_config.init_from={pretrained.run_dir}")
     assert finetuned.progress.step == 0 and not finetuned.optimizer.state  # fresh: no moments yet
     assert finetuned.data.tokenizer.chars == single_file.load(str(pretrained.run_dir / "snapshot.pt"))["vocab"]
+    x, _ = finetuned.train_windows.batch([0])  # B's ids, read as the snapshot's: the same text
+    assert finetuned.data.tokenizer.decode(x[0].tolist()) == pretrained.b.read_text(encoding="utf-8")[:16]
     finetuned.train()
     scratch = make_trainer(tmp_path / "scratch", pretrained.b, *steps)
     scratch.train()
@@ -169,7 +171,9 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(pretrained, tmp_path,
     caplog.set_level(logging.INFO, logger="mingpt")
     source = tmp_path / "source.pt"
     shutil.copy(pretrained.run_dir / "snapshot.pt", source)
-    args = [*FAST, "trainer_config.max_steps=12", "gpt_config.dropout=0.1", f"trainer_config.init_from={source}"]
+    # The corpus whole in memory (placement=device): its ids are mapped there, as they are per batch read on the host.
+    args = [*FAST, "trainer_config.max_steps=12", "gpt_config.dropout=0.1", "data_config.placement=device",
+            f"trainer_config.init_from={source}"]
     reference = make_trainer(tmp_path / "ref", pretrained.b, *args)
     reference.train()
     first = make_trainer(tmp_path / "run", pretrained.b, *args)
@@ -181,6 +185,8 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(pretrained, tmp_path,
     caplog.clear()
     resumed = make_trainer(tmp_path / "run", pretrained.b, *args)
     assert resumed.progress.step == 6
+    x, _ = resumed.train_windows.batch([1])
+    assert resumed.data.tokenizer.decode(x[0].tolist()) == pretrained.b.read_text(encoding="utf-8")[16:32]
     assert "resumed from" in caplog.text and "initialised from" not in caplog.text
     resumed.train()
     assert resumed.progress.step == 12 and same_tensors(weights(resumed), weights(reference))
