@@ -42,6 +42,11 @@ class Start:
     def vocab(self) -> str:
         return self.state["vocab"]
 
+    @property
+    def named(self) -> str:
+        """The snapshot, and why it is read, for a message."""
+        return f"{self.source} ({'this run' if self.resuming else 'trainer_config.init_from'})"
+
 
 def prepare(config: Config, run_dir: str) -> Start | None:
     """For a run with trainer_config.init_from (None without): read the source, or the run's
@@ -70,15 +75,15 @@ def take_shape(config: Config, start: Start) -> None:
     shape, vocab = start.state.get("gpt_config"), start.state.get("vocab")
     if not (isinstance(shape, dict) and all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
             and isinstance(vocab, str) and len(vocab) == shape["vocab_size"]):
-        raise SnapshotError(f"trainer_config.init_from: snapshot {start.source} does not record its model's shape "
+        raise SnapshotError(f"trainer_config.init_from: snapshot {start.named} does not record its model's shape "
                             "and vocabulary (gpt_config, vocab)")
     given = {f"gpt_config.{k}": (getattr(config.gpt_config, k), getattr(GPTConfig(), k), shape[k])
              for k in SHAPE_KEYS}
     given["data_config.block_size"] = (config.data_config.block_size, DataConfig().block_size, shape["block_size"])
     for key, (value, default, saved) in given.items():
         if value != saved and value != default:
-            raise ConfigError(f"{key}: {value} given, but the model of {start.source} (trainer_config.init_from) "
-                              f"has {saved}: a fine-tuned model keeps its shape; leave {key} unset")
+            raise ConfigError(f"{key}: {value} given, but the model of {start.named} has {saved}: "
+                              f"a fine-tuned model keeps its shape; leave {key} unset")
     config.gpt_config = dataclasses.replace(config.gpt_config, **{k: shape[k] for k in SHAPE_KEYS})
     config.data_config = dataclasses.replace(config.data_config, block_size=shape["block_size"])
 
@@ -88,8 +93,8 @@ def fit_data(data: CharData, start: Start, corpus: Any) -> CharData:
     unknown = CharTokenizer(start.vocab).unknown(data.tokenizer.chars)
     if unknown:
         raise DataError(f"data_config.path {corpus}: {len(unknown)} character{'s' if len(unknown) > 1 else ''} "
-                        f"outside the vocabulary of {start.source} (trainer_config.init_from), which a fine-tuned "
-                        f"model keeps: {' '.join(map(repr, unknown))}")
+                        f"outside the vocabulary of {start.named}, which a fine-tuned model keeps: "
+                        f"{' '.join(map(repr, unknown))}")
     return data.in_vocabulary(start.vocab)
 
 
