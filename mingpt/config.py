@@ -215,6 +215,11 @@ class TrainerConfig:
     # Signals that stop the run at the next step boundary, after a snapshot
     # (exit status 128 + the signal's number; docs/fault-tolerance.md).
     stop_signals: list[str] = operational(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+    # Fine-tuning: start from the weights of this snapshot (a snapshot file, a
+    # sharded snapshot, or a run directory: its best weights, else its latest
+    # snapshot), with a fresh optimizer and schedule from step 0, on this run's
+    # corpus. The model's shape and vocabulary are the snapshot's (docs/training.md, Fine-tuning).
+    init_from: Optional[str] = None
     # Mixed precision on CUDA: amp_dtype "bf16" or "fp16" (fp16 uses a GradScaler).
     use_amp: bool = False
     amp_dtype: str = "bf16"
@@ -285,6 +290,8 @@ class TrainerConfig:
         check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
         check(self.snapshot_path is None or bool(self.snapshot_path), "trainer_config.snapshot_path",
               "must not be empty")
+        check(self.init_from is None or bool(self.init_from), "trainer_config.init_from",
+              "must be a snapshot file, a sharded snapshot or a run directory (null: train from scratch), got ''")
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
         one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook",

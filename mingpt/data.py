@@ -10,6 +10,7 @@ copied whole to the GPU, gathered there with one indexing operation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import logging
 import os
@@ -163,13 +164,15 @@ class TokenWindows:
     """Windows of block_size + 1 tokens starting every `stride` tokens inside
     each segment (start, length) of `tokens`: input is the first block_size,
     target the last block_size. A window never crosses a segment's end, so
-    with one segment per file no window spans two files."""
+    with one segment per file no window spans two files. `ids`, if given, maps
+    the stored ids to the model's (a corpus read in a larger vocabulary: CharData.in_vocabulary)."""
 
     def __init__(self, tokens: torch.Tensor, block_size: int, stride: int,
-                 segments: list[tuple[int, int]] | None = None):
+                 segments: list[tuple[int, int]] | None = None, ids: torch.Tensor | None = None):
         self.tokens = tokens
         self.block_size = block_size
         self.stride = stride
+        self.ids = None if ids is None else ids.to(tokens.device)
         self.segments = [(0, len(tokens))] if segments is None else segments
         counts = [max(0, (n - block_size - 1) // stride + 1) for _, n in self.segments]
         self._len = sum(counts)
@@ -186,7 +189,11 @@ class TokenWindows:
         return self.with_tokens(self.tokens.to(device))
 
     def with_tokens(self, tokens: torch.Tensor) -> TokenWindows:
-        return TokenWindows(tokens, self.block_size, self.stride, self.segments)
+        return TokenWindows(tokens, self.block_size, self.stride, self.segments, self.ids)
+
+    def with_ids(self, ids: torch.Tensor) -> TokenWindows:
+        """The same windows, their stored id i read as the model's id ids[i]."""
+        return TokenWindows(self.tokens, self.block_size, self.stride, self.segments, ids)
 
     def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
         """Where windows `indices` start in `tokens` (on the tokens' device)."""
@@ -204,6 +211,8 @@ class TokenWindows:
 
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.gather(indices).long()
+        if self.ids is not None:
+            chunk = self.ids[chunk]
         return chunk[:, :-1], chunk[:, 1:]
 
     def prefetch(self, indices: torch.Tensor) -> None:
@@ -228,6 +237,7 @@ class HostBatches:
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._ids = None if windows.ids is None else windows.ids.to(device)
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -265,6 +275,8 @@ class HostBatches:
         if chunk is None:
             self._pending = None
             chunk = self._fetch(indices)
+        if self._ids is not None:
+            chunk = self._ids[chunk]
         return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -281,6 +293,19 @@ class CharData:
         bytes and SHA-256, in corpus order (from the token cache's header: no second read)."""
         return [{"source": source, "size": key["size"], "sha256": key["sha256"]}
                 for (source, _), key in zip(self.files, self.cache.sources)]
+
+    def in_vocabulary(self, chars: str) -> CharData:
+        """The same corpus with the vocabulary `chars` (a snapshot's, to fine-tune it), which
+        must hold every character of the corpus's own: ids then mean the snapshot's characters."""
+        if chars == self.tokenizer.chars:
+            return self
+        tokenizer = CharTokenizer(chars)
+        unknown = tokenizer.unknown(self.tokenizer.chars)
+        if unknown:
+            raise DataError(f"characters outside the vocabulary: {' '.join(map(repr, unknown))}")
+        ids = torch.tensor([tokenizer.stoi[c] for c in self.tokenizer.chars], dtype=torch.long)
+        return dataclasses.replace(self, tokenizer=tokenizer, train=self.train.with_ids(ids),
+                                   heldout=self.heldout.with_ids(ids))
 
     def place(self, device: torch.device, placement: str = "auto") -> tuple[TokenWindows | HostBatches, ...]:
         """Training and held-out windows for `device`. With `device` the whole

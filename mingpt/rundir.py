@@ -93,14 +93,31 @@ def _value_text(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
 
 
+def _path_tail(path: Any) -> Any:
+    """The last two parts of a path or URL (`pre/snapshot-best.pt` of
+    /data/runs/pre/snapshot-best.pt): enough to read, short enough to keep."""
+    if not isinstance(path, str):
+        return path
+    parts = [part for part in path.split("/") if part]
+    return "/".join(parts[-2:]) or path
+
+
+# Keys shown by a shorter text than their value: the hash keeps the whole value.
+SHOWN_AS = {"trainer_config.init_from": _path_tail}
+
+
 def config_label(sections: Mapping[str, Any]) -> str:
     """The result-affecting values that differ from the defaults, readable and
     safe in a directory name (`learning_rate=0.001,max_epochs=5`), sorted by
-    key; '' when none differ or they take more than LABEL_MAX_CHARS."""
+    key; '' when none differ or they take more than LABEL_MAX_CHARS (then a
+    fine-tuning run's source alone). The source shows its path's last two parts
+    (`init_from=pre_snapshot-best.pt`)."""
     defaults = result_items(dataclasses.asdict(Config()))
-    changed = {_short_key(k): _value_text(v) for k, v in result_items(sections).items()
+    changed = {_short_key(k): _value_text(SHOWN_AS.get(k, lambda v: v)(v)) for k, v in result_items(sections).items()
                if k not in defaults or defaults[k] != v}
     label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
+    if len(label) > LABEL_MAX_CHARS and "init_from" in changed:  # too many to read: a fine-tuning run's source
+        label = f"init_from={changed['init_from']}"
     return label if len(label) <= LABEL_MAX_CHARS else ""
 
 

@@ -84,9 +84,10 @@ def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device,
     except TypeError as e:  # a key this version does not know
         raise SnapshotError(f"the snapshot's data_config cannot be used ({e}): give the text with path=...") from None
     data = load_data(data_config)
-    if data.tokenizer.chars != tokenizer.chars:
+    if tokenizer.unknown(data.tokenizer.chars):
         raise TextError(f"the corpus {data_config.path} no longer has the snapshot's vocabulary "
                         "(it changed since the run): give the text with path=...")
+    data = data.in_vocabulary(tokenizer.chars)  # a fine-tuned model's corpus may use fewer characters
     moved = fit.corpus_changes(state.get("corpus"), data.fingerprint())
     if moved and not allow_corpus_change:
         raise TextError(f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its held-out "

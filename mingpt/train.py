@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from mingpt import finetune
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
@@ -50,14 +51,23 @@ def build_model(gpt_config: GPTConfig) -> GPT:
         ) from None
 
 
-def build(config: Config, dist_info: DistInfo, run_dir: str, data: CharData | None = None) -> Trainer:
+def build(config: Config, dist_info: DistInfo, run_dir: str, data: CharData | None = None,
+          start: finetune.Start | None = None) -> Trainer:
     """The recipe, config -> data, model, trainer, for a run in `run_dir` (also
     for the tests and benchmarks). The model's vocabulary and context length
-    are set from the data; its initial weights are drawn from the run's seed."""
+    are set from the data; its initial weights are drawn from the run's seed.
+    A fine-tuning run (trainer_config.init_from; `start`, if finetune.prepare was
+    called already) takes both, and its first weights, from the snapshot."""
+    start = finetune.prepare(config, run_dir) if start is None else start
     data = load_data(config.data_config) if data is None else data
+    if start is not None:
+        data = finetune.fit_data(data, start, config.data_config.path)
     config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
     torch.manual_seed(config.trainer_config.seed)
-    return Trainer(config, build_model(config.gpt_config), data, dist_info, run_dir)
+    model = build_model(config.gpt_config)
+    if start is not None and not start.resuming:
+        finetune.load_weights(model, start)
+    return Trainer(config, model, data, dist_info, run_dir)
 
 
 def run(config: Config, run_dir: str, files: dict[str, str] | None = None,
@@ -85,6 +95,7 @@ def _run(config: Config, run_dir: str, dist_info: DistInfo, files: dict[str, str
     snapshot_path = resolve_path(config.trainer_config, run_dir)
     check_writable(run_dir, snapshot_path, directory=is_sharded(config.trainer_config))
     log.info("run directory %s", os.path.abspath(run_dir))
+    start = finetune.prepare(config, run_dir)  # the model's shape (and the windows' length) from init_from
     data_path = config.data_config.path
     if dist_info.is_local_main_process:  # once per node; the others wait
         if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
@@ -93,6 +104,6 @@ def _run(config: Config, run_dir: str, dist_info: DistInfo, files: dict[str, str
     barrier(dist_info)
     data = load_data(config.data_config, build=False)
     with claim(run_dir, snapshot_path, dist_info, log_buffer) as owned:
-        trainer = build(config, dist_info, run_dir, data)  # refuses a snapshot that does not fit
+        trainer = build(config, dist_info, run_dir, data, start)  # refuses a snapshot that does not fit
         owned.accept(files)
         trainer.train()

@@ -242,7 +242,7 @@ RESULT_AFFECTING = {
     "trainer_config": {"max_epochs", "max_steps", "batch_size", "grad_accum_steps", "grad_norm_clip", "seed",
                        "eval_tokens", "use_amp", "amp_dtype", "amp_on_cpu", "parallelism", "ddp_comm_hook",
                        "powersgd_rank", "powersgd_start_step", "localsgd_start_step", "localsgd_period",
-                       "localsgd_group", "early_stop_patience", "early_stop_min_delta"},
+                       "localsgd_group", "early_stop_patience", "early_stop_min_delta", "init_from"},
 }
 
 

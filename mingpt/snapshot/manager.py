@@ -94,6 +94,26 @@ def read(path: str) -> dict[str, Any]:
     return single_file.load(path)
 
 
+def has_snapshot(cfg: TrainerConfig, path: str) -> bool:
+    """Whether the run whose snapshot is at `path` has saved one (a published one, sharded)."""
+    if is_sharded(cfg):
+        from mingpt.snapshot import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
+
+        return sharded.latest(path) is not None
+    return storage.exists(path)
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """What a snapshot of either format holds besides the tensors (progress, configs,
+    vocabulary); a sharded snapshot's shards are not read, a single file is read whole."""
+    if storage.exists(path, directory=True):
+        from mingpt.snapshot import sharded
+
+        return sharded.read_meta(path)
+    state = single_file.load(path)
+    return {key: value for key, value in state.items() if key not in ("model_state", "optimizer_state")}
+
+
 class Snapshot:
     def __init__(self, config: Config, dist_info: DistInfo, path: str, vocab: str, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, comm: CommHook,

@@ -676,6 +676,12 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     return document["meta"]
 
 
+def read_meta(root_or_dir: str) -> dict[str, Any]:
+    """The `meta` of the newest published snapshot of a root (or of the given snapshot
+    directory), its manifest and meta.json checked; no shard is read."""
+    return _read_manifest(_resolve(root_or_dir))[1]["meta"]
+
+
 def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a whole snapshot into plain CPU tensors in one process, with no
     process group (generation, export): (the nested dict that was saved, meta)."""

@@ -1,0 +1,112 @@
+"""Fine-tuning: `trainer_config.init_from` starts a run from another run's weights.
+
+The source is a snapshot file, a sharded snapshot (its newest published one),
+or a run directory (its best weights, else its latest snapshot: the resolver
+that `mingpt.generate` uses). The new run takes the source's model shape and
+vocabulary, so every token id means the character it meant there; its own
+corpus, held-out split, optimizer, learning-rate schedule and step counter
+(from 0) are fresh. Once the run has saved a snapshot of its own, a restart
+resumes that and never reads the source again: the shape and vocabulary then
+come from the run's own snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mingpt.config import Config, ConfigError, DataConfig, GPTConfig
+from mingpt.data import CharData, CharTokenizer, DataError
+from mingpt.generate import find_snapshot
+from mingpt.snapshot import SnapshotError, manager
+from mingpt.snapshot.fit import SHAPE_KEYS
+from mingpt.storage import StorageError, reason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Start:
+    """Where a fine-tuning run's model comes from."""
+
+    source: str  # the snapshot read: init_from resolved, or the run's own snapshot when resuming
+    state: dict[str, Any]  # what it holds (the weights only when not resuming)
+    resuming: bool  # the run has a snapshot of its own: its weights come from there (Trainer's restore)
+
+    @property
+    def vocab(self) -> str:
+        return self.state["vocab"]
+
+    @property
+    def named(self) -> str:
+        """The snapshot, and why it is read, for a message."""
+        return f"{self.source} ({'this run' if self.resuming else 'trainer_config.init_from'})"
+
+
+def prepare(config: Config, run_dir: str) -> Start | None:
+    """For a run with trainer_config.init_from (None without): read the source, or the run's
+    own snapshot if it has one, and give `config` the model's shape (refusing a shape key
+    set to another value) before any data is read."""
+    cfg = config.trainer_config
+    if not cfg.init_from:
+        return None
+    own = manager.resolve_path(cfg, run_dir)
+    try:
+        if manager.has_snapshot(cfg, own):
+            start = Start(own, manager.read_meta(own), resuming=True)
+        else:
+            source = find_snapshot(cfg.init_from)
+            start = Start(source, manager.read(source), resuming=False)
+    except (SnapshotError, StorageError) as e:
+        raise type(e)(f"trainer_config.init_from: {e}") from None
+    take_shape(config, start)
+    return start
+
+
+def take_shape(config: Config, start: Start) -> None:
+    """Set `config`'s model shape (and data_config.block_size, the windows' length) to the
+    snapshot's. A key left at its default takes the snapshot's value; one set to another
+    value than the snapshot's is refused: the weights fix the shape."""
+    shape, vocab = start.state.get("gpt_config"), start.state.get("vocab")
+    if not (isinstance(shape, dict) and all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
+            and isinstance(vocab, str) and len(vocab) == shape["vocab_size"]):
+        raise SnapshotError(f"trainer_config.init_from: snapshot {start.named} does not record its model's shape "
+                            "and vocabulary (gpt_config, vocab)")
+    given = {f"gpt_config.{k}": (getattr(config.gpt_config, k), getattr(GPTConfig(), k), shape[k])
+             for k in SHAPE_KEYS}
+    given["data_config.block_size"] = (config.data_config.block_size, DataConfig().block_size, shape["block_size"])
+    for key, (value, default, saved) in given.items():
+        if value != saved and value != default:
+            raise ConfigError(f"{key}: {value} given, but the model of {start.named} has {saved}: "
+                              f"a fine-tuned model keeps its shape; leave {key} unset")
+    config.gpt_config = dataclasses.replace(config.gpt_config, **{k: shape[k] for k in SHAPE_KEYS})
+    config.data_config = dataclasses.replace(config.data_config, block_size=shape["block_size"])
+
+
+def fit_data(data: CharData, start: Start, corpus: Any) -> CharData:
+    """The corpus in the snapshot's vocabulary; characters outside it are refused, named."""
+    unknown = CharTokenizer(start.vocab).unknown(data.tokenizer.chars)
+    if unknown:
+        raise DataError(f"data_config.path {corpus}: {len(unknown)} character{'s' if len(unknown) > 1 else ''} "
+                        f"outside the vocabulary of {start.named}, which a fine-tuned model keeps: "
+                        f"{' '.join(map(repr, unknown))}")
+    return data.in_vocabulary(start.vocab)
+
+
+def load_weights(model: torch.nn.Module, start: Start) -> None:
+    """The source's weights into `model` (built to its shape, not yet spread over the ranks)."""
+    state = start.state
+    try:
+        model.load_state_dict(state.pop("model_state"))
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        raise SnapshotError(f"trainer_config.init_from: snapshot {start.source} cannot be loaded: {reason(e)}") \
+            from None
+    state.pop("optimizer_state", None)  # a fresh optimizer: its moments are not kept in memory
+    step, best, best_step = state.get("step"), state.get("best_eval_loss"), state.get("best_step")
+    known = isinstance(best, (int, float)) and math.isfinite(best) and best_step == step
+    log.info("initialised from %s (step %s%s)", start.source, step, f", held-out loss {best:.4f}" if known else "")
