@@ -3,6 +3,7 @@ none of them rots; and a script's default overrides never beat the user's."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -29,12 +30,39 @@ SMOKE = {
 }
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_answers_help(script):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], env=child_env(),
-                          capture_output=True, text=True, timeout=120)
+# Each script's `--help`, all in one process (each script imports torch: once, not once a script):
+# {script: [exit status, stdout, stderr]} on stdout as JSON.
+HELP_ALL = """
+import contextlib, io, json, os, runpy, sys, traceback
+answers = {}
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as for `python benchmarks/x.py`: its directory first
+for path in sys.argv[1:]:
+    sys.argv, out, err, status = [path, "--help"], io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            status = e.code
+        except BaseException:
+            status, _ = 1, traceback.print_exc()
+    answers[os.path.basename(path)] = [status, out.getvalue(), err.getvalue()]
+print(json.dumps(answers))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, list]:
+    proc = subprocess.run([sys.executable, "-c", HELP_ALL, *(str(BENCHMARKS / s) for s in SCRIPTS)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() and not proc.stderr, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_answers_help(script, helps):
+    status, out, err = helps[script]
+    assert status in (0, None), err[-3000:]
+    assert out.strip() and not err, err[-3000:]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
