@@ -43,7 +43,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.config import ConfigError, GPTConfig, TrainerConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
-from mingpt.decoding import MIN_TEMPERATURE, generate
+from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
 from mingpt.distributed import pick_device, setup_logging
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, manager
@@ -196,11 +196,12 @@ def available_memory(device: torch.device) -> int:
 
 
 def bytes_per_sample(model: GPT, config: GenerateConfig, device: torch.device) -> int:
-    """What one more sample of a batch holds while decoding: its random stream, its
-    key/value cache, a window's largest activations (one layer's MLP and attention
-    scores, twice over), a few rows of logits, and its tokens (kept, then joined)."""
+    """What one more sample of a batch holds while decoding: its random stream and
+    the noise drawn ahead from it, its key/value cache, a window's largest
+    activations (one layer's MLP and attention scores, twice over), a few rows of
+    logits, and its tokens (kept, then joined)."""
     c, item = model.config, next(model.parameters()).element_size()
-    stream = len(torch.Generator(device).get_state())
+    stream = len(torch.Generator(device).get_state()) + noise_rows(c.vocab_size) * c.vocab_size * 4
     cache = 2 * c.n_layer * c.block_size * c.n_embd * item if config.use_cache else 0
     activations = 2 * c.block_size * (4 * c.n_embd + c.n_head * c.block_size) * 4
     return stream + cache + activations + 4 * c.vocab_size * 4 + 2 * 8 * config.max_new_tokens
@@ -246,10 +247,11 @@ def run(config: GenerateConfig) -> None:
     rest = []  # the tokens of samples 2.., printed when sample 1 is complete
     tokens = generate(model, idx.expand(config.num_samples, -1), config.max_new_tokens, config.temperature,
                       config.top_k, config.top_p, generators, config.use_cache, config.compile)
-    for token in tokens:
-        last = tokenizer.chars[token[0].item()]
-        write(last)
-        rest.append(token[1:])
+    for chunk in tokens:  # the first character alone, then chunks (one wait for the device each)
+        text = tokenizer.decode(chunk[0].tolist())
+        write(text)
+        last = text[-1]
+        rest.append(chunk[1:])
     if last != "\n":
         write("\n")
     for i, new in enumerate(torch.cat(rest, dim=1).tolist() if rest else [[]] * (config.num_samples - 1), 2):
