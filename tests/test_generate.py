@@ -18,7 +18,7 @@ from conftest import TINY, child_env, run_dir_of, run_main
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
 from mingpt.model import GPT
-from mingpt.generate import load_model
+from mingpt.generate import COMPILE_PAYS_AFTER, load_model, parse_args, should_compile
 
 
 TRAIN_ARGS = TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",
@@ -79,7 +79,7 @@ def test_text_streams_while_it_is_generated(workdir, snapshot):
     env = child_env()
     env.pop("PYTHONUNBUFFERED", None)
     proc = subprocess.Popen(
-        generate_cmd([f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=6000"]),
+        generate_cmd([f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=6000", "compile=false"]),
         cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
     try:
@@ -234,6 +234,26 @@ def test_the_exponential_race_samples_the_softmax():
             assert chi_square(freq, torch.full_like(probs, 1 / 6)) > 1800  # the test can tell
 
 
+def test_compile_auto_compiles_where_it_pays():
+    """compile=auto (the default): the step is compiled for a text long enough for
+    compiling to pay on the device type, one sample on CPU; true and false as said."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def compiles(device, *args):
+        return should_compile(parse_args(list(args)), device)
+
+    assert parse_args([]).compile == "auto"
+    for device in (cpu, cuda):
+        long_enough = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type]}"
+        shorter = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type] - 1}"
+        assert compiles(device, long_enough) and not compiles(device, shorter)
+        assert not compiles(device, long_enough, "use_cache=false")
+        assert compiles(device, shorter, "compile=true") and not compiles(device, long_enough, "compile=false")
+    assert not compiles(cpu, "max_new_tokens=100000", "num_samples=2")  # a batch on CPU gains too little
+    assert compiles(cuda, "max_new_tokens=100000", "num_samples=2")
+    assert parse_args(["compile=True"]).compile == "true"
+
+
 # ---------------------------------------------------------------- the filters
 
 
@@ -270,6 +290,7 @@ BAD_SETTINGS = {  # override -> the key the error must name
     "max_new_tokens=-1": "max_new_tokens",
     "num_samples=0": "num_samples",
     "use_cache=false compile=true": "compile",
+    "compile=maybe": "compile",
     "top_k=many": "top_k",  # wrong type
     "temprature=0.5": "temprature",  # unknown key
     "temperature=1e-42": "temperature",  # logits / 1e-42 would be inf, their softmax nan
