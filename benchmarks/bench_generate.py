@@ -2,7 +2,7 @@
 not, several samples as one batch, and full recomputation as the baseline.
 
     python benchmarks/bench_generate.py [--max-new-tokens 500] [--threads N] [--rounds 3] [--device cpu]
-        [--no-compile] [--no-uncached]
+        [--no-compile] [--no-uncached] [--baseline OLD_DECODING_PY]
 
 A randomly initialised 6-layer, 6-head, 384-dim model with block_size 256 and
 a vocabulary of 65 (the tiny-shakespeare shape; speed does not depend on the
@@ -15,6 +15,8 @@ weights) generates from a one-character prompt. Rows, each the median of
 - uncached: the same context policy, recomputing the whole window per token;
 - sliding window: the whole last block_size tokens recomputed per token with no
   cache, as nanoGPT's `generate` does (the baseline of the targets);
+- baseline (--baseline FILE): the same cached rows with the generate of
+  another version's decoding.py, in the same rounds (a before/after side by side);
 - floor: the matmuls of one decoding step alone, F.linear on the same weights
   and shapes in a loop, eager or compiled as the compiled step runs them; "of
   floor" is floor time / step time (the compiled step against the compiled
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import statistics
@@ -49,13 +52,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def seconds_generating(model: GPT, n_tokens: int, device: torch.device, samples: int = 1, **kwargs) -> float:
+def seconds_generating(model: GPT, n_tokens: int, device: torch.device, samples: int = 1, decoding=None,
+                       **kwargs) -> float:
+    """Seconds to generate n_tokens per sample with mingpt.decoding.generate, or with
+    the generate of `decoding` (another version's module, --baseline)."""
     idx = torch.zeros(samples, 1, dtype=torch.long, device=device)
     generators = [torch.Generator(device).manual_seed(i) for i in range(samples)]
     started = time.perf_counter()
-    for token in generate(model, idx, n_tokens, generator=generators, **kwargs):
-        token[0].item()  # wait for the device, as a streaming caller does
+    for tokens in (decoding.generate if decoding else generate)(model, idx, n_tokens, generator=generators, **kwargs):
+        tokens[0, -1].item()  # wait for the device, as a streaming caller does (once per chunk, or per token)
     return time.perf_counter() - started
+
+
+def load_baseline(path: str):
+    """A decoding.py of another version, imported beside this one (it imports mingpt.model
+    from this checkout: the model's code must be the same)."""
+    spec = importlib.util.spec_from_file_location("baseline_decoding", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @torch.inference_mode()
@@ -126,6 +141,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled step")
     parser.add_argument("--no-uncached", action="store_true", help="skip the two recomputing baselines (slow)")
+    parser.add_argument("--baseline", metavar="DECODING_PY",
+                        help="also time the generate of this file, another version's mingpt/decoding.py "
+                             "(git show REV:mingpt/decoding.py > old.py), in the same rounds: rows 'baseline: ...'")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,6 +160,10 @@ def main() -> None:
         "cached, 16 samples": (16, lambda k: seconds_generating(model, k, device, 16)),
         "floor, 16 samples": (16, floor(model, device, 16)),
     }
+    old = load_baseline(args.baseline) if args.baseline else None
+    if old:
+        rows["baseline: cached, eager"] = (1, lambda k: seconds_generating(model, k, device, decoding=old))
+        rows["baseline: 16 samples"] = (16, lambda k: seconds_generating(model, k, device, 16, decoding=old))
     compile_seconds = None
     if not args.no_compile:
         started = time.perf_counter()
@@ -150,6 +172,11 @@ def main() -> None:
         rows["floor, compiled matmuls"] = (1, floor(model, device, compiled=True))
         rows["cached, compiled"] = (1, lambda k: seconds_generating(model, k, device, compile=True))
         rows["compiled, 16 samples"] = (16, lambda k: seconds_generating(model, k, device, 16, compile=True))
+        if old:
+            rows["baseline: compiled"] = (1, lambda k: seconds_generating(model, k, device, decoding=old,
+                                                                          compile=True))
+            rows["baseline: compiled, 16 samples"] = (
+                16, lambda k: seconds_generating(model, k, device, 16, decoding=old, compile=True))
     if not args.no_uncached:
         rows["uncached (restarting window)"] = (1, lambda k: seconds_generating(model, k, device, use_cache=False))
         rows["sliding window, no cache"] = (1, lambda k: seconds_sliding(model, k, device))

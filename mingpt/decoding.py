@@ -8,10 +8,16 @@ learned and absolute, so a window sliding by one token would change every
 cached key; restarting instead means the cache is refilled once every
 block_size // 2 tokens, and cached and uncached decoding predict every token
 from the same window, so they give the same tokens.
+
+Sampling runs on the device with no synchronisation per token: the exponential
+race (Gumbel-max) on noise drawn ahead from the caller's random stream, the
+position a counter on the device, the tokens written into one preallocated
+tensor and handed out in chunks.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -21,23 +27,55 @@ from mingpt.model import GPT, KVCache
 
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # the smallest normal float32: logits / it is no nan
 
+# Noise is drawn ahead, NOISE_ROWS tokens' worth per sample at once (fewer for a large
+# vocabulary, noise_rows): token i of a generation always takes row i % rows of the
+# block drawn for tokens i - i % rows onward, whatever path or chunk size is used.
+NOISE_ROWS = 128
+NOISE_ELEMENTS = 1 << 16  # at most this many noise values per sample held at once
 
-def next_token(
+# Streaming: the first token is yielded alone, at once; later ones in chunks of up to
+# CHUNK_TOKENS, or fewer when CHUNK_SECONDS have passed since the last chunk.
+CHUNK_TOKENS = 64
+CHUNK_SECONDS = 0.1
+
+
+def noise_rows(vocab_size: int) -> int:
+    """Tokens of noise drawn at once per sample: a function of the vocabulary
+    alone, so the text never depends on anything else."""
+    return max(1, min(NOISE_ROWS, NOISE_ELEMENTS // vocab_size))
+
+
+def draw_noise(
+    noise: torch.Tensor, generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None
+) -> torch.Tensor:
+    """Fill `noise` (B, rows, vocab) in place with standard Gumbel noise, -log(E)
+    with E ~ Exp(1), from `generator`: one stream for the whole batch, or one per
+    row (row b then holds what a batch of one draws with its generator)."""
+    if isinstance(generator, (list, tuple)):
+        for row, g in zip(noise, generator):
+            row.uniform_(generator=g)
+    else:
+        noise.uniform_(generator=generator)
+    # U in [0, 1): E = -log(1 - U) is in [0, 16.6]; clamped away from 0, its log is finite.
+    return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def pick(
     logits: torch.Tensor,
+    noise: torch.Tensor,
     temperature: float = 1.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
-    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
 ) -> torch.Tensor:
-    """Pick the next token from last-position logits (B, vocab) -> (B, 1).
+    """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise
+    (B, vocab) (draw_noise): the exponential race, argmax(probs / E), computed as
+    argmax(log probs - log E), which is token k with probability probs[k]. No host
+    work and no synchronisation: it runs on the device, inside a compiled graph too.
 
-    generator: one random stream for the whole batch, or one per row (then a row
-    draws what it would draw alone with its generator).
-
-    temperature 0 is greedy decoding (top_k and top_p do not matter then); a
-    temperature below MIN_TEMPERATURE counts as MIN_TEMPERATURE.
-    top_k keeps exactly the k most likely tokens; top_p keeps the smallest set
-    of most likely tokens whose probability reaches top_p (always at least one).
+    temperature 0 is greedy decoding (the noise is not read); a temperature below
+    MIN_TEMPERATURE counts as MIN_TEMPERATURE. top_k keeps exactly the k most
+    likely tokens; top_p keeps the smallest set of most likely tokens whose
+    probability reaches top_p (always at least one).
     """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -48,15 +86,28 @@ def next_token(
     if top_k is not None and top_k < logits.size(-1):
         top = torch.topk(logits, top_k, dim=-1)
         logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
-    probs = torch.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
         # Drop a token when the tokens before it already reach top_p.
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)])
-    return torch.multinomial(probs, 1, generator=generator)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    # A dropped token scores -inf; a kept one a number (the noise is finite).
+    return (logits + noise).argmax(dim=-1, keepdim=True)
+
+
+def next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
+) -> torch.Tensor:
+    """Pick one next token from last-position logits (B, vocab) -> (B, 1), drawing
+    one row of noise now (generate draws it ahead, in blocks); see pick."""
+    noise = None
+    if temperature != 0:
+        noise = draw_noise(torch.empty(logits.size(0), 1, logits.size(-1), device=logits.device), generator)[:, 0]
+    return pick(logits, noise, temperature, top_k, top_p)
 
 
 # One-row matrix products as inductor reductions on CPU (inductor's pass for
@@ -76,12 +127,35 @@ def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
     return torch.compile(fn, options=CPU_DECODING_OPTIONS, fullgraph=True, dynamic=False)
 
 
+def decode_step(
+    model: GPT,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    cache: KVCache,
+    noise: torch.Tensor,
+    row: torch.Tensor,
+    temperature: float,
+    top_k: Optional[int],
+    top_p: Optional[float],
+) -> None:
+    """One whole cached decoding step on the device, sampling included: the token
+    (B, 1) at position pos (a one-element device tensor) goes through model.step;
+    the next token, sampled with noise row `row` (a one-element device tensor)
+    of the noise block (B, rows, vocab), replaces it in place, and pos and row
+    move on by one. Nothing is read back to the host, and the shapes never
+    change, so it compiles to one graph (one CUDA graph replay per token)."""
+    logits = model.step(token, pos, cache)
+    token.copy_(pick(logits, noise.index_select(1, row).squeeze(1), temperature, top_k, top_p))
+    pos.add_(1)
+    row.add_(1)
+
+
 def decoding_step(model: GPT, compile: bool = False) -> Callable:
-    """model.step, or a torch.compile of it (one graph, as its shapes never
+    """decode_step, or a torch.compile of it (one graph, as its shapes never
     change). Compiling takes seconds, so it pays only for long generations."""
     if not compile:
-        return model.step
-    return compile_for_decoding(model.step, next(model.parameters()).device)
+        return decode_step
+    return compile_for_decoding(decode_step, next(model.parameters()).device)
 
 
 @torch.inference_mode()
@@ -95,46 +169,88 @@ def generate(
     generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
     use_cache: bool = True,
     compile: bool = False,
+    chunk_tokens: int = CHUNK_TOKENS,
+    chunk_seconds: Optional[float] = CHUNK_SECONDS,
 ) -> Iterator[torch.Tensor]:
-    """Yield max_new_tokens new tokens, each (B, 1), continuing idx (B, T), T >= 1.
+    """Yield max_new_tokens new tokens continuing idx (B, T), T >= 1, in chunks
+    (B, n): the first token alone, as soon as it is sampled, then up to
+    chunk_tokens at a time, or fewer when chunk_seconds (None: no limit) have
+    passed since the last chunk. The host never waits for the device between
+    chunks: a caller that reads a chunk waits once for all of its tokens. The
+    chunks are views of one preallocated (B, max_new_tokens) tensor.
+
+    Sampling is the exponential race (pick) on Gumbel noise drawn ahead from
+    `generator` in blocks of noise_rows(vocab) tokens: token i always uses noise
+    row i, so the same generator state gives the same tokens with or without the
+    cache, compiled or not, whatever the chunks. With one generator per row of
+    idx, each row gets the tokens it would get alone.
 
     Without the cache the whole window is recomputed for every token; with it,
     the window is encoded once after each restart and each new token is one
-    fixed-shape `model.step` (compiled with compile=True). The rows of idx are
-    decoded as one batch; with one generator per row, each row gets the tokens
-    it would get alone. The model is in eval mode until the generator is
+    fixed-shape decode_step (compiled with compile=True), whose position is a
+    counter on the device. The model is in eval mode until the generator is
     exhausted or closed.
     """
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token of context")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    B, T = idx.shape
+    device = idx.device
     block_size = model.config.block_size
     keep = max(1, block_size // 2)  # tokens kept when the window restarts
-    window = idx[:, -block_size:]
+    rows = noise_rows(model.config.vocab_size)
+    noise = torch.empty(B, rows, model.config.vocab_size, device=device)
+    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     cache = step = None
     if use_cache:
         param = next(model.parameters())
-        cache = KVCache(model.config, idx.size(0), param.device, param.dtype)
+        cache = KVCache(model.config, B, param.device, param.dtype)
+        token = torch.zeros(B, 1, dtype=torch.long, device=device)  # the newest token, fed to the step
+        pos = torch.zeros(1, dtype=torch.long, device=device)  # its position in the window
+        row = torch.zeros(1, dtype=torch.long, device=device)  # the noise row of the token it samples
         step = decoding_step(model, compile)
-        if compile and param.device.type == "cuda":  # CUDA graphs may update the cache in place
-            for t in cache.k + cache.v:
+        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
+            for t in [*cache.k, *cache.v, token, pos, row, noise]:
                 torch._dynamo.mark_static_address(t)
+
+    def window(i: int, n: int) -> torch.Tensor:
+        """The last n tokens of the prompt followed by the first i new tokens."""
+        if n <= i:
+            return out[:, i - n : i]
+        return torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
+
     was_training = model.training
     model.eval()
     try:
+        n = min(T, block_size)  # tokens in the window
         refill = True  # the cache does not hold the window yet
-        for _ in range(max_new_tokens):
-            if cache is None:
-                logits = model(window)[0][:, -1]
-            elif refill:
-                logits = model(window, cache=cache)[0][:, -1]
+        start, last_chunk = 0, time.perf_counter()
+        for i in range(max_new_tokens):
+            r = i % rows
+            if r == 0 and temperature != 0:
+                draw_noise(noise, generator)
+            if cache is None or refill:
+                logits = model(window(i, n), cache=cache)[0][:, -1]
+                new = pick(logits, noise[:, r], temperature, top_k, top_p)
+                out[:, i : i + 1] = new
+                if cache is not None:
+                    token.copy_(new)
+                    pos.fill_(n)  # the new token's position: after the window's n
+                    row.fill_(r + 1)
             else:
-                pos = torch.tensor([window.size(1) - 1], device=window.device)
-                logits = step(token, pos, cache)  # the last token, the newest in the window
-            token = next_token(logits, temperature, top_k, top_p, generator)
-            yield token
-            window = torch.cat([window, token], dim=1)
-            refill = window.size(1) > block_size
+                if r == 0:
+                    row.zero_()
+                step(model, token, pos, cache, noise, row, temperature, top_k, top_p)
+                out[:, i : i + 1] = token
+            n += 1
+            refill = n > block_size
             if refill:
-                window = window[:, -keep:]
+                n = keep
+            now = time.perf_counter()
+            if (start == 0 or i + 1 - start >= chunk_tokens or i + 1 == max_new_tokens
+                    or (chunk_seconds is not None and now - last_chunk >= chunk_seconds)):
+                yield out[:, start : i + 1]
+                start, last_chunk = i + 1, time.perf_counter()
     finally:
         model.train(was_training)

@@ -17,9 +17,10 @@ usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=val
   seed=1337                 the same seed (and device) gives the same text; sample i uses seed + i - 1
   device=auto               auto (CUDA if available), cpu or cuda
   use_cache=true            key/value cache: one position's work per new character
-  compile=false             torch.compile the decoding step (CUDA graphs on GPUs; on CPU,
-                            one-row matmuls at memory speed): faster per character,
-                            but compiling takes seconds, so it pays for long texts
+  compile=auto              torch.compile the decoding step (CUDA graphs on GPUs; on CPU,
+                            one-row matmuls at memory speed): faster per character, but
+                            compiling takes seconds; auto: when max_new_tokens is long
+                            enough for it to pay on this device type; true or false
 
 The model and its vocabulary come from the snapshot alone. Only the text goes
 to stdout; logs and errors go to stderr. A bad value, snapshot or prompt ends
@@ -43,7 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.config import ConfigError, GPTConfig, TrainerConfig, check, check_seed, one_of
 from mingpt.data import CharTokenizer
-from mingpt.decoding import MIN_TEMPERATURE, generate
+from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
 from mingpt.distributed import pick_device, setup_logging
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, manager
@@ -73,7 +74,7 @@ class GenerateConfig:
     seed: int = 1337
     device: str = "auto"
     use_cache: bool = True
-    compile: bool = False
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
@@ -87,7 +88,9 @@ class GenerateConfig:
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
         check_seed(self.seed, "seed")
-        check(self.use_cache or not self.compile, "compile", "compiles the cached step: needs use_cache=true")
+        self.compile = str(self.compile).lower()  # `compile=true` arrives as the boolean True
+        one_of(self.compile, "compile", ("auto", "true", "false"))
+        check(self.use_cache or self.compile != "true", "compile", "compiles the cached step: needs use_cache=true")
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
@@ -196,11 +199,12 @@ def available_memory(device: torch.device) -> int:
 
 
 def bytes_per_sample(model: GPT, config: GenerateConfig, device: torch.device) -> int:
-    """What one more sample of a batch holds while decoding: its random stream, its
-    key/value cache, a window's largest activations (one layer's MLP and attention
-    scores, twice over), a few rows of logits, and its tokens (kept, then joined)."""
+    """What one more sample of a batch holds while decoding: its random stream and
+    the noise drawn ahead from it, its key/value cache, a window's largest
+    activations (one layer's MLP and attention scores, twice over), a few rows of
+    logits, and its tokens (kept, then joined)."""
     c, item = model.config, next(model.parameters()).element_size()
-    stream = len(torch.Generator(device).get_state())
+    stream = len(torch.Generator(device).get_state()) + noise_rows(c.vocab_size) * c.vocab_size * 4
     cache = 2 * c.n_layer * c.block_size * c.n_embd * item if config.use_cache else 0
     activations = 2 * c.block_size * (4 * c.n_embd + c.n_head * c.block_size) * 4
     return stream + cache + activations + 4 * c.vocab_size * 4 + 2 * 8 * config.max_new_tokens
@@ -227,16 +231,34 @@ def write(text: str) -> None:
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
+# compile=auto compiles the decoding step when a sample has at least this many new
+# characters on this device type: where compiling (PyTorch's compile caches warm, as for
+# a second invocation) costs less time than it saves. cpu: measured, one sample (a batch
+# gains too little there: never); cuda: estimated from the H100 figures of the decoding
+# before sampling moved to the device, to be measured again (BENCHMARKS.md).
+COMPILE_PAYS_AFTER = {"cpu": 1500, "cuda": 6000}
+
+
+def should_compile(config: GenerateConfig, device: torch.device) -> bool:
+    """compile=true or false as said; auto by the crossover of COMPILE_PAYS_AFTER."""
+    if config.compile != "auto":
+        return config.compile == "true"
+    if not config.use_cache or (device.type == "cpu" and config.num_samples > 1):
+        return False
+    return config.max_new_tokens >= COMPILE_PAYS_AFTER.get(device.type, math.inf)
+
+
 def run(config: GenerateConfig) -> None:
     device = pick_device(config.device, key="device")
     model, tokenizer, state = load_model(config.snapshot_path, device)
     prompt = read_prompt(config)
     idx = encode_prompt(prompt, tokenizer).to(device)
     check_fits(model, config, device)
+    compile = should_compile(config, device)
     log.info(
-        "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache",
+        "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s",
         config.snapshot_path, state.get("step", "?"), model.num_params() / 1e6, model.config.block_size,
-        device, "with" if config.use_cache else "without",
+        device, "with" if config.use_cache else "without", ", compiled step" if compile else "",
     )
     # One random stream per sample, so sample i is the text of a one-sample run with seed + i - 1.
     generators = [torch.Generator(device).manual_seed(config.seed + i) for i in range(config.num_samples)]
@@ -245,11 +267,12 @@ def run(config: GenerateConfig) -> None:
     last, started = prompt[-1:], time.perf_counter()
     rest = []  # the tokens of samples 2.., printed when sample 1 is complete
     tokens = generate(model, idx.expand(config.num_samples, -1), config.max_new_tokens, config.temperature,
-                      config.top_k, config.top_p, generators, config.use_cache, config.compile)
-    for token in tokens:
-        last = tokenizer.chars[token[0].item()]
-        write(last)
-        rest.append(token[1:])
+                      config.top_k, config.top_p, generators, config.use_cache, compile)
+    for chunk in tokens:  # the first character alone, then chunks (one wait for the device each)
+        text = tokenizer.decode(chunk[0].tolist())
+        write(text)
+        last = text[-1]
+        rest.append(chunk[1:])
     if last != "\n":
         write("\n")
     for i, new in enumerate(torch.cat(rest, dim=1).tolist() if rest else [[]] * (config.num_samples - 1), 2):

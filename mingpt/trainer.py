@@ -503,12 +503,15 @@ class Trainer:
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed + self.progress.step)
         idx = tok.encode(prompt).long()[None].to(self.device)
         tokens = []
+        # Chunks by count alone (no time limit), so that a sharded model's ranks look
+        # for a stop request at the same tokens.
         with contextlib.closing(generate(self.raw_model, idx, n_chars, temperature=1.0, top_k=None,
-                                         generator=generator)) as new:
-            for token in new:
-                if stoppable and len(tokens) % STOP_CHECK_EVERY == 0 and self._stop_requested_in_sample():
+                                         generator=generator, chunk_tokens=STOP_CHECK_EVERY,
+                                         chunk_seconds=None)) as new:
+            for chunk in new:
+                if stoppable and self._stop_requested_in_sample():
                     return None
-                tokens.append(token)
+                tokens.append(chunk)
         return prompt + tok.decode(torch.cat(tokens, dim=1)[0].tolist()) if tokens else prompt
 
     def _stop_requested_in_sample(self) -> bool:

@@ -20,6 +20,7 @@ SMOKE = {
     "bench_comm.py": (2, [*MODEL, "data_config.path=DATA", "trainer_config.snapshot_path=TMP/s.pt"]),
     "bench_data.py": (1, ["--size-mb", "1", "--nproc", "1", "--dir", "TMP"]),
     "bench_memory.py": (1, ["--steps", "1", *MODEL, "data_config.path=DATA"]),
+    "bench_decode_overhead.py": (1, ["--tokens", "3", "--rounds", "1", "--no-compile"]),
     "bench_generate.py": (1, ["--max-new-tokens", "3", "--rounds", "1", "--threads", "1", "--no-compile",
                               "--no-uncached"]),
     "bench_parallel.py": (1, ["--world", "1", "--steps", "1", *MODEL, "data_config.path=DATA"]),

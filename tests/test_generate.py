@@ -1,6 +1,7 @@
 """Text generation: the CLI on a snapshot from a real tiny training run, the
 key/value cache (eager and compiled) against full recomputation, batched
-samples, the sampling filters, bad input."""
+samples, sampling on the device (the noise drawn ahead, the chunks streamed,
+the distribution), the sampling filters, bad input."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import pytest
 import torch
 from conftest import TINY, child_env, run_dir_of, run_main
 
-from mingpt.decoding import generate, next_token
-from mingpt.generate import load_model
+from mingpt.config import GPTConfig
+from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
+from mingpt.model import GPT
+from mingpt.generate import COMPILE_PAYS_AFTER, load_model, parse_args, should_compile
 
 
 TRAIN_ARGS = TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",
@@ -76,7 +79,7 @@ def test_text_streams_while_it_is_generated(workdir, snapshot):
     env = child_env()
     env.pop("PYTHONUNBUFFERED", None)
     proc = subprocess.Popen(
-        generate_cmd([f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=6000"]),
+        generate_cmd([f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=6000", "compile=false"]),
         cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
     try:
@@ -135,6 +138,122 @@ def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread):
         assert len({tuple(row) for row in alone}) == 3
 
 
+# ------------------------------------------------- sampling on the device, chunks
+
+
+@pytest.fixture(scope="module")
+def random_model() -> GPT:
+    """An untrained model: near-uniform logits, so sampled texts differ from seed to seed."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16, dropout=0.0)).eval()
+
+
+def chunks(model, n, seed, idx=None, **kwargs) -> list[torch.Tensor]:
+    idx = torch.zeros(1, 1, dtype=torch.long) if idx is None else idx
+    return list(generate(model, idx, n, generator=torch.Generator().manual_seed(seed), **kwargs))
+
+
+def test_a_seed_fixes_the_tokens_whatever_the_path_and_the_chunks(random_model, one_thread):
+    """Token i always takes noise row i: the cache, full recomputation and any chunking
+    give the same tokens, past block_size and past a block of drawn noise."""
+    n = noise_rows(65) + 40  # a second block of noise, several window restarts
+    reference = torch.cat(chunks(random_model, n, 5), dim=1)
+    assert reference.shape == (1, n)
+    for kwargs in ({"use_cache": False}, {"chunk_tokens": 1}, {"chunk_tokens": 7, "chunk_seconds": None},
+                   {"chunk_seconds": 0.0}, {"use_cache": False, "chunk_tokens": 1000, "chunk_seconds": None}):
+        assert torch.equal(torch.cat(chunks(random_model, n, 5, **kwargs), dim=1), reference), kwargs
+    # A shorter generation is the start of the longer one.
+    assert torch.equal(torch.cat(chunks(random_model, 30, 5), dim=1), reference[:, :30])
+    others = {tuple(torch.cat(chunks(random_model, 40, seed), dim=1)[0].tolist()) for seed in (6, 7, 8)}
+    assert len(others | {tuple(reference[0, :40].tolist())}) == 4  # different seeds, different texts
+
+
+def test_the_first_token_comes_alone_then_chunks(random_model, one_thread):
+    """The first token is handed out as soon as it is sampled (one forward pass so far),
+    the rest in chunks of chunk_tokens, views of one preallocated tensor."""
+    calls = []
+    hook = random_model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        tokens = generate(random_model, torch.zeros(2, 3, dtype=torch.long), 50,
+                          generator=torch.Generator().manual_seed(0), chunk_tokens=16, chunk_seconds=None)
+        first = next(tokens)
+        assert first.shape == (2, 1) and len(calls) == 1
+        rest = list(tokens)
+    finally:
+        hook.remove()
+    assert [c.shape for c in rest] == [(2, 16)] * 3 + [(2, 1)]
+    assert len(calls) == 50
+    assert all(c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for c in rest)
+    assert list(generate(random_model, torch.zeros(1, 1, dtype=torch.long), 0)) == []
+
+
+def test_top_k_holds_at_every_generated_token(random_model, one_thread):
+    """Each token is among the top_k most likely after the text before it (within one
+    window, so one forward pass of the whole text gives every step's logits)."""
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    for top_k in (1, 3):
+        new = torch.cat(chunks(random_model, 15, 2, idx=idx, top_k=top_k, temperature=3.0), dim=1)
+        text = torch.cat([idx, new], dim=1)
+        with torch.no_grad():
+            logits = random_model(text[:, :-1])[0][0]
+        allowed = logits.topk(top_k, dim=-1).indices
+        assert all(token in allowed[i] for i, token in enumerate(new[0].tolist())), top_k
+    assert len(set(new[0].tolist())) > 1  # at temperature 3, top 3 of near-uniform logits: not one token
+
+
+def frequencies(logits: list[float], n: int = 40_000, seed: int = 1, **kwargs) -> torch.Tensor:
+    """Token frequencies of n draws from one row of logits (noise from a fixed seed)."""
+    noise = draw_noise(torch.empty(n, 1, len(logits)), torch.Generator().manual_seed(seed))[:, 0]
+    drawn = pick(torch.tensor([logits]).expand(n, -1), noise, **kwargs)[:, 0]
+    return torch.bincount(drawn, minlength=len(logits)).double() / n
+
+
+def chi_square(freq: torch.Tensor, probs: torch.Tensor, n: int = 40_000) -> float:
+    kept = probs > 0
+    assert (freq[~kept] == 0).all()  # a token of probability 0 is never drawn
+    return float(n * ((freq[kept] - probs[kept]) ** 2 / probs[kept]).sum())
+
+
+def test_the_exponential_race_samples_the_softmax():
+    """The frequencies over 40,000 draws match the tempered, filtered softmax: a
+    chi-square far below the 1e-6 tail of its distribution (about 36 for 5 degrees
+    of freedom), and 50 times above what a wrong distribution gives."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=torch.float64)
+    logits = probs.log().tolist()
+    cases = {  # settings -> the distribution they sample
+        (): probs,
+        (("temperature", 2.0),): probs.sqrt() / probs.sqrt().sum(),
+        (("temperature", 0.5),): probs**2 / (probs**2).sum(),
+        (("top_k", 3),): torch.cat([probs[:3], torch.zeros(3, dtype=torch.float64)]) / probs[:3].sum(),
+        (("top_p", 0.7),): torch.cat([probs[:3], torch.zeros(3, dtype=torch.float64)]) / probs[:3].sum(),
+    }
+    for settings, expected in cases.items():
+        freq = frequencies(logits, **dict(settings))
+        assert chi_square(freq, expected) < 36, settings
+        if not settings:
+            assert chi_square(freq, torch.full_like(probs, 1 / 6)) > 1800  # the test can tell
+
+
+def test_compile_auto_compiles_where_it_pays():
+    """compile=auto (the default): the step is compiled for a text long enough for
+    compiling to pay on the device type, one sample on CPU; true and false as said."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def compiles(device, *args):
+        return should_compile(parse_args(list(args)), device)
+
+    assert parse_args([]).compile == "auto"
+    for device in (cpu, cuda):
+        long_enough = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type]}"
+        shorter = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type] - 1}"
+        assert compiles(device, long_enough) and not compiles(device, shorter)
+        assert not compiles(device, long_enough, "use_cache=false")
+        assert compiles(device, shorter, "compile=true") and not compiles(device, long_enough, "compile=false")
+    assert not compiles(cpu, "max_new_tokens=100000", "num_samples=2")  # a batch on CPU gains too little
+    assert compiles(cuda, "max_new_tokens=100000", "num_samples=2")
+    assert parse_args(["compile=True"]).compile == "true"
+
+
 # ---------------------------------------------------------------- the filters
 
 
@@ -171,6 +290,7 @@ BAD_SETTINGS = {  # override -> the key the error must name
     "max_new_tokens=-1": "max_new_tokens",
     "num_samples=0": "num_samples",
     "use_cache=false compile=true": "compile",
+    "compile=maybe": "compile",
     "top_k=many": "top_k",  # wrong type
     "temprature=0.5": "temprature",  # unknown key
     "temperature=1e-42": "temperature",  # logits / 1e-42 would be inf, their softmax nan
