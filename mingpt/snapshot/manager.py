@@ -3,7 +3,8 @@
 One object over the run's stateful parts (model, optimizer, gradient scaler,
 comm hook, progress). The format is chosen once, here, by `parallelism`:
 `ddp`, one file that rank 0 writes (single_file.py: weights, AdamW's and the
-scaler's state, the comm hook's per-rank state gathered to rank 0); `fsdp`,
+scaler's state, the comm hook's per-rank state gathered to rank 0), in the
+background by default (background.py, one save in flight for both formats); `fsdp`,
 sharded snapshots that every rank writes its shards of, asynchronously by
 default, loadable into any world size (sharded.py). Both hold the progress,
 the configs, the vocabulary and the world size that wrote them, and are
@@ -106,7 +107,8 @@ class Snapshot:
 
             self.format = sharded.ShardedFormat(path, model, optimizer, scaler, cfg.keep_snapshots, cfg.async_save)
         else:
-            self.format = single_file.SingleFileFormat(path, model, optimizer, scaler, comm, dist_info.is_main_process)
+            self.format = single_file.SingleFileFormat(path, model, optimizer, scaler, comm, dist_info.is_main_process,
+                                                       cfg.async_save)
 
     @property
     def comm_state(self) -> dict[str, Any] | None:
@@ -160,7 +162,8 @@ class Snapshot:
             raise NotFinite("the weights are not finite")
 
     def wait(self) -> None:
-        """Wait for a save still being written (sharded, asynchronous); raise its StorageError."""
+        """Wait for a save still being written in the background (either format, with
+        async_save); raise its StorageError, on every rank."""
         self.format.wait()
 
     def restore(self) -> Progress | None:
