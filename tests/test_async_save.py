@@ -4,6 +4,7 @@ after it; a failed write is raised at the next wait, on every rank, as one line.
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from conftest import TINY, run_torchrun
 from mingpt.comm_hooks import CommHook
 from mingpt.snapshot import background, single_file
+from mingpt.snapshot.manager import all_finite
 from mingpt.storage import StorageError
 
 
@@ -94,3 +96,14 @@ def test_a_failed_background_save_stops_every_rank_with_one_line(tmp_path, small
     reported = re.findall(rf"^  traceback : ({re.escape(line)})$", proc.stderr, re.M)
     assert max(len(printed), len(reported)) == 2, proc.stderr[-3000:]
     assert not snapshot.exists() and not list(small_disk.glob("snapshot.pt.tmp-*"))
+
+
+def test_the_finiteness_check_before_a_save_is_exact():
+    """A sum that overflows is not taken for a non-finite weight; a nan or an inf anywhere is found."""
+    big = torch.full((4,), 3e38)  # finite, but its sum overflows float32
+    assert all_finite([torch.ones(3, dtype=torch.float16), big, torch.arange(3), torch.ones(0), torch.ones(2).double()])
+    for bad in (math.nan, math.inf, -math.inf):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            weights = torch.ones(1000, dtype=dtype)
+            weights[517] = bad
+            assert not all_finite([torch.ones(3), weights])

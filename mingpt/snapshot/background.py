@@ -59,6 +59,11 @@ _executor: Optional[ThreadPoolExecutor] = None
 _lock = threading.Lock()
 
 
+def pending() -> SaveHandle:
+    """The save in flight, or a handle that is done if there is none."""
+    return _pending or SaveHandle("")
+
+
 def wait_pending() -> Optional[str]:
     """Wait for the asynchronous save in flight, if any; return its target or
     raise its StorageError (once: the handle is then forgotten)."""
