@@ -37,6 +37,7 @@ from mingpt.optim import create_optimizer, lr_at
 from mingpt.rundir import check_record
 from mingpt.snapshot.manager import NotFinite, Progress, Snapshot, find_best, resolve_path
 from mingpt.stopping import StepFlags
+from mingpt.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +196,20 @@ class Trainer:
         except stopping.Stopped:
             status = "KILLED"  # stopped by a signal, after a snapshot: a resume continues it
             raise
+        except Exception:
+            self._finish_save_in_flight()
+            raise
         finally:
             self.metrics.close(status)
+
+    def _finish_save_in_flight(self) -> None:
+        """On the way out with an error: a save still being written in the background
+        is completed (its atomic publication included) before the process leaves; its
+        own failure is logged, and the error on the way out is the one given."""
+        try:
+            self.snapshot.wait()
+        except StorageError as e:
+            log.warning("%s", e)
 
     def _shown_snapshot_path(self) -> str:
         """The snapshot's path as typed from the directory the run started in, where it is inside."""

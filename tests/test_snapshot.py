@@ -292,14 +292,16 @@ def test_corpus_changes_name_each_file():
 # ------------------------------------------------------------- saving safely
 
 
-def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "background"])
+def test_killed_save_leaves_previous_snapshot_intact(tmp_path, mode):
     path = tmp_path / "snapshot.pt"
     previous = {"model_state": {"w": torch.arange(10.0)}, "optimizer_state": {}, "gpt_config": {}, "vocab": "ab",
                 "epoch": 0, "samples_in_epoch": 0, "step": 1}
     single_file.save(previous, str(path))
     before = path.read_bytes()
     # The writer saves 200 MB over and over; it is killed as soon as a temporary file appears.
-    writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200"],
+    writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200",
+                               *(["background"] if mode == "background" else [])],
                               env=child_env(), stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60

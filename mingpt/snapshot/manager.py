@@ -3,7 +3,8 @@
 One object over the run's stateful parts (model, optimizer, gradient scaler,
 comm hook, progress). The format is chosen once, here, by `parallelism`:
 `ddp`, one file that rank 0 writes (single_file.py: weights, AdamW's and the
-scaler's state, the comm hook's per-rank state gathered to rank 0); `fsdp`,
+scaler's state, the comm hook's per-rank state gathered to rank 0), in the
+background by default (background.py, one save in flight for both formats); `fsdp`,
 sharded snapshots that every rank writes its shards of, asynchronously by
 default, loadable into any world size (sharded.py). Both hold the progress,
 the configs, the vocabulary, the world size that wrote them and the
@@ -114,6 +115,20 @@ def read_meta(path: str) -> dict[str, Any]:
     return {key: value for key, value in state.items() if key not in ("model_state", "optimizer_state")}
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite, in one pass over each
+    without allocating (a part of every save's stall): a sum is finite only if
+    every element is, so only a sum that is not (a nan or inf inside, or an
+    overflow of finite values) is looked at element by element. One host sync per device."""
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            sums.setdefault(t.device, []).append(t.sum(dtype=torch.float32))
+    if all(bool(torch.stack(found).isfinite().all()) for found in sums.values()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 class Snapshot:
     def __init__(self, config: Config, dist_info: DistInfo, path: str, vocab: str, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, comm: CommHook,
@@ -130,7 +145,8 @@ class Snapshot:
 
             self.format = sharded.ShardedFormat(path, model, optimizer, scaler, cfg.keep_snapshots, cfg.async_save)
         else:
-            self.format = single_file.SingleFileFormat(path, model, optimizer, scaler, comm, dist_info.is_main_process)
+            self.format = single_file.SingleFileFormat(path, model, optimizer, scaler, comm, dist_info.is_main_process,
+                                                       cfg.async_save)
 
     @property
     def comm_state(self) -> dict[str, Any] | None:
@@ -176,17 +192,13 @@ class Snapshot:
 
     def _check_finite(self, tensors) -> None:
         """All ranks agree: with FSDP each holds other shards."""
-        bad = 0
-        for t in tensors:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            if not torch.isfinite(local).all():
-                bad = 1
-                break
+        bad = int(not all_finite([t.to_local() if hasattr(t, "to_local") else t for t in tensors]))
         if all_max(self.dist, [bad])[0]:
             raise NotFinite("the weights are not finite")
 
     def wait(self) -> None:
-        """Wait for a save still being written (sharded, asynchronous); raise its StorageError."""
+        """Wait for a save still being written in the background (either format, with
+        async_save); raise its StorageError, on every rank."""
         self.format.wait()
 
     def restore(self) -> Progress | None:

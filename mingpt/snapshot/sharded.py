@@ -55,7 +55,6 @@ import re
 import threading
 import traceback
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -67,7 +66,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from mingpt import storage
-from mingpt.snapshot import SnapshotError, single_file
+from mingpt.snapshot import SnapshotError, background, single_file
 from mingpt.storage import StorageError, reason, storage_errors
 
 log = logging.getLogger(__name__)
@@ -224,22 +223,9 @@ def _sha256(fs, path: str) -> tuple[int, str]:
 
 # ---------------------------------------------------------------- process groups
 
-# (id of the default group, ranks) -> (the default group, the gloo group). Holding
-# the default group keeps its id from being reused by a later process group.
-_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, dist.ProcessGroup]] = {}
-
-
-def _checkpoint_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A gloo group over `group`'s ranks for the snapshot's own collectives
-    (DCP's background thread must not share the training group), created once
-    per process group; None without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.group.WORLD
-    key = (id(world), tuple(dist.get_process_group_ranks(group or world)))
-    if key not in _groups:
-        _groups[key] = (world, dist.new_group(ranks=list(key[1]), backend="gloo"))
-    return _groups[key][1]
+# The snapshot's own gloo group and its broadcast, shared with the single-file format's background saves.
+_checkpoint_group = background.checkpoint_group
+_broadcast = background.broadcast
 
 
 def _rank(pg) -> int:
@@ -248,14 +234,6 @@ def _rank(pg) -> int:
 
 def _world(pg) -> int:
     return dist.get_world_size(pg) if pg is not None else 1
-
-
-def _broadcast(value: Any, pg) -> Any:
-    if pg is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-    return box[0]
 
 
 def _gather(value: Any, pg) -> list[Any]:
@@ -323,30 +301,8 @@ class _Writer(FsspecWriter):
         return _dcp_reason(error)
 
 
-class SaveHandle:
-    """A save in progress (asynchronous) or done. `wait()` returns the published
-    directory, or raises StorageError on every rank if the save failed."""
-
-    def __init__(self, directory: str, future: Optional[Future] = None, error: Optional[str] = None):
-        self.directory, self._future, self._error = directory, future, error
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def wait(self) -> str:
-        global _pending
-        if _pending is self:  # its outcome is given here: wait_pending() does not give it again
-            _pending = None
-        if self._future is not None:
-            self._error = self._future.result()
-            self._future = None
-        if self._error:
-            raise StorageError(self._error)
-        return self.directory
-
-
-_pending: Optional[SaveHandle] = None
-_executor: Optional[ThreadPoolExecutor] = None
+SaveHandle = background.SaveHandle  # one concept of a save in flight for both formats
+wait_pending = background.wait_pending
 _stagers: dict[bool, DefaultStager] = {}
 _lock = threading.Lock()
 
@@ -370,14 +326,6 @@ def _on_gpu(flat: dict[str, Any]) -> bool:
     return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in flat.values())
 
 
-def wait_pending() -> Optional[str]:
-    """Wait for the asynchronous save in flight, if any; return its directory or
-    raise its StorageError (once: the handle is then forgotten)."""
-    global _pending
-    handle, _pending = _pending, None
-    return handle.wait() if handle is not None else None
-
-
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
          async_save: bool = True, group: Optional[dist.ProcessGroup] = None) -> SaveHandle:
     """Save `tensors` (each rank its shards) and `meta` (rank 0's) as a new
@@ -385,7 +333,6 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     Called by every rank. Synchronous: returns when published (or raises
     StorageError). Asynchronous: returns when the state is copied; the handle
     (also reached by wait_pending()) gives the outcome."""
-    global _pending, _executor
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     wait_pending()  # one save at a time; the previous one's error surfaces here
@@ -440,11 +387,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         except BaseException as e:  # never lost: the handle reports it
             return f"cannot save sharded snapshot {directory}: {reason(e)}"
 
-    with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
-    _pending = SaveHandle(directory, _executor.submit(complete))
-    return _pending
+    return background.submit(directory, complete)
 
 
 def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],

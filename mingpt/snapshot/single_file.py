@@ -11,6 +11,7 @@ archive stores for each record, so a flipped bit anywhere is caught, not loaded.
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import re
 import struct
@@ -21,9 +22,11 @@ from typing import Any, Callable
 import torch
 
 from mingpt import storage
-from mingpt.snapshot import SnapshotError
+from mingpt.snapshot import SnapshotError, background
 from mingpt.storage import StorageError, reason, storage_errors
 
+
+log = logging.getLogger(__name__)
 
 # What every mingpt snapshot holds (the trainer writes more).
 REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", "epoch", "samples_in_epoch", "step")
@@ -155,29 +158,66 @@ def load(path: str) -> dict[str, Any]:
 
 class SingleFileFormat:
     """The run's snapshot as one file (mingpt/snapshot/manager.py chooses it):
-    the comm hook's per-rank state is gathered to rank 0, which writes."""
+    the comm hook's per-rank state is gathered to rank 0, which writes.
 
-    background = False  # saves are complete when save returns
+    With `async_save` (`background`), a save returns once rank 0 has copied the
+    state to CPU memory (background.Staging: pinned for a state on a GPU, kept
+    for the next save); the write, its atomic publication and the integrity of
+    the file are those of a synchronous save, on the snapshot thread
+    (mingpt/snapshot/background.py), after which rank 0 broadcasts the outcome
+    to every rank on the snapshot's gloo group, so a failed write is raised on
+    every rank at the next wait (the next save, a stop, the end of the run).
+    The best weights (save_best) are written synchronously, after any save in flight."""
 
     def __init__(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, comm: Any, is_main_process: bool):
+                 scaler: torch.amp.GradScaler, comm: Any, is_main_process: bool, async_save: bool = False):
         self.path, self.model, self.optimizer, self.scaler, self.comm = path, model, optimizer, scaler, comm
-        self.is_main_process = is_main_process
+        self.is_main_process, self.background = is_main_process, async_save
         self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
+        self._staging = background.Staging() if async_save and is_main_process else None
 
     def exists(self) -> bool:
         return storage.exists(self.path)
 
     def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
+        background.wait_pending()  # one save at a time; the previous one's error surfaces here, on every rank
         model_state = self.comm.model_state(self.model)
         check_finite(model_state.values())
         comm_state = self.comm.state_dict(self.model, self.optimizer, self.scaler)
+        state = None
         if self.is_main_process:
-            save({"model_state": model_state, "comm_hook": comm_state, "optimizer_state": self.optimizer.state_dict(),
-                  "scaler_state": self.scaler.state_dict(), **meta}, self.path)
+            state = {"model_state": model_state, "comm_hook": comm_state, "optimizer_state": self.optimizer.state_dict(),
+                     "scaler_state": self.scaler.state_dict(), **meta}
+        if not self.background:
+            if state is not None:
+                save(state, self.path)
+            return
+        pg = background.checkpoint_group()  # every rank: created at the first save
+        if state is not None:
+            state = self._staging.copy(state)  # what training waits for
+        path = self.path
+
+        def write() -> str | None:
+            error = None
+            if state is not None:
+                try:
+                    save(state, path)
+                except StorageError as e:
+                    error = str(e)
+                except Exception as e:  # anything else: still one line on every rank, no rank left waiting
+                    error = f"cannot save snapshot {path}: {type(e).__name__}: {reason(e)}"
+                else:
+                    log.info("wrote snapshot %s at step %d in the background", path, step)
+            try:
+                return background.broadcast(error, pg)
+            except BaseException as e:  # never lost: the handle reports it
+                return error or f"cannot save snapshot {path}: {reason(e)}"
+
+        background.submit(path, write)
 
     def save_best(self, meta: dict[str, Any], path: str, step: int, check_finite: Callable) -> None:
-        """The weights alone (an empty optimizer state) at `path` (Snapshot.save_best)."""
+        """The weights alone (an empty optimizer state) at `path` (Snapshot.save_best); synchronous."""
+        background.wait_pending()
         model_state = self.comm.model_state(self.model)
         check_finite(model_state.values())
         if self.is_main_process:
@@ -185,6 +225,7 @@ class SingleFileFormat:
 
     def load(self, check_fits: Callable) -> dict[str, Any]:
         """Into the model and optimizer, before DDP wraps the model."""
+        background.wait_pending()
         state = load(self.path)
         check_fits(state)
         try:
@@ -195,5 +236,6 @@ class SingleFileFormat:
         self.comm_state = state.get("comm_hook")  # per rank: restored once DDP has wrapped the model
         return state
 
-    def wait(self) -> None:  # nothing in flight: saves are synchronous
-        pass
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its StorageError on every rank."""
+        background.wait_pending()

@@ -1,0 +1,156 @@
+"""Saves written in the background, for both snapshot formats: the one save in flight.
+
+A format that saves asynchronously copies the state it saves (training goes on
+changing the model in place), then hands the write to `submit`, which runs it
+on the process's one snapshot thread and returns a SaveHandle. At most one
+save is in flight: every save, and everything that must see a save complete
+(the end of a run, a stop by signal, a load), first calls `wait_pending()`.
+
+Every rank submits its part of each save, and the part ends with a collective
+on a gloo group of the snapshot's own (`checkpoint_group`: the background
+thread must not share the training group's collectives), whose outcome is the
+same on every rank: an error met by one rank (rank 0's write of a single-file
+snapshot, any rank's shards) is raised by `wait()` on every rank, as one
+StorageError line. This module imports no Distributed Checkpoint (a `ddp` run
+never pays for its import).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from mingpt.storage import StorageError
+
+
+class SaveHandle:
+    """A save in progress (asynchronous) or done. `wait()` returns what was saved
+    (a file, a published directory), or raises StorageError on every rank if the
+    save failed."""
+
+    def __init__(self, target: str, future: Optional[Future] = None, error: Optional[str] = None):
+        self.target, self._future, self._error = target, future, error
+
+    @property
+    def directory(self) -> str:  # a sharded save's name for its target
+        return self.target
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self) -> str:
+        global _pending
+        if _pending is self:  # its outcome is given here: wait_pending() does not give it again
+            _pending = None
+        if self._future is not None:
+            self._error = self._future.result()
+            self._future = None
+        if self._error:
+            raise StorageError(self._error)
+        return self.target
+
+
+_pending: Optional[SaveHandle] = None
+_executor: Optional[ThreadPoolExecutor] = None
+_lock = threading.Lock()
+
+
+def pending() -> SaveHandle:
+    """The save in flight, or a handle that is done if there is none."""
+    return _pending or SaveHandle("")
+
+
+def wait_pending() -> Optional[str]:
+    """Wait for the asynchronous save in flight, if any; return its target or
+    raise its StorageError (once: the handle is then forgotten)."""
+    global _pending
+    handle, _pending = _pending, None
+    return handle.wait() if handle is not None else None
+
+
+def submit(target: str, write: Callable[[], Optional[str]]) -> SaveHandle:
+    """Run `write` (which returns its error as one line, the same on every rank, or
+    None; it must not raise) on the snapshot thread, after any save in flight:
+    the save in flight from now on. Called after wait_pending()."""
+    global _pending, _executor
+    wait_pending()
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
+    _pending = SaveHandle(target, _executor.submit(write))
+    return _pending
+
+
+# ---------------------------------------------------------------- the snapshot's process group
+
+# (id of the default group, ranks) -> (the default group, the gloo group). Holding
+# the default group keeps its id from being reused by a later process group.
+_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, dist.ProcessGroup]] = {}
+
+
+def checkpoint_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
+    """A gloo group over `group`'s ranks for the snapshot's own collectives
+    (the background thread must not share the training group), created once
+    per process group (every rank of it calls this); None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    key = (id(world), tuple(dist.get_process_group_ranks(group or world)))
+    if key not in _groups:
+        _groups[key] = (world, dist.new_group(ranks=list(key[1]), backend="gloo"))
+    return _groups[key][1]
+
+
+def broadcast(value: Any, pg: Optional[dist.ProcessGroup]) -> Any:
+    """`value` as `pg`'s first rank has it, on every rank of `pg` (itself without a group)."""
+    if pg is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    return box[0]
+
+
+# ---------------------------------------------------------------- copies of the state
+
+
+class Staging:
+    """A CPU copy of a state (nested dicts, lists and tuples of tensors and plain
+    values) to write while training changes the original: every tensor is copied;
+    the rest is kept as it is (plain values are not changed in place). The copies
+    are kept and refilled in place by the next `copy` of a state of the same
+    layout, so a save after the first costs a copy and no allocation (a copy is
+    never in use by two saves: each waits for the one before). A tensor on a GPU
+    is copied into pinned memory, all of them without blocking, then one sync."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, tuple[torch.Tensor, bool]] = {}  # where in the state -> (copy, pinned)
+
+    def copy(self, tree: Any) -> Any:
+        kept: dict[tuple, tuple[torch.Tensor, bool]] = {}
+        cuda: set[torch.device] = set()
+
+        def walk(node: Any, path: tuple) -> Any:
+            if isinstance(node, torch.Tensor):
+                gpu = node.device.type == "cuda"
+                buffer, pinned = self._buffers.get(path, (None, False))
+                if buffer is None or buffer.shape != node.shape or buffer.dtype != node.dtype or pinned != gpu:
+                    buffer = torch.empty(node.shape, dtype=node.dtype, pin_memory=gpu)
+                if gpu:
+                    cuda.add(node.device)
+                kept[path] = (buffer, gpu)
+                return buffer.copy_(node.detach(), non_blocking=gpu)
+            if isinstance(node, dict):
+                return {k: walk(v, (*path, k)) for k, v in node.items()}
+            if isinstance(node, (list, tuple)):
+                return type(node)(walk(v, (*path, i)) for i, v in enumerate(node))
+            return node
+
+        copied = walk(tree, ())
+        for device in cuda:  # the copies were queued on each device's current stream
+            torch.cuda.current_stream(device).synchronize()
+        self._buffers = kept
+        return copied

@@ -1,0 +1,109 @@
+"""Single-file snapshots written in the background (trainer_config.async_save with
+`parallelism=ddp`): the file holds the state at the call, whatever training does
+after it; a failed write is raised at the next wait, on every rank, as one line."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from conftest import TINY, run_torchrun
+from mingpt.comm_hooks import CommHook
+from mingpt.snapshot import background, single_file
+from mingpt.snapshot.manager import all_finite
+from mingpt.storage import StorageError
+
+
+def trained(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A linear layer and its AdamW after one step: both moments exist."""
+    model = torch.nn.Linear(width, width)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, width)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def file_format(path: str, width: int) -> single_file.SingleFileFormat:
+    model, optimizer = trained(width)
+    return single_file.SingleFileFormat(path, model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                                        CommHook(), is_main_process=True, async_save=True)
+
+
+META = {"gpt_config": {}, "vocab": "ab", "epoch": 0, "samples_in_epoch": 0}
+
+
+def test_the_file_holds_the_state_at_the_call_not_what_training_did_next(tmp_path):
+    path = str(tmp_path / "snapshot.pt")
+    fmt = file_format(path, 64)
+    weight = fmt.model.weight.detach().clone()
+    moment = fmt.optimizer.state[fmt.model.weight]["exp_avg"].clone()
+    fmt.save({**META, "step": 1}, 1, lambda tensors: None)
+    with torch.no_grad():  # training goes on in place while the file is written
+        fmt.model.weight.add_(1.0)
+        fmt.optimizer.state[fmt.model.weight]["exp_avg"].mul_(0.0)
+    assert background.wait_pending() == path
+    saved = single_file.load(path)
+    assert torch.equal(saved["model_state"]["weight"], weight) and saved["step"] == 1
+    assert torch.equal(saved["optimizer_state"]["state"][0]["exp_avg"], moment)
+    # The next save refills the same CPU copies in place: a copy, no allocation.
+    staging = background.Staging()
+    first = staging.copy({"w": fmt.model.weight, "plain": [1, "a"]})
+    second = staging.copy({"w": fmt.model.weight, "plain": [1, "a"]})
+    assert second["w"].data_ptr() == first["w"].data_ptr() != fmt.model.weight.data_ptr()
+    assert second["plain"] == [1, "a"]
+
+
+def test_a_full_disk_in_the_background_is_raised_at_the_next_wait(small_disk):
+    """A 256 KB tmpfs: the first snapshot fits; the second (a 300x300 layer and its
+    moments, 1 MB) does not. Its error comes at the wait, once, and the file before is kept."""
+    path = str(small_disk / "snapshot.pt")
+    small, big = file_format(path, 8), file_format(path, 300)
+    small.save({**META, "step": 1}, 1, lambda tensors: None)
+    small.wait()
+    before = (small_disk / "snapshot.pt").read_bytes()
+    big.save({**META, "step": 2}, 2, lambda tensors: None)  # returns: the write goes on in the background
+    with pytest.raises(StorageError) as failed:
+        big.wait()
+    assert str(failed.value) == (f"cannot save snapshot {path}: [Errno 28] No space left on device; "
+                                 "the file there before is unchanged")
+    assert (small_disk / "snapshot.pt").read_bytes() == before and single_file.load(path)["step"] == 1
+    assert not list(small_disk.glob("snapshot.pt.tmp-*"))
+    assert background.wait_pending() is None  # given once
+    small.save({**META, "step": 3}, 3, lambda tensors: None)  # the next save goes on
+    small.wait()
+    assert single_file.load(path)["step"] == 3
+
+
+def test_a_failed_background_save_stops_every_rank_with_one_line(tmp_path, small_corpus, small_disk):
+    """Two DDP ranks save at step 5 to a 256 KB tmpfs, too small for the tiny model's
+    snapshot: rank 0's write fails in the background, and the next wait (the end of
+    the run) stops both ranks with the same line and a non-zero exit."""
+    snapshot = small_disk / "snapshot.pt"
+    args = [*TINY, "trainer_config.sample_chars=0", f"data_config.path={small_corpus}",
+            f"trainer_config.snapshot_path={snapshot}", "trainer_config.save_every_steps=5",
+            "trainer_config.max_steps=8", "trainer_config.log_every=100"]
+    proc = run_torchrun(2, args, tmp_path)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert re.search(r"saved snapshot \S+ at step 5 in [\d.]+ s \(writing on in the background\)", proc.stderr)
+    line = f"error: cannot save snapshot {snapshot}: [Errno 28] No space left on device; " \
+           "the file there before is unchanged"
+    # Printed by each rank, or (torchrun may stop a rank once the other exited) in its summary.
+    printed = re.findall(rf"^{re.escape(line)}$", proc.stderr, re.M)
+    reported = re.findall(rf"^  traceback : ({re.escape(line)})$", proc.stderr, re.M)
+    assert max(len(printed), len(reported)) == 2, proc.stderr[-3000:]
+    assert not snapshot.exists() and not list(small_disk.glob("snapshot.pt.tmp-*"))
+
+
+def test_the_finiteness_check_before_a_save_is_exact():
+    """A sum that overflows is not taken for a non-finite weight; a nan or an inf anywhere is found."""
+    big = torch.full((4,), 3e38)  # finite, but its sum overflows float32
+    assert all_finite([torch.ones(3, dtype=torch.float16), big, torch.arange(3), torch.ones(0), torch.ones(2).double()])
+    for bad in (math.nan, math.inf, -math.inf):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            weights = torch.ones(1000, dtype=dtype)
+            weights[517] = bad
+            assert not all_finite([torch.ones(3), weights])
