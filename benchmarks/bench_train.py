@@ -120,8 +120,9 @@ def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
 
 def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) -> tuple[float, float, int]:
     """Seconds per stop check (the trainer's per-step decision: one small all-reduce
-    under torchrun, none in one process), seconds per snapshot save (rank 0 writes,
-    fsyncs and renames; the others check their weights), and the snapshot's bytes."""
+    under torchrun, none in one process), seconds per snapshot save until it is
+    written (rank 0 writes, fsyncs and renames; the others check their weights;
+    bench_snapshot.py --stall measures a background save's stall), and the snapshot's bytes."""
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = build(copy.deepcopy(config), info, run_dir, data)
         trainer.train_step(torch.arange(trainer.samples_per_step))  # AdamW's moments exist: a full snapshot
@@ -136,6 +137,7 @@ def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) 
             trainer.progress.step = step  # another position: save() writes again
             t0 = time.perf_counter()
             trainer.save()
+            trainer.snapshot.wait()  # written (a background save included): the whole save, not its stall
             times.append(time.perf_counter() - t0)
         size = os.path.getsize(trainer.snapshot_path) if info.is_main_process else 0
         trainer.metrics.close()

@@ -185,6 +185,7 @@ def real_cuda() -> bool:
     return not os.environ.get("MINGPT_TEST_FAKE_CUDA") and torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it installed, never called
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one test worker per core this process may use, at most 8 (a
     worker's test can start four training processes of a few hundred MB each)."""

@@ -24,8 +24,7 @@ from mingpt.generate import load_model
 from mingpt.model import GPT
 from mingpt.decoding import generate
 
-# One GPU: its tests run one at a time, in one worker of a parallel run (pytest -n).
-pytestmark = [pytest.mark.cuda, pytest.mark.xdist_group("cuda")]
+pytestmark = pytest.mark.cuda
 
 CUDA = "trainer_config.device=cuda"  # after TINY's device=cpu: the later override wins
 

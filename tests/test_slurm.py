@@ -39,9 +39,6 @@ import pytest
 
 from conftest import REPO, TINY, child_env, free_port
 
-# One cluster for the module's tests: they run in one worker of a parallel run (pytest -n).
-pytestmark = pytest.mark.xdist_group("slurm")
-
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
