@@ -80,7 +80,7 @@ before(trainer.Trainer, "sample", "generating")
 
 if MOMENT == "race":
     exit_begun, parked = threading.Event(), threading.Event()
-    real_exit, real_park = os._exit, stopping.park_if_exiting if hasattr(stopping, "park_if_exiting") else None
+    real_exit, real_park = os._exit, stopping.park_if_exiting
 
     def held_exit(status: int) -> None:
         exit_begun.set()
@@ -99,8 +99,7 @@ if MOMENT == "race":
         raise RuntimeError("Connection closed by peer")
 
     os._exit = held_exit
-    if real_park is not None:
-        stopping.park_if_exiting = park
+    stopping.park_if_exiting = park
     train.load_data = failing_load
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from mingpt.config import Config, ConfigError, TrainerConfig  # noqa: E402
 from mingpt.metrics import events  # noqa: E402
 from mingpt.snapshot.manager import read  # noqa: E402
 
+DEADLINE = 300  # seconds for one event (a run reaching its stop point, a stopped run exiting): generous, for a loaded machine
 ARGS = [*TINY, "data_config.path=small.txt", "trainer_config.tracker=mlflow", "trainer_config.eval_every=10",
         "trainer_config.save_every_minutes=null"]
 
@@ -125,12 +126,12 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
                                 cwd=cwd, env={**child_env(), "STOP_PROBE": "eval", "STOP_PROBE_FILE": str(marker)},
                                 stdout=subprocess.DEVNULL, stderr=err)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + DEADLINE
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)  # waiting for the probe's marker, not for a fixed time
         assert marker.exists(), (cwd / "stopped.err").read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, (cwd / "stopped.err").read_text()[-3000:]
+        assert proc.wait(timeout=DEADLINE) == 128 + signal.SIGTERM, (cwd / "stopped.err").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
