@@ -127,16 +127,16 @@ def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) 
         trainer = build(copy.deepcopy(config), info, run_dir, data)
         trainer.train_step(torch.arange(trainer.samples_per_step))  # AdamW's moments exist: a full snapshot
         for _ in range(10):
-            trainer._agree()
+            trainer.saver.agree()
         t0 = time.perf_counter()
         for _ in range(checks):
-            trainer._agree()
+            trainer.saver.agree()
         check = (time.perf_counter() - t0) / checks
         times = []
         for step in range(saves + 1):
             trainer.progress.step = step  # another position: save() writes again
             t0 = time.perf_counter()
-            trainer.save()
+            trainer.saver.save(trainer.progress)
             trainer.snapshot.wait()  # written (a background save included): the whole save, not its stall
             times.append(time.perf_counter() - t0)
         size = os.path.getsize(trainer.snapshot_path) if info.is_main_process else 0

@@ -31,9 +31,7 @@ same step (the trainer's `save` runs on every rank), rank 0 receives the lot.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -43,6 +41,7 @@ from torch.distributed.algorithms.model_averaging import averagers
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mingpt import torch_fixes
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.distributed import DistInfo
 
@@ -154,11 +153,7 @@ class PowerSGD(PerRankState):
             matrix_approximation_rank=cfg.powersgd_rank,
             start_powerSGD_iter=cfg.powersgd_start_step,
         )
-        if name == "batched_powersgd":
-            _let_batched_powersgd_orthogonalize()  # before _for_cpu copies the hook's globals
-        self.hook = powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
-        if dist_info.device.type != "cuda":
-            self.hook = _for_cpu(self.hook)
+        self.hook = torch_fixes.powersgd_hook(name == "batched_powersgd", dist_info.device.type == "cuda")
         if dist_info.backend == "gloo":
             # One bucket. The hook all-reduces a bucket's Q from a callback of its P's all-reduce;
             # gloo runs that callback when the P arrives, so with several buckets one rank can send
@@ -263,50 +258,6 @@ class PostLocalSGD(PerRankState):
         if scaler.is_enabled() and own["scaler_state"]:
             scaler.load_state_dict(own["scaler_state"])
         self.restart(ddp, step)
-
-
-class _View:
-    """`target` as a copied hook sees it: its own attributes, but for those `replaced`."""
-
-    def __init__(self, target: Any, **replaced: Any):
-        self.__dict__.update(replaced)
-        self._target = target
-
-    def __getattr__(self, name: str) -> Any:  # only for names not replaced
-        return getattr(self._target, name)
-
-
-def _for_cpu(hook: Callable) -> Callable:
-    """torch's PowerSGD hooks end each bucket with `torch.cuda.synchronize(device)`
-    whenever CUDA is available, also when the gradients are on the CPU, where it
-    raises ("Expected a cuda device, but got: cpu"; upstream PR 196568): a gloo job
-    on a GPU host dies in its first compressed backward. For a job on the CPU:
-    the same hook (its code, its module's globals) except that its `torch` is a
-    view in which torch.cuda.is_available() is False. torch itself is untouched."""
-    torch_without_cuda = _View(torch, cuda=_View(torch.cuda, is_available=lambda: False))
-    scope = {**hook.__globals__, "torch": torch_without_cuda}
-    copy = types.FunctionType(hook.__code__, scope, hook.__name__, hook.__defaults__, hook.__closure__)
-    copy.__kwdefaults__ = hook.__kwdefaults__
-    return functools.update_wrapper(copy, hook)  # name, annotations (DDP checks them), docs
-
-
-def _let_batched_powersgd_orthogonalize() -> None:
-    """torch's batched_powerSGD_hook orthogonalizes its P and Q as 2-D matrices, but
-    `_orthogonalize` has taken only batches of matrices (3-D) since PowerSGD learnt
-    to batch same-shaped layers, so the hook fails at its first compressed step
-    (AssertionError; torch 2.13). Where that is so, 2-D matrices are passed on as a
-    batch of one: a view, so the result lands in the hook's own tensor."""
-    orthogonalize = powerSGD_hook._orthogonalize
-    try:
-        orthogonalize(torch.ones(2, 1))
-        return  # this torch takes 2-D matrices
-    except AssertionError:
-        pass
-
-    def orthogonalize_matrix_or_batch(matrices: torch.Tensor, epsilon: float = 0) -> None:
-        orthogonalize(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
-
-    powerSGD_hook._orthogonalize = orthogonalize_matrix_or_batch
 
 
 def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:

@@ -17,6 +17,7 @@ tensor and handed out in chunks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -158,95 +159,88 @@ def decoding_step(model: GPT, compile: bool = False) -> Callable:
     return compile_for_decoding(decode_step, next(model.parameters()).device)
 
 
+class _CachedStep:
+    """The state of cached decoding: the KV cache, the newest token, its position in
+    the window and the noise row of the token it samples, all on the device, and the
+    fixed-shape decode_step (compiled with `compile`) that advances them."""
+
+    def __init__(self, model: GPT, batch: int, noise: torch.Tensor, compile: bool):
+        param = next(model.parameters())
+        self.cache = KVCache(model.config, batch, param.device, param.dtype)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=noise.device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=noise.device)
+        self.row = torch.zeros(1, dtype=torch.long, device=noise.device)
+        self.step = decoding_step(model, compile)
+        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
+            for t in [*self.cache.k, *self.cache.v, self.token, self.pos, self.row, noise]:
+                torch._dynamo.mark_static_address(t)
+
+    def refilled(self, new: torch.Tensor, n: int, r: int) -> None:
+        """The window of n tokens was encoded into the cache and sampled `new` with noise row r."""
+        self.token.copy_(new)
+        self.pos.fill_(n)
+        self.row.fill_(r + 1)
+
+    def __call__(self, model: GPT, noise: torch.Tensor, r: int, *sampling) -> torch.Tensor:
+        if r == 0:
+            self.row.zero_()
+        self.step(model, self.token, self.pos, self.cache, noise, self.row, *sampling)
+        return self.token
+
+
 @torch.inference_mode()
 def generate(
-    model: GPT,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
+    model: GPT, idx: torch.Tensor, max_new_tokens: int,
+    temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
     generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
-    use_cache: bool = True,
-    compile: bool = False,
-    chunk_tokens: int = CHUNK_TOKENS,
-    chunk_seconds: Optional[float] = CHUNK_SECONDS,
+    use_cache: bool = True, compile: bool = False,
+    chunk_tokens: int = CHUNK_TOKENS, chunk_seconds: Optional[float] = CHUNK_SECONDS,
 ) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens continuing idx (B, T), T >= 1, in chunks
     (B, n): the first token alone, as soon as it is sampled, then up to
     chunk_tokens at a time, or fewer when chunk_seconds (None: no limit) have
-    passed since the last chunk. The host never waits for the device between
-    chunks: a caller that reads a chunk waits once for all of its tokens. The
-    chunks are views of one preallocated (B, max_new_tokens) tensor.
+    passed since the last chunk. The chunks are views of one (B, max_new_tokens)
+    tensor, and the host never waits for the device between them.
 
-    Sampling is the exponential race (pick) on Gumbel noise drawn ahead from
-    `generator` in blocks of noise_rows(vocab) tokens: token i always uses noise
-    row i, so the same generator state gives the same tokens with or without the
-    cache, compiled or not, whatever the chunks. With one generator per row of
-    idx, each row gets the tokens it would get alone.
-
-    Without the cache the whole window is recomputed for every token; with it,
-    the window is encoded once after each restart and each new token is one
-    fixed-shape decode_step (compiled with compile=True), whose position is a
-    counter on the device. The model is in eval mode until the generator is
-    exhausted or closed.
-    """
+    Token i always uses noise row i, so the same generator state gives the same
+    tokens with or without the cache, compiled or not, whatever the chunks; with
+    one generator per row of idx, each row gets the tokens it would get alone.
+    The model is in eval mode until the generator is exhausted or closed."""
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token of context")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     B, T = idx.shape
-    device = idx.device
-    block_size = model.config.block_size
-    keep = max(1, block_size // 2)  # tokens kept when the window restarts
+    block_size, sampling = model.config.block_size, (temperature, top_k, top_p)
     rows = noise_rows(model.config.vocab_size)
-    noise = torch.empty(B, rows, model.config.vocab_size, device=device)
-    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
-    cache = step = None
-    if use_cache:
-        param = next(model.parameters())
-        cache = KVCache(model.config, B, param.device, param.dtype)
-        token = torch.zeros(B, 1, dtype=torch.long, device=device)  # the newest token, fed to the step
-        pos = torch.zeros(1, dtype=torch.long, device=device)  # its position in the window
-        row = torch.zeros(1, dtype=torch.long, device=device)  # the noise row of the token it samples
-        step = decoding_step(model, compile)
-        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
-            for t in [*cache.k, *cache.v, token, pos, row, noise]:
-                torch._dynamo.mark_static_address(t)
+    noise = torch.empty(B, rows, model.config.vocab_size, device=idx.device)
+    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=idx.device)
+    cached = _CachedStep(model, B, noise, compile) if use_cache else None
 
     def window(i: int, n: int) -> torch.Tensor:
         """The last n tokens of the prompt followed by the first i new tokens."""
-        if n <= i:
-            return out[:, i - n : i]
-        return torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
+        return out[:, i - n : i] if n <= i else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
 
     was_training = model.training
     model.eval()
     try:
-        n = min(T, block_size)  # tokens in the window
-        refill = True  # the cache does not hold the window yet
+        n, refill = min(T, block_size), True  # tokens in the window; the cache does not hold it yet
         start, last_chunk = 0, time.perf_counter()
         for i in range(max_new_tokens):
             r = i % rows
             if r == 0 and temperature != 0:
                 draw_noise(noise, generator)
-            if cache is None or refill:
-                logits = model(window(i, n), cache=cache)[0][:, -1]
-                new = pick(logits, noise[:, r], temperature, top_k, top_p)
-                out[:, i : i + 1] = new
-                if cache is not None:
-                    token.copy_(new)
-                    pos.fill_(n)  # the new token's position: after the window's n
-                    row.fill_(r + 1)
+            if cached is None or refill:
+                logits = model(window(i, n), cache=cached.cache if cached else None)[0][:, -1]
+                out[:, i : i + 1] = new = pick(logits, noise[:, r], *sampling)
+                if cached is not None:
+                    cached.refilled(new, n, r)
             else:
-                if r == 0:
-                    row.zero_()
-                step(model, token, pos, cache, noise, row, temperature, top_k, top_p)
-                out[:, i : i + 1] = token
+                out[:, i : i + 1] = cached(model, noise, r, *sampling)
             n += 1
             refill = n > block_size
             if refill:
-                n = keep
+                n = max(1, block_size // 2)  # tokens kept when the window restarts
             now = time.perf_counter()
             if (start == 0 or i + 1 - start >= chunk_tokens or i + 1 == max_new_tokens
                     or (chunk_seconds is not None and now - last_chunk >= chunk_seconds)):
@@ -254,3 +248,26 @@ def generate(
                 start, last_chunk = i + 1, time.perf_counter()
     finally:
         model.train(was_training)
+
+
+STOP_CHECK_EVERY = 16  # tokens of a stoppable sample between two looks for a stop request
+
+
+def sample_line(model: GPT, tokenizer, seed: int, n_chars: int,
+                stop_requested: Optional[Callable[[], int]] = None) -> Optional[str]:
+    """n_chars of text after the start of a line, sampled from `model` with a generator
+    seeded by `seed` (the global random streams are untouched). Every STOP_CHECK_EVERY
+    tokens (by count alone, so that a sharded model's ranks look at the same tokens),
+    a true `stop_requested()` ends it, and it returns None."""
+    device = next(model.parameters()).device
+    prompt = tokenizer.line_start()
+    generator = torch.Generator(device).manual_seed(seed)
+    idx = tokenizer.encode(prompt).long()[None].to(device)
+    tokens = []
+    with contextlib.closing(generate(model, idx, n_chars, temperature=1.0, generator=generator,
+                                     chunk_tokens=STOP_CHECK_EVERY, chunk_seconds=None)) as new:
+        for chunk in new:
+            if stop_requested is not None and stop_requested():
+                return None
+            tokens.append(chunk)
+    return prompt + tokenizer.decode(torch.cat(tokens, dim=1)[0].tolist()) if tokens else prompt

@@ -1,11 +1,6 @@
-"""Process group, device and roles under torchrun (or a plain single process).
-
-torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT. Without them the run is one process: no process group, the same
-code path. Two roles: the global main process (rank 0) writes snapshots,
-metrics and logs at INFO; each node's local main process (local rank 0) does
-once-per-node work such as downloading the corpus while the others wait.
-"""
+"""Process group, device and roles under torchrun, or one plain process without
+a group. Rank 0 writes snapshots, metrics and logs at INFO; each node's local
+rank 0 does once-per-node work (the corpus) while the others wait."""
 
 from __future__ import annotations
 
@@ -14,13 +9,13 @@ import gc
 import logging
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from mingpt import torch_fixes
 from mingpt.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -103,10 +98,10 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
         torch.cuda.set_device(device)
     global _control_group
     if info.is_distributed:
-        with _bounded_if_restarted():
+        with torch_fixes.bounded_if_restarted():
             dist.init_process_group(
                 info.backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-                store=_attempt_store(world_size),
+                store=torch_fixes.attempt_store(world_size),
             )
         # Per-step decisions travel between CPUs: on a CUDA tensor, reading them
         # would make the host wait for every step's kernels.
@@ -124,61 +119,6 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
 
 _control_group: "dist.ProcessGroup | None" = None
 
-# torchrun (>= 2.5) lends its workers its own rendezvous TCPStore, the same one
-# for every restart, and the keys that the previous workers wrote are still there:
-# restarted workers read the dead ones' addresses, fail to connect or wait
-# forever (pytorch#135712). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun
-# start a fresh store per restart instead.
-RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch#135712)"
-INIT_AFTER_RESTART_SECONDS = 300
-
-
-def _shared_store_restart() -> int | None:
-    """The restart count when torchrun shares its store (None: it does not)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _attempt_store(world_size: int) -> "dist.Store | None":
-    """With one torchrun agent (one node) sharing its store, the keys of each
-    restart under their own prefix: nothing of an earlier attempt is read. With
-    several agents the restart counts of the nodes can differ (a node restarts
-    when another fails), so there the variable is needed (_bounded_if_restarted)."""
-    restart = _shared_store_restart()
-    if restart is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        return None  # the env:// rendezvous, as without a store
-    from torch.distributed.constants import default_pg_timeout
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=default_pg_timeout)
-    return dist.PrefixStore(f"mingpt/attempt-{restart}", store)
-
-
-@contextlib.contextmanager
-def _bounded_if_restarted() -> Iterator[None]:
-    """A restarted worker of a multi-node job on torchrun's shared store that
-    cannot join the process group in INIT_AFTER_RESTART_SECONDS ends with one
-    line naming the fix, instead of waiting silently."""
-    restart = _shared_store_restart()
-    if not restart or os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
-        yield
-        return
-
-    def give_up() -> None:
-        line = (f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
-                f"{RESTART_FIX}\n")
-        os.write(sys.stderr.fileno(), line.encode())
-        os._exit(2)
-
-    timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
 
 def all_max(info: DistInfo, values: list[int]) -> list[int]:
     """The element-wise maximum of every rank's `values`: one small all-reduce
@@ -188,6 +128,16 @@ def all_max(info: DistInfo, values: list[int]) -> list[int]:
     tensor = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group)
     return tensor.tolist()
+
+
+def global_mean(info: DistInfo, value: torch.Tensor) -> float:
+    """The mean over the ranks of a one-element tensor."""
+    if info.is_distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG if info.backend == "nccl" else dist.ReduceOp.SUM)
+        if info.backend != "nccl":  # gloo has no AVG
+            value /= info.world_size
+    return value.item()
 
 
 def barrier(info: DistInfo) -> None:

@@ -10,6 +10,8 @@ over all windows divided by their token count, whatever W is.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -18,8 +20,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mingpt.config import TrainerConfig
 from mingpt.data import spread
 from mingpt.distributed import DistInfo
+from mingpt.snapshot.manager import Progress
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,3 +91,44 @@ def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, b
     loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
     per_rank = [s / c if c > 0 else None for s, c, _ in sums.tolist()]
     return EvalResult(loss, per_rank, int(sums[:, 1].sum()), False)
+
+
+class Evaluator:
+    """When the run evaluates, its best held-out loss, and early stopping. The
+    losses it records are all-reduced, so every rank decides alike; a new best
+    writes the best weights (`save_best`, every rank taking part)."""
+
+    def __init__(self, cfg: TrainerConfig, progress: Progress, save_best: Callable[[Progress], None]):
+        self.cfg, self.progress, self.save_best = cfg, progress, save_best
+        self.last = math.nan  # the held-out loss of the last evaluation recorded
+
+    def due_after_step(self, step: int) -> bool:
+        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0
+
+    def due_after_epoch(self) -> bool:
+        return self.cfg.eval_every == 0
+
+    def stopped_early(self) -> bool:
+        """Early stopping ended the run (as the snapshot records it), and this config
+        still would: a larger early_stop_patience, or null, trains on."""
+        p, patience = self.progress, self.cfg.early_stop_patience
+        return p.stopped_early and patience is not None and p.evals_without_improvement >= patience
+
+    def record(self, loss: float, finished: bool) -> None:
+        """A completed evaluation's loss: a new best is saved; early stopping counts the
+        evaluations in a row that did not lower the best by early_stop_min_delta."""
+        cfg, p = self.cfg, self.progress
+        self.last, p.stopped_early = loss, False  # evaluating: not stopped (a larger patience trains on)
+        improved = loss < p.best_eval_loss
+        enough = improved and p.best_eval_loss - loss >= cfg.early_stop_min_delta
+        p.evals_without_improvement = 0 if enough else p.evals_without_improvement + 1
+        if improved:
+            p.best_eval_loss, p.best_step = loss, p.step
+            self.save_best(p)
+        patience = cfg.early_stop_patience
+        if patience is not None and p.evals_without_improvement >= patience and not finished:
+            p.stopped_early = True
+            log.info("stopping early at step %d: %d evaluations in a row without lowering the held-out loss by at "
+                     "least %g (trainer_config.early_stop_patience=%d, early_stop_min_delta); best %.4f at step %d",
+                     p.step, p.evals_without_improvement, cfg.early_stop_min_delta, patience,
+                     p.best_eval_loss, p.best_step)

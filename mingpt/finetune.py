@@ -48,17 +48,17 @@ class Start:
         return f"{self.source} ({'this run' if self.resuming else 'trainer_config.init_from'})"
 
 
-def prepare(config: Config, run_dir: str) -> Start | None:
-    """For a run with trainer_config.init_from (None without): read the source, or the run's
-    own snapshot if it has one, and give `config` the model's shape (refusing a shape key
-    set to another value) before any data is read."""
+def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | None:
+    """For a run with trainer_config.init_from (None without): the source, or the run's
+    own snapshot at `own` if it has one (`saved`, what it holds besides tensors); give
+    `config` the model's shape (refusing a shape key set to another value) before any
+    data is read."""
     cfg = config.trainer_config
     if not cfg.init_from:
         return None
-    own = manager.resolve_path(cfg, run_dir)
     try:
-        if manager.has_snapshot(cfg, own):
-            start = Start(own, manager.read_meta(own), resuming=True)
+        if saved is not None:
+            start = Start(own, saved, resuming=True)
         else:
             source = find_snapshot(cfg.init_from)
             start = Start(source, manager.read(source), resuming=False)
@@ -70,8 +70,8 @@ def prepare(config: Config, run_dir: str) -> Start | None:
 
 def take_shape(config: Config, start: Start) -> None:
     """Set `config`'s model shape (and data_config.block_size, the windows' length) to the
-    snapshot's. A key left at its default takes the snapshot's value; one set to another
-    value than the snapshot's is refused: the weights fix the shape."""
+    snapshot's, said in the log. A key at its default takes the snapshot's value; one set to
+    another value than the snapshot's is refused: the weights fix the shape."""
     shape, vocab = start.state.get("gpt_config"), start.state.get("vocab")
     if not (isinstance(shape, dict) and all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
             and isinstance(vocab, str) and len(vocab) == shape["vocab_size"]):
@@ -84,6 +84,10 @@ def take_shape(config: Config, start: Start) -> None:
         if value != saved and value != default:
             raise ConfigError(f"{key}: {value} given, but the model of {start.named} has {saved}: "
                               f"a fine-tuned model keeps its shape; leave {key} unset")
+    set_by_data = ("gpt_config.vocab_size", "gpt_config.block_size")
+    log.info("the model's shape from %s: %s", start.named,
+             ", ".join(f"{key}={saved}" + (f" (replacing {value})" if value != saved else "")
+                       for key, (value, _, saved) in given.items() if key not in set_by_data))
     config.gpt_config = dataclasses.replace(config.gpt_config, **{k: shape[k] for k in SHAPE_KEYS})
     config.data_config = dataclasses.replace(config.data_config, block_size=shape["block_size"])
 

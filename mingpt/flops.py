@@ -66,6 +66,14 @@ def peak_rate(device: torch.device, dtype: torch.dtype = torch.float32) -> float
     return matmul_rate(device, dtype, n=1024 if device.type == "cpu" else 8192, seconds=0.2)
 
 
+def peak_for_mfu(step_flops: float, dist_info, dtype: torch.dtype) -> float:
+    """The FLOP/s of all ranks that MFU is measured against: peak_rate, measured by
+    rank 0 alone; 0 (no MFU) elsewhere and for steps too small for it to mean anything."""
+    if not dist_info.is_main_process or step_flops < MFU_ABOVE_FLOPS:
+        return 0.0
+    return peak_rate(dist_info.device, dtype) * dist_info.world_size
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """The most memory this process has held: CUDA's allocated memory on a GPU, max RSS on a CPU."""
     if device.type == "cuda":

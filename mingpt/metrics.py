@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 from mingpt.tracking import OFF, Tracker
@@ -29,6 +30,53 @@ class SlowNotice:
     def took(self, seconds: float) -> bool:
         self.slow = seconds >= 1.0
         return self.slow
+
+
+def duration(seconds: float) -> str:
+    """1h02m, 3m05s, 42s."""
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Pace:
+    """The speed of training for the train events: tokens/s since the last event,
+    evaluations and saves excluded (`paused`); MFU; the elapsed time and the ETA."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: Callable[[], float]):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self._peak_flops, self._peak = peak_flops, None  # measured at the first event
+        self.started = time.monotonic()
+        self._window_start, self._window_steps = time.perf_counter(), 0
+        self._pace_from: tuple[float, int] | None = None  # (time, step) of the first event
+
+    def step(self) -> None:
+        self._window_steps += 1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._window_start += time.perf_counter() - start
+
+    def event(self, step: int, total_steps: int) -> tuple[float, float | None, str]:
+        """(tokens/s, MFU, the log line's note) since the last event; a new window from here.
+        The ETA is at this session's pace since its first event: the first window
+        holds the start-up and compilation, so it gives none."""
+        tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
+        if self._peak is None:
+            self._peak = self._peak_flops()
+        now = time.monotonic()
+        note = f"elapsed {duration(now - self.started)}"
+        if self._pace_from is None:
+            self._pace_from = (now, step)
+        else:
+            since, first = self._pace_from
+            note += f" eta {duration((now - since) / max(1, step - first) * (total_steps - step))}"
+        self._window_start, self._window_steps = time.perf_counter(), 0
+        mfu = tokens_per_s * self.flops_per_token / self._peak if self._peak else None
+        return tokens_per_s, mfu, note
 
 
 class Metrics:

@@ -1,18 +1,6 @@
-"""How the model is spread over the processes: `trainer_config.parallelism`.
-
-- `ddp`: every rank holds the whole model, its gradients and AdamW's moments
-  (16 bytes per parameter in fp32); DistributedDataParallel all-reduces the
-  gradients in buckets during backward, through the comm hook of
-  `trainer_config.ddp_comm_hook` (mingpt/comm_hooks.py).
-- `fsdp`: FSDP2 (`fully_shard`) shards every transformer block and the root
-  (embeddings, final LayerNorm, head) over all ranks: each rank keeps 1/W of
-  the parameters, gradients and moments, all-gathers a block's parameters just
-  before it runs and reduce-scatters its gradients after backward. With
-  mixed precision it computes in bf16 and reduces in fp32 (its own policy,
-  in place of autocast).
-
-One process is plain: no wrapper at all. `torch.compile` goes around either.
-"""
+"""How the model is spread over the processes (`trainer_config.parallelism`):
+DDP replicas, or FSDP2 shards of every block and the root; one process is plain.
+`torch.compile` goes around either."""
 
 from __future__ import annotations
 

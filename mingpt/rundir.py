@@ -43,7 +43,7 @@ import re
 import socket
 import sys
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -260,9 +260,9 @@ class Claim:
     log_buffer: logging.handlers.MemoryHandler | None
     log_file: logging.FileHandler | None = None
 
-    def accept(self, files: Mapping[str, str] | None = None) -> None:
+    def accept(self, files: Mapping[str, str | Callable[[], str]] | None = None) -> None:
         """Every check passed: record the holder, open train.log with the lines
-        logged so far, and write `files` ({path in the run directory: text})."""
+        logged so far, and write `files` ({path in the run directory: text, or what makes it})."""
         if self.rank != 0:
             return
         info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -284,7 +284,7 @@ class Claim:
             path = os.path.join(self.run_dir, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
+                f.write(text() if callable(text) else text)
 
     def release(self) -> None:
         root = logging.getLogger()

@@ -1,25 +1,8 @@
-"""Stopping on signals: at a step boundary when a stop can save work, at once otherwise.
-
-The signals of `trainer_config.stop_signals` (SIGINT, SIGTERM, SIGHUP and
-SIGUSR1 by default) never interrupt the code they land in. Python's C-level handler writes
-each one's number to a pipe (`signal.set_wakeup_fd`), and a watcher thread
-reads it, so a signal is seen even while the main thread waits in C code (a
-collective, process-group initialisation, a long save). What it does:
-
-- inside `graceful()` (the training loop): it asks for a stop, and the trainer
-  stops at the next optimizer-step boundary, all ranks together (see
-  `StepFlags`), after saving a snapshot;
-- outside it (start-up, loading, the final sample), or a second SIGINT at any
-  time: it ends the process at once with one line and its exit status. Nothing
-  is lost: before the loop nothing is trained, after it everything is saved,
-  and a snapshot is always written to a temporary file and renamed, so even an
-  exit in the middle of a save leaves the previous one whole.
-
-The exit status is 128 + the signal's number, the shell's convention for "ended
-by signal N": 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP, 138 for SIGUSR1. It is never 0,
-since the run is not finished: torchrun restarts workers that end so (when it
-did not send the signal itself), and SLURM does not record the job as complete.
-"""
+"""Stop signals (`trainer_config.stop_signals`): inside the training loop
+(`graceful()`) a signal asks every rank to save and stop at the next step
+boundary; outside it, or a second Ctrl-C, the process ends at once with one
+line. Either way the exit status is 128 + the signal's number, never 0, so that
+torchrun restarts the workers and SLURM does not record the job as complete."""
 
 from __future__ import annotations
 
@@ -87,8 +70,10 @@ def parse_signal(name: str) -> int:
 
 
 class _Watcher:
-    """The process-wide state: which signals are handled, whether a stop can wait
-    for a step boundary, and the stop requested so far."""
+    """Which signals are handled, whether a stop can wait for a step boundary, and
+    the stop requested so far. Python's C-level handler writes each signal's number
+    to a pipe (signal.set_wakeup_fd) that a thread reads, so a signal is seen even
+    while the main thread waits in C code (a collective, a long save)."""
 
     def __init__(self) -> None:
         self.signals: set[int] = set()
@@ -133,7 +118,7 @@ class _Watcher:
 
 
 def _ignore_in_main_thread(signum: int, frame: object) -> None:
-    """The Python-level handler does nothing: the watcher thread acts (see the module doc)."""
+    """The Python-level handler does nothing: the watcher thread acts."""
 
 
 _watcher = _Watcher()

@@ -1,25 +1,10 @@
-"""The token cache: a corpus encoded once into a compact binary file that every
-process reads its batches from, so the corpus costs each process almost no memory.
+"""The token cache: a corpus encoded once per node into a checksummed binary file
+that every process reads its batches from, so the corpus costs each process almost no memory.
 
-A cache file is a header and the token ids of every source file, one after the
-other, as uint8, int16 or int32 (by vocabulary size). The header is JSON padded
-to a page: the vocabulary, how many tokens each file gave, the SHA-256 and size
-of each source file (the key: a changed corpus is re-encoded), the
-`data_config.truncate` it was built with, and the SHA-256 of the token ids (a
-damaged cache is detected and rebuilt, never used). It is written through
-mingpt/storage.py's atomic_open, so a reader never sees half a cache.
-
-Batches are read from the file with one `pread` per window into a reusable
-buffer (`TokenCache.read_windows`), not gathered through the memory map: a
-kernel that maps large page-cache folios (as the one we measured on did,
-whatever madvise says) maps about 1 MB on each fault in a file mapping, so
-every randomly sampled window could add that much (shared, clean) page cache
-to the process's RSS. A read copies just the window. The map stays for whole-corpus reads (tests).
-
-Encoding is vectorised: each source is read in chunks, decoded as UTF-8 (a
-leading byte-order mark dropped), turned into an array of code points, counted
-with one bincount for the vocabulary and mapped through a lookup table. No
-Python object per character is ever made.
+The file is a JSON header padded to a page (the vocabulary, the token count of
+each source file, each source's size and SHA-256 as the cache's key, the
+`data_config.truncate` it was built with, the SHA-256 of the ids), then the ids
+of every source file in order, as uint8, int16 or int32 by vocabulary size.
 """
 
 from __future__ import annotations
@@ -68,8 +53,10 @@ class TokenCache:
 
     def read_windows(self, starts: torch.Tensor, out: torch.Tensor) -> None:
         """Row i of `out` (windows x width, contiguous, on the CPU, in the
-        cache's dtype) := the `width` tokens from token `starts[i]` on, one
-        pread straight into the row."""
+        cache's dtype) := the `width` tokens from token `starts[i]` on.
+        One pread per row, not a gather through the memory map: a kernel that
+        maps large page-cache folios adds about 1 MB to the process's RSS per
+        window sampled through a map; a read copies just the window."""
         item = out.element_size()
         width = out.shape[1] * item
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place

@@ -75,7 +75,7 @@ before(torch.distributed, "init_process_group", "init")
 before(train, "load_data", "load")
 before(trainer.Trainer, "evaluate", "eval")
 before(single_file.SingleFileFormat, "save", "save")  # the run's snapshot, not the best weights
-before(trainer.Trainer, "_print_sample", "sample")
+before(trainer.Trainer, "print_sample", "sample")
 before(trainer.Trainer, "sample", "generating")
 
 if MOMENT == "race":

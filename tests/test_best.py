@@ -19,6 +19,7 @@ from conftest import TINY, child_env, run_dir_of, run_main, run_torchrun
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.snapshot import manager, sharded, single_file
+from mingpt.train import summary, train
 from test_snapshot import make_trainer, same_tensors
 
 BUMPY = ["trainer_config.eval_every=4", "trainer_config.eval_tokens=2048", "optimizer_config.learning_rate=0.03",
@@ -37,10 +38,10 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     args = [*BUMPY, "trainer_config.max_steps=40"]
     reference = make_trainer(tmp_path / "ref", small_corpus, *args)
     evaluated = {}  # step -> the weights that evaluation saw
-    record = reference._record_eval
+    record = reference.evaluator.record
     weights = lambda: {k: v.clone() for k, v in reference.raw_model.state_dict().items()}  # noqa: E731
-    monkeypatch.setattr(reference, "_record_eval",
-                        lambda loss: (evaluated.__setitem__(reference.progress.step, weights()), record(loss)))
+    monkeypatch.setattr(reference.evaluator, "record", lambda loss, finished: (
+        evaluated.__setitem__(reference.progress.step, weights()), record(loss, finished)))
     reference.train()
     losses = eval_losses(tmp_path / "ref")
     best_step = min(losses, key=losses.get)
@@ -51,7 +52,7 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     assert best["optimizer_state"] == {"state": {}, "param_groups": []}  # weights only: resume uses the latest
     latest = single_file.load(str(tmp_path / "ref" / "snapshot.pt"))
     assert latest["best_step"] == best_step and not same_tensors(latest["model_state"], best["model_state"])
-    assert f"best {losses[best_step]:.4f} at step {best_step} (" in reference._summary(losses[40])
+    assert f"best {losses[best_step]:.4f} at step {best_step} (" in summary(reference, losses[40])
 
     # Stopped by a signal after the best evaluation, before the last: the resumed run keeps the same best.
     stop_at = best_step + 2
@@ -97,7 +98,7 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
     assert sorted(eval_losses(tmp_path)) == [4, 8, 12]  # no second evaluation at the end
     caplog.clear()
     again = make_trainer(tmp_path, small_corpus, *args)
-    again.train()
+    train(again)
     assert again.progress.step == 12
     assert "run already complete at step 12, stopped early (best " in caplog.text
     assert "add trainer_config.early_stop_patience=null trainer_config.allow_config_change=true" in caplog.text

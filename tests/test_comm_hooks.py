@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from mingpt.config import Config
 from mingpt.distributed import DistInfo
 from mingpt.train import build
-from test_distributed import CORPUS_CHARS, FAST, run_worker
+from test_distributed import FAST, run_worker
 
 # A constant learning rate: a run cut short (max_steps) takes the same steps as a longer one.
 COMMON = [*FAST, "optimizer_config.lr_schedule=constant", "gpt_config.dropout=0.1", "trainer_config.batch_size=4"]
@@ -137,3 +137,23 @@ def test_sigkilled_compressed_run_resumes_bitwise(runs, corpus_file, tmp_path, h
     assert snapshot["step"] == POWERSGD_STEPS and snapshot["comm_hook"]["name"] == hook
     assert len(snapshot["comm_hook"]["ranks"][1]["error"]) >= 1  # error feedback was saved...
     assert same(snapshot["model_state"], results[hook][0]["state"])  # ...and the run ended where it would have
+
+
+def test_torch_fixes_change_nothing_in_torch(monkeypatch):
+    """mingpt's PowerSGD hooks are copies that see fixed globals; torch's own stay as they were."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from mingpt import torch_fixes
+
+    originals = (powerSGD_hook._orthogonalize, powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CPU job on a GPU host
+    plain, batched = torch_fixes.powersgd_hook(False, on_cuda=False), torch_fixes.powersgd_hook(True, on_cuda=False)
+    assert (powerSGD_hook._orthogonalize, powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook) == originals
+    assert plain.__globals__["torch"].cuda.is_available() is False and torch.cuda.is_available() is True
+    assert torch_fixes.powersgd_hook(False, on_cuda=True) is powerSGD_hook.powerSGD_hook  # nothing to fix on CUDA
+    matrix = torch.randn(6, 2)
+    batched.__globals__["_orthogonalize"](matrix)  # 2-D, as the batched hook passes it: in place
+    assert torch.allclose(matrix.T @ matrix, torch.eye(2), atol=1e-5)
+    if torch_fixes._orthogonalize_takes_only_batches():
+        with pytest.raises(AssertionError):
+            powerSGD_hook._orthogonalize(torch.randn(6, 2))  # torch's own still has the bug

@@ -69,6 +69,16 @@ def test_a_gpu_preset_on_a_cpu_warns_before_training(small_corpus, monkeypatch, 
     assert flops.slow_on_cpu(1e9, 10, QUIET_2_CORES) is None
 
 
+def test_the_estimate_counts_the_windows_a_step_really_takes(small_corpus, monkeypatch, caplog):
+    """A batch larger than the training windows takes them all, once: no warning for a
+    small model's huge batch_size (it once said days for two steps that took 40 s)."""
+    monkeypatch.setattr(flops, "matmul_rate", lambda: QUIET_2_CORES)
+    cfg = config(f"data_config.path={small_corpus}", "trainer_config.batch_size=1073741824")
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(small_corpus.parent / "huge"))
+    assert not [r for r in caplog.records if "sized for a GPU" in r.getMessage()]
+
+
 @pytest.mark.parametrize("preset", ["gpt-nano", "gpt-micro"])
 def test_small_presets_do_not_warn_on_a_quiet_cpu(preset):
     assert flops.slow_on_cpu(step_flops(config(f"gpt_config={preset}")), 100, QUIET_2_CORES) is None
