@@ -6,16 +6,21 @@ snapshot once training runs (mingpt/stopping.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import re
 import sys
-from typing import NoReturn
+from typing import Any, Iterator, NoReturn
 
 import hydra
+import yaml
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
@@ -47,6 +52,8 @@ def config_error_line(error: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error: the key and the problem."""
     if isinstance(error, OverrideParseException):
         return override_error_line(error.override)
+    if isinstance(error, yaml.YAMLError):
+        return yaml_error_line(error)
     # Hydra chains the real error through __cause__ or, while composing a file, __context__.
     where = re.match(r"In '([^']+)'", str(error))
     cause: BaseException | None = error
@@ -60,11 +67,24 @@ def config_error_line(error: BaseException) -> str:
     return f"{line} (choices: {', '.join(options)})" if options else line
 
 
+def yaml_error_line(error: yaml.YAMLError) -> str:
+    """Where a config file is not YAML, and why."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f"a config file is not valid YAML: {error}"
+    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    since = f" from line {start.line + 1}, column {start.column + 1}" if start and start.line != mark.line else ""
+    return (f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {error.problem}"
+            + (f" ({context}{since})" if context else ""))
+
+
 def override_error_line(override: str) -> str:
     """Which override Hydra could not parse, and how to write it."""
     key, _, value = override.partition("=")
     if not re.fullmatch(r"[~+]{0,2}[A-Za-z_][\w.@/-]*", key, re.ASCII):
         return f"cannot parse the override {override!r}: a key is ASCII letters, digits, '_' and '.'"
+    if not value.isprintable():
+        return f"cannot parse the override {override!r}: it holds a control character (a newline, a tab)"
     quoted = f"'{key}=\"{value}\"'" if '"' not in value else f"\"{key}='{value}'\""
     home = " (~ is not expanded inside it: write $HOME instead)" if value.startswith("~") else ""
     return f"cannot parse the override {override!r}: quote the value, as in {quoted}{home}"
@@ -84,24 +104,62 @@ register_resolvers()
 _in_task = False  # an OSError outside a task is Hydra failing to create the run directory
 
 
+def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list[str]]:
+    """The composed job config `cfg` as a Config, every key and value checked (its ignored
+    keys dropped, in place), and the notices saying which were dropped."""
+    if hydra_cfg.mode == RunMode.RUN:
+        check_run_dir_setting(hydra_cfg.run.dir)
+    check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))  # unresolved
+    with open_dict(cfg):
+        notices = drop_ignored_keys(cfg)
+    check_known_keys(cfg)
+    # A user's own file (--config-dir DIR --config-name NAME) need not build on
+    # base_config: the schema goes under it, so its keys and types are checked alike.
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg)), notices
+
+
+@contextlib.contextmanager
+def checked_composition() -> Iterator[None]:
+    """Check every config Hydra composes as soon as it is composed: before it creates
+    the run directory (a refused config leaves none), and for --cfg, which runs no task."""
+    compose = Hydra.compose_config
+
+    def compose_config(self: Hydra, *args: Any, **kwargs: Any) -> DictConfig:
+        cfg = compose(self, *args, **kwargs)
+        HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in a value, as Hydra does next
+        job = copy.deepcopy(cfg)
+        with read_write(job), open_dict(job):
+            del job["hydra"]
+        checked_config(job, cfg.hydra)
+        return cfg
+
+    Hydra.compose_config = compose_config  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Hydra.compose_config = compose  # type: ignore[method-assign]
+
+
+def used_config(cfg: DictConfig, config: Config) -> str:
+    """.hydra/config.yaml: the values the run used (a fine-tuning run's shape is its
+    snapshot's), gpt_config's vocab_size and block_size as given (the data sets them)."""
+    used = OmegaConf.structured(config)
+    for key in ("vocab_size", "block_size"):
+        used.gpt_config[key] = OmegaConf.select(cfg, f"gpt_config.{key}")
+    return OmegaConf.to_yaml(used)
+
+
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     global _in_task
     _in_task = True
     try:
         hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode == RunMode.RUN:
-            check_run_dir_setting(hydra_cfg.run.dir)
-        check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))  # unresolved
-        with open_dict(cfg):
-            notices = drop_ignored_keys(cfg)
-        check_known_keys(cfg)
-        # A user's own file (--config-dir DIR --config-name NAME) need not build on
-        # base_config: the schema goes under it, so its keys and types are checked alike.
-        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+        config, notices = checked_config(cfg, hydra_cfg)
         stopping.install(config.trainer_config.stop_signals)
-        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check.
-        files = {".hydra/config.yaml": OmegaConf.to_yaml(cfg),
+        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check;
+        # config.yaml is written once the run has taken what it takes from a snapshot.
+        files = {".hydra/config.yaml": lambda: used_config(cfg, config),
                  ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
         run(config, hydra_cfg.runtime.output_dir, files, notices)
     except USER_ERRORS as e:
@@ -139,16 +197,33 @@ def take_local_rank_argument(argv: list[str]) -> list[str]:
     return rest
 
 
+def check_arguments(argv: list[str]) -> None:
+    """What Hydra's argparse would refuse with its usage banner, refused in one line."""
+    parser = get_args_parser()
+    parser.error = lambda message: fail(f"{message} (see --help)")  # type: ignore[method-assign]
+    _, apart = parser.parse_known_args(argv)
+    overrides = [arg for arg in apart if "=" in arg and not arg.startswith("-")]
+    if overrides:
+        fail(f"{' '.join(overrides)}: the key=value overrides go together, all before or all after the options "
+             "(--config-dir, --config-name, --cfg, ...)")
+    if apart:
+        fail(f"unrecognized arguments: {' '.join(apart)} (see --help)")
+
+
 def main() -> None:
     """Entry point of `python main.py` and `mingpt-train`."""
     sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
+    check_arguments(sys.argv[1:])
     # Let composition errors reach us instead of Hydra's multi-line report;
     # any other exception is a bug and keeps its full traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     stopping.install()  # main.py did it already, before its imports
     try:
-        _hydra_main()
-    except (HydraException, OmegaConfBaseException) as e:
+        with checked_composition():
+            _hydra_main()
+    except USER_ERRORS as e:  # a composed config refused (checked_composition)
+        fail(str(e))
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
         fail(config_error_line(e))
     except KeyboardInterrupt:
         fail("interrupted", status=130)

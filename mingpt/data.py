@@ -60,7 +60,9 @@ def open_source(path: str) -> Iterator[BinaryIO]:
     try:
         with fsspec.open(path, "rb") as f:
             yield f
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if e.__cause__ is not None:  # fsspec's HTTP file system says "not found" for a failed connection too
+            raise DataError(f"cannot fetch data file {path}: {reason(e.__cause__)}") from None
         raise DataError(f"data file not found: {path}") from None
     except (*storage_errors(), ValueError, ImportError) as e:  # an unreachable object store included
         raise DataError(f"cannot read data file {path}: {reason(e)}") from None

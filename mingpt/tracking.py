@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -33,6 +34,8 @@ HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACK
 PROBE_LIMITS = {**HTTP_LIMITS, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 DEFAULT_EXPERIMENT = "mingpt"
 INSTALL_HINT = "pip install -e .[mlflow]"
+# What MLflow's database stores (its default, sqlite:///mlflow.db, among them) import; mlflow-skinny lacks them.
+DATABASE_MODULES = ("sqlalchemy", "alembic")
 
 
 class Tracker:
@@ -88,6 +91,10 @@ def is_directory_store(uri: str) -> bool:
     return uri.startswith("file:") or "://" not in uri and not uri.startswith(("sqlite:", "databricks", "uc:"))
 
 
+def is_database_store(uri: str) -> bool:
+    return uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
+
+
 @contextlib.contextmanager
 def _environment(values: Mapping[str, str]) -> Iterator[None]:
     """`values` set in os.environ (those the environment does not set already) for the
@@ -123,6 +130,10 @@ class MlflowTracker(Tracker):
             raise TrackerUnavailable(f"mlflow cannot be imported ({_first_line(e)})") from None
         cfg = config.trainer_config
         self.uri = cfg.tracker_uri or mlflow.get_tracking_uri()
+        missing = [m for m in DATABASE_MODULES if is_database_store(self.uri) and importlib.util.find_spec(m) is None]
+        if missing:  # MLflow would call it an unsupported model registry URI
+            raise TrackerUnavailable(f"the MLflow store {self.uri} is a database, which needs {' and '.join(missing)} "
+                                     f"({INSTALL_HINT})")
         self._env = dict(HTTP_LIMITS, **({"MLFLOW_ALLOW_FILE_STORE": "true"} if is_directory_store(self.uri) else {}))
         try:
             with _environment({**self._env, **PROBE_LIMITS}):

@@ -20,6 +20,7 @@ from conftest import TINY, run_main
 from mingpt.config import Config, DataConfig
 from mingpt.data import DataError, HostBatches, TokenWindows, load_data, spread
 from mingpt.distributed import DistInfo
+from mingpt.snapshot import SnapshotError
 from mingpt.train import build
 from mingpt.trainer import Trainer
 
@@ -306,3 +307,19 @@ def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path)
     data = load_data(cfg)
     assert data.tokenizer.chars == "abcdefgh"
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(os.path.basename(p) for p in (path, live, elsewhere))
+
+
+def test_a_glob_that_gains_a_character_is_refused_naming_the_corpus_change(tmp_path, corpus, one_thread):
+    """A new file with a new character changes the vocabulary: the refusal names the
+    corpus change, not only the model's vocabulary size."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    pattern = str(tmp_path / "texts" / "*.txt")
+    run = ("trainer_config.async_save=false", "trainer_config.max_steps=2")
+    make_trainer(tmp_path / "run", pattern, *run).train()
+    (tmp_path / "texts" / "b.txt").write_text("\u00a7" * 2_000, encoding="utf-8")  # a character a.txt lacks
+    with pytest.raises(SnapshotError) as refused:
+        make_trainer(tmp_path / "run", pattern, *run)
+    message = str(refused.value)
+    assert "was written for another corpus (" in message and "b.txt added" in message, message
+    assert "differs: '\u00a7'" in message and "\n" not in message

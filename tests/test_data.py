@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -104,6 +106,16 @@ def test_bad_data_names_the_file(tmp_path, content, problem):
     message = str(e.value)
     assert str(path) in message and problem in message
     assert "\n" not in message
+
+
+def test_an_unreachable_url_says_why(tmp_path):
+    """A refused connection is not a missing file (fsspec's HTTP file system calls both not found)."""
+    with socket.socket() as s:  # a loopback port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/x.txt"
+    with pytest.raises(DataError, match=rf"^cannot fetch data file {url}: Cannot connect to host 127.0.0.1:{port}"):
+        load_data(DataConfig(path=url, block_size=8, cache_dir=str(tmp_path)))
 
 
 def consumed_and_rest(n: int, world: int, start: int, epoch: int = 3) -> tuple[list[int], list[list[int]]]:

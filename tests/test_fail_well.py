@@ -398,3 +398,60 @@ def test_dropping_a_group_and_choosing_from_it_is_refused():
         cli.check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
     cli.check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
     cli.check_group_overrides(["gpt_config=gpt2"])
+
+
+# Each invocation through cli.main in one child process (one torch import for all);
+# after each, its exit status on a line of its own.
+REFUSALS = """
+import json, sys
+from mingpt import cli
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["main.py", *argv]
+    try:
+        cli.main()
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    sys.stderr.write(f"exit status {status}\\n")
+    sys.stderr.flush()
+"""
+
+
+def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
+    conf = tmp_path / "conf"
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "experiment" / "broken.yaml").write_text("# @package _global_\ntrainer_config: [\n  bad\n")
+    (conf / "experiment" / "tabs.yaml").write_text("# @package _global_\ntrainer_config:\n\tmax_epochs: 1\n")
+    (conf / "mine.yaml").write_text("trainer_config:\n  max_epochs: [\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    cases = {  # argv: what its one line says
+        ("--config-dir", str(conf), "experiment=broken"):
+            f"{conf}/experiment/broken.yaml: line 4, column 1: not valid YAML: expected ',' or ']', "
+            "but got '<stream end>' (while parsing a flow sequence from line 2, column 17)",
+        ("--config-dir", str(conf), "experiment=tabs"):
+            f"{conf}/experiment/tabs.yaml: line 3, column 1: not valid YAML: found character '\\t' "
+            "that cannot start any token (while scanning for the next token)",
+        ("--config-dir", str(conf), "--config-name", "mine"): f"{conf}/mine.yaml: line 3, column 1: not valid YAML",
+        ("trainer_config.run_name=../escape",): "trainer_config.run_name: must be one directory name",
+        ("trainer_config.run_name=a/b",): "trainer_config.run_name: must be one directory name",
+        ("trainer_config.run_name=''",): "trainer_config.run_name: must be one directory name",
+        ('trainer_config.run_name="a\nb"',): r"trainer_config.run_name: must be one directory name (not empty, "
+            r"'.' or '..', without '/' or control characters such as a newline), got 'a\nb'",
+        ("trainer_config.run_name=a\nb",): "cannot parse the override 'trainer_config.run_name=a\\nb': "
+            "it holds a control character",
+        ("trainer_config.batch_size=0", "hydra.run.dir=elsewhere"): "trainer_config.batch_size: must be >= 1, got 0",
+        ("trainer_config.batch_size=0", "--cfg", "job"): "trainer_config.batch_size: must be >= 1, got 0",
+        ("trainer_config.seed=1", "--config-dir", str(conf), "trainer_config.max_epochs=1"):
+            "trainer_config.max_epochs=1: the key=value overrides go together, all before or all after the options",
+        ("--cfg",): "argument --cfg/-c: expected one argument",
+    }
+    proc = subprocess.run([sys.executable, "-c", REFUSALS, json.dumps(list(cases))], cwd=work, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    outputs = re.split(r"^exit status (\d+)\n", proc.stderr, flags=re.M)
+    assert len(outputs) == 2 * len(cases) + 1 and outputs[-1] == "", proc.stderr[-5000:]
+    for argv, says, stderr, status in zip(cases, cases.values(), outputs[0::2], outputs[1::2]):
+        assert status == "2" and stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (argv, stderr)
+    assert not proc.stdout  # --cfg job printed nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conf", "work"]
+    assert list(work.iterdir()) == []  # no runs/, no run directory, nothing outside either

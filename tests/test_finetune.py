@@ -16,6 +16,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import TINY, run_dir_of, run_main, run_torchrun
 from mingpt import stopping
@@ -125,6 +126,20 @@ def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tm
         make_trainer(tmp_path / "b", pretrained.b, source, "gpt_config.n_embd=64")
     with pytest.raises(ConfigError, match=r"^data_config\.block_size: 32 given"):
         make_trainer(tmp_path / "c", pretrained.b, source, "data_config.block_size=32")
+
+
+def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretrained, tmp_path):
+    """data_config.block_size=64 given (the default): replaced by the snapshot's 16, said, and recorded."""
+    args = [*TINY, f"data_config.path={pretrained.b}", "trainer_config.max_steps=1", "trainer_config.sample_chars=0",
+            "data_config.block_size=64", f"trainer_config.init_from={pretrained.run_dir / 'snapshot.pt'}"]
+    result = run_main(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"the model's shape from {pretrained.run_dir / 'snapshot.pt'} (trainer_config.init_from): "
+            "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, data_config.block_size=16 "
+            "(replacing 64)") in result.stderr
+    recorded = OmegaConf.load(run_dir_of(tmp_path, args) / ".hydra" / "config.yaml")
+    assert recorded.data_config.block_size == 16 and recorded.gpt_config.n_layer == 2
+    assert recorded.gpt_config.vocab_size is None  # set by the data, as before
 
 
 def test_a_run_directory_gives_its_best_weights_else_its_snapshot(pretrained, tmp_path, caplog, one_thread):

@@ -57,10 +57,10 @@ class Store:
     """What the MLflow store in cwd/mlruns holds, read with MLflow's client (a file
     store needs MLFLOW_ALLOW_FILE_STORE=true, set only while reading)."""
 
-    def __init__(self, cwd: Path, monkeypatch):
+    def __init__(self, cwd: Path, monkeypatch, uri: str | None = None):
         with monkeypatch.context() as env:
             env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-            client = mlflow.tracking.MlflowClient(store_uri(cwd))
+            client = mlflow.tracking.MlflowClient(uri or store_uri(cwd))
             experiment = client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT)
             self.runs = client.search_runs([experiment.experiment_id]) if experiment else []
             self.history = {run.info.run_id: {key: [(m.step, m.value) for m in client.get_metric_history(
@@ -187,6 +187,37 @@ def test_unreachable_tracker_costs_one_warning(cwd):
     assert steps_of(recorded(cwd / "runs" / "t", "train")) == [5, 10]
     assert "tracker_run_id" not in read(str(cwd / "runs" / "t" / "snapshot.pt"))
     assert time.monotonic() - started < 100  # MLflow's default retries would take minutes
+
+
+@pytest.mark.parametrize("store", ["default", "sqlite"])
+def test_the_documented_stores_track_after_the_documented_install(cwd, monkeypatch, store):
+    """MLflow's own default store (MLFLOW_TRACKING_URI unset: sqlite:///mlflow.db in the
+    working directory, MLflow >= 3.7) and an explicit sqlite URI, with what `.[mlflow]` installs."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{cwd / 'runs.db'}"
+    given = [] if store == "default" else [f"trainer_config.tracker_uri={uri}"]
+    result = run_main([*ARGS, "trainer_config.max_steps=10", "hydra.run.dir=runs/t", *given], cwd)
+    assert result.returncode == 0 and "WARNING" not in result.stderr, result.stderr[-3000:]
+    if store == "default":
+        with monkeypatch.context() as env:
+            env.chdir(cwd)
+            uri = mlflow.get_tracking_uri()  # as the run resolved it, from its working directory
+        assert uri.startswith("sqlite:"), uri  # what the documented default is
+    tracked = Store(cwd, monkeypatch, uri)
+    run = tracked.only_run()
+    assert run.info.status == "FINISHED" and steps_of(tracked.history[run.info.run_id]["train/loss"]) == [5, 10]
+
+
+def test_a_database_store_without_its_packages_names_them(tmp_path, caplog, monkeypatch):
+    """mlflow-skinny installed alone: the one warning names what is missing and the install command."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else find_spec(name, *a))
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        tracker = tracking.start(config(tracker_uri=f"sqlite:///{tmp_path / 'x.db'}"), str(tmp_path), None, 0, True)
+    assert tracker is tracking.OFF and [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "is a database, which needs sqlalchemy (pip install -e .[mlflow])" in caplog.records[0].getMessage()
 
 
 def config(**trainer) -> Config:

@@ -86,8 +86,15 @@ def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dis
                corpus: list[dict] | None = None) -> None:
     """The snapshot's shapes, vocabulary, corpus (when `corpus`, the run's fingerprint, is given)
     and config are this run's (or the change is allowed: rank 0 says so)."""
-    check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
     allow = config.trainer_config.allow_config_change
+    if corpus is not None and state.get("vocab") != vocab and corpus_changes(state.get("corpus"), corpus):
+        saved = state.get("vocab") or ""
+        raise SnapshotError(f"snapshot {path} was written for another corpus "
+                            f"({'; '.join(corpus_changes(state.get('corpus'), corpus))}) whose vocabulary differs "
+                            f"({len(saved)} characters in the snapshot, {len(vocab)} now; differs: "
+                            f"{''.join(sorted(set(saved) ^ set(vocab)))!r}), and a model keeps its vocabulary: start "
+                            "a new run in another directory, or fine-tune this one (trainer_config.init_from)")
+    check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
     moved = check_same_corpus(state.get("corpus"), corpus, path, allow) if corpus is not None else []
     changes = check_same_config(state, config, path)
     if moved and dist_info.is_main_process:
