@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -40,22 +41,23 @@ def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
-def operational(**kwargs: Any) -> Any:
-    """A field that changes how a run is carried out, logged or saved, never what it computes."""
-    return field(metadata={"operational": True}, **kwargs)
+def key(default: Any = dataclasses.MISSING, help: str = "", operational: bool = False, **factory: Any) -> Any:
+    """A config key: its default (or default_factory), its meaning in one line (the key tables
+    of docs/configuration.md and the commands' --help are made from it), and whether it is
+    operational: it changes how a run is carried out, logged or saved, never what it computes."""
+    return field(default=default, **factory, metadata={"help": help, "operational": operational})
 
 
 @dataclass
 class GPTConfig:
     """Model shape. The defaults are the CPU default run (measured, see BENCHMARKS.md)."""
 
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    # Filled in from the data (vocabulary size, data_config.block_size); leave unset.
-    vocab_size: Optional[int] = None
-    block_size: Optional[int] = None
+    n_layer: int = key(4, "transformer blocks")
+    n_head: int = key(4, "attention heads; must divide `n_embd`")
+    n_embd: int = key(128, "embedding width")
+    dropout: float = key(0.0, "dropout on embeddings, attention and residual branches, in [0, 1)")
+    vocab_size: Optional[int] = key(None, "the vocabulary's size, set from the data; leave unset")
+    block_size: Optional[int] = key(None, "the context length, set from `data_config.block_size`; leave unset")
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "n_embd"):
@@ -75,15 +77,15 @@ class GPTConfig:
 class OptimizerConfig:
     """AdamW with decoupled weight decay and a warmup + cosine learning-rate schedule."""
 
-    learning_rate: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.99)
-    eps: float = 1e-8
-    # "cosine": linear warmup, then cosine decay to min_lr_ratio * learning_rate
-    # over the whole run. "constant": linear warmup, then constant.
-    lr_schedule: str = "cosine"
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
+    learning_rate: float = key(3e-3, "peak learning rate, > 0")
+    weight_decay: float = key(0.1, "on the weights of Linear layers only; none on biases, LayerNorms, embeddings")
+    betas: tuple[float, float] = key((0.9, 0.99), "AdamW betas")
+    eps: float = key(1e-8, "AdamW epsilon")
+    lr_schedule: str = key(
+        "cosine", "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` at the last step; "
+        "`constant`: warmup, then flat")
+    warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)")
+    min_lr_ratio: float = key(0.1, "floor of the cosine decay, as a fraction of `learning_rate`")
 
     def __post_init__(self) -> None:
         check(
@@ -118,28 +120,28 @@ DEFAULT_DATA_PATH = "data/input.txt"
 class DataConfig:
     """The corpus and how it is cut into training and held-out windows."""
 
-    # Any fsspec URL or local path, a glob of them, or a list of either: the
-    # files form one corpus. The default is downloaded when missing. (Typed
-    # Any because OmegaConf has no Union[str, List[str]]; checked below.)
-    path: Any = DEFAULT_DATA_PATH
-    block_size: int = 64
-    # The first train_split of the (truncated) text trains; the rest is held out.
-    train_split: float = 0.9
-    # Use only this leading fraction of the corpus (0.05: the first 5%).
-    truncate: float = 1.0
-    # Training windows start every `stride` characters (1: every position).
-    # Held-out windows never overlap (stride block_size), so each held-out
-    # character is predicted once.
-    stride: int = 64
-    # Directory of the token cache (the encoded corpus, read by every
-    # process). null: .mingpt-cache/ beside a local corpus if that directory is
-    # writable, else $XDG_CACHE_HOME/mingpt (~/.cache/mingpt).
-    cache_dir: Optional[str] = operational(default=None)
-    # Where batches are gathered: "device" (the whole corpus read into the
-    # device's memory), "host" (each batch read from the token cache file, on
-    # a GPU into pinned memory and copied asynchronously), "auto" (on a GPU:
-    # device if the corpus takes at most 1/8 of its memory; on a CPU: host).
-    placement: str = operational(default="auto")
+    path: Any = key(
+        DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://` and `gs://` need the `s3` or `gcs` extra), a glob, or "
+        "a list of them (`'data_config.path=[a.txt,more/*.txt]'`): the files form one corpus; a glob never "
+        "matches the token cache's own files (`*-<16 hex>.tokens`, their temporaries, `.mingpt-cache/`), so "
+        "`cache_dir` may be the corpus's directory; the default is downloaded when missing")
+    block_size: int = key(64, "context length in characters")
+    train_split: float = key(
+        0.9, "the first `train_split` of each file trains, the rest of it is held out; in (0, 1)")
+    truncate: float = key(1.0, "use only this leading fraction of each file; in (0, 1]")
+    stride: int = key(
+        64, "a training window starts every `stride` characters (1: at every character); held-out windows never "
+        "overlap")
+    cache_dir: Optional[str] = key(
+        None, "directory of the token cache; null: `.mingpt-cache/` beside a local corpus when that directory is "
+        "writable, else `$XDG_CACHE_HOME/mingpt` (`~/.cache/mingpt`), also for `s3://` and other remote corpora",
+        operational=True)
+    placement: str = key(
+        "auto", "where batches are gathered: `device` (the whole corpus read into the device's memory), `host` (each "
+        "batch read from the token cache file, on a GPU into pinned memory and copied asynchronously while the "
+        "previous step runs), `auto` (on a GPU `device` when the corpus takes at most 1/8 of its memory, else "
+        "`host`; on a CPU `host`)",
+        operational=True)
 
     def __post_init__(self) -> None:
         paths = [self.path] if isinstance(self.path, str) else self.path
@@ -165,102 +167,107 @@ class DataConfig:
 class TrainerConfig:
     """The training run: length, evaluation, logging, snapshots, devices, precision."""
 
-    # Names the run directory runs/<run_name>: every rank and every restart of a
-    # job agree on it, so they share one snapshot. `hydra.run.dir=...` overrides.
-    run_name: str = operational(default="default")
-    max_epochs: int = 2
-    # Stop after this many optimizer steps (null: run all epochs).
-    max_steps: Optional[int] = None
-    # Samples per process per micro-step; the global batch is
-    # batch_size * grad_accum_steps * world_size.
-    batch_size: int = 12
-    grad_accum_steps: int = 1
-    grad_norm_clip: float = 1.0
-    seed: int = 1337
-    # "auto" (CUDA if available, else CPU), "cpu" or "cuda".
-    device: str = operational(default="auto")
-    # Evaluate every eval_every optimizer steps (0: at the end of each epoch);
-    # always at the end of the run.
-    eval_every: int = operational(default=500)
-    # Evaluate on at most this many held-out tokens: whole non-overlapping
-    # windows spread evenly over the held-out split, the same for any world
-    # size (0: all of it). 131,072 covers tiny shakespeare's whole held-out
-    # split (111,488 tokens) and caps a large one at ~1/3 of the training
-    # tokens between two default evaluations (500 steps x 12 x 64).
-    eval_tokens: int = 131_072
-    # Early stopping: stop (a finished run) once early_stop_patience evaluations in a
-    # row have not lowered the best held-out loss by at least early_stop_min_delta
-    # (null: never). The run's best weights are kept whatever this says (README, Snapshots).
-    early_stop_patience: Optional[int] = None
-    early_stop_min_delta: float = 0.0
-    log_every: int = operational(default=50)
-    # Characters generated from the model at each evaluation (0: none).
-    sample_chars: int = operational(default=200)
-    # Snapshot path (fsspec URL or local path); relative paths are inside the run
-    # directory. null: snapshot.pt (parallelism=ddp: one file) or snapshots
-    # (parallelism=fsdp: a directory of sharded snapshots).
-    snapshot_path: Optional[str] = operational(default=None)
-    save_every: int = operational(default=1)
-    # Also save every this many optimizer steps (null: only per epoch and at the end).
-    save_every_steps: Optional[int] = operational(default=None)
-    # Also save when this many minutes have passed since the last save, by rank
-    # 0's clock (null: never by time): a bound on the work a crash can lose.
-    save_every_minutes: Optional[float] = operational(default=5.0)
-    # Sharded snapshots (parallelism=fsdp): keep the newest keep_snapshots published
-    # snapshots, removing older ones once a new one is published.
-    keep_snapshots: int = operational(default=2)
-    # Sharded snapshots only: training waits for the state's copy to CPU memory, not
-    # for the write; the next save, the end of the run and a stop wait for it.
-    async_save: bool = operational(default=True)
-    # Signals that stop the run at the next step boundary, after a snapshot
-    # (exit status 128 + the signal's number; docs/fault-tolerance.md).
-    stop_signals: list[str] = operational(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
-    # Fine-tuning: start from the weights of this snapshot (a snapshot file, a
-    # sharded snapshot, or a run directory: its best weights, else its latest
-    # snapshot), with a fresh optimizer and schedule from step 0, on this run's
-    # corpus. The model's shape and vocabulary are the snapshot's (docs/training.md, Fine-tuning).
-    init_from: Optional[str] = None
-    # Mixed precision on CUDA: amp_dtype "bf16" or "fp16" (fp16 uses a GradScaler).
-    use_amp: bool = False
-    amp_dtype: str = "bf16"
-    # AMP on a CPU is ignored unless forced: without bf16 units it is far slower.
-    amp_on_cpu: bool = False
-    compile: bool = operational(default=False)
-    # Recompute each transformer block's activations in backward instead of keeping them:
-    # less memory for more compute, the same gradients (mingpt/model.py).
-    activation_checkpointing: bool = operational(default=False)
-    # How the model is spread over the processes (mingpt/parallel.py): "ddp"
-    # (each rank holds all of it) or "fsdp" (FSDP2: parameters, gradients and
-    # optimizer state sharded over the ranks; snapshots sharded too).
-    parallelism: str = "ddp"
-    # DDP gradient communication: "none", "fp16", "bf16" (NCCL only), "powersgd",
-    # "batched_powersgd", "post_local_sgd" (see mingpt/comm_hooks.py).
-    ddp_comm_hook: str = "none"
-    # PowerSGD's rank, and its start: after the warmup (measured in BENCHMARKS.md: 2% behind DDP).
-    powersgd_rank: int = 8
-    powersgd_start_step: int = 100
-    # Resuming a snapshot written with other values of result-affecting keys is
-    # refused; true continues it with this config's values (more epochs, a lower
-    # learning rate). The model's shape and vocabulary can never change.
-    allow_config_change: bool = operational(default=False)
-    # post_local_sgd: plain all-reduce for localsgd_start_step steps, then each
-    # replica steps on its own and all are averaged every localsgd_period steps.
-    # A replica is a rank, or with "node" the ranks of a node (their gradients
-    # are all-reduced every step).
-    localsgd_start_step: int = 100
-    localsgd_period: int = 4
-    localsgd_group: str = "rank"
-    # An experiment tracker beside metrics.jsonl and TensorBoard (mingpt/tracking.py):
-    # "mlflow" (needs `pip install -e .[mlflow]`) or null (none). Rank 0 logs.
-    tracker: Optional[str] = operational(default=None)
-    # Its tracking store: an MLflow tracking URI (http://host:5000, sqlite:///mlflow.db,
-    # file:./mlruns or a directory). null: MLflow's default (MLFLOW_TRACKING_URI, else ./mlruns).
-    tracker_uri: Optional[str] = operational(default=None)
+    run_name: str = key(
+        "default", "the run directory is `runs/<run_name>`, plus the changed values and their hash for any other config (see"
+        " [Run directory](run-directory.md))",
+        operational=True)
+    max_epochs: int = key(2, "epochs over the training windows")
+    max_steps: Optional[int] = key(None, "stop earlier, after this many optimizer steps")
+    batch_size: int = key(
+        12, "windows per process per micro-step; global batch = `batch_size * grad_accum_steps * world size`")
+    grad_accum_steps: int = key(1, "micro-steps per optimizer step")
+    grad_norm_clip: float = key(1.0, "clip the global gradient norm to this")
+    seed: int = key(1337, "the same seed and config give the same run")
+    device: str = key("auto", "`auto` (CUDA if available, else CPU), `cpu` or `cuda`", operational=True)
+    eval_every: int = key(
+        500, "evaluate every this many optimizer steps (0: at the end of each epoch); always at the end of the run",
+        operational=True)
+    eval_tokens: int = key(
+        131_072, "evaluate on at most this many held-out tokens: whole windows spread evenly over the held-out split, the "
+        "same for any number of processes (0: the whole split; tiny shakespeare's 111,488 fit)")
+    early_stop_patience: Optional[int] = key(
+        None, "stop the run, as finished, once this many evaluations in a row have not lowered the best held-out loss "
+        "by at least `early_stop_min_delta` (null: never); counted in evaluations, so `eval_every` sets how often"
+        " it is checked")
+    early_stop_min_delta: float = key(
+        0.0, "the least drop of the held-out loss that counts as an improvement for `early_stop_patience` (>= 0; the "
+        "best weights are kept at any drop)")
+    log_every: int = key(50, "log a train event every this many optimizer steps", operational=True)
+    sample_chars: int = key(200, "characters sampled at each evaluation and at the end (0: none)", operational=True)
+    snapshot_path: Optional[str] = key(
+        None, "local path or fsspec URL; a relative path is inside the run directory; null: `snapshot.pt` (a file) with"
+        " `parallelism=ddp`, `snapshots` (a directory of sharded snapshots) with `fsdp`",
+        operational=True)
+    save_every: int = key(1, "save a snapshot every this many epochs, and always at the end", operational=True)
+    save_every_steps: Optional[int] = key(None, "also save every this many optimizer steps", operational=True)
+    save_every_minutes: Optional[float] = key(
+        5.0, "also save when this many minutes have passed since the last save, by rank 0's clock (null: never by "
+        "time): a bound on the work a crash can lose (see [Fault "
+        "tolerance](fault-tolerance.md#a-bound-on-lost-work-by-time))",
+        operational=True)
+    keep_snapshots: int = key(
+        2, "sharded snapshots kept (the newest), the older removed once a new one is published",
+        operational=True)
+    async_save: bool = key(
+        True, "both formats (the single file with `ddp`, sharded snapshots with `fsdp`): training waits only for the "
+        "copy of the state to CPU memory, not for the write; the next save, a stop and the end of the run wait "
+        "for a save in flight, and its failure stops the run there on every rank",
+        operational=True)
+    stop_signals: list[str] = key(
+        help="signals that stop the run at the next optimizer-step boundary, after a snapshot, with exit status 128 + "
+        "the signal's number (`TERM` and `SIGTERM` alike; not SIGKILL or SIGSTOP; see [Fault "
+        "tolerance](fault-tolerance.md#stopping-a-run-signals-and-exit-statuses))",
+        operational=True, default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+    init_from: Optional[str] = key(
+        None, "fine-tune: start from the weights of a snapshot file, a sharded snapshot or a run directory (its best "
+        "weights, else its latest snapshot), with a fresh optimizer and schedule from step 0, on this run's "
+        "corpus; the model's shape and vocabulary are the snapshot's (see [Fine-tuning](training.md#fine-tuning))")
+    use_amp: bool = key(False, "mixed precision on CUDA")
+    amp_dtype: str = key("bf16", "`bf16`, or `fp16` (with a gradient scaler)")
+    amp_on_cpu: bool = key(False, "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)")
+    compile: bool = key(False, "`torch.compile` the model", operational=True)
+    activation_checkpointing: bool = key(
+        False, "recompute each transformer block's activations in backward instead of keeping them: less memory for more"
+        " compute, the same gradients (`benchmarks/bench_memory.py` measures both)",
+        operational=True)
+    parallelism: str = key(
+        "ddp", "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and AdamW state sharded over"
+        " the ranks; see [Distributed training](training.md#distributed-training))")
+    ddp_comm_hook: str = key(
+        "none", "DDP gradient communication: `none`, `fp16`, `bf16` (NCCL only), `powersgd`, `batched_powersgd`, "
+        "`post_local_sgd` (see [Distributed training](training.md#distributed-training))")
+    powersgd_rank: int = key(
+        8, "PowerSGD's matrix rank, and the step it starts compressing at (>= 2); the defaults keep `powersgd` "
+        "within about 2% of DDP's held-out loss "
+        "([measured](../BENCHMARKS.md#powersgds-defaults-what-the-compression-costs-in-loss))")
+    powersgd_start_step: int = key(
+        100, "PowerSGD's matrix rank, and the step it starts compressing at (>= 2); the defaults keep `powersgd` "
+        "within about 2% of DDP's held-out loss "
+        "([measured](../BENCHMARKS.md#powersgds-defaults-what-the-compression-costs-in-loss))")
+    allow_config_change: bool = key(
+        False, "resume a snapshot written with other values (see [Fault tolerance](fault-tolerance.md))",
+        operational=True)
+    localsgd_start_step: int = key(
+        100, "LocalSGD: plain DDP steps before it starts (>= 0), and steps between averagings (>= 2)")
+    localsgd_period: int = key(
+        4, "LocalSGD: plain DDP steps before it starts (>= 0), and steps between averagings (>= 2)")
+    localsgd_group: str = key(
+        "rank", "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients every step)")
+    tracker: Optional[str] = key(
+        None, "an experiment tracker beside `metrics.jsonl` and TensorBoard: `mlflow` (needs `pip install -e "
+        "\".[mlflow]\"`) or null (none); rank 0 logs the config, the scalars and the samples, and a resumed run "
+        "continues the same tracker run (see [Experiment tracking](tracking.md))",
+        operational=True)
+    tracker_uri: Optional[str] = key(
+        None, "the tracker's store: an MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`, `file:./mlruns` "
+        "or a directory); null: MLflow's default (`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the "
+        "working directory)",
+        operational=True)
 
     def __post_init__(self) -> None:
-        check(bool(self.run_name) and "/" not in self.run_name and self.run_name not in (".", ".."),
-              "trainer_config.run_name", f"must be a directory name (not empty, '.', '..' or with '/'), "
-              f"got {self.run_name!r}")
+        check(self.run_name not in ("", ".", "..") and "/" not in self.run_name and self.run_name.isprintable(),
+              "trainer_config.run_name", "must be one directory name (not empty, '.' or '..', without '/' or "
+              f"control characters such as a newline), got {self.run_name!r}")
         positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank",
                     "keep_snapshots")
         for key in positive:
@@ -373,3 +380,40 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(group="gpt_config", name="default", node=GPTConfig)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_text(v) for v in value) + "]"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def key_table(section: type) -> str:
+    """A config dataclass's keys as a markdown table, from its fields."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(section):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        kind = re.sub(r"Optional\[(.*)\]", r"\1 or null", str(f.type)).replace("Any", "str or list")
+        note = " (operational)" if f.metadata["operational"] else ""
+        rows.append(f"| `{f.name}` | {kind} | {_text(default)} | {f.metadata['help']}{note} |")
+    return "\n".join(rows)
+
+
+def markdown(doc: str) -> str:
+    """`doc` with the table of each section between its `<!-- keys: SECTION -->` and `<!-- end -->` made anew."""
+    for section in dataclasses.fields(Config):
+        begin = f"<!-- keys: {section.name} -->\n"
+        start, end = doc.index(begin) + len(begin), doc.index("<!-- end -->", doc.index(begin))
+        doc = doc[:start] + key_table(section.default_factory) + "\n" + doc[end:]
+    return doc
+
+
+if __name__ == "__main__":  # python -m mingpt.config --markdown docs/configuration.md: the key tables made anew
+    import sys
+
+    if sys.argv[1:2] != ["--markdown"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m mingpt.config --markdown docs/configuration.md")
+    with open(sys.argv[2], encoding="utf-8") as f:
+        text = markdown(f.read())
+    with open(sys.argv[2], "w", encoding="utf-8") as f:
+        f.write(text)

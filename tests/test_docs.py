@@ -1,7 +1,6 @@
-"""The documentation against the code: docs/configuration.md's key tables list
-exactly the fields of the four config dataclasses, with their defaults, and
-every relative link in README.md and docs/ reaches a file and, with an
-#anchor, a heading of it."""
+"""The documentation against the code: docs/configuration.md's key tables are made
+from the fields of the four config dataclasses, and every relative link in
+README.md and docs/ reaches a file and, with an #anchor, a heading of it."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 from conftest import REPO
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from mingpt.config import DataConfig, GPTConfig, OptimizerConfig, TrainerConfig
+from mingpt.config import DataConfig, GPTConfig, OptimizerConfig, TrainerConfig, key_table, markdown
 from mingpt.optim import lr_at
 
 SECTIONS = {"gpt_config": GPTConfig, "optimizer_config": OptimizerConfig, "data_config": DataConfig,
@@ -21,57 +20,21 @@ SECTIONS = {"gpt_config": GPTConfig, "optimizer_config": OptimizerConfig, "data_
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 
-def split_cell(cell: str) -> list[str]:
-    """`8, 100` to ['8', '100']; a list (`[0.9, 0.99]`) stays one value."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(cell):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(cell[start:i])
-            start = i + 1
-    return [part.strip() for part in [*parts, cell[start:]]]
-
-
-def key_table(section: str) -> dict[str, str]:
-    """The keys and default cells of the table under the heading `## `section`...`."""
+def test_the_key_tables_are_made_from_the_fields():
+    """docs/configuration.md's key tables are what `python -m mingpt.config --markdown` makes of the fields."""
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
-    heading = re.search(rf"^## `{section}`.*$", text, re.M)
-    assert heading, f"docs/configuration.md has no heading for {section}"
-    table = re.search(r"^\|.*?(?=^[^|]|\Z)", text[heading.end():], re.M | re.S)
-    assert table, f"no key table under {heading.group(0)}"
-    rows = {}
-    for row in table.group(0).splitlines()[2:]:  # after the header and |---|
-        cells = [cell.strip() for cell in row.strip("|").split("|")]
-        keys = [key.strip("` ") for key in cells[0].split(",")]
-        defaults = split_cell(cells[1])
-        if len(defaults) == 1:
-            defaults *= len(keys)
-        assert len(defaults) == len(keys), row
-        for key, default in zip(keys, defaults):
-            assert key not in rows, f"{section}.{key} is listed twice"
-            rows[key] = default
-    return rows
-
-
-def field_default(field: dataclasses.Field):
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
+    assert markdown(text) == text, "run python -m mingpt.config --markdown docs/configuration.md"
 
 
 @pytest.mark.parametrize("section", SECTIONS)
-def test_key_table_lists_every_field_with_its_default(section):
-    fields = {field.name: field for field in dataclasses.fields(SECTIONS[section])}
-    rows = key_table(section)
-    assert sorted(rows) == sorted(fields), (f"{section}: missing from the table {sorted(set(fields) - set(rows))}, "
-                                            f"not fields {sorted(set(rows) - set(fields))}")
+def test_each_default_cell_is_the_default_as_typed(section):
+    """A table's default, typed on the command line, is the field's default."""
     parser = OverridesParser.create()
-    for key, cell in rows.items():
-        written = parser.parse_override(f"{section}.{key}={cell}").value()  # as typed on the command line
-        default = field_default(fields[key])
-        if isinstance(default, tuple):
-            default = list(default)
-        assert written == default, f"{section}.{key}: the table says {cell}, the dataclass {default!r}"
+    for f, row in zip(dataclasses.fields(SECTIONS[section]), key_table(SECTIONS[section]).splitlines()[2:]):
+        cell = row.split(" | ")[2]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        written = parser.parse_override(f"{section}.{f.name}={cell}").value()
+        assert written == (list(default) if isinstance(default, tuple) else default), (section, f.name, cell)
 
 
 def slug(heading: str) -> str:
