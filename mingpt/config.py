@@ -12,12 +12,13 @@ import dataclasses
 import json
 import math
 import re
+import textwrap
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import ListConfig
+from omegaconf import ListConfig, OmegaConf
 
 from mingpt.stopping import DEFAULT_SIGNALS as DEFAULT_STOP_SIGNALS
 from mingpt.stopping import parse_signal
@@ -376,10 +377,14 @@ def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
 
 def register_configs() -> None:
     """Make the dataclasses Hydra's schema: `base_config` for the whole config,
-    and `gpt_config=default` (the dataclass defaults) beside the YAML presets."""
+    and `gpt_config=default` (the dataclass defaults) beside the YAML presets;
+    `${mingpt.keys:}` is every key with its value in the composed config (for --help)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(group="gpt_config", name="default", node=GPTConfig)
+    OmegaConf.register_new_resolver("mingpt.keys", lambda _root_: "\n".join(
+        key_lines(s.default_factory, _root_[s.name], f"{s.name}.") for s in dataclasses.fields(Config)
+    ).replace("$", "$$"), replace=True)  # Hydra fills in the help template with string.Template
 
 
 def _text(value: Any) -> str:
@@ -397,6 +402,22 @@ def key_table(section: type) -> str:
         note = " (operational)" if f.metadata["operational"] else ""
         rows.append(f"| `{f.name}` | {kind} | {_text(default)} | {f.metadata['help']}{note} |")
     return "\n".join(rows)
+
+
+def key_lines(section: type, values: Optional[Mapping] = None, prefix: str = "") -> str:
+    """A config dataclass's keys for a --help, from its fields: `key=value` (the default,
+    or the value in `values`) and the key's meaning."""
+    rows = []
+    for f in dataclasses.fields(section):
+        value = values[f.name] if values is not None else (
+            f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        rows.append((f"{prefix}{f.name}={_text(value)}", f.metadata["help"]))
+    width = min(max(len(k) for k, _ in rows), 28) + 4
+    lines = []
+    for k, help in rows:
+        lines.append(f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
+        lines[-1] += ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
+    return "\n".join(lines)
 
 
 def markdown(doc: str) -> str:

@@ -1,19 +1,12 @@
-"""Export a snapshot for other tools.
+"""Export a snapshot for other tools (also: mingpt-export).
 
-usage: python -m mingpt.export SRC DST [--format safetensors|hf|snapshot]   (or: mingpt-export ...)
-
-  SRC       a snapshot: a snapshot file, a sharded snapshot (a directory: its newest
-            published snapshot, or one step-... directory) or a run directory (its
-            best weights, else the snapshot its config names); local path or fsspec URL
-  DST       where the export goes; it must be absent, or of the kind the format writes
-            (a directory a previous export wrote, or a regular file); never a device
-  --format  safetensors (default): DST a directory of model.safetensors (the weights under
-            the model's own names, float32), config.json (the GPTConfig: the model's shape)
-            and vocab.json (each character and its token id)
-            hf: DST a directory that Hugging Face transformers loads with
-            GPT2LMHeadModel.from_pretrained(DST): config.json, model.safetensors, vocab.json
-            snapshot: DST one snapshot file (the single-file format, optimizer state
-            included), e.g. a sharded snapshot as one file; local path or fsspec URL
+Short forms: `python -m mingpt.export SRC DST [--format FORMAT]` is `src=SRC dst=DST
+format=FORMAT`. The formats: safetensors: DST a directory of model.safetensors (the
+weights under the model's own names, float32), config.json (the GPTConfig) and
+vocab.json (each character and its token id); hf: DST a directory that Hugging Face
+transformers loads with GPT2LMHeadModel.from_pretrained(DST); snapshot: DST one
+snapshot file (the single-file format, optimizer state included; a local path or
+fsspec URL).
 
 The export is written beside DST and renamed into place, so DST only ever holds
 a complete export. Bad input ends with one line on stderr and exit status 2.
@@ -21,7 +14,6 @@ a complete export. Bad input ends with one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
@@ -37,9 +29,10 @@ from typing import Optional
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from mingpt.config import ConfigError, check, one_of
+from mingpt.command import command, parse_args
+from mingpt.config import ConfigError, check, key, one_of
 from mingpt.data import CharTokenizer
-from mingpt.generate import command, load_model
+from mingpt.generate import load_model
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, single_file
 from mingpt.storage import StorageError, fsync_dir
@@ -58,14 +51,17 @@ class ExportError(ValueError):
 
 @dataclass
 class ExportConfig:
-    src: str
-    dst: str
-    format: str = "safetensors"
+    src: str = key("", "the snapshot: a snapshot file, a sharded snapshot's directory (its newest published "
+                       "snapshot, or one step-... directory) or a run directory (its best weights, else its "
+                       "snapshot); local path or fsspec URL")
+    dst: str = key("", "where the export goes: absent, or of the kind the format writes (an earlier export's "
+                       "directory, or a regular file); never a device")
+    format: str = key("safetensors", f"{', '.join(FORMATS)}: see below")
 
     def __post_init__(self) -> None:
-        check(bool(self.src), "SRC", "must not be empty")
-        check(bool(self.dst), "DST", "must not be empty")
-        one_of(self.format, "--format", FORMATS)
+        check(bool(self.src), "src", "must be given")
+        check(bool(self.dst), "dst", "must be given")
+        one_of(self.format, "format", FORMATS)
 
 
 # ---------------------------------------------------------------- what is written
@@ -233,27 +229,32 @@ def export(config: ExportConfig) -> dict:
     return state
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, through main's handler, instead of usage + exit
-        raise ConfigError(message)
-
-
-def parse_args(argv: list[str]) -> ExportConfig:
-    parser = _Parser(prog="python -m mingpt.export", add_help=False)
-    parser.add_argument("src")
-    parser.add_argument("dst")
-    parser.add_argument("--format", default=ExportConfig.format)
-    return ExportConfig(**vars(parser.parse_args(argv)))
+def overrides(argv: list[str]) -> list[str]:
+    """The short forms as key=value: `SRC DST` for src= and dst=, `--format F` for format=F."""
+    out, paths, args = [], [], iter(argv)
+    for arg in args:
+        key = arg.partition("=")[0]
+        if arg == "--format":
+            out.append(f"format={next(args, 'null')}")
+        elif key == "--format":
+            out.append(arg[2:])
+        elif "=" in arg and key.isidentifier():
+            out.append(arg)
+        else:
+            paths.append(arg)  # a path, though it may hold a '='
+    if len(paths) > 2:
+        raise ConfigError(f"{' '.join(paths[2:])}: expected key=value (SRC and DST are given)")
+    return [f"{name}={path}" for name, path in zip(("src", "dst"), paths)] + out
 
 
 def run(argv: list[str]) -> None:
-    config = parse_args(argv)
+    config = parse_args(overrides(argv), ExportConfig, ("src", "dst"))
     state = export(config)
     print(f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to {config.dst}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    command(__doc__, run, (ConfigError, SnapshotError, StorageError, ExportError), argv)
+    command("python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]", ExportConfig, __doc__, run, (ConfigError, SnapshotError, StorageError, ExportError), argv)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,4 @@
-"""Generate text from a snapshot and stream it to stdout.
-
-usage: python -m mingpt.generate [key=value ...]   (or: mingpt-generate [key=value ...])
-
-  snapshot_path=runs/default  snapshot to sample from (local path or fsspec URL): a snapshot
-                            file, a sharded snapshot (a directory: its newest published snapshot),
-                            or a run directory (its best weights: the lowest held-out loss, beside
-                            the snapshot its config names; that snapshot while there are none)
-  prompt=                   text to continue, taken verbatim (empty: start of a new line)
-  prompt_file=              read the prompt from this file instead (local path or fsspec URL)
-  max_new_tokens=500        characters to generate per sample (>= 0)
-  temperature=1.0           0 is greedy decoding; higher is more random (0, or >= 1.18e-38)
-  top_k=null                sample only from the k most likely characters (>= 1)
-  top_p=1.0                 sample only from the most likely characters whose probability reaches top_p, in (0, 1]
-  num_samples=1             samples, decoded as one batch, each headed by a separator line;
-                            sample 1 streams, the others follow when it ends
-  seed=1337                 the same seed (and device) gives the same text; sample i uses seed + i - 1
-  device=auto               auto (CUDA if available), cpu or cuda
-  use_cache=true            key/value cache: one position's work per new character
-  compile=auto              torch.compile the decoding step (CUDA graphs on GPUs; on CPU,
-                            one-row matmuls at memory speed): faster per character, but
-                            compiling takes seconds; auto: when max_new_tokens is long
-                            enough for it to pay on this device type; true or false
+"""Generate text from a snapshot and stream it to stdout (also: mingpt-generate).
 
 The model and its vocabulary come from the snapshot alone. Only the text goes
 to stdout; logs and errors go to stderr. A bad value, snapshot or prompt ends
@@ -34,18 +12,19 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import fsspec
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt.config import ConfigError, GPTConfig, TrainerConfig, check, check_seed, one_of
+from mingpt.command import command, parse_args
+from mingpt.config import ConfigError, GPTConfig, TrainerConfig, check, check_seed, key, one_of
 from mingpt.data import CharTokenizer
 from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
-from mingpt.distributed import pick_device, setup_logging
+from mingpt.distributed import pick_device
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, manager
 from mingpt.storage import StorageError, check_regular, reason, storage_errors
@@ -63,18 +42,25 @@ class OutputError(ValueError):
 
 @dataclass
 class GenerateConfig:
-    snapshot_path: str = "runs/default"
-    prompt: str = ""
-    prompt_file: str = ""
-    max_new_tokens: int = 500
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: float = 1.0
-    num_samples: int = 1
-    seed: int = 1337
-    device: str = "auto"
-    use_cache: bool = True
-    compile: str = "auto"
+    snapshot_path: str = key(
+        "runs/default", "the snapshot to sample from (local path or fsspec URL): a snapshot file, a sharded "
+        "snapshot's directory (its newest published snapshot), or a run directory (its best weights, else "
+        "its snapshot)")
+    prompt: str = key("", "text to continue, taken verbatim (empty: start of a new line)")
+    prompt_file: str = key("", "read the prompt from this file instead (local path or fsspec URL)")
+    max_new_tokens: int = key(500, "characters to generate per sample, >= 0")
+    temperature: float = key(1.0, f"0 is greedy decoding; higher is more random (0, or >= {MIN_TEMPERATURE:.3g})")
+    top_k: Optional[int] = key(None, "sample only from the k most likely characters, >= 1")
+    top_p: float = key(1.0, "sample only from the most likely characters whose probability reaches top_p, "
+                            "in (0, 1]")
+    num_samples: int = key(1, "samples, decoded as one batch, each headed by a separator line; sample 1 "
+                              "streams, the others follow when it ends")
+    seed: int = key(1337, "the same seed (and device) gives the same text; sample i uses seed+i-1")
+    device: str = key("auto", "auto (CUDA if available), cpu or cuda")
+    use_cache: bool = key(True, "key/value cache: one position's work per new character")
+    compile: str = key("auto", "torch.compile the decoding step: faster per character, but compiling takes "
+                               "seconds; auto: when max_new_tokens is long enough for it to pay on this device "
+                               "type; true or false")
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
@@ -94,32 +80,7 @@ class GenerateConfig:
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
-# Free text: taken verbatim from `key=value`, never parsed as YAML (`prompt=ROMEO:`
-# would otherwise be a mapping, and `prompt=O, Romeo!` or `${...}` would not survive).
-TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
-
-
-def parse_args(argv: list[str], schema: type = GenerateConfig, text_keys: tuple[str, ...] = TEXT_KEYS):
-    """`key=value` overrides on the defaults of the dataclass `schema` (GenerateConfig;
-    mingpt.score passes its own). OmegaConf rejects unknown keys and wrong types;
-    __post_init__ rejects bad values. The `text_keys` take their value verbatim."""
-    text, rest = {}, []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise ConfigError(f"{arg}: expected key=value")
-        if key in text_keys:
-            text[key] = value
-        else:
-            rest.append(arg)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
-        config = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        message = str(e).strip().splitlines()[0]
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
-    return replace(config, **text)
+TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")  # free text, taken verbatim
 
 
 def find_snapshot(path: str) -> str:
@@ -228,6 +189,7 @@ def write(text: str) -> None:
     except BrokenPipeError:  # the reader went away, e.g. `| head`: not an error of ours
         raise
     except OSError as e:  # e.g. `>/dev/full`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
@@ -283,43 +245,10 @@ def run(config: GenerateConfig) -> None:
     log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))
 
 
-def command(doc: str, body: Callable[[list[str]], None], errors: tuple[type[BaseException], ...],
-            argv: Optional[list[str]] = None) -> None:
-    """A command line of mingpt's (mingpt.export, mingpt.score): `--help` prints `doc`;
-    `body(argv)` runs with logging on stderr; one of `errors` ends it with one line on
-    stderr and exit status 2, Ctrl-C with status 130."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(doc.strip())
-        return
-    try:
-        setup_logging(rank=0)
-        body(argv)
-    except errors as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
-
-
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        if any(arg in ("-h", "--help") for arg in argv):
-            write(__doc__.strip() + "\n")
-            return
-        setup_logging(rank=0)
-        run(parse_args(argv))
-    except (ConfigError, SnapshotError, StorageError, PromptError, OutputError) as e:
-        if isinstance(e, OutputError) and sys.stdout is not None:  # the exit's flush would fail again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BrokenPipeError:  # stdout closed early, e.g. piped into `head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+    command("python -m mingpt.generate [key=value ...]", GenerateConfig, __doc__,
+            lambda argv: run(parse_args(argv, GenerateConfig, TEXT_KEYS)),
+            (ConfigError, SnapshotError, StorageError, PromptError, OutputError), argv)
 
 
 if __name__ == "__main__":

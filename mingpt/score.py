@@ -1,14 +1,4 @@
-"""Score a text under a snapshot: loss, bits per character, perplexity.
-
-usage: python -m mingpt.score [key=value ...]   (or: mingpt-score [key=value ...])
-
-  snapshot_path=runs/default  the model (local path or fsspec URL): a snapshot
-                            file, a sharded snapshot's directory, or a run directory (its best weights)
-  path=                     the text to score (local path or fsspec URL, UTF-8); empty:
-                            the held-out split of the run's own corpus, as the run evaluates it
-  device=auto               auto (CUDA if available), cpu or cuda
-  allow_corpus_change=false score the held-out split of a corpus changed since the
-                            snapshot was written (with a warning: that split moved)
+"""Score a text under a snapshot: loss, bits per character, perplexity (also: mingpt-score).
 
 The text is cut into non-overlapping windows of the model's block_size (the
 held-out split: exactly the windows of the run's evaluation, trainer_config.eval_tokens
@@ -29,10 +19,11 @@ from typing import Optional
 import torch
 
 from mingpt import evaluation
-from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, one_of
+from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, key, one_of
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
-from mingpt.generate import GenerateConfig, command, load_model, parse_args
+from mingpt.command import command, parse_args
+from mingpt.generate import GenerateConfig, load_model
 from mingpt.snapshot import SnapshotError, fit
 from mingpt.storage import StorageError
 
@@ -41,10 +32,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ScoreConfig:
-    snapshot_path: str = GenerateConfig.snapshot_path
-    path: str = ""
-    device: str = "auto"
-    allow_corpus_change: bool = False  # the run's corpus changed since the snapshot: score its new held-out split
+    snapshot_path: str = key(GenerateConfig.snapshot_path, "the model: a snapshot file, a sharded snapshot's "
+                             "directory, or a run directory (its best weights); local path or fsspec URL")
+    path: str = key("", "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of "
+                        "the run's own corpus, as the run evaluates it")
+    device: str = key("auto", "auto (CUDA if available), cpu or cuda")
+    allow_corpus_change: bool = key(False, "score the held-out split of a corpus changed since the snapshot "
+                                           "was written (with a warning: that split moved)")
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
@@ -141,7 +135,7 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    command(__doc__, run, (ConfigError, SnapshotError, StorageError, DataError, TextError), argv)
+    command("python -m mingpt.score [key=value ...]", ScoreConfig, __doc__, run, (ConfigError, SnapshotError, StorageError, DataError, TextError), argv)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@ README.md and docs/ reaches a file and, with an #anchor, a heading of it."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, child_env
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from mingpt.config import DataConfig, GPTConfig, OptimizerConfig, TrainerConfig, key_table, markdown
+from mingpt.config import Config, DataConfig, GPTConfig, OptimizerConfig, TrainerConfig, key_lines, key_table, markdown
 from mingpt.optim import lr_at
 
 SECTIONS = {"gpt_config": GPTConfig, "optimizer_config": OptimizerConfig, "data_config": DataConfig,
@@ -104,3 +107,23 @@ def test_the_operational_keys_named_in_the_docs_are_the_codes():
     assert paragraph, "docs/run-directory.md no longer lists the operational keys"
     named = set(re.findall(r"`(\w+)`", paragraph.group(0))) - set(SECTIONS)
     assert named == {key.split(".")[1] for key in OPERATIONAL_KEYS}
+
+
+@pytest.mark.parametrize("tool,schema", [("generate", "GenerateConfig"), ("score", "ScoreConfig"),
+                                         ("export", "ExportConfig")])
+def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys):
+    module = importlib.import_module(f"mingpt.{tool}")
+    module.main(["--help"])
+    help = capsys.readouterr().out
+    assert help.startswith(f"usage: python -m mingpt.{tool} ")
+    assert key_lines(getattr(module, schema)) in help
+
+
+def test_the_training_help_lists_every_key_with_this_invocations_value():
+    result = subprocess.run([sys.executable, "main.py", "--help", "trainer_config.max_epochs=7"], cwd=REPO,
+                            env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory):
+            assert f"\n  {section.name}.{f.name}=" in result.stdout
+    assert "\n  trainer_config.max_epochs=7 " in result.stdout

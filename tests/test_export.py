@@ -138,7 +138,7 @@ def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_ru
     # (a killed export's temporary directory included).
     export(run_dir, tmp_path / "st")
     (tmp_path / ".st.tmp-killed").mkdir()
-    export(run_dir, tmp_path / "st", "--format", "hf")
+    export_main([f"src={run_dir}", f"dst={tmp_path / 'st'}", "format=hf"])  # the key=value form
     assert json.loads((tmp_path / "st" / "config.json").read_text())["model_type"] == "gpt2"
     assert sorted(os.listdir(tmp_path)) == ["one.pt", "st"]
 
@@ -176,9 +176,11 @@ def test_bad_input_is_one_line(sharded_root, tiny_run, tmp_path, capsys):
     damaged.write_bytes(snapshot.read_bytes()[:-100])
     assert refused(capsys, [damaged, tmp_path / "out"]).startswith(f"error: snapshot {damaged} is truncated")
     assert refused(capsys, [snapshot, tmp_path / "out", "--format", "onnx"]) == (
-        "error: --format: 'onnx' is not one of safetensors, hf, snapshot")
-    assert refused(capsys, [snapshot]) == "error: the following arguments are required: dst"
-    assert refused(capsys, [snapshot, tmp_path / "out", "--level=3"]) == "error: unrecognized arguments: --level=3"
+        "error: format: 'onnx' is not one of safetensors, hf, snapshot")
+    assert refused(capsys, [snapshot]) == "error: dst: must be given"
+    assert refused(capsys, [snapshot, tmp_path / "out", "--level=3"]) == (
+        "error: --level=3: expected key=value (SRC and DST are given)")
+    assert refused(capsys, [f"src={snapshot}", "level=3"]) == "error: Key 'level' not in 'ExportConfig'"
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     for form in ("safetensors", "snapshot"):  # a parent that is a file: nothing can be written there
@@ -200,8 +202,8 @@ def test_help_and_the_command_line(tiny_run, tmp_path):
     cwd, run_dir = tiny_run
     result = subprocess.run([sys.executable, "-m", "mingpt.export", "--help"], env=child_env(),
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.startswith("Export a snapshot for other tools.")
-    assert "--format" in result.stdout and not result.stderr
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m mingpt.export src=SRC dst=DST")
+    assert "\n  format=safetensors" in result.stdout and not result.stderr
     result = subprocess.run([sys.executable, "-m", "mingpt.export", str(run_dir), "/dev/full"], env=child_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr

@@ -33,7 +33,8 @@ from mingpt import storage
 from mingpt.config import Config, ConfigError
 from mingpt.distributed import DistInfo
 from mingpt.decoding import generate
-from mingpt.generate import load_model, parse_args
+from mingpt.command import parse_args
+from mingpt.generate import GenerateConfig, load_model
 from mingpt.snapshot import SnapshotError, single_file
 from mingpt import cli
 from mingpt.cli import CONF_DIR
@@ -330,7 +331,7 @@ def test_values_torch_cannot_take_are_refused(override, key):
 
 def test_generate_refuses_a_seed_beyond_64_bits():
     with pytest.raises(ConfigError, match=r"^seed: must be in \[0, 2\*\*63\)"):
-        parse_args(["seed=99999999999999999999999"])
+        parse_args(["seed=99999999999999999999999"], GenerateConfig)
 
 
 # In a child whose address space is capped at what it maps once torch is imported, plus

@@ -18,7 +18,8 @@ from conftest import TINY, child_env, run_dir_of, run_main
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
 from mingpt.model import GPT
-from mingpt.generate import COMPILE_PAYS_AFTER, load_model, parse_args, should_compile
+from mingpt.command import parse_args
+from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, load_model, should_compile
 
 
 TRAIN_ARGS = TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",
@@ -240,9 +241,9 @@ def test_compile_auto_compiles_where_it_pays():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def compiles(device, *args):
-        return should_compile(parse_args(list(args)), device)
+        return should_compile(parse_args(list(args), GenerateConfig), device)
 
-    assert parse_args([]).compile == "auto"
+    assert parse_args([], GenerateConfig).compile == "auto"
     for device in (cpu, cuda):
         long_enough = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type]}"
         shorter = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type] - 1}"
@@ -251,7 +252,7 @@ def test_compile_auto_compiles_where_it_pays():
         assert compiles(device, shorter, "compile=true") and not compiles(device, long_enough, "compile=false")
     assert not compiles(cpu, "max_new_tokens=100000", "num_samples=2")  # a batch on CPU gains too little
     assert compiles(cuda, "max_new_tokens=100000", "num_samples=2")
-    assert parse_args(["compile=True"]).compile == "true"
+    assert parse_args(["compile=True"], GenerateConfig).compile == "true"
 
 
 # ---------------------------------------------------------------- the filters

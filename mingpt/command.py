@@ -1,0 +1,61 @@
+"""The command lines of generate, score and export: `key=value` overrides of a config
+dataclass, a --help made from its fields, and bad input ended in one line."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mingpt.config import ConfigError, key_lines
+from mingpt.distributed import setup_logging
+
+
+def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
+    """`key=value` overrides on the defaults of the dataclass `schema`. OmegaConf rejects
+    unknown keys and wrong types; __post_init__ rejects bad values. The `text_keys` are
+    free text, taken verbatim, never parsed as YAML (`prompt=ROMEO:` would otherwise be
+    a mapping, and `prompt=O, Romeo!` or `${...}` would not survive)."""
+    text, rest = {}, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ConfigError(f"{arg}: expected key=value")
+        if key in text_keys:
+            text[key] = value
+        else:
+            rest.append(arg)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
+        values = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        message = str(e).strip().splitlines()[0]
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
+    return schema(**{**values, **text})
+
+
+def command(usage: str, schema: type, doc: str, body: Callable[[list[str]], None],
+            errors: tuple[type[BaseException], ...], argv: Optional[list[str]] = None) -> None:
+    """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first
+    paragraph, the keys of `schema`, then the rest of `doc`; one of `errors` ends the run with one line on stderr and exit
+    status 2, Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if any(arg in ("-h", "--help") for arg in argv):
+            what, _, rest = doc.strip().partition("\n\n")
+            print(f"usage: {usage}\n\n{what}\n\n{key_lines(schema)}\n\n{rest}".rstrip(), flush=True)
+            return
+        setup_logging(rank=0)
+        body(argv)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
+        sys.exit(1)
