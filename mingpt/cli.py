@@ -11,13 +11,15 @@ import copy
 import os
 import re
 import sys
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterator, NoReturn, Optional
 
 import hydra
 import yaml
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -124,13 +126,23 @@ def checked_composition() -> Iterator[None]:
     the run directory (a refused config leaves none), and for --cfg, which runs no task."""
     compose = Hydra.compose_config
 
-    def compose_config(self: Hydra, *args: Any, **kwargs: Any) -> DictConfig:
-        cfg = compose(self, *args, **kwargs)
+    def check(cfg: DictConfig) -> None:
         HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in a value, as Hydra does next
         job = copy.deepcopy(cfg)
         with read_write(job), open_dict(job):
             del job["hydra"]
         checked_config(job, cfg.hydra)
+
+    def compose_config(self: Hydra, config_name: Optional[str], overrides: list[str], run_mode: RunMode,
+                       *args: Any, **kwargs: Any) -> DictConfig:
+        cfg = compose(self, config_name, overrides, run_mode, *args, **kwargs)
+        check(cfg)
+        if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
+            # Every job of the sweep, before the first one runs or has a directory.
+            for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None):
+                for job in batch:
+                    check(self.config_loader.load_sweep_config(cfg, list(job)))
+            HydraConfig.instance().set_config(cfg)
         return cfg
 
     Hydra.compose_config = compose_config  # type: ignore[method-assign]

@@ -443,6 +443,7 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
             "it holds a control character",
         ("trainer_config.batch_size=0", "hydra.run.dir=elsewhere"): "trainer_config.batch_size: must be >= 1, got 0",
         ("trainer_config.batch_size=0", "--cfg", "job"): "trainer_config.batch_size: must be >= 1, got 0",
+        ("-m", "trainer_config.batch_size=1,0"): "trainer_config.batch_size: must be >= 1, got 0",  # before job 0 runs
         ("trainer_config.seed=1", "--config-dir", str(conf), "trainer_config.max_epochs=1"):
             "trainer_config.max_epochs=1: the key=value overrides go together, all before or all after the options",
         ("--cfg",): "argument --cfg/-c: expected one argument",
