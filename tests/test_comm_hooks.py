@@ -19,8 +19,10 @@ from omegaconf import OmegaConf
 from mingpt.config import Config
 from mingpt.distributed import DistInfo
 from mingpt.train import build
+import test_distributed
 from test_distributed import FAST, run_worker
 
+CORPUS_CHARS = test_distributed.CORPUS_CHARS  # the corpus_file fixture reads it
 # A constant learning rate: a run cut short (max_steps) takes the same steps as a longer one.
 COMMON = [*FAST, "optimizer_config.lr_schedule=constant", "gpt_config.dropout=0.1", "trainer_config.batch_size=4"]
 # LocalSGD from step 5 on (4 plain steps), averaging after steps 5, 9, 13, ..., 37 (every 4).
