@@ -297,3 +297,33 @@ def test_a_full_disk_says_so(small_disk, async_save):
     assert str(failed.value) == (f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
                                  "device (rank 0); the previous snapshots are unchanged")
     assert sharded.latest(root) == f"{root}/step-00000001"
+
+
+@pytest.mark.parametrize("moment", ["_read_manifest", "_verify", "_dcp_load"])
+def test_a_snapshot_rotated_away_while_being_read_gives_way_to_the_newest(tmp_path, monkeypatch, moment):
+    """A run saving with keep_snapshots=1 removes the snapshot a reader (generate, export,
+    score, init_from) chose, at any moment of its read: the manifest, the shards' checksums
+    or DCP's read. The reader takes the newest; a snapshot named directly says it was replaced."""
+    root = str(tmp_path / "snapshots")
+    sharded.save({"w": torch.zeros(4)}, {"step": 1}, root, 1, keep=1, async_save=False)
+    chosen = sharded.latest(root)
+    original, saves = getattr(sharded, moment), iter([2, 3])
+
+    def rotate_then(*args, **kwargs):
+        if chosen in args and sharded.latest(root) == chosen:  # the run publishes a newer one, keep=1
+            step = next(saves)
+            sharded.save({"w": torch.full((4,), float(step))}, {"step": step}, root, step, keep=1, async_save=False)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sharded, moment, rotate_then)
+    tensors, meta = sharded.load_full(root)
+    assert meta == {"step": 2} and torch.equal(tensors["w"], torch.full((4,), 2.0))
+    assert not os.path.exists(chosen)
+
+    chosen = sharded.latest(root)  # named directly: no newer one to take its place
+    with pytest.raises(SnapshotError) as replaced:
+        sharded.load_full(chosen)
+    assert str(replaced.value).startswith(f"snapshot {chosen} was removed while being read (its run replaced it")
+    if moment == "_read_manifest":
+        monkeypatch.setattr(sharded, "_read_manifest", original)
+        assert sharded.read_meta(root) == {"step": 3}

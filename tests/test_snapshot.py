@@ -26,6 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
+from mingpt import storage
 from mingpt.config import Config
 from mingpt.data import ResumableSampler
 from mingpt.distributed import DistInfo
@@ -322,6 +323,28 @@ def test_killed_save_leaves_previous_snapshot_intact(tmp_path, mode):
     # The next save replaces it and clears the killed save's temporary file.
     single_file.save({**previous, "step": 2}, str(path))
     assert single_file.load(str(path))["step"] == 2 and not list(tmp_path.glob("snapshot.pt.tmp-*"))
+
+
+@pytest.mark.parametrize("moment", ["checked", "opened"])
+def test_a_file_replaced_while_being_read_is_read_whole(tmp_path, monkeypatch, moment):
+    """The single-file format's counterpart of a sharded snapshot rotated away while being
+    read: a save replaces the file by a rename, so a reader gets the file it opened, whole,
+    or the new one; never a missing or damaged one."""
+    path = str(tmp_path / "snapshot.pt")
+    state = {"model_state": {"w": torch.zeros(3)}, "optimizer_state": {}, "gpt_config": {}, "vocab": "ab",
+             "epoch": 0, "samples_in_epoch": 0, "step": 1}
+    single_file.save(state, path)
+    fs_class = type(storage.filesystem(path)[0])
+    original, saves = (storage.check_regular if moment == "checked" else fs_class.open), [2]
+
+    def replace_after(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if saves:  # once: the save opens files too
+            single_file.save({**state, "step": saves.pop()}, path)
+        return result
+
+    monkeypatch.setattr(*((storage, "check_regular") if moment == "checked" else (fs_class, "open")), replace_after)
+    assert single_file.load(path)["step"] == (2 if moment == "checked" else 1)
 
 
 def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_snapshot):

@@ -522,8 +522,9 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
         except storage_errors() as e:
             raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
 
+    data = read(MANIFEST)
     try:
-        manifest = json.loads(read(MANIFEST))
+        manifest = json.loads(data)
         files = manifest["files"]
         if manifest.get("format") != FORMAT or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
             raise ValueError(f"format {manifest.get('format')!r}")
@@ -619,16 +620,49 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     return document["meta"]
 
 
+REREADS = 5  # snapshots rotated away while being read before a reader gives up
+
+
+def _published(directory: str) -> bool:
+    fs, p = storage.filesystem(directory)
+    try:
+        return fs.exists(f"{p.rstrip('/')}/{MANIFEST}")
+    except storage_errors():
+        return True  # unknown: the read's own error stands
+
+
+def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
+    """`read` of the snapshot `_resolve` chooses. A snapshot that lost its manifest while
+    being read was rotated away by a newer one (keep_snapshots: _prune removes the manifest
+    first), not damaged: chosen from a root, the newest published one is read instead."""
+    for _ in range(REREADS):
+        directory = _resolve(root_or_dir)
+        try:
+            return read(directory)
+        except (SnapshotError, StorageError):
+            if _published(directory):
+                raise
+        if directory == root_or_dir:
+            raise SnapshotError(f"snapshot {directory} was removed while being read (its run replaced it with a "
+                                "newer one: keep_snapshots); read the run's snapshot root for its newest")
+        log.info("snapshot %s was replaced by a newer one while being read; reading the newest", directory)
+    raise SnapshotError(f"the snapshots in {root_or_dir} were replaced {REREADS} times while being read "
+                        "(its run saves faster than they can be read): try again, or export one while it is kept")
+
+
 def read_meta(root_or_dir: str) -> dict[str, Any]:
     """The `meta` of the newest published snapshot of a root (or of the given snapshot
     directory), its manifest and meta.json checked; no shard is read."""
-    return _read_manifest(_resolve(root_or_dir))[1]["meta"]
+    return _newest(root_or_dir, lambda directory: _read_manifest(directory)[1]["meta"])
 
 
 def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a whole snapshot into plain CPU tensors in one process, with no
     process group (generation, export): (the nested dict that was saved, meta)."""
-    directory = _resolve(root_or_dir)
+    return _newest(root_or_dir, _read_whole)
+
+
+def _read_whole(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
     files, document, metadata = _read_manifest(directory)
     problem = _verify(directory, sorted(n for n in files if n not in (META, DCP_METADATA)), files)
     if problem:
