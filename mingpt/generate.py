@@ -83,12 +83,29 @@ class GenerateConfig:
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")  # free text, taken verbatim
 
 
+EXPECTED = "expected a snapshot file (export --format snapshot writes one), a sharded snapshot or a run directory"
+
+
+def not_a_snapshot(path: str) -> None:
+    """Raise SnapshotError saying what a local directory that cannot hold a snapshot is instead:
+    empty, or an export in another format (mingpt/export.py)."""
+    from mingpt.export import WEIGHTS  # imported here: mingpt.export imports this module
+
+    names = os.listdir(path) if "://" not in path and os.path.isdir(path) else None
+    if names == []:
+        raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
+    if names and WEIGHTS in names:
+        raise SnapshotError(f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}")
+
+
 def find_snapshot(path: str) -> str:
     """The best weights of a run directory (a local directory with .hydra/config.yaml),
     beside the snapshot where that run's trainer_config puts it, or that snapshot while
-    the run has none; said on stderr. Any other path as given."""
+    the run has none; said on stderr. Any other path as given, unless it is a directory
+    that holds no snapshot (not_a_snapshot) or a run directory that has none yet."""
     config_file = os.path.join(path, ".hydra", "config.yaml")
     if "://" in path or not os.path.isfile(config_file):
+        not_a_snapshot(path)
         return path
     try:
         saved = OmegaConf.load(config_file).get("trainer_config") or {}
@@ -101,6 +118,8 @@ def find_snapshot(path: str) -> str:
         log.info("run directory %s: its best weights, %s (the lowest held-out loss; the latest snapshot is %s)",
                  path, best, found)
         return best
+    if not manager.has_snapshot(trainer_config, found):
+        raise SnapshotError(f"{path} is a run directory with no snapshot yet (it saves to {found})")
     log.info("run directory %s: its snapshot is %s (no best weights written yet)", path, found)
     return found
 

@@ -217,8 +217,12 @@ def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     config = run / ".hydra" / "config.yaml"
+    elsewhere = tmp_path / "elsewhere" / "s.pt"
+    for made in (run / "snapshot.pt", run / "snapshots" / "step-00000001" / "manifest.json", elsewhere):
+        made.parent.mkdir(parents=True, exist_ok=True)
+        made.touch()  # what find_snapshot looks for (a published sharded snapshot: its manifest); not read
     for trainer_config, found in (("{}", run / "snapshot.pt"), ("{parallelism: fsdp}", run / "snapshots"),
-                                  ("{snapshot_path: /elsewhere/s.pt}", "/elsewhere/s.pt")):
+                                  (f"{{snapshot_path: {elsewhere}}}", elsewhere)):
         config.write_text(f"trainer_config: {trainer_config}\n")
         assert find_snapshot(str(run)) == str(found)
     assert find_snapshot(str(tmp_path)) == str(tmp_path)  # not a run directory: taken as given

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -457,3 +458,49 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
     assert not proc.stdout  # --cfg job printed nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf", "work"]
     assert list(work.iterdir()) == []  # no runs/, no run directory, nothing outside either
+
+
+@pytest.fixture(scope="module")
+def not_snapshots(snap, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Directories given where a snapshot is read that hold none: {case: (path, what the line says)}."""
+    from mingpt.export import ExportConfig, export
+
+    work = tmp_path_factory.mktemp("not-snapshots")
+    (work / "empty").mkdir()
+    cases = {"empty": (work / "empty", "is an empty directory; expected a snapshot file")}
+    for fmt in ("safetensors", "hf"):
+        export(ExportConfig(str(snap[1]), str(work / fmt), fmt))
+        cases[fmt] = (work / fmt, "is an export in safetensors/transformers format, not a snapshot; expected")
+    for parallelism, saves_to in (("ddp", "snapshot.pt"), ("fsdp", "snapshots")):
+        run_dir = work / f"run-{parallelism}"
+        (run_dir / ".hydra").mkdir(parents=True)
+        (run_dir / ".hydra" / "config.yaml").write_text(f"trainer_config:\n  parallelism: {parallelism}\n")
+        cases[f"run-{parallelism}"] = (run_dir, f"is a run directory with no snapshot yet (it saves to "
+                                                f"{run_dir / saves_to})")
+    return cases
+
+
+@pytest.mark.parametrize("tool", ["generate", "score", "export", "init_from"])
+@pytest.mark.parametrize("case", ["empty", "safetensors", "hf", "run-ddp", "run-fsdp"])
+def test_a_directory_without_a_snapshot_says_what_it_is(not_snapshots, tool, case, capsys, monkeypatch, tmp_path):
+    """Not `no published sharded snapshot in ...` for each of them alike."""
+    path, says = not_snapshots[case]
+    if tool == "init_from":
+        from mingpt.finetune import prepare
+
+        config = Config()
+        config.trainer_config.init_from = str(path)
+        with pytest.raises(SnapshotError) as refused:
+            prepare(config, str(tmp_path / "snapshot.pt"), None)
+        assert str(refused.value).startswith(f"trainer_config.init_from: {path} {says}"), str(refused.value)
+        return
+    root_logger = logging.getLogger()  # the commands set up logging to the captured stderr: put it back after
+    monkeypatch.setattr(root_logger, "handlers", root_logger.handlers[:])
+    monkeypatch.setattr(root_logger, "level", root_logger.level)
+    main = {"generate": "mingpt.generate", "score": "mingpt.score", "export": "mingpt.export"}[tool]
+    argv = [str(path), str(tmp_path / "out")] if tool == "export" else [f"snapshot_path={path}"]
+    with pytest.raises(SystemExit) as exit_status:
+        __import__(main, fromlist=["main"]).main(argv)
+    err = capsys.readouterr().err
+    assert exit_status.value.code == 2 and err.startswith(f"error: {path} {says}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
