@@ -20,9 +20,10 @@ configures and registers the pieces, and saves and restores their state.
   optimizer state and gradient-scaler state, and a resume with the same world
   size puts each back on its rank.
 
-A resume with another world size cannot place per-rank state: it starts from
-`model_state` (and rank 0's optimizer state), and the compression or LocalSGD
-state restarts, with a warning.
+A resume with another world size (one process included: it has no hook) or
+another hook cannot place per-rank state: it starts from `model_state` (and
+rank 0's optimizer state), and the compression or LocalSGD state restarts,
+with a warning.
 
 Saving is collective with these hooks: every rank calls `state_dict` at the
 same step (the trainer's `save` runs on every rank), rank 0 receives the lot.
@@ -71,11 +72,29 @@ class CommHook:
     # Extra keyword arguments for DistributedDataParallel.
     ddp_options: dict[str, Any] = {}
 
-    def start(self, ddp: DDP, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer, scaler,
-              warm_up: Callable[[], None]) -> None:
+    def __init__(self, dist_info: DistInfo | None = None):
+        self.dist = dist_info or DistInfo(0, 0, 1, 1, torch.device("cpu"))
+
+    def start(self, ddp: DDP | None, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer,
+              scaler, warm_up: Callable[[], None]) -> None:
         """Register the hook on `ddp` and restore the state `saved` at `step` (None: none saved).
         Called after DDP wrapped the model (which copied rank 0's weights to every rank), before
-        training. `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
+        training; in one process (`ddp` None) too, to say that a saved state goes unused.
+        `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
+        self.unused(saved, step)
+
+    def unused(self, saved: dict[str, Any] | None, step: int) -> None:
+        """Warn (rank 0) that the snapshot's per-rank hook state `saved` cannot be placed: this run
+        has another number of processes (one included: no hook) or another hook, so that state
+        starts afresh from the snapshot's weights (with LocalSGD the replicas' mean) at `step`."""
+        if not saved or not self.dist.is_main_process:
+            return
+        world = self.dist.world_size
+        this = f"{world} ranks with ddp_comm_hook={self.name}" if world > 1 else "1 process (no comm hook)"
+        log.warning("the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts afresh "
+                    "at step %d, from the snapshot's weights%s", saved.get("name"), saved.get("world_size"), this,
+                    step, " (the replicas' mean) and rank 0's optimizer state"
+                    if saved.get("name") == "post_local_sgd" else "")
 
     def after_optimizer_step(self, model: torch.nn.Module) -> None:
         pass
@@ -95,10 +114,12 @@ class CommHook:
 
 
 class HalfPrecision(CommHook):
-    def __init__(self, name: str):
+    def __init__(self, name: str, dist_info: DistInfo):
+        super().__init__(dist_info)
         self.name = name
 
     def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
+        self.unused(saved, step)
         hook = default_hooks.fp16_compress_hook if self.name == "fp16" else default_hooks.bf16_compress_hook
         ddp.register_comm_hook(None, hook)
 
@@ -108,8 +129,8 @@ class PerRankState(CommHook):
     given back to each rank on a resume with the same world size."""
 
     def __init__(self, name: str, dist_info: DistInfo):
+        super().__init__(dist_info)
         self.name = name
-        self.dist = dist_info
 
     def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any]:
         raise NotImplementedError
@@ -128,21 +149,14 @@ class PerRankState(CommHook):
         return {"name": self.name, "world_size": self.dist.world_size, "ranks": gathered}
 
     def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
-        if saved is None or saved.get("name") != self.name:
-            if step > 0 and self.dist.is_main_process:
-                log.info("the snapshot holds no %s state: it starts afresh at step %d", self.name, step)
-            self.restart(ddp, step)
-        elif saved["world_size"] != self.dist.world_size:
-            if self.dist.is_main_process:
-                log.warning(
-                    "the snapshot's %s state is per rank, for %d ranks; this run has %d: that state restarts "
-                    "at step %d, from the snapshot's weights", self.name, saved["world_size"],
-                    self.dist.world_size, step,
-                )
-            self.restart(ddp, step)
-        else:
+        if saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size:
             own = saved["ranks"][self.dist.rank]
             self.load_own_state(_to_device(own, self.dist.device), step, ddp, model, optimizer, scaler, warm_up)
+            return
+        if not saved and step > 0 and self.dist.is_main_process:
+            log.info("the snapshot holds no %s state: it starts afresh at step %d", self.name, step)
+        self.unused(saved, step)
+        self.restart(ddp, step)
 
 
 class PowerSGD(PerRankState):
@@ -264,9 +278,9 @@ def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
     """The hook `trainer_config.ddp_comm_hook` names; a single process has none."""
     name = cfg.ddp_comm_hook
     if not dist_info.is_distributed or name == "none":
-        return CommHook()
+        return CommHook(dist_info)
     if name in ("fp16", "bf16"):
-        return HalfPrecision(name)
+        return HalfPrecision(name, dist_info)
     if name in ("powersgd", "batched_powersgd"):
         return PowerSGD(name, cfg, dist_info)
     return PostLocalSGD(cfg, dist_info)

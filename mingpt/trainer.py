@@ -126,12 +126,13 @@ class Trainer:
 
     def _wrap(self) -> torch.nn.Module:
         """DDP with its comm hook (and the hook's saved state), compiled if asked."""
-        model = self.raw_model
+        ddp = None
         if self.dist.is_distributed and not self.fsdp:
-            model = ddp = parallel.replicate(self.raw_model, self.dist, self.comm)
-            self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
-                            self.scaler, lambda: self._warm_up_ddp(ddp))
-        return parallel.maybe_compile(model, self.cfg)
+            ddp = parallel.replicate(self.raw_model, self.dist, self.comm)
+        # In one process too: a hook state saved by several says that it goes unused.
+        self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
+                        self.scaler, lambda: self._warm_up_ddp(ddp))
+        return parallel.maybe_compile(self.raw_model if ddp is None else ddp, self.cfg)
 
     # ----------------------------------------------------------------- the loop
 

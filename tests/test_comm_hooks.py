@@ -9,6 +9,7 @@ references and the LocalSGD jobs; each SIGKILL test is one torchrun job with a r
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 
 import pytest
@@ -105,6 +106,51 @@ def test_localsgd_evaluates_the_mean_and_converges_like_ddp(runs, corpus_file):
     ddp = last_eval(tmp, "ddp")["loss"]
     assert logged["loss"] == pytest.approx(ddp, rel=0.03), (logged["loss"], ddp)
     assert ddp < 3.5  # it learnt
+
+
+@pytest.mark.parametrize("name", ["localsgd", "powersgd"])
+def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(runs, corpus_file, tmp_path, caplog,
+                                                                              name):
+    """docs/training.md: resumed with another number of ranks, the hook's per-rank state starts
+    afresh, with a warning; one process (which has no hook) included."""
+    tmp, _ = runs
+    snapshot = tmp_path / "snapshot.pt"
+    snapshot.write_bytes((tmp / "world2" / name / "snapshot.pt").read_bytes())
+    keys = LOCALSGD if name == "localsgd" else POWERSGD[name]
+    overrides = [*TINY, *COMMON, *keys, f"data_config.path={corpus_file}", f"trainer_config.snapshot_path={snapshot}",
+                 "trainer_config.allow_config_change=true"]
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
+    with caplog.at_level(logging.WARNING, logger="mingpt.comm_hooks"):
+        trainer = build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path / "run"))
+    step = trainer.progress.step
+    hook = "post_local_sgd" if name == "localsgd" else name
+    tail = " (the replicas' mean) and rank 0's optimizer state" if name == "localsgd" else ""
+    assert [r.getMessage() for r in caplog.records if r.name == "mingpt.comm_hooks"] == [
+        f"the snapshot's {hook} state is per rank, for 2 ranks; this run has 1 process (no comm hook): "
+        f"that state starts afresh at step {step}, from the snapshot's weights{tail}"]
+    assert step > 0
+
+
+def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
+    """The same with 2 ranks resuming a snapshot of 4 (their hook's start, given fake world sizes)."""
+    from mingpt.comm_hooks import PowerSGD
+    from mingpt.config import TrainerConfig
+
+    registered = []
+
+    class FakeDDP:
+        def register_comm_hook(self, state, hook):
+            registered.append(state)
+
+    saved = {"name": "powersgd", "world_size": 4, "ranks": [{}] * 4}
+    with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
+        for rank in (0, 1):
+            hook = PowerSGD("powersgd", TrainerConfig(), DistInfo(rank, rank, 2, 2, torch.device("cpu")))
+            hook.start(FakeDDP(), saved, 7, None, None, None, lambda: None)
+            assert registered[-1] is hook.state and hook.state.iter == 0  # compression starts over
+    assert [r.getMessage() for r in caplog.records] == [
+        "the snapshot's powersgd state is per rank, for 4 ranks; this run has 2 ranks with ddp_comm_hook=powersgd: "
+        "that state starts afresh at step 7, from the snapshot's weights"]
 
 
 @pytest.mark.parametrize("hook", list(POWERSGD))
