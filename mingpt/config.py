@@ -87,6 +87,11 @@ class OptimizerConfig:
         "`constant`: warmup, then flat")
     warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)")
     min_lr_ratio: float = key(0.1, "floor of the cosine decay, as a fraction of `learning_rate`")
+    algorithm: str = key(
+        "adamw", "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer blocks, AdamW "
+        "for the embeddings, head, biases and LayerNorms; not with `trainer_config.parallelism=fsdp`")
+    muon_learning_rate: float = key(0.02, "Muon's peak learning rate (`algorithm=muon`), on the same schedule")
+    muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1)")
 
     def __post_init__(self) -> None:
         check(
@@ -107,6 +112,11 @@ class OptimizerConfig:
               f"must be a finite number > 0, got {self.eps}")
         one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
         check(self.warmup_steps >= 0, "optimizer_config.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        one_of(self.algorithm, "optimizer_config.algorithm", ("adamw", "muon"))
+        check(math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0,
+              "optimizer_config.muon_learning_rate", f"must be > 0, got {self.muon_learning_rate}")
+        check(0.0 <= self.muon_momentum < 1.0, "optimizer_config.muon_momentum",
+              f"must be in [0, 1), got {self.muon_momentum}")
         check(
             0.0 <= self.min_lr_ratio <= 1.0,
             "optimizer_config.min_lr_ratio",
@@ -328,6 +338,11 @@ class Config:
     data_config: DataConfig = field(default_factory=DataConfig)
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def __post_init__(self) -> None:
+        check(self.optimizer_config.algorithm != "muon" or self.trainer_config.parallelism != "fsdp",
+              "optimizer_config.algorithm", "muon orthogonalises whole matrices, which parallelism=fsdp shards "
+              "(torch.optim.Muon takes no sharded parameters): use adamw, or parallelism=ddp")
+
 
 # The keys of the fields marked `operational` above. Every other key is
 # result-affecting: the run directory's name and the check on resume
@@ -376,12 +391,13 @@ def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
 
 
 def register_configs() -> None:
-    """Make the dataclasses Hydra's schema: `base_config` for the whole config,
-    and `gpt_config=default` (the dataclass defaults) beside the YAML presets;
+    """Make the dataclasses Hydra's schema: `base_config` for the whole config, and
+    `gpt_config=default`, `optimizer_config=default` (the dataclass defaults) beside the YAML presets;
     `${mingpt.keys:}` is every key with its value in the composed config (for --help)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(group="gpt_config", name="default", node=GPTConfig)
+    cs.store(group="optimizer_config", name="default", node=OptimizerConfig)
     OmegaConf.register_new_resolver("mingpt.keys", lambda _root_: "\n".join(
         key_lines(s.default_factory, _root_[s.name], f"{s.name}.") for s in dataclasses.fields(Config)
     ).replace("$", "$$"), replace=True)  # Hydra fills in the help template with string.Template

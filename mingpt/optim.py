@@ -1,4 +1,5 @@
-"""AdamW with a weight-decay split, and the learning-rate schedule."""
+"""The optimizer: AdamW with a weight-decay split, or Muon for the blocks' matrices
+beside it, and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -24,34 +25,88 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def set_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
-    """Give the groups of param_groups (decayed, then not) `cfg`'s weight decay, betas and eps."""
-    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):
-        group.update(weight_decay=decay, betas=tuple(cfg.betas), eps=cfg.eps)
+def hyperparameters(cfg: OptimizerConfig) -> list[dict]:
+    """Each group's settings, in the order of the optimizer's groups: AdamW's decayed and
+    not decayed, then Muon's. `peak_lr` is the group's learning rate at the schedule's peak."""
+    adamw = {"betas": tuple(cfg.betas), "eps": cfg.eps, "peak_lr": cfg.learning_rate}
+    groups = [{**adamw, "weight_decay": cfg.weight_decay}, {**adamw, "weight_decay": 0.0}]
+    if cfg.algorithm == "muon":
+        groups.append({"weight_decay": cfg.weight_decay, "momentum": cfg.muon_momentum,
+                       "peak_lr": cfg.muon_learning_rate})
+    return groups
 
 
-def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW, fused where every parameter sits on a device with the fused kernel
-    (CUDA, and CPU in recent torch), otherwise the foreach implementation."""
-    device_type = next(model.parameters()).device.type
-    fused = device_type in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.learning_rate,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        fused=fused,
-    )
+def set_hyperparameters(optimizer: torch.optim.Optimizer | Combined, cfg: OptimizerConfig) -> None:
+    """Give the optimizer's groups `cfg`'s settings (on resume: the current config's, not the snapshot's)."""
+    for group, values in zip(optimizer.param_groups, hyperparameters(cfg), strict=True):
+        group.update(values)
 
 
-def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """What Muon takes: the 2-D weights of the transformer blocks (not the embeddings or the head)."""
+    return [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
+
+
+class Combined:
+    """AdamW and Muon stepped as one optimizer: the groups of both (AdamW's first), one
+    state_dict holding both states. GradScaler unscales and steps it as it does one."""
+
+    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon):
+        self.optimizers = (adamw, muon)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for o in self.optimizers for group in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        states = [o.state_dict() for o in self.optimizers]
+        return {"state": [s["state"] for s in states], "param_groups": [s["param_groups"] for s in states]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for o, own, groups in zip(self.optimizers, state["state"], state["param_groups"], strict=True):
+            o.load_state_dict({"state": own, "param_groups": groups})
+
+
+def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:
+    """AdamW over param_groups, fused where every parameter sits on a device with the
+    fused kernel (CUDA, and CPU in recent torch), otherwise foreach; with `muon`, the
+    blocks' matrices go to torch.optim.Muon instead."""
+    fused = next(model.parameters()).device.type in ("cuda", "cpu")
+    muon = {id(p) for p in muon_matrices(model)} if cfg.algorithm == "muon" else set()
+    groups = param_groups(model, cfg.weight_decay)
+    for group in groups:
+        group["params"] = [p for p in group["params"] if id(p) not in muon]
+    adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    optimizer = Combined(adamw, torch.optim.Muon(muon_matrices(model), lr=cfg.muon_learning_rate)) if muon else adamw
+    set_hyperparameters(optimizer, cfg)
+    return optimizer
+
+
+def set_lr(optimizer: torch.optim.Optimizer | Combined, step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Each group's learning rate for optimizer step `step`: lr_at's schedule to its peak_lr.
+    Returns AdamW's (learning_rate's) rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg, total_steps, group["peak_lr"])
+    return lr_at(step, cfg, total_steps)
+
+
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int, peak: float | None = None) -> float:
     """Learning rate for optimizer step `step` (0-based) of a run of total_steps:
-    linear warmup over warmup_steps, then constant, or cosine decay that
-    reaches min_lr_ratio * learning_rate at step total_steps."""
+    linear warmup over warmup_steps to `peak` (learning_rate unless given), then
+    constant, or cosine decay that reaches min_lr_ratio * peak at step total_steps."""
+    peak = cfg.learning_rate if peak is None else peak
     if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+        return peak * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
-        return cfg.learning_rate
+        return peak
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    floor = cfg.min_lr_ratio * cfg.learning_rate
-    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - floor)
+    floor = cfg.min_lr_ratio * peak
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)

@@ -31,7 +31,7 @@ from mingpt.distributed import DistInfo, all_max, global_mean
 from mingpt.evaluation import Evaluator
 from mingpt.metrics import Metrics, Pace, SlowNotice
 from mingpt.model import GPT
-from mingpt.optim import create_optimizer, lr_at
+from mingpt.optim import create_optimizer, set_lr
 from mingpt.saving import Saver, TrainingError
 from mingpt.snapshot.manager import Progress, Snapshot
 
@@ -206,9 +206,7 @@ class Trainer:
         of batch_size, each loss weighted by its share of the samples: accumulation gives
         the update of one big batch."""
         cfg, p = self.cfg, self.progress
-        lr = lr_at(p.step, self.config.optimizer_config, self.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(self.optimizer, p.step, self.config.optimizer_config, self.total_steps)
         torch.manual_seed(hash((cfg.seed, self.dist.rank, p.step)) & 0xFFFF_FFFF)  # dropout's stream
         micro_batches = indices.split(cfg.batch_size)
         step_loss = torch.zeros((), device=self.device)

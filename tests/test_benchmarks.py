@@ -23,6 +23,7 @@ SMOKE = {
     "bench_decode_overhead.py": (1, ["--tokens", "3", "--rounds", "1", "--no-compile"]),
     "bench_generate.py": (1, ["--max-new-tokens", "3", "--rounds", "1", "--threads", "1", "--no-compile",
                               "--no-uncached"]),
+    "bench_quality.py": None,  # needs a nanoGPT checkout, and trains 2,616 steps: a benchmark, not a smoke test
     "bench_parallel.py": (1, ["--world", "1", "--steps", "1", *MODEL, "data_config.path=DATA"]),
     "bench_sharded.py": (1, ["--vocab", "65", "gpt-nano", "1", "TMP"]),
     "bench_snapshot.py": (1, ["gpt-nano", "TMP"]),

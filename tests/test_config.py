@@ -237,7 +237,7 @@ def test_operational_keys_keep_the_run_directory(key):
 RESULT_AFFECTING = {
     "gpt_config": {"n_layer", "n_head", "n_embd", "dropout", "vocab_size", "block_size"},
     "optimizer_config": {"learning_rate", "weight_decay", "betas", "eps", "lr_schedule", "warmup_steps",
-                         "min_lr_ratio"},
+                         "min_lr_ratio", "algorithm", "muon_learning_rate", "muon_momentum"},
     "data_config": {"path", "block_size", "train_split", "truncate", "stride"},
     "trainer_config": {"max_epochs", "max_steps", "batch_size", "grad_accum_steps", "grad_norm_clip", "seed",
                        "eval_tokens", "use_amp", "amp_dtype", "amp_on_cpu", "parallelism", "ddp_comm_hook",

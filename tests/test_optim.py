@@ -9,7 +9,7 @@ import torch
 
 from mingpt.config import GPTConfig, OptimizerConfig
 from mingpt.model import GPT
-from mingpt.optim import create_optimizer, lr_at, param_groups
+from mingpt.optim import create_optimizer, lr_at, param_groups, set_lr
 
 
 @pytest.fixture
@@ -69,3 +69,53 @@ def test_constant_schedule_and_no_warmup():
     assert lr_at(0, no_warmup, 100) == pytest.approx(2e-3)
     assert lr_at(50, no_warmup, 100) == pytest.approx(1e-3)
     assert lr_at(100, no_warmup, 100) == pytest.approx(0.0)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The quintic Newton–Schulz iteration torch.optim.Muon documents, written out in float64."""
+    a, b, c = 3.4445, -4.775, 2.0315
+    x = g.double().T if g.shape[0] > g.shape[1] else g.double()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def test_muon_takes_the_blocks_matrices_and_steps_as_written(model):
+    cfg = OptimizerConfig(algorithm="muon", learning_rate=1e-3, muon_learning_rate=0.05, muon_momentum=0.9,
+                          weight_decay=0.1, warmup_steps=0)
+    opt = create_optimizer(model, cfg)
+    names = {id(p): name for name, p in model.named_parameters()}
+    adamw, muon = opt.optimizers
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    assert {names[id(p)] for p in muon.param_groups[0]["params"]} == {
+        f"h.{i}.{layer}.weight" for i in range(2) for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    adamw_names = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert "lm_head.weight" in adamw_names and "wte.weight" in adamw_names and len(adamw_names) + 8 == len(names)
+    assert set_lr(opt, 0, cfg, 100) == 1e-3 and [g["lr"] for g in opt.param_groups] == [1e-3, 1e-3, 0.05]
+
+    weight = model.h[0].mlp.c_fc.weight  # (64, 16): tall, so Muon scales its step by sqrt(64 / 16)
+    expected, buffer = weight.detach().double().clone(), torch.zeros_like(weight, dtype=torch.float64)
+    for step in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + step))
+        grad = weight.grad.double()
+        opt.step()
+        # By hand: the momentum buffer as an average, Nesterov's look-ahead, decoupled weight decay.
+        buffer = 0.9 * buffer + 0.1 * grad
+        update = grad + 0.9 * (buffer - grad)
+        expected = expected * (1 - 0.05 * 0.1) - 0.05 * math.sqrt(64 / 16) * newton_schulz(update)
+    assert torch.allclose(weight.double(), expected, atol=0.05 * 2 * 0.02)  # Muon iterates in bfloat16
+
+    state = opt.state_dict()  # both optimizers' states, loaded back as they were
+    again = create_optimizer(model, cfg)
+    again.load_state_dict(state)
+    assert torch.equal(again.optimizers[1].state[weight]["momentum_buffer"], muon.state[weight]["momentum_buffer"])
+
+
+def test_muon_is_refused_with_fsdp():
+    from mingpt.config import Config, ConfigError, TrainerConfig
+
+    with pytest.raises(ConfigError, match="^optimizer_config.algorithm: muon orthogonalises whole matrices"):
+        Config(optimizer_config=OptimizerConfig(algorithm="muon"), trainer_config=TrainerConfig(parallelism="fsdp"))

@@ -79,11 +79,13 @@ def runs(tmp_path_factory, data):
     sigint = lambda job: os.kill(job.proc.pid, signal.SIGINT)  # noqa: E731
     time_saves = "trainer_config.save_every_minutes=0.002"  # every 0.12 s: at machine-dependent steps
     jobs: dict[str, Job] = {}
-    for nproc in (1, 2):
-        jobs[f"reference-{nproc}"] = Job(launch(cwd, nproc, f"reference-{nproc}", data))
+    for nproc, optimizer in ((1, "adamw"), (2, "muon")):  # Muon's state too resumes bitwise
+        algorithm = f"optimizer_config.algorithm={optimizer}"
+        jobs[f"reference-{nproc}"] = Job(launch(cwd, nproc, f"reference-{nproc}", data, algorithm))
         run_dir = cwd / "runs" / f"stopped-{nproc}"
-        resume = lambda job, nproc=nproc: Job(launch(cwd, nproc, f"stopped-{nproc}", data, time_saves))  # noqa: E731
-        jobs[f"stopped-{nproc}"] = Job(launch(cwd, nproc, f"stopped-{nproc}", data, time_saves), [
+        resume = lambda job, nproc=nproc, algorithm=algorithm: Job(  # noqa: E731
+            launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm))
+        jobs[f"stopped-{nproc}"] = Job(launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm), [
             (lambda run_dir=run_dir: train_lines(run_dir) >= 10, sigterm),
             (None, lambda job, nproc=nproc, resume=resume: jobs.setdefault(f"resumed-{nproc}", resume(job))),
         ])
@@ -154,8 +156,12 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     expected = torch.load(reference_dir / "snapshot.pt", weights_only=True)
     assert final["step"] == expected["step"] == 2 * steps_per_epoch
     assert same_tensors(final["model_state"], expected["model_state"])
-    assert all(same_tensors(final["optimizer_state"]["state"][k], expected["optimizer_state"]["state"][k])
-               for k in expected["optimizer_state"]["state"])
+    states = [final["optimizer_state"]["state"], expected["optimizer_state"]["state"]]
+    if nproc == 2:  # Muon beside AdamW: both states
+        assert len(states[1][1]) == 4 * 2 and "momentum_buffer" in states[1][1][0]  # 4 matrices a block
+    else:
+        states = [[s] for s in states]
+    assert all(same_tensors(got[k], want[k]) for got, want in zip(*states) for k in want)
     assert train_events(run_dir) == train_events(reference_dir)
 
 

@@ -1,0 +1,227 @@
+"""Time to quality: how long each optimizer takes to reach the held-out loss of
+nanoGPT's own CPU recipe, at the default CPU shape (4 layers, 4 heads, 128 dims,
+block 64, batch 12).
+
+usage: python benchmarks/bench_quality.py --nanogpt DIR [--seeds N] [--jobs J] [--rounds R] [--out DIR]
+                                          [NAME=key=value,key=value ...]
+
+DIR is a checkout of karpathy/nanoGPT (its model.py is imported). For each seed:
+  nanogpt   nanoGPT's model and its README's CPU recipe (2,000 steps, AdamW lr 1e-3 with
+            100 warmup steps, cosine to 1e-4, betas 0.9/0.99, weight decay 0.1 as its
+            configure_optimizers groups it, gradient clip 1.0, random windows), trained here
+  adamw     python main.py, the default run (2,616 steps)
+  muon      python main.py optimizer_config=muon
+  NAME=...  python main.py with these overrides (e.g. lr6e-3=optimizer_config.learning_rate=6e-3)
+Every run is evaluated every 100 steps in the same way: mingpt's evaluation of the whole
+held-out split of data/input.txt (the corpus's last tenth, non-overlapping windows of 64).
+The target is the mean over the seeds of nanoGPT's best held-out loss. Step counts do not
+depend on the machine's load, so the runs go J at a time with one thread each; the time
+of a step (the optimizer's overrides only) is then measured apart, each optimizer's step and nanoGPT's alternating in R
+rounds in this one process (two threads). Printed: for each run, the first evaluated step
+at or below the target, its wall time (steps x the step time) against nanoGPT's, and the
+held-out loss at the run's end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._cli import help_or_go_on  # noqa: E402
+from mingpt.config import DataConfig, GPTConfig, OptimizerConfig  # noqa: E402
+from mingpt.data import load_data  # noqa: E402
+from mingpt.distributed import DistInfo  # noqa: E402
+from mingpt.evaluation import evaluate  # noqa: E402
+from mingpt.model import GPT  # noqa: E402
+from mingpt.optim import create_optimizer  # noqa: E402
+
+CORPUS = REPO / "data" / "input.txt"
+SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+BATCH, EVAL_EVERY, NANOGPT_STEPS = 12, 100, 2000
+VARIANTS = {"adamw": [], "muon": ["optimizer_config=muon"]}
+
+
+def nanogpt_module(directory: str):
+    spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(directory, "model.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FullLogits(torch.nn.Module):
+    """nanoGPT's model called with targets, so that it returns the logits of every position."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        x = x.contiguous()
+        return self.model(x, x)[0], None
+
+
+def heldout_loss(model: torch.nn.Module, data) -> float:
+    one_process = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    return evaluate(model, data.heldout, one_process, eval_tokens=0, batch_size=64).loss
+
+
+def recipe_lr(step: int) -> float:
+    """The recipe's schedule: linear warmup over 100 steps, cosine from 1e-3 to 1e-4 at step 2,000."""
+    if step < 100:
+        return 1e-3 * (step + 1) / 101
+    coeff = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - 100) / (NANOGPT_STEPS - 100))))
+    return 1e-4 + coeff * (1e-3 - 1e-4)
+
+
+def nanogpt_run(directory: str, seed: int) -> list[tuple[int, float]]:
+    """nanoGPT's recipe, evaluated every EVAL_EVERY steps: [(step, held-out loss)]."""
+    torch.set_num_threads(1)
+    nano = nanogpt_module(directory)
+    data = load_data(DataConfig(path=str(CORPUS), block_size=SHAPE["block_size"]))
+    torch.manual_seed(1337 + seed)
+    config = nano.GPTConfig(**SHAPE, vocab_size=len(data.tokenizer.chars), dropout=0.0, bias=False)
+    model = nano.GPT(config)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    start, length = data.train.segments[0]
+    tokens, T = data.train.tokens[start:start + length].long(), SHAPE["block_size"]
+    evals = []
+    for step in range(NANOGPT_STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = recipe_lr(step)
+        starts = torch.randint(len(tokens) - T, (BATCH,))
+        x = torch.stack([tokens[s:s + T] for s in starts])
+        y = torch.stack([tokens[s + 1:s + 1 + T] for s in starts])
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % EVAL_EVERY == 0:
+            evals.append((step + 1, heldout_loss(FullLogits(model), data)))
+    return evals
+
+
+def mingpt_run(name: str, overrides: list[str], seed: int, out: Path) -> list[tuple[int, float]]:
+    """python main.py with `overrides`, evaluated every EVAL_EVERY steps: [(step, held-out loss)]."""
+    run_dir = out / f"{name}-{seed}"
+    args = [sys.executable, str(REPO / "main.py"), *overrides, f"data_config.path={CORPUS}",
+            f"trainer_config.seed={seed}", f"trainer_config.eval_every={EVAL_EVERY}",
+            "trainer_config.sample_chars=0", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(args, cwd=out, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{name} seed {seed}: {proc.stderr[-2000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r.get("split") == "eval"]
+
+
+def optimizer_config(overrides: list[str]) -> OptimizerConfig:
+    """The OptimizerConfig that `overrides` give (a preset optimizer_config=NAME, or optimizer_config.KEY=VALUE)."""
+    cfg = OmegaConf.structured(OptimizerConfig)
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "optimizer_config":
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(REPO / "conf" / "optimizer_config" / f"{value}.yaml"))
+        elif key.startswith("optimizer_config."):
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key.removeprefix('optimizer_config.')}={value}"]))
+    return OmegaConf.to_object(cfg)
+
+
+def step_times(directory: str, optimizers: dict[str, list[str]], rounds: int, steps: int = 40) -> dict[str, float]:
+    """Median ms per training step (forward, backward, clip, optimizer step) of each, alternating."""
+    torch.set_num_threads(2)
+    nano = nanogpt_module(directory)
+    x = torch.randint(65, (BATCH, SHAPE["block_size"]))
+    builders = {"nanogpt": lambda: (lambda m: (m, m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")))(
+        nano.GPT(nano.GPTConfig(**SHAPE, vocab_size=65, dropout=0.0, bias=False)))}
+    for name, overrides in optimizers.items():
+        cfg = optimizer_config(overrides)
+        builders[name] = lambda cfg=cfg: (lambda m: (m, create_optimizer(m, cfg)))(
+            GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64)))
+    runs = {name: build() for name, build in builders.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (model, optimizer) in runs.items():
+            for k in range(steps + 5):  # 5 to warm up
+                if k == 5:
+                    start = time.perf_counter()
+                _, loss = model(x, x)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            times[name].append((time.perf_counter() - start) / steps * 1000)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def first_at(evals: list[tuple[int, float]], target: float) -> int | None:
+    return next((step for step, loss in evals if loss <= target), None)
+
+
+def main() -> None:
+    help_or_go_on(__doc__)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nanogpt", required=True)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    parser.add_argument("variants", nargs="*")
+    args = parser.parse_args()
+    variants = dict(VARIANTS)
+    for given in args.variants:
+        name, _, overrides = given.partition("=")
+        variants[name] = overrides.split(",") if overrides else []
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-quality-"))
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = range(1, args.seeds + 1)
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        nano = {s: pool.submit(nanogpt_run, args.nanogpt, s) for s in seeds}
+        runs = {(name, s): pool.submit(mingpt_run, name, o, s, out) for name, o in variants.items() for s in seeds}
+        nano = {s: f.result() for s, f in nano.items()}
+        runs = {key: f.result() for key, f in runs.items()}
+    (out / "evals.json").write_text(json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}}))
+    target = statistics.mean(min(loss for _, loss in e) for e in nano.values())
+    ms = step_times(args.nanogpt, variants, args.rounds)
+    nano_steps = statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values())
+    nano_time = nano_steps * ms["nanogpt"] / 1000
+    print(f"target: {target:.4f}, nanoGPT's best held-out loss (mean of {args.seeds} seeds: "
+          + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values()) + ")")
+    print(f"step time, median of {args.rounds} paired rounds: "
+          + ", ".join(f"{name} {t:.1f} ms" for name, t in ms.items()))
+    print(f"{'run':<24} {'steps to target':>22} {'time':>8} {'vs nanoGPT':>10} {'loss at end':>28}")
+    print(f"{'nanogpt':<24} {nano_steps:>22.0f} {nano_time:>7.1f}s {1:>10.2f} "
+          f"{statistics.mean(e[-1][1] for e in nano.values()):>28.4f}")
+    for name in variants:
+        reached = [first_at(runs[name, s], target) for s in seeds]
+        ends = [runs[name, s][-1][1] for s in seeds]
+        if all(reached):
+            steps = statistics.mean(reached)
+            seconds = steps * ms[name] / 1000
+            shown = f"{steps:>6.0f} ({', '.join(map(str, reached))})"
+            print(f"{name:<24} {shown:>22} {seconds:>7.1f}s {seconds / nano_time:>10.2f} "
+                  f"{statistics.mean(ends):>8.4f} ({', '.join(f'{e:.4f}' for e in ends)})")
+        else:
+            print(f"{name:<24} {'not reached: ' + str(reached):>22} {'':>8} {'':>10} {statistics.mean(ends):>8.4f}")
+    print(f"runs and their evaluations: {out}")
+
+
+if __name__ == "__main__":
+    main()
