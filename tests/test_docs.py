@@ -127,3 +127,17 @@ def test_the_training_help_lists_every_key_with_this_invocations_value():
         for f in dataclasses.fields(section.default_factory):
             assert f"\n  {section.name}.{f.name}=" in result.stdout
     assert "\n  trainer_config.max_epochs=7 " in result.stdout
+
+
+def test_the_layout_names_every_module_of_mingpt_once():
+    """docs/layout.md: one line per module, none missing, none that is gone."""
+    layout = (REPO / "docs" / "layout.md").read_text(encoding="utf-8")
+    named, folder = [], None
+    for line in layout.splitlines():
+        if match := re.match(r"(mingpt/(?:\w+/)*)(\w+\.py)?\s", line):
+            folder = match.group(1) if match.group(2) is None else None
+            named += [match.group(1) + match.group(2)] if match.group(2) else []
+        elif folder and (match := re.match(r"  (\w+\.py)\s", line)):
+            named.append(folder + match.group(1))
+    modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "mingpt").rglob("*.py") if p.name != "__init__.py")
+    assert sorted(named) == modules
