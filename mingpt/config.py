@@ -132,10 +132,9 @@ class DataConfig:
     """The corpus and how it is cut into training and held-out windows."""
 
     path: Any = key(
-        DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://` and `gs://` need the `s3` or `gcs` extra), a glob, or "
-        "a list of them (`'data_config.path=[a.txt,more/*.txt]'`): the files form one corpus; a glob never "
-        "matches the token cache's own files (`*-<16 hex>.tokens`, their temporaries, `.mingpt-cache/`), so "
-        "`cache_dir` may be the corpus's directory; the default is downloaded when missing")
+        DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or `gcs` extra), a glob, or a list "
+        "of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one corpus; the default is downloaded when "
+        "missing ([The corpus](data.md))")
     block_size: int = key(64, "context length in characters")
     train_split: float = key(
         0.9, "the first `train_split` of each file trains, the rest of it is held out; in (0, 1)")
@@ -144,15 +143,12 @@ class DataConfig:
         64, "a training window starts every `stride` characters (1: at every character); held-out windows never "
         "overlap")
     cache_dir: Optional[str] = key(
-        None, "directory of the token cache; null: `.mingpt-cache/` beside a local corpus when that directory is "
-        "writable, else `$XDG_CACHE_HOME/mingpt` (`~/.cache/mingpt`), also for `s3://` and other remote corpora",
-        operational=True)
+        None, "directory of the token cache; null: `.mingpt-cache/` beside a local corpus if writable, else "
+        "`$XDG_CACHE_HOME/mingpt`", operational=True)
     placement: str = key(
-        "auto", "where batches are gathered: `device` (the whole corpus read into the device's memory), `host` (each "
-        "batch read from the token cache file, on a GPU into pinned memory and copied asynchronously while the "
-        "previous step runs), `auto` (on a GPU `device` when the corpus takes at most 1/8 of its memory, else "
-        "`host`; on a CPU `host`)",
-        operational=True)
+        "auto", "where batches are gathered: `device` (the whole corpus in the device's memory), `host` (each batch read "
+        "from the token cache file), `auto` (on a GPU `device` when the corpus takes at most 1/8 of its memory; "
+        "else `host`)", operational=True)
 
     def __post_init__(self) -> None:
         paths = [self.path] if isinstance(self.path, str) else self.path
@@ -194,45 +190,38 @@ class TrainerConfig:
         500, "evaluate every this many optimizer steps (0: at the end of each epoch); always at the end of the run",
         operational=True)
     eval_tokens: int = key(
-        131_072, "evaluate on at most this many held-out tokens: whole windows spread evenly over the held-out split, the "
-        "same for any number of processes (0: the whole split; tiny shakespeare's 111,488 fit)")
+        131_072, "evaluate on at most this many held-out tokens, whole windows spread evenly over the split, for any "
+        "number of processes (0: all)")
     early_stop_patience: Optional[int] = key(
-        None, "stop the run, as finished, once this many evaluations in a row have not lowered the best held-out loss "
-        "by at least `early_stop_min_delta` (null: never); counted in evaluations, so `eval_every` sets how often"
-        " it is checked")
+        None, "stop the run, as finished, after this many evaluations in a row without the best held-out loss dropping "
+        "by `early_stop_min_delta` (null: never)")
     early_stop_min_delta: float = key(
         0.0, "the least drop of the held-out loss that counts as an improvement for `early_stop_patience` (>= 0; the "
         "best weights are kept at any drop)")
     log_every: int = key(50, "log a train event every this many optimizer steps", operational=True)
     sample_chars: int = key(200, "characters sampled at each evaluation and at the end (0: none)", operational=True)
     snapshot_path: Optional[str] = key(
-        None, "local path or fsspec URL; a relative path is inside the run directory; null: `snapshot.pt` (a file) with"
-        " `parallelism=ddp`, `snapshots` (a directory of sharded snapshots) with `fsdp`",
-        operational=True)
+        None, "local path or fsspec URL, relative to the run directory; null: `snapshot.pt` with `parallelism=ddp`, the"
+        " directory `snapshots` with `fsdp`", operational=True)
     save_every: int = key(1, "save a snapshot every this many epochs, and always at the end", operational=True)
     save_every_steps: Optional[int] = key(None, "also save every this many optimizer steps", operational=True)
     save_every_minutes: Optional[float] = key(
-        5.0, "also save when this many minutes have passed since the last save, by rank 0's clock (null: never by "
-        "time): a bound on the work a crash can lose (see [Fault "
-        "tolerance](fault-tolerance.md#a-bound-on-lost-work-by-time))",
-        operational=True)
+        5.0, "also save when this many minutes have passed since the last save (null: never by time), a bound on the "
+        "work a crash can lose", operational=True)
     keep_snapshots: int = key(
         2, "sharded snapshots kept (the newest), the older removed once a new one is published",
         operational=True)
     async_save: bool = key(
-        True, "both formats (the single file with `ddp`, sharded snapshots with `fsdp`): training waits only for the "
-        "copy of the state to CPU memory, not for the write; the next save, a stop and the end of the run wait "
-        "for a save in flight, and its failure stops the run there on every rank",
-        operational=True)
+        True, "save in the background: training waits only for the copy of the state to CPU memory; the next save, a "
+        "stop and the end wait for it, and its failure stops the run on every rank", operational=True)
     stop_signals: list[str] = key(
-        help="signals that stop the run at the next optimizer-step boundary, after a snapshot, with exit status 128 + "
-        "the signal's number (`TERM` and `SIGTERM` alike; not SIGKILL or SIGSTOP; see [Fault "
-        "tolerance](fault-tolerance.md#stopping-a-run-signals-and-exit-statuses))",
+        help="signals that stop the run at the next step boundary after a snapshot, exit status 128 + the signal "
+        "([Fault tolerance](fault-tolerance.md#stopping-a-run-signals-and-exit-statuses))",
         operational=True, default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
     init_from: Optional[str] = key(
-        None, "fine-tune: start from the weights of a snapshot file, a sharded snapshot or a run directory (its best "
-        "weights, else its latest snapshot), with a fresh optimizer and schedule from step 0, on this run's "
-        "corpus; the model's shape and vocabulary are the snapshot's (see [Fine-tuning](training.md#fine-tuning))")
+        None, "fine-tune from a snapshot file, a sharded snapshot or a run directory (its best weights): its shape, "
+        "vocabulary and weights, with a fresh optimizer and schedule on this run's corpus "
+        "([Fine-tuning](training.md#fine-tuning))")
     use_amp: bool = key(False, "mixed precision on CUDA")
     amp_dtype: str = key("bf16", "`bf16`, or `fp16` (with a gradient scaler)")
     amp_on_cpu: bool = key(False, "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)")
@@ -265,10 +254,8 @@ class TrainerConfig:
     localsgd_group: str = key(
         "rank", "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients every step)")
     tracker: Optional[str] = key(
-        None, "an experiment tracker beside `metrics.jsonl` and TensorBoard: `mlflow` (needs `pip install -e "
-        "\".[mlflow]\"`) or null (none); rank 0 logs the config, the scalars and the samples, and a resumed run "
-        "continues the same tracker run (see [Experiment tracking](tracking.md))",
-        operational=True)
+        None, "`mlflow` (needs the `mlflow` extra) or null: rank 0 also logs the config, scalars and samples there, and"
+        " a resumed run continues the same tracker run ([Experiment tracking](tracking.md))", operational=True)
     tracker_uri: Optional[str] = key(
         None, "the tracker's store: an MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`, `file:./mlruns` "
         "or a directory); null: MLflow's default (`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the "
