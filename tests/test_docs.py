@@ -98,17 +98,6 @@ def test_example_log_lines_have_the_default_runs_learning_rate():
         assert float(lr) == pytest.approx(lr_at(step - 1, OptimizerConfig(), total), rel=1e-3), (step, lr)
 
 
-def test_the_operational_keys_named_in_the_docs_are_the_codes():
-    """docs/run-directory.md names the keys that leave a run's directory alone: the fields marked operational."""
-    from mingpt.config import OPERATIONAL_KEYS
-
-    text = (REPO / "docs" / "run-directory.md").read_text(encoding="utf-8")
-    paragraph = re.search(r"Every key changes the result except.*?They are the fields marked", text, re.S)
-    assert paragraph, "docs/run-directory.md no longer lists the operational keys"
-    named = set(re.findall(r"`(\w+)`", paragraph.group(0))) - set(SECTIONS)
-    assert named == {key.split(".")[1] for key in OPERATIONAL_KEYS}
-
-
 @pytest.mark.parametrize("tool,schema", [("generate", "GenerateConfig"), ("score", "ScoreConfig"),
                                          ("export", "ExportConfig")])
 def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys):
