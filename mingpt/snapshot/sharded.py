@@ -326,6 +326,25 @@ def _on_gpu(flat: dict[str, Any]) -> bool:
     return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in flat.values())
 
 
+def _new_name(root: str, step: int, pg) -> str:
+    """The new snapshot's directory name, chosen by rank 0 and given to every rank:
+    step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused."""
+    name: str | StorageError | None = None
+    if _rank(pg) == 0:
+        try:
+            names, _ = _listing(root, every_name=True)
+        except StorageError as e:
+            name = e
+        else:
+            base = f"step-{step:08d}"
+            taken = [_order(n)[1] for n in names if _order(n)[0] == step]
+            name = base if not taken else f"{base}-{max(taken) + 1}"
+    name = _broadcast(name, pg)
+    if isinstance(name, StorageError):
+        raise StorageError(str(name))
+    return name
+
+
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
          async_save: bool = True, group: Optional[dist.ProcessGroup] = None) -> SaveHandle:
     """Save `tensors` (each rank its shards) and `meta` (rank 0's) as a new
@@ -340,20 +359,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     flat, structure = _flatten(tensors)
     document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
                            "structure": structure}).encode()
-    name = None
-    if _rank(pg) == 0:  # rank 0 names it; a crashed save's directory is never reused
-        try:
-            names, _ = _listing(root, every_name=True)
-        except StorageError as e:
-            name = e
-        else:
-            base = f"step-{step:08d}"
-            taken = [_order(n)[1] for n in names if _order(n)[0] == step]
-            name = base if not taken else f"{base}-{max(taken) + 1}"
-    name = _broadcast(name, pg)
-    if isinstance(name, StorageError):
-        raise StorageError(str(name))
-    directory = _join(root, name)
+    directory = _join(root, _new_name(root, step, pg))
     on_gpu = _on_gpu(flat)
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
     # whenever the host has CUDA, so a CPU job on a GPU host would open a CUDA context.
