@@ -1,32 +1,9 @@
 """DDP communication: the gradient hooks of `trainer_config.ddp_comm_hook`, LocalSGD's
-model averaging, and the per-rank state they carry across a restart.
-
-All of it is PyTorch's own (torch.distributed.algorithms): this module picks,
-configures and registers the pieces, and saves and restores their state.
-
-- `fp16`, `bf16`: gradients travel in half precision; no state.
-- `powersgd`, `batched_powersgd`: low-rank gradients with error feedback. The
-  error (a gradient-sized tensor per bucket) differs per rank; the warm-start
-  matrices P and Q, the step counter and the seed generator are the same on
-  every rank. All of it goes into the snapshot, one entry per rank, so a resume
-  with the same world size continues bitwise where the run stopped.
-- `post_local_sgd`: after `localsgd_start_step` plain steps, each replica (a
-  rank, or a node with `localsgd_group=node`) steps on its own, and the
-  parameters are averaged over all ranks every `localsgd_period` steps. Between
-  averagings the replicas differ, so "the model" of the run is their mean:
-  evaluation, samples and the snapshot's `model_state` are the mean, computed
-  aside without touching the replicas (a save or an evaluation at any step does
-  not change the run). The snapshot also holds every rank's own parameters,
-  optimizer state and gradient-scaler state, and a resume with the same world
-  size puts each back on its rank.
-
-A resume with another world size (one process included: it has no hook) or
-another hook cannot place per-rank state: it starts from `model_state` (and
-rank 0's optimizer state), and the compression or LocalSGD state restarts,
-with a warning.
-
-Saving is collective with these hooks: every rank calls `state_dict` at the
-same step (the trainer's `save` runs on every rank), rank 0 receives the lot.
+model averaging, and the per-rank state they carry across a restart. All of it is
+PyTorch's own (torch.distributed.algorithms): this module picks, configures and
+registers the pieces, and saves and restores their state (docs/training.md says what
+each hook does and what a resume keeps). Saving is collective with these hooks: every
+rank calls `state_dict` at the same step, and rank 0 receives the lot.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """FLOPs and rates: a step's model FLOPs, the matmul rate they are measured
 against (MFU in the train log and in benchmarks/bench_train.py), and whether a
-run fits the CPU it is about to train on.
-
-A GPU recipe (experiment=gpu-quick, ddp-tutorial, a GPT-2 preset) runs on a
-CPU too, at minutes per step. The rule, with no list of presets: the model's
-FLOPs per step (6 per weight of its Linear layers per token, plus attention's
-12 * n_layer * n_embd * block_size, as benchmarks/bench_train.py counts them)
-over the fp32 matmul rate this process measures at start (512 x 512, under the
-machine's present load) is the expected time of a step; over
-SLOW_STEP_SECONDS, the run says so in one line before it starts.
-
-Measured on the loaded 2-core machine, steps of these sizes ran near that rate:
-gpu-quick's model (batch 4) at 0.87-1.09x of the matmul rate measured around
-each step, ddp-tutorial's (batch 8) at 0.33-1.77x as the load changed, so the
-estimate is good to a factor of about 2. (The default model reaches 50-66% of
-a 2048 x 2048 peak, BENCHMARKS.md; it is far below the threshold.)
+run fits the CPU it is about to train on: a step whose FLOPs over the matmul rate
+measured at start exceed SLOW_STEP_SECONDS is said in one line before training
+(good to about a factor of 2 on a loaded machine).
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
-"""The run directory: its name, its one owner, and what is written there once a run is accepted.
-
-Name. `runs/<run_name>` for the default config; any result-affecting change
-(every key but mingpt.config.OPERATIONAL_KEYS) appends the values that differ
-from the defaults, readable, and a short hash of all those values:
-`runs/default-learning_rate=0.001-1a2b3c4d` (the hash alone when the list is
-long). So another command starts its own run, while
-the same command again, on every rank, after every torchrun restart or a SLURM
-requeue, lands in the same directory. Hydra computes the name through the
-resolvers registered here (conf/config.yaml).
-
-Owner. The global main process holds an advisory lock (flock) on `run.lock` in
-the run directory, and on `<snapshot>.lock` beside a local snapshot outside it,
-for the job's lifetime. The kernel drops it when the process ends, however it
-ends (SIGKILL included), so a dead holder never blocks the next job, and a
-torchrun restart's new rank 0 takes it again and resumes. A second job is
-refused at start with one line naming the holder (host, pid, since when).
-
-No trace. A refused invocation writes nothing into an existing run: the lock
-file gets the holder's details (its snapshot among them), train.log its lines
-(buffered until then) and .hydra/ the config only after every check has passed
-(`Claim.accept`).
-
-One record. The directory's record (metrics.jsonl, TensorBoard) belongs to
-the run whose snapshot the last holder named. A start that would cut it back
-(another snapshot path, another parallelism, so another snapshot, behind the
-record) is refused (`check_record`); only the events of a killed attempt after
-the snapshot it resumes from are dropped.
+"""The run directory: its name (from the result-affecting values, through the resolvers
+that conf/config.yaml uses), its one owner (an advisory lock held for the job's lifetime,
+dropped by the kernel however the process ends), what is written there once a run is
+accepted (`Claim.accept`: nothing before every check has passed), and its one record
+(`check_record`). What users see of it: docs/run-directory.md and docs/fault-tolerance.md.
 """
 
 from __future__ import annotations

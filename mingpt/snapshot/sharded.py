@@ -1,45 +1,10 @@
-"""Sharded snapshots: PyTorch Distributed Checkpoint (DCP) in a directory at any fsspec URL.
+"""Sharded snapshots, the format of `parallelism=fsdp`: PyTorch Distributed Checkpoint
+(DCP) in a directory at any fsspec URL. Every rank writes its own shards; a snapshot
+written by W ranks loads into any number of ranks, or into one process without a
+process group. Its layout, publication and checks: docs/fault-tolerance.md.
 
-The format of `parallelism=fsdp`: every rank writes its own shards in
-parallel; a snapshot written by W ranks loads into any number of ranks (DCP
-reshards), or into one process without a process group (generation, export).
-
-    ROOT/step-00000120/         one snapshot: the state after optimizer step 120
-        __0_0.distcp ...        DCP's shard files, one per rank (__<rank>_<n>.distcp)
-        .metadata               DCP's index of the shards (a pickle: see "Loading")
-        meta.json               the non-tensor state, written by rank 0 (JSON)
-        manifest.json           size and sha256 of every file above; written LAST
-    ROOT/step-00000120-1/       a second save of the same step (numbered on)
-
-**Publication.** A snapshot exists once its manifest does; readers trust
-nothing else. Rank 0 writes it, whole (mingpt/storage.py), when every rank's
-shards (each rank hashes its own), DCP's index and meta.json are complete. A
-crash mid-save leaves a directory without a manifest: ignored, and removed by
-a later save. After publishing, rank 0 keeps the newest `keep` snapshots.
-
-**What goes where.** `save` takes nested dicts as get_state_dict returns them
-(tensors or DTensor shards, and plain values such as hyperparameters) and a
-JSON-able `meta`. Only tensors go into DCP, under flat keys (`model/<fqn>`,
-`optim/state/<fqn>/exp_avg`, ...); the rest goes into meta.json, so DCP never
-stores "bytes" entries, which it would read with torch.load(weights_only=False).
-
-**Asynchronous saves.** `save` returns once the state is copied to CPU memory
-(DCP's staging, kept between saves: one more copy of each rank's share, but no
-allocation after the first); the write and the publication follow in a
-background thread, with collectives on a gloo group of their own. Anything that
-must see the save complete calls `wait_pending()`, which raises a background
-failure as one StorageError line on every rank.
-
-**Loading.** Every file is first checked against the manifest's size and
-sha256 (the ranks share the work), and DCP may read only those files. DCP's
-`.metadata` is unpickled here with only DCP's metadata classes, torch.Size and
-dtypes allowed, so a pickled payload never runs (whoever can rewrite a file can
-rewrite the manifest). DCP reads the shards with torch.load(weights_only=True).
-
-Every function that takes `group` is called by every rank of it (None: the
-default group, or none at all in one process); the run uses them through
-ShardedFormat. `python -m mingpt.export SRC DST --format snapshot` writes a
-sharded snapshot as one single-file snapshot, for generation and inspection.
+Every function that takes `group` is called by every rank of it (None: the default
+group, or none at all in one process); the run uses them through ShardedFormat.
 """
 
 from __future__ import annotations
@@ -87,7 +52,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """Split a nested state dict into its tensors under flat '/'-joined keys and
     a JSON-able structure holding everything else (the plain values and where
-    each tensor goes)."""
+    each tensor goes). Only tensors go into DCP, so it never stores "bytes"
+    entries, which it would read with torch.load(weights_only=False)."""
     flat: dict[str, torch.Tensor] = {}
 
     def encode(node: Any, path: list[str]) -> Any:
@@ -474,6 +440,10 @@ _ALLOWED = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: only DCP's metadata classes, torch.Size and dtypes
+    are allowed, so a pickled payload never runs, even in a file whose manifest was
+    rewritten with it."""
+
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
