@@ -19,7 +19,8 @@ depend on the machine's load, so the runs go J at a time with one thread each; t
 of a step (the optimizer's overrides only) is then measured apart, each optimizer's step and nanoGPT's alternating in R
 rounds in this one process (two threads). Printed: for each run, the first evaluated step
 at or below the target, its wall time (steps x the step time) against nanoGPT's, and the
-held-out loss at the run's end.
+held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt runs that
+ended) are kept, not run again: a later command can add variants to the table.
 """
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ def recipe_lr(step: int) -> float:
     return 1e-4 + coeff * (1e-3 - 1e-4)
 
 
-def nanogpt_run(directory: str, seed: int) -> list[tuple[int, float]]:
-    """nanoGPT's recipe, evaluated every EVAL_EVERY steps: [(step, held-out loss)]."""
+def nanogpt_run(directory: str, seed: int, out: Path) -> list[tuple[int, float]]:
+    """nanoGPT's recipe, evaluated every EVAL_EVERY steps: [(step, held-out loss)], kept in `out`."""
+    kept = out / f"nanogpt-{seed}.json"
+    if kept.exists():
+        return json.loads(kept.read_text())
     torch.set_num_threads(1)
     nano = nanogpt_module(directory)
     data = load_data(DataConfig(path=str(CORPUS), block_size=SHAPE["block_size"]))
@@ -115,6 +119,7 @@ def nanogpt_run(directory: str, seed: int) -> list[tuple[int, float]]:
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % EVAL_EVERY == 0:
             evals.append((step + 1, heldout_loss(FullLogits(model), data)))
+    kept.write_text(json.dumps(evals))
     return evals
 
 
@@ -125,9 +130,11 @@ def mingpt_run(name: str, overrides: list[str], seed: int, out: Path) -> list[tu
             f"trainer_config.seed={seed}", f"trainer_config.eval_every={EVAL_EVERY}",
             "trainer_config.sample_chars=0", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(args, cwd=out, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{name} seed {seed}: {proc.stderr[-2000:]}")
+    log = run_dir / "train.log"
+    if not (log.exists() and " INFO done at step " in log.read_text()):  # not run to its end yet
+        proc = subprocess.run(args, cwd=out, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{name} seed {seed}: {proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in records if r.get("split") == "eval"]
 
@@ -193,7 +200,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     seeds = range(1, args.seeds + 1)
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        nano = {s: pool.submit(nanogpt_run, args.nanogpt, s) for s in seeds}
+        nano = {s: pool.submit(nanogpt_run, args.nanogpt, s, out) for s in seeds}
         runs = {(name, s): pool.submit(mingpt_run, name, o, s, out) for name, o in variants.items() for s in seeds}
         nano = {s: f.result() for s, f in nano.items()}
         runs = {key: f.result() for key, f in runs.items()}
