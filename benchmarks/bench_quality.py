@@ -16,10 +16,11 @@ Every run is evaluated every 100 steps in the same way: mingpt's evaluation of t
 held-out split of data/input.txt (the corpus's last tenth, non-overlapping windows of 64).
 The target is the mean over the seeds of nanoGPT's best held-out loss. Step counts do not
 depend on the machine's load, so the runs go J at a time with one thread each; the time
-of a step (the optimizer's overrides only) is then measured apart, each optimizer's step and nanoGPT's alternating in R
-rounds in this one process (two threads). Printed: for each run, the first evaluated step
-at or below the target, its wall time (steps x the step time) against nanoGPT's, and the
-held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt runs that
+of a step is then measured apart: nanoGPT's and mingpt's with each optimizer algorithm
+(nothing else in a variant changes a step's work), alternating in R rounds in this one
+process (two threads). Printed, as a Markdown table: for each run, the first evaluated step
+at or below the target (each seed's), its wall time (steps x the step time) against
+nanoGPT's, and the held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt runs that
 ended) are kept, not run again: a later command can add variants to the table.
 """
 
@@ -151,18 +152,18 @@ def optimizer_config(overrides: list[str]) -> OptimizerConfig:
     return OmegaConf.to_object(cfg)
 
 
-def step_times(directory: str, optimizers: dict[str, list[str]], rounds: int, steps: int = 40) -> dict[str, float]:
-    """Median ms per training step (forward, backward, clip, optimizer step) of each, alternating."""
+def step_times(directory: str, algorithms: set[str], rounds: int, steps: int = 40) -> dict[str, float]:
+    """Median ms per training step (forward, backward, clip, optimizer step) of nanoGPT's
+    and of mingpt's with each optimizer algorithm (the rest of a variant does not change
+    the step's work), alternating."""
     torch.set_num_threads(2)
     nano = nanogpt_module(directory)
     x = torch.randint(65, (BATCH, SHAPE["block_size"]))
-    builders = {"nanogpt": lambda: (lambda m: (m, m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")))(
-        nano.GPT(nano.GPTConfig(**SHAPE, vocab_size=65, dropout=0.0, bias=False)))}
-    for name, overrides in optimizers.items():
-        cfg = optimizer_config(overrides)
-        builders[name] = lambda cfg=cfg: (lambda m: (m, create_optimizer(m, cfg)))(
-            GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64)))
-    runs = {name: build() for name, build in builders.items()}
+    model = nano.GPT(nano.GPTConfig(**SHAPE, vocab_size=65, dropout=0.0, bias=False))
+    runs = {"nanogpt": (model, model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu"))}
+    for algorithm in sorted(algorithms):
+        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64))
+        runs[algorithm] = (model, create_optimizer(model, OptimizerConfig(algorithm=algorithm)))
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, (model, optimizer) in runs.items():
@@ -180,6 +181,28 @@ def step_times(directory: str, optimizers: dict[str, list[str]], rounds: int, st
 
 def first_at(evals: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, loss in evals if loss <= target), None)
+
+
+def report(nano: dict[int, list], runs: dict[str, list[list]], ms: dict[str, float]) -> None:
+    """The table, in Markdown: per run, the steps to the target (each seed's), the step
+    time, the wall time against nanoGPT's, and the held-out loss at the run's end. nanoGPT's
+    seeds that end above the target (the mean of their best) count their 2,000 steps."""
+    target = statistics.mean(min(loss for _, loss in e) for e in nano.values())
+    print(f"target: {target:.4f}, nanoGPT's best held-out loss (mean of "
+          + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values()) + ")")
+    nano_time = statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values()) * ms["nanogpt"]
+    print("| run | steps to target (per seed) | ms/step | time | vs nanoGPT | held-out loss at the end (per seed) |")
+    print("|---|---|---|---|---|---|")
+    for name, evals in {"nanogpt": list(nano.values()), **runs}.items():
+        reached = [first_at(e, target) or (NANOGPT_STEPS if name == "nanogpt" else None) for e in evals]
+        ends = ", ".join(f"{e[-1][1]:.3f}" for e in evals)
+        end = f"{statistics.mean(e[-1][1] for e in evals):.3f} at step {evals[0][-1][0]} ({ends})"
+        if None in reached:
+            print(f"| {name} | not reached: {reached} | {ms[name]:.1f} | | | {end} |")
+            continue
+        steps = statistics.mean(reached)
+        print(f"| {name} | {steps:.0f} ({', '.join(map(str, reached))}) | {ms[name]:.1f} | "
+              f"{steps * ms[name] / 1000:.1f} s | {steps * ms[name] / nano_time:.2f}x | {end} |")
 
 
 def main() -> None:
@@ -205,28 +228,11 @@ def main() -> None:
         nano = {s: f.result() for s, f in nano.items()}
         runs = {key: f.result() for key, f in runs.items()}
     (out / "evals.json").write_text(json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}}))
-    target = statistics.mean(min(loss for _, loss in e) for e in nano.values())
-    ms = step_times(args.nanogpt, variants, args.rounds)
-    nano_steps = statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values())
-    nano_time = nano_steps * ms["nanogpt"] / 1000
-    print(f"target: {target:.4f}, nanoGPT's best held-out loss (mean of {args.seeds} seeds: "
-          + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values()) + ")")
-    print(f"step time, median of {args.rounds} paired rounds: "
-          + ", ".join(f"{name} {t:.1f} ms" for name, t in ms.items()))
-    print(f"{'run':<24} {'steps to target':>22} {'time':>8} {'vs nanoGPT':>10} {'loss at end':>28}")
-    print(f"{'nanogpt':<24} {nano_steps:>22.0f} {nano_time:>7.1f}s {1:>10.2f} "
-          f"{statistics.mean(e[-1][1] for e in nano.values()):>28.4f}")
-    for name in variants:
-        reached = [first_at(runs[name, s], target) for s in seeds]
-        ends = [runs[name, s][-1][1] for s in seeds]
-        if all(reached):
-            steps = statistics.mean(reached)
-            seconds = steps * ms[name] / 1000
-            shown = f"{steps:>6.0f} ({', '.join(map(str, reached))})"
-            print(f"{name:<24} {shown:>22} {seconds:>7.1f}s {seconds / nano_time:>10.2f} "
-                  f"{statistics.mean(ends):>8.4f} ({', '.join(f'{e:.4f}' for e in ends)})")
-        else:
-            print(f"{name:<24} {'not reached: ' + str(reached):>22} {'':>8} {'':>10} {statistics.mean(ends):>8.4f}")
+    algorithm = {name: optimizer_config(overrides).algorithm for name, overrides in variants.items()}
+    ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds)
+    print(f"step time, median of {args.rounds} paired rounds: " + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
+    report(nano, {name: [runs[name, s] for s in seeds] for name in variants},
+           {"nanogpt": ms["nanogpt"], **{name: ms[a] for name, a in algorithm.items()}})
     print(f"runs and their evaluations: {out}")
 
 
