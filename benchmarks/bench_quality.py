@@ -17,8 +17,8 @@ held-out split of data/input.txt (the corpus's last tenth, non-overlapping windo
 The target is the mean over the seeds of nanoGPT's best held-out loss. Step counts do not
 depend on the machine's load, so the runs go J at a time with one thread each; the time
 of a step is then measured apart: nanoGPT's and mingpt's with each optimizer algorithm
-(nothing else in a variant changes a step's work), alternating in R rounds in this one
-process (two threads). Printed, as a Markdown table: for each run, the first evaluated step
+(nothing else in a variant changes a step's work), in R rounds of 5 steps of each in turn
+in this one process (two threads): the median step, robust to bursts of other load. Printed, as a Markdown table: for each run, the first evaluated step
 at or below the target (each seed's), its wall time (steps x the step time) against
 nanoGPT's, and the held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt runs that
 ended) are kept, not run again: a later command can add variants to the table.
@@ -152,10 +152,10 @@ def optimizer_config(overrides: list[str]) -> OptimizerConfig:
     return OmegaConf.to_object(cfg)
 
 
-def step_times(directory: str, algorithms: set[str], rounds: int, steps: int = 40) -> dict[str, float]:
-    """Median ms per training step (forward, backward, clip, optimizer step) of nanoGPT's
+def step_times(directory: str, algorithms: set[str], rounds: int, steps: int = 5) -> dict[str, float]:
+    """Median ms of a training step (forward, backward, clip, optimizer step) of nanoGPT's
     and of mingpt's with each optimizer algorithm (the rest of a variant does not change
-    the step's work), alternating."""
+    the step's work), `steps` of each in turn, `rounds` times."""
     torch.set_num_threads(2)
     nano = nanogpt_module(directory)
     x = torch.randint(65, (BATCH, SHAPE["block_size"]))
@@ -165,17 +165,17 @@ def step_times(directory: str, algorithms: set[str], rounds: int, steps: int = 4
         model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64))
         runs[algorithm] = (model, create_optimizer(model, OptimizerConfig(algorithm=algorithm)))
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
+    for r in range(rounds + 1):  # round 0 warms up
         for name, (model, optimizer) in runs.items():
-            for k in range(steps + 5):  # 5 to warm up
-                if k == 5:
-                    start = time.perf_counter()
+            for _ in range(steps):
+                start = time.perf_counter()
                 _, loss = model(x, x)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            times[name].append((time.perf_counter() - start) / steps * 1000)
+                if r:
+                    times[name].append((time.perf_counter() - start) * 1000)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--nanogpt", required=True)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--out")
     parser.add_argument("variants", nargs="*")
     args = parser.parse_args()
@@ -230,7 +230,8 @@ def main() -> None:
     (out / "evals.json").write_text(json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}}))
     algorithm = {name: optimizer_config(overrides).algorithm for name, overrides in variants.items()}
     ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds)
-    print(f"step time, median of {args.rounds} paired rounds: " + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
+    print(f"step time, median of {args.rounds} alternating rounds of 5 steps: "
+          + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
     report(nano, {name: [runs[name, s] for s in seeds] for name in variants},
            {"nanogpt": ms["nanogpt"], **{name: ms[a] for name, a in algorithm.items()}})
     print(f"runs and their evaluations: {out}")
