@@ -2,8 +2,8 @@
 nanoGPT's own CPU recipe, at the default CPU shape (4 layers, 4 heads, 128 dims,
 block 64, batch 12).
 
-usage: python benchmarks/bench_quality.py --nanogpt DIR [--seeds N] [--jobs J] [--rounds R] [--out DIR]
-                                          [NAME=key=value,key=value ...]
+usage: python benchmarks/bench_quality.py --nanogpt DIR [--seeds N] [--jobs J] [--rounds R] [--threads T]
+                                          [--out DIR] [NAME=key=value,key=value ...]
 
 DIR is a checkout of karpathy/nanoGPT (its model.py is imported). For each seed:
   nanogpt   nanoGPT's model and its README's CPU recipe (2,000 steps, AdamW lr 1e-3 with
@@ -18,10 +18,11 @@ The target is the mean over the seeds of nanoGPT's best held-out loss. Step coun
 depend on the machine's load, so the runs go J at a time with one thread each; the time
 of a step is then measured apart: nanoGPT's and mingpt's with each optimizer algorithm
 (nothing else in a variant changes a step's work), in R rounds of 5 steps of each in turn
-in this one process (two threads): the median step, robust to bursts of other load. Printed, as a Markdown table: for each run, the first evaluated step
-at or below the target (each seed's), its wall time (steps x the step time) against
-nanoGPT's, and the held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt runs that
-ended) are kept, not run again: a later command can add variants to the table.
+in this one process (T threads, 2 by default): the median step, robust to bursts of other
+load. Printed, as a Markdown table: for each run, the first evaluated step at or below the
+target (each seed's), its wall time (steps x the step time) against nanoGPT's, and the
+held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt
+runs that ended) are kept, not run again: a later command adds variants to the table.
 """
 
 from __future__ import annotations
@@ -152,11 +153,11 @@ def optimizer_config(overrides: list[str]) -> OptimizerConfig:
     return OmegaConf.to_object(cfg)
 
 
-def step_times(directory: str, algorithms: set[str], rounds: int, steps: int = 5) -> dict[str, float]:
+def step_times(directory: str, algorithms: set[str], rounds: int, threads: int, steps: int = 5) -> dict[str, float]:
     """Median ms of a training step (forward, backward, clip, optimizer step) of nanoGPT's
     and of mingpt's with each optimizer algorithm (the rest of a variant does not change
     the step's work), `steps` of each in turn, `rounds` times."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     nano = nanogpt_module(directory)
     x = torch.randint(65, (BATCH, SHAPE["block_size"]))
     model = nano.GPT(nano.GPTConfig(**SHAPE, vocab_size=65, dropout=0.0, bias=False))
@@ -212,6 +213,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out")
     parser.add_argument("variants", nargs="*")
     args = parser.parse_args()
@@ -229,8 +231,8 @@ def main() -> None:
         runs = {key: f.result() for key, f in runs.items()}
     (out / "evals.json").write_text(json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}}))
     algorithm = {name: optimizer_config(overrides).algorithm for name, overrides in variants.items()}
-    ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds)
-    print(f"step time, median of {args.rounds} alternating rounds of 5 steps: "
+    ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds, args.threads)
+    print(f"step time ({args.threads} threads), median of {args.rounds} alternating rounds of 5 steps: "
           + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
     report(nano, {name: [runs[name, s] for s in seeds] for name in variants},
            {"nanogpt": ms["nanogpt"], **{name: ms[a] for name, a in algorithm.items()}})
