@@ -22,7 +22,8 @@ in this one process (T threads, 2 by default): the median step, robust to bursts
 load. Printed, as a Markdown table: for each run, the first evaluated step at or below the
 target (each seed's), its wall time (steps x the step time) against nanoGPT's, and the
 held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt
-runs that ended) are kept, not run again: a later command adds variants to the table.
+runs that ended) are kept by name, not run again: a later command adds variants to the
+table (a fresh DIR after the code or its defaults change).
 """
 
 from __future__ import annotations
