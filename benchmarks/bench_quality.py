@@ -2,8 +2,8 @@
 nanoGPT's own CPU recipe, at the default CPU shape (4 layers, 4 heads, 128 dims,
 block 64, batch 12).
 
-usage: python benchmarks/bench_quality.py --nanogpt DIR [--seeds N] [--jobs J] [--rounds R] [--out DIR]
-                                          [NAME=key=value,key=value ...]
+usage: python benchmarks/bench_quality.py --nanogpt DIR [--seeds N] [--jobs J] [--rounds R] [--threads T]
+                                          [--out DIR] [NAME=key=value,key=value ...]
 
 DIR is a checkout of karpathy/nanoGPT (its model.py is imported). For each seed:
   nanogpt   nanoGPT's model and its README's CPU recipe (2,000 steps, AdamW lr 1e-3 with
@@ -16,10 +16,14 @@ Every run is evaluated every 100 steps in the same way: mingpt's evaluation of t
 held-out split of data/input.txt (the corpus's last tenth, non-overlapping windows of 64).
 The target is the mean over the seeds of nanoGPT's best held-out loss. Step counts do not
 depend on the machine's load, so the runs go J at a time with one thread each; the time
-of a step (the optimizer's overrides only) is then measured apart, each optimizer's step and nanoGPT's alternating in R
-rounds in this one process (two threads). Printed: for each run, the first evaluated step
-at or below the target, its wall time (steps x the step time) against nanoGPT's, and the
-held-out loss at the run's end.
+of a step is then measured apart: nanoGPT's and mingpt's with each optimizer algorithm
+(nothing else in a variant changes a step's work), in R rounds of 5 steps of each in turn
+in this one process (T threads, 2 by default): the median step, robust to bursts of other
+load. Printed, as a Markdown table: for each run, the first evaluated step at or below the
+target (each seed's), its wall time (steps x the step time) against nanoGPT's, and the
+held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt
+runs that ended) are kept by name, not run again: a later command adds variants to the
+table (a fresh DIR after the code or its defaults change).
 """
 
 from __future__ import annotations
@@ -90,8 +94,11 @@ def recipe_lr(step: int) -> float:
     return 1e-4 + coeff * (1e-3 - 1e-4)
 
 
-def nanogpt_run(directory: str, seed: int) -> list[tuple[int, float]]:
-    """nanoGPT's recipe, evaluated every EVAL_EVERY steps: [(step, held-out loss)]."""
+def nanogpt_run(directory: str, seed: int, out: Path) -> list[tuple[int, float]]:
+    """nanoGPT's recipe, evaluated every EVAL_EVERY steps: [(step, held-out loss)], kept in `out`."""
+    kept = out / f"nanogpt-{seed}.json"
+    if kept.exists():
+        return json.loads(kept.read_text())
     torch.set_num_threads(1)
     nano = nanogpt_module(directory)
     data = load_data(DataConfig(path=str(CORPUS), block_size=SHAPE["block_size"]))
@@ -115,6 +122,7 @@ def nanogpt_run(directory: str, seed: int) -> list[tuple[int, float]]:
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % EVAL_EVERY == 0:
             evals.append((step + 1, heldout_loss(FullLogits(model), data)))
+    kept.write_text(json.dumps(evals))
     return evals
 
 
@@ -125,9 +133,11 @@ def mingpt_run(name: str, overrides: list[str], seed: int, out: Path) -> list[tu
             f"trainer_config.seed={seed}", f"trainer_config.eval_every={EVAL_EVERY}",
             "trainer_config.sample_chars=0", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(args, cwd=out, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{name} seed {seed}: {proc.stderr[-2000:]}")
+    log = run_dir / "train.log"
+    if not (log.exists() and " INFO done at step " in log.read_text()):  # not run to its end yet
+        proc = subprocess.run(args, cwd=out, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{name} seed {seed}: {proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in records if r.get("split") == "eval"]
 
@@ -144,35 +154,57 @@ def optimizer_config(overrides: list[str]) -> OptimizerConfig:
     return OmegaConf.to_object(cfg)
 
 
-def step_times(directory: str, optimizers: dict[str, list[str]], rounds: int, steps: int = 40) -> dict[str, float]:
-    """Median ms per training step (forward, backward, clip, optimizer step) of each, alternating."""
-    torch.set_num_threads(2)
+def step_times(directory: str, algorithms: set[str], rounds: int, threads: int, steps: int = 5) -> dict[str, float]:
+    """Median ms of a training step (forward, backward, clip, optimizer step) of nanoGPT's
+    and of mingpt's with each optimizer algorithm (the rest of a variant does not change
+    the step's work), `steps` of each in turn, `rounds` times."""
+    torch.set_num_threads(threads)
     nano = nanogpt_module(directory)
     x = torch.randint(65, (BATCH, SHAPE["block_size"]))
-    builders = {"nanogpt": lambda: (lambda m: (m, m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")))(
-        nano.GPT(nano.GPTConfig(**SHAPE, vocab_size=65, dropout=0.0, bias=False)))}
-    for name, overrides in optimizers.items():
-        cfg = optimizer_config(overrides)
-        builders[name] = lambda cfg=cfg: (lambda m: (m, create_optimizer(m, cfg)))(
-            GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64)))
-    runs = {name: build() for name, build in builders.items()}
+    model = nano.GPT(nano.GPTConfig(**SHAPE, vocab_size=65, dropout=0.0, bias=False))
+    runs = {"nanogpt": (model, model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu"))}
+    for algorithm in sorted(algorithms):
+        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64))
+        runs[algorithm] = (model, create_optimizer(model, OptimizerConfig(algorithm=algorithm)))
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
+    for r in range(rounds + 1):  # round 0 warms up
         for name, (model, optimizer) in runs.items():
-            for k in range(steps + 5):  # 5 to warm up
-                if k == 5:
-                    start = time.perf_counter()
+            for _ in range(steps):
+                start = time.perf_counter()
                 _, loss = model(x, x)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            times[name].append((time.perf_counter() - start) / steps * 1000)
+                if r:
+                    times[name].append((time.perf_counter() - start) * 1000)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def first_at(evals: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, loss in evals if loss <= target), None)
+
+
+def report(nano: dict[int, list], runs: dict[str, list[list]], ms: dict[str, float]) -> None:
+    """The table, in Markdown: per run, the steps to the target (each seed's), the step
+    time, the wall time against nanoGPT's, and the held-out loss at the run's end. nanoGPT's
+    seeds that end above the target (the mean of their best) count their 2,000 steps."""
+    target = statistics.mean(min(loss for _, loss in e) for e in nano.values())
+    print(f"target: {target:.4f}, nanoGPT's best held-out loss (mean of "
+          + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values()) + ")")
+    nano_time = statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values()) * ms["nanogpt"]
+    print("| run | steps to target (per seed) | ms/step | time | vs nanoGPT | held-out loss at the end (per seed) |")
+    print("|---|---|---|---|---|---|")
+    for name, evals in {"nanogpt": list(nano.values()), **runs}.items():
+        reached = [first_at(e, target) or (NANOGPT_STEPS if name == "nanogpt" else None) for e in evals]
+        ends = ", ".join(f"{e[-1][1]:.3f}" for e in evals)
+        end = f"{statistics.mean(e[-1][1] for e in evals):.3f} at step {evals[0][-1][0]} ({ends})"
+        if None in reached:
+            print(f"| {name} | not reached: {reached} | {ms[name]:.1f} | | | {end} |")
+            continue
+        steps = statistics.mean(reached)
+        print(f"| {name} | {steps:.0f} ({', '.join(map(str, reached))}) | {ms[name]:.1f} | "
+              f"{steps * ms[name] / 1000:.1f} s | {steps * ms[name] / nano_time:.2f}x | {end} |")
 
 
 def main() -> None:
@@ -181,7 +213,8 @@ def main() -> None:
     parser.add_argument("--nanogpt", required=True)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out")
     parser.add_argument("variants", nargs="*")
     args = parser.parse_args()
@@ -193,33 +226,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     seeds = range(1, args.seeds + 1)
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        nano = {s: pool.submit(nanogpt_run, args.nanogpt, s) for s in seeds}
+        nano = {s: pool.submit(nanogpt_run, args.nanogpt, s, out) for s in seeds}
         runs = {(name, s): pool.submit(mingpt_run, name, o, s, out) for name, o in variants.items() for s in seeds}
         nano = {s: f.result() for s, f in nano.items()}
         runs = {key: f.result() for key, f in runs.items()}
     (out / "evals.json").write_text(json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}}))
-    target = statistics.mean(min(loss for _, loss in e) for e in nano.values())
-    ms = step_times(args.nanogpt, variants, args.rounds)
-    nano_steps = statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values())
-    nano_time = nano_steps * ms["nanogpt"] / 1000
-    print(f"target: {target:.4f}, nanoGPT's best held-out loss (mean of {args.seeds} seeds: "
-          + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values()) + ")")
-    print(f"step time, median of {args.rounds} paired rounds: "
-          + ", ".join(f"{name} {t:.1f} ms" for name, t in ms.items()))
-    print(f"{'run':<24} {'steps to target':>22} {'time':>8} {'vs nanoGPT':>10} {'loss at end':>28}")
-    print(f"{'nanogpt':<24} {nano_steps:>22.0f} {nano_time:>7.1f}s {1:>10.2f} "
-          f"{statistics.mean(e[-1][1] for e in nano.values()):>28.4f}")
-    for name in variants:
-        reached = [first_at(runs[name, s], target) for s in seeds]
-        ends = [runs[name, s][-1][1] for s in seeds]
-        if all(reached):
-            steps = statistics.mean(reached)
-            seconds = steps * ms[name] / 1000
-            shown = f"{steps:>6.0f} ({', '.join(map(str, reached))})"
-            print(f"{name:<24} {shown:>22} {seconds:>7.1f}s {seconds / nano_time:>10.2f} "
-                  f"{statistics.mean(ends):>8.4f} ({', '.join(f'{e:.4f}' for e in ends)})")
-        else:
-            print(f"{name:<24} {'not reached: ' + str(reached):>22} {'':>8} {'':>10} {statistics.mean(ends):>8.4f}")
+    algorithm = {name: optimizer_config(overrides).algorithm for name, overrides in variants.items()}
+    ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds, args.threads)
+    print(f"step time ({args.threads} threads), median of {args.rounds} alternating rounds of 5 steps: "
+          + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
+    report(nano, {name: [runs[name, s] for s in seeds] for name in variants},
+           {"nanogpt": ms["nanogpt"], **{name: ms[a] for name, a in algorithm.items()}})
     print(f"runs and their evaluations: {out}")
 
 

@@ -90,7 +90,9 @@ class OptimizerConfig:
     algorithm: str = key(
         "adamw", "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer blocks, AdamW "
         "for the embeddings, head, biases and LayerNorms; not with `trainer_config.parallelism=fsdp`")
-    muon_learning_rate: float = key(0.02, "Muon's peak learning rate (`algorithm=muon`), on the same schedule")
+    muon_learning_rate: float = key(
+        0.01, "Muon's peak learning rate (`algorithm=muon`), on the same schedule "
+        "([measured](../BENCHMARKS.md#time-to-quality))")
     muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1)")
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ Tiny model, 20,000-character corpus: 1,124 training windows of 16 tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -276,6 +277,20 @@ def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(tmp_path, smal
     kind = "a file" if parallelism == "fsdp" else "a directory"
     assert_one_error(proc, f"cannot write to the snapshot path {path}: it is {kind}")
     assert "train step" not in proc.stderr and not list(tmp_path.glob("runs/*/metrics.jsonl"))
+
+
+def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
+    from mingpt.config import OptimizerConfig, TrainerConfig
+
+    saved = Config()
+    state = {name: dataclasses.asdict(getattr(saved, name)) for name in ("optimizer_config", "trainer_config")}
+    muon = Config(optimizer_config=OptimizerConfig(algorithm="muon"), trainer_config=TrainerConfig(
+        allow_config_change=True, max_epochs=3))
+    with pytest.raises(SnapshotError, match=re.escape(
+            """snapshot s.pt holds another optimizer's state (optimizer_config.algorithm: "adamw" -> "muon"): keep""")):
+        fit.check_same_config(state, muon, "s.pt")
+    more = Config(trainer_config=TrainerConfig(allow_config_change=True, max_epochs=3))
+    assert fit.check_same_config(state, more, "s.pt") == ["trainer_config.max_epochs: 2 -> 3"]
 
 
 def test_corpus_changes_name_each_file():

@@ -44,8 +44,13 @@ def config_changes(state: dict[str, Any], config: Config) -> list[str]:
 
 def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
     """Refuse to resume a snapshot written with other result-affecting values,
-    naming each, unless trainer_config.allow_config_change; return the changes."""
+    naming each, unless trainer_config.allow_config_change (never another optimizer:
+    its state would not load); return the changes."""
     changes = config_changes(state, config)
+    algorithm = [c for c in changes if c.startswith("optimizer_config.algorithm:")]
+    if algorithm:
+        raise SnapshotError(f"snapshot {path} holds another optimizer's state ({algorithm[0]}): keep its "
+                            f"optimizer_config.algorithm, or fine-tune from it in a new run (trainer_config.init_from)")
     if changes and not config.trainer_config.allow_config_change:
         raise SnapshotError(f"snapshot {path} was written with another config ({'; '.join(changes)}): start a new "
                             "run in another directory (trainer_config.run_name or hydra.run.dir), or continue this one "
