@@ -2,8 +2,9 @@
 model averaging, and the per-rank state they carry across a restart. All of it is
 PyTorch's own (torch.distributed.algorithms): this module picks, configures and
 registers the pieces, and saves and restores their state (docs/training.md says what
-each hook does and what a resume keeps). Saving is collective with these hooks: every
-rank calls `state_dict` at the same step, and rank 0 receives the lot.
+each hook does and what a resume keeps). Every rank calls `state_dict` at the same
+step and its own state goes into the snapshot beside the others' (LocalSGD's mean of
+the weights is collective).
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ class CommHook:
         """While in the body, `model` holds the weights that stand for the run (here: its own)."""
         yield
 
-    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The weights that stand for the run, for the snapshot (collective for LocalSGD)."""
-        return model.state_dict()
+    def model_state(self, model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """`state`, the model's state dict, with the weights that stand for the run (collective for LocalSGD)."""
+        return state
 
     def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
-        """The hook's state for the snapshot (collective: every rank calls it; rank 0 gets it)."""
+        """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's own}, or None."""
         return None
 
 
@@ -102,7 +103,7 @@ class HalfPrecision(CommHook):
 
 
 class PerRankState(CommHook):
-    """A hook whose state differs per rank: gathered to rank 0 for the snapshot,
+    """A hook whose state differs per rank: each rank saves its own in the snapshot,
     given back to each rank on a resume with the same world size."""
 
     def __init__(self, name: str, dist_info: DistInfo):
@@ -121,14 +122,14 @@ class PerRankState(CommHook):
         raise NotImplementedError
 
     def state_dict(self, model, optimizer, scaler):
-        gathered = [None] * self.dist.world_size if self.dist.is_main_process else None
-        dist.gather_object(_to_cpu(self.own_state(model, optimizer, scaler)), gathered, dst=0)
-        return {"name": self.name, "world_size": self.dist.world_size, "ranks": gathered}
+        return {"about": {"name": self.name, "world_size": self.dist.world_size},
+                "state": self.own_state(model, optimizer, scaler)}
 
     def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
-        if saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size:
-            own = saved["ranks"][self.dist.rank]
-            self.load_own_state(_to_device(own, self.dist.device), step, ddp, model, optimizer, scaler, warm_up)
+        if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
+                and saved.get("state") is not None):
+            own = _to_device(saved["state"], self.dist.device)
+            self.load_own_state(own, step, ddp, model, optimizer, scaler, warm_up)
             return
         if not saved and step > 0 and self.dist.is_main_process:
             log.info("the snapshot holds no %s state: it starts afresh at step %d", self.name, step)
@@ -228,8 +229,8 @@ class PostLocalSGD(PerRankState):
             for name, p in model.named_parameters(remove_duplicate=False):
                 p.data = own[name]
 
-    def model_state(self, model):
-        return {**model.state_dict(), **self._mean(model)}
+    def model_state(self, model, state):
+        return {**state, **self._mean(model)}
 
     def own_state(self, model, optimizer, scaler):
         return {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()["state"],
@@ -261,17 +262,6 @@ def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
     if name in ("powersgd", "batched_powersgd"):
         return PowerSGD(name, cfg, dist_info)
     return PostLocalSGD(cfg, dist_info)
-
-
-def _to_cpu(obj: Any) -> Any:
-    """Tensors to the CPU (gathered objects are unpickled on rank 0 onto the device they left from)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

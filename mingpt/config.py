@@ -203,15 +203,15 @@ class TrainerConfig:
     log_every: int = key(50, "log a train event every this many optimizer steps", operational=True)
     sample_chars: int = key(200, "characters sampled at each evaluation and at the end (0: none)", operational=True)
     snapshot_path: Optional[str] = key(
-        None, "local path or fsspec URL, relative to the run directory; null: `snapshot.pt` with `parallelism=ddp`, the"
-        " directory `snapshots` with `fsdp`", operational=True)
+        None, "the snapshots' root directory: local path or fsspec URL, relative to the run directory; null: "
+        "`snapshots`", operational=True)
     save_every: int = key(1, "save a snapshot every this many epochs, and always at the end", operational=True)
     save_every_steps: Optional[int] = key(None, "also save every this many optimizer steps", operational=True)
     save_every_minutes: Optional[float] = key(
         5.0, "also save when this many minutes have passed since the last save (null: never by time), a bound on the "
         "work a crash can lose", operational=True)
     keep_snapshots: int = key(
-        2, "sharded snapshots kept (the newest), the older removed once a new one is published",
+        2, "snapshots kept (the newest), the older removed once a new one is published",
         operational=True)
     async_save: bool = key(
         True, "save in the background: training waits only for the copy of the state to CPU memory; the next save, a "

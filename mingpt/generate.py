@@ -118,7 +118,10 @@ def find_snapshot(path: str) -> str:
         log.info("run directory %s: its best weights, %s (the lowest held-out loss; the latest snapshot is %s)",
                  path, best, found)
         return best
-    if not manager.has_snapshot(trainer_config, found):
+    old = os.path.join(path, manager.OLD_DEFAULT_PATH)  # a ddp run's single file, from before
+    if not manager.has_snapshot(found) and not trainer_config.snapshot_path and os.path.isfile(old):
+        found = old
+    elif not manager.has_snapshot(found):
         raise SnapshotError(f"{path} is a run directory with no snapshot yet (it saves to {found})")
     log.info("run directory %s: its snapshot is %s (no best weights written yet)", path, found)
     return found

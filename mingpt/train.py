@@ -22,7 +22,7 @@ from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.rundir import Claim, check_record, claim, hold_log_lines
-from mingpt.snapshot.manager import find_best, has_snapshot, is_sharded, read_meta, resolve_path
+from mingpt.snapshot.manager import check_not_old, find_best, has_snapshot, read_meta, resolve_path
 from mingpt.storage import check_writable
 from mingpt.trainer import Trainer
 
@@ -70,7 +70,7 @@ def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Ru
     record, and the fine-tuning source (which gives `config` the model's shape)."""
     cfg = config.trainer_config
     snapshot_path = snapshot_path or resolve_path(cfg, run_dir)
-    saved = read_meta(snapshot_path) if has_snapshot(cfg, snapshot_path) else None
+    saved = read_meta(snapshot_path) if has_snapshot(snapshot_path) else None
     return Run(run_dir, snapshot_path, saved, finetune.prepare(config, snapshot_path, saved))
 
 
@@ -82,7 +82,8 @@ def settle(config: Config, run_dir: str, dist_info: DistInfo,
     directory's owner (a lock, for the body's duration) and its record (not another
     run's). Nothing is written in the run directory before."""
     snapshot_path = resolve_path(config.trainer_config, run_dir)
-    check_writable(run_dir, snapshot_path, directory=is_sharded(config.trainer_config))
+    check_writable(run_dir, snapshot_path, directory=True)
+    check_not_old(config.trainer_config, run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir, snapshot_path)
     data_path = config.data_config.path

@@ -106,6 +106,25 @@ def small_disk(tmp_path) -> Path:
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def read_snapshot(path) -> dict:
+    """A snapshot (a root: its newest; or one step directory) read whole in this process as the
+    single-file dict, with the comm hook's per-rank states as {name, world_size, ranks: [...]}."""
+    from mingpt.snapshot import manager, sharded
+
+    state = manager.read(str(path))
+    directory = sharded._resolve(str(path))
+    _, document, metadata = sharded._read_manifest(directory)
+    own = []
+    for rank, structure in enumerate(document.get("ranks") or []):
+        flat = sharded._empty(directory, sharded._tensor_keys(structure), metadata)
+        if flat:
+            sharded._dcp_load(flat, directory, metadata, no_dist=True)
+        own.append(sharded._unflatten(structure, flat)[f"{sharded.OWN}{rank}"])
+    if own:
+        state["comm_hook"] = {**document["meta"]["comm_hook"], "ranks": own}
+    return state
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

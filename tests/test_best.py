@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import TINY, child_env, run_dir_of, run_main, run_torchrun
+from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.snapshot import manager, sharded, single_file
@@ -46,11 +46,11 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     losses = eval_losses(tmp_path / "ref")
     best_step = min(losses, key=losses.get)
     assert best_step != max(losses), losses  # the test means something: the last evaluation is not the best
-    best = single_file.load(str(tmp_path / "ref" / "snapshot-best.pt"))
+    best = read_snapshot(tmp_path / "ref" / "snapshots-best")
     assert best["best_step"] == best["step"] == best_step and best["best_eval_loss"] == losses[best_step]
     assert same_tensors(best["model_state"], evaluated[best_step])
     assert best["optimizer_state"] == {"state": {}, "param_groups": []}  # weights only: resume uses the latest
-    latest = single_file.load(str(tmp_path / "ref" / "snapshot.pt"))
+    latest = read_snapshot(tmp_path / "ref" / "snapshots")
     assert latest["best_step"] == best_step and not same_tensors(latest["model_state"], best["model_state"])
     assert f"best {losses[best_step]:.4f} at step {best_step} (" in summary(reference, losses[40])
 
@@ -61,15 +61,15 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     with pytest.raises(stopping.Stopped):
         first.train()
     monkeypatch.undo()
-    kept = (tmp_path / "resumed" / "snapshot-best.pt").read_bytes()
+    kept = (tmp_path / "resumed" / "snapshots-best").read_bytes()
     caplog.set_level(logging.INFO, logger="mingpt")
     resumed = make_trainer(tmp_path / "resumed", small_corpus, *args)
     assert resumed.progress.step == stop_at and resumed.progress.best_step == best_step
     resumed.train()
     assert resumed.progress.best_step == best_step and resumed.progress.best_eval_loss == losses[best_step]
     assert not [r for r in caplog.records if r.getMessage().startswith("saved the best weights")]
-    assert (tmp_path / "resumed" / "snapshot-best.pt").read_bytes() == kept  # not rewritten
-    again = single_file.load(str(tmp_path / "resumed" / "snapshot-best.pt"))
+    assert (tmp_path / "resumed" / "snapshots-best").read_bytes() == kept  # not rewritten
+    again = read_snapshot(tmp_path / "resumed" / "snapshots-best")
     assert again["step"] == best_step and same_tensors(again["model_state"], evaluated[best_step])
 
 
@@ -79,7 +79,7 @@ def test_an_evaluation_cut_by_a_stop_writes_no_best(tmp_path, small_corpus, monk
     with pytest.raises(stopping.Stopped):
         trainer.train()
     assert trainer.progress.step == 4 and trainer.progress.best_step == 0
-    assert not (tmp_path / "snapshot-best.pt").exists()
+    assert not (tmp_path / "snapshots-best").exists()
 
 
 def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog, one_thread):
@@ -93,7 +93,7 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
     assert trainer.progress.step == 12 and trainer.progress.stopped_early
     assert "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss by at least 10" \
         in caplog.text
-    saved = single_file.load(str(tmp_path / "snapshot.pt"))
+    saved = read_snapshot(tmp_path / "snapshots")
     assert saved["step"] == 12 and saved["stopped_early"] and saved["evals_without_improvement"] == 2
     assert sorted(eval_losses(tmp_path)) == [4, 8, 12]  # no second evaluation at the end
     caplog.clear()
@@ -136,7 +136,7 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
     closing = first.stderr.rstrip().splitlines()[-1]
     assert "done at step 8 (stopped early): held-out loss" in closing and "best " in closing, closing
     assert closing.endswith(f"sample from the best: python -m mingpt.generate snapshot_path="
-                            f"{(run_dir / 'snapshot-best.pt').relative_to(tmp_path)}"), closing
+                            f"{(run_dir / 'snapshots-best').relative_to(tmp_path)}"), closing
     again = run_main(args, tmp_path)
     assert again.returncode == 0 and "run already complete at step 8, stopped early" in again.stderr, again.stderr
     assert "train step" not in again.stderr
@@ -144,12 +144,12 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
     sampled = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={run_dir}", "max_new_tokens=5"],
                              cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr
-    assert f"run directory {run_dir}: its best weights, {run_dir / 'snapshot-best.pt'}" in sampled.stderr
+    assert f"run directory {run_dir}: its best weights, {run_dir / 'snapshots-best'}" in sampled.stderr
     assert f"{run_dir}: step 4," in sampled.stderr  # the first evaluation was the best
-    explicit = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={run_dir / 'snapshot.pt'}",
+    explicit = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={run_dir / 'snapshots'}",
                                "max_new_tokens=5"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
                               timeout=120)
-    assert explicit.returncode == 0 and f"{run_dir / 'snapshot.pt'}: step 8," in explicit.stderr, explicit.stderr
+    assert explicit.returncode == 0 and f"{run_dir / 'snapshots'}: step 8," in explicit.stderr, explicit.stderr
 
 
 def test_fsdp_ranks_early_stop_together_and_keep_a_sharded_best(tmp_path, small_corpus):

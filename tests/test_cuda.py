@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
+from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun, torchrun_cmd
 
 from mingpt.snapshot import sharded
 from mingpt.config import DataConfig, GPTConfig
@@ -51,7 +51,7 @@ def trained(tmp_path, data, *extra: str, nproc: int = 0) -> tuple[dict, list]:
     run_dir = run_dir_of(tmp_path, given)
     losses = train_losses(run_dir)
     assert losses and all(math.isfinite(x) for x in losses), losses
-    return torch.load(run_dir / "snapshot.pt", weights_only=True), losses
+    return read_snapshot(run_dir / "snapshots"), losses
 
 
 def test_nccl_ddp_trains_on_every_visible_gpu(tmp_path, small_corpus):
@@ -85,7 +85,7 @@ def test_compiled_training_saves_plain_weights(tmp_path, small_corpus):
     snapshot, _ = trained(tmp_path, small_corpus, "trainer_config.compile=true", "trainer_config.max_steps=3")
     assert snapshot["step"] == 3 and not any("_orig_mod" in k for k in snapshot["model_state"])
     model, _, _ = load_model(str(run_dir_of(tmp_path, args(small_corpus, "trainer_config.compile=true",
-                                                              "trainer_config.max_steps=3")) / "snapshot.pt"),
+                                                              "trainer_config.max_steps=3")) / "snapshots"),
                              torch.device("cuda"))
     assert next(model.parameters()).is_cuda
 
@@ -159,7 +159,7 @@ def test_cuda_graph_decoding_gives_the_tokens_of_full_recomputation(cuda_model):
 
 def test_generate_cli_on_cuda(tmp_path, small_corpus):
     trained(tmp_path, small_corpus, "trainer_config.max_steps=3")
-    snapshot = run_dir_of(tmp_path, args(small_corpus, "trainer_config.max_steps=3")) / "snapshot.pt"
+    snapshot = run_dir_of(tmp_path, args(small_corpus, "trainer_config.max_steps=3")) / "snapshots"
     cmd = ["python", "-m", "mingpt.generate", f"snapshot_path={snapshot}", "device=cuda", "max_new_tokens=20",
            "temperature=0", "prompt=AB"]
     first, second = (subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
@@ -186,7 +186,7 @@ def killed_and_reference(tmp_path, given: list[str], kill_step: int) -> tuple[tu
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         run_dir = run_dir_of(cwd, given)
-        results.append((torch.load(run_dir / "snapshot.pt", weights_only=True), (run_dir / "train.log").read_text()))
+        results.append((read_snapshot(run_dir / "snapshots"), (run_dir / "train.log").read_text()))
     return results[0], results[1]
 
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, free_port, run_dir_of, run_torchrun, torchrun_cmd
+from conftest import REPO, TINY, child_env, free_port, read_snapshot, run_dir_of, run_torchrun, torchrun_cmd
 from mingpt.snapshot import sharded
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
@@ -148,7 +148,7 @@ def test_capped_eval_is_exact_for_world_sizes_1_2_3(runs):
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])
 def test_comm_hook_runs_on_gloo(runs, hook):
     tmp, results = runs
-    assert (tmp / "world2" / hook / "snapshot.pt").exists()
+    assert (tmp / "world2" / hook / "snapshots").exists()
     state = results[2][hook][0]["state"]
     assert all(torch.isfinite(t).all() for t in state.values())
     # The hook really compressed the gradients: the weights differ from plain DDP's.
@@ -189,7 +189,7 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["split"] == "eval" and records[-1]["epoch"] == 1
     assert records[-1]["tokens"] == HELDOUT_TOKENS and len(records[-1]["rank_losses"]) == 2
-    snapshot = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    snapshot = read_snapshot(run_dir / "snapshots")
     assert snapshot["world_size"] == 2 and snapshot["epoch"] == 1
     # Rank 1 logs its warnings, prefixed; its INFO lines stay quiet.
     rank1 = [line for line in stderr.splitlines() if line.startswith("[rank 1] ")]

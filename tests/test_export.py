@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env
+from conftest import child_env, read_snapshot
 
 from mingpt.config import GPTConfig
 from mingpt.export import main as export_main
@@ -62,7 +62,7 @@ def sharded_root(tmp_path_factory) -> Path:
 def source(request, tiny_run, sharded_root) -> str:
     """A snapshot of each kind: a trained run's file, a sharded snapshot, the run's directory."""
     _, run_dir = tiny_run
-    return {"file": str(run_dir / "snapshot.pt"), "sharded": str(sharded_root),
+    return {"file": str(run_dir / "snapshots"), "sharded": str(sharded_root),
             "run directory": str(run_dir)}[request.param]
 
 
@@ -130,7 +130,7 @@ def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_ru
     dst = tmp_path / "one.pt"
     dst.write_bytes(b"an earlier file")  # a regular file is replaced
     export(run_dir, dst, "--format", "snapshot")  # a run directory: its best weights
-    exported, original = single_file.load(str(dst)), single_file.load(str(run_dir / "snapshot-best.pt"))
+    exported, original = single_file.load(str(dst)), read_snapshot(run_dir / "snapshots-best")
     assert capsys.readouterr().out == f"exported {run_dir} (step {original['step']}) as snapshot to {dst}\n"
     assert exported.keys() == original.keys() and exported["step"] == original["best_step"]
     assert all(torch.equal(exported["model_state"][k], v) for k, v in original["model_state"].items())
@@ -169,7 +169,7 @@ def test_a_device_node_is_never_replaced(sharded_root, tmp_path, capsys, device,
 
 def test_bad_input_is_one_line(sharded_root, tiny_run, tmp_path, capsys):
     _, run_dir = tiny_run
-    snapshot = run_dir / "snapshot.pt"
+    snapshot = run_dir / "snapshots"
     missing = tmp_path / "missing.pt"
     assert refused(capsys, [missing, tmp_path / "out"]) == f"error: snapshot not found: {missing}"
     damaged = tmp_path / "damaged.pt"
@@ -218,10 +218,10 @@ def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
     (run / ".hydra").mkdir(parents=True)
     config = run / ".hydra" / "config.yaml"
     elsewhere = tmp_path / "elsewhere" / "s.pt"
-    for made in (run / "snapshot.pt", run / "snapshots" / "step-00000001" / "manifest.json", elsewhere):
+    for made in (run / "snapshots", run / "snapshots" / "step-00000001" / "manifest.json", elsewhere):
         made.parent.mkdir(parents=True, exist_ok=True)
         made.touch()  # what find_snapshot looks for (a published sharded snapshot: its manifest); not read
-    for trainer_config, found in (("{}", run / "snapshot.pt"), ("{parallelism: fsdp}", run / "snapshots"),
+    for trainer_config, found in (("{}", run / "snapshots"), ("{parallelism: fsdp}", run / "snapshots"),
                                   (f"{{snapshot_path: {elsewhere}}}", elsewhere)):
         config.write_text(f"trainer_config: {trainer_config}\n")
         assert find_snapshot(str(run)) == str(found)

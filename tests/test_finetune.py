@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import TINY, run_dir_of, run_main, run_torchrun
+from conftest import TINY, read_snapshot, run_dir_of, run_main, run_torchrun
 from mingpt import stopping
 from mingpt.config import Config, ConfigError
 from mingpt.rundir import run_dir_name
@@ -73,7 +73,7 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(tm
     steps = [*FAST, "trainer_config.max_steps=20"]
     finetuned = make_trainer(tmp_path / "ft", pretrained.b, *steps, f"trainer_config.init_from={pretrained.run_dir}")
     assert finetuned.progress.step == 0 and not finetuned.optimizer.state  # fresh: no moments yet
-    assert finetuned.data.tokenizer.chars == single_file.load(str(pretrained.run_dir / "snapshot.pt"))["vocab"]
+    assert finetuned.data.tokenizer.chars == read_snapshot(pretrained.run_dir / "snapshots")["vocab"]
     x, _ = finetuned.train_windows.batch([0])  # B's ids, read as the snapshot's: the same text
     assert finetuned.data.tokenizer.decode(x[0].tolist()) == pretrained.b.read_text(encoding="utf-8")[:16]
     finetuned.train()
@@ -82,21 +82,21 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(tm
     ft_loss, scratch_loss = final_eval(tmp_path / "ft"), final_eval(tmp_path / "scratch")
     assert ft_loss < scratch_loss - 0.1, (ft_loss, scratch_loss)
     assert finetuned.progress.step == 20
-    saved = single_file.load(str(tmp_path / "ft" / "snapshot.pt"))
+    saved = read_snapshot(tmp_path / "ft" / "snapshots")
     assert saved["step"] == 20 and saved["trainer_config"]["init_from"] == str(pretrained.run_dir)
     assert saved["corpus"][0]["source"] == str(pretrained.b)  # the held-out split is B's
     # mingpt.score reads B in the snapshot's vocabulary too: the run's own held-out loss.
-    scored = score(ScoreConfig(snapshot_path=str(tmp_path / "ft" / "snapshot.pt"), device="cpu"))
+    scored = score(ScoreConfig(snapshot_path=str(tmp_path / "ft" / "snapshots"), device="cpu"))
     assert scored.loss == pytest.approx(ft_loss, rel=1e-5)
 
 
 def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pretrained, tmp_path):
     (tmp_path / "c.txt").write_text(pretrained.b.read_text(encoding="utf-8") + "café ~\n", encoding="utf-8")
     args = [*TINY, "data_config.path=c.txt", "trainer_config.max_steps=2",
-            f"trainer_config.init_from={pretrained.run_dir / 'snapshot.pt'}"]
+            f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}"]
     result = run_main(args, cwd=tmp_path)
     assert result.returncode == 2
-    assert_one_error(result, "2 characters outside the vocabulary of", str(pretrained.run_dir / "snapshot.pt"),
+    assert_one_error(result, "2 characters outside the vocabulary of", str(pretrained.run_dir / "snapshots"),
                      "'~' 'é'")
     run_dir = run_dir_of(tmp_path, args)
     assert not (run_dir / "train.log").exists()  # refused before writing anything
@@ -114,7 +114,7 @@ def test_the_run_directory_shows_the_source_readably():
 
 
 def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tmp_path, one_thread):
-    source = f"trainer_config.init_from={pretrained.run_dir / 'snapshot.pt'}"
+    source = f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}"
     # Left at their defaults (4 layers, 128 dims, windows of 64): the snapshot's shape.
     trainer = make_trainer(tmp_path / "a", pretrained.b, source, "gpt_config.n_layer=4", "gpt_config.n_embd=128",
                            "data_config.block_size=64")
@@ -131,10 +131,10 @@ def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tm
 def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretrained, tmp_path):
     """data_config.block_size=64 given (the default): replaced by the snapshot's 16, said, and recorded."""
     args = [*TINY, f"data_config.path={pretrained.b}", "trainer_config.max_steps=1", "trainer_config.sample_chars=0",
-            "data_config.block_size=64", f"trainer_config.init_from={pretrained.run_dir / 'snapshot.pt'}"]
+            "data_config.block_size=64", f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}"]
     result = run_main(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"the model's shape from {pretrained.run_dir / 'snapshot.pt'} (trainer_config.init_from): "
+    assert (f"the model's shape from {pretrained.run_dir / 'snapshots'} (trainer_config.init_from): "
             "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, data_config.block_size=16 "
             "(replacing 64)") in result.stderr
     recorded = OmegaConf.load(run_dir_of(tmp_path, args) / ".hydra" / "config.yaml")
@@ -146,16 +146,16 @@ def test_a_run_directory_gives_its_best_weights_else_its_snapshot(pretrained, tm
     caplog.set_level(logging.INFO, logger="mingpt")
     run_dir = tmp_path / "pre"
     shutil.copytree(pretrained.run_dir, run_dir)
-    best = single_file.load(str(run_dir / "snapshot-best.pt"))
+    best = read_snapshot(run_dir / "snapshots-best")
     trainer = make_trainer(tmp_path / "ft", pretrained.b, f"trainer_config.init_from={run_dir}")
     assert same_tensors(weights(trainer), best["model_state"])
-    assert (f"initialised from {run_dir / 'snapshot-best.pt'} (step {best['best_step']}, "
+    assert (f"initialised from {run_dir / 'snapshots-best'} (step {best['best_step']}, "
             f"held-out loss {best['best_eval_loss']:.4f})") in caplog.text
-    (run_dir / "snapshot-best.pt").unlink()  # none written yet: the run's snapshot
-    latest = single_file.load(str(run_dir / "snapshot.pt"))
+    (run_dir / "snapshots-best").unlink()  # none written yet: the run's snapshot
+    latest = read_snapshot(run_dir / "snapshots")
     trainer = make_trainer(tmp_path / "ft2", pretrained.b, f"trainer_config.init_from={run_dir}")
     assert same_tensors(weights(trainer), latest["model_state"])
-    assert f"initialised from {run_dir / 'snapshot.pt'} (step 80" in caplog.text
+    assert f"initialised from {run_dir / 'snapshots'} (step 80" in caplog.text
 
 
 def test_a_sharded_snapshot_is_a_source_for_either_parallelism(pretrained, tmp_path, caplog, one_thread):
@@ -185,7 +185,7 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(pretrained, tmp_path,
     gone by then, and not needed) and ends with the uninterrupted run's exact weights."""
     caplog.set_level(logging.INFO, logger="mingpt")
     source = tmp_path / "source.pt"
-    shutil.copy(pretrained.run_dir / "snapshot.pt", source)
+    shutil.copy(pretrained.run_dir / "snapshots", source)
     # The corpus whole in memory (placement=device): its ids are mapped there, as they are per batch read on the host.
     args = [*FAST, "trainer_config.max_steps=12", "gpt_config.dropout=0.1", "data_config.placement=device",
             f"trainer_config.init_from={source}"]

@@ -38,7 +38,7 @@ def workdir(tmp_path_factory, corpus) -> Path:
 
 @pytest.fixture(scope="module")
 def snapshot(workdir) -> Path:
-    return run_dir_of(workdir, TRAIN_ARGS) / "snapshot.pt"
+    return run_dir_of(workdir, TRAIN_ARGS) / "snapshots"
 
 
 def generate_cmd(args: list[str]) -> list[str]:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_dir_of
+from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of
 
 from mingpt.cli import take_local_rank_argument
 
@@ -50,5 +50,5 @@ def test_legacy_launcher_trains_with_two_processes(tmp_path, corpus):
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unrecognized arguments" not in proc.stderr
-    snapshot = torch.load(run_dir_of(tmp_path, args) / "snapshot.pt", weights_only=True)
+    snapshot = read_snapshot(run_dir_of(tmp_path, args) / "snapshots")
     assert snapshot["world_size"] == 2 and snapshot["step"] == 4

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_dir_of, run_main
+from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main
 
 from mingpt.config import GPTConfig, OptimizerConfig
 from mingpt.metrics import MACHINE_KEYS
@@ -85,7 +85,7 @@ def test_run_writes_tensorboard_events(first_run):
 
 def test_run_writes_a_loadable_snapshot_and_prints_a_sample(first_run, workdir):
     proc, run_dir = first_run
-    state = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    state = read_snapshot(run_dir / "snapshots")
     assert {"model_state", "optimizer_state", "epoch", "gpt_config", "optimizer_config",
             "data_config", "trainer_config", "vocab"} <= state.keys()
     assert state["epoch"] == 2
@@ -105,13 +105,13 @@ def test_run_writes_a_loadable_snapshot_and_prints_a_sample(first_run, workdir):
 def test_identical_invocation_finds_the_finished_run(first_run, workdir):
     _, run_dir = first_run
     before = (run_dir / "metrics.jsonl").read_text()
-    snapshot = (run_dir / "snapshot.pt").read_bytes()
+    snapshot = (run_dir / "snapshots").read_bytes()
     proc = run_main(args(workdir), workdir)
     assert proc.returncode == 0, proc.stderr
     assert f"already complete at step {2 * STEPS_PER_EPOCH}" in proc.stderr
     assert "--- sample after step" in proc.stdout
     assert (run_dir / "metrics.jsonl").read_text() == before
-    assert (run_dir / "snapshot.pt").read_bytes() == snapshot
+    assert (run_dir / "snapshots").read_bytes() == snapshot
 
 
 def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, workdir, tmp_path):
@@ -131,7 +131,7 @@ def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, 
     new = records(copy)[len(records(run_dir)):]
     assert new and new[0]["step"] > 2 * STEPS_PER_EPOCH  # no step of the first two epochs repeated
     assert new[-1] == {**new[-1], "split": "eval", "step": 3 * STEPS_PER_EPOCH, "epoch": 3}
-    assert torch.load(copy / "snapshot.pt", weights_only=True)["epoch"] == 3
+    assert read_snapshot(copy / "snapshots")["epoch"] == 3
 
 
 def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(first_run, workdir):
@@ -146,7 +146,7 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
         assert f"optimizer_config.learning_rate={lr:g}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
         first = records(job_dir)[0]
         assert first["step"] == 5 and first["lr"] == pytest.approx(lr * 5 / 100)  # warmup of 100 steps
-        assert torch.load(job_dir / "snapshot.pt", weights_only=True)["optimizer_config"]["learning_rate"] == lr
+        assert read_snapshot(job_dir / "snapshots")["optimizer_config"]["learning_rate"] == lr
     # Job 0 has the first run's config (the default rate): another process, the same seed, the same run.
     assert without_timing(records(jobs[0])) == without_timing(records(run_dir))
     assert without_timing(records(jobs[1])) != without_timing(records(run_dir))
@@ -220,4 +220,4 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, corpus):
     last = stderr.rstrip().splitlines()[-1]
     assert "Traceback" not in stderr and last.startswith("error: interrupted at step "), stderr
     step = int(last.split("at step ")[1].split(";")[0])
-    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == step
+    assert read_snapshot(run_dir / "snapshots")["step"] == step

@@ -16,7 +16,7 @@ import sys
 import time
 
 import torch
-from conftest import REPO, TINY, child_env, run_dir_of, run_main
+from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main
 
 EXTRA = [*TINY, "trainer_config.max_steps=6", "trainer_config.device=cpu"]
 
@@ -83,7 +83,7 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert [(step, "eta" in note) for step, note in logs] == [("5", False), ("6", True)], logs
     # The closing line, after the sample: the losses, the snapshot and the command that samples from it.
     closing = shown.rstrip().splitlines()[-1]
-    snapshot = run_dir_of(tmp_path, [*quick, *EXTRA]) / "snapshot.pt"
+    snapshot = run_dir_of(tmp_path, [*quick, *EXTRA]) / "snapshots"
     best = torch.load(snapshot, weights_only=True)["best_eval_loss"]
     best_file = snapshot.with_name("snapshot-best.pt")  # the best weights, beside the snapshot
     best_shown = re.escape(str(best_file.relative_to(tmp_path)))
@@ -118,4 +118,4 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     run_dir = run_dir_of(tmp_path, args)
     assert run_dir != run_dir_of(tmp_path, [*quick, *EXTRA])
     assert train_steps(run_dir) == [5, 6]
-    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["world_size"] == 2
+    assert read_snapshot(run_dir / "snapshots")["world_size"] == 2

@@ -37,7 +37,7 @@ def test_held_out_split_scores_as_the_runs_last_evaluation(tiny_run, monkeypatch
     monkeypatch.chdir(cwd)  # the run's data_config.path is relative to where it ran
     final = last_eval(run_dir)
     assert final["step"] == 60 and final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=1e-12)
-    for snapshot in (run_dir, run_dir / "snapshot.pt"):
+    for snapshot in (run_dir, run_dir / "snapshots"):
         result = score(ScoreConfig(snapshot_path=str(snapshot), device="cpu"))
         assert result.loss == pytest.approx(final["loss"], rel=1e-6, abs=0)
         assert result.tokens == final["tokens"] and result.step == 60
@@ -84,7 +84,7 @@ def refused(capsys, argv: list[str]) -> str:
 
 def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     _, run_dir = tiny_run
-    snapshot = f"snapshot_path={run_dir / 'snapshot.pt'}"
+    snapshot = f"snapshot_path={run_dir / 'snapshots'}"
     foreign = tmp_path / "foreign.txt"
     foreign.write_text("Romeo é~ Romeo\n", encoding="utf-8")
     assert refused(capsys, [snapshot, f"path={foreign}"]) == (
@@ -118,7 +118,7 @@ def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(tiny_run,
     cwd, run_dir = tiny_run
     text = (cwd / "small.txt").read_text(encoding="utf-8")
     (tmp_path / "small.txt").write_text(text + text[:3000], encoding="utf-8")
-    (tmp_path / "snapshot.pt").write_bytes((run_dir / "snapshot.pt").read_bytes())
+    (tmp_path / "snapshots").write_bytes((run_dir / "snapshots").read_bytes())
     monkeypatch.chdir(tmp_path)
     before, after = len(text.encode()), (tmp_path / "small.txt").stat().st_size
     with pytest.raises(SystemExit) as exit_status:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, child_env, free_port, torchrun_cmd
+from conftest import REPO, child_env, free_port, read_snapshot, torchrun_cmd
 from test_snapshot import overrides, same_tensors, train_events
 
 # 141 steps per epoch in one process (batch 8), 71 with two; 2 epochs. The
@@ -141,19 +141,19 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     assert stderr.count("Traceback") == nproc - 1, stderr[-3000:]
     stop_line = next(line for line in stderr.splitlines() if line.startswith("error: "))
     step = int(stop_line.split("at step ")[1].split(";")[0])
-    assert stderr.count(f"error: stopped by SIGTERM at step {step}; the snapshot {run_dir / 'snapshot.pt'} "
+    assert stderr.count(f"error: stopped by SIGTERM at step {step}; the snapshot {run_dir / 'snapshots'} "
                         "resumes the run (SIGTERM, exit status 143)\n") == nproc, stderr[-3000:]
     # Saved at the step reached, in the middle of epoch 0: the last step trained and logged.
-    assert f"saved snapshot {run_dir / 'snapshot.pt'} at step {step} " in stderr
+    assert f"saved snapshot {run_dir / 'snapshots'} at step {step} " in stderr
     assert 10 <= step < steps_per_epoch and f"train step {step} " in stderr and f"train step {step + 1} " not in stderr
     assert stderr.count("saved snapshot") >= 2, stderr[-3000:]  # also by time, at machine-dependent steps
 
     status, resumed_err, _ = runs[f"resumed-{nproc}"]
     assert status == 0, resumed_err[-3000:]
-    assert f"resumed from {run_dir / 'snapshot.pt'}: epoch 0, " in resumed_err and f"step {step}\n" in resumed_err
-    final = torch.load(run_dir / "snapshot.pt", weights_only=True)
+    assert f"resumed from {run_dir / 'snapshots'}: epoch 0, " in resumed_err and f"step {step}\n" in resumed_err
+    final = read_snapshot(run_dir / "snapshots")
     reference_dir = runs[f"reference-{nproc}"][2]
-    expected = torch.load(reference_dir / "snapshot.pt", weights_only=True)
+    expected = read_snapshot(reference_dir / "snapshots")
     assert final["step"] == expected["step"] == 2 * steps_per_epoch
     assert same_tensors(final["model_state"], expected["model_state"])
     states = [final["optimizer_state"]["state"], expected["optimizer_state"]["state"]]
@@ -173,9 +173,9 @@ def test_ctrl_c_outside_training_exits_at_once(runs, moment):
     assert stderr.splitlines()[-1] == "error: interrupted, exiting at once", stderr[-3000:]
     assert "Traceback" not in stderr
     if moment == "sample":
-        assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == 8
+        assert read_snapshot(run_dir / "snapshots")["step"] == 8
     else:
-        assert not (run_dir / "snapshot.pt").exists()
+        assert not (run_dir / "snapshots").exists()
 
 
 @pytest.mark.parametrize("moment", ["eval", "save"])
@@ -187,7 +187,7 @@ def test_ctrl_c_during_training_saves_and_stops(runs, moment):
     assert status == 130, stderr[-3000:]
     assert stderr.splitlines()[-1].startswith(f"error: interrupted at step {step}; the snapshot"), stderr[-3000:]
     assert "Traceback" not in stderr and f"train step {step + 1} " not in stderr  # it did not go on
-    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == step
+    assert read_snapshot(run_dir / "snapshots")["step"] == step
     if moment == "eval":
         assert "evaluation at step 5 interrupted by a stop signal: not recorded" in stderr
         assert "eval step" not in stderr
@@ -201,16 +201,16 @@ def test_ctrl_c_during_an_evaluations_sample_stops_at_once(runs):
     assert stderr.splitlines()[-1].startswith("error: interrupted at step 5; the snapshot"), stderr[-3000:]
     assert "sample at step 5 interrupted by a stop signal: not recorded" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr and "train step 6 " not in stderr
-    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == 5
+    assert read_snapshot(run_dir / "snapshots")["step"] == 5
 
 
 def test_sighup_saves_and_stops_like_sigterm(runs):
     """A hang-up (the terminal or ssh session closed) is a stop signal by default, not a silent death."""
     status, stderr, run_dir = runs["hangup"]
     assert status == 129, stderr[-3000:]
-    assert stderr.splitlines()[-1] == (f"error: stopped by SIGHUP at step 5; the snapshot {run_dir / 'snapshot.pt'} "
+    assert stderr.splitlines()[-1] == (f"error: stopped by SIGHUP at step 5; the snapshot {run_dir / 'snapshots'} "
                                        "resumes the run (SIGHUP, exit status 129)"), stderr[-3000:]
-    assert torch.load(run_dir / "snapshot.pt", weights_only=True)["step"] == 5
+    assert read_snapshot(run_dir / "snapshots")["step"] == 5
 
 
 def test_second_ctrl_c_exits_at_once(runs):
@@ -220,7 +220,7 @@ def test_second_ctrl_c_exits_at_once(runs):
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1] == "error: interrupted again, exiting at once", stderr[-3000:]
     assert "SIGINT received: stopping at the end of this step, after saving a snapshot (Ctrl-C again" in stderr
-    assert not (run_dir / "snapshot.pt").exists()
+    assert not (run_dir / "snapshots").exists()
 
 
 # ------------------------------------------------- torchrun's failure summary

@@ -105,7 +105,7 @@ def test_params_metrics_and_samples_reach_mlflow(cwd, monkeypatch):
     assert same(history["eval/loss"], recorded(run_dir, "eval")) and steps_of(history["eval/loss"]) == [10, 20]
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "eval/bpc", "eval/perplexity"} <= set(history)
     assert store.samples[run_id] == ["samples/step_0000010.txt", "samples/step_0000020.txt"]
-    assert read(str(run_dir / "snapshot.pt"))["tracker_run_id"] == run_id
+    assert read(str(run_dir / "snapshots"))["tracker_run_id"] == run_id
 
 
 def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
@@ -115,7 +115,7 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
     first = run_main([*args_for(cwd, "trainer_config.max_steps=10"), "trainer_config.tracker=null"], cwd)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = cwd / "runs" / "t"
-    assert "tracker_run_id" not in read(str(run_dir / "snapshot.pt"))
+    assert "tracker_run_id" not in read(str(run_dir / "snapshots"))
     assert not (cwd / "mlruns").exists()
 
     # Steps 11 to 20, stopped by SIGTERM at the start of the evaluation at step 20 (tests/stop_probe.py).
@@ -139,7 +139,7 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
     run = store.only_run()
     run_id = run.info.run_id
     assert run.info.status == "KILLED"
-    assert read(str(run_dir / "snapshot.pt"))["tracker_run_id"] == run_id
+    assert read(str(run_dir / "snapshots"))["tracker_run_id"] == run_id
 
     # Resumed with another max_steps: steps 21 to 40.
     resumed = run_main(args_for(cwd, "trainer_config.max_steps=40", "trainer_config.allow_config_change=true"), cwd)
@@ -185,7 +185,7 @@ def test_unreachable_tracker_costs_one_warning(cwd):
     warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "http://127.0.0.1:1" in warnings[0] and "training goes on" in warnings[0], warnings
     assert steps_of(recorded(cwd / "runs" / "t", "train")) == [5, 10]
-    assert "tracker_run_id" not in read(str(cwd / "runs" / "t" / "snapshot.pt"))
+    assert "tracker_run_id" not in read(str(cwd / "runs" / "t" / "snapshots"))
     assert time.monotonic() - started < 100  # MLflow's default retries would take minutes
 
 

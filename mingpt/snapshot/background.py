@@ -1,18 +1,16 @@
-"""Saves written in the background, for both snapshot formats: the one save in flight.
+"""Saves written in the background: the one save in flight.
 
-A format that saves asynchronously copies the state it saves (training goes on
-changing the model in place), then hands the write to `submit`, which runs it
-on the process's one snapshot thread and returns a SaveHandle. At most one
+An asynchronous save (sharded.save) has DCP copy the state it saves (training
+goes on changing the model in place), then hands the rest to `submit`, which runs
+it on the process's one snapshot thread and returns a SaveHandle. At most one
 save is in flight: every save, and everything that must see a save complete
 (the end of a run, a stop by signal, a load), first calls `wait_pending()`.
 
 Every rank submits its part of each save, and the part ends with a collective
 on a gloo group of the snapshot's own (`checkpoint_group`: the background
 thread must not share the training group's collectives), whose outcome is the
-same on every rank: an error met by one rank (rank 0's write of a single-file
-snapshot, any rank's shards) is raised by `wait()` on every rank, as one
-StorageError line. This module imports no Distributed Checkpoint (a `ddp` run
-never pays for its import).
+same on every rank: an error met by any rank is raised by `wait()` on every
+rank, as one StorageError line.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from mingpt.storage import StorageError
@@ -112,45 +109,3 @@ def broadcast(value: Any, pg: Optional[dist.ProcessGroup]) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
     return box[0]
-
-
-# ---------------------------------------------------------------- copies of the state
-
-
-class Staging:
-    """A CPU copy of a state (nested dicts, lists and tuples of tensors and plain
-    values) to write while training changes the original: every tensor is copied;
-    the rest is kept as it is (plain values are not changed in place). The copies
-    are kept and refilled in place by the next `copy` of a state of the same
-    layout, so a save after the first costs a copy and no allocation (a copy is
-    never in use by two saves: each waits for the one before). A tensor on a GPU
-    is copied into pinned memory, all of them without blocking, then one sync."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, tuple[torch.Tensor, bool]] = {}  # where in the state -> (copy, pinned)
-
-    def copy(self, tree: Any) -> Any:
-        kept: dict[tuple, tuple[torch.Tensor, bool]] = {}
-        cuda: set[torch.device] = set()
-
-        def walk(node: Any, path: tuple) -> Any:
-            if isinstance(node, torch.Tensor):
-                gpu = node.device.type == "cuda"
-                buffer, pinned = self._buffers.get(path, (None, False))
-                if buffer is None or buffer.shape != node.shape or buffer.dtype != node.dtype or pinned != gpu:
-                    buffer = torch.empty(node.shape, dtype=node.dtype, pin_memory=gpu)
-                if gpu:
-                    cuda.add(node.device)
-                kept[path] = (buffer, gpu)
-                return buffer.copy_(node.detach(), non_blocking=gpu)
-            if isinstance(node, dict):
-                return {k: walk(v, (*path, k)) for k, v in node.items()}
-            if isinstance(node, (list, tuple)):
-                return type(node)(walk(v, (*path, i)) for i, v in enumerate(node))
-            return node
-
-        copied = walk(tree, ())
-        for device in cuda:  # the copies were queued on each device's current stream
-            torch.cuda.current_stream(device).synchronize()
-        self._buffers = kept
-        return copied

@@ -1,15 +1,15 @@
-"""A run's snapshot: what it holds, which format, how it is saved and restored.
+"""A run's snapshot: what it holds, how it is saved and restored.
 
 One object over the run's stateful parts (model, optimizer, gradient scaler,
-comm hook, progress). The format is chosen once, here, by `parallelism`:
-`ddp`, one file that rank 0 writes (single_file.py: weights, AdamW's and the
-scaler's state, the comm hook's per-rank state gathered to rank 0), in the
-background by default (background.py, one save in flight for both formats); `fsdp`,
-sharded snapshots that every rank writes its shards of, asynchronously by
-default, loadable into any world size (sharded.py). Both hold the progress,
-the configs, the vocabulary, the world size that wrote them and the
-experiment tracker's run id (mingpt/tracking.py), and are
-verified (checksums, structure, and fit.py's checks) before any of it is used.
+comm hook, progress), in one format for every parallelism: PyTorch Distributed
+Checkpoint under a root directory (sharded.py), every rank writing its shards
+(with ddp, the replicated tensors once) and its own comm hook state,
+asynchronously by default, loadable into any world size or into one process.
+A snapshot holds the progress, the configs, the vocabulary, the corpus's
+fingerprint, the world size that wrote it and the experiment tracker's run id
+(mingpt/tracking.py), and is verified (checksums, structure, and fit.py's
+checks) before any of it is used. The single file (single_file.py) is what
+`mingpt.export --format snapshot` writes, read by generate, score and init_from.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mingpt.config import Config, TrainerConfig
 from mingpt.distributed import DistInfo, all_max
 from mingpt.metrics import SlowNotice
 from mingpt.optim import set_hyperparameters
-from mingpt.snapshot import fit, single_file
+from mingpt.snapshot import SnapshotError, fit, sharded, single_file
 
 log = logging.getLogger(__name__)
 
@@ -53,63 +53,58 @@ class NotFinite(ValueError):
     """The weights to save are not finite; nothing was written."""
 
 
-def is_sharded(cfg: TrainerConfig) -> bool:
-    """The one place the format is chosen: sharded snapshots under a directory with
-    `fsdp`, else one file."""
-    return cfg.parallelism == "fsdp"
+DEFAULT_PATH = "snapshots"
+OLD_DEFAULT_PATH = "snapshot.pt"  # the single file that ddp runs wrote before: refused, not resumed
 
 
 def resolve_path(cfg: TrainerConfig, run_dir: str) -> str:
-    """The snapshot's location: relative local paths live in the run directory;
-    URLs and absolute paths are kept. Unset: a file, or a directory of sharded snapshots."""
-    path = cfg.snapshot_path or ("snapshots" if is_sharded(cfg) else "snapshot.pt")
+    """The snapshot root: relative local paths live in the run directory; URLs and absolute paths are kept."""
+    path = cfg.snapshot_path or DEFAULT_PATH
     if "://" in path or os.path.isabs(path):
         return path
     return os.path.join(run_dir, path)
 
 
 def best_path(path: str) -> str:
-    """Where a run whose snapshot is at `path` keeps its best weights: beside it, the
-    same name with `-best` (snapshot.pt: snapshot-best.pt; a sharded root snapshots:
-    snapshots-best, a root of its own), in the snapshot's format."""
+    """Where a run whose snapshot root is `path` keeps its best weights: beside it, the
+    same name with `-best` (snapshots: snapshots-best, a root of its own)."""
     head, ext = posixpath.splitext(path.rstrip("/"))
     return f"{head}-best{ext}"
 
 
 def find_best(path: str) -> str | None:
-    """The best weights of the run whose snapshot is at `path`, if it has written them."""
+    """The best weights of the run whose snapshot root is `path`, if it has written them."""
     best = best_path(path)
-    if storage.exists(best, directory=True):
-        from mingpt.snapshot import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
+    return best if storage.exists(best, directory=True) and sharded.latest(best) else None
 
-        return best if sharded.latest(best) else None
-    return best if storage.exists(best) else None
+
+def check_not_old(cfg: TrainerConfig, run_dir: str, path: str) -> None:
+    """Refuse a run directory whose snapshot is a single file of the training format before
+    this one (ddp's): it is not resumed, and a run must not silently start afresh beside it."""
+    old = path if cfg.snapshot_path else os.path.join(run_dir, OLD_DEFAULT_PATH)
+    if "://" not in old and os.path.isfile(old) and not has_snapshot(path):
+        raise SnapshotError(
+            f"{old} is a single-file snapshot, the ddp training format of mingpt before its snapshots became "
+            f"Distributed Checkpoints: it is not resumed. Fine-tune from its weights in a new run "
+            f"(trainer_config.init_from={old} trainer_config.run_name=NAME), or finish it with the earlier mingpt")
 
 
 def read(path: str) -> dict[str, Any]:
     """A snapshot of either format whole, in this one process, as the single-file format's dict."""
     if storage.exists(path, directory=True):
-        from mingpt.snapshot import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
-
         return sharded.load_file_state(path)
     return single_file.load(path)
 
 
-def has_snapshot(cfg: TrainerConfig, path: str) -> bool:
-    """Whether the run whose snapshot is at `path` has saved one (a published one, sharded)."""
-    if is_sharded(cfg):
-        from mingpt.snapshot import sharded  # Distributed Checkpoint: imported only for a sharded snapshot (~1 s)
-
-        return sharded.latest(path) is not None
-    return storage.exists(path)
+def has_snapshot(path: str) -> bool:
+    """Whether the run whose snapshot root is `path` has published one."""
+    return sharded.latest(path) is not None
 
 
 def read_meta(path: str) -> dict[str, Any]:
     """What a snapshot of either format holds besides the tensors (progress, configs,
     vocabulary); a sharded snapshot's shards are not read, a single file is read whole."""
     if storage.exists(path, directory=True):
-        from mingpt.snapshot import sharded
-
         return sharded.read_meta(path)
     state = single_file.load(path)
     return {key: value for key, value in state.items() if key not in ("model_state", "optimizer_state")}
@@ -140,18 +135,12 @@ class Snapshot:
         # Restored from the snapshot (None: none, or a snapshot from before trackers).
         self.tracker_run_id: str | None = None
         cfg = config.trainer_config
-        if is_sharded(cfg):
-            from mingpt.snapshot import sharded  # Distributed Checkpoint: about a second of import, only when used
-
-            self.format = sharded.ShardedFormat(path, model, optimizer, scaler, cfg.keep_snapshots, cfg.async_save)
-        else:
-            self.format = single_file.SingleFileFormat(path, model, optimizer, scaler, comm, dist_info.is_main_process,
-                                                       cfg.async_save)
+        self.format = sharded.ShardedFormat(path, model, optimizer, scaler, comm, cfg.keep_snapshots, cfg.async_save)
 
     @property
     def comm_state(self) -> dict[str, Any] | None:
-        """The comm hook's state that restore found (single-file snapshots only)."""
-        return getattr(self.format, "comm_state", None)
+        """The comm hook's state that restore found: {name, world_size, state: this rank's own}."""
+        return self.format.comm_state
 
     def save(self, progress: Progress) -> None:
         """Save the run at `progress`. Every rank calls it (with FSDP every rank
@@ -197,8 +186,7 @@ class Snapshot:
             raise NotFinite("the weights are not finite")
 
     def wait(self) -> None:
-        """Wait for a save still being written in the background (either format, with
-        async_save); raise its StorageError, on every rank."""
+        """Wait for a save still being written in the background (async_save); raise its StorageError, on every rank."""
         self.format.wait()
 
     def restore(self) -> Progress | None:

@@ -41,6 +41,7 @@ MANIFEST = "manifest.json"
 META = "meta.json"
 DCP_METADATA = ".metadata"
 NAME = re.compile(r"step-(\d{8,})(?:-(\d+))?")
+OWN = "rank"  # the top-level key of each rank's own state: rank0, rank1, ...
 
 # DCP warns at every single-process save and load that it assumes one process: that is the intent here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -312,19 +313,25 @@ def _new_name(root: str, step: int, pg) -> str:
 
 
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
-         async_save: bool = True, group: Optional[dist.ProcessGroup] = None) -> SaveHandle:
-    """Save `tensors` (each rank its shards) and `meta` (rank 0's) as a new
-    snapshot of `root`, publish it when complete and keep the newest `keep`.
-    Called by every rank. Synchronous: returns when published (or raises
-    StorageError). Asynchronous: returns when the state is copied; the handle
-    (also reached by wait_pending()) gives the outcome."""
+         async_save: bool = True, group: Optional[dist.ProcessGroup] = None, own: Any = None) -> SaveHandle:
+    """Save `tensors` (each rank its shards; a plain tensor is the same on every
+    rank and written once), `meta` (rank 0's) and `own` (each rank's own state,
+    such as a comm hook's, if not None) as a new snapshot of `root`, publish it
+    when complete and keep the newest `keep`. Called by every rank. Synchronous:
+    returns when published (or raises StorageError). Asynchronous: returns when
+    the state is copied; the handle (also reached by wait_pending()) gives the outcome."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     wait_pending()  # one save at a time; the previous one's error surfaces here
     pg = _checkpoint_group(group)
     flat, structure = _flatten(tensors)
+    ranks = None
+    if own is not None:  # under keys of the rank's own, which DCP writes from that rank
+        own_flat, own_structure = _flatten({f"{OWN}{_rank(pg)}": own})
+        flat.update(own_flat)
+        ranks = _gather(own_structure, pg)
     document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
-                           "structure": structure}).encode()
+                           "structure": structure, "ranks": ranks}).encode()
     directory = _join(root, _new_name(root, step, pg))
     on_gpu = _on_gpu(flat)
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
@@ -516,7 +523,8 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
         meta = json.loads(blobs[META])
         if meta.get("format") != FORMAT or not isinstance(meta.get("meta"), dict):
             raise ValueError(f"format {meta.get('format')!r}")
-        _unflatten(meta["structure"], {key: None for key in _tensor_keys(meta["structure"])})
+        for structure in [meta["structure"], *(meta.get("ranks") or [])]:
+            _unflatten(structure, {key: None for key in _tensor_keys(structure)})
     except (ValueError, AttributeError, KeyError, TypeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})") from None
     metadata = read_metadata(blobs[DCP_METADATA], f"{directory}/{DCP_METADATA}")
@@ -560,11 +568,14 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
         raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
 
 
-def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None,
+         own: bool = False) -> Any:
     """Verify the newest published snapshot of a root (or the given snapshot
     directory), then load it in place into `tensors` (tensors and DTensors are
     filled, resharded to this run's layout; plain values are replaced by the
-    snapshot's). Called by every rank. Returns the `meta` saved with it."""
+    snapshot's). Called by every rank. Returns the `meta` saved with it; with
+    `own`, (meta, this rank's own state), the latter None unless the snapshot
+    holds one for each rank of this run (the same world size)."""
     wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group(group)
     directory, problem = None, None
@@ -588,12 +599,25 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     flat, _ = _flatten(tensors)
     structure = document["structure"]
     _check_keys(directory, sorted(flat), _tensor_keys(structure), metadata)
+    ranks = document.get("ranks") or []
+    mine = ranks[_rank(pg)] if own and len(ranks) == _world(pg) else None
+    if mine is not None:
+        flat.update(_empty(directory, _tensor_keys(mine), metadata))
     _dcp_load(flat, directory, metadata, process_group=group, no_dist=pg is None)
     loaded = _unflatten(structure, flat)
     for key in list(tensors):
         tensors[key] = loaded.get(key, tensors[key])
     log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
-    return document["meta"]
+    if not own:
+        return document["meta"]
+    return document["meta"], (None if mine is None else _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"])
+
+
+def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
+    """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
+    _check_keys(directory, keys, keys, metadata)
+    return {key: torch.empty(metadata.state_dict_metadata[key].size,
+                             dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
 
 
 REREADS = 5  # snapshots rotated away while being read before a reader gives up
@@ -644,12 +668,7 @@ def _read_whole(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if problem:
         raise SnapshotError(problem)
     structure = document["structure"]
-    keys = _tensor_keys(structure)
-    _check_keys(directory, keys, keys, metadata)
-    flat = {}
-    for key in keys:
-        entry = metadata.state_dict_metadata[key]
-        flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    flat = _empty(directory, _tensor_keys(structure), metadata)
     _dcp_load(flat, directory, metadata, no_dist=True)
     log.info("read sharded snapshot %s (step %s) in one process", directory, document.get("step"))
     return _unflatten(structure, flat), document["meta"]
@@ -659,13 +678,16 @@ def _read_whole(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 class ShardedFormat:
-    """The run's snapshot as sharded snapshots under a root (mingpt/snapshot/manager.py
-    chooses it): every rank saves and loads its shards of the model and optimizer."""
+    """The run's snapshot, for every parallelism (mingpt/snapshot/manager.py): every rank
+    saves and loads its shards of the model and optimizer (with ddp, whole tensors that
+    one rank writes), and its own comm hook state."""
 
-    def __init__(self, root: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, keep: int, async_save: bool):
-        self.root, self.model, self.optimizer, self.scaler = root, model, optimizer, scaler
+    def __init__(self, root: str, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,
+                 comm: Any, keep: int, async_save: bool):
+        self.root, self.model, self.optimizer, self.scaler, self.comm = root, model, optimizer, scaler, comm
+        self.optimizers = getattr(optimizer, "optimizers", optimizer)  # mingpt.optim.Combined: AdamW and Muon
         self.keep, self.background = keep, async_save
+        self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
 
     def exists(self) -> bool:
         return latest(self.root) is not None
@@ -673,29 +695,36 @@ class ShardedFormat:
     def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizers)
+        model_state = self.comm.model_state(self.model, model_state)
         check_finite(model_state.values())
-        save({"model": model_state, "optim": optim_state}, {**meta, "scaler_state": self.scaler.state_dict()},
-             self.root, step, keep=self.keep, async_save=self.background)
+        own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
+        meta = {**meta, "scaler_state": self.scaler.state_dict(), "comm_hook": own and own["about"]}
+        save({"model": model_state, "optim": optim_state}, meta, self.root, step, keep=self.keep,
+             async_save=self.background, own=own and own["state"])
 
     def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
-        """The weights alone, as a sharded snapshot of their own root that keeps one
+        """The weights alone, as a snapshot of their own root that keeps one
         (Snapshot.save_best); synchronous, after any save in flight."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        model_state = get_model_state_dict(self.model)
+        model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
         check_finite(model_state.values())
         save({"model": model_state}, meta, root, step, keep=1, async_save=False)
 
     def load(self, check_fits: Callable) -> dict[str, Any]:
-        """Into the model and optimizer (after the model is sharded), resharded to this run's layout."""
+        """Into the model and optimizer (with fsdp after the model is sharded, with ddp
+        before DDP wraps it), resharded to this run's layout."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # the layout to load into
+        model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
-        meta = load(tensors, self.root)
+        meta, own = load(tensors, self.root, own=True)
         check_fits(meta)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+        set_state_dict(self.model, self.optimizers, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optim"])
+        about = meta.get("comm_hook")
+        self.comm_state = {**about, "state": own} if isinstance(about, dict) else None
         return meta
 
     def wait(self) -> None:

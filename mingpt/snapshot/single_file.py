@@ -1,10 +1,10 @@
-"""The single-file snapshot (`parallelism=ddp`): one torch.save file at any fsspec URL.
+"""The single-file snapshot: one torch.save file at any fsspec URL, what `mingpt.export
+--format snapshot` writes and what generate, score, export and init_from read (and
+the ddp training format before Distributed Checkpoint).
 
 A plain dict of tensors, numbers, strings, lists and dicts, loaded with
 torch.load(weights_only=True): pickled code is refused and none of it runs.
-Rank 0 writes it atomically (mingpt/storage.py), so one snapshot is kept: an
-unreadable one means outside damage, and the run stops rather than quietly go
-back to an older state. `verify` recomputes the CRC-32 that torch.save's zip
+It is written atomically (mingpt/storage.py). `verify` recomputes the CRC-32 that torch.save's zip
 archive stores for each record, so a flipped bit anywhere is caught, not loaded.
 """
 
@@ -17,12 +17,12 @@ import re
 import struct
 import zipfile
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from mingpt import storage
-from mingpt.snapshot import SnapshotError, background
+from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
 
@@ -154,88 +154,3 @@ def load(path: str) -> dict[str, Any]:
         raise SnapshotError(f"snapshot {path} is damaged ({type(e).__name__}: {reason(e)})") from None
     check_structure(state, path)
     return state
-
-
-class SingleFileFormat:
-    """The run's snapshot as one file (mingpt/snapshot/manager.py chooses it):
-    the comm hook's per-rank state is gathered to rank 0, which writes.
-
-    With `async_save` (`background`), a save returns once rank 0 has copied the
-    state to CPU memory (background.Staging: pinned for a state on a GPU, kept
-    for the next save); the write, its atomic publication and the integrity of
-    the file are those of a synchronous save, on the snapshot thread
-    (mingpt/snapshot/background.py), after which rank 0 broadcasts the outcome
-    to every rank on the snapshot's gloo group, so a failed write is raised on
-    every rank at the next wait (the next save, a stop, the end of the run).
-    The best weights (save_best) are written synchronously, after any save in flight."""
-
-    def __init__(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, comm: Any, is_main_process: bool, async_save: bool = False):
-        self.path, self.model, self.optimizer, self.scaler, self.comm = path, model, optimizer, scaler, comm
-        self.is_main_process, self.background = is_main_process, async_save
-        self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
-        self._staging = background.Staging() if async_save and is_main_process else None
-
-    def exists(self) -> bool:
-        return storage.exists(self.path)
-
-    def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
-        background.wait_pending()  # one save at a time; the previous one's error surfaces here, on every rank
-        model_state = self.comm.model_state(self.model)
-        check_finite(model_state.values())
-        comm_state = self.comm.state_dict(self.model, self.optimizer, self.scaler)
-        state = None
-        if self.is_main_process:
-            state = {"model_state": model_state, "comm_hook": comm_state, "optimizer_state": self.optimizer.state_dict(),
-                     "scaler_state": self.scaler.state_dict(), **meta}
-        if not self.background:
-            if state is not None:
-                save(state, self.path)
-            return
-        pg = background.checkpoint_group()  # every rank: created at the first save
-        if state is not None:
-            state = self._staging.copy(state)  # what training waits for
-        path = self.path
-
-        def write() -> str | None:
-            error = None
-            if state is not None:
-                try:
-                    save(state, path)
-                except StorageError as e:
-                    error = str(e)
-                except Exception as e:  # anything else: still one line on every rank, no rank left waiting
-                    error = f"cannot save snapshot {path}: {type(e).__name__}: {reason(e)}"
-                else:
-                    log.info("wrote snapshot %s at step %d in the background", path, step)
-            try:
-                return background.broadcast(error, pg)
-            except BaseException as e:  # never lost: the handle reports it
-                return error or f"cannot save snapshot {path}: {reason(e)}"
-
-        background.submit(path, write)
-
-    def save_best(self, meta: dict[str, Any], path: str, step: int, check_finite: Callable) -> None:
-        """The weights alone (an empty optimizer state) at `path` (Snapshot.save_best); synchronous."""
-        background.wait_pending()
-        model_state = self.comm.model_state(self.model)
-        check_finite(model_state.values())
-        if self.is_main_process:
-            save({"model_state": model_state, "optimizer_state": {"state": {}, "param_groups": []}, **meta}, path)
-
-    def load(self, check_fits: Callable) -> dict[str, Any]:
-        """Into the model and optimizer, before DDP wraps the model."""
-        background.wait_pending()
-        state = load(self.path)
-        check_fits(state)
-        try:
-            self.model.load_state_dict(state["model_state"])
-            self.optimizer.load_state_dict(state["optimizer_state"])
-        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as e:
-            raise SnapshotError(f"snapshot {self.path} cannot be restored: {reason(e)}") from None
-        self.comm_state = state.get("comm_hook")  # per rank: restored once DDP has wrapped the model
-        return state
-
-    def wait(self) -> None:
-        """Wait for the save in flight, if any; raise its StorageError on every rank."""
-        background.wait_pending()
