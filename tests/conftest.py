@@ -83,6 +83,16 @@ def tiny_run(tmp_path_factory, corpus) -> tuple[Path, Path]:
     return cwd, run_dir_of(cwd, TINY_RUN)
 
 
+@pytest.fixture(scope="session")
+def tiny_file(tiny_run) -> Path:
+    """The tiny run's snapshot as the single file that `mingpt.export format=snapshot` writes."""
+    from mingpt.snapshot import single_file
+
+    path = tiny_run[1].parent / "tiny-snapshot.pt"
+    single_file.save(read_snapshot(tiny_run[1] / "snapshots"), str(path))
+    return path
+
+
 @pytest.fixture
 def one_thread():
     """In-process work on one thread, like the subprocesses (child_env): the
@@ -123,6 +133,14 @@ def read_snapshot(path) -> dict:
     if own:
         state["comm_hook"] = {**document["meta"]["comm_hook"], "ranks": own}
     return state
+
+
+def tree_bytes(path) -> dict[str, bytes]:
+    """Every file under `path` (a directory or a file): {path relative to it: its bytes}."""
+    path = Path(path)
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def free_port() -> int:

@@ -59,10 +59,10 @@ def sharded_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(params=["file", "sharded", "run directory"])
-def source(request, tiny_run, sharded_root) -> str:
-    """A snapshot of each kind: a trained run's file, a sharded snapshot, the run's directory."""
+def source(request, tiny_run, tiny_file, sharded_root) -> str:
+    """A snapshot of each kind: a single file, a sharded snapshot, a run's directory."""
     _, run_dir = tiny_run
-    return {"file": str(run_dir / "snapshots"), "sharded": str(sharded_root),
+    return {"file": str(tiny_file), "sharded": str(sharded_root),
             "run directory": str(run_dir)}[request.param]
 
 
@@ -167,9 +167,8 @@ def test_a_device_node_is_never_replaced(sharded_root, tmp_path, capsys, device,
     assert os.listdir("/dev").count(os.path.basename(device)) == 1 and not list(Path("/dev").glob("*.tmp-*"))
 
 
-def test_bad_input_is_one_line(sharded_root, tiny_run, tmp_path, capsys):
-    _, run_dir = tiny_run
-    snapshot = run_dir / "snapshots"
+def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
+    snapshot = tiny_file
     missing = tmp_path / "missing.pt"
     assert refused(capsys, [missing, tmp_path / "out"]) == f"error: snapshot not found: {missing}"
     damaged = tmp_path / "damaged.pt"
@@ -217,14 +216,20 @@ def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     config = run / ".hydra" / "config.yaml"
-    elsewhere = tmp_path / "elsewhere" / "s.pt"
-    for made in (run / "snapshots", run / "snapshots" / "step-00000001" / "manifest.json", elsewhere):
+    elsewhere = tmp_path / "elsewhere" / "s"
+    for made in (run / "snapshots" / "step-00000001" / "manifest.json", elsewhere / "step-00000001" / "manifest.json"):
         made.parent.mkdir(parents=True, exist_ok=True)
-        made.touch()  # what find_snapshot looks for (a published sharded snapshot: its manifest); not read
+        made.touch()  # what find_snapshot looks for (a published snapshot: its manifest); not read
     for trainer_config, found in (("{}", run / "snapshots"), ("{parallelism: fsdp}", run / "snapshots"),
                                   (f"{{snapshot_path: {elsewhere}}}", elsewhere)):
         config.write_text(f"trainer_config: {trainer_config}\n")
         assert find_snapshot(str(run)) == str(found)
+    # A run directory of the single-file training format before: its snapshot.pt.
+    old = tmp_path / "old"
+    (old / ".hydra").mkdir(parents=True)
+    (old / ".hydra" / "config.yaml").write_text("trainer_config: {}\n")
+    (old / "snapshot.pt").touch()
+    assert find_snapshot(str(old)) == str(old / "snapshot.pt")
     assert find_snapshot(str(tmp_path)) == str(tmp_path)  # not a run directory: taken as given
     config.write_text("trainer_config: {batch_size: many}\n")
     assert refused(capsys, [run, tmp_path / "out"]) == (

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, child_env, run_dir_of, run_main
+from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main
 
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
 from mingpt.model import GPT
 from mingpt.command import parse_args
+from mingpt.snapshot import single_file
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, load_model, should_compile
 
 
@@ -61,7 +62,7 @@ def test_samples_stream_separated_and_repeat_with_the_seed(workdir, snapshot):
     head, sep, sample2 = first.stdout.partition("\n--- sample 2 of 2 ---\n")
     assert sep and head.startswith("--- sample 1 of 2 ---\n")
     sample1 = head.removeprefix("--- sample 1 of 2 ---\n")
-    vocab = set(torch.load(snapshot, weights_only=True)["vocab"])
+    vocab = set(read_snapshot(snapshot)["vocab"])
     for sample in (sample1, sample2):
         assert sample.startswith("ROMEO:")
         generated, rest = sample[6:66], sample[66:]
@@ -310,8 +311,9 @@ BAD_SNAPSHOTS = {  # kind -> file name in the work directory
 @pytest.fixture(scope="module")
 def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
     """The command on each bad input, two at a time (each run is mostly importing torch)."""
-    truncated = workdir / "truncated.pt"
-    truncated.write_bytes(snapshot.read_bytes()[: snapshot.stat().st_size // 2])
+    whole = workdir / "whole.pt"  # the single file that export writes, cut in half
+    single_file.save(read_snapshot(snapshot), str(whole))
+    (workdir / "truncated.pt").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
     os.mkfifo(workdir / "snapshot.fifo")
     os.symlink("/dev/zero", workdir / "zero.pt")

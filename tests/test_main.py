@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main
+from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, tree_bytes
 
 from mingpt.config import GPTConfig, OptimizerConfig
 from mingpt.metrics import MACHINE_KEYS
@@ -105,13 +104,13 @@ def test_run_writes_a_loadable_snapshot_and_prints_a_sample(first_run, workdir):
 def test_identical_invocation_finds_the_finished_run(first_run, workdir):
     _, run_dir = first_run
     before = (run_dir / "metrics.jsonl").read_text()
-    snapshot = (run_dir / "snapshots").read_bytes()
+    snapshot = tree_bytes(run_dir / "snapshots")
     proc = run_main(args(workdir), workdir)
     assert proc.returncode == 0, proc.stderr
     assert f"already complete at step {2 * STEPS_PER_EPOCH}" in proc.stderr
     assert "--- sample after step" in proc.stdout
     assert (run_dir / "metrics.jsonl").read_text() == before
-    assert (run_dir / "snapshots").read_bytes() == snapshot
+    assert tree_bytes(run_dir / "snapshots") == snapshot
 
 
 def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, workdir, tmp_path):
@@ -185,7 +184,7 @@ def test_bad_override_is_one_line(override, says, tmp_path):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
-    assert not list(tmp_path.rglob("snapshot.pt"))
+    assert not list(tmp_path.rglob("snapshots"))
     assert [p.name for p in tmp_path.iterdir() if p.name != "runs"] == []  # nothing in the current directory
 
 

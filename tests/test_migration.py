@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import run_main
+from conftest import read_snapshot, run_main
 
 # The tutorial's keys, one for one, with values small enough for a test.
 TUTORIAL_CFG = """\
@@ -55,7 +54,8 @@ def test_tutorial_config_file_trains_with_its_values(user_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if "data_loader_workers" in line]
     assert len(notices) == 1 and "WARNING trainer_config.data_loader_workers ignored: " in notices[0]
-    snapshot = torch.load(user_dir / "gpt_snapshot.pt", weights_only=True)  # hydra.run.dir ./ is the run directory
+    # hydra.run.dir ./ is the run directory; gpt_snapshot.pt is the snapshots' root directory
+    snapshot = read_snapshot(user_dir / "gpt_snapshot.pt")
     assert snapshot["step"] == 3
     assert (snapshot["gpt_config"]["n_layer"], snapshot["gpt_config"]["n_embd"]) == (2, 32)
     t, o = snapshot["trainer_config"], snapshot["optimizer_config"]

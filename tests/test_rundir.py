@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun
+from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun
 
 DEADLINE = 150  # seconds: generous, the machine is shared
 
@@ -109,7 +109,8 @@ def contents(run_dir: Path) -> dict[str, bytes]:
 
 def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_run):
     before = contents(finished_run)
-    assert {"train.log", "metrics.jsonl", "snapshot.pt", "run.lock", ".hydra/config.yaml"} <= before.keys()
+    assert {"train.log", "metrics.jsonl", "run.lock", ".hydra/config.yaml"} <= before.keys()
+    assert any(name.startswith("snapshots/step-") for name in before)
     same_dir = ["trainer_config.run_name=done", f"hydra.run.dir={finished_run}"]
     refusals = {
         "bad value": (["trainer_config.batch_size=0"], "error: trainer_config.batch_size: must be >= 1"),
@@ -121,8 +122,6 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
         # Operational keys that would start another snapshot from step 0 under the finished run's record.
         "other snapshot": ([f"trainer_config.snapshot_path={workdir / 'elsewhere.pt'}"],
                            f"error: run directory {finished_run} holds the record of a run up to step"),
-        "other parallelism": (["trainer_config.parallelism=fsdp"],
-                              f"with the snapshot {finished_run / 'snapshot.pt'}; this one starts from step 0"),
     }
 
     def start(extra: list[str]) -> subprocess.Popen:
@@ -210,7 +209,7 @@ def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir, sma
     """The run directory's file system fills up mid-run: one warning each for
     the metrics and train.log, no traceback, no cut line; the run trains to the
     end and saves its snapshot, kept on another file system."""
-    snapshot = tmp_path / "snapshot.pt"
+    snapshot = tmp_path / "snapshots"
     argv = args("trainer_config.max_steps=60", "trainer_config.log_every=1", f"hydra.run.dir={small_disk / 'run'}",
                 f"trainer_config.snapshot_path={snapshot}")
     # Leave room for the start (config, the first lines), not for the whole run.
@@ -224,4 +223,4 @@ def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir, sma
     assert "train step 60 " in proc.stderr  # the log on stderr went on
     text = (small_disk / "run" / "metrics.jsonl").read_bytes()
     assert text.endswith(b"\n") and all(json.loads(line)["step"] < 60 for line in text.splitlines())
-    assert torch.load(snapshot, weights_only=True)["step"] == 60
+    assert read_snapshot(snapshot)["step"] == 60

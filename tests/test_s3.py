@@ -21,7 +21,7 @@ from conftest import REPO, TINY, child_env, free_port  # noqa: E402
 from mingpt import storage  # noqa: E402
 from mingpt.data import DataError, read_text  # noqa: E402
 from mingpt.generate import GenerateConfig, PromptError, read_prompt  # noqa: E402
-from mingpt.snapshot import single_file  # noqa: E402
+from mingpt.snapshot import manager, single_file  # noqa: E402
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -52,14 +52,14 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     s3.pipe("runs/small.txt", corpus.read_bytes()[:20_000])
     env = {**child_env(), **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}  # as docs/training.md says
     args = [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", "trainer_config.max_steps=2",
-            "data_config.path=s3://runs/small.txt", "trainer_config.snapshot_path=s3://runs/run1/snapshot.pt"]
+            "data_config.path=s3://runs/small.txt", "trainer_config.snapshot_path=s3://runs/run1/snapshots"]
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert single_file.load("s3://runs/run1/snapshot.pt")["step"] == 2
-    # The best weights beside the snapshot (through s3:// too); no probe or temporary file left.
-    assert sorted(s3.ls("runs/run1")) == ["runs/run1/snapshot-best.pt", "runs/run1/snapshot.pt"]
-    assert single_file.load("s3://runs/run1/snapshot-best.pt")["step"] == 2
+    assert manager.read("s3://runs/run1/snapshots")["step"] == 2
+    # The best weights beside the snapshots (through s3:// too); no probe or temporary file left.
+    assert sorted(s3.ls("runs/run1")) == ["runs/run1/snapshots", "runs/run1/snapshots-best"]
+    assert manager.read("s3://runs/run1/snapshots-best")["step"] == 2
     # botocore's INFO `Found credentials in environment variables` is not ours to log.
     assert "Found credentials" not in proc.stderr
     assert not [p for p in tmp_path.glob("runs/*/train.log") if "Found credentials" in p.read_text()]

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -118,17 +119,17 @@ def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(tiny_run,
     cwd, run_dir = tiny_run
     text = (cwd / "small.txt").read_text(encoding="utf-8")
     (tmp_path / "small.txt").write_text(text + text[:3000], encoding="utf-8")
-    (tmp_path / "snapshots").write_bytes((run_dir / "snapshots").read_bytes())
+    shutil.copytree(run_dir / "snapshots", tmp_path / "snapshots")
     monkeypatch.chdir(tmp_path)
     before, after = len(text.encode()), (tmp_path / "small.txt").stat().st_size
     with pytest.raises(SystemExit) as exit_status:
-        main(["snapshot_path=snapshot.pt", "device=cpu"])  # builds the new corpus's token cache (an INFO line)
+        main(["snapshot_path=snapshots", "device=cpu"])  # builds the new corpus's token cache (an INFO line)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert exit_status.value.code == 2 and errors == [
         f"error: the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes), so its "
         "held-out split is not the run's: give the text with path=..., or score the new split with "
         "allow_corpus_change=true"]
-    main(["snapshot_path=snapshot.pt", "device=cpu", "allow_corpus_change=true"])
+    main(["snapshot_path=snapshots", "device=cpu", "allow_corpus_change=true"])
     out, err = capsys.readouterr()
-    assert out.startswith("snapshot.pt (step 60) on the held-out split of small.txt")
+    assert out.startswith("snapshots (step 60) on the held-out split of small.txt")
     assert f"WARNING the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes)" in err

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import REPO, child_env, free_port, read_snapshot, torchrun_cmd
 from test_snapshot import overrides, same_tensors, train_events

@@ -569,13 +569,14 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
 
 
 def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None,
-         own: bool = False) -> Any:
+         own: bool = False, check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
     """Verify the newest published snapshot of a root (or the given snapshot
     directory), then load it in place into `tensors` (tensors and DTensors are
     filled, resharded to this run's layout; plain values are replaced by the
     snapshot's). Called by every rank. Returns the `meta` saved with it; with
     `own`, (meta, this rank's own state), the latter None unless the snapshot
-    holds one for each rank of this run (the same world size)."""
+    holds one for each rank of this run (the same world size). `check(meta)` runs
+    before any tensor is read (it raises for a snapshot that does not fit)."""
     wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group(group)
     directory, problem = None, None
@@ -596,6 +597,8 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
     if errors:
         raise SnapshotError(errors[0])
+    if check is not None:
+        check(document["meta"])
     flat, _ = _flatten(tensors)
     structure = document["structure"]
     _check_keys(directory, sorted(flat), _tensor_keys(structure), metadata)
@@ -670,7 +673,7 @@ def _read_whole(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
     structure = document["structure"]
     flat = _empty(directory, _tensor_keys(structure), metadata)
     _dcp_load(flat, directory, metadata, no_dist=True)
-    log.info("read sharded snapshot %s (step %s) in one process", directory, document.get("step"))
+    log.debug("read snapshot %s (step %s) in one process", directory, document.get("step"))
     return _unflatten(structure, flat), document["meta"]
 
 
@@ -719,8 +722,7 @@ class ShardedFormat:
 
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
-        meta, own = load(tensors, self.root, own=True)
-        check_fits(meta)
+        meta, own = load(tensors, self.root, own=True, check=check_fits)
         set_state_dict(self.model, self.optimizers, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])
         about = meta.get("comm_hook")
