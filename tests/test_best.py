@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
-from mingpt.snapshot import manager, sharded, single_file
+from mingpt.snapshot import manager, sharded
 from mingpt.train import summary, train
 from test_snapshot import make_trainer, same_tensors
 

@@ -23,7 +23,7 @@ from mingpt import stopping
 from mingpt.config import Config, ConfigError
 from mingpt.rundir import run_dir_name
 from mingpt.score import ScoreConfig, score
-from mingpt.snapshot import manager, sharded, single_file
+from mingpt.snapshot import manager, sharded
 from test_snapshot import assert_one_error, make_trainer, same_tensors
 
 # Batch 32 at a constant 0.03: the tiny model gets past the unigram plateau in few steps.

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of
 
 from mingpt.cli import take_local_rank_argument
