@@ -49,6 +49,8 @@ class CommHook:
     name = "none"
     # Extra keyword arguments for DistributedDataParallel.
     ddp_options: dict[str, Any] = {}
+    # Whether the ranks' weights and optimizer states differ (LocalSGD): the snapshot then takes rank 0's.
+    replicas_differ = False
 
     def __init__(self, dist_info: DistInfo | None = None):
         self.dist = dist_info or DistInfo(0, 0, 1, 1, torch.device("cpu"))
@@ -186,6 +188,8 @@ class PowerSGD(PerRankState):
 
 
 class PostLocalSGD(PerRankState):
+    replicas_differ = True
+
     def __init__(self, cfg: TrainerConfig, dist_info: DistInfo):
         super().__init__("post_local_sgd", dist_info)
         if cfg.localsgd_group == "node":

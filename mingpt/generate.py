@@ -83,7 +83,7 @@ class GenerateConfig:
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")  # free text, taken verbatim
 
 
-EXPECTED = "expected a snapshot file (export --format snapshot writes one), a sharded snapshot or a run directory"
+EXPECTED = "expected a snapshot directory, a snapshot file (export --format snapshot writes one) or a run directory"
 
 
 def not_a_snapshot(path: str) -> None:

@@ -325,7 +325,7 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         return None  # a killed attempt of this run: its events after the snapshot are dropped
     return (f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot {previous}; "
             f"this one starts from step {step} with the snapshot {snapshot_path} and would overwrite that record: "
-            "give trainer_config.snapshot_path and parallelism as that run had them, or start this run in "
+            "give trainer_config.snapshot_path as that run had it, or start this run in "
             "another directory (hydra.run.dir=...)")
 
 

@@ -141,7 +141,7 @@ def check_kind(snapshot_path: str, directory: bool) -> None:
     except storage_errors():
         return  # the write probe names the storage's fault
     if wrong:
-        what = ("a file, and sharded snapshots (parallelism=fsdp) are kept in a directory there" if directory else
+        what = ("a file, and snapshots are kept in a directory there" if directory else
                 "a directory, and the snapshot (parallelism=ddp) is one file there")
         raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is {what}")
 

@@ -82,8 +82,8 @@ def settle(config: Config, run_dir: str, dist_info: DistInfo,
     directory's owner (a lock, for the body's duration) and its record (not another
     run's). Nothing is written in the run directory before."""
     snapshot_path = resolve_path(config.trainer_config, run_dir)
-    check_writable(run_dir, snapshot_path, directory=True)
     check_not_old(config.trainer_config, run_dir, snapshot_path)
+    check_writable(run_dir, snapshot_path, directory=True)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir, snapshot_path)
     data_path = config.data_config.path

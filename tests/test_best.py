@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun
+from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun, tree_bytes
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.snapshot import manager, sharded
@@ -61,14 +61,14 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     with pytest.raises(stopping.Stopped):
         first.train()
     monkeypatch.undo()
-    kept = (tmp_path / "resumed" / "snapshots-best").read_bytes()
+    kept = tree_bytes(tmp_path / "resumed" / "snapshots-best")
     caplog.set_level(logging.INFO, logger="mingpt")
     resumed = make_trainer(tmp_path / "resumed", small_corpus, *args)
     assert resumed.progress.step == stop_at and resumed.progress.best_step == best_step
     resumed.train()
     assert resumed.progress.best_step == best_step and resumed.progress.best_eval_loss == losses[best_step]
     assert not [r for r in caplog.records if r.getMessage().startswith("saved the best weights")]
-    assert (tmp_path / "resumed" / "snapshots-best").read_bytes() == kept  # not rewritten
+    assert tree_bytes(tmp_path / "resumed" / "snapshots-best") == kept  # not rewritten
     again = read_snapshot(tmp_path / "resumed" / "snapshots-best")
     assert again["step"] == best_step and same_tensors(again["model_state"], evaluated[best_step])
 

@@ -101,7 +101,7 @@ def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pre
     run_dir = run_dir_of(tmp_path, args)
     assert not (run_dir / "train.log").exists()  # refused before writing anything
     # The run directory names its source, also among many other values (the hash keeps the whole path).
-    assert f"-init_from={pretrained.run_dir.name}_snapshot.pt-" in run_dir.name
+    assert f"-init_from={pretrained.run_dir.name}_snapshots-" in run_dir.name
 
 
 def test_the_run_directory_shows_the_source_readably():
@@ -121,7 +121,7 @@ def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tm
     shape = trainer.config.gpt_config
     assert (shape.n_layer, shape.n_head, shape.n_embd, shape.block_size) == (2, 2, 32, 16)
     assert trainer.train_windows.block_size == 16
-    with pytest.raises(ConfigError, match=r"^gpt_config\.n_embd: 64 given, but the model of .*snapshot\.pt "
+    with pytest.raises(ConfigError, match=r"^gpt_config\.n_embd: 64 given, but the model of .*snapshots "
                                           r"\(trainer_config\.init_from\) has 32"):
         make_trainer(tmp_path / "b", pretrained.b, source, "gpt_config.n_embd=64")
     with pytest.raises(ConfigError, match=r"^data_config\.block_size: 32 given"):
@@ -151,7 +151,7 @@ def test_a_run_directory_gives_its_best_weights_else_its_snapshot(pretrained, tm
     assert same_tensors(weights(trainer), best["model_state"])
     assert (f"initialised from {run_dir / 'snapshots-best'} (step {best['best_step']}, "
             f"held-out loss {best['best_eval_loss']:.4f})") in caplog.text
-    (run_dir / "snapshots-best").unlink()  # none written yet: the run's snapshot
+    shutil.rmtree(run_dir / "snapshots-best")  # none written yet: the run's snapshot
     latest = read_snapshot(run_dir / "snapshots")
     trainer = make_trainer(tmp_path / "ft2", pretrained.b, f"trainer_config.init_from={run_dir}")
     assert same_tensors(weights(trainer), latest["model_state"])
@@ -184,8 +184,8 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(pretrained, tmp_path,
     """Stopped at step 6 and restarted, the run resumes its own snapshot (its source is
     gone by then, and not needed) and ends with the uninterrupted run's exact weights."""
     caplog.set_level(logging.INFO, logger="mingpt")
-    source = tmp_path / "source.pt"
-    shutil.copy(pretrained.run_dir / "snapshots", source)
+    source = tmp_path / "source"
+    shutil.copytree(pretrained.run_dir / "snapshots", source)
     # The corpus whole in memory (placement=device): its ids are mapped there, as they are per batch read on the host.
     args = [*FAST, "trainer_config.max_steps=12", "gpt_config.dropout=0.1", "data_config.placement=device",
             f"trainer_config.init_from={source}"]
@@ -196,7 +196,7 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(pretrained, tmp_path,
     with pytest.raises(stopping.Stopped):
         first.train()
     monkeypatch.undo()
-    source.unlink()
+    shutil.rmtree(source)
     caplog.clear()
     resumed = make_trainer(tmp_path / "run", pretrained.b, *args)
     assert resumed.progress.step == 6

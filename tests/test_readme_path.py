@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 
-import torch
 from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main
 
 EXTRA = [*TINY, "trainer_config.max_steps=6", "trainer_config.device=cpu"]
@@ -84,8 +83,8 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     # The closing line, after the sample: the losses, the snapshot and the command that samples from it.
     closing = shown.rstrip().splitlines()[-1]
     snapshot = run_dir_of(tmp_path, [*quick, *EXTRA]) / "snapshots"
-    best = torch.load(snapshot, weights_only=True)["best_eval_loss"]
-    best_file = snapshot.with_name("snapshot-best.pt")  # the best weights, beside the snapshot
+    best = read_snapshot(snapshot)["best_eval_loss"]
+    best_file = snapshot.with_name("snapshots-best")  # the best weights, beside the snapshots
     best_shown = re.escape(str(best_file.relative_to(tmp_path)))
     assert re.search(rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) \| snapshot ",
                      closing), closing

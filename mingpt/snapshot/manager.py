@@ -143,8 +143,8 @@ class Snapshot:
         return self.format.comm_state
 
     def save(self, progress: Progress) -> None:
-        """Save the run at `progress`. Every rank calls it (with FSDP every rank
-        writes its shards; with a comm hook its state is gathered). Raises
+        """Save the run at `progress`. Every rank calls it (every rank writes its
+        shards, and its comm hook state). Raises
         NotFinite, on every rank alike, if the weights are not finite."""
         start = time.monotonic()
         if self.notice.slow and self.dist.is_main_process:

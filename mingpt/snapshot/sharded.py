@@ -1,4 +1,4 @@
-"""Sharded snapshots, the format of `parallelism=fsdp`: PyTorch Distributed Checkpoint
+"""Snapshots, the run's one format for every parallelism: PyTorch Distributed Checkpoint
 (DCP) in a directory at any fsspec URL. Every rank writes its own shards; a snapshot
 written by W ranks loads into any number of ranks, or into one process without a
 process group. Its layout, publication and checks: docs/fault-tolerance.md.
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -313,13 +314,16 @@ def _new_name(root: str, step: int, pg) -> str:
 
 
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
-         async_save: bool = True, group: Optional[dist.ProcessGroup] = None, own: Any = None) -> SaveHandle:
+         async_save: bool = True, group: Optional[dist.ProcessGroup] = None, own: Any = None,
+         lowest_rank: bool = False) -> SaveHandle:
     """Save `tensors` (each rank its shards; a plain tensor is the same on every
     rank and written once), `meta` (rank 0's) and `own` (each rank's own state,
     such as a comm hook's, if not None) as a new snapshot of `root`, publish it
     when complete and keep the newest `keep`. Called by every rank. Synchronous:
     returns when published (or raises StorageError). Asynchronous: returns when
-    the state is copied; the handle (also reached by wait_pending()) gives the outcome."""
+    the state is copied; the handle (also reached by wait_pending()) gives the outcome.
+    A plain tensor is written by one of the ranks that hold it; `lowest_rank`: by the
+    first (for replicas that differ, such as LocalSGD's optimizer states: rank 0's)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     wait_pending()  # one save at a time; the previous one's error surfaces here
@@ -339,10 +343,11 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     writer = _Writer(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
                           **({} if on_gpu else {"per_thread_copy_ahead": 0}))
     no_dist = pg is None
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank)
     if not async_save:
         error = None
         try:
-            dcp.save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist)
+            dcp.save(flat, storage_writer=writer, planner=planner, process_group=pg, no_dist=no_dist)
         except (Exception, CheckpointException) as e:
             error = writer.reason(e, _rank(pg))
         handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error,
@@ -350,7 +355,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         handle.wait()
         return handle
     try:
-        upload = dcp.async_save(flat, storage_writer=writer, process_group=pg, no_dist=no_dist,
+        upload = dcp.async_save(flat, storage_writer=writer, planner=planner, process_group=pg, no_dist=no_dist,
                                 async_stager=_staging(on_gpu))
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
@@ -704,7 +709,7 @@ class ShardedFormat:
         own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
         meta = {**meta, "scaler_state": self.scaler.state_dict(), "comm_hook": own and own["about"]}
         save({"model": model_state, "optim": optim_state}, meta, self.root, step, keep=self.keep,
-             async_save=self.background, own=own and own["state"])
+             async_save=self.background, own=own and own["state"], lowest_rank=self.comm.replicas_differ)
 
     def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
         """The weights alone, as a snapshot of their own root that keeps one
