@@ -98,7 +98,7 @@ def worker(corpus: str, cache_dir: str, run_dir: str, t0: float) -> None:
         data = load_data(config.data_config, build=False)
         config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
         torch.manual_seed(0)
-        trainer = Trainer(config, GPT(config.gpt_config), data, info, run_dir, os.path.join(run_dir, "snapshot.pt"))
+        trainer = Trainer(config, GPT(config.gpt_config), data, info, run_dir, os.path.join(run_dir, "snapshots"))
         gather_s, step_s, first_step = [0.0], [], []
         windows, train_step = trainer.train_windows, trainer.train_step
 

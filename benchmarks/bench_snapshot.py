@@ -1,24 +1,26 @@
-"""What verifying a snapshot's checksums costs, next to the rest of a load; and
-how long a single-file save stalls training, synchronous against in the background.
+"""What verifying a single-file snapshot's checksums costs, next to the rest of a
+load; and how long the run's own save stalls training, synchronous against in the background.
 
 usage: python benchmarks/bench_snapshot.py [--stall] [--rounds N] [--device cpu|cuda] [preset] [directory]
        (defaults: both parts, 3 rounds, cpu, gpt2, a temporary directory)
 
 Builds the preset's model with a vocabulary of 65 and block 1024 (gpt2: 86M
 parameters) with AdamW state, saves it with mingpt.snapshot.single_file.save
-(1.03 GB for gpt2: weights and two moments in fp32), then times, alternating,
-in N rounds: reading the file's bytes, single_file.verify (every zip record's
+(the file that export writes and generate, score and init_from read: 1.03 GB
+for gpt2, weights and two moments in fp32), then times, alternating, in N
+rounds: reading the file's bytes, single_file.verify (every zip record's
 CRC-32), and torch.load of the verified bytes. Prints the medians.
 
 Then (alone with --stall) the stall of a save, the run's own
-SingleFileFormat.save with the trainer's finiteness check, from the call until
-training can go on, with async_save false (the write itself) and true (the
-copy of the state to CPU memory: pinned on a GPU; the write goes on in the
-background), the modes alternating in each of N rounds in one process, the
-state changed in place before each save, as training does. The first
-background save of a process also allocates its copy: timed apart. Also the
-time until the background write is complete, and the time of a small training
-step (batch 1, 64 tokens) while it runs against one without a save.
+sharded.ShardedFormat.save (Distributed Checkpoint, one process) with the
+trainer's finiteness check, from the call until training can go on, with
+async_save false (the write and publication) and true (DCP's copy of the state
+to CPU memory: pinned on a GPU; the write goes on in the background), the modes
+alternating in each of N rounds in one process, the state changed in place
+before each save, as training does. The first background save of a process also
+allocates its copy: timed apart. Also the time until the snapshot is published,
+and the time of a small training step (batch 1, 64 tokens) while a background
+write runs against one without a save.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -35,7 +38,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mingpt.comm_hooks import CommHook
-from mingpt.snapshot import background, single_file
+from mingpt.snapshot import background, sharded, single_file
 from mingpt.snapshot.manager import all_finite
 from mingpt.config import GPTConfig
 from mingpt.model import GPT
@@ -98,10 +101,10 @@ def check_finite(tensors) -> None:
 def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
     config, model, optimizer = preset_with_moments(preset, vocab_size=65, device=device)
     scaler = torch.amp.GradScaler(device, enabled=False)
-    path = os.path.join(directory, "bench-stall.pt")
+    path = os.path.join(directory, "bench-stall")
     meta = {"gpt_config": vars(config), "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0}
-    formats = {mode: single_file.SingleFileFormat(path, model, optimizer, scaler, CommHook(), True,
-                                                  async_save=mode == "async") for mode in ("sync", "async")}
+    formats = {mode: sharded.ShardedFormat(path, model, optimizer, scaler, CommHook(), keep=1,
+                                           async_save=mode == "async") for mode in ("sync", "async")}
     tokens = torch.zeros(1, 64, dtype=torch.long, device=device)
 
     def sync() -> None:
@@ -123,7 +126,7 @@ def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
         sync()
 
     def save(mode: str, step: int) -> tuple[float, float, list[float]]:
-        """(stall, seconds until written, training steps timed while the background write ran)."""
+        """(stall, seconds until published, training steps timed while the background write ran)."""
         changed()
         start = time.perf_counter()
         formats[mode].save({**meta, "step": step}, step, check_finite)
@@ -147,27 +150,21 @@ def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
             step += 1
             results[mode].append(save(mode, step))
     idle += [train_step() for _ in range(3)]
-    # What a background save's stall is made of: the check, and the copy (into the buffers kept).
-    start = time.perf_counter()
+    start = time.perf_counter()  # a part of every save's stall
     check_finite(model.state_dict().values())
-    check = time.perf_counter() - start
-    start = time.perf_counter()
-    formats["async"]._staging.copy({"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()})
-    copy = time.perf_counter() - start
-    print(f"parts of a background save's stall, timed once: the finiteness check {check:.2f} s, "
-          f"the copy {copy:.2f} s ({size_gb / copy:.2f} GB/s)")
-    print(f"first background save: stall {first[0]:.2f} s (allocates the copy), written after {first[1]:.2f} s")
+    print(f"the finiteness check, timed once: {time.perf_counter() - start:.2f} s")
+    print(f"first background save: stall {first[0]:.2f} s (allocates the copy), published after {first[1]:.2f} s")
     medians = {}
     for mode, runs in results.items():
         medians[mode] = statistics.median(r[0] for r in runs)
         print(f"{mode:>6}: stall {medians[mode]:.2f} s median (all: {', '.join(f'{r[0]:.2f}' for r in runs)}), "
-              f"written after {statistics.median(r[1] for r in runs):.2f} s median")
+              f"published after {statistics.median(r[1] for r in runs):.2f} s median")
     during = [t for r in results["async"] for t in r[2]]
     print(f"stall of a background save: {100 * medians['async'] / medians['sync']:.1f}% of a synchronous one's")
     print(f"training step (batch 1, 64 tokens): {statistics.median(idle):.3f} s median without a save, "
           f"{statistics.median(during) if during else math.nan:.3f} s median of {len(during)} "
           "during background writes")
-    os.remove(path)
+    shutil.rmtree(path)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
 from mingpt.optim import create_optimizer  # noqa: E402
+from mingpt.snapshot import sharded  # noqa: E402
 from mingpt.cli import CONF_DIR  # noqa: E402
 from mingpt.train import build, fit_to_data  # noqa: E402
 
@@ -121,8 +122,8 @@ def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
 def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) -> tuple[float, float, int]:
     """Seconds per stop check (the trainer's per-step decision: one small all-reduce
     under torchrun, none in one process), seconds per snapshot save until it is
-    written (rank 0 writes, fsyncs and renames; the others check their weights;
-    bench_snapshot.py --stall measures a background save's stall), and the snapshot's bytes."""
+    published (every rank writes its part, rank 0 publishes; bench_snapshot.py --stall
+    measures a background save's stall), and the snapshot's bytes."""
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = build(copy.deepcopy(config), info, run_dir, data)
         trainer.train_step(torch.arange(trainer.samples_per_step))  # AdamW's moments exist: a full snapshot
@@ -139,7 +140,8 @@ def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) 
             trainer.saver.save(trainer.progress)
             trainer.snapshot.wait()  # written (a background save included): the whole save, not its stall
             times.append(time.perf_counter() - t0)
-        size = os.path.getsize(trainer.snapshot_path) if info.is_main_process else 0
+        newest = sharded.latest(trainer.snapshot_path)
+        size = sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest)) if info.is_main_process else 0
         trainer.metrics.close()
     return check, statistics.median(times[1:]), size
 
