@@ -219,7 +219,7 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
     generate_main([f"snapshot_path={root}", "max_new_tokens=30", "temperature=0", "device=cpu", "prompt=AB"])
     text = capsys.readouterr()
     assert text.out.startswith("AB") and len(text.out) >= 32
-    assert f"read sharded snapshot {root}/step-00000004 (step 4)" in text.err
+    assert f"INFO {root}: step 4, " in text.err  # the newest published snapshot of the root
 
 
 def test_keep_snapshots_config():
