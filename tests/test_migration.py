@@ -1,10 +1,15 @@
 """A user of the PyTorch DDP minGPT tutorial brings its config file (gpt2_train_cfg.yaml):
-`--config-dir DIR --config-name gpt2_train_cfg` runs it, checked against this project's schema."""
+`--config-dir DIR --config-name gpt2_train_cfg` runs it, checked against this project's schema.
+And a run directory of mingpt's single-file training format from before."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+
 import pytest
-from conftest import read_snapshot, run_main
+from conftest import TINY, child_env, read_snapshot, run_main
 
 # The tutorial's keys, one for one, with values small enough for a test.
 TUTORIAL_CFG = """\
@@ -75,3 +80,23 @@ def test_tutorial_config_file_is_checked_against_the_schema(user_dir, edit, says
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(says), proc.stderr  # one line, no traceback
     assert not (user_dir / "gpt_snapshot.pt").exists()
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_sampled(tmp_path, tiny_file, named):
+    """Its snapshot.pt is not resumed (nor silently ignored by a run that would start afresh
+    beside it): one line naming init_from; generate still reads it."""
+    run = tmp_path / "old"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("trainer_config: {}\n")
+    shutil.copy(tiny_file, run / "snapshot.pt")
+    before = sorted(p.name for p in run.iterdir())
+    named_path = [f"trainer_config.snapshot_path={run / 'snapshot.pt'}"] if named else []
+    proc = run_main([*TINY, f"hydra.run.dir={run}", *named_path], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {run / 'snapshot.pt'} is a single-file snapshot, the ddp training format")
+    assert f"trainer_config.init_from={run / 'snapshot.pt'}" in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == before
+    sampled = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={run}", "max_new_tokens=5",
+                              "device=cpu"], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and len(sampled.stdout) >= 5, sampled.stderr
