@@ -160,6 +160,11 @@ def _name_lies(fs, p: str, root: str, name: str) -> bool:
     return True
 
 
+def step_of(directory: str) -> int:
+    """The step of a snapshot directory, from its name (`_listing` leaves out a published one that lies)."""
+    return _order(os.path.basename(directory.rstrip("/")))[0]
+
+
 def latest(root: str) -> Optional[str]:
     """The newest published snapshot directory under `root` (a URL), or None."""
     names, published = _listing(root)
@@ -569,11 +574,12 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
 
 
 def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None,
-         own: bool = False) -> Any:
+         own: bool = False, check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
     """Verify the newest published snapshot of a root (or the given snapshot
     directory), then load it in place into `tensors` (tensors and DTensors are
     filled, resharded to this run's layout; plain values are replaced by the
-    snapshot's). Called by every rank. Returns the `meta` saved with it; with
+    snapshot's). Called by every rank. `check(meta)`, if given, may refuse the
+    snapshot (by raising) before any tensor is matched or read. Returns the `meta` saved with it; with
     `own`, (meta, this rank's own state), the latter None unless the snapshot
     holds one for each rank of this run (the same world size)."""
     wait_pending()  # a save in flight uses the same collectives
@@ -596,6 +602,8 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
     if errors:
         raise SnapshotError(errors[0])
+    if check is not None:  # the snapshot's own account of what it holds (its shapes, its optimizer) comes first
+        check(document["meta"])
     flat, _ = _flatten(tensors)
     structure = document["structure"]
     _check_keys(directory, sorted(flat), _tensor_keys(structure), metadata)
@@ -719,8 +727,7 @@ class ShardedFormat:
 
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
-        meta, own = load(tensors, self.root, own=True)
-        check_fits(meta)
+        meta, own = load(tensors, self.root, own=True, check=check_fits)
         set_state_dict(self.model, self.optimizers, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])
         about = meta.get("comm_hook")
