@@ -68,13 +68,13 @@ pause("import")
 import torch.distributed  # noqa: E402
 
 from mingpt import cli, train, trainer  # noqa: E402
-from mingpt.snapshot import single_file  # noqa: E402
+from mingpt.snapshot import sharded  # noqa: E402
 
 before(torch.distributed, "init_process_group", "init")
 
 before(train, "load_data", "load")
 before(trainer.Trainer, "evaluate", "eval")
-before(single_file.SingleFileFormat, "save", "save")  # the run's snapshot, not the best weights
+before(sharded.ShardedFormat, "save", "save")  # the run's snapshot, not the best weights
 before(trainer.Trainer, "print_sample", "sample")
 before(trainer.Trainer, "sample", "generating")
 
