@@ -4,8 +4,8 @@
 
 Runs the real training CLI (mingpt.cli.main). Each rank appends one line per
 optimizer step to DIR/samples-rank<r>.txt ("epoch step i i i ...": the training
-samples of its share of the step) and one line per snapshot write to
-DIR/saves-rank<r>.txt (the step saved; best-saves-rank<r>.txt for the best
+samples of its share of the step) and one line per snapshot save it takes part
+in to DIR/saves-rank<r>.txt (the step saved; best-saves-rank<r>.txt for the best
 weights). Nothing else changes.
 """
 
@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mingpt import trainer  # noqa: E402
-from mingpt.snapshot import single_file  # noqa: E402
+from mingpt.snapshot import sharded  # noqa: E402
 from mingpt.cli import main  # noqa: E402
 
 RECORD_DIR = os.environ["FT_RECORD_DIR"]
@@ -30,7 +30,7 @@ def _append(name: str, line: str) -> None:
 
 
 _train_step = trainer.Trainer.train_step
-_save = single_file.save
+_save = sharded.save
 
 
 def recording_train_step(self, indices):
@@ -38,13 +38,13 @@ def recording_train_step(self, indices):
     return _train_step(self, indices)
 
 
-def recording_save(state, path):
-    _append("best-saves" if path.endswith("-best.pt") else "saves", str(state["step"]))  # the best weights apart
-    _save(state, path)
+def recording_save(tensors, meta, root, step, *args, **kwargs):
+    _append("best-saves" if root.rstrip("/").endswith("-best") else "saves", str(step))  # the best weights apart
+    return _save(tensors, meta, root, step, *args, **kwargs)
 
 
 trainer.Trainer.train_step = recording_train_step
-single_file.save = recording_save
+sharded.save = recording_save  # ShardedFormat's saves (the run's snapshots and its best weights) call it
 
 if __name__ == "__main__":
     os.makedirs(RECORD_DIR, exist_ok=True)

@@ -3,8 +3,10 @@ that once ended in a traceback. Each ends with one `error:` line and exit
 status 2 (in-process: the one exception that becomes that line), and nothing
 good is lost.
 
-One tiny snapshot is trained in-process once; the damaged variants are made
-from its bytes, and the command-line runs go two at a time.
+One tiny snapshot is trained in-process once (a Distributed Checkpoint under the
+run's `snapshots`); the single file that export writes from it (what generate,
+score, export and init_from read) gives the damaged variants of that format, and
+the command-line runs go two at a time.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from mingpt.config import Config, ConfigError
 from mingpt.distributed import DistInfo
 from mingpt.decoding import generate
 from mingpt.command import parse_args
+from mingpt.export import ExportConfig, export
 from mingpt.generate import GenerateConfig, load_model
-from mingpt.snapshot import SnapshotError, single_file
+from mingpt.snapshot import SnapshotError, sharded, single_file
 from mingpt import cli
 from mingpt.cli import CONF_DIR
 from mingpt.train import build
@@ -82,6 +85,20 @@ def flip_byte(data: bytes, record: str, offset: int = 5) -> bytes:
     return bytes(damaged)
 
 
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under `root`, by its path relative to it: a snapshot root compared byte for byte."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def flip_shard_byte(root: Path) -> Path:
+    """Flip one bit in the middle of the newest snapshot's shard under `root`; the shard's path."""
+    shard, = Path(sharded.latest(str(root))).glob("*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return shard
+
+
 def strict_json(line: str) -> dict:
     def refuse(constant):
         raise ValueError(f"non-finite {constant} in {line}")
@@ -91,7 +108,7 @@ def strict_json(line: str) -> dict:
 
 @pytest.fixture(scope="module")
 def snap(tmp_path_factory, corpus):
-    """A 3-step run of the tiny model (in-process, one thread): (work directory, snapshot path)."""
+    """A 3-step run of the tiny model (in-process, one thread): (work directory, its snapshot root)."""
     work = tmp_path_factory.mktemp("fail-well")
     (work / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     threads = torch.get_num_threads()
@@ -100,15 +117,22 @@ def snap(tmp_path_factory, corpus):
         make_trainer(work / "run", work / "small.txt", "trainer_config.max_steps=3").train()
     finally:
         torch.set_num_threads(threads)
-    return work, work / "run" / "snapshot.pt"
+    return work, work / "run" / "snapshots"
 
 
-def save_variant(snap, name: str, change) -> Path:
-    """A valid torch file (checksums right) holding the snapshot's state after `change(state)`."""
-    work, path = snap
-    state = torch.load(path, weights_only=True)
+@pytest.fixture(scope="module")
+def snap_file(snap) -> Path:
+    """The snapshot exported as one file (export --format snapshot), the format the readers take."""
+    work, root = snap
+    export(ExportConfig(str(root), str(work / "snapshot.pt"), "snapshot"))
+    return work / "snapshot.pt"
+
+
+def save_variant(snap_file, name: str, change) -> Path:
+    """A valid torch file (checksums right) holding the exported snapshot's state after `change(state)`."""
+    state = torch.load(snap_file, weights_only=True)
     change(state)
-    target = work / name
+    target = snap_file.parent / name
     torch.save(state, target)
     return target
 
@@ -135,15 +159,13 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
     """Each bad case through the real command, two at a time; {case: finished process}."""
     work, good = snap
     small = work / "small.txt"
-    good_bytes = good.read_bytes()
-    (work / "damaged.pt").write_bytes(flip_byte(good_bytes, "data/0"))
-    (work / "resume").mkdir()
-    (work / "resume" / "snapshot.pt").write_bytes((work / "damaged.pt").read_bytes())
+    shutil.copytree(good, work / "resume" / "snapshots")
+    flip_shard_byte(work / "resume" / "snapshots")
     (work / "afile").write_text("a file where a directory should be\n")
     # A run that resumes the good snapshot at step 3 and saves at step 6 into a
-    # file-size limit of half a snapshot: the write fails part-way through.
-    (work / "full").mkdir()
-    shutil.copy(good, work / "full" / "snapshot.pt")
+    # file-size limit of half its shard: the write fails part-way through.
+    shutil.copytree(good, work / "full" / "snapshots")
+    shard, = Path(sharded.latest(str(good))).glob("*.distcp")
     env = child_env()
 
     def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -152,16 +174,16 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
 
     cases = {
         "resume_damaged": lambda: run_main(overrides(small, "trainer_config.max_steps=3",
-                                                     f"trainer_config.snapshot_path={work / 'resume' / 'snapshot.pt'}"),
+                                                     f"trainer_config.snapshot_path={work / 'resume' / 'snapshots'}"),
                                            work),
         "interpolation": lambda: run_main(overrides(small, "data_config.path=${nope}"), work),
         "unwritable": lambda: run_main(overrides(small, "trainer_config.run_name=unwritable",
-                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshot.pt'}"),
+                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}"),
                                        work),
         "save_fails": lambda: run([sys.executable, str(REPO / "main.py"), *overrides(
             small, "trainer_config.max_steps=6", "trainer_config.allow_config_change=true",
             f"hydra.run.dir={work / 'full'}")],
-            preexec_fn=limit_file_size(len(good_bytes) // 2)),
+            preexec_fn=limit_file_size(shard.stat().st_size // 2)),
         "stdout_closed": lambda: run(generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"),
                                      stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1)),
     }
@@ -174,10 +196,9 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
 # ---------------------------------------------------------------- integrity
 
 
-def test_torch_records_carry_real_checksums(snap):
+def test_torch_records_carry_real_checksums(snap_file):
     """The zip's CRC-32s are real (torch computes them): a flipped bit is found in any record."""
-    _, good = snap
-    data = good.read_bytes()
+    data = snap_file.read_bytes()
     single_file.verify(data, "good")
     for record in ("data.pkl", "data/0", "data/3"):
         with pytest.raises(SnapshotError, match=rf"snapshot x is damaged: the checksum of its record "
@@ -185,26 +206,28 @@ def test_torch_records_carry_real_checksums(snap):
             single_file.verify(flip_byte(data, record), "x")
 
 
-def test_resume_from_a_damaged_snapshot_stops_and_keeps_it(snap, runs):
-    """One flipped bit in a weight: resume stops (it used to say 'run already complete', exit 0)."""
+def test_resume_from_a_damaged_snapshot_stops_and_keeps_it(snap, runs, tmp_path):
+    """One flipped bit in a shard: resume stops (it used to say 'run already complete', exit 0)."""
     work, good = snap
-    path = work / "resume" / "snapshot.pt"
-    one_error_line(runs["resume_damaged"], f"snapshot {path} is damaged", "checksum", "does not match")
-    assert path.read_bytes() == flip_byte(good.read_bytes(), "data/0")  # left for inspection, not replaced
+    root = work / "resume" / "snapshots"
+    directory = sharded.latest(str(root))
+    one_error_line(runs["resume_damaged"], f"snapshot {directory} is damaged: __0_0.distcp does not match its size "
+                   "and sha256 in manifest.json")
+    shutil.copytree(good, tmp_path / "damaged")  # the same damage to a copy of the good snapshot...
+    flip_shard_byte(tmp_path / "damaged")
+    assert tree_bytes(root) == tree_bytes(tmp_path / "damaged")  # ...is all there is: left for inspection
 
 
-def test_generate_refuses_a_damaged_snapshot(snap, tmp_path):
+def test_generate_refuses_a_damaged_snapshot(snap_file, tmp_path):
     """(test_generate checks that a SnapshotError is one line of the command.)"""
-    _, good = snap
-    (tmp_path / "damaged.pt").write_bytes(flip_byte(good.read_bytes(), "data/0"))
+    (tmp_path / "damaged.pt").write_bytes(flip_byte(snap_file.read_bytes(), "data/0"))
     with pytest.raises(SnapshotError, match=f"snapshot {tmp_path / 'damaged.pt'} is damaged: the checksum"):
         load_model(str(tmp_path / "damaged.pt"), torch.device("cpu"))
 
 
-def test_damaged_pickle_is_reported_as_damage(snap, tmp_path):
+def test_damaged_pickle_is_reported_as_damage(snap_file, tmp_path):
     """Damage in data.pkl is damage, not 'pickled objects other than tensors ... ()'."""
-    _, good = snap
-    data = good.read_bytes()
+    data = snap_file.read_bytes()
     (tmp_path / "flipped.pt").write_bytes(flip_byte(data, "data.pkl", offset=0))
     with pytest.raises(SnapshotError, match=r"is damaged: the checksum of its record \S*data.pkl"):
         single_file.load(str(tmp_path / "flipped.pt"))
@@ -232,32 +255,32 @@ WRONG_FIELDS = {
 
 
 @pytest.mark.parametrize("field", WRONG_FIELDS)
-def test_snapshot_fields_of_the_wrong_type_are_refused(snap, field):
+def test_snapshot_fields_of_the_wrong_type_are_refused(snap_file, field):
     value, message = WRONG_FIELDS[field]
-    path = save_variant(snap, f"wrong-{field}.pt", lambda s: s.update({field: value}))
+    path = save_variant(snap_file, f"wrong-{field}.pt", lambda s: s.update({field: value}))
     with pytest.raises(SnapshotError, match=f"snapshot {path} is not usable: {message}"):
         single_file.load(str(path))
 
 
-def test_snapshot_weights_that_are_not_floats_are_refused(snap):
-    path = save_variant(snap, "int-weights.pt",
+def test_snapshot_weights_that_are_not_floats_are_refused(snap_file):
+    path = save_variant(snap_file, "int-weights.pt",
                         lambda s: s["model_state"].update({"wte.weight": torch.zeros(2, dtype=torch.long)}))
     not_float = r"model_state\['wte.weight'\] is torch.int64, not a float tensor"
     with pytest.raises(SnapshotError, match=not_float):
         single_file.load(str(path))
 
 
-def test_generate_samples_from_float64_weights(snap, one_thread):
+def test_generate_samples_from_float64_weights(snap_file, one_thread):
     """Weights saved in float64 are used as float32 (a 'mixed dtype' traceback before)."""
-    path = save_variant(snap, "float64.pt", lambda s: s.update(
+    path = save_variant(snap_file, "float64.pt", lambda s: s.update(
         model_state={k: v.double() for k, v in s["model_state"].items()}))
     model, tokenizer, _ = load_model(str(path), torch.device("cpu"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert sum(chunk.size(1) for chunk in generate(model, tokenizer.encode("\n").long()[None], 5)) == 5
 
 
-def test_generate_refuses_non_finite_weights(snap):
-    path = save_variant(snap, "nonfinite.pt", lambda s: s["model_state"]["h.0.attn.c_attn.weight"][0].fill_(math.nan))
+def test_generate_refuses_non_finite_weights(snap_file):
+    path = save_variant(snap_file, "nonfinite.pt", lambda s: s["model_state"]["h.0.attn.c_attn.weight"][0].fill_(math.nan))
     with pytest.raises(SnapshotError,
                        match=f"snapshot {path} has non-finite weights .nan or inf in h.0.attn.c_attn.weight."):
         load_model(str(path), torch.device("cpu"))
@@ -276,7 +299,7 @@ def test_divergence_with_evaluation_before_logging(tmp_path, small_corpus, one_t
         trainer.train()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert all(strict_json(line)["split"] == "eval" for line in lines)  # finite, or not written at all
-    assert not (tmp_path / "snapshot.pt").exists()
+    assert not (tmp_path / "snapshots").exists()
 
 
 # ----------------------------------------------------------------- storage
@@ -286,7 +309,7 @@ def test_unwritable_snapshot_location_stops_before_training(snap, runs):
     """A file where the snapshot's directory should be: refused at start, not after training to the first save."""
     work, _ = snap
     proc = runs["unwritable"]
-    one_error_line(proc, f"cannot write to the snapshot path {work / 'afile' / 'snapshot.pt'}")
+    one_error_line(proc, f"cannot write to the snapshot path {work / 'afile' / 'snapshots'}")
     assert "train step" not in proc.stderr and not list(work.glob("runs/unwritable*/metrics.jsonl"))
 
 
@@ -299,14 +322,16 @@ def test_storage_that_cannot_be_written_is_one_error(tmp_path):
 
 
 def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
-    """The file-size limit stops the snapshot's write part-way (EFBIG), as a full disk would."""
+    """The file-size limit stops the shard's write part-way (EFBIG), as a full disk would."""
     work, good = snap
-    path = work / "full" / "snapshot.pt"
-    one_error_line(runs["save_fails"], f"cannot save snapshot {path}: [Errno 27] File too large",
-                   "the file there before is unchanged")
-    assert path.read_bytes() == good.read_bytes()
-    assert not list(path.parent.glob("snapshot.pt.tmp-*"))
-    events = [strict_json(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
+    root = work / "full" / "snapshots"
+    one_error_line(runs["save_fails"], f"cannot save sharded snapshot {root / 'step-00000006'}: [Errno 27] File too "
+                   "large (rank 0); the previous snapshots are unchanged")
+    # The snapshot of step 3 is still the one published, byte for byte; step 6's directory is not published.
+    assert sharded.latest(str(root)) == str(root / "step-00000003")
+    assert {k: v for k, v in tree_bytes(root).items() if k.startswith("step-00000003/")} == tree_bytes(good)
+    assert not (root / "step-00000006" / "manifest.json").exists()
+    events = [strict_json(line) for line in (root.parent / "metrics.jsonl").read_text().splitlines()]
     # Resumed at step 3: logged at 5 and at the last step, evaluated, then the save failed.
     assert [(e["split"], e["step"]) for e in events] == [("train", 5), ("train", 6), ("eval", 6)]
 
@@ -463,20 +488,18 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
 @pytest.fixture(scope="module")
 def not_snapshots(snap, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """Directories given where a snapshot is read that hold none: {case: (path, what the line says)}."""
-    from mingpt.export import ExportConfig, export
-
     work = tmp_path_factory.mktemp("not-snapshots")
     (work / "empty").mkdir()
     cases = {"empty": (work / "empty", "is an empty directory; expected a snapshot file")}
     for fmt in ("safetensors", "hf"):
         export(ExportConfig(str(snap[1]), str(work / fmt), fmt))
         cases[fmt] = (work / fmt, "is an export in safetensors/transformers format, not a snapshot; expected")
-    for parallelism, saves_to in (("ddp", "snapshot.pt"), ("fsdp", "snapshots")):
+    for parallelism in ("ddp", "fsdp"):  # both save under `snapshots`
         run_dir = work / f"run-{parallelism}"
         (run_dir / ".hydra").mkdir(parents=True)
         (run_dir / ".hydra" / "config.yaml").write_text(f"trainer_config:\n  parallelism: {parallelism}\n")
         cases[f"run-{parallelism}"] = (run_dir, f"is a run directory with no snapshot yet (it saves to "
-                                                f"{run_dir / saves_to})")
+                                                f"{run_dir / 'snapshots'})")
     return cases
 
 

@@ -20,13 +20,14 @@ import sys
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import fsspec
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, child_env, run_dir_of, run_main, run_torchrun, torchrun_cmd
+from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun, torchrun_cmd
 from mingpt import storage
 from mingpt.config import Config
 from mingpt.data import ResumableSampler
@@ -75,12 +76,14 @@ def make_trainer(run_dir, corpus_path, *extra: str) -> Trainer:
 
 
 def memory_url() -> str:
-    return f"memory://ft-{uuid.uuid4().hex}/snapshot.pt"
+    return f"memory://ft-{uuid.uuid4().hex}/snapshots"
 
 
-def read_bytes(url: str) -> bytes:
-    with fsspec.open(url, "rb") as f:
-        return f.read()
+def tree_bytes(url) -> dict[str, bytes]:
+    """Every file under a snapshot root (a local path or URL) by its path relative to it: compared byte for byte."""
+    fs, root = storage.filesystem(str(url))
+    root = root.rstrip("/")
+    return {path[len(root):]: fs.cat_file(path) for path in sorted(fs.find(root))}
 
 
 def train_steps(run_dir) -> list[int]:
@@ -114,22 +117,22 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus
     make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.allow_config_change=true").train()
     assert any(r.getMessage() == f"resumed from {resumed_url}: epoch 0, 960 samples into it, step 30"
                for r in caplog.records)
-    reference, final = single_file.load(reference_url), single_file.load(resumed_url)
+    reference, final = read_snapshot(reference_url), read_snapshot(resumed_url)
     assert final["step"] == reference["step"] == 108 and final["epoch"] == 3
     assert same_tensors(final["model_state"], reference["model_state"])
     assert train_steps(tmp_path / "resumed") == list(range(5, 106, 5)) + [108]  # no event twice
 
     # A learning rate of 1e6 turns the loss into NaN within three steps: the
     # check after each step (free on a CPU) stops the run before the epoch's save.
-    good = read_bytes(resumed_url)
+    good = tree_bytes(resumed_url)
     diverging = make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_epochs=4",
                              "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=null",
                              "trainer_config.log_every=1", "trainer_config.allow_config_change=true")
     kept = rf"the last good snapshot is kept at {resumed_url}, step 108$"
     with pytest.raises(TrainingError, match=r"training diverged: the loss is not finite at step 1\d\d; " + kept):
         diverging.train()
-    assert read_bytes(resumed_url) == good
-    fsspec.filesystem("memory").rm([reference_url.split("://")[1], resumed_url.split("://")[1]])
+    assert tree_bytes(resumed_url) == good
+    fsspec.filesystem("memory").rm([reference_url.split("://")[1], resumed_url.split("://")[1]], recursive=True)
 
 
 # ------------------------------------------------------------ loading safely
@@ -175,7 +178,10 @@ class _CreatesFile:
         return open, (self.marker, "w")
 
 
-def test_pickled_code_is_refused_and_never_runs(tmp_path, small_corpus):
+def test_pickled_code_is_refused_and_never_runs(tmp_path):
+    """A snapshot file (what export writes, and generate, score, export and init_from read)
+    holding pickled code: the reader refuses it and none of it runs. (A run's own snapshots,
+    Distributed Checkpoints: tests/test_sharded.py refuses a payload in their index.)"""
     marker = tmp_path / "code-ran"
     snapshot = tmp_path / "evil.pt"
     state = {"model_state": {"w": _CreatesFile(str(marker))}, "optimizer_state": {}, "gpt_config": {},
@@ -184,30 +190,31 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path, small_corpus):
     torch.load(snapshot, weights_only=False)  # the file really would create the marker...
     assert marker.exists()
     marker.unlink()
-    proc = run_main(overrides(f"data_config.path={small_corpus}", f"trainer_config.snapshot_path={snapshot}"), tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={snapshot}", "device=cpu"],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
     assert_one_error(proc, f"refusing to load {snapshot}", "none of it was run", "GLOBAL io.open")
     assert not marker.exists()  # ...but nothing in it ran
 
 
 @pytest.fixture(scope="module")
 def good_snapshot(tmp_path_factory, corpus):
-    """A 6-step single-process run through main.py: (its run directory, its snapshot)."""
+    """A 6-step single-process run through main.py: (its work directory, its snapshot root)."""
     tmp = tmp_path_factory.mktemp("good")
     data = tmp / "small.txt"
     data.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     args = overrides(f"data_config.path={data}", "trainer_config.max_steps=6")
     proc = run_main(args, tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp, run_dir_of(tmp, args) / "snapshot.pt"
+    return tmp, run_dir_of(tmp, args) / "snapshots"
 
 
 def test_snapshot_of_another_shape_is_refused(good_snapshot):
     tmp, snapshot = good_snapshot
-    before = snapshot.read_bytes()
+    before = tree_bytes(snapshot)
     proc = run_main(overrides(f"data_config.path={tmp / 'small.txt'}", "gpt_config.n_layer=3",
                               f"hydra.run.dir={snapshot.parent}"), tmp)
     assert_one_error(proc, f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3")
-    assert snapshot.read_bytes() == before
+    assert tree_bytes(snapshot) == before
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
@@ -234,13 +241,17 @@ def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(tmp_path, sm
 
 def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_corpus, one_thread):
     """Snapshots written before the corpus was recorded resume without the check."""
-    make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").train()
-    path = tmp_path / "run" / "snapshot.pt"
-    state = torch.load(path, weights_only=True)
-    assert state["corpus"] == [{"source": str(small_corpus), "size": small_corpus.stat().st_size,
-                                "sha256": hashlib.sha256(small_corpus.read_bytes()).hexdigest()}]
-    del state["corpus"]
-    torch.save(state, path)
+    make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2", "trainer_config.async_save=false").train()
+    directory = Path(sharded.latest(str(tmp_path / "run" / "snapshots")))
+    document = json.loads((directory / sharded.META).read_text())
+    assert document["meta"]["corpus"] == [{"source": str(small_corpus), "size": small_corpus.stat().st_size,
+                                           "sha256": hashlib.sha256(small_corpus.read_bytes()).hexdigest()}]
+    del document["meta"]["corpus"]  # as written before the corpus was recorded, and published so
+    data = json.dumps(document).encode()
+    (directory / sharded.META).write_bytes(data)
+    manifest = json.loads((directory / sharded.MANIFEST).read_text())
+    manifest["files"][sharded.META] = [len(data), hashlib.sha256(data).hexdigest()]
+    (directory / sharded.MANIFEST).write_text(json.dumps(manifest))
     small_corpus.write_text(small_corpus.read_text(encoding="utf-8") * 2, encoding="utf-8")
     assert make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").progress.step == 2
 
@@ -267,15 +278,14 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(tmp_path
 
 @pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
 def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(tmp_path, small_corpus, parallelism):
-    """A regular file where sharded snapshots need a directory, or a directory where the
-    single file goes: one line at start, before any training, not at the first save."""
+    """A regular file where the snapshots' root directory goes (every parallelism):
+    one line at start, before any training, not at the first save."""
     path = tmp_path / "taken"
-    path.write_text("not a snapshot") if parallelism == "fsdp" else path.mkdir()
+    path.write_text("not a snapshot")
     args = overrides(f"data_config.path={small_corpus}", f"trainer_config.parallelism={parallelism}",
                      f"trainer_config.snapshot_path={path}", "trainer_config.max_steps=2")
     proc = run_main(args, tmp_path)
-    kind = "a file" if parallelism == "fsdp" else "a directory"
-    assert_one_error(proc, f"cannot write to the snapshot path {path}: it is {kind}")
+    assert_one_error(proc, f"cannot write to the snapshot path {path}: it is a file")
     assert "train step" not in proc.stderr and not list(tmp_path.glob("runs/*/metrics.jsonl"))
 
 
@@ -308,20 +318,49 @@ def test_corpus_changes_name_each_file():
 # ------------------------------------------------------------- saving safely
 
 
-@pytest.mark.parametrize("mode", ["sync", "background"])
-def test_killed_save_leaves_previous_snapshot_intact(tmp_path, mode):
+def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
+    """The single file (export's write): a save killed part-way leaves the file before it, byte for byte."""
     path = tmp_path / "snapshot.pt"
     previous = {"model_state": {"w": torch.arange(10.0)}, "optimizer_state": {}, "gpt_config": {}, "vocab": "ab",
                 "epoch": 0, "samples_in_epoch": 0, "step": 1}
     single_file.save(previous, str(path))
     before = path.read_bytes()
     # The writer saves 200 MB over and over; it is killed as soon as a temporary file appears.
-    writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200",
-                               *(["background"] if mode == "background" else [])],
+    kill_writer(tmp_path, path, lambda: list(tmp_path.glob("snapshot.pt.tmp-*")))
+    assert list(tmp_path.glob("snapshot.pt.tmp-*")), "the kill did not land during the save"
+    assert path.read_bytes() == before  # the previous snapshot, byte for byte
+    assert single_file.load(str(path))["step"] == 1
+    # The next save replaces it and clears the killed save's temporary file.
+    single_file.save({**previous, "step": 2}, str(path))
+    assert single_file.load(str(path))["step"] == 2 and not list(tmp_path.glob("snapshot.pt.tmp-*"))
+
+
+def test_killed_background_save_leaves_previous_snapshot_published(tmp_path):
+    """A run's snapshots: a process killed while its asynchronous save (ShardedFormat, as
+    training saves) writes leaves an unpublished directory; the snapshot before stays the
+    newest published one, byte for byte, and the next save removes the killed one's directory."""
+    root = tmp_path / "snapshots"
+    sharded.save({"w": torch.arange(10.0)}, {"step": 1}, str(root), 1, async_save=False)
+    before = tree_bytes(root)
+    # The writer saves 200 MB over and over; it is killed as soon as its first save's shard appears.
+    kill_writer(tmp_path, root, lambda: list(root.glob("step-00000002*/*.distcp")), "snapshots")
+    killed, = [p for p in root.iterdir() if p.name.startswith("step-00000002")]
+    assert not (killed / sharded.MANIFEST).exists(), "the kill did not land during the save"
+    assert sharded.latest(str(root)) == str(root / "step-00000001")
+    assert {k: v for k, v in tree_bytes(root).items() if k.startswith("/step-00000001/")} == before
+    tensors, meta = sharded.load_full(str(root))
+    assert meta == {"step": 1} and torch.equal(tensors["w"], torch.arange(10.0))
+    sharded.save({"w": torch.ones(3)}, {"step": 3}, str(root), 3, async_save=False)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000003"]
+
+
+def kill_writer(tmp_path, path, started, *mode: str) -> None:
+    """Run tests/ft_writer.py on `path`; SIGKILL it as soon as `started()` finds its save under way."""
+    writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200", *mode],
                               env=child_env(), stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while not list(tmp_path.glob("snapshot.pt.tmp-*")):
+        while not started():
             assert writer.poll() is None, writer.stderr.read().decode()
             assert time.monotonic() < deadline, "the writer never started a save"
             time.sleep(0.001)
@@ -331,13 +370,6 @@ def test_killed_save_leaves_previous_snapshot_intact(tmp_path, mode):
         writer.kill()
         writer.stderr.close()
     assert writer.returncode == -signal.SIGKILL
-    leftovers = list(tmp_path.glob("snapshot.pt.tmp-*"))
-    assert leftovers, "the kill did not land during the save"
-    assert path.read_bytes() == before  # the previous snapshot, byte for byte
-    assert single_file.load(str(path))["step"] == 1
-    # The next save replaces it and clears the killed save's temporary file.
-    single_file.save({**previous, "step": 2}, str(path))
-    assert single_file.load(str(path))["step"] == 2 and not list(tmp_path.glob("snapshot.pt.tmp-*"))
 
 
 @pytest.mark.parametrize("moment", ["checked", "opened"])
@@ -367,8 +399,8 @@ def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_
     makes the loss NaN by step 8. The loss is logged only at the end, so the
     divergence flag, read at the save at step 10, must catch it, on both ranks."""
     tmp, good = good_snapshot
-    snapshot = tmp_path / "snapshot.pt"
-    snapshot.write_bytes(good.read_bytes())
+    snapshot = tmp_path / "snapshots"
+    shutil.copytree(good, snapshot)
     args = overrides(f"data_config.path={tmp / 'small.txt'}", f"trainer_config.snapshot_path={snapshot}",
                      "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=5",
                      "trainer_config.log_every=1000", "trainer_config.max_steps=40",
@@ -382,24 +414,25 @@ def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_
     printed = re.findall(rf"^{line}$", proc.stderr, re.M)
     reported = re.findall(rf"^  traceback : ({line})$", proc.stderr, re.M)
     assert len(set(printed + reported)) == 1 and max(len(printed), len(reported)) == 2, proc.stderr[-3000:]
-    assert snapshot.read_bytes() == good.read_bytes()
+    assert tree_bytes(snapshot) == tree_bytes(good)
 
 
 def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
     """A node-local snapshot path: rank 0 finds the snapshot, rank 1 does not."""
     tmp, good = good_snapshot
-    (tmp_path / "snapshot-0.pt").write_bytes(good.read_bytes())
+    shutil.copytree(good, tmp_path / "snapshots-0")
     args = overrides(f"data_config.path={tmp / 'small.txt'}",
-                     f"trainer_config.snapshot_path={tmp_path}/snapshot-${{oc.env:RANK}}.pt",
+                     f"trainer_config.snapshot_path={tmp_path}/snapshots-${{oc.env:RANK}}",
                      "trainer_config.allow_config_change=true")  # the good snapshot stopped at max_steps=6
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0
     # Both ranks stop, each naming its own path.
     for rank in (0, 1):
-        line = (f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/snapshot-{rank}.pt): "
+        line = (f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/snapshots-{rank}): "
                 "keep the snapshot where every node sees it")
         assert line in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "snapshot-1.pt").exists()
+    assert sharded.latest(str(tmp_path / "snapshots-1")) is None
+    assert tree_bytes(tmp_path / "snapshots-0") == tree_bytes(good)
 
 
 # --------------------------------------------------------------- exactness
@@ -453,9 +486,9 @@ def recorded_part(tmp_path, record, nproc: int, *extra: str) -> str:
 def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus):
     """One epoch trained through main.py by 2 processes (steps 1-10), then 1
     (to step 70), then 2 again (to the end), sharing a file:// snapshot. The
-    ranks together train on every sample of the epoch exactly once, and only
-    rank 0 ever writes a snapshot: every 7 steps and at the end of each part."""
-    url = f"file://{tmp_path / 'shared' / 'snapshot.pt'}"
+    ranks together train on every sample of the epoch exactly once, and every
+    rank takes part in each save: every 7 steps and at the end of each part."""
+    url = f"file://{tmp_path / 'shared' / 'snapshots'}"
     record = tmp_path / "record"
 
     def part(nproc: int, max_steps: str) -> str:
@@ -466,12 +499,12 @@ def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus
     assert "resumed from file://" in part(1, "70")  # 60 steps of 8: 640
     log = part(2, "null")  # 484 left: 30 steps of 16 and one of 4
     assert f"resumed from {url}: epoch 0, 640 samples into it, step 70" in log
-    final = single_file.load(url)
+    final = read_snapshot(url)
     assert (final["step"], final["epoch"], final["samples_in_epoch"], final["world_size"]) == (101, 1, 0, 2)
     assert read_samples(record) == Counter(range(N_TRAIN))
-    assert not (record / "saves-rank1.txt").exists() and not (record / "best-saves-rank1.txt").exists()
-    saves = [int(s) for s in (record / "saves-rank0.txt").read_text().split()]
-    assert saves == [7, 10, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 101]
+    saves = {rank: [int(s) for s in (record / f"saves-rank{rank}.txt").read_text().split()] for rank in (0, 1)}
+    assert saves[0] == [7, 10, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 101]
+    assert saves[1] == [7, 10, 77, 84, 91, 98, 101]  # the parts on 2 processes
 
 
 def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_corpus):
@@ -550,21 +583,18 @@ def tensorboard_losses(run_dir) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
-def final_state(run_dir, parallelism: str) -> tuple[int, dict, dict]:
+def final_state(run_dir) -> tuple[int, dict, dict]:
     """(step, weights, AdamW's state as {"param.key": tensor}) of the run's last snapshot."""
-    if parallelism == "fsdp":
-        tensors, meta = sharded.load_full(str(run_dir / "snapshots"))
-        moments = {f"{p}.{k}": v for p, state in tensors["optim"]["state"].items() for k, v in state.items()}
-        return meta["step"], tensors["model"], moments
-    state = torch.load(run_dir / "snapshot.pt", weights_only=True)
-    moments = {f"{p}.{k}": v for p, s in state["optimizer_state"]["state"].items() for k, v in s.items()}
-    return state["step"], state["model_state"], moments
+    tensors, meta = sharded.load_full(str(run_dir / "snapshots"))
+    moments = {f"{p}.{k}": v for p, state in tensors["optim"]["state"].items() for k, v in state.items()}
+    return meta["step"], tensors["model"], moments
 
 
 @pytest.mark.parametrize("parallelism, epochs", [("ddp", 2), ("fsdp", 1)])
 def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_corpus, parallelism, epochs):
-    """With fsdp every rank writes its shards (asynchronously) and a restart
-    resumes from the last published snapshot. (ddp goes on into a second epoch.)"""
+    """Every rank writes its part of each snapshot (asynchronously) and a restart resumes
+    from the last published one: a save in flight at the kill is not published, and the
+    restart comes from the one before. (ddp goes on into a second epoch.)"""
     args = overrides(f"data_config.path={small_corpus}", *KILL_ARGS, f"trainer_config.parallelism={parallelism}",
                      f"trainer_config.max_epochs={epochs}")
     total = STEPS_PER_EPOCH * epochs
@@ -586,7 +616,8 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
         while victim is None and killed.poll() is None and time.monotonic() < deadline:
             step = last_train_step(run_dir / "metrics.jsonl")
             pid = worker_pids(killed.pid).get(0)  # rank 0: it may be writing a snapshot
-            if step >= 15 and pid:  # past the save at step 10, in the middle of epoch 0 (steps 1-71)
+            # Past the save at step 10 and its publication, in the middle of epoch 0 (steps 1-71).
+            if step >= 15 and pid and sharded.latest(str(run_dir / "snapshots")):
                 os.kill(pid, signal.SIGKILL)
                 victim = (pid, step)
             time.sleep(0.005)
@@ -606,7 +637,7 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
     resumed_step = int(resumed[0].rsplit("step ", 1)[1])
     assert resumed_step % 10 == 0 and 10 <= resumed_step < STEPS_PER_EPOCH and "epoch 0," in resumed[0]
 
-    final, expected = final_state(run_dir, parallelism), final_state(run_dirs["reference"], parallelism)
+    final, expected = final_state(run_dir), final_state(run_dirs["reference"])
     assert final[0] == expected[0] == total
     assert same_tensors(final[1], expected[1])
     assert same_tensors(final[2], expected[2]) and len(final[2]) > len(final[1])

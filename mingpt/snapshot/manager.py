@@ -194,9 +194,11 @@ class Snapshot:
         scaler, after checking that it fits this run (shapes, vocabulary,
         config); return the progress it was saved at (None: no snapshot yet).
         With `ddp`, before DDP wraps the model; with `fsdp`, after the model is
-        sharded. Every rank calls it, and all must start from the same step."""
-        if not self.format.exists():
-            fit.check_same_start(self.dist, 0, self.path)
+        sharded. Every rank calls it, and all must start from the same step: checked before
+        the load, whose collectives a rank that sees no snapshot would never join."""
+        newest = sharded.latest(self.path)
+        fit.check_same_start(self.dist, sharded.step_of(newest) if newest else 0, self.path)
+        if newest is None:
             return None
         state = self.format.load(lambda state: fit.check_fits(state, self.config, self.vocab, self.path, self.dist,
                                                                 self.corpus))
@@ -209,5 +211,4 @@ class Snapshot:
         progress = Progress(**{k: state[k] for k in fields if k in state})
         log.info("resumed from %s: epoch %d, %d samples into it, step %d",
                  self.path, progress.epoch, progress.samples_in_epoch, progress.step)
-        fit.check_same_start(self.dist, progress.step, self.path)
         return progress

@@ -161,6 +161,11 @@ def _name_lies(fs, p: str, root: str, name: str) -> bool:
     return True
 
 
+def step_of(directory: str) -> int:
+    """The step of a snapshot directory, from its name (`_listing` leaves out a published one that lies)."""
+    return _order(os.path.basename(directory.rstrip("/")))[0]
+
+
 def latest(root: str) -> Optional[str]:
     """The newest published snapshot directory under `root` (a URL), or None."""
     names, published = _listing(root)
@@ -578,10 +583,10 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     """Verify the newest published snapshot of a root (or the given snapshot
     directory), then load it in place into `tensors` (tensors and DTensors are
     filled, resharded to this run's layout; plain values are replaced by the
-    snapshot's). Called by every rank. Returns the `meta` saved with it; with
-    `own`, (meta, this rank's own state), the latter None unless the snapshot
-    holds one for each rank of this run (the same world size). `check(meta)` runs
-    before any tensor is read (it raises for a snapshot that does not fit)."""
+    snapshot's). Called by every rank. `check(meta)`, if given, may refuse the
+    snapshot (by raising) before any tensor is matched or read. Returns the `meta`
+    saved with it; with `own`, (meta, this rank's own state), the latter None unless
+    the snapshot holds one for each rank of this run (the same world size)."""
     wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group(group)
     directory, problem = None, None
@@ -602,7 +607,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
     if errors:
         raise SnapshotError(errors[0])
-    if check is not None:
+    if check is not None:  # the snapshot's own account of what it holds (its shapes, its optimizer) comes first
         check(document["meta"])
     flat, _ = _flatten(tensors)
     structure = document["structure"]
@@ -696,9 +701,6 @@ class ShardedFormat:
         self.optimizers = getattr(optimizer, "optimizers", optimizer)  # mingpt.optim.Combined: AdamW and Muon
         self.keep, self.background = keep, async_save
         self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
-
-    def exists(self) -> bool:
-        return latest(self.root) is not None
 
     def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
