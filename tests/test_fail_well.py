@@ -490,7 +490,7 @@ def not_snapshots(snap, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """Directories given where a snapshot is read that hold none: {case: (path, what the line says)}."""
     work = tmp_path_factory.mktemp("not-snapshots")
     (work / "empty").mkdir()
-    cases = {"empty": (work / "empty", "is an empty directory; expected a snapshot file")}
+    cases = {"empty": (work / "empty", "is an empty directory; expected a snapshot directory")}
     for fmt in ("safetensors", "hf"):
         export(ExportConfig(str(snap[1]), str(work / fmt), fmt))
         cases[fmt] = (work / fmt, "is an export in safetensors/transformers format, not a snapshot; expected")

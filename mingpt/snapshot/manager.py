@@ -82,7 +82,7 @@ def check_not_old(cfg: TrainerConfig, run_dir: str, path: str) -> None:
     """Refuse a run directory whose snapshot is a single file of the training format before
     this one (ddp's): it is not resumed, and a run must not silently start afresh beside it."""
     old = path if cfg.snapshot_path else os.path.join(run_dir, OLD_DEFAULT_PATH)
-    if "://" not in old and os.path.isfile(old) and not has_snapshot(path):
+    if "://" not in old and os.path.isfile(old) and single_file.is_torch_file(old) and not has_snapshot(path):
         raise SnapshotError(
             f"{old} is a single-file snapshot, the ddp training format of mingpt before its snapshots became "
             f"Distributed Checkpoints: it is not resumed. Fine-tune from its weights in a new run "

@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", "epoch", "samples_in_epoch", "step")
 
 
+def is_torch_file(path: str) -> bool:
+    """Whether the local file at `path` starts as torch.save's zip archive does."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def _save_to(state: dict[str, Any], file: Any) -> None:
     """torch.save into an open file, raising the storage error behind a failed write."""
     sink = storage.Sink(file)
