@@ -113,12 +113,18 @@ def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
         raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)") from None
 
 
-def check_writable(run_dir: str, snapshot_path: str, directory: bool = False) -> None:
-    """Before any training: the run directory and the snapshot location can be
-    written (a file is created there and removed), an object store's bucket
-    exists, and the snapshot path is not of the other kind than the snapshot
-    (`directory`: sharded snapshots under it; else one file). Raises StorageError naming the path."""
-    check_kind(snapshot_path, directory)
+def check_writable(run_dir: str, snapshot_path: str) -> None:
+    """Before any training: the run directory and the snapshot root can be written (a
+    file is created there and removed), an object store's bucket exists, and the root is
+    not a file. Raises StorageError naming the path."""
+    fs, p = filesystem(snapshot_path)
+    try:
+        is_file = fs.isfile(p)
+    except storage_errors():
+        is_file = False  # the write probe names the storage's fault
+    if is_file:
+        raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
+                           "kept in a directory there")
     for label, path, probe in (
         ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")),
         ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"),
@@ -131,19 +137,6 @@ def check_writable(run_dir: str, snapshot_path: str, directory: bool = False) ->
             fs.rm(p)
         except storage_errors() as e:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
-
-
-def check_kind(snapshot_path: str, directory: bool) -> None:
-    """The snapshot path, if it exists, is a directory for sharded snapshots and not one for a file."""
-    fs, p = filesystem(snapshot_path)
-    try:
-        wrong = fs.isfile(p) if directory else fs.isdir(p)
-    except storage_errors():
-        return  # the write probe names the storage's fault
-    if wrong:
-        what = ("a file, and snapshots are kept in a directory there" if directory else
-                "a directory, and the snapshot (parallelism=ddp) is one file there")
-        raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is {what}")
 
 
 def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path` durable

@@ -22,7 +22,8 @@ from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.rundir import Claim, check_record, claim, hold_log_lines
-from mingpt.snapshot.manager import check_not_old, find_best, has_snapshot, read_meta, resolve_path
+from mingpt.snapshot.manager import check_not_old, find_best, has_snapshot, resolve_path
+from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
 from mingpt.trainer import Trainer
 
@@ -83,7 +84,7 @@ def settle(config: Config, run_dir: str, dist_info: DistInfo,
     run's). Nothing is written in the run directory before."""
     snapshot_path = resolve_path(config.trainer_config, run_dir)
     check_not_old(config.trainer_config, run_dir, snapshot_path)
-    check_writable(run_dir, snapshot_path, directory=True)
+    check_writable(run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir, snapshot_path)
     data_path = config.data_config.path

@@ -176,7 +176,7 @@ def test_a_sharded_snapshot_is_a_source_for_either_parallelism(pretrained, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"initialised from {root} (step 6, held-out loss " in result.stderr
     own = run_dir_of(tmp_path, args) / "snapshots"
-    meta = manager.read_meta(str(own))
+    meta = sharded.read_meta(str(own))
     assert meta["step"] == 2 and meta["world_size"] == 2 and meta["vocab"] == source["vocab"]
 
 

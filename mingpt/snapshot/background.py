@@ -32,10 +32,6 @@ class SaveHandle:
     def __init__(self, target: str, future: Optional[Future] = None, error: Optional[str] = None):
         self.target, self._future, self._error = target, future, error
 
-    @property
-    def directory(self) -> str:  # a sharded save's name for its target
-        return self.target
-
     def done(self) -> bool:
         return self._future is None or self._future.done()
 

@@ -101,15 +101,6 @@ def has_snapshot(path: str) -> bool:
     return sharded.latest(path) is not None
 
 
-def read_meta(path: str) -> dict[str, Any]:
-    """What a snapshot of either format holds besides the tensors (progress, configs,
-    vocabulary); a sharded snapshot's shards are not read, a single file is read whole."""
-    if storage.exists(path, directory=True):
-        return sharded.read_meta(path)
-    state = single_file.load(path)
-    return {key: value for key, value in state.items() if key not in ("model_state", "optimizer_state")}
-
-
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of every tensor is finite, in one pass over each
     without allocating (a part of every save's stall): a sum is finite only if
