@@ -87,6 +87,12 @@ def test_localsgd_resumes_bitwise_and_saving_or_evaluating_changes_nothing(runs)
     assert hook["name"] == "post_local_sgd" and hook["world_size"] == 2 and snapshot["step"] == 40
     for rank in (0, 1):
         assert same(hook["ranks"][rank]["model_state"], results["localsgd"][rank]["state"])
+    # The snapshot's optimizer state is rank 0's (the replicas' moments differ): what a resume on
+    # another number of ranks starts from, as its warning says.
+    own = hook["ranks"][0]["optimizer_state"]
+    assert snapshot["optimizer_state"]["state"].keys() == own.keys()
+    assert all(same(snapshot["optimizer_state"]["state"][k], own[k]) for k in own)
+    assert not all(same(own[k], hook["ranks"][1]["optimizer_state"][k]) for k in own)  # they do differ
     # The snapshot's model is the replicas' mean.
     mean = {k: (v + hook["ranks"][1]["model_state"][k]) / 2 for k, v in hook["ranks"][0]["model_state"].items()}
     torch.testing.assert_close(snapshot["model_state"], mean, rtol=0, atol=1e-6)

@@ -321,8 +321,7 @@ def _new_name(root: str, step: int, pg) -> str:
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
          async_save: bool = True, group: Optional[dist.ProcessGroup] = None, own: Any = None,
          lowest_rank: bool = False) -> SaveHandle:
-    """Save `tensors` (each rank its shards; a plain tensor is the same on every
-    rank and written once), `meta` (rank 0's) and `own` (each rank's own state,
+    """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state,
     such as a comm hook's, if not None) as a new snapshot of `root`, publish it
     when complete and keep the newest `keep`. Called by every rank. Synchronous:
     returns when published (or raises StorageError). Asynchronous: returns when
