@@ -1,11 +1,6 @@
-"""The token cache: a corpus encoded once per node into a checksummed binary file
-that every process reads its batches from, so the corpus costs each process almost no memory.
-
-The file is a JSON header padded to a page (the vocabulary, the token count of
-each source file, each source's size and SHA-256 as the cache's key, the
-`data_config.truncate` it was built with, the SHA-256 of the ids), then the ids
-of every source file in order, as uint8, int16 or int32 by vocabulary size.
-"""
+"""The token cache: a corpus encoded once per node into a checksummed file that every process reads its batches
+from. Layout: MAGIC, the JSON header's length and the header (vocabulary, each source's size and SHA-256 and
+token count, `data_config.truncate`, the ids' dtype and SHA-256) padded to a page, then the ids, file after file."""
 
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ import logging
 import mmap
 import os
 import re
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -33,7 +27,8 @@ VERSION = 1
 PAGE = 4096
 CHUNK = 4 << 20  # bytes read and decoded at a time (bounds the memory an encode needs)
 N_CODE_POINTS = 0x110000
-DIGEST_PLACEHOLDER = "0" * 64
+DEFAULT_DIR = ".mingpt-cache"  # beside a local corpus
+OWN_NAME = re.compile(rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?")
 
 
 class CacheError(Exception):
@@ -52,11 +47,9 @@ class TokenCache:
     sources: list[dict] = field(default_factory=list)  # each source's {"source", "size", "sha256"}, from the header
 
     def read_windows(self, starts: torch.Tensor, out: torch.Tensor) -> None:
-        """Row i of `out` (windows x width, contiguous, on the CPU, in the
-        cache's dtype) := the `width` tokens from token `starts[i]` on.
-        One pread per row, not a gather through the memory map: a kernel that
-        maps large page-cache folios adds about 1 MB to the process's RSS per
-        window sampled through a map; a read copies just the window."""
+        """Row i of `out` (contiguous, on the CPU, in the cache's dtype) := the tokens from `starts[i]` on.
+        One pread per row, not a gather through the memory map: a kernel that maps large page-cache folios
+        adds about 1 MB to the process's RSS per window sampled through a map; a read copies just the window."""
         item = out.element_size()
         width = out.shape[1] * item
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
@@ -72,31 +65,26 @@ class TokenCache:
             part = out[start : start + CHUNK]
             host = part if device.type == "cpu" else torch.empty(len(part), dtype=dtype)
             self.read_windows(torch.tensor([start]), host.view(1, -1))
-            if host is not part:
-                part.copy_(host)
+            part.copy_(host)
         return out
 
 
-def dtype_for(vocab_size: int) -> torch.dtype:
-    if vocab_size <= 256:
-        return torch.uint8
-    return torch.int16 if vocab_size <= 2**15 else torch.int32
-
-
-_NUMPY = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
-_NAMES = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
-
-
-# ------------------------------------------------------------------ reading
+def dtype_for(vocab_size: int) -> str:
+    """The ids' dtype, a name numpy and torch share."""
+    return "uint8" if vocab_size <= 256 else "int16" if vocab_size <= 2**15 else "int32"
 
 
 def code_points(text: str) -> np.ndarray:
-    """The code points of `text` as a uint32 array (one vectorised conversion)."""
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
 
 
+def count(cps: np.ndarray) -> torch.Tensor:
+    """How often each code point occurs (torch's bincount: ~20x numpy's here)."""
+    return torch.bincount(torch.from_numpy(cps.astype(np.int32)), minlength=N_CODE_POINTS)
+
+
 def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
-    """(raw bytes, decoded text) chunk by chunk. A byte-order mark at the start
+    """(raw bytes, decoded text) chunk by chunk, ending with an empty chunk. A byte-order mark at the start
     of the file is dropped; bytes that are not UTF-8 end it with a CacheError."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
     offset = 0
@@ -114,28 +102,6 @@ def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
                 return
 
 
-def scan(source: str, open_source) -> tuple[str, int, int, np.ndarray]:
-    """One pass over a file: its SHA-256, size in bytes, number of characters,
-    and how often each code point occurs."""
-    digest, size, n_chars = hashlib.sha256(), 0, 0
-    counts = torch.zeros(N_CODE_POINTS, dtype=torch.int64)
-    for raw, text in decoded_chunks(source, open_source):
-        digest.update(raw)
-        size += len(raw)
-        n_chars += len(text)
-        if text:
-            counts += count(code_points(text))
-    return digest.hexdigest(), size, n_chars, counts.numpy()
-
-
-def count(cps: np.ndarray) -> torch.Tensor:
-    """How often each code point occurs (torch's bincount: ~20x numpy's here)."""
-    with warnings.catch_warnings():  # the array is read-only; bincount only reads it
-        warnings.simplefilter("ignore", UserWarning)
-        ids = torch.from_numpy(cps.view(np.int32))
-    return torch.bincount(ids, minlength=N_CODE_POINTS)
-
-
 def kept_chunks(source: str, open_source, keep: int) -> Iterator[np.ndarray]:
     """The code points of the first `keep` characters, chunk by chunk."""
     for _, text in decoded_chunks(source, open_source):
@@ -147,17 +113,9 @@ def kept_chunks(source: str, open_source, keep: int) -> Iterator[np.ndarray]:
             yield cps
 
 
-def source_key(source: str, open_source) -> dict:
-    with open_source(source) as f:
-        size, digest = storage.sha256(f)
-    return {"source": source, "size": size, "sha256": digest}
-
-
-# ------------------------------------------------------------------- the file
-
-
-def read_header(f) -> tuple[dict, int]:
-    """The header of an open cache file and where the token ids start."""
+def read_header(f) -> tuple[dict, int, str]:
+    """The header of an open cache file, where the token ids start and their dtype; a ValueError (or KeyError)
+    when it is not a cache of this version or its size is not what the header says."""
     if f.read(len(MAGIC)) != MAGIC:
         raise ValueError("not a token cache")
     length = int.from_bytes(f.read(8), "little")
@@ -166,7 +124,10 @@ def read_header(f) -> tuple[dict, int]:
     header = json.loads(f.read(length).decode("utf-8"))
     if header.get("version") != VERSION:
         raise ValueError("another cache version")
-    return header, _data_offset(length)
+    offset, dtype = _data_offset(length), dtype_for(len(header["vocab"]))
+    if os.fstat(f.fileno()).st_size != offset + sum(header["counts"]) * np.dtype(dtype).itemsize:
+        raise ValueError("wrong size")
+    return header, offset, dtype
 
 
 def _data_offset(header_length: int) -> int:
@@ -179,29 +140,27 @@ def _header_bytes(header: dict) -> bytes:
 
 
 def write(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Encode the sources into a cache file at `path` (atomically)."""
-    scans = [scan(s, open_source) for s in sources]
-    kept = [max(1, int(n_chars * truncate)) if n_chars else 0 for _, _, n_chars, _ in scans]
-    if truncate < 1.0:  # the vocabulary of the kept text only
-        counts = np.zeros(N_CODE_POINTS, dtype=np.int64)
-        for source, keep in zip(sources, kept):
-            for cps in kept_chunks(source, open_source, keep):
-                counts += count(cps).numpy()
-    else:
-        counts = sum(c for *_, c in scans)
-    vocab_cps = np.flatnonzero(counts)
+    """Encode the sources into a cache file at `path` (atomically), reading each twice (thrice when truncated:
+    the vocabulary is that of the kept text)."""
+    scans = []
+    for source in sources:
+        digest, size, n_chars, counts = hashlib.sha256(), 0, 0, torch.zeros(N_CODE_POINTS, dtype=torch.int64)
+        for raw, text in decoded_chunks(source, open_source):
+            digest.update(raw)
+            size += len(raw)
+            n_chars += len(text)
+            counts += count(code_points(text))
+        scans.append(({"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts))
+    kept = [max(1, int(n_chars * truncate)) if n_chars else 0 for _, n_chars, _ in scans]
+    counts = sum((c for *_, c in scans) if truncate == 1.0 else
+                 (count(cps) for source, keep in zip(sources, kept) for cps in kept_chunks(source, open_source, keep)),
+                 torch.zeros(N_CODE_POINTS, dtype=torch.int64))
+    vocab_cps = np.flatnonzero(counts.numpy())
     dtype = dtype_for(len(vocab_cps))
-    lookup = np.zeros(N_CODE_POINTS, dtype=_NUMPY[dtype])
-    lookup[vocab_cps] = np.arange(len(vocab_cps), dtype=_NUMPY[dtype])
-    header = {
-        "version": VERSION,
-        "sources": [{"source": s, "size": size, "sha256": digest} for s, (digest, size, _, _) in zip(sources, scans)],
-        "truncate": truncate,
-        "vocab": "".join(map(chr, vocab_cps.tolist())),
-        "dtype": _NAMES[dtype],
-        "counts": kept,
-        "digest": DIGEST_PLACEHOLDER,
-    }
+    lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
+    lookup[vocab_cps] = np.arange(len(vocab_cps), dtype=dtype)
+    header = {"version": VERSION, "sources": [key for key, _, _ in scans], "truncate": truncate,
+              "vocab": "".join(map(chr, vocab_cps.tolist())), "dtype": dtype, "counts": kept, "digest": "0" * 64}
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with storage.atomic_open(path) as f:
@@ -217,25 +176,24 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
             f.seek(0)
             f.write(_header_bytes(header))
     except OSError as e:
-        raise CacheError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") from None
+        raise CacheError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") \
+            from None
 
 
 def problem(path: str, sources: list[str], truncate: float, open_source) -> str | None:
-    """Why the cache at `path` cannot be used for these sources (None: it can).
-    Reads the sources and the cache once each, to compare their SHA-256s."""
+    """Why the cache at `path` cannot be used for these sources (None: it can), reading the sources and the
+    cache once each to compare their SHA-256s."""
     if not os.path.exists(path):
         return "missing"
     try:
         with open(path, "rb") as f:
-            header, offset = read_header(f)
-            keys = [source_key(s, open_source) for s in sources]
-            recorded = [(h["size"], h["sha256"]) for h in header["sources"]]
-            if recorded != [(k["size"], k["sha256"]) for k in keys] or header["truncate"] != truncate:
+            header, offset, _ = read_header(f)
+            keys = []
+            for source in sources:
+                with open_source(source) as src:
+                    keys.append(storage.sha256(src))
+            if keys != [(h["size"], h["sha256"]) for h in header["sources"]] or header["truncate"] != truncate:
                 return "the corpus changed"
-            dtype = {v: k for k, v in _NAMES.items()}[header["dtype"]]
-            n_bytes = sum(header["counts"]) * torch.empty((), dtype=dtype).element_size()
-            if os.fstat(f.fileno()).st_size != offset + n_bytes:
-                return "damaged (wrong size)"
             f.seek(offset)
             if storage.sha256(f)[1] != header["digest"]:
                 return "damaged (its checksum does not match)"
@@ -247,18 +205,12 @@ def problem(path: str, sources: list[str], truncate: float, open_source) -> str 
 def open_cache(path: str) -> TokenCache:
     """Open and memory-map a cache file (checks its header and size, not its checksum)."""
     with open(path, "rb") as f:
-        header, offset = read_header(f)
-        size = os.fstat(f.fileno()).st_size
-        dtype = {v: k for k, v in _NAMES.items()}[header["dtype"]]
-        item = torch.empty((), dtype=dtype).element_size()
-        n = sum(header["counts"])
-        if size != offset + n * item:
-            raise ValueError("damaged (wrong size)")
+        header, offset, dtype = read_header(f)
         # Private and copy-on-write (nothing writes to it); pages are read on first touch.
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         fd = os.dup(f.fileno())  # the file whose header was read, even if the path is replaced since
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
-    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(dtype)  # keeps `mapped` alive
+    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))  # keeps `mapped` alive
     files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
     cache = TokenCache(path, tokens, header["vocab"], files, fd, offset, header["sources"])
     weakref.finalize(cache, os.close, fd)
@@ -266,8 +218,8 @@ def open_cache(path: str) -> TokenCache:
 
 
 def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Build the cache at `path` unless a valid one is there (first removing the
-    temporaries of builds whose process died: storage.remove_stale_temporaries)."""
+    """Build the cache at `path` unless a valid one is there (first removing the temporaries of builds
+    whose process died)."""
     why = problem(path, sources, truncate, open_source)
     if why is None:
         log.info("token cache %s is up to date", path)
@@ -279,22 +231,15 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
     write(path, sources, truncate, open_source)
 
 
-DEFAULT_DIR = ".mingpt-cache"  # beside a local corpus
-OWN_NAME = re.compile(rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?")
-
-
 def is_own(path: str) -> bool:
-    """Whether `path` is one of the token cache's files, a temporary of one, or the
-    default cache directory: a corpus glob never matches these."""
+    """Whether `path` is a cache file, a temporary of one, or the default cache directory."""
     return OWN_NAME.fullmatch(os.path.basename(path.rstrip("/"))) is not None
 
 
 def default_cache_path(sources: list[str], truncate: float, cache_dir: str | None, local_dir: str | None) -> str:
-    """Where the cache of these sources lives: data_config.cache_dir if set,
-    else beside a local corpus (in .mingpt-cache/) when that directory is
-    writable, else the user's cache directory. The name depends on the
-    sources and truncate, not their contents: a changed corpus replaces its
-    cache instead of adding one."""
+    """data_config.cache_dir if set, else .mingpt-cache/ beside a local corpus when that directory is writable,
+    else the user's cache directory. The name depends on the sources and truncate, not their contents:
+    a changed corpus replaces its cache instead of adding one."""
     if cache_dir is None:
         if local_dir is not None and os.access(local_dir, os.W_OK):
             cache_dir = os.path.join(local_dir, DEFAULT_DIR)
