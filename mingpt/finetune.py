@@ -1,14 +1,5 @@
-"""Fine-tuning: `trainer_config.init_from` starts a run from another run's weights.
-
-The source is a snapshot file, a sharded snapshot (its newest published one),
-or a run directory (its best weights, else its latest snapshot: the resolver
-that `mingpt.generate` uses). The new run takes the source's model shape and
-vocabulary, so every token id means the character it meant there; its own
-corpus, held-out split, optimizer, learning-rate schedule and step counter
-(from 0) are fresh. Once the run has saved a snapshot of its own, a restart
-resumes that and never reads the source again: the shape and vocabulary then
-come from the run's own snapshot.
-"""
+"""Fine-tuning (`trainer_config.init_from`, docs/training.md): the source's shape, vocabulary and weights.
+Once the run has a snapshot of its own, the shape and vocabulary come from that, and the source is not read."""
 
 from __future__ import annotations
 
@@ -32,74 +23,54 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Start:
-    """Where a fine-tuning run's model comes from."""
-
     source: str  # the snapshot read: init_from resolved, or the run's own snapshot when resuming
     state: dict[str, Any]  # what it holds (the weights only when not resuming)
     resuming: bool  # the run has a snapshot of its own: its weights come from there (Trainer's restore)
 
     @property
-    def vocab(self) -> str:
-        return self.state["vocab"]
-
-    @property
-    def named(self) -> str:
-        """The snapshot, and why it is read, for a message."""
+    def named(self) -> str:  # the snapshot, and why it is read, for a message
         return f"{self.source} ({'this run' if self.resuming else 'trainer_config.init_from'})"
 
 
 def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | None:
-    """For a run with trainer_config.init_from (None without): the source, or the run's
-    own snapshot at `own` if it has one (`saved`, what it holds besides tensors); give
-    `config` the model's shape (refusing a shape key set to another value) before any
-    data is read."""
-    cfg = config.trainer_config
-    if not cfg.init_from:
+    """With trainer_config.init_from (None without): the source, or the run's own snapshot at `own` if it has
+    one (`saved`, what it holds besides tensors). Before any data is read, `config` takes the snapshot's shape
+    and data_config.block_size, said in the log; a key set to neither its default nor the snapshot's is refused."""
+    if not config.trainer_config.init_from:
         return None
     try:
-        if saved is not None:
-            start = Start(own, saved, resuming=True)
-        else:
-            source = find_snapshot(cfg.init_from)
-            start = Start(source, manager.read(source), resuming=False)
+        source = own if saved is not None else find_snapshot(config.trainer_config.init_from)
+        start = Start(source, manager.read(source) if saved is None else saved, resuming=saved is not None)
     except (SnapshotError, StorageError) as e:
         raise type(e)(f"trainer_config.init_from: {e}") from None
-    take_shape(config, start)
-    return start
-
-
-def take_shape(config: Config, start: Start) -> None:
-    """Set `config`'s model shape (and data_config.block_size, the windows' length) to the
-    snapshot's, said in the log. A key at its default takes the snapshot's value; one set to
-    another value than the snapshot's is refused: the weights fix the shape."""
     shape, vocab = start.state.get("gpt_config"), start.state.get("vocab")
     if not (isinstance(shape, dict) and all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
             and isinstance(vocab, str) and len(vocab) == shape["vocab_size"]):
         raise SnapshotError(f"trainer_config.init_from: snapshot {start.named} does not record its model's shape "
                             "and vocabulary (gpt_config, vocab)")
-    given = {f"gpt_config.{k}": (getattr(config.gpt_config, k), getattr(GPTConfig(), k), shape[k])
-             for k in SHAPE_KEYS}
+    given = {f"gpt_config.{k}": (getattr(config.gpt_config, k), getattr(GPTConfig(), k), shape[k]) for k in SHAPE_KEYS}
     given["data_config.block_size"] = (config.data_config.block_size, DataConfig().block_size, shape["block_size"])
-    for key, (value, default, saved) in given.items():
-        if value != saved and value != default:
-            raise ConfigError(f"{key}: {value} given, but the model of {start.named} has {saved}: "
+    for key, (value, default, theirs) in given.items():
+        if value != theirs and value != default:
+            raise ConfigError(f"{key}: {value} given, but the model of {start.named} has {theirs}: "
                               f"a fine-tuned model keeps its shape; leave {key} unset")
-    set_by_data = ("gpt_config.vocab_size", "gpt_config.block_size")
     log.info("the model's shape from %s: %s", start.named,
-             ", ".join(f"{key}={saved}" + (f" (replacing {value})" if value != saved else "")
-                       for key, (value, _, saved) in given.items() if key not in set_by_data))
+             ", ".join(f"{key}={theirs}" + (f" (replacing {value})" if value != theirs else "")
+                       for key, (value, _, theirs) in given.items()
+                       if key not in ("gpt_config.vocab_size", "gpt_config.block_size")))  # these follow the data
     config.gpt_config = dataclasses.replace(config.gpt_config, **{k: shape[k] for k in SHAPE_KEYS})
     config.data_config = dataclasses.replace(config.data_config, block_size=shape["block_size"])
+    return start
 
 
 def fit_data(data: CharData, start: Start, corpus: Any) -> CharData:
     """The corpus in the snapshot's vocabulary; characters outside it are refused, named."""
-    unknown = CharTokenizer(start.vocab).unknown(data.tokenizer.chars)
+    unknown = CharTokenizer(start.state["vocab"]).unknown(data.tokenizer.chars)
     if unknown:
         raise DataError(f"data_config.path {corpus}: {len(unknown)} character{'s' if len(unknown) > 1 else ''} "
                         f"outside the vocabulary of {start.named}, which a fine-tuned model keeps: "
                         f"{' '.join(map(repr, unknown))}")
-    return data.in_vocabulary(start.vocab)
+    return data.in_vocabulary(start.state["vocab"])
 
 
 def load_weights(model: torch.nn.Module, start: Start) -> None:
