@@ -73,7 +73,7 @@ def build_bare(config, data, info):
     forward = ddp or model
     if config.trainer_config.compile:
         forward = torch.compile(forward)
-    return model, ddp, forward, optimizer, data.train.to(info.device)
+    return model, ddp, forward, optimizer, data.train.with_tokens(data.train.tokens.to(info.device))
 
 
 def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:

@@ -1,11 +1,5 @@
-"""Character-level data: corpus files, vocabulary, a contiguous train/held-out
-split of each file, windows over the encoded text, and a resumable
-distributed sampler.
-
-The text is encoded once into a token cache file (mingpt/token_cache.py). A
-batch is read from that file window by window (HostBatches), or, for a corpus
-copied whole to the GPU, gathered there with one indexing operation.
-"""
+"""Character-level data: corpus files, vocabulary, a contiguous train/held-out split of each file, windows over
+the token cache (mingpt/token_cache.py), batches read from it or gathered on the device, a resumable sampler."""
 
 from __future__ import annotations
 
@@ -53,9 +47,7 @@ def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> Non
 
 @contextlib.contextmanager
 def open_source(path: str) -> Iterator[BinaryIO]:
-    """A corpus file from any fsspec URL or local path, opened for reading;
-    failing to open or read it is one DataError naming the file. A local file
-    that is not regular is refused (storage.check_regular raises StorageError)."""
+    """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it is one DataError."""
     storage.check_regular(path, "data file")
     try:
         with fsspec.open(path, "rb") as f:
@@ -81,45 +73,35 @@ def read_text(path: str) -> str:
 
 
 def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
-    """The corpus files named by data_config.path (a path, URL or glob, or a
-    list of them), in order, and the directory of the first when it is local.
-    A glob never matches the token cache's own files (`token_cache.is_own`).
-    A local file must be a regular, non-empty file: a FIFO would block the
-    read forever, and a device such as /dev/zero never ends."""
+    """The corpus files named by data_config.path, in order, and the directory of the first when it is local.
+    A local file must be a regular, non-empty file: a FIFO would block the read forever, /dev/zero never ends."""
     sources: list[str] = []
     for pattern in [path] if isinstance(path, str) else path:
         try:
             fs, stripped = fsspec.core.url_to_fs(pattern)
-            matches = sorted(fs.glob(stripped)) if glob.has_magic(pattern) else [stripped]
+            matches = [m for m in sorted(fs.glob(stripped)) if not token_cache.is_own(m)] \
+                if glob.has_magic(pattern) else [stripped]
         except (OSError, ValueError, ImportError) as e:
             raise DataError(f"cannot read data file {pattern}: {e}") from None
-        if glob.has_magic(pattern):  # never the token cache's own files (cache_dir may be the corpus's directory)
-            matches = [m for m in matches if not token_cache.is_own(m)]
         if not matches:
             raise DataError(f"no data file matches {pattern}")
         local = isinstance(fs, LocalFileSystem)
         for match in matches:
             source = pattern if match == stripped else (match if local else fs.unstrip_protocol(match))
             if local:
-                check_local_file(source, match)
+                try:
+                    st = os.stat(match)
+                except FileNotFoundError:
+                    raise DataError(f"data file not found: {source}") from None
+                except OSError as e:
+                    raise DataError(f"cannot read data file {source}: {e.strerror}") from None
+                if kind := storage.irregular(st.st_mode):
+                    raise DataError(f"data file is not a regular file: {source} is {kind}")
+                if st.st_size == 0:
+                    raise DataError(f"data file is empty: {source}")
             sources.append(source)
-    first = fsspec.core.url_to_fs(sources[0])
-    local_dir = os.path.dirname(os.path.abspath(first[1])) if isinstance(first[0], LocalFileSystem) else None
-    return sources, local_dir
-
-
-def check_local_file(source: str, path: str) -> None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise DataError(f"data file not found: {source}") from None
-    except OSError as e:
-        raise DataError(f"cannot read data file {source}: {e.strerror}") from None
-    kind = storage.irregular(st.st_mode)
-    if kind:
-        raise DataError(f"data file is not a regular file: {source} is {kind}")
-    if st.st_size == 0:
-        raise DataError(f"data file is empty: {source}")
+    fs, first = fsspec.core.url_to_fs(sources[0])
+    return sources, os.path.dirname(os.path.abspath(first)) if isinstance(fs, LocalFileSystem) else None
 
 
 class CharTokenizer:
@@ -139,80 +121,57 @@ class CharTokenizer:
         return len(self.chars)
 
     def line_start(self) -> str:
-        """What starts the model at the beginning of a line (an empty prompt): a
-        newline, or the first character of a vocabulary without one."""
+        """What starts the model at the beginning of a line (an empty prompt)."""
         return "\n" if "\n" in self.stoi else self.chars[0]
 
-    def unknown(self, text: str) -> str:
-        """The distinct characters of `text` outside the vocabulary, sorted."""
+    def unknown(self, text: str) -> str:  # the distinct characters of `text` outside the vocabulary, sorted
         return "".join(sorted(set(text) - set(self.stoi)))
 
     def encode(self, text: str) -> torch.Tensor:
-        """Token ids, vectorised (a binary search per code point); a character
-        outside the vocabulary raises KeyError."""
+        """Token ids (a binary search per code point); a character outside the vocabulary raises KeyError."""
         cps = token_cache.code_points(text)
         ids = np.searchsorted(self._code_points, cps)
         known = ids < len(self._code_points)
         known[known] = self._code_points[ids[known]] == cps[known]
         if not known.all():
             raise KeyError(chr(int(cps[np.argmin(known)])))
-        return torch.from_numpy(ids.astype(token_cache._NUMPY[token_cache.dtype_for(self.vocab_size)]))
+        return torch.from_numpy(ids.astype(token_cache.dtype_for(self.vocab_size)))
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
 
 
 class TokenWindows:
-    """Windows of block_size + 1 tokens starting every `stride` tokens inside
-    each segment (start, length) of `tokens`: input is the first block_size,
-    target the last block_size. A window never crosses a segment's end, so
-    with one segment per file no window spans two files. `ids`, if given, maps
-    the stored ids to the model's (a corpus read in a larger vocabulary: CharData.in_vocabulary)."""
+    """Windows of block_size + 1 tokens starting every `stride` tokens inside each segment (start, length) of
+    `tokens` (a file's split): input the first block_size, target the last; a window never crosses a segment's end.
+    `ids`, if given, maps the stored ids to the model's (CharData.in_vocabulary)."""
 
     def __init__(self, tokens: torch.Tensor, block_size: int, stride: int,
                  segments: list[tuple[int, int]] | None = None, ids: torch.Tensor | None = None):
-        self.tokens = tokens
-        self.block_size = block_size
-        self.stride = stride
+        self.tokens, self.block_size, self.stride = tokens, block_size, stride
         self.ids = None if ids is None else ids.to(tokens.device)
         self.segments = [(0, len(tokens))] if segments is None else segments
-        counts = [max(0, (n - block_size - 1) // stride + 1) for _, n in self.segments]
-        self._len = sum(counts)
-        # Window i lies in the last segment whose first window index is <= i.
-        self._first = torch.tensor([sum(counts[:k]) for k in range(len(counts))], dtype=torch.long)
-        self._seg_start = torch.tensor([s for s, _ in self.segments], dtype=torch.long)
+        counts = torch.tensor([max(0, (n - block_size - 1) // stride + 1) for _, n in self.segments])
+        self._len = int(counts.sum())
+        self._first = (counts.cumsum(0) - counts).to(tokens.device)  # each segment's first window index
+        self._seg_start = torch.tensor([s for s, _ in self.segments], device=tokens.device)
         self._offsets = torch.arange(block_size + 1, device=tokens.device)
 
     def __len__(self) -> int:
         return self._len
 
-    def to(self, device: torch.device) -> TokenWindows:
-        """The same windows with the tokens on `device`, so batches are gathered there."""
-        return self.with_tokens(self.tokens.to(device))
-
-    def with_tokens(self, tokens: torch.Tensor) -> TokenWindows:
-        return TokenWindows(tokens, self.block_size, self.stride, self.segments, self.ids)
-
-    def with_ids(self, ids: torch.Tensor) -> TokenWindows:
-        """The same windows, their stored id i read as the model's id ids[i]."""
-        return TokenWindows(self.tokens, self.block_size, self.stride, self.segments, ids)
+    def with_tokens(self, tokens: torch.Tensor, ids: torch.Tensor | None = None) -> TokenWindows:
+        """The same windows over `tokens` (the same, on a device), their stored id i read as ids[i] if given."""
+        return TokenWindows(tokens, self.block_size, self.stride, self.segments, self.ids if ids is None else ids)
 
     def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
         """Where windows `indices` start in `tokens` (on the tokens' device)."""
-        device = self.tokens.device
-        idx = torch.as_tensor(indices, dtype=torch.long, device=device)
-        if len(self.segments) == 1:
-            return idx * self.stride + self.segments[0][0]
-        first, seg_start = self._first.to(device), self._seg_start.to(device)
-        seg = torch.searchsorted(first, idx, right=True) - 1
-        return seg_start[seg] + (idx - first[seg]) * self.stride
-
-    def gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
-        """The windows' block_size + 1 tokens, in the tokens' dtype."""
-        return self.tokens[self.starts(indices)[:, None] + self._offsets]
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.tokens.device)
+        seg = torch.searchsorted(self._first, idx, right=True) - 1
+        return self._seg_start[seg] + (idx - self._first[seg]) * self.stride
 
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.gather(indices).long()
+        chunk = self.tokens[self.starts(indices)[:, None] + self._offsets].long()
         if self.ids is not None:
             chunk = self.ids[chunk]
         return chunk[:, :-1], chunk[:, 1:]
@@ -222,18 +181,14 @@ class TokenWindows:
 
 
 class HostBatches:
-    """Windows whose tokens stay in the cache file on the host: each batch is
-    read from it (one pread per window, token_cache.TokenCache.read_windows)
-    into a reused buffer, pinned on a GPU and copied to the device
-    asynchronously. `prefetch(indices)` starts the next step's copy while the
-    current step runs on the device; `batch` then hands out slices of it."""
+    """Windows whose tokens stay in the cache file: each batch is read from it (one pread per window) into a
+    reused buffer, pinned on a GPU and copied to the device asynchronously. `prefetch(indices)` starts the next
+    step's copy while the current step runs; `batch` then hands out slices of it."""
 
     def __init__(self, windows: TokenWindows, cache: token_cache.TokenCache, device: torch.device):
-        self.windows = windows
-        self.cache = cache
+        self.windows, self.cache, self.device = windows, cache, device
         self.tokens = windows.tokens  # where indices live: the host
         self.block_size = windows.block_size
-        self.device = device
         self._pinned = device.type == "cuda"
         self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=windows.tokens.dtype)] * 2
         self._events: list[torch.cuda.Event | None] = [None, None]
@@ -291,30 +246,23 @@ class CharData:
     files: list[tuple[str, int]] = field(default_factory=list)  # (source, characters) in corpus order
 
     def fingerprint(self) -> list[dict]:
-        """The corpus's identity, as snapshots record it: each file's name, size in
-        bytes and SHA-256, in corpus order (from the token cache's header: no second read)."""
+        """The corpus's identity, as snapshots record it: each file's name, size in bytes and SHA-256, in order."""
         return [{"source": source, "size": key["size"], "sha256": key["sha256"]}
                 for (source, _), key in zip(self.files, self.cache.sources)]
 
     def in_vocabulary(self, chars: str) -> CharData:
-        """The same corpus with the vocabulary `chars` (a snapshot's, to fine-tune it), which
-        must hold every character of the corpus's own: ids then mean the snapshot's characters."""
+        """The same corpus with the vocabulary `chars` (a snapshot's), which the caller checked holds every
+        character of the corpus's own: ids then mean the snapshot's characters."""
         if chars == self.tokenizer.chars:
             return self
         tokenizer = CharTokenizer(chars)
-        unknown = tokenizer.unknown(self.tokenizer.chars)
-        if unknown:
-            raise DataError(f"characters outside the vocabulary: {' '.join(map(repr, unknown))}")
         ids = torch.tensor([tokenizer.stoi[c] for c in self.tokenizer.chars], dtype=torch.long)
-        return dataclasses.replace(self, tokenizer=tokenizer, train=self.train.with_ids(ids),
-                                   heldout=self.heldout.with_ids(ids))
+        return dataclasses.replace(self, tokenizer=tokenizer, train=self.train.with_tokens(self.train.tokens, ids),
+                                   heldout=self.heldout.with_tokens(self.heldout.tokens, ids))
 
     def place(self, device: torch.device, placement: str = "auto") -> tuple[TokenWindows | HostBatches, ...]:
-        """Training and held-out windows for `device`. With `device` the whole
-        corpus is read into the device's memory and batches are gathered
-        there; with `host` each batch is read from the cache file. `auto`: on
-        a GPU, device when the corpus takes at most 1/8 of its memory; on a
-        CPU, host (a copy in memory would cost every process the corpus)."""
+        """Training and held-out windows for `device`, per data_config.placement (on a CPU `auto` is `host`:
+        a copy in memory would cost every process the corpus)."""
         tokens = self.train.tokens
         if placement == "auto":
             fits = device.type == "cuda" and tokens.nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
@@ -334,8 +282,7 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
 
 
 def build_cache(cfg: DataConfig) -> None:
-    """Encode the corpus into its token cache unless a valid one exists (one
-    process per node does this; see mingpt/token_cache.py)."""
+    """Encode the corpus into its token cache unless a valid one exists (one process per node does this)."""
     sources, path = cache_location(cfg)
     try:
         token_cache.ensure(path, sources, cfg.truncate, open_source)
@@ -344,10 +291,8 @@ def build_cache(cfg: DataConfig) -> None:
 
 
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
-    """Open the corpus's token cache (building it first unless `build`
-    is False: another process of the node did) and split it. The first
-    train_split of each file trains; the rest of it is held out, so no
-    held-out window shares a character position with a training window."""
+    """Open the corpus's token cache (building it first unless `build` is False: another process of the node did)
+    and split it: the first train_split of each file trains, the rest of it is held out."""
     sources, path = cache_location(cfg)
     if build:
         build_cache(cfg)
@@ -373,13 +318,8 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         train.append((offset, n_train))
         heldout.append((offset + n_train, n - n_train))
         offset += n
-    data = CharData(
-        tokenizer=CharTokenizer(cache.vocab),
-        train=TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
-        heldout=TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout),
-        cache=cache,
-        files=files,
-    )
+    data = CharData(CharTokenizer(cache.vocab), TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
+                    TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout), cache, files)
     for name, windows in (("training", data.train), ("held-out", data.heldout)):
         if len(windows) == 0:
             raise DataError(f"{cfg.path}: no file has a {name} split of data_config.block_size + 1 characters")
@@ -389,8 +329,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
     return data
 
 
-def spread(n: int, k: int) -> torch.Tensor:
-    """min(n, k) indices spread evenly over range(n) (k <= 0: all of them)."""
+def spread(n: int, k: int) -> torch.Tensor:  # min(n, k) indices spread evenly over range(n) (k <= 0: all of them)
     if k <= 0 or k >= n:
         return torch.arange(n)
     return torch.arange(k) * n // k
@@ -399,13 +338,10 @@ def spread(n: int, k: int) -> torch.Tensor:
 class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start part-way through an epoch.
 
-    For epoch e the global order is a permutation seeded by (seed, e), padded
-    like DistributedSampler with its own first entries to a multiple of the
-    world size, and dealt out round-robin: rank r takes entries r, r+W, ...
-    After s steps of per-rank batch b the ranks together have consumed exactly
-    the first s*b*W entries, so `start_index` (global samples consumed) resumes
-    at the next unseen sample, whatever the world size now is.
-    """
+    For epoch e the global order is a permutation seeded by seed + e, padded like DistributedSampler with its own
+    first entries to a multiple of the world size W, and dealt out round-robin: rank r takes entries r, r+W, ...
+    After s steps of per-rank batch b the ranks have consumed exactly the first s*b*W entries, so `start_index`
+    (global samples consumed) resumes at the next unseen sample, whatever the world size now is."""
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
         super().__init__(range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
@@ -413,14 +349,12 @@ class ResumableSampler(DistributedSampler):
         self.start_index = 0
 
     def indices(self) -> torch.Tensor:
-        """This rank's share of the rest of the epoch, as one tensor (no Python
-        object per sample): the order after start_index, padded, every W-th entry."""
+        """This rank's share of the rest of the epoch, as one tensor (no Python object per sample)."""
         # int32 halves the memory of a large epoch; randperm draws the same permutation for either dtype.
         dtype = torch.int32 if self.dataset_len < 2**31 else torch.int64
         if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g, dtype=dtype)
+            order = torch.randperm(self.dataset_len, generator=torch.Generator().manual_seed(self.seed + self.epoch),
+                                   dtype=dtype)
         else:
             order = torch.arange(self.dataset_len, dtype=dtype)
         rest = order[self.start_index :]
