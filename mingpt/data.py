@@ -19,16 +19,13 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DistributedSampler
 
 from mingpt import storage, token_cache
-from mingpt.storage import reason, storage_errors
 from mingpt.config import DEFAULT_DATA_PATH, DataConfig
+from mingpt.storage import StorageError, reason, storage_errors
+from mingpt.token_cache import DataError
 
 log = logging.getLogger(__name__)
 
 CORPUS_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
-class DataError(ValueError):
-    """The corpus is missing or unusable; the message names the file."""
 
 
 def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> None:
@@ -39,19 +36,20 @@ def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> Non
         with urllib.request.urlopen(url, timeout=30) as response, storage.atomic_open(path) as f:
             f.write(response.read())
     except OSError as e:
-        raise DataError(
-            f"{path} is missing and could not be downloaded from {url} ({e}); "
-            f"put the tiny-shakespeare text at {path} or set data_config.path"
-        ) from None
+        raise DataError(f"{path} is missing and could not be downloaded from {url} ({e}); "
+                        f"put the tiny-shakespeare text at {path} or set data_config.path") from None
 
 
 @contextlib.contextmanager
 def open_source(path: str) -> Iterator[BinaryIO]:
-    """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it is one DataError."""
-    storage.check_regular(path, "data file")
+    """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it, or a local file
+    that is not regular (a FIFO would block the read forever, /dev/zero never ends), is one DataError."""
     try:
+        storage.check_regular(path, "data file")
         with fsspec.open(path, "rb") as f:
             yield f
+    except (DataError, StorageError) as e:  # the body's own, or check_regular's
+        raise DataError(str(e)) from None
     except FileNotFoundError as e:
         if e.__cause__ is not None:  # fsspec's HTTP file system says "not found" for a failed connection too
             raise DataError(f"cannot fetch data file {path}: {reason(e.__cause__)}") from None
@@ -61,20 +59,15 @@ def open_source(path: str) -> Iterator[BinaryIO]:
 
 
 def read_text(path: str) -> str:
-    """Read a small UTF-8 text file from any fsspec URL or local path (a leading byte-order mark dropped)."""
-    with open_source(path) as f:
-        raw = f.read()
-    if not raw:
+    """A small UTF-8 text file (fsspec URL or local path), a leading byte-order mark dropped."""
+    text = "".join(text for _, text in token_cache.decoded_chunks(path, open_source))
+    if not text:
         raise DataError(f"data file is empty: {path}")
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(f"data file is not UTF-8 text: {path} (byte {e.start})") from None
+    return text
 
 
 def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
-    """The corpus files named by data_config.path, in order, and the directory of the first when it is local.
-    A local file must be a regular, non-empty file: a FIFO would block the read forever, /dev/zero never ends."""
+    """The corpus files named by data_config.path, in order, and the directory of the first when it is local."""
     sources: list[str] = []
     for pattern in [path] if isinstance(path, str) else path:
         try:
@@ -86,20 +79,7 @@ def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
         if not matches:
             raise DataError(f"no data file matches {pattern}")
         local = isinstance(fs, LocalFileSystem)
-        for match in matches:
-            source = pattern if match == stripped else (match if local else fs.unstrip_protocol(match))
-            if local:
-                try:
-                    st = os.stat(match)
-                except FileNotFoundError:
-                    raise DataError(f"data file not found: {source}") from None
-                except OSError as e:
-                    raise DataError(f"cannot read data file {source}: {e.strerror}") from None
-                if kind := storage.irregular(st.st_mode):
-                    raise DataError(f"data file is not a regular file: {source} is {kind}")
-                if st.st_size == 0:
-                    raise DataError(f"data file is empty: {source}")
-            sources.append(source)
+        sources += [pattern if m == stripped else m if local else fs.unstrip_protocol(m) for m in matches]
     fs, first = fsspec.core.url_to_fs(sources[0])
     return sources, os.path.dirname(os.path.abspath(first)) if isinstance(fs, LocalFileSystem) else None
 
@@ -109,7 +89,6 @@ class CharTokenizer:
 
     def __init__(self, chars: str):
         self.chars = chars
-        self.stoi = {c: i for i, c in enumerate(chars)}
         self._code_points = token_cache.code_points(chars).astype(np.int64)
 
     @classmethod
@@ -122,10 +101,10 @@ class CharTokenizer:
 
     def line_start(self) -> str:
         """What starts the model at the beginning of a line (an empty prompt)."""
-        return "\n" if "\n" in self.stoi else self.chars[0]
+        return "\n" if "\n" in self.chars else self.chars[0]
 
     def unknown(self, text: str) -> str:  # the distinct characters of `text` outside the vocabulary, sorted
-        return "".join(sorted(set(text) - set(self.stoi)))
+        return "".join(sorted(set(text) - set(self.chars)))
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids (a binary search per code point); a character outside the vocabulary raises KeyError."""
@@ -181,18 +160,15 @@ class TokenWindows:
 
 
 class HostBatches:
-    """Windows whose tokens stay in the cache file: each batch is read from it (one pread per window) into a
-    reused buffer, pinned on a GPU and copied to the device asynchronously. `prefetch(indices)` starts the next
-    step's copy while the current step runs; `batch` then hands out slices of it."""
+    """Windows whose tokens stay in the cache file: each batch is read from it (one pread per window), on a GPU
+    into pinned memory and copied to the device asynchronously (torch's caching host allocator reuses a pinned
+    buffer only once its copy is done). `prefetch(indices)` starts the next step's copy while the current step
+    runs; `batch` then hands out slices of it."""
 
     def __init__(self, windows: TokenWindows, cache: token_cache.TokenCache, device: torch.device):
         self.windows, self.cache, self.device = windows, cache, device
         self.tokens = windows.tokens  # where indices live: the host
         self.block_size = windows.block_size
-        self._pinned = device.type == "cuda"
-        self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=windows.tokens.dtype)] * 2
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
         self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._ids = None if windows.ids is None else windows.ids.to(device)
 
@@ -200,22 +176,10 @@ class HostBatches:
         return len(self.windows)
 
     def _fetch(self, indices: torch.Tensor) -> torch.Tensor:
-        n = len(indices) * (self.block_size + 1)
-        k = self._turn
-        if self._pinned:  # two buffers: one is read into while the other's copy is in flight
-            self._turn = 1 - k
-            if self._events[k] is not None:
-                self._events[k].synchronize()  # its previous copy has left the buffer
-        if self._buffers[k].numel() < n:
-            self._buffers[k] = torch.empty(n, dtype=self.tokens.dtype, pin_memory=self._pinned)
-        buffer = self._buffers[k][:n].view(len(indices), self.block_size + 1)
+        buffer = torch.empty(len(indices), self.block_size + 1, dtype=self.tokens.dtype,
+                             pin_memory=self.device.type == "cuda")
         self.cache.read_windows(self.windows.starts(indices), buffer)
-        if not self._pinned:
-            return buffer.to(self.device, torch.long)  # a copy: the buffer is reused by the next read
-        chunk = buffer.to(self.device, non_blocking=True)
-        self._events[k] = torch.cuda.Event()
-        self._events[k].record()
-        return chunk.long()
+        return buffer.to(self.device, non_blocking=True).long()
 
     def prefetch(self, indices: torch.Tensor) -> None:
         indices = indices.to("cpu", torch.long)
@@ -256,7 +220,7 @@ class CharData:
         if chars == self.tokenizer.chars:
             return self
         tokenizer = CharTokenizer(chars)
-        ids = torch.tensor([tokenizer.stoi[c] for c in self.tokenizer.chars], dtype=torch.long)
+        ids = tokenizer.encode(self.tokenizer.chars).long()
         return dataclasses.replace(self, tokenizer=tokenizer, train=self.train.with_tokens(self.train.tokens, ids),
                                    heldout=self.heldout.with_tokens(self.heldout.tokens, ids))
 
@@ -284,10 +248,7 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
 def build_cache(cfg: DataConfig) -> None:
     """Encode the corpus into its token cache unless a valid one exists (one process per node does this)."""
     sources, path = cache_location(cfg)
-    try:
-        token_cache.ensure(path, sources, cfg.truncate, open_source)
-    except token_cache.CacheError as e:
-        raise DataError(str(e)) from None
+    token_cache.ensure(path, sources, cfg.truncate, open_source)
 
 
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
@@ -296,10 +257,8 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
     sources, path = cache_location(cfg)
     if build:
         build_cache(cfg)
-    try:
+    try:  # the path names the sources, so the cache holds one entry per source
         cache = token_cache.open_cache(path)
-        if len(cache.files) != len(sources):
-            raise ValueError(f"it holds {len(cache.files)} files, not {len(sources)}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         if not build:
             return load_data(cfg, build=True)

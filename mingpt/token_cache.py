@@ -31,9 +31,8 @@ DEFAULT_DIR = ".mingpt-cache"  # beside a local corpus
 OWN_NAME = re.compile(rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?")
 
 
-class CacheError(Exception):
-    """The corpus cannot be encoded or the cache cannot be written; the message names the path.
-    (Not an OSError or ValueError, so that a reader's error mapping passes it through.)"""
+class DataError(ValueError):
+    """The corpus is missing or unusable, or its cache cannot be written; the message names the file."""
 
 
 @dataclass
@@ -55,7 +54,7 @@ class TokenCache:
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
         for i, start in enumerate(starts.tolist()):
             if os.preadv(self.fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
-                raise CacheError(f"token cache {self.path} was truncated while in use")
+                raise DataError(f"token cache {self.path} was truncated while in use")
 
     def load(self, device: torch.device) -> torch.Tensor:
         """Every token id, read into `device`'s memory a chunk at a time."""
@@ -85,7 +84,7 @@ def count(cps: np.ndarray) -> torch.Tensor:
 
 def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
     """(raw bytes, decoded text) chunk by chunk, ending with an empty chunk. A byte-order mark at the start
-    of the file is dropped; bytes that are not UTF-8 end it with a CacheError."""
+    of the file is dropped; bytes that are not UTF-8 end it with a DataError."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
     offset = 0
     with open_source(source) as f:
@@ -95,7 +94,7 @@ def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
             try:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as e:
-                raise CacheError(f"data file is not UTF-8 text: {source} (byte {offset - pending + e.start})") from None
+                raise DataError(f"data file is not UTF-8 text: {source} (byte {offset - pending + e.start})") from None
             offset += len(raw)
             yield raw, text
             if not raw:
@@ -150,8 +149,10 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
             size += len(raw)
             n_chars += len(text)
             counts += count(code_points(text))
+        if not n_chars:
+            raise DataError(f"data file is empty: {source}")
         scans.append(({"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts))
-    kept = [max(1, int(n_chars * truncate)) if n_chars else 0 for _, n_chars, _ in scans]
+    kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
     counts = sum((c for *_, c in scans) if truncate == 1.0 else
                  (count(cps) for source, keep in zip(sources, kept) for cps in kept_chunks(source, open_source, keep)),
                  torch.zeros(N_CODE_POINTS, dtype=torch.int64))
@@ -176,7 +177,7 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
             f.seek(0)
             f.write(_header_bytes(header))
     except OSError as e:
-        raise CacheError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") \
+        raise DataError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") \
             from None
 
 
@@ -185,13 +186,13 @@ def problem(path: str, sources: list[str], truncate: float, open_source) -> str 
     cache once each to compare their SHA-256s."""
     if not os.path.exists(path):
         return "missing"
+    keys = []
+    for source in sources:
+        with open_source(source) as f:
+            keys.append(storage.sha256(f))
     try:
         with open(path, "rb") as f:
             header, offset, _ = read_header(f)
-            keys = []
-            for source in sources:
-                with open_source(source) as src:
-                    keys.append(storage.sha256(src))
             if keys != [(h["size"], h["sha256"]) for h in header["sources"]] or header["truncate"] != truncate:
                 return "the corpus changed"
             f.seek(offset)
