@@ -66,10 +66,10 @@ def read_text(path: str) -> str:
     return text
 
 
-def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
-    """The corpus files named by data_config.path, in order, and the directory of the first when it is local."""
+def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
+    """The corpus files named by data_config.path (globs expanded), in order, and the path of their token cache."""
     sources: list[str] = []
-    for pattern in [path] if isinstance(path, str) else path:
+    for pattern in [cfg.path] if isinstance(cfg.path, str) else cfg.path:
         try:
             fs, stripped = fsspec.core.url_to_fs(pattern)
             matches = [m for m in sorted(fs.glob(stripped)) if not token_cache.is_own(m)] \
@@ -81,7 +81,9 @@ def resolve_sources(path: str | list[str]) -> tuple[list[str], str | None]:
         local = isinstance(fs, LocalFileSystem)
         sources += [pattern if m == stripped else m if local else fs.unstrip_protocol(m) for m in matches]
     fs, first = fsspec.core.url_to_fs(sources[0])
-    return sources, os.path.dirname(os.path.abspath(first)) if isinstance(fs, LocalFileSystem) else None
+    local_dir = os.path.dirname(os.path.abspath(first)) if isinstance(fs, LocalFileSystem) else None
+    keys = [s if "://" in s else os.path.abspath(s) for s in sources]
+    return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
 
 
 class CharTokenizer:
@@ -169,7 +171,7 @@ class HostBatches:
         self.windows, self.cache, self.device = windows, cache, device
         self.tokens = windows.tokens  # where indices live: the host
         self.block_size = windows.block_size
-        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # indices prefetched, their windows
         self._ids = None if windows.ids is None else windows.ids.to(device)
 
     def __len__(self) -> int:
@@ -179,25 +181,21 @@ class HostBatches:
         buffer = torch.empty(len(indices), self.block_size + 1, dtype=self.tokens.dtype,
                              pin_memory=self.device.type == "cuda")
         self.cache.read_windows(self.windows.starts(indices), buffer)
-        return buffer.to(self.device, non_blocking=True).long()
+        chunk = buffer.to(self.device, non_blocking=True).long()
+        return chunk if self._ids is None else self._ids[chunk]
 
     def prefetch(self, indices: torch.Tensor) -> None:
         indices = indices.to("cpu", torch.long)
-        self._pending = (indices, self._fetch(indices), 0)
+        self._pending = (indices, self._fetch(indices))
 
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        indices = torch.as_tensor(indices, dtype=torch.long).cpu()
-        chunk = None
-        if self._pending is not None:
-            pending, fetched, pos = self._pending
-            if torch.equal(pending[pos : pos + len(indices)], indices):
-                chunk = fetched[pos : pos + len(indices)]
-                self._pending = (pending, fetched, pos + len(indices))
-        if chunk is None:
+        indices, n = torch.as_tensor(indices, dtype=torch.long).cpu(), len(indices)
+        if self._pending is not None and torch.equal(self._pending[0][:n], indices):  # the next prefetched
+            chunk = self._pending[1][:n]
+            self._pending = (self._pending[0][n:], self._pending[1][n:])
+        else:
             self._pending = None
             chunk = self._fetch(indices)
-        if self._ids is not None:
-            chunk = self._ids[chunk]
         return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -236,13 +234,6 @@ class CharData:
             return HostBatches(self.train, self.cache, device), HostBatches(self.heldout, self.cache, device)
         tokens = self.cache.load(device)  # once for both
         return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
-
-
-def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
-    """The corpus files and the path of their token cache."""
-    sources, local_dir = resolve_sources(cfg.path)
-    keys = [s if "://" in s else os.path.abspath(s) for s in sources]
-    return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
 
 
 def build_cache(cfg: DataConfig) -> None:

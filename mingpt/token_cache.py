@@ -181,26 +181,33 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
             from None
 
 
-def problem(path: str, sources: list[str], truncate: float, open_source) -> str | None:
-    """Why the cache at `path` cannot be used for these sources (None: it can), reading the sources and the
-    cache once each to compare their SHA-256s."""
-    if not os.path.exists(path):
-        return "missing"
-    keys = []
-    for source in sources:
-        with open_source(source) as f:
-            keys.append(storage.sha256(f))
-    try:
-        with open(path, "rb") as f:
-            header, offset, _ = read_header(f)
-            if keys != [(h["size"], h["sha256"]) for h in header["sources"]] or header["truncate"] != truncate:
-                return "the corpus changed"
-            f.seek(offset)
-            if storage.sha256(f)[1] != header["digest"]:
-                return "damaged (its checksum does not match)"
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        return f"damaged ({e})"
-    return None
+def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
+    """Build the cache at `path` unless a valid one is there: the sources and the ids have the SHA-256s its
+    header records (each read once to compare)."""
+    why = "missing"
+    if os.path.exists(path):
+        keys = []
+        for source in sources:
+            with open_source(source) as f:
+                keys.append(storage.sha256(f))
+        try:
+            with open(path, "rb") as f:
+                header, offset, _ = read_header(f)
+                f.seek(offset)
+                if keys != [(h["size"], h["sha256"]) for h in header["sources"]] or header["truncate"] != truncate:
+                    why = "the corpus changed"
+                elif storage.sha256(f)[1] != header["digest"]:
+                    why = "damaged (its checksum does not match)"
+                else:
+                    log.info("token cache %s is up to date", path)
+                    return
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            why = f"damaged ({e})"
+    if os.path.isdir(os.path.dirname(path) or "."):  # builds whose process died left their temporaries
+        for stale in storage.remove_stale_temporaries(path):
+            log.info("removed %s, left by a build that was stopped", stale)
+    (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
+    write(path, sources, truncate, open_source)
 
 
 def open_cache(path: str) -> TokenCache:
@@ -216,20 +223,6 @@ def open_cache(path: str) -> TokenCache:
     cache = TokenCache(path, tokens, header["vocab"], files, fd, offset, header["sources"])
     weakref.finalize(cache, os.close, fd)
     return cache
-
-
-def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Build the cache at `path` unless a valid one is there (first removing the temporaries of builds
-    whose process died)."""
-    why = problem(path, sources, truncate, open_source)
-    if why is None:
-        log.info("token cache %s is up to date", path)
-        return
-    if os.path.isdir(os.path.dirname(path) or "."):
-        for stale in storage.remove_stale_temporaries(path):
-            log.info("removed %s, left by a build that was stopped", stale)
-    (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
-    write(path, sources, truncate, open_source)
 
 
 def is_own(path: str) -> bool:
