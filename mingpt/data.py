@@ -9,7 +9,6 @@ import glob
 import logging
 import os
 import urllib.request
-from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
 import fsspec
@@ -199,13 +198,13 @@ class HostBatches:
         return chunk[:, :-1], chunk[:, 1:]
 
 
-@dataclass
+@dataclasses.dataclass
 class CharData:
     tokenizer: CharTokenizer
     train: TokenWindows
     heldout: TokenWindows
     cache: token_cache.TokenCache  # the file the tokens are read from
-    files: list[tuple[str, int]] = field(default_factory=list)  # (source, characters) in corpus order
+    files: list[tuple[str, int]]  # (source, characters) in corpus order
 
     def fingerprint(self) -> list[dict]:
         """The corpus's identity, as snapshots record it: each file's name, size in bytes and SHA-256, in order."""
@@ -301,12 +300,9 @@ class ResumableSampler(DistributedSampler):
     def indices(self) -> torch.Tensor:
         """This rank's share of the rest of the epoch, as one tensor (no Python object per sample)."""
         # int32 halves the memory of a large epoch; randperm draws the same permutation for either dtype.
-        dtype = torch.int32 if self.dataset_len < 2**31 else torch.int64
-        if self.shuffle:
-            order = torch.randperm(self.dataset_len, generator=torch.Generator().manual_seed(self.seed + self.epoch),
-                                   dtype=dtype)
-        else:
-            order = torch.arange(self.dataset_len, dtype=dtype)
+        n, dtype = self.dataset_len, torch.int32 if self.dataset_len < 2**31 else torch.int64
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(n, generator=g, dtype=dtype) if self.shuffle else torch.arange(n, dtype=dtype)
         rest = order[self.start_index :]
         mine = rest[self.rank :: self.num_replicas]  # a view: no copy of the epoch's order
         pad = (-len(rest)) % self.num_replicas

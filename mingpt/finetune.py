@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from mingpt.storage import StorageError, reason
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclasses.dataclass
 class Start:
     source: str  # the snapshot read: init_from resolved, or the run's own snapshot when resuming
     state: dict[str, Any]  # what it holds (the weights only when not resuming)

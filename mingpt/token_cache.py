@@ -58,13 +58,11 @@ class TokenCache:
 
     def load(self, device: torch.device) -> torch.Tensor:
         """Every token id, read into `device`'s memory a chunk at a time."""
-        n, dtype = len(self.tokens), self.tokens.dtype
-        out = torch.empty(n, dtype=dtype, device=device)
-        for start in range(0, n, CHUNK):
-            part = out[start : start + CHUNK]
-            host = part if device.type == "cpu" else torch.empty(len(part), dtype=dtype)
-            self.read_windows(torch.tensor([start]), host.view(1, -1))
-            part.copy_(host)
+        out = torch.empty(len(self.tokens), dtype=self.tokens.dtype, device=device)
+        for start in range(0, len(out), CHUNK):
+            host = torch.empty(1, min(CHUNK, len(out) - start), dtype=out.dtype)
+            self.read_windows(torch.tensor([start]), host)
+            out[start : start + CHUNK] = host[0]
         return out
 
 
@@ -123,19 +121,16 @@ def read_header(f) -> tuple[dict, int, str]:
     header = json.loads(f.read(length).decode("utf-8"))
     if header.get("version") != VERSION:
         raise ValueError("another cache version")
-    offset, dtype = _data_offset(length), dtype_for(len(header["vocab"]))
+    offset, dtype = -(-(len(MAGIC) + 8 + length) // PAGE) * PAGE, dtype_for(len(header["vocab"]))
     if os.fstat(f.fileno()).st_size != offset + sum(header["counts"]) * np.dtype(dtype).itemsize:
         raise ValueError("wrong size")
     return header, offset, dtype
 
 
-def _data_offset(header_length: int) -> int:
-    return -(-(len(MAGIC) + 8 + header_length) // PAGE) * PAGE
-
-
-def _header_bytes(header: dict) -> bytes:
+def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start on one
     body = json.dumps(header, sort_keys=True).encode("utf-8")
-    return MAGIC + len(body).to_bytes(8, "little") + body
+    head = MAGIC + len(body).to_bytes(8, "little") + body
+    return head.ljust(-(-len(head) // PAGE) * PAGE, b"\0")
 
 
 def write(path: str, sources: list[str], truncate: float, open_source) -> None:
@@ -165,8 +160,7 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with storage.atomic_open(path) as f:
-            head = _header_bytes(header)
-            f.write(head.ljust(_data_offset(len(head) - len(MAGIC) - 8), b"\0"))
+            f.write(_header_bytes(header))
             digest = hashlib.sha256()
             for source, keep in zip(sources, kept):
                 for cps in kept_chunks(source, open_source, keep):
@@ -234,12 +228,10 @@ def default_cache_path(sources: list[str], truncate: float, cache_dir: str | Non
     """data_config.cache_dir if set, else .mingpt-cache/ beside a local corpus when that directory is writable,
     else the user's cache directory. The name depends on the sources and truncate, not their contents:
     a changed corpus replaces its cache instead of adding one."""
-    if cache_dir is None:
-        if local_dir is not None and os.access(local_dir, os.W_OK):
-            cache_dir = os.path.join(local_dir, DEFAULT_DIR)
-        else:
-            base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-            cache_dir = os.path.join(base, "mingpt")
+    if cache_dir is None and local_dir is not None and os.access(local_dir, os.W_OK):
+        cache_dir = os.path.join(local_dir, DEFAULT_DIR)
+    elif cache_dir is None:
+        cache_dir = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mingpt")
     name = hashlib.sha256(json.dumps([sources, truncate, VERSION]).encode()).hexdigest()[:16]
     stem = os.path.basename(sources[0].rstrip("/")) or "corpus"
     return os.path.join(cache_dir, f"{stem}-{name}.tokens")
