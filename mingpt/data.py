@@ -19,7 +19,6 @@ from torch.utils.data import DistributedSampler
 
 from mingpt import storage, token_cache
 from mingpt.config import DEFAULT_DATA_PATH, DataConfig
-from mingpt.storage import StorageError, reason, storage_errors
 from mingpt.token_cache import DataError
 
 log = logging.getLogger(__name__)
@@ -47,14 +46,14 @@ def open_source(path: str) -> Iterator[BinaryIO]:
         storage.check_regular(path, "data file")
         with fsspec.open(path, "rb") as f:
             yield f
-    except (DataError, StorageError) as e:  # the body's own, or check_regular's
+    except (DataError, storage.StorageError) as e:  # the body's own, or check_regular's
         raise DataError(str(e)) from None
     except FileNotFoundError as e:
         if e.__cause__ is not None:  # fsspec's HTTP file system says "not found" for a failed connection too
-            raise DataError(f"cannot fetch data file {path}: {reason(e.__cause__)}") from None
+            raise DataError(f"cannot fetch data file {path}: {storage.reason(e.__cause__)}") from None
         raise DataError(f"data file not found: {path}") from None
-    except (*storage_errors(), ValueError, ImportError) as e:  # an unreachable object store included
-        raise DataError(f"cannot read data file {path}: {reason(e)}") from None
+    except (*storage.storage_errors(), ValueError, ImportError) as e:  # an unreachable object store included
+        raise DataError(f"cannot read data file {path}: {storage.reason(e)}") from None
 
 
 def read_text(path: str) -> str:
@@ -90,7 +89,7 @@ class CharTokenizer:
 
     def __init__(self, chars: str):
         self.chars = chars
-        self._code_points = token_cache.code_points(chars).astype(np.int64)
+        self._code_points = token_cache.code_points(chars)
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
@@ -111,10 +110,9 @@ class CharTokenizer:
         """Token ids (a binary search per code point); a character outside the vocabulary raises KeyError."""
         cps = token_cache.code_points(text)
         ids = np.searchsorted(self._code_points, cps)
-        known = ids < len(self._code_points)
-        known[known] = self._code_points[ids[known]] == cps[known]
-        if not known.all():
-            raise KeyError(chr(int(cps[np.argmin(known)])))
+        wrong = self._code_points[ids.clip(max=len(self.chars) - 1)] != cps
+        if wrong.any():
+            raise KeyError(chr(int(cps[wrong.argmax()])))
         return torch.from_numpy(ids.astype(token_cache.dtype_for(self.vocab_size)))
 
     def decode(self, ids) -> str:
@@ -246,7 +244,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
     and split it: the first train_split of each file trains, the rest of it is held out."""
     sources, path = cache_location(cfg)
     if build:
-        build_cache(cfg)
+        token_cache.ensure(path, sources, cfg.truncate, open_source)
     try:  # the path names the sources, so the cache holds one entry per source
         cache = token_cache.open_cache(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -279,9 +277,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
 
 
 def spread(n: int, k: int) -> torch.Tensor:  # min(n, k) indices spread evenly over range(n) (k <= 0: all of them)
-    if k <= 0 or k >= n:
-        return torch.arange(n)
-    return torch.arange(k) * n // k
+    return torch.arange(n) if k <= 0 or k >= n else torch.arange(k) * n // k
 
 
 class ResumableSampler(DistributedSampler):

@@ -106,8 +106,7 @@ def kept_chunks(source: str, open_source, keep: int) -> Iterator[np.ndarray]:
             return
         cps = code_points(text[:keep])
         keep -= len(cps)
-        if len(cps):
-            yield cps
+        yield cps
 
 
 def read_header(f) -> tuple[dict, int, str]:
