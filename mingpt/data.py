@@ -159,10 +159,9 @@ class TokenWindows:
 
 
 class HostBatches:
-    """Windows whose tokens stay in the cache file: each batch is read from it (one pread per window), on a GPU
-    into pinned memory and copied to the device asynchronously (torch's caching host allocator reuses a pinned
-    buffer only once its copy is done). `prefetch(indices)` starts the next step's copy while the current step
-    runs; `batch` then hands out slices of it."""
+    """Windows read from the cache file, one pread each; on a GPU into pinned memory, copied asynchronously (torch's
+    caching host allocator reuses a pinned buffer once its copy is done). `prefetch(indices)` reads the next step
+    while the current one runs; `batch` then hands out slices of it."""
 
     def __init__(self, windows: TokenWindows, cache: token_cache.TokenCache, device: torch.device):
         self.windows, self.cache, self.device = windows, cache, device
@@ -182,8 +181,7 @@ class HostBatches:
         return chunk if self._ids is None else self._ids[chunk]
 
     def prefetch(self, indices: torch.Tensor) -> None:
-        indices = indices.to("cpu", torch.long)
-        self._pending = (indices, self._fetch(indices))
+        self._pending = (indices.to("cpu", torch.long), self._fetch(indices))
 
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         indices, n = torch.as_tensor(indices, dtype=torch.long).cpu(), len(indices)

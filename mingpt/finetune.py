@@ -64,8 +64,7 @@ def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | N
 
 def fit_data(data: CharData, start: Start, corpus: Any) -> CharData:
     """The corpus in the snapshot's vocabulary; characters outside it are refused, named."""
-    unknown = CharTokenizer(start.state["vocab"]).unknown(data.tokenizer.chars)
-    if unknown:
+    if unknown := CharTokenizer(start.state["vocab"]).unknown(data.tokenizer.chars):
         raise DataError(f"data_config.path {corpus}: {len(unknown)} character{'s' if len(unknown) > 1 else ''} "
                         f"outside the vocabulary of {start.named}, which a fine-tuned model keeps: "
                         f"{' '.join(map(repr, unknown))}")
@@ -74,13 +73,12 @@ def fit_data(data: CharData, start: Start, corpus: Any) -> CharData:
 
 def load_weights(model: torch.nn.Module, start: Start) -> None:
     """The source's weights into `model` (built to its shape, not yet spread over the ranks)."""
-    state = start.state
     try:
-        model.load_state_dict(state.pop("model_state"))
+        model.load_state_dict(start.state.pop("model_state"))
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
         raise SnapshotError(f"trainer_config.init_from: snapshot {start.source} cannot be loaded: {reason(e)}") \
             from None
-    state.pop("optimizer_state", None)  # a fresh optimizer: its moments are not kept in memory
-    step, best, best_step = state.get("step"), state.get("best_eval_loss"), state.get("best_step")
+    start.state.pop("optimizer_state", None)  # a fresh optimizer: its moments are not kept in memory
+    step, best, best_step = (start.state.get(k) for k in ("step", "best_eval_loss", "best_step"))
     known = isinstance(best, (int, float)) and math.isfinite(best) and best_step == step
     log.info("initialised from %s (step %s%s)", start.source, step, f", held-out loss {best:.4f}" if known else "")

@@ -12,7 +12,7 @@ import mmap
 import os
 import re
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -43,7 +43,7 @@ class TokenCache:
     files: list[tuple[str, int]]  # (source, number of tokens) in order
     fd: int  # the cache, open for reads (batches are read from it, not through the map); closed with this object
     offset: int  # where the token ids start in the file, in bytes
-    sources: list[dict] = field(default_factory=list)  # each source's {"source", "size", "sha256"}, from the header
+    sources: list[dict]  # each source's {"source", "size", "sha256"}, from the header
 
     def read_windows(self, starts: torch.Tensor, out: torch.Tensor) -> None:
         """Row i of `out` (contiguous, on the CPU, in the cache's dtype) := the tokens from `starts[i]` on.
@@ -66,8 +66,7 @@ class TokenCache:
         return out
 
 
-def dtype_for(vocab_size: int) -> str:
-    """The ids' dtype, a name numpy and torch share."""
+def dtype_for(vocab_size: int) -> str:  # the ids' dtype, a name numpy and torch share
     return "uint8" if vocab_size <= 256 else "int16" if vocab_size <= 2**15 else "int32"
 
 
@@ -75,8 +74,7 @@ def code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
 
 
-def count(cps: np.ndarray) -> torch.Tensor:
-    """How often each code point occurs (torch's bincount: ~20x numpy's here)."""
+def count(cps: np.ndarray) -> torch.Tensor:  # how often each code point occurs (torch's bincount: ~20x numpy's)
     return torch.bincount(torch.from_numpy(cps.astype(np.int32)), minlength=N_CODE_POINTS)
 
 
@@ -218,8 +216,7 @@ def open_cache(path: str) -> TokenCache:
     return cache
 
 
-def is_own(path: str) -> bool:
-    """Whether `path` is a cache file, a temporary of one, or the default cache directory."""
+def is_own(path: str) -> bool:  # a cache file, a temporary of one, or the default cache directory
     return OWN_NAME.fullmatch(os.path.basename(path.rstrip("/"))) is not None
 
 
