@@ -145,6 +145,8 @@ class TokenWindows:
     def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
         """Where windows `indices` start in `tokens` (on the tokens' device)."""
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.tokens.device)
+        if len(self.segments) == 1:  # without a search: a batch's cost, for the common case
+            return idx * self.stride + self.segments[0][0]
         seg = torch.searchsorted(self._first, idx, right=True) - 1
         return self._seg_start[seg] + (idx - self._first[seg]) * self.stride
 
@@ -204,8 +206,7 @@ class CharData:
 
     def fingerprint(self) -> list[dict]:
         """The corpus's identity, as snapshots record it: each file's name, size in bytes and SHA-256, in order."""
-        return [{"source": source, "size": key["size"], "sha256": key["sha256"]}
-                for (source, _), key in zip(self.files, self.cache.sources)]
+        return [{**key, "source": source} for (source, _), key in zip(self.files, self.cache.sources)]
 
     def in_vocabulary(self, chars: str) -> CharData:
         """The same corpus with the vocabulary `chars` (a snapshot's), which the caller checked holds every

@@ -1,6 +1,5 @@
 """The token cache: a corpus encoded once per node into a checksummed file that every process reads its batches
-from. Layout: MAGIC, the JSON header's length and the header (vocabulary, each source's size and SHA-256 and
-token count, `data_config.truncate`, the ids' dtype and SHA-256) padded to a page, then the ids, file after file."""
+from. Layout: MAGIC, the JSON header's length, the header padded to a page, then the ids, file after file."""
 
 from __future__ import annotations
 
