@@ -136,15 +136,6 @@ def compose_checked(self: Hydra, config_name: Optional[str], overrides: list[str
     return cfg
 
 
-def used_config(cfg: DictConfig, config: Config) -> str:
-    """.hydra/config.yaml: the values the run used (a fine-tuning run's shape is its snapshot's), gpt_config's
-    vocab_size and block_size as given (the data sets them)."""
-    used = OmegaConf.structured(config)
-    for key in ("vocab_size", "block_size"):
-        used.gpt_config[key] = OmegaConf.select(cfg, f"gpt_config.{key}")
-    return OmegaConf.to_yaml(used)
-
-
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     global _in_task
@@ -153,8 +144,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         config, notices = checked_config(cfg, hydra_cfg)
         stopping.install(config.trainer_config.stop_signals)
-        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check.
-        files = {".hydra/config.yaml": lambda: used_config(cfg, config),
+        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check. config.yaml holds the
+        # values the run used (a fine-tuning run's shape is its snapshot's), vocab_size and block_size as given.
+        given = {key: OmegaConf.select(cfg, f"gpt_config.{key}") for key in ("vocab_size", "block_size")}
+        files = {".hydra/config.yaml": lambda: OmegaConf.to_yaml(OmegaConf.merge(config, {"gpt_config": given})),
                  ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
         run(config, hydra_cfg.runtime.output_dir, files, notices)
     except USER_ERRORS as e:

@@ -1,6 +1,5 @@
-"""The four config dataclasses: the one source of each key's default, type, help and whether it is operational.
-Hydra composes them with conf/ (which only overrides); OmegaConf rejects unknown keys and wrong types,
-`__post_init__` bad values."""
+"""The four config dataclasses, the one source of each key's default, type, help and whether it is operational.
+Hydra composes them with conf/ (which only overrides); OmegaConf rejects wrong keys and types, __post_init__ values."""
 
 from __future__ import annotations
 

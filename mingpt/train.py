@@ -1,5 +1,5 @@
-"""The training recipe: start-up, config -> data, model, trainer; train in the run
-directory and close with one line. The command line around it is mingpt/cli.py."""
+"""The training recipe: start-up, config -> data, model, trainer; train in the run directory and close with one
+line. The command line around it is mingpt/cli.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 import traceback
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -54,7 +53,7 @@ def build_model(gpt_config: GPTConfig) -> GPT:
                           f"allocating {asked.group(1) if asked else 'them'} failed") from None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Run:
     """What start-up settled; everything after it receives these."""
 
@@ -73,7 +72,7 @@ def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Ru
 
 @contextlib.contextmanager
 def settle(config: Config, run_dir: str, dist_info: DistInfo,
-           log_buffer: logging.Handler | None = None) -> Iterator[tuple[Run, Claim]]:
+           log_buffer: logging.Handler) -> Iterator[tuple[Run, Claim]]:
     """Start-up, in order, before anything is written in the run directory: the run directory (writable), the
     snapshot location, the fine-tuning source, the corpus (downloaded and encoded once per node), the directory's
     owner (a lock, for the body's duration) and its record (not another run's)."""
