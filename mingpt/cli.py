@@ -3,7 +3,6 @@ mingpt/train.py runs it; bad input ends it with one line and exit status 2, a st
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import sys
@@ -18,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
@@ -115,10 +114,7 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
 
 def check_composed(cfg: DictConfig) -> None:
     HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in a value, as Hydra does next
-    job = copy.deepcopy(cfg)
-    with read_write(job), open_dict(job):
-        del job["hydra"]
-    checked_config(job, cfg.hydra)
+    checked_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), cfg.hydra)
 
 
 def compose_checked(self: Hydra, config_name: Optional[str], overrides: list[str], run_mode: RunMode,

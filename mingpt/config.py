@@ -308,21 +308,15 @@ def check_known_keys(cfg: Mapping) -> None:
             check(key in fields, f"{name}.{key}", f"unknown key (not a field of {SECTIONS[name].__name__})")
 
 
-# Keys of the PyTorch DDP minGPT tutorial's config file that mean nothing here: a file with them runs, and says so.
-IGNORED_KEYS = {
-    ("trainer_config", "data_loader_workers"): "each process reads its own batches from the token cache "
-    "(or gathers them on the GPU), so there is no DataLoader to give worker processes",
-}
-
-
 def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
-    """Remove IGNORED_KEYS from `cfg`; return one notice per key removed."""
-    notices = []
-    for (section, key), why in IGNORED_KEYS.items():
-        if isinstance(cfg.get(section), MutableMapping) and key in cfg[section]:
-            del cfg[section][key]
-            notices.append(f"{section}.{key} ignored: {why}")
-    return notices
+    """Remove trainer_config.data_loader_workers of the PyTorch DDP minGPT tutorial's config file, which means
+    nothing here (a file with it still runs); return the notice saying so, if it was there."""
+    trainer = cfg.get("trainer_config")
+    if not isinstance(trainer, MutableMapping) or "data_loader_workers" not in trainer:
+        return []
+    del trainer["data_loader_workers"]
+    return ["trainer_config.data_loader_workers ignored: each process reads its own batches from the token cache (or "
+            "gathers them on the GPU), so there is no DataLoader to give worker processes"]
 
 
 def register_configs() -> None:
@@ -379,11 +373,10 @@ def markdown(doc: str) -> str:
 
 
 if __name__ == "__main__":  # python -m mingpt.config --markdown docs/configuration.md: the key tables made anew
+    import pathlib
     import sys
 
     if sys.argv[1:2] != ["--markdown"] or len(sys.argv) != 3:
         sys.exit("usage: python -m mingpt.config --markdown docs/configuration.md")
-    with open(sys.argv[2], encoding="utf-8") as f:
-        text = markdown(f.read())
-    with open(sys.argv[2], "w", encoding="utf-8") as f:
-        f.write(text)
+    path = pathlib.Path(sys.argv[2])
+    path.write_text(markdown(path.read_text(encoding="utf-8")), encoding="utf-8")
