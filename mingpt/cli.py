@@ -1,17 +1,12 @@
-"""The training command line, `python main.py [key=value ...]` and `mingpt-train`:
-Hydra composes the configs, the recipe (mingpt/train.py) runs them. Bad input
-(config, data, snapshot, storage) ends the run with one line on stderr and
-exit status 2; a stop signal with one line and 128 + its number, after a
-snapshot once training runs (mingpt/stopping.py)."""
+"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes the config,
+mingpt/train.py runs it; bad input ends it with one line and exit status 2, a stop signal with 128 + its number."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
 import re
 import sys
-from typing import Any, Iterator, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 import hydra
 import yaml
@@ -22,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
@@ -38,12 +33,12 @@ from mingpt.trainer import TrainingError
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 CONF_PATH = CONF_DIR if os.path.isdir(CONF_DIR) else "pkg://mingpt.conf"
 USER_ERRORS = (ConfigError, DataError, SnapshotError, StorageError, TrainingError, RunDirError)
+COMPOSE = Hydra.compose_config
 
 
 def fail(message: str, status: int = 2) -> NoReturn:
-    """End the process with one line on stderr (one write, so ranks' lines do not interleave),
-    also given to torchrun for its summary: first the line (torchrun stops the other
-    workers as soon as one exits), then the error file."""
+    """End the process with one line on stderr (one write: ranks' lines do not interleave), then in torchrun's
+    error file (after the line: torchrun stops the other workers as soon as one exits)."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     stopping.tell_launcher(f"error: {message}")
@@ -51,12 +46,12 @@ def fail(message: str, status: int = 2) -> NoReturn:
 
 
 def config_error_line(error: BaseException) -> str:
-    """One line for a Hydra/OmegaConf composition error: the key and the problem."""
+    """One line for a Hydra/OmegaConf composition error: the key and the problem. Hydra chains the real error
+    through __cause__ or, while composing a file, __context__."""
     if isinstance(error, OverrideParseException):
         return override_error_line(error.override)
     if isinstance(error, yaml.YAMLError):
         return yaml_error_line(error)
-    # Hydra chains the real error through __cause__ or, while composing a file, __context__.
     where = re.match(r"In '([^']+)'", str(error))
     cause: BaseException | None = error
     while cause is not None:
@@ -107,58 +102,34 @@ _in_task = False  # an OSError outside a task is Hydra failing to create the run
 
 
 def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list[str]]:
-    """The composed job config `cfg` as a Config, every key and value checked (its ignored
-    keys dropped, in place), and the notices saying which were dropped."""
+    """`cfg` as a Config, every key and value checked, and the notices of its ignored keys (dropped in place)."""
     if hydra_cfg.mode == RunMode.RUN:
         check_run_dir_setting(hydra_cfg.run.dir)
-    check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))  # unresolved
+    check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
     with open_dict(cfg):
         notices = drop_ignored_keys(cfg)
-    check_known_keys(cfg)
-    # A user's own file (--config-dir DIR --config-name NAME) need not build on
-    # base_config: the schema goes under it, so its keys and types are checked alike.
+    check_known_keys(cfg)  # and a user's own file need not build on base_config: the schema goes under it
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg)), notices
 
 
-@contextlib.contextmanager
-def checked_composition() -> Iterator[None]:
-    """Check every config Hydra composes as soon as it is composed: before it creates
-    the run directory (a refused config leaves none), and for --cfg, which runs no task."""
-    compose = Hydra.compose_config
-
-    def check(cfg: DictConfig) -> None:
-        HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in a value, as Hydra does next
-        job = copy.deepcopy(cfg)
-        with read_write(job), open_dict(job):
-            del job["hydra"]
-        checked_config(job, cfg.hydra)
-
-    def compose_config(self: Hydra, config_name: Optional[str], overrides: list[str], run_mode: RunMode,
-                       *args: Any, **kwargs: Any) -> DictConfig:
-        cfg = compose(self, config_name, overrides, run_mode, *args, **kwargs)
-        check(cfg)
-        if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
-            # Every job of the sweep, before the first one runs or has a directory.
-            for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None):
-                for job in batch:
-                    check(self.config_loader.load_sweep_config(cfg, list(job)))
-            HydraConfig.instance().set_config(cfg)
-        return cfg
-
-    Hydra.compose_config = compose_config  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Hydra.compose_config = compose  # type: ignore[method-assign]
+def check_composed(cfg: DictConfig) -> None:
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in a value, as Hydra does next
+    checked_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), cfg.hydra)
 
 
-def used_config(cfg: DictConfig, config: Config) -> str:
-    """.hydra/config.yaml: the values the run used (a fine-tuning run's shape is its
-    snapshot's), gpt_config's vocab_size and block_size as given (the data sets them)."""
-    used = OmegaConf.structured(config)
-    for key in ("vocab_size", "block_size"):
-        used.gpt_config[key] = OmegaConf.select(cfg, f"gpt_config.{key}")
-    return OmegaConf.to_yaml(used)
+def compose_checked(self: Hydra, config_name: Optional[str], overrides: list[str], run_mode: RunMode,
+                    *args: Any, **kwargs: Any) -> DictConfig:
+    """Hydra.compose_config while main runs: each config (each job of a sweep) is checked as soon as it is
+    composed, before Hydra creates a run directory (a refused config leaves none), and for --cfg, which runs no
+    task."""
+    cfg = COMPOSE(self, config_name, overrides, run_mode, *args, **kwargs)
+    check_composed(cfg)
+    if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
+        for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None):
+            for job in batch:
+                check_composed(self.config_loader.load_sweep_config(cfg, list(job)))
+        HydraConfig.instance().set_config(cfg)
+    return cfg
 
 
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
@@ -169,9 +140,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         config, notices = checked_config(cfg, hydra_cfg)
         stopping.install(config.trainer_config.stop_signals)
-        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check;
-        # config.yaml is written once the run has taken what it takes from a snapshot.
-        files = {".hydra/config.yaml": lambda: used_config(cfg, config),
+        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check. config.yaml holds the
+        # values the run used (a fine-tuning run's shape is its snapshot's), vocab_size and block_size as given.
+        given = {key: OmegaConf.select(cfg, f"gpt_config.{key}") for key in ("vocab_size", "block_size")}
+        files = {".hydra/config.yaml": lambda: OmegaConf.to_yaml(OmegaConf.merge(config, {"gpt_config": given})),
                  ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
         run(config, hydra_cfg.runtime.output_dir, files, notices)
     except USER_ERRORS as e:
@@ -187,10 +159,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def take_local_rank_argument(argv: list[str]) -> list[str]:
-    """Remove the `--local-rank=N` that the legacy launcher (`python -m
-    torch.distributed.launch` without --use-env) passes; also `--local_rank=N`
-    and `--local_rank N`. The launcher sets LOCAL_RANK too, and that stays the
-    source of truth: the argument only fills it in when it is missing."""
+    """Remove the `--local-rank=N` (`--local_rank=N`, `--local_rank N`) of the legacy launcher (`python -m
+    torch.distributed.launch`); LOCAL_RANK stays the source of truth: the argument only fills it in when missing."""
     rest, given = [], None
     args = iter(argv)
     for arg in args:
@@ -223,17 +193,14 @@ def check_arguments(argv: list[str]) -> None:
 
 
 def main() -> None:
-    """Entry point of `python main.py` and `mingpt-train`."""
     sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
     check_arguments(sys.argv[1:])
-    # Let composition errors reach us instead of Hydra's multi-line report;
-    # any other exception is a bug and keeps its full traceback.
-    os.environ["HYDRA_FULL_ERROR"] = "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us, not Hydra's multi-line report
     stopping.install()  # main.py did it already, before its imports
+    Hydra.compose_config = compose_checked  # type: ignore[method-assign]
     try:
-        with checked_composition():
-            _hydra_main()
-    except USER_ERRORS as e:  # a composed config refused (checked_composition)
+        _hydra_main()
+    except USER_ERRORS as e:  # a composed config refused (compose_checked)
         fail(str(e))
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
         fail(config_error_line(e))
@@ -243,3 +210,5 @@ def main() -> None:
         if _in_task:
             raise
         fail(f"cannot create the run directory: {e.filename or ''}: {e.strerror or e}")
+    finally:
+        Hydra.compose_config = COMPOSE  # type: ignore[method-assign]

@@ -1,5 +1,4 @@
-"""The command lines of generate, score and export: `key=value` overrides of a config
-dataclass, a --help made from its fields, and bad input ended in one line."""
+"""The commands' (generate, score, export) `key=value` parsing, --help from the fields, one-line errors."""
 
 from __future__ import annotations
 
@@ -15,19 +14,13 @@ from mingpt.distributed import setup_logging
 
 
 def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
-    """`key=value` overrides on the defaults of the dataclass `schema`. OmegaConf rejects
-    unknown keys and wrong types; __post_init__ rejects bad values. The `text_keys` are
-    free text, taken verbatim, never parsed as YAML (`prompt=ROMEO:` would otherwise be
-    a mapping, and `prompt=O, Romeo!` or `${...}` would not survive)."""
-    text, rest = {}, []
+    """`key=value` overrides on the defaults of the dataclass `schema`. The `text_keys` are taken verbatim, never
+    parsed as YAML (`prompt=ROMEO:` would be a mapping, `prompt=O, Romeo!` or `${...}` would not survive)."""
     for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
+        if "=" not in arg:
             raise ConfigError(f"{arg}: expected key=value")
-        if key in text_keys:
-            text[key] = value
-        else:
-            rest.append(arg)
+    text = {key: value for key, _, value in (arg.partition("=") for arg in argv) if key in text_keys}
+    rest = [arg for arg in argv if arg.partition("=")[0] not in text_keys]
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
         values = OmegaConf.to_container(merged, resolve=True)
@@ -40,9 +33,9 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
 
 def command(usage: str, schema: type, doc: str, body: Callable[[list[str]], None],
             errors: tuple[type[BaseException], ...], argv: Optional[list[str]] = None) -> None:
-    """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first
-    paragraph, the keys of `schema`, then the rest of `doc`; one of `errors` ends the run with one line on stderr and exit
-    status 2, Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
+    """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first paragraph, the keys of
+    `schema`, then the rest of `doc`; one of `errors` ends the run with one line on stderr and exit status 2,
+    Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         if any(arg in ("-h", "--help") for arg in argv):

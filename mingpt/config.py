@@ -1,10 +1,5 @@
-"""Configuration: the dataclasses are the one source of defaults and types.
-
-Hydra composes them (registered in its ConfigStore below) with the YAML files in
-``conf/``, which only override. OmegaConf rejects unknown keys and wrong types
-while composing; ``__post_init__`` rejects bad values when the composed config
-is turned into these objects (``OmegaConf.to_object``), before any work starts.
-"""
+"""The four config dataclasses, the one source of each key's default, type, help and whether it is operational.
+Hydra composes them with conf/ (which only overrides); OmegaConf rejects wrong keys and types, __post_init__ values."""
 
 from __future__ import annotations
 
@@ -42,10 +37,16 @@ def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
+def at_least(bound: int, section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        check(value >= bound, f"{prefix}.{name}", f"must be >= {bound}, got {value}")
+
+
 def key(default: Any = dataclasses.MISSING, help: str = "", operational: bool = False, **factory: Any) -> Any:
-    """A config key: its default (or default_factory), its meaning in one line (the key tables
-    of docs/configuration.md and the commands' --help are made from it), and whether it is
-    operational: it changes how a run is carried out, logged or saved, never what it computes."""
+    """A config key: its default (or default_factory), its meaning in one line (for docs/configuration.md and
+    --help), and whether it is operational: it changes how a run is carried out, logged or saved, never what it
+    computes."""
     return field(default=default, **factory, metadata={"help": help, "operational": operational})
 
 
@@ -61,17 +62,13 @@ class GPTConfig:
     block_size: Optional[int] = key(None, "the context length, set from `data_config.block_size`; leave unset")
 
     def __post_init__(self) -> None:
-        for key in ("n_layer", "n_head", "n_embd"):
-            check(getattr(self, key) >= 1, f"gpt_config.{key}", f"must be >= 1, got {getattr(self, key)}")
-        check(
-            self.n_embd % self.n_head == 0,
-            "gpt_config.n_embd",
-            f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}",
-        )
+        at_least(1, self, "gpt_config", "n_layer", "n_head", "n_embd")
+        check(self.n_embd % self.n_head == 0, "gpt_config.n_embd",
+              f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}")
         check(0.0 <= self.dropout < 1.0, "gpt_config.dropout", f"must be in [0, 1), got {self.dropout}")
-        for key in ("vocab_size", "block_size"):
-            value = getattr(self, key)
-            check(value is None or value >= 1, f"gpt_config.{key}", f"must be >= 1, got {value}")
+        for name in ("vocab_size", "block_size"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, f"gpt_config.{name}", f"must be >= 1, got {value}")
 
 
 @dataclass
@@ -82,48 +79,35 @@ class OptimizerConfig:
     weight_decay: float = key(0.1, "on the weights of Linear layers only; none on biases, LayerNorms, embeddings")
     betas: tuple[float, float] = key((0.9, 0.99), "AdamW betas")
     eps: float = key(1e-8, "AdamW epsilon")
-    lr_schedule: str = key(
-        "cosine", "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` at the last step; "
-        "`constant`: warmup, then flat")
+    lr_schedule: str = key("cosine", "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` "
+                           "at the last step; `constant`: warmup, then flat")
     warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)")
     min_lr_ratio: float = key(0.1, "floor of the cosine decay, as a fraction of `learning_rate`")
-    algorithm: str = key(
-        "adamw", "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer blocks, AdamW "
-        "for the embeddings, head, biases and LayerNorms; not with `trainer_config.parallelism=fsdp`")
-    muon_learning_rate: float = key(
-        0.01, "Muon's peak learning rate (`algorithm=muon`), on the same schedule "
-        "([measured](../BENCHMARKS.md#time-to-quality))")
+    algorithm: str = key("adamw", "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer "
+                         "blocks, AdamW for the embeddings, head, biases and LayerNorms; not with "
+                         "`trainer_config.parallelism=fsdp`")
+    muon_learning_rate: float = key(0.01, "Muon's peak learning rate (`algorithm=muon`), on the same schedule "
+                                    "([measured](../BENCHMARKS.md#time-to-quality))")
     muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1)")
 
     def __post_init__(self) -> None:
-        check(
-            math.isfinite(self.learning_rate) and self.learning_rate > 0,
-            "optimizer_config.learning_rate",
-            f"must be > 0, got {self.learning_rate}",
-        )
-        check(
-            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-            "optimizer_config.weight_decay", f"must be a finite number >= 0, got {self.weight_decay}",
-        )
-        check(
-            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
-            "optimizer_config.betas",
-            f"must be two numbers in [0, 1), got {list(self.betas)}",
-        )
+        check(math.isfinite(self.learning_rate) and self.learning_rate > 0, "optimizer_config.learning_rate",
+              f"must be > 0, got {self.learning_rate}")
+        check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optimizer_config.weight_decay",
+              f"must be a finite number >= 0, got {self.weight_decay}")
+        check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer_config.betas",
+              f"must be two numbers in [0, 1), got {list(self.betas)}")
         check(math.isfinite(self.eps) and self.eps > 0, "optimizer_config.eps",
               f"must be a finite number > 0, got {self.eps}")
         one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
-        check(self.warmup_steps >= 0, "optimizer_config.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        at_least(0, self, "optimizer_config", "warmup_steps")
         one_of(self.algorithm, "optimizer_config.algorithm", ("adamw", "muon"))
         check(math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0,
               "optimizer_config.muon_learning_rate", f"must be > 0, got {self.muon_learning_rate}")
         check(0.0 <= self.muon_momentum < 1.0, "optimizer_config.muon_momentum",
               f"must be in [0, 1), got {self.muon_momentum}")
-        check(
-            0.0 <= self.min_lr_ratio <= 1.0,
-            "optimizer_config.min_lr_ratio",
-            f"must be in [0, 1], got {self.min_lr_ratio}",
-        )
+        check(0.0 <= self.min_lr_ratio <= 1.0, "optimizer_config.min_lr_ratio",
+              f"must be in [0, 1], got {self.min_lr_ratio}")
 
 
 DEFAULT_DATA_PATH = "data/input.txt"
@@ -133,24 +117,19 @@ DEFAULT_DATA_PATH = "data/input.txt"
 class DataConfig:
     """The corpus and how it is cut into training and held-out windows."""
 
-    path: Any = key(
-        DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or `gcs` extra), a glob, or a list "
-        "of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one corpus; the default is downloaded when "
-        "missing ([The corpus](data.md))")
+    path: Any = key(DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or "
+                    "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one "
+                    "corpus; the default is downloaded when missing ([The corpus](data.md))")
     block_size: int = key(64, "context length in characters")
-    train_split: float = key(
-        0.9, "the first `train_split` of each file trains, the rest of it is held out; in (0, 1)")
+    train_split: float = key(0.9, "the first `train_split` of each file trains, the rest of it is held out; in (0, 1)")
     truncate: float = key(1.0, "use only this leading fraction of each file; in (0, 1]")
-    stride: int = key(
-        64, "a training window starts every `stride` characters (1: at every character); held-out windows never "
-        "overlap")
-    cache_dir: Optional[str] = key(
-        None, "directory of the token cache; null: `.mingpt-cache/` beside a local corpus if writable, else "
-        "`$XDG_CACHE_HOME/mingpt`", operational=True)
-    placement: str = key(
-        "auto", "where batches are gathered: `device` (the whole corpus in the device's memory), `host` (each batch read "
-        "from the token cache file), `auto` (on a GPU `device` when the corpus takes at most 1/8 of its memory; "
-        "else `host`)", operational=True)
+    stride: int = key(64, "a training window starts every `stride` characters (1: at every character); held-out "
+                      "windows never overlap")
+    cache_dir: Optional[str] = key(None, "directory of the token cache; null: `.mingpt-cache/` beside a local corpus "
+                                   "if writable, else `$XDG_CACHE_HOME/mingpt`", operational=True)
+    placement: str = key("auto", "where batches are gathered: `device` (the whole corpus in the device's memory), "
+                         "`host` (each batch read from the token cache file), `auto` (on a GPU `device` when the "
+                         "corpus takes at most 1/8 of its memory; else `host`)", operational=True)
 
     def __post_init__(self) -> None:
         paths = [self.path] if isinstance(self.path, str) else self.path
@@ -159,16 +138,11 @@ class DataConfig:
               "data_config.path", f"must be a non-empty path, glob or list of them, got {self.path!r}")
         if not isinstance(self.path, str):
             self.path = list(self.path)
-        check(self.block_size >= 1, "data_config.block_size", f"must be >= 1, got {self.block_size}")
-        check(
-            0.0 < self.train_split < 1.0,
-            "data_config.train_split",
-            f"must be in (0, 1), got {self.train_split}",
-        )
+        at_least(1, self, "data_config", "block_size", "stride")
+        check(0.0 < self.train_split < 1.0, "data_config.train_split", f"must be in (0, 1), got {self.train_split}")
         check(0.0 < self.truncate <= 1.0, "data_config.truncate", f"must be in (0, 1], got {self.truncate}")
-        check(self.stride >= 1, "data_config.stride", f"must be >= 1, got {self.stride}")
-        check(self.cache_dir is None or (bool(self.cache_dir) and "://" not in self.cache_dir),
-              "data_config.cache_dir", f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}")
+        check(self.cache_dir is None or (bool(self.cache_dir) and "://" not in self.cache_dir), "data_config.cache_dir",
+              f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}")
         one_of(self.placement, "data_config.placement", ("auto", "device", "host"))
 
 
@@ -176,115 +150,95 @@ class DataConfig:
 class TrainerConfig:
     """The training run: length, evaluation, logging, snapshots, devices, precision."""
 
-    run_name: str = key(
-        "default", "the run directory is `runs/<run_name>`, plus the changed values and their hash for any other config (see"
-        " [Run directory](run-directory.md))",
-        operational=True)
+    run_name: str = key("default", "the run directory is `runs/<run_name>`, plus the changed values and their hash "
+                        "for any other config (see [Run directory](run-directory.md))", operational=True)
     max_epochs: int = key(2, "epochs over the training windows")
     max_steps: Optional[int] = key(None, "stop earlier, after this many optimizer steps")
-    batch_size: int = key(
-        12, "windows per process per micro-step; global batch = `batch_size * grad_accum_steps * world size`")
+    batch_size: int = key(12, "windows per process per micro-step; global batch = `batch_size * grad_accum_steps * "
+                          "world size`")
     grad_accum_steps: int = key(1, "micro-steps per optimizer step")
     grad_norm_clip: float = key(1.0, "clip the global gradient norm to this")
     seed: int = key(1337, "the same seed and config give the same run")
     device: str = key("auto", "`auto` (CUDA if available, else CPU), `cpu` or `cuda`", operational=True)
-    eval_every: int = key(
-        500, "evaluate every this many optimizer steps (0: at the end of each epoch); always at the end of the run",
-        operational=True)
-    eval_tokens: int = key(
-        131_072, "evaluate on at most this many held-out tokens, whole windows spread evenly over the split, for any "
-        "number of processes (0: all)")
-    early_stop_patience: Optional[int] = key(
-        None, "stop the run, as finished, after this many evaluations in a row without the best held-out loss dropping "
-        "by `early_stop_min_delta` (null: never)")
-    early_stop_min_delta: float = key(
-        0.0, "the least drop of the held-out loss that counts as an improvement for `early_stop_patience` (>= 0; the "
-        "best weights are kept at any drop)")
+    eval_every: int = key(500, "evaluate every this many optimizer steps (0: at the end of each epoch); always at "
+                          "the end of the run", operational=True)
+    eval_tokens: int = key(131_072, "evaluate on at most this many held-out tokens, whole windows spread evenly over "
+                           "the split, for any number of processes (0: all)")
+    early_stop_patience: Optional[int] = key(None, "stop the run, as finished, after this many evaluations in a row "
+                                             "without the best held-out loss dropping by `early_stop_min_delta` "
+                                             "(null: never)")
+    early_stop_min_delta: float = key(0.0, "the least drop of the held-out loss that counts as an improvement for "
+                                      "`early_stop_patience` (>= 0; the best weights are kept at any drop)")
     log_every: int = key(50, "log a train event every this many optimizer steps", operational=True)
     sample_chars: int = key(200, "characters sampled at each evaluation and at the end (0: none)", operational=True)
-    snapshot_path: Optional[str] = key(
-        None, "the snapshots' root directory: local path or fsspec URL, relative to the run directory; null: "
-        "`snapshots`", operational=True)
+    snapshot_path: Optional[str] = key(None, "the snapshots' root directory: local path or fsspec URL, relative to "
+                                       "the run directory; null: `snapshots`", operational=True)
     save_every: int = key(1, "save a snapshot every this many epochs, and always at the end", operational=True)
     save_every_steps: Optional[int] = key(None, "also save every this many optimizer steps", operational=True)
-    save_every_minutes: Optional[float] = key(
-        5.0, "also save when this many minutes have passed since the last save (null: never by time), a bound on the "
-        "work a crash can lose", operational=True)
-    keep_snapshots: int = key(
-        2, "snapshots kept (the newest), the older removed once a new one is published",
-        operational=True)
-    async_save: bool = key(
-        True, "save in the background: training waits only for the copy of the state to CPU memory; the next save, a "
-        "stop and the end wait for it, and its failure stops the run on every rank", operational=True)
-    stop_signals: list[str] = key(
-        help="signals that stop the run at the next step boundary after a snapshot, exit status 128 + the signal "
-        "([Fault tolerance](fault-tolerance.md#stopping-a-run-signals-and-exit-statuses))",
-        operational=True, default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
-    init_from: Optional[str] = key(
-        None, "fine-tune from a snapshot file, a sharded snapshot or a run directory (its best weights): its shape, "
-        "vocabulary and weights, with a fresh optimizer and schedule on this run's corpus "
-        "([Fine-tuning](training.md#fine-tuning))")
+    save_every_minutes: Optional[float] = key(5.0, "also save when this many minutes have passed since the last save "
+                                              "(null: never by time), a bound on the work a crash can lose",
+                                              operational=True)
+    keep_snapshots: int = key(2, "snapshots kept (the newest), the older removed once a new one is published",
+                              operational=True)
+    async_save: bool = key(True, "save in the background: training waits only for the copy of the state to CPU "
+                           "memory; the next save, a stop and the end wait for it, and its failure stops the run on "
+                           "every rank", operational=True)
+    stop_signals: list[str] = key(help="signals that stop the run at the next step boundary after a snapshot, exit "
+                                  "status 128 + the signal ([Fault tolerance](fault-tolerance.md#stopping-a-run-"
+                                  "signals-and-exit-statuses))", operational=True,
+                                  default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+    init_from: Optional[str] = key(None, "fine-tune from a snapshot file, a sharded snapshot or a run directory (its "
+                                   "best weights): its shape, vocabulary and weights, with a fresh optimizer and "
+                                   "schedule on this run's corpus ([Fine-tuning](training.md#fine-tuning))")
     use_amp: bool = key(False, "mixed precision on CUDA")
     amp_dtype: str = key("bf16", "`bf16`, or `fp16` (with a gradient scaler)")
     amp_on_cpu: bool = key(False, "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)")
     compile: bool = key(False, "`torch.compile` the model", operational=True)
-    activation_checkpointing: bool = key(
-        False, "recompute each transformer block's activations in backward instead of keeping them: less memory for more"
-        " compute, the same gradients (`benchmarks/bench_memory.py` measures both)",
-        operational=True)
-    parallelism: str = key(
-        "ddp", "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and AdamW state sharded over"
-        " the ranks; see [Distributed training](training.md#distributed-training))")
-    ddp_comm_hook: str = key(
-        "none", "DDP gradient communication: `none`, `fp16`, `bf16` (NCCL only), `powersgd`, `batched_powersgd`, "
-        "`post_local_sgd` (see [Distributed training](training.md#distributed-training))")
-    powersgd_rank: int = key(
-        8, "PowerSGD's matrix rank, and the step it starts compressing at (>= 2); the defaults keep `powersgd` "
-        "within about 2% of DDP's held-out loss "
-        "([measured](../BENCHMARKS.md#powersgds-defaults-what-the-compression-costs-in-loss))")
-    powersgd_start_step: int = key(
-        100, "PowerSGD's matrix rank, and the step it starts compressing at (>= 2); the defaults keep `powersgd` "
-        "within about 2% of DDP's held-out loss "
-        "([measured](../BENCHMARKS.md#powersgds-defaults-what-the-compression-costs-in-loss))")
-    allow_config_change: bool = key(
-        False, "resume a snapshot written with other values (see [Fault tolerance](fault-tolerance.md))",
-        operational=True)
-    localsgd_start_step: int = key(
-        100, "LocalSGD: plain DDP steps before it starts (>= 0), and steps between averagings (>= 2)")
-    localsgd_period: int = key(
-        4, "LocalSGD: plain DDP steps before it starts (>= 0), and steps between averagings (>= 2)")
-    localsgd_group: str = key(
-        "rank", "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients every step)")
-    tracker: Optional[str] = key(
-        None, "`mlflow` (needs the `mlflow` extra) or null: rank 0 also logs the config, scalars and samples there, and"
-        " a resumed run continues the same tracker run ([Experiment tracking](tracking.md))", operational=True)
-    tracker_uri: Optional[str] = key(
-        None, "the tracker's store: an MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`, `file:./mlruns` "
-        "or a directory); null: MLflow's default (`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the "
-        "working directory)",
-        operational=True)
+    activation_checkpointing: bool = key(False, "recompute each transformer block's activations in backward instead "
+                                         "of keeping them: less memory for more compute, the same gradients "
+                                         "(`benchmarks/bench_memory.py` measures both)", operational=True)
+    parallelism: str = key("ddp", "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and "
+                           "AdamW state sharded over the ranks; see [Distributed training]"
+                           "(training.md#distributed-training))")
+    ddp_comm_hook: str = key("none", "DDP gradient communication: `none`, `fp16`, `bf16` (NCCL only), `powersgd`, "
+                             "`batched_powersgd`, `post_local_sgd` (see [Distributed training]"
+                             "(training.md#distributed-training))")
+    powersgd_rank: int = key(8, "PowerSGD's matrix rank; with `powersgd_start_step`'s default it keeps `powersgd` "
+                             "within about 2% of DDP's held-out loss ([measured](../BENCHMARKS.md#powersgds-defaults-"
+                             "what-the-compression-costs-in-loss))")
+    powersgd_start_step: int = key(100, "the step PowerSGD starts compressing at (>= 2)")
+    allow_config_change: bool = key(False, "resume a snapshot written with other values (see [Fault tolerance]"
+                                    "(fault-tolerance.md))", operational=True)
+    localsgd_start_step: int = key(100, "LocalSGD: plain DDP steps before it starts (>= 0)")
+    localsgd_period: int = key(4, "LocalSGD: steps between averagings (>= 2)")
+    localsgd_group: str = key("rank", "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients "
+                              "every step)")
+    tracker: Optional[str] = key(None, "`mlflow` (needs the `mlflow` extra) or null: rank 0 also logs the config, "
+                                 "scalars and samples there, and a resumed run continues the same tracker run "
+                                 "([Experiment tracking](tracking.md))", operational=True)
+    tracker_uri: Optional[str] = key(None, "the tracker's store: an MLflow tracking URI (`http://host:5000`, "
+                                     "`sqlite:///mlflow.db`, `file:./mlruns` or a directory); null: MLflow's default "
+                                     "(`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the working directory)",
+                                     operational=True)
 
     def __post_init__(self) -> None:
         check(self.run_name not in ("", ".", "..") and "/" not in self.run_name and self.run_name.isprintable(),
               "trainer_config.run_name", "must be one directory name (not empty, '.' or '..', without '/' or "
               f"control characters such as a newline), got {self.run_name!r}")
-        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every", "powersgd_rank",
-                    "keep_snapshots")
-        for key in positive:
-            check(getattr(self, key) >= 1, f"trainer_config.{key}", f"must be >= 1, got {getattr(self, key)}")
+        at_least(1, self, "trainer_config", "max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every",
+                 "powersgd_rank", "keep_snapshots")
         per_step = self.batch_size * self.grad_accum_steps
         check(per_step < 2**31, "trainer_config.grad_accum_steps",
               f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}")
         check_seed(self.seed, "trainer_config.seed")
-        for key in ("max_steps", "save_every_steps", "early_stop_patience"):
-            value = getattr(self, key)
-            check(value is None or value >= 1, f"trainer_config.{key}", f"must be >= 1 or null, got {value}")
-        for key in ("eval_every", "sample_chars", "eval_tokens"):
-            check(getattr(self, key) >= 0, f"trainer_config.{key}", f"must be >= 0, got {getattr(self, key)}")
+        for name in ("max_steps", "save_every_steps", "early_stop_patience"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, f"trainer_config.{name}", f"must be >= 1 or null, got {value}")
+        at_least(0, self, "trainer_config", "eval_every", "sample_chars", "eval_tokens", "localsgd_start_step")
         check(math.isfinite(self.early_stop_min_delta) and self.early_stop_min_delta >= 0,
               "trainer_config.early_stop_min_delta", f"must be a finite number >= 0, got {self.early_stop_min_delta}")
         check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
-               f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
+              f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
         check(self.save_every_minutes is None or self.save_every_minutes > 0, "trainer_config.save_every_minutes",
               f"must be > 0 or null, got {self.save_every_minutes}")
         for name in self.stop_signals:
@@ -309,10 +263,8 @@ class TrainerConfig:
                   f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none (use none, or parallelism=ddp)")
             check(not (self.use_amp and self.amp_dtype == "fp16"), "trainer_config.amp_dtype",
                   "fp16 needs a gradient scaler over the shards; with parallelism=fsdp use bf16")
-        check(self.localsgd_start_step >= 0, "trainer_config.localsgd_start_step",
-              f"must be >= 0, got {self.localsgd_start_step}")
-        check(self.localsgd_period >= 2, "trainer_config.localsgd_period",
-              f"must be >= 2 (1 averages every step: that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}")
+        check(self.localsgd_period >= 2, "trainer_config.localsgd_period", "must be >= 2 (1 averages every step: "
+              f"that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}")
         one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
         check(self.tracker in (None, "mlflow"), "trainer_config.tracker",
               f"{self.tracker!r} is not a tracker mingpt has: mlflow, or null (none)")
@@ -333,62 +285,49 @@ class Config:
               "(torch.optim.Muon takes no sharded parameters): use adamw, or parallelism=ddp")
 
 
-# The keys of the fields marked `operational` above. Every other key is
-# result-affecting: the run directory's name and the check on resume
-# (mingpt/rundir.py, mingpt/snapshot/fit.py) compare those.
-OPERATIONAL_KEYS = frozenset(f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
-                             for f in dataclasses.fields(section.default_factory) if f.metadata.get("operational"))
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# Every key not operational is result-affecting: the run directory's name and the check on resume compare those.
+OPERATIONAL_KEYS = frozenset(f"{name}.{f.name}" for name, section in SECTIONS.items()
+                             for f in dataclasses.fields(section) if f.metadata["operational"])
 
 
 def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
-    """The result-affecting values of a config given as {section: {key: value}}
-    (a composed config, a snapshot's saved configs), flat as {"section.key": value},
-    in JSON's types, so a tuple and a list of the same numbers compare equal."""
-    names = [f.name for f in dataclasses.fields(Config)]
-    flat = {f"{name}.{key}": value for name in names if isinstance(sections.get(name), Mapping)
+    """The result-affecting values of {section: {key: value}} (a composed config, a snapshot's saved configs),
+    flat as {"section.key": value}, in JSON's types, so a tuple and a list of the same numbers compare equal."""
+    flat = {f"{name}.{key}": value for name in SECTIONS if isinstance(sections.get(name), Mapping)
             for key, value in sections[name].items()}
     return json.loads(json.dumps({k: v for k, v in flat.items() if k not in OPERATIONAL_KEYS}))
 
 
 def check_known_keys(cfg: Mapping) -> None:
-    """Reject keys the dataclasses do not declare. OmegaConf does so for plain
-    overrides, but Hydra's `+key=value` adds keys past it."""
-    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    """Reject keys the dataclasses do not declare: Hydra's `+key=value` adds keys past OmegaConf's check."""
     for name, section in cfg.items():
-        check(name in sections, name, "unknown key")
-        fields = {f.name for f in dataclasses.fields(sections[name])}
+        check(name in SECTIONS, name, "unknown key")
+        fields = {f.name for f in dataclasses.fields(SECTIONS[name])}
         for key in section:
-            check(key in fields, f"{name}.{key}", f"unknown key (not a field of {sections[name].__name__})")
-
-
-# Keys of the PyTorch DDP minGPT tutorial's config file that mean nothing here:
-# a user's file that has them still runs, and the run says they are ignored.
-IGNORED_KEYS = {
-    ("trainer_config", "data_loader_workers"): "each process reads its own batches from the token cache "
-    "(or gathers them on the GPU), so there is no DataLoader to give worker processes",
-}
+            check(key in fields, f"{name}.{key}", f"unknown key (not a field of {SECTIONS[name].__name__})")
 
 
 def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
-    """Remove IGNORED_KEYS from `cfg`; return one notice per key removed."""
-    notices = []
-    for (section, key), why in IGNORED_KEYS.items():
-        if isinstance(cfg.get(section), MutableMapping) and key in cfg[section]:
-            del cfg[section][key]
-            notices.append(f"{section}.{key} ignored: {why}")
-    return notices
+    """Remove trainer_config.data_loader_workers of the PyTorch DDP minGPT tutorial's config file, which means
+    nothing here (a file with it still runs); return the notice saying so, if it was there."""
+    trainer = cfg.get("trainer_config")
+    if not isinstance(trainer, MutableMapping) or "data_loader_workers" not in trainer:
+        return []
+    del trainer["data_loader_workers"]
+    return ["trainer_config.data_loader_workers ignored: each process reads its own batches from the token cache (or "
+            "gathers them on the GPU), so there is no DataLoader to give worker processes"]
 
 
 def register_configs() -> None:
-    """Make the dataclasses Hydra's schema: `base_config` for the whole config, and
-    `gpt_config=default`, `optimizer_config=default` (the dataclass defaults) beside the YAML presets;
-    `${mingpt.keys:}` is every key with its value in the composed config (for --help)."""
+    """The dataclasses as Hydra's schema (`base_config`, `gpt_config=default`, `optimizer_config=default`), and
+    `${mingpt.keys:}`: every key with its value in the composed config (for --help)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(group="gpt_config", name="default", node=GPTConfig)
     cs.store(group="optimizer_config", name="default", node=OptimizerConfig)
     OmegaConf.register_new_resolver("mingpt.keys", lambda _root_: "\n".join(
-        key_lines(s.default_factory, _root_[s.name], f"{s.name}.") for s in dataclasses.fields(Config)
+        key_lines(section, _root_[name], f"{name}.") for name, section in SECTIONS.items()
     ).replace("$", "$$"), replace=True)  # Hydra fills in the help template with string.Template
 
 
@@ -398,25 +337,24 @@ def _text(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def key_table(section: type) -> str:
-    """A config dataclass's keys as a markdown table, from its fields."""
+    """A config dataclass's keys as a markdown table."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(section):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         kind = re.sub(r"Optional\[(.*)\]", r"\1 or null", str(f.type)).replace("Any", "str or list")
         note = " (operational)" if f.metadata["operational"] else ""
-        rows.append(f"| `{f.name}` | {kind} | {_text(default)} | {f.metadata['help']}{note} |")
+        rows.append(f"| `{f.name}` | {kind} | {_text(_default(f))} | {f.metadata['help']}{note} |")
     return "\n".join(rows)
 
 
 def key_lines(section: type, values: Optional[Mapping] = None, prefix: str = "") -> str:
-    """A config dataclass's keys for a --help, from its fields: `key=value` (the default,
-    or the value in `values`) and the key's meaning."""
-    rows = []
-    for f in dataclasses.fields(section):
-        value = values[f.name] if values is not None else (
-            f.default_factory() if f.default is dataclasses.MISSING else f.default)
-        rows.append((f"{prefix}{f.name}={_text(value)}", f.metadata["help"]))
+    """A config dataclass's keys for a --help: `key=value` (the default, or the value in `values`), its meaning."""
+    rows = [(f"{prefix}{f.name}={_text(_default(f) if values is None else values[f.name])}", f.metadata["help"])
+            for f in dataclasses.fields(section)]
     width = min(max(len(k) for k, _ in rows), 28) + 4
     lines = []
     for k, help in rows:
@@ -427,19 +365,18 @@ def key_lines(section: type, values: Optional[Mapping] = None, prefix: str = "")
 
 def markdown(doc: str) -> str:
     """`doc` with the table of each section between its `<!-- keys: SECTION -->` and `<!-- end -->` made anew."""
-    for section in dataclasses.fields(Config):
-        begin = f"<!-- keys: {section.name} -->\n"
+    for name, section in SECTIONS.items():
+        begin = f"<!-- keys: {name} -->\n"
         start, end = doc.index(begin) + len(begin), doc.index("<!-- end -->", doc.index(begin))
-        doc = doc[:start] + key_table(section.default_factory) + "\n" + doc[end:]
+        doc = doc[:start] + key_table(section) + "\n" + doc[end:]
     return doc
 
 
 if __name__ == "__main__":  # python -m mingpt.config --markdown docs/configuration.md: the key tables made anew
+    import pathlib
     import sys
 
     if sys.argv[1:2] != ["--markdown"] or len(sys.argv) != 3:
         sys.exit("usage: python -m mingpt.config --markdown docs/configuration.md")
-    with open(sys.argv[2], encoding="utf-8") as f:
-        text = markdown(f.read())
-    with open(sys.argv[2], "w", encoding="utf-8") as f:
-        f.write(text)
+    path = pathlib.Path(sys.argv[2])
+    path.write_text(markdown(path.read_text(encoding="utf-8")), encoding="utf-8")

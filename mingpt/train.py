@@ -1,5 +1,5 @@
-"""The training recipe: start-up, config -> data, model, trainer; train in the run
-directory and close with one line. The command line around it is mingpt/cli.py."""
+"""The training recipe: start-up, config -> data, model, trainer; train in the run directory and close with one
+line. The command line around it is mingpt/cli.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 import traceback
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -49,49 +48,43 @@ def build_model(gpt_config: GPTConfig) -> GPT:
             raise
         d, v, b = gpt_config.n_embd, gpt_config.vocab_size, gpt_config.block_size
         params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
-        raise ConfigError(
-            f"gpt_config: the model does not fit in memory: {params:,} parameters "
-            f"({params * 4 / 1e9:,.0f} GB of float32 weights, about 4x that to train with AdamW); "
-            f"allocating {asked.group(1) if asked else 'them'} failed"
-        ) from None
+        raise ConfigError(f"gpt_config: the model does not fit in memory: {params:,} parameters "
+                          f"({params * 4 / 1e9:,.0f} GB of float32 weights, about 4x that to train with AdamW); "
+                          f"allocating {asked.group(1) if asked else 'them'} failed") from None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """What start-up settled, in order; everything after it receives these."""
+    """What start-up settled; everything after it receives these."""
 
-    dir: str  # the run directory
-    snapshot_path: str  # where its snapshots are
+    dir: str
+    snapshot_path: str
     saved: dict[str, Any] | None  # what its newest snapshot holds besides tensors (None: none yet)
-    start: finetune.Start | None  # the fine-tuning source (None: not fine-tuning)
+    start: finetune.Start | None  # the fine-tuning source
 
 
 def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Run:
-    """The run directory's snapshot location (unless given), its newest snapshot's
-    record, and the fine-tuning source (which gives `config` the model's shape)."""
-    cfg = config.trainer_config
-    snapshot_path = snapshot_path or resolve_path(cfg, run_dir)
+    """The fine-tuning source gives `config` the model's shape."""
+    snapshot_path = snapshot_path or resolve_path(config.trainer_config, run_dir)
     saved = read_meta(snapshot_path) if has_snapshot(snapshot_path) else None
     return Run(run_dir, snapshot_path, saved, finetune.prepare(config, snapshot_path, saved))
 
 
 @contextlib.contextmanager
 def settle(config: Config, run_dir: str, dist_info: DistInfo,
-           log_buffer: logging.Handler | None = None) -> Iterator[tuple[Run, Claim]]:
-    """Start-up, in order: the run directory (writable), the snapshot location, the
-    fine-tuning source, the corpus (downloaded and encoded once per node), the
-    directory's owner (a lock, for the body's duration) and its record (not another
-    run's). Nothing is written in the run directory before."""
+           log_buffer: logging.Handler) -> Iterator[tuple[Run, Claim]]:
+    """Start-up, in order, before anything is written in the run directory: the run directory (writable), the
+    snapshot location, the fine-tuning source, the corpus (downloaded and encoded once per node), the directory's
+    owner (a lock, for the body's duration) and its record (not another run's)."""
     snapshot_path = resolve_path(config.trainer_config, run_dir)
     check_not_old(config.trainer_config, run_dir, snapshot_path)
     check_writable(run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir, snapshot_path)
-    data_path = config.data_config.path
     if dist_info.is_local_main_process:  # once per node; the others wait
-        if data_path == DEFAULT_DATA_PATH and not os.path.exists(data_path):
-            download_corpus(data_path)
-        build_cache(config.data_config)  # encode the corpus unless its token cache is up to date
+        if config.data_config.path == DEFAULT_DATA_PATH and not os.path.exists(DEFAULT_DATA_PATH):
+            download_corpus(DEFAULT_DATA_PATH)
+        build_cache(config.data_config)
     barrier(dist_info)
     with claim(run.dir, run.snapshot_path, dist_info, log_buffer) as owned:
         check_record(run.dir, run.snapshot_path, run.saved["step"] if run.saved else 0, dist_info)
@@ -99,10 +92,8 @@ def settle(config: Config, run_dir: str, dist_info: DistInfo,
 
 
 def build(config: Config, dist_info: DistInfo, run: Run | str, data: CharData | None = None) -> Trainer:
-    """The recipe, config -> data, model, trainer, for `run` (or a run directory: the
-    tests and benchmarks). The model's vocabulary and context length are set from the
-    data; its initial weights are drawn from the run's seed, or a fine-tuning run takes
-    them from its source."""
+    """config -> data, model, trainer for `run` (or a run directory: the tests and benchmarks); the initial
+    weights are drawn from the run's seed, or a fine-tuning run's taken from its source."""
     run = locate(config, run) if isinstance(run, str) else run
     data = load_data(config.data_config) if data is None else data
     if run.start is not None:
@@ -150,8 +141,8 @@ def shown(path: str) -> str:
 
 
 def summary(t: Trainer, final: float | None) -> str:
-    """The closing line: the held-out losses, the best weights, the snapshot and the
-    command that samples from the best weights (from the snapshot while there are none)."""
+    """The closing line: the held-out losses, the best weights, the snapshot and the command that samples from the
+    best weights (from the snapshot while there are none)."""
     p = t.progress
     losses = [f"held-out loss {final:.4f}"] if final is not None and math.isfinite(final) else []
     best = find_best(t.snapshot_path) if math.isfinite(p.best_eval_loss) else None
@@ -164,8 +155,7 @@ def summary(t: Trainer, final: float | None) -> str:
 
 
 def already_complete(t: Trainer) -> str:
-    """What to type instead, when a command finds its run complete. The number of
-    processes is not part of a run, so the same command under torchrun finds it complete too."""
+    """What to type instead, when a command finds its run complete (whatever the number of processes)."""
     cfg, p, early = t.cfg, t.progress, t.evaluator.stopped_early()
     if early:
         further = "trainer_config.early_stop_patience=null"
@@ -182,29 +172,20 @@ def already_complete(t: Trainer) -> str:
             f"to train this one further add {further} trainer_config.allow_config_change=true")
 
 
-def run(config: Config, run_dir: str, files: dict[str, str] | None = None,
-        notices: Sequence[str] = ()) -> None:
-    """Train in `run_dir`, in the process group torchrun describes (if any)."""
+def run(config: Config, run_dir: str, files: dict[str, str] | None = None, notices: Sequence[str] = ()) -> None:
+    """Train in `run_dir`, in the process group torchrun describes (if any). Everything that can refuse the run
+    comes before the first write in `run_dir`; then train.log and `files` ({path in run_dir: text}) are written."""
     with distributed(config.trainer_config.device) as dist_info:
         try:
-            _run(config, run_dir, dist_info, files, notices)
+            setup_logging(dist_info.rank)
+            log_buffer = hold_log_lines(dist_info.rank)
+            for notice in notices if dist_info.is_main_process else ():
+                log.warning(notice)
+            with settle(config, run_dir, dist_info, log_buffer) as (run, owned):
+                trainer = build(config, dist_info, run, load_data(config.data_config, build=False))
+                owned.accept(files)
+                train(trainer)
         except BaseException as e:
-            # What the run built (DDP's reducer holds the process group) is freed
-            # here, while the group is whole, not in the interpreter's teardown.
+            # What the run built (DDP's reducer holds the process group) is freed here, while the group is whole.
             traceback.clear_frames(e.__traceback__)
             raise
-
-
-def _run(config: Config, run_dir: str, dist_info: DistInfo, files: dict[str, str] | None,
-         notices: Sequence[str]) -> None:
-    """Everything that can refuse the run (start-up, the corpus, the snapshot's
-    compatibility) comes before the first write in `run_dir`; then train.log and
-    `files` ({path in run_dir: text}) are written."""
-    setup_logging(dist_info.rank)
-    log_buffer = hold_log_lines(dist_info.rank)
-    for notice in notices if dist_info.is_main_process else ():
-        log.warning(notice)
-    with settle(config, run_dir, dist_info, log_buffer) as (run, owned):
-        trainer = build(config, dist_info, run, load_data(config.data_config, build=False))
-        owned.accept(files)
-        train(trainer)
