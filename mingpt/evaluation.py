@@ -53,21 +53,17 @@ def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, b
     count, interrupted = 0, 0
     was_training = model.training
     model.eval()
-    try:
-        for k, chunk in enumerate(chunks):
-            if not lockstep and stop_requested():  # the step boundary right after stops the run
-                interrupted = 1
-                break
-            x, y = windows.batch(chunk)
-            with autocast():
-                logits, _ = model(x)
-            if k >= counted:
-                continue
-            losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-            loss_sum += losses.double().sum()
+    for k, chunk in enumerate(chunks):
+        if not lockstep and stop_requested():  # the step boundary right after stops the run
+            interrupted = 1
+            break
+        x, y = windows.batch(chunk)
+        with autocast():
+            logits, _ = model(x)
+        if k < counted:
+            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().sum()
             count += y.numel()
-    finally:
-        model.train(was_training)
+    model.train(was_training)  # an error on the way ends the process
     stats = torch.tensor([loss_sum.item(), count, interrupted], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(stats) for _ in range(W)] if dist_info.is_distributed else [stats]
     if dist_info.is_distributed:
