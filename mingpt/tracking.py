@@ -186,6 +186,5 @@ class MlflowTracker(Tracker):
                    lambda: self.client.log_text(self.run_id, text, f"{tag}s/step_{step:07d}.txt"))
 
     def close(self, status: str = "FINISHED") -> None:
-        """End the MLflow run as FINISHED, KILLED (stopped by a signal: a resume continues it) or FAILED."""
         self._call("ending the run", lambda: self.client.set_terminated(self.run_id, status))
         self.failed = True  # nothing after the end

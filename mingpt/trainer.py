@@ -4,7 +4,6 @@ stream is reseeded from (seed, rank, step) before each step, and the learning ra
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -12,7 +11,6 @@ import time
 from typing import NamedTuple
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt import comm_hooks, evaluation, flops, parallel, stopping, tracking
 from mingpt.config import Config, ConfigError, TrainerConfig
@@ -78,7 +76,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
         self.amp = amp_policy(cfg, self.device.type, self.device.type != "cuda" or torch.cuda.is_bf16_supported())
-        self.amp_dtype = self.amp.dtype if self.amp.enabled else torch.float32
+        amp_dtype = self.amp.dtype if self.amp.enabled else torch.float32  # the dtype MFU's peak is measured in
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp.scaler)
         self.fsdp = parallel.uses_fsdp(cfg, dist_info)
         if self.fsdp:  # before the optimizer; sharded on the CPU, so only this rank's shards go to the device
@@ -111,7 +109,7 @@ class Trainer:
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step, tracker)
         g, step_tokens = config.gpt_config, self.samples_per_step * block
         self.pace = Pace(step_tokens * W, flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd, block),
-                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, self.amp_dtype))
+                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, amp_dtype))
 
     def finished(self) -> bool:
         return self._out_of_steps() or self.evaluator.stopped_early()
@@ -206,9 +204,7 @@ class Trainer:
         """The loss is the mean over ranks: every rank takes part, so all stop together on divergence."""
         p = self.progress
         self._check_diverged(p.step)
-        loss = global_mean(self.dist, loss)
-        if not math.isfinite(loss):
-            raise TrainingError(f"training diverged: the loss is {loss} at step {p.step}; {self.saver.kept()}")
+        loss = global_mean(self.dist, loss)  # finite: every rank's was
         grad_norm = float(grad_norm)  # not finite: an fp16 step the GradScaler skipped
         tokens_per_s, mfu, note = self.pace.event(p.step, self.total_steps)
         self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr,
@@ -223,13 +219,12 @@ class Trainer:
             raise TrainingError(f"training diverged: the loss is not finite at step {first}{found}; "
                                 f"{self.saver.kept()}")
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def _autocast(self) -> torch.autocast:
         """Autocast for AMP; a sharded model casts by FSDP's own mixed-precision policy instead."""
         return torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled and not self.fsdp)
 
     def evaluate(self) -> float:
-        """The held-out loss of the run's weights (with LocalSGD: of the replicas' mean), recorded and logged
-        with a sample."""
+        """The held-out loss of the run's weights (with LocalSGD: the replicas' mean), recorded, logged, sampled."""
         with self.comm.mean_weights(self.raw_model):
             return self._evaluate()
 
@@ -275,9 +270,8 @@ class Trainer:
                 if self.dist.is_main_process:
                     print(f"--- sample after step {self.progress.step} ---\n{sample}", flush=True)
 
-    def _warm_up_ddp(self, ddp: DDP) -> None:
-        """One forward and backward, gradients dropped: DDP rebuilds its buckets in backward's order at the next
-        step."""
+    def _warm_up_ddp(self, ddp: torch.nn.Module) -> None:
+        """One forward and backward, gradients dropped: DDP rebuilds its buckets in backward's order next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
         ddp(*self.train_windows.batch(first))[1].backward()
         self.optimizer.zero_grad(set_to_none=True)
