@@ -1,11 +1,5 @@
-"""The held-out loss: exact, and the same for any world size.
-
-The windows evaluated are the non-overlapping held-out windows, at most
-`eval_tokens` tokens of them spread evenly over the split (the same choice for
-any world size). Each rank sums the cross-entropy of every W-th of them in
-float64 and counts their tokens; the sums are gathered, so the mean is the sum
-over all windows divided by their token count, whatever W is.
-"""
+"""The held-out loss, exact and the same for any world size: each rank sums the float64 cross-entropy of every W-th
+chosen window and the sums are gathered. When to evaluate, the best loss, early stopping."""
 
 from __future__ import annotations
 
@@ -46,45 +40,34 @@ def chosen_windows(n_windows: int, block_size: int, eval_tokens: int) -> torch.T
 def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, batch_size: int,
              autocast: Callable[[], ContextManager] = contextlib.nullcontext, lockstep: bool = False,
              stop_requested: Callable[[], int] = lambda: 0) -> EvalResult:
-    """Evaluate `model` on `windows` (the held-out TokenWindows or HostBatches)
-    in chunks of `batch_size` windows. With `lockstep` (a sharded model: every
-    forward is a collective) every rank runs the same number of forwards, and a
-    stop request does not cut the evaluation short."""
+    """`model` on `windows` (TokenWindows or HostBatches) in chunks of `batch_size` windows. With `lockstep` (a
+    sharded model: every forward is a collective) every rank runs as many forwards, and a stop request waits."""
     chosen = chosen_windows(len(windows), windows.block_size, eval_tokens)
     W, rank = dist_info.world_size, dist_info.rank
-    indices = chosen[rank::W].to(windows.tokens.device)
-    chunks = list(indices.split(batch_size))
-    if lockstep:  # a rank with fewer windows repeats one and does not count it
-        most_windows = -(-len(chosen) // W)  # rank 0's share: ceil(windows / W)
-        most_chunks = -(-most_windows // batch_size)
-        chunks += [chosen[:1].to(windows.tokens.device)] * (most_chunks - len(chunks))
-    counted = len(indices.split(batch_size))  # the chunks after these are repeats
+    chunks = list(chosen[rank::W].to(windows.tokens.device).split(batch_size))
+    counted = len(chunks)  # the chunks after these are repeats
+    if lockstep:  # a rank with fewer windows than rank 0 repeats one and does not count it
+        chunks += [chosen[:1].to(windows.tokens.device)] * (len(chosen[::W].split(batch_size)) - counted)
     device = dist_info.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count, interrupted = 0, 0
     was_training = model.training
     model.eval()
-    try:
-        for k, chunk in enumerate(chunks):
-            if not lockstep and stop_requested():  # the step boundary right after stops the run
-                interrupted = 1
-                break
-            x, y = windows.batch(chunk)
-            with autocast():
-                logits, _ = model(x)
-            if k >= counted:
-                continue
-            losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-            loss_sum += losses.double().sum()
+    for k, chunk in enumerate(chunks):
+        if not lockstep and stop_requested():  # the step boundary right after stops the run
+            interrupted = 1
+            break
+        x, y = windows.batch(chunk)
+        with autocast():
+            logits, _ = model(x)
+        if k < counted:
+            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().sum()
             count += y.numel()
-    finally:
-        model.train(was_training)
+    model.train(was_training)  # an error on the way ends the process
     stats = torch.tensor([loss_sum.item(), count, interrupted], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(stats) for _ in range(W)] if dist_info.is_distributed else [stats]
     if dist_info.is_distributed:
-        gathered = [torch.zeros_like(stats) for _ in range(W)]
         dist.all_gather(gathered, stats)
-    else:
-        gathered = [stats]
     sums = torch.stack(gathered).cpu()
     if sums[:, 2].any():  # the same on every rank: the gathered flags are
         return EvalResult(float("nan"), [], 0, True)
@@ -94,9 +77,8 @@ def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, b
 
 
 class Evaluator:
-    """When the run evaluates, its best held-out loss, and early stopping. The
-    losses it records are all-reduced, so every rank decides alike; a new best
-    writes the best weights (`save_best`, every rank taking part)."""
+    """When the run evaluates, its best held-out loss, and early stopping. Its losses are the same on every rank,
+    so every rank decides alike; a new best writes the best weights (`save_best`, every rank taking part)."""
 
     def __init__(self, cfg: TrainerConfig, progress: Progress, save_best: Callable[[Progress], None]):
         self.cfg, self.progress, self.save_best = cfg, progress, save_best
@@ -109,14 +91,14 @@ class Evaluator:
         return self.cfg.eval_every == 0
 
     def stopped_early(self) -> bool:
-        """Early stopping ended the run (as the snapshot records it), and this config
-        still would: a larger early_stop_patience, or null, trains on."""
+        """Early stopping ended the run (as the snapshot records it), and this config still would: a larger
+        early_stop_patience, or null, trains on."""
         p, patience = self.progress, self.cfg.early_stop_patience
         return p.stopped_early and patience is not None and p.evals_without_improvement >= patience
 
     def record(self, loss: float, finished: bool) -> None:
-        """A completed evaluation's loss: a new best is saved; early stopping counts the
-        evaluations in a row that did not lower the best by early_stop_min_delta."""
+        """A completed evaluation's loss: a new best is saved; early stopping counts the evaluations in a row that
+        did not lower the best by early_stop_min_delta."""
         cfg, p = self.cfg, self.progress
         self.last, p.stopped_early = loss, False  # evaluating: not stopped (a larger patience trains on)
         improved = loss < p.best_eval_loss

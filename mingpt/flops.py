@@ -1,27 +1,17 @@
-"""FLOPs and rates: a step's model FLOPs, the matmul rate they are measured
-against (MFU in the train log and in benchmarks/bench_train.py), and whether a
-run fits the CPU it is about to train on: a step whose FLOPs over the matmul rate
-measured at start exceed SLOW_STEP_SECONDS is said in one line before training
-(good to about a factor of 2 on a loaded machine).
-"""
+"""A model's FLOPs per token, the matmul rate MFU is measured against, peak memory, and the warning for a run
+whose steps would take over SLOW_STEP_SECONDS on this CPU (good to about a factor of 2 on a loaded machine)."""
 
 from __future__ import annotations
 
-import logging
 import resource
-import time
 
 import torch
 from torch import nn
 
-log = logging.getLogger(__name__)
-
 SLOW_STEP_SECONDS = 1.0
-# Steps under this many FLOPs take well under a second on any CPU: no measurement (the default
-# run's step is 4 GFLOP, the tests' tiny ones far less), so small runs start no later.
+# Steps under this many FLOPs take well under a second on any CPU (the default run's is 4 GFLOP): not measured.
 MEASURE_ABOVE_FLOPS = 1e10
-# Steps of fewer FLOPs per process get no MFU in the train log: overheads, not matmuls, set
-# their pace (the default run's step is 4 GFLOP, the tests' models' a few MFLOP).
+# Steps of fewer FLOPs per process get no MFU: overheads, not matmuls, set their pace (the tests' take a few MFLOP).
 MFU_ABOVE_FLOPS = 1e9
 
 
@@ -33,30 +23,21 @@ def flops_per_token(model: nn.Module, n_layer: int, n_embd: int, block_size: int
 
 def matmul_rate(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32, n: int = 512,
                 seconds: float = 0.05) -> float:
-    """FLOP/s of n x n matmuls in `dtype` on `device`, timed for about `seconds`
-    (at least 3 of them): as fast as the device is now (a CPU: under its present load)."""
+    """FLOP/s of n x n matmuls timed for about `seconds` on all of torch's threads: as fast as the device is now."""
+    from torch.utils import benchmark  # imported here: only large runs measure
+
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    a @ b  # warm-up
-    _sync(device)
-    reps, start = 0, time.perf_counter()
-    while reps < 3 or time.perf_counter() - start < seconds:
-        a @ b
-        reps += 1
-        if reps % 3 == 0:
-            _sync(device)
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
+    timer = benchmark.Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
+    return 2 * n**3 / timer.blocked_autorange(min_run_time=seconds).median
 
 
 def peak_rate(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """The FLOP/s that MFU is measured against: a large matmul in the step's
-    precision (CPU: 1024, fp32; GPU: 8192), at present speed."""
+    """The FLOP/s that MFU is measured against: a large matmul in the step's precision, at present speed."""
     return matmul_rate(device, dtype, n=1024 if device.type == "cpu" else 8192, seconds=0.2)
 
 
 def peak_for_mfu(step_flops: float, dist_info, dtype: torch.dtype) -> float:
-    """The FLOP/s of all ranks that MFU is measured against: peak_rate, measured by
-    rank 0 alone; 0 (no MFU) elsewhere and for steps too small for it to mean anything."""
+    """peak_rate of all ranks, measured by rank 0 alone; 0 (no MFU) elsewhere and for steps too small for it."""
     if not dist_info.is_main_process or step_flops < MFU_ABOVE_FLOPS:
         return 0.0
     return peak_rate(dist_info.device, dtype) * dist_info.world_size
@@ -67,11 +48,6 @@ def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _duration(seconds: float) -> str:

@@ -1,7 +1,5 @@
-"""Where metrics go: log lines (and a tqdm progress bar with rate and ETA when
-stderr is a terminal), TensorBoard scalars and text, metrics.jsonl in the
-run directory, and the experiment tracker if one is on (mingpt/tracking.py).
-Only the global main process writes; the others get a logger that does nothing."""
+"""Where metrics go: log lines (a progress bar on a terminal), TensorBoard, metrics.jsonl and the tracker, from
+the main process only; the pace of training: tokens/s, MFU and the ETA."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 from mingpt.tracking import OFF, Tracker
 
@@ -23,7 +21,7 @@ MACHINE_KEYS = ("tokens_per_s", "mfu", "peak_mem_mib")
 
 
 class SlowNotice:
-    """Whether to announce work (an evaluation, a save) before it starts: the first time, and after it took 1 s or more."""
+    """Whether to announce work (an evaluation, a save) before it starts: the first time, and after it took 1 s+."""
 
     slow = True
 
@@ -39,8 +37,8 @@ def duration(seconds: float) -> str:
 
 
 class Pace:
-    """The speed of training for the train events: tokens/s since the last event,
-    evaluations and saves excluded (`paused`); MFU; the elapsed time and the ETA."""
+    """The speed of training for the train events: tokens/s since the last event, evaluations and saves excluded
+    (`paused`); MFU; the elapsed time and the ETA."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: Callable[[], float]):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
@@ -55,15 +53,12 @@ class Pace:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._window_start += time.perf_counter() - start
+        yield  # an error out of it ends the run: no pace to keep
+        self._window_start += time.perf_counter() - start
 
     def event(self, step: int, total_steps: int) -> tuple[float, float | None, str]:
-        """(tokens/s, MFU, the log line's note) since the last event; a new window from here.
-        The ETA is at this session's pace since its first event: the first window
-        holds the start-up and compilation, so it gives none."""
+        """(tokens/s, MFU, the log line's note) since the last event. The ETA is at this session's pace since its
+        first event: the first window holds the start-up and compilation, so it gives none."""
         tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
         if self._peak is None:
             self._peak = self._peak_flops()
@@ -80,39 +75,32 @@ class Pace:
 
 
 class Metrics:
-    def __init__(self, run_dir: str, enabled: bool, resume_step: Optional[int] = None, tracker: Tracker = OFF):
-        self.enabled = enabled
-        self.tracker = tracker  # gets the same events and samples (closed by close)
+    def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, tracker: Tracker = OFF):
+        self.enabled, self.tracker, self.run_dir = enabled, tracker, run_dir
         self.progress = enabled and sys.stderr.isatty()
-        self.run_dir = run_dir
-        self._bar = None  # the progress bar, created at the first step shown
-        self._redirect = None  # log lines go through tqdm.write while the bar is on
-        self._writer = None
-        self._jsonl = None
+        self._bar = self._writer = self._jsonl = None
+        self._terminal = contextlib.ExitStack()  # the bar and the redirection of log lines above it
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and only rank 0 needs it
 
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_step is not None:
-            _truncate_after(path, resume_step)
-        # TensorBoard hides earlier events at steps >= purge_step: those after the snapshot we resume from.
-        purge_step = None if resume_step is None else resume_step + 1
+        # The events a killed run logged after the snapshot resumed from go; TensorBoard hides them (purge_step).
+        keep = [line for line, record in events(path) if record["step"] <= resume_step]
+        with open(path, "wb") as f:
+            f.writelines(keep)
         threading.excepthook = _quiet_tensorboard_thread
-        self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
+        self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1)
         self._jsonl = open(path, "ab")
 
     def log(self, split: str, step: int, epoch: int, note: str = "", **values: Any) -> None:
-        """One event: a line in metrics.jsonl, scalars in TensorBoard, a log line
-        (followed by `note`, which is not recorded)."""
+        """One event: a line in metrics.jsonl, scalars in TensorBoard, a log line (and `note`, not recorded)."""
         if not self.enabled:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
         log.info("%s step %d epoch %d | %s%s", split, step, epoch, text, f" | {note}" if note else "")
         self.tracker.log(split, step, values)
-        if self._jsonl is None:
-            return
         record = {"step": step, "epoch": epoch, "split": split, **values}
         self._write(lambda: self._append_line(json.dumps(record) + "\n"))
         for key, value in values.items():
@@ -121,9 +109,8 @@ class Metrics:
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.tracker.text(tag, text, step)
-        if self._writer is not None:
-            # Markdown would reflow the sample; a code block keeps its lines.
-            self._write(lambda: self._writer.add_text(tag, "```\n" + text + "\n```", step))
+        # Markdown would reflow the sample; a code block keeps its lines.
+        self._write(lambda: self._writer.add_text(tag, "```\n" + text + "\n```", step))
 
     def _append_line(self, line: str) -> None:
         """A whole line or none: a write cut short (a full disk) is taken back."""
@@ -137,9 +124,8 @@ class Metrics:
             raise
 
     def _write(self, write: Callable[[], None]) -> None:
-        """The record is not worth the run: a storage error under the run
-        directory (a full disk, the directory removed) costs one warning, and
-        training, snapshots and the log on stderr go on without it."""
+        """The record is not worth the run: a storage error (a full disk, the directory removed) costs one warning,
+        and training goes on without it."""
         if self._jsonl is None:
             return
         try:
@@ -151,47 +137,36 @@ class Metrics:
 
     def _close_record(self) -> None:
         writer, jsonl, self._writer, self._jsonl = self._writer, self._jsonl, None, None
-        for close in (writer.close if writer else None, jsonl.close if jsonl else None):
+        for handle in [h for h in (writer, jsonl) if h is not None]:
             with contextlib.suppress(OSError, ValueError):
-                if close is not None:
-                    close()
+                handle.close()
 
     def show_progress(self, step: int, total: int) -> None:
-        """The bar at `step` of `total` (on a terminal only)."""
         if not self.progress:
             return
         if self._bar is None:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self._bar = tqdm(total=total, initial=step - 1, unit="step", dynamic_ncols=True, leave=False,
-                             file=sys.stderr)
-            self._redirect = logging_redirect_tqdm()
-            self._redirect.__enter__()
+            self._bar = self._terminal.enter_context(tqdm(total=total, initial=step - 1, unit="step",
+                                                          dynamic_ncols=True, leave=False, file=sys.stderr))
+            self._terminal.enter_context(logging_redirect_tqdm())
         self._bar.total = total
         self._bar.update(step - self._bar.n)
 
-    def end_progress(self) -> None:
-        if self._bar is not None:
-            self._redirect.__exit__(None, None, None)
-            self._bar.close()
-            self._bar = self._redirect = None
-
     def close(self, status: str = "FINISHED") -> None:
         """`status`: how the run ended, for the tracker (FINISHED, KILLED by a stop signal, FAILED)."""
-        self.end_progress()
+        self._terminal.close()
         self.tracker.close(status)
-        if self._jsonl is not None:
-            self._write(self._writer.flush)
-            self._close_record()
+        self._write(lambda: self._writer.flush())
+        self._close_record()
 
 
 _excepthook = threading.excepthook
 
 
 def _quiet_tensorboard_thread(args: threading.ExceptHookArgs) -> None:
-    """TensorBoard writes its events in a thread of its own, which ends with a
-    traceback on a storage error; the writer raises that error again at the next
+    """TensorBoard's writer thread ends with a traceback on a storage error; the writer raises it again at the next
     write, where Metrics._write turns it into one warning."""
     if type(args.thread).__name__ != "_AsyncWriterThread" or not isinstance(args.exc_value, OSError):
         _excepthook(args)
@@ -204,8 +179,7 @@ def _fmt(value: Any) -> str:
 
 
 def events(path: str) -> Iterator[tuple[bytes, dict]]:
-    """The events of a metrics.jsonl as (line, record); a line that is not an
-    event (cut short by a crash, not UTF-8, not JSON) is left out."""
+    """The events of a metrics.jsonl as (line, record); a line that is not one (cut short, not JSON) is left out."""
     if not os.path.isfile(path):
         return
     with open(path, "rb") as f:
@@ -222,11 +196,3 @@ def last_step(run_dir: str) -> int | None:
     """The last step the run directory's metrics.jsonl records (None: no event)."""
     return max((record["step"] for _, record in events(os.path.join(run_dir, "metrics.jsonl"))), default=None)
 
-
-def _truncate_after(path: str, step: int) -> None:
-    """Drop the events a killed run logged after the snapshot it resumes from."""
-    if not os.path.exists(path):
-        return
-    keep = [line for line, record in events(path) if record["step"] <= step]
-    with open(path, "wb") as f:
-        f.writelines(keep)

@@ -1,5 +1,4 @@
-"""The optimizer: AdamW with a weight-decay split, or Muon for the blocks' matrices
-beside it, and the learning-rate schedule."""
+"""The optimizer: AdamW with a weight-decay split, Muon for the blocks' matrices beside it; the learning rate."""
 
 from __future__ import annotations
 
@@ -12,44 +11,30 @@ from mingpt.config import OptimizerConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on the weights of Linear layers; none on biases, LayerNorm
-    weights and (position) embeddings. Every parameter is in exactly one group."""
+    """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and embeddings."""
     decay, no_decay = [], []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
     assert len(decay) + len(no_decay) == len(list(model.parameters())), "a parameter is shared or missed"
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def hyperparameters(cfg: OptimizerConfig) -> list[dict]:
-    """Each group's settings, in the order of the optimizer's groups: AdamW's decayed and
-    not decayed, then Muon's. `peak_lr` is the group's learning rate at the schedule's peak."""
+def set_hyperparameters(optimizer: torch.optim.Optimizer | Combined, cfg: OptimizerConfig) -> None:
+    """Give the optimizer's groups (AdamW's decayed and not, Muon's) `cfg`'s settings (on resume: the current
+    config's, not the snapshot's); `peak_lr` is the group's learning rate at the schedule's peak."""
     adamw = {"betas": tuple(cfg.betas), "eps": cfg.eps, "peak_lr": cfg.learning_rate}
     groups = [{**adamw, "weight_decay": cfg.weight_decay}, {**adamw, "weight_decay": 0.0}]
     if cfg.algorithm == "muon":
         groups.append({"weight_decay": cfg.weight_decay, "momentum": cfg.muon_momentum,
                        "peak_lr": cfg.muon_learning_rate})
-    return groups
-
-
-def set_hyperparameters(optimizer: torch.optim.Optimizer | Combined, cfg: OptimizerConfig) -> None:
-    """Give the optimizer's groups `cfg`'s settings (on resume: the current config's, not the snapshot's)."""
-    for group, values in zip(optimizer.param_groups, hyperparameters(cfg), strict=True):
+    for group, values in zip(optimizer.param_groups, groups, strict=True):
         group.update(values)
 
 
-def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """What Muon takes: the 2-D weights of the transformer blocks (not the embeddings or the head)."""
-    return [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
-
-
 class Combined:
-    """AdamW and Muon stepped as one optimizer: the groups of both (AdamW's first), one
-    state_dict holding both states. GradScaler unscales and steps it as it does one."""
+    """AdamW and Muon stepped as one optimizer: the groups of both (AdamW's first), one state_dict holding both
+    states. GradScaler unscales and steps it as it does one."""
 
     def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon):
         self.optimizers = (adamw, muon)
@@ -76,32 +61,30 @@ class Combined:
 
 
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:
-    """AdamW over param_groups, fused where every parameter sits on a device with the
-    fused kernel (CUDA, and CPU in recent torch), otherwise foreach; with `muon`, the
-    blocks' matrices go to torch.optim.Muon instead."""
+    """AdamW over param_groups, fused (CUDA and CPU have the kernel), else foreach; with `muon`, the blocks' 2-D
+    weights (not the embeddings or the head) go to torch.optim.Muon instead."""
     fused = next(model.parameters()).device.type in ("cuda", "cpu")
-    muon = {id(p) for p in muon_matrices(model)} if cfg.algorithm == "muon" else set()
+    blocks = [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
+    muon = {id(p): p for p in blocks} if cfg.algorithm == "muon" else {}
     groups = param_groups(model, cfg.weight_decay)
     for group in groups:
         group["params"] = [p for p in group["params"] if id(p) not in muon]
     adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
-    optimizer = Combined(adamw, torch.optim.Muon(muon_matrices(model), lr=cfg.muon_learning_rate)) if muon else adamw
+    optimizer = Combined(adamw, torch.optim.Muon(list(muon.values()), lr=cfg.muon_learning_rate)) if muon else adamw
     set_hyperparameters(optimizer, cfg)
     return optimizer
 
 
 def set_lr(optimizer: torch.optim.Optimizer | Combined, step: int, cfg: OptimizerConfig, total_steps: int) -> float:
-    """Each group's learning rate for optimizer step `step`: lr_at's schedule to its peak_lr.
-    Returns AdamW's (learning_rate's) rate."""
+    """Each group's learning rate for optimizer step `step`, lr_at's schedule to its peak_lr; returns AdamW's."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg, total_steps, group["peak_lr"])
     return lr_at(step, cfg, total_steps)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int, peak: float | None = None) -> float:
-    """Learning rate for optimizer step `step` (0-based) of a run of total_steps:
-    linear warmup over warmup_steps to `peak` (learning_rate unless given), then
-    constant, or cosine decay that reaches min_lr_ratio * peak at step total_steps."""
+    """Learning rate for optimizer step `step` (0-based) of a run of total_steps: linear warmup over warmup_steps
+    to `peak` (learning_rate unless given), then constant, or cosine decay to min_lr_ratio * peak at total_steps."""
     peak = cfg.learning_rate if peak is None else peak
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps

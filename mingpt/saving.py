@@ -1,9 +1,10 @@
-"""When and what the run saves: latest snapshots on the step, minute and epoch
-schedules, on a stop signal and at the end; the best weights at a new best."""
+"""When and what the run saves: latest snapshots on the step, minute and epoch schedules, on a stop signal and at
+the end; the best weights at a new best."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Callable
 
@@ -14,16 +15,16 @@ from mingpt.snapshot.manager import NotFinite, Progress, Snapshot
 from mingpt.stopping import StepFlags
 from mingpt.storage import StorageError
 
+log = logging.getLogger(__name__)
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on (for example, the loss diverged)."""
 
 
 class Saver:
-    """The run's saves. Every rank calls every method at the same step; the
-    decisions that depend on a rank (a stop signal, rank 0's clock) are agreed
-    on first (`agree`). `check_diverged(step)` stops the run before non-finite
-    weights are written."""
+    """Every rank calls every method at the same step; what depends on a rank (a stop signal, rank 0's clock) is
+    agreed on first (`agree`). `check_diverged(step)` stops the run before non-finite weights are written."""
 
     def __init__(self, cfg: TrainerConfig, dist_info: DistInfo, snapshot: Snapshot,
                  check_diverged: Callable[[int], None]):
@@ -32,7 +33,7 @@ class Saver:
         self.last_save = time.monotonic()
 
     def agree(self) -> list[int]:
-        """This step's StepFlags, the same on every rank: one tiny all-reduce (MAX)."""
+        """This step's StepFlags, the same on every rank."""
         flags = [0] * len(StepFlags)
         flags[StepFlags.STOP] = stopping.stop_requested()
         minutes = self.cfg.save_every_minutes
@@ -41,7 +42,6 @@ class Saver:
         return all_max(self.dist, flags)
 
     def after_step(self, progress: Progress) -> None:
-        """A stop signal saves and stops; else the step and minute schedules may save."""
         flags = self.agree()
         self.stop_if_requested(progress, flags)
         every = self.cfg.save_every_steps
@@ -66,10 +66,9 @@ class Saver:
         self.save(progress)
         self.snapshot.wait()
         barrier(self.dist)  # the save is complete before any rank leaves
-        raise stopping.Stopped(
-            signum, f"{stopping.describe(signum)} at step {progress.step}; the snapshot {self.snapshot.path} "
-            f"resumes the run ({stopping.signal_name(signum)}, exit status {stopping.exit_status(signum)})",
-        )
+        raise stopping.Stopped(signum, f"{stopping.describe(signum)} at step {progress.step}; the snapshot "
+                               f"{self.snapshot.path} resumes the run ({stopping.signal_name(signum)}, exit status "
+                               f"{stopping.exit_status(signum)})")
 
     def save(self, progress: Progress) -> None:
         """Save at `progress`, never non-finite weights; a second call at the same position does nothing."""
@@ -80,8 +79,7 @@ class Saver:
             self.snapshot.save(progress)
         except NotFinite:
             raise TrainingError(f"weights are not finite at step {progress.step}, not saving; {self.kept()}") from None
-        self.saved = dataclasses.replace(progress)
-        self.last_save = time.monotonic()
+        self.saved, self.last_save = dataclasses.replace(progress), time.monotonic()
 
     def save_best(self, progress: Progress) -> None:
         try:
@@ -89,14 +87,13 @@ class Saver:
         except NotFinite:
             raise TrainingError(f"weights are not finite at step {progress.step}, not saving; {self.kept()}") from None
 
-    def finish_in_flight(self) -> StorageError | None:
-        """On the way out with an error: a save still being written completes (or
-        gives its own error, returned) before the process leaves."""
+    def finish_in_flight(self) -> None:
+        """On the way out with an error: a save still being written completes; its own error is logged, since the
+        error on the way out is the one raised."""
         try:
             self.snapshot.wait()
         except StorageError as e:
-            return e
-        return None
+            log.warning("%s", e)
 
     def kept(self) -> str:
         """What is left to resume from, truthfully."""

@@ -1,15 +1,5 @@
-"""An experiment tracker beside metrics.jsonl and TensorBoard: MLflow, optional.
-
-`trainer_config.tracker=mlflow` sends rank 0's record of the run to an MLflow
-tracking store (`tracker_uri`, else MLflow's own default): the resolved config
-as params, the same train and eval scalars that metrics.jsonl gets (through
-mingpt/metrics.py, as `train/loss`, `eval/loss`, ... at their step), and each
-evaluation's sample as a text artifact. The MLflow run's id is saved in the
-snapshot, so a resumed, restarted or requeued run continues the same MLflow
-run. The tracker is never worth the run: MLflow not installed, a store that
-cannot be reached or a call that fails mid-run costs one warning, and training
-goes on without it.
-"""
+"""The optional experiment tracker, MLflow: rank 0's config, scalars and samples (docs/tracking.md). It is never
+worth the run: MLflow missing, unreachable or failing costs one warning and training goes on without it."""
 
 from __future__ import annotations
 
@@ -25,17 +15,14 @@ from typing import Any, Iterator, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
-# MLflow retries an HTTP request 7 times with a growing backoff and waits 120 s for
-# each by default: minutes in which training would stand still. Its calls here run
-# with these instead (an environment that sets them wins).
+# MLflow retries a request 7 times and waits 120 s for each by default: minutes in which training would stand
+# still. Its calls here run with these (an environment that sets them wins); the first, no retry.
 HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-# The first call (finding the experiment) tells whether the store answers at all: no retry.
 PROBE_LIMITS = {**HTTP_LIMITS, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 DEFAULT_EXPERIMENT = "mingpt"
 INSTALL_HINT = "pip install -e .[mlflow]"
-# What MLflow's database stores (its default, sqlite:///mlflow.db, among them) import; mlflow-skinny lacks them.
-DATABASE_MODULES = ("sqlalchemy", "alembic")
+DATABASE_MODULES = ("sqlalchemy", "alembic")  # what MLflow's database stores import; mlflow-skinny lacks them
 
 
 class Tracker:
@@ -57,9 +44,8 @@ OFF = Tracker()
 
 
 def start(config: Any, run_dir: str, run_id: Optional[str], step: int, enabled: bool) -> Tracker:
-    """The tracker `config.trainer_config.tracker` names, continuing the tracker run
-    `run_id` (saved in the snapshot resumed from; None: a new run), at `step`.
-    OFF where no tracker is asked for, off rank 0, or where it cannot start (one warning)."""
+    """The tracker `config.trainer_config.tracker` names, continuing the tracker run `run_id` (saved in the
+    snapshot; None: a new run) at `step`. OFF where none is asked for, off rank 0, or where it cannot start."""
     cfg = config.trainer_config
     if not enabled or cfg.tracker is None:
         return OFF
@@ -71,34 +57,23 @@ def start(config: Any, run_dir: str, run_id: Optional[str], step: int, enabled: 
 
 
 class TrackerUnavailable(RuntimeError):
-    """The tracker cannot start; the message says why."""
+    pass
 
 
 def _first_line(e: BaseException) -> str:
-    """The gist of MLflow's error in one short line: an HTTP request's OS error
-    (`[Errno 111] Connection refused`) rather than the whole retry story."""
+    """The gist of MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] Connection
+    refused`) rather than the whole retry story."""
     text = str(e).strip()
     errno = re.search(r"\[Errno -?\d+\][^'\")]*", text)
     if errno:
         return errno.group(0).strip()
-    lines = text.splitlines()
-    line = lines[0] if lines else ""
+    line = text.splitlines()[0] if text else ""
     return f"{type(e).__name__}: {line[:200]}{'...' if len(line) > 200 else ''}"
-
-
-def is_directory_store(uri: str) -> bool:
-    """A file store: `file:` or a path (MLflow 3 refuses one unless MLFLOW_ALLOW_FILE_STORE=true)."""
-    return uri.startswith("file:") or "://" not in uri and not uri.startswith(("sqlite:", "databricks", "uc:"))
-
-
-def is_database_store(uri: str) -> bool:
-    return uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
 
 
 @contextlib.contextmanager
 def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """`values` set in os.environ (those the environment does not set already) for the
-    body, and taken out again after it."""
+    """`values` that the environment does not set already, set in os.environ for the body."""
     added = {k: v for k, v in values.items() if k not in os.environ}
     os.environ.update(added)
     try:
@@ -106,15 +81,6 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
     finally:
         for k in added:
             os.environ.pop(k, None)
-
-
-def flat_config(config: Any) -> dict[str, str]:
-    """{"section.key": value as text} for every key of the config's sections."""
-    flat = {}
-    for section in dataclasses.fields(config):
-        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-            flat[f"{section.name}.{key}"] = value if isinstance(value, str) else json.dumps(value)
-    return flat
 
 
 class MlflowTracker(Tracker):
@@ -128,13 +94,15 @@ class MlflowTracker(Tracker):
             raise TrackerUnavailable(f"mlflow is not installed ({INSTALL_HINT}): {_first_line(e)}") from None
         except Exception as e:  # an installation that is broken
             raise TrackerUnavailable(f"mlflow cannot be imported ({_first_line(e)})") from None
-        cfg = config.trainer_config
-        self.uri = cfg.tracker_uri or mlflow.get_tracking_uri()
-        missing = [m for m in DATABASE_MODULES if is_database_store(self.uri) and importlib.util.find_spec(m) is None]
-        if missing:  # MLflow would call it an unsupported model registry URI
+        self.uri = config.trainer_config.tracker_uri or mlflow.get_tracking_uri()
+        scheme = self.uri.split(":", 1)[0].split("+", 1)[0]
+        missing = [m for m in DATABASE_MODULES if importlib.util.find_spec(m) is None]
+        if scheme in ("sqlite", "postgresql", "mysql", "mssql") and missing:  # else "unsupported model registry URI"
             raise TrackerUnavailable(f"the MLflow store {self.uri} is a database, which needs {' and '.join(missing)} "
                                      f"({INSTALL_HINT})")
-        self._env = dict(HTTP_LIMITS, **({"MLFLOW_ALLOW_FILE_STORE": "true"} if is_directory_store(self.uri) else {}))
+        path = "://" not in self.uri and not self.uri.startswith(("sqlite:", "databricks", "uc:"))
+        directory = path or self.uri.startswith("file:")  # MLflow 3 refuses one unless MLFLOW_ALLOW_FILE_STORE=true
+        self._env = dict(HTTP_LIMITS, **({"MLFLOW_ALLOW_FILE_STORE": "true"} if directory else {}))
         try:
             with _environment({**self._env, **PROBE_LIMITS}):
                 self.client = MlflowClient(self.uri)
@@ -147,8 +115,10 @@ class MlflowTracker(Tracker):
                 experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
                 self.run_id = self._continue(run_id, step) if run_id else None
                 if self.run_id is None:
-                    self.run_id = self._create(experiment_id, run_dir)
-                self._log_params(flat_config(config), step)
+                    self.run_id = self.client.create_run(
+                        experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)),
+                        tags={"mingpt.run_dir": os.path.abspath(run_dir)}).info.run_id
+                self._log_params(config, step)
         except Exception as e:
             if self.run_id is not None:  # left RUNNING otherwise
                 with contextlib.suppress(Exception), _environment(self._env):
@@ -172,27 +142,21 @@ class MlflowTracker(Tracker):
         self.client.set_tag(run_id, "mingpt.resumed_at_step", str(step))
         return run_id
 
-    def _create(self, experiment_id: str, run_dir: str) -> str:
-        tags = {"mingpt.run_dir": os.path.abspath(run_dir)}
-        run = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)), tags=tags)
-        return run.info.run_id
-
-    def _log_params(self, params: dict[str, str], step: int) -> None:
-        """The config as params. MLflow's params cannot change: a resumed run whose config
-        changed (allow_config_change) logs each changed value as `key:step<N>`, N the step it
-        resumed from (MLflow's names take no `@`)."""
+    def _log_params(self, config: Any, step: int) -> None:
+        """The config as params, one per key. MLflow's params cannot change: a resumed run logs each changed value
+        as `key:step<N>`, N the step it resumed from (MLflow's names take no `@`)."""
         from mlflow.entities import Param
 
-        logged = self.client.get_run(self.run_id).data.params
-        new = {}
-        for key, value in params.items():
-            value = str(value)[:6000]  # MLflow's limit on a param's value
-            if key not in logged:
-                new[key] = value
-            elif logged[key] != value:
-                new[f"{key}:step{step}"] = value
+        logged, new = self.client.get_run(self.run_id).data.params, {}
+        for section in dataclasses.fields(config):
+            for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+                key, value = f"{section.name}.{key}", (value if isinstance(value, str) else json.dumps(value))[:6000]
+                if key not in logged:
+                    new[key] = value
+                elif logged[key] != value:
+                    new[f"{key}:step{step}"] = value
         items = [Param(k, v) for k, v in new.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch, values of 6000 characters
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def _call(self, what: str, call: Any) -> None:
@@ -222,6 +186,5 @@ class MlflowTracker(Tracker):
                    lambda: self.client.log_text(self.run_id, text, f"{tag}s/step_{step:07d}.txt"))
 
     def close(self, status: str = "FINISHED") -> None:
-        """End the MLflow run as FINISHED, KILLED (stopped by a signal: a resume continues it) or FAILED."""
         self._call("ending the run", lambda: self.client.set_terminated(self.run_id, status))
         self.failed = True  # nothing after the end

@@ -1,18 +1,9 @@
-"""The training loop and the training step. Its parts live beside it: when to
-save in mingpt/saving.py, when to evaluate and early stopping in
-mingpt/evaluation.py, the speed in mingpt/metrics.py, how the model is spread
-over the ranks in mingpt/parallel.py.
-
-Exact resume rests on three facts, so a snapshot needs no generator states:
-- the order of epoch e's samples is a permutation seeded by (seed, e), and the
-  snapshot records how many of them the ranks have consumed together;
-- dropout's random stream is reseeded from (seed, rank, step) before each step;
-- the learning rate is a function of the step.
-"""
+"""The training loop and step; when to save, evaluate and how fast it goes live in saving.py, evaluation.py
+and metrics.py. Exact resume needs no generator state: epoch e's order is seeded by (seed, e), dropout's
+stream is reseeded from (seed, rank, step) before each step, and the learning rate is a function of the step."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -20,8 +11,6 @@ import time
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt import comm_hooks, evaluation, flops, parallel, stopping, tracking
 from mingpt.config import Config, ConfigError, TrainerConfig
@@ -37,7 +26,6 @@ from mingpt.snapshot.manager import Progress, Snapshot
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "TrainingError", "amp_policy", "step_plan"]
 
 class AmpPolicy(NamedTuple):
     enabled: bool  # autocast (with FSDP: its mixed-precision policy) in `dtype`
@@ -46,8 +34,8 @@ class AmpPolicy(NamedTuple):
 
 
 def amp_policy(cfg: TrainerConfig, device_type: str, bf16_supported: bool = True) -> AmpPolicy:
-    """AMP on CUDA when use_amp; on a CPU only when amp_on_cpu forces it (warned:
-    CPUs without bf16 units run it far slower). bf16 on a GPU without it: ConfigError."""
+    """AMP on CUDA when use_amp; on a CPU only when amp_on_cpu forces it (warned: CPUs without bf16 units run it
+    far slower). bf16 on a GPU without it: ConfigError."""
     enabled = cfg.use_amp and (device_type == "cuda" or cfg.amp_on_cpu)
     dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
     if enabled and device_type == "cuda" and cfg.amp_dtype == "bf16" and not bf16_supported:
@@ -85,10 +73,18 @@ class Trainer:
         self.run_dir, self.snapshot_path = run_dir, snapshot_path
         comm_hooks.check(cfg, dist_info)  # a hook this run cannot use is refused before any work
         self.comm = comm_hooks.create(cfg, dist_info)
-        self.raw_model = self._place(model)
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
+        self.amp = amp_policy(cfg, self.device.type, self.device.type != "cuda" or torch.cuda.is_bf16_supported())
+        amp_dtype = self.amp.dtype if self.amp.enabled else torch.float32  # the dtype MFU's peak is measured in
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp.scaler)
+        self.fsdp = parallel.uses_fsdp(cfg, dist_info)
+        if self.fsdp:  # before the optimizer; sharded on the CPU, so only this rank's shards go to the device
+            parallel.shard(model, dist_info, self.amp.dtype if self.amp.enabled else None)
+        model.checkpoint_blocks = cfg.activation_checkpointing
+        self.raw_model = model.to(self.device)
         self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
-        # The first step whose loss was not finite (0: none yet), on the device so that checking
-        # every step costs no host sync; read where the loop syncs anyway.
+        # The first step whose loss was not finite (0: none yet), on the device: checking it costs no host sync.
         self.nonfinite_step = torch.zeros((), dtype=torch.long, device=self.device)
         self.eval_notice = SlowNotice()
         self.snapshot = Snapshot(config, dist_info, snapshot_path, data.tokenizer.chars, self.raw_model,
@@ -96,45 +92,24 @@ class Trainer:
         self.saver = Saver(cfg, dist_info, self.snapshot, self._check_diverged)  # restores the snapshot
         self.progress = dataclasses.replace(self.saver.saved) if self.saver.saved else Progress()
         self.evaluator = Evaluator(cfg, self.progress, self.saver.save_best)
-        self.model = self._wrap()  # what the training step calls
+        ddp = None
+        if dist_info.is_distributed and not self.fsdp:
+            ddp = parallel.replicate(self.raw_model, dist_info, self.comm)
+        # In one process too: a hook state saved by several says that it goes unused.
+        self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
+                        self.scaler, lambda: self._warm_up_ddp(ddp))
+        self.model = parallel.maybe_compile(self.raw_model if ddp is None else ddp, cfg)  # what the step calls
         W, block = dist_info.world_size, self.train_windows.block_size
         self.train_sampler = ResumableSampler(len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed)
         self.plan = step_plan(cfg, len(data.train), W, self.progress)
         self.samples_per_step, self.total_steps = self.plan.samples_per_step, self.plan.total_steps
-        # The tracker continues the run the snapshot names (mingpt/tracking.py); a complete run starts none.
         tracker = tracking.start(config, run_dir, self.snapshot.tracker_run_id, self.progress.step,
                                  enabled=dist_info.is_main_process and not self.finished())
         self.snapshot.tracker_run_id = tracker.run_id or self.snapshot.tracker_run_id
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step, tracker)
         g, step_tokens = config.gpt_config, self.samples_per_step * block
         self.pace = Pace(step_tokens * W, flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd, block),
-                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, self.amp_dtype))
-
-    def _place(self, model: GPT) -> GPT:
-        """The model on the device: its precision (AMP, the gradient scaler), FSDP2 shards."""
-        cfg, device = self.cfg, self.device
-        if device.type == "cuda":
-            torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
-        self.amp = amp_policy(cfg, device.type, device.type != "cuda" or torch.cuda.is_bf16_supported())
-        self.amp_dtype = self.amp.dtype if self.amp.enabled else torch.float32
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp.scaler)
-        self.fsdp = parallel.uses_fsdp(cfg, self.dist)  # the parameters are FSDP2 shards over the ranks
-        if self.fsdp:  # before the optimizer; sharded on the CPU, so only this rank's shards go to the device
-            parallel.shard(model, self.dist, self.amp.dtype if self.amp.enabled else None)
-        model.checkpoint_blocks = cfg.activation_checkpointing
-        return model.to(device)
-
-    def _wrap(self) -> torch.nn.Module:
-        """DDP with its comm hook (and the hook's saved state), compiled if asked."""
-        ddp = None
-        if self.dist.is_distributed and not self.fsdp:
-            ddp = parallel.replicate(self.raw_model, self.dist, self.comm)
-        # In one process too: a hook state saved by several says that it goes unused.
-        self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
-                        self.scaler, lambda: self._warm_up_ddp(ddp))
-        return parallel.maybe_compile(self.raw_model if ddp is None else ddp, self.cfg)
-
-    # ----------------------------------------------------------------- the loop
+                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, amp_dtype))
 
     def finished(self) -> bool:
         return self._out_of_steps() or self.evaluator.stopped_early()
@@ -143,8 +118,8 @@ class Trainer:
         return self.progress.epoch >= self.cfg.max_epochs or self.progress.step >= self.total_steps
 
     def train(self) -> float:
-        """Train to the end, save, and return the held-out loss there. Inside, a stop signal
-        saves and stops every rank at the next step boundary (mingpt/stopping.py)."""
+        """Train to the end, save, and return the held-out loss there. A stop signal saves and stops every rank
+        at the next step boundary (mingpt/stopping.py)."""
         status = "FAILED"  # how the run ended, for the tracker
         try:
             with stopping.graceful():
@@ -158,20 +133,17 @@ class Trainer:
             status = "KILLED"  # after a snapshot: a resume continues it
             raise
         except Exception:
-            error = self.saver.finish_in_flight()  # the error on the way out is the one raised
-            if error is not None:
-                log.warning("%s", error)
+            self.saver.finish_in_flight()
             raise
         finally:
             self.metrics.close(status)
 
     def _train_epoch(self) -> None:
         """Train from the next unseen sample of the current epoch to its end (or to the last step)."""
-        cfg, p = self.cfg, self.progress
+        cfg, p, per_step = self.cfg, self.progress, self.samples_per_step
         self.train_sampler.set_epoch(p.epoch)
         self.train_sampler.start_index = p.samples_in_epoch
         order = self.train_sampler.indices().to(self.train_windows.tokens.device)  # host-gathered: stays on the host
-        per_step = self.samples_per_step
         for start in range(0, len(order), per_step):
             indices = order[start : start + per_step]
             loss, grad_norm, lr = self.train_step(indices)
@@ -202,9 +174,8 @@ class Trainer:
                     self.saver.after_epoch(p)
 
     def train_step(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over this rank's share of the global batch, in micro-batches
-        of batch_size, each loss weighted by its share of the samples: accumulation gives
-        the update of one big batch."""
+        """One optimizer step over this rank's share of the global batch, in micro-batches of batch_size, each
+        loss weighted by its share of the samples: accumulation gives the update of one big batch."""
         cfg, p = self.cfg, self.progress
         lr = set_lr(self.optimizer, p.step, self.config.optimizer_config, self.total_steps)
         torch.manual_seed(hash((cfg.seed, self.dist.rank, p.step)) & 0xFFFF_FFFF)  # dropout's stream
@@ -213,8 +184,7 @@ class Trainer:
         for k, micro in enumerate(micro_batches):
             x, y = self.train_windows.batch(micro)
             weight = len(micro) / len(indices)
-            last = k == len(micro_batches) - 1
-            with parallel.gradient_sync(self.model, self.raw_model, enabled=last):
+            with parallel.gradient_sync(self.model, self.raw_model, enabled=k == len(micro_batches) - 1):
                 with self._autocast():
                     _, loss = self.model(x, y)
                 self.scaler.scale(loss * weight).backward()
@@ -231,13 +201,10 @@ class Trainer:
         return step_loss, grad_norm, lr
 
     def _log_train(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        """The last step's loss (mean over ranks: every rank takes part, so all stop
-        together on divergence) and the pace since the last event."""
+        """The loss is the mean over ranks: every rank takes part, so all stop together on divergence."""
         p = self.progress
         self._check_diverged(p.step)
-        loss = global_mean(self.dist, loss)
-        if not math.isfinite(loss):
-            raise TrainingError(f"training diverged: the loss is {loss} at step {p.step}; {self.saver.kept()}")
+        loss = global_mean(self.dist, loss)  # finite: every rank's was
         grad_norm = float(grad_norm)  # not finite: an fp16 step the GradScaler skipped
         tokens_per_s, mfu, note = self.pace.event(p.step, self.total_steps)
         self.metrics.log("train", p.step, p.epoch, loss=loss, lr=lr,
@@ -245,27 +212,19 @@ class Trainer:
                          mfu=mfu, peak_mem_mib=round(flops.peak_memory_mib(self.device)), note=note)
 
     def _check_diverged(self, step: int) -> None:
-        """Stop if the loss was not finite at any step so far (the flag is all-reduced:
-        every rank calls this at the same step)."""
-        flag = self.nonfinite_step
-        if self.dist.is_distributed:
-            flag = flag.clone()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        first = int(flag)  # the host sync
+        """Stop if the loss was not finite at any step so far; every rank calls this at the same step."""
+        first = all_max(self.dist, [int(self.nonfinite_step)])[0]  # the host sync
         if first:
             found = "" if first == step else f" (found at step {step})"
             raise TrainingError(f"training diverged: the loss is not finite at step {first}{found}; "
                                 f"{self.saver.kept()}")
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def _autocast(self) -> torch.autocast:
         """Autocast for AMP; a sharded model casts by FSDP's own mixed-precision policy instead."""
         return torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled and not self.fsdp)
 
-    # ---------------------------------------------------------------- evaluation
-
     def evaluate(self) -> float:
-        """The held-out loss of the run's weights (with LocalSGD: of the replicas' mean),
-        recorded (mingpt/evaluation.py's Evaluator) and logged with a sample."""
+        """The held-out loss of the run's weights (with LocalSGD: the replicas' mean), recorded, logged, sampled."""
         with self.comm.mean_weights(self.raw_model):
             return self._evaluate()
 
@@ -298,9 +257,8 @@ class Trainer:
         return result.loss
 
     def sample(self, n_chars: int, stoppable: bool = False) -> str | None:
-        """A line of text from the current weights, seeded by (seed, step); a sharded model's
-        ranks all generate, in lockstep. `stoppable`: None once a stop is requested (by any
-        rank, when sharded)."""
+        """A line of text from the current weights, seeded by (seed, step); a sharded model's ranks all generate,
+        in lockstep. `stoppable`: None once a stop is requested (by any rank, when sharded)."""
         stop = (lambda: all_max(self.dist, [stopping.stop_requested()])[0]) if self.fsdp else stopping.stop_requested
         return sample_line(self.raw_model, self.data.tokenizer, self.cfg.seed + self.progress.step, n_chars,
                            stop if stoppable else None)
@@ -312,11 +270,8 @@ class Trainer:
                 if self.dist.is_main_process:
                     print(f"--- sample after step {self.progress.step} ---\n{sample}", flush=True)
 
-    def _warm_up_ddp(self, ddp: DDP) -> None:
-        """One DDP forward and backward on a training batch, gradients dropped: DDP
-        rebuilds its buckets (in the order backward produces gradients) at the next step."""
+    def _warm_up_ddp(self, ddp: torch.nn.Module) -> None:
+        """One forward and backward, gradients dropped: DDP rebuilds its buckets in backward's order next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
-        x, y = self.train_windows.batch(first)
-        _, loss = ddp(x, y)
-        loss.backward()
+        ddp(*self.train_windows.batch(first))[1].backward()
         self.optimizer.zero_grad(set_to_none=True)
