@@ -1,9 +1,5 @@
-"""The run directory: its name (from the result-affecting values, through the resolvers
-that conf/config.yaml uses), its one owner (an advisory lock held for the job's lifetime,
-dropped by the kernel however the process ends), what is written there once a run is
-accepted (`Claim.accept`: nothing before every check has passed), and its one record
-(`check_record`). What users see of it: docs/run-directory.md and docs/fault-tolerance.md.
-"""
+"""The run directory: its name (from the config's result-affecting values), its one owner (a lock
+held for the job's lifetime), what is written once a run is accepted, and its one record."""
 
 from __future__ import annotations
 
@@ -32,13 +28,14 @@ from mingpt.metrics import last_step
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
+LABEL_MAX_CHARS = 80  # a longer label leaves the hash alone in the name
+STARTING = "another job that is starting"
+# What the record of a run directory is made of, and the kind of file each must be.
+RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
 class RunDirError(ValueError):
     """The run directory cannot be used (in use by another job, cannot be created); the message names it."""
-
-
-# ------------------------------------------------------------------ naming
 
 
 def config_hash(sections: Mapping[str, Any]) -> str:
@@ -47,22 +44,14 @@ def config_hash(sections: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-# The readable part of a run directory's name is at most this long; a longer
-# list of changed values leaves only the hash (experiments change many).
-LABEL_MAX_CHARS = 80
-
-
 def _short_key(key: str) -> str:
-    """`learning_rate` for optimizer_config.learning_rate; the full key where
-    another section has a field of the same name (block_size)."""
+    """The field alone (`learning_rate`), unless another section has a field of that name (block_size)."""
     field = key.partition(".")[2]
     sections = [{g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(Config)]
     return key if sum(field in names for names in sections) > 1 else field
 
 
 def _value_text(value: Any) -> str:
-    """A value as shown in a name: lists joined by '_', anything but letters,
-    digits and `._+-` (a path's '/') replaced by '_'."""
     if isinstance(value, list):
         text = "_".join(_value_text(v) for v in value)
     else:
@@ -71,43 +60,32 @@ def _value_text(value: Any) -> str:
 
 
 def _path_tail(path: Any) -> Any:
-    """The last two parts of a path or URL (`pre/snapshot-best.pt` of
-    /data/runs/pre/snapshot-best.pt): enough to read, short enough to keep."""
+    """The last two parts of a path or URL: `pre/snapshot-best.pt` of /data/runs/pre/snapshot-best.pt."""
     if not isinstance(path, str):
         return path
-    parts = [part for part in path.split("/") if part]
-    return "/".join(parts[-2:]) or path
-
-
-# Keys shown by a shorter text than their value: the hash keeps the whole value.
-SHOWN_AS = {"trainer_config.init_from": _path_tail}
+    return "/".join([part for part in path.split("/") if part][-2:]) or path
 
 
 def config_label(sections: Mapping[str, Any]) -> str:
-    """The result-affecting values that differ from the defaults, readable and
-    safe in a directory name (`learning_rate=0.001,max_epochs=5`), sorted by
-    key; '' when none differ or they take more than LABEL_MAX_CHARS (then a
-    fine-tuning run's source alone). The source shows its path's last two parts
-    (`init_from=pre_snapshot-best.pt`)."""
+    """The result-affecting values that differ from the defaults, sorted by key (`learning_rate=0.001,max_epochs=5`);
+    '' when none differ or they take more than LABEL_MAX_CHARS (then a fine-tuning run's source alone)."""
     defaults = result_items(dataclasses.asdict(Config()))
-    changed = {_short_key(k): _value_text(SHOWN_AS.get(k, lambda v: v)(v)) for k, v in result_items(sections).items()
-               if k not in defaults or defaults[k] != v}
+    changed = {_short_key(k): _value_text(_path_tail(v) if k == "trainer_config.init_from" else v)
+               for k, v in result_items(sections).items() if k not in defaults or defaults[k] != v}
     label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
-    if len(label) > LABEL_MAX_CHARS and "init_from" in changed:  # too many to read: a fine-tuning run's source
+    if len(label) > LABEL_MAX_CHARS and "init_from" in changed:
         label = f"init_from={changed['init_from']}"
     return label if len(label) <= LABEL_MAX_CHARS else ""
 
 
 def config_tag(sections: Mapping[str, Any]) -> str:
-    """`<config_label>-<config_hash>`, or the hash alone when the label is empty.
-    The hash keeps the identity: equal values, equal tag; other values, another."""
+    """`<config_label>-<config_hash>`, or the hash alone when the label is empty."""
     label = config_label(sections)
     return f"{label}-{config_hash(sections)}" if label else config_hash(sections)
 
 
 def run_dir_name(sections: Mapping[str, Any]) -> str:
-    """`<run_name>` for the default config, `<run_name>-<config_tag>` for any
-    other: `default-learning_rate=0.001-1a2b3c4d`."""
+    """`<run_name>` for the default config, `<run_name>-<config_tag>` for any other."""
     name = sections["trainer_config"]["run_name"]
     defaults = dataclasses.asdict(Config())
     return name if result_items(sections) == result_items(defaults) else f"{name}-{config_tag(sections)}"
@@ -119,23 +97,15 @@ def _sections(root: DictConfig) -> dict[str, Any]:
 
 
 def register_resolvers() -> None:
-    """`${mingpt.run_dir_name:}`, `${mingpt.config_tag:}` and `${mingpt.config_hash:}`
-    for conf/config.yaml's hydra.run/sweep dirs."""
-    OmegaConf.register_new_resolver("mingpt.run_dir_name", lambda _root_: run_dir_name(_sections(_root_)),
-                                    replace=True)
-    OmegaConf.register_new_resolver("mingpt.config_tag", lambda _root_: config_tag(_sections(_root_)),
-                                    replace=True)
-    OmegaConf.register_new_resolver("mingpt.config_hash", lambda _root_: config_hash(_sections(_root_)),
-                                    replace=True)
+    """`${mingpt.run_dir_name:}`, `${mingpt.config_tag:}` and `${mingpt.config_hash:}` for conf/config.yaml."""
+    for fn in (run_dir_name, config_tag, config_hash):
+        OmegaConf.register_new_resolver(f"mingpt.{fn.__name__}", lambda _root_, fn=fn: fn(_sections(_root_)),
+                                        replace=True)
 
 
 def check_run_dir_setting(run_dir_setting: str) -> None:
-    """`hydra.run.dir=''` would put the run's files into the current directory."""
     if not str(run_dir_setting).strip():
         raise RunDirError("hydra.run.dir: must not be empty (it would put the run into the current directory)")
-
-
-# --------------------------------------------------------------- ownership
 
 
 def _agree(dist_info: DistInfo, refusal: str | None) -> None:
@@ -155,17 +125,14 @@ def _holder(fd: int) -> str:
     except (OSError, ValueError):
         info = None
     if not isinstance(info, dict):
-        return "another job that is starting"
-    alive = True
+        return STARTING
     if info.get("host") == socket.gethostname():
         try:
             os.kill(int(info["pid"]), 0)
-        except ProcessLookupError:
-            alive = False
+        except ProcessLookupError:  # an earlier holder's details; the new one has not written its own yet
+            return STARTING
         except (OSError, ValueError, KeyError):
             pass
-    if not alive:  # the details of an earlier holder; the new one has not written its own yet
-        return "another job that is starting"
     run_id = f", torchrun run id {info['run_id']}" if info.get("run_id") else ""
     return f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')}{run_id}"
 
@@ -183,10 +150,8 @@ def _lock(path: str, what: str) -> int | None:
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise RunDirError(
-            f"{what} is in use by {holder}; wait for that job to end or stop it, "
-            f"or run this one in another directory (hydra.run.dir=...)"
-        ) from None
+        raise RunDirError(f"{what} is in use by {holder}; wait for that job to end or stop it, "
+                          f"or run this one in another directory (hydra.run.dir=...)") from None
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
@@ -197,8 +162,8 @@ def _lock(path: str, what: str) -> int | None:
 
 
 def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
-    """The lock files of a run: in its directory, and beside a local snapshot kept elsewhere.
-    Object stores (s3://, gs://) have no locks: a snapshot there is not claimed."""
+    """The lock files of a run: in its directory, and beside a local snapshot kept elsewhere
+    (an object store's has none)."""
     paths = [(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
         snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))
@@ -218,8 +183,7 @@ def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
 
 
 class _LogFile(logging.FileHandler):
-    """train.log: a line it cannot write (a full disk, the directory removed)
-    costs one warning, and the log goes on on stderr only."""
+    """train.log: a line it cannot write costs one warning, and the log goes on on stderr only."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         logging.getLogger().removeHandler(self)
@@ -238,8 +202,8 @@ class Claim:
     log_file: logging.FileHandler | None = None
 
     def accept(self, files: Mapping[str, str | Callable[[], str]] | None = None) -> None:
-        """Every check passed: record the holder, open train.log with the lines
-        logged so far, and write `files` ({path in the run directory: text, or what makes it})."""
+        """Every check passed: record the holder, open train.log with the lines logged so far,
+        and write `files` ({path in the run directory: text, or what makes it})."""
         if self.rank != 0:
             return
         info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -278,9 +242,8 @@ class Claim:
 @contextlib.contextmanager
 def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
           log_buffer: logging.handlers.MemoryHandler | None = None) -> Iterator[Claim]:
-    """Own the run directory (and a local snapshot location) for the body's
-    duration. Rank 0 takes the locks and tells the others, so every rank of a
-    refused job raises the same RunDirError before anything is written."""
+    """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
+    the locks, so every rank of a refused job raises the same RunDirError before anything is written."""
     owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
     refusal = None
     try:
@@ -296,12 +259,6 @@ def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
         yield owned
     finally:
         owned.release()
-
-
-# ------------------------------------------------------------------ record
-
-# What the record of a run directory is made of, and the kind of file each must be.
-RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
 def _comparable(snapshot_path: str) -> str:
@@ -330,6 +287,6 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
 
 
 def check_record(run_dir: str, snapshot_path: str, step: int, dist_info: DistInfo) -> None:
-    """Refuse, on every rank, a start from `step` that would cut back the record
-    of another run in `run_dir` (see the module doc), or a record file of the wrong kind."""
+    """Refuse, on every rank, a start from `step` that would cut back the record of another run
+    in `run_dir` (the run whose snapshot its lock file names), or a record file of the wrong kind."""
     _agree(dist_info, _record_problem(run_dir, snapshot_path, step) if dist_info.is_main_process else None)
