@@ -1,6 +1,5 @@
-"""Workarounds for bugs in PyTorch, all of them here. Each names its bug, applies only
-where the installed torch has it, and changes nothing in torch itself: mingpt gets
-its own copy of what it calls."""
+"""Workarounds for bugs in PyTorch, all of them here. Each names its bug, applies only where the
+installed torch has it, and changes nothing in torch itself: mingpt gets its own copy of what it calls."""
 
 from __future__ import annotations
 
@@ -28,22 +27,10 @@ class _View:
         return getattr(self._target, name)
 
 
-def _with_globals(fn: Callable, **replaced: Any) -> Callable:
-    """A copy of `fn` (its code, defaults, closure, name and annotations, which DDP
-    checks) that sees `replaced` in place of its module's globals of those names."""
-    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **replaced}, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return functools.update_wrapper(copy, fn)
-
-
-# ------------------------------------------------------------------ PowerSGD
-
-
 def _orthogonalize_takes_only_batches() -> bool:
-    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes
-    only batches of them (3-D) since PowerSGD learnt to batch same-shaped layers, so the
-    hook fails at its first compressed step (an AssertionError; torch 2.13 has it)."""
+    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes only batches
+    of them (3-D) since PowerSGD learnt to batch same-shaped layers, so the hook fails at its first
+    compressed step (an AssertionError; torch 2.13 has it)."""
     try:
         powerSGD_hook._orthogonalize(torch.ones(2, 1))
     except AssertionError:
@@ -57,27 +44,31 @@ def _orthogonalize_matrix_or_batch(matrices: torch.Tensor, epsilon: float = 0) -
 
 
 def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
-    """torch's PowerSGD hook (batched or not) for a job on CUDA or not, with what this torch needs.
+    """torch's PowerSGD hook (batched or not) for a job on CUDA or not, as a copy (its code, defaults,
+    closure, name and annotations, which DDP checks) that sees fixed globals where this torch needs them.
 
-    Bug: both hooks end each bucket with `torch.cuda.synchronize(device)` whenever CUDA is
-    available, also for gradients on the CPU, where it raises ("Expected a cuda device,
-    but got: cpu"; upstream PR 196568; torch 2.13 has it): a CPU job on a GPU host dies in
-    its first compressed backward. Its copy sees a torch without CUDA."""
+    Bug: both hooks end each bucket with `torch.cuda.synchronize(device)` whenever CUDA is available,
+    also for gradients on the CPU, where it raises ("Expected a cuda device, but got: cpu"; upstream
+    PR 196568; torch 2.13 has it): a CPU job on a GPU host dies in its first compressed backward.
+    Its copy sees a torch without CUDA."""
     hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
     replaced: dict[str, Any] = {}
     if not on_cuda and torch.cuda.is_available():
         replaced["torch"] = _View(torch, cuda=_View(torch.cuda, is_available=lambda: False))
     if batched and _orthogonalize_takes_only_batches():
         replaced["_orthogonalize"] = _orthogonalize_matrix_or_batch
-    return _with_globals(hook, **replaced) if replaced else hook
+    if not replaced:
+        return hook
+    copy = types.FunctionType(hook.__code__, {**hook.__globals__, **replaced}, hook.__name__, hook.__defaults__,
+                              hook.__closure__)
+    copy.__kwdefaults__ = hook.__kwdefaults__
+    return functools.update_wrapper(copy, hook)
 
 
-# ------------------------------------------------------------------ torchrun's shared store
-
-# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its own rendezvous
-# TCPStore, the same for every restart, and the keys the previous workers wrote are
-# still there: restarted workers read the dead ones' addresses, fail to connect or wait
-# forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun start a fresh store per restart.
+# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its own rendezvous TCPStore, the same
+# for every restart, and the keys the previous workers wrote are still there: restarted workers read the
+# dead ones' addresses, fail to connect or wait forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes
+# torchrun start a fresh store per restart.
 RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch#135712)"
 INIT_AFTER_RESTART_SECONDS = 300
 
@@ -90,10 +81,9 @@ def _shared_store_restart() -> int | None:
 
 
 def attempt_store(world_size: int) -> "dist.Store | None":
-    """With one torchrun agent (one node) sharing its store, the keys of each restart under
-    their own prefix, so nothing of an earlier attempt is read; None (the env:// rendezvous)
-    otherwise. With several agents the nodes' restart counts can differ, so there the
-    variable is needed (bounded_if_restarted)."""
+    """With one torchrun agent (one node) sharing its store, the keys of each restart under their own
+    prefix, so nothing of an earlier attempt is read; None (the env:// rendezvous) otherwise. With several
+    agents the nodes' restart counts can differ: there the variable is needed (bounded_if_restarted)."""
     restart = _shared_store_restart()
     if restart is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
@@ -106,18 +96,16 @@ def attempt_store(world_size: int) -> "dist.Store | None":
 
 @contextlib.contextmanager
 def bounded_if_restarted() -> Iterator[None]:
-    """A restarted worker of a multi-node job on torchrun's shared store that cannot join
-    the process group in INIT_AFTER_RESTART_SECONDS ends with one line naming the fix,
-    instead of waiting silently."""
+    """A restarted worker of a multi-node job on torchrun's shared store that cannot join the process
+    group in INIT_AFTER_RESTART_SECONDS ends with one line naming the fix, instead of waiting silently."""
     restart = _shared_store_restart()
     if not restart or os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
         yield
         return
 
     def give_up() -> None:
-        line = (f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
-                f"{RESTART_FIX}\n")
-        os.write(sys.stderr.fileno(), line.encode())
+        line = f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
+        os.write(sys.stderr.fileno(), f"{line}{RESTART_FIX}\n".encode())
         os._exit(2)
 
     timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
