@@ -35,7 +35,9 @@ def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
 
 
 class CommHook:
-    """No hook (plain DDP all-reduce, or one process), or fp16/bf16 compression: nothing to keep."""
+    """The hook `name`: none (plain DDP all-reduce, or one process) or fp16/bf16 compression, which keep
+    nothing; a subclass whose state differs per rank saves each rank's own (`own_state`), given back to
+    each rank on a resume with the same world size (`load_own_state`)."""
 
     ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
     replicas_differ = False  # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
@@ -49,21 +51,23 @@ class CommHook:
         """Register the hook on `ddp` (after DDP copied rank 0's weights to every rank; None in one process)
         and restore the state `saved` at `step` (None: none saved). `warm_up` runs one plain DDP step on a
         training batch and drops its gradients."""
-        self.unused(saved, step)
+        if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
+                and saved.get("state") is not None):
+            self.load_own_state(saved["state"], step, ddp, model, optimizer, scaler, warm_up)
+            return
+        if saved and self.dist.is_main_process:  # another number of processes or another hook
+            world = self.dist.world_size
+            this = f"{world} ranks with ddp_comm_hook={self.name}" if world > 1 else "1 process (no comm hook)"
+            log.warning("the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts "
+                        "afresh at step %d, from the snapshot's weights%s", saved.get("name"), saved.get("world_size"),
+                        this, step, " (the replicas' mean) and rank 0's optimizer state"
+                        if saved.get("name") == "post_local_sgd" else "")
+        self.restart(ddp, step)
+
+    def restart(self, ddp: DDP | None, step: int) -> None:
+        """Register the hook, to go on at `step` without saved state."""
         if self.name != "none":
             ddp.register_comm_hook(None, getattr(default_hooks, f"{self.name}_compress_hook"))
-
-    def unused(self, saved: dict[str, Any] | None, step: int) -> None:
-        """Warn (rank 0) that the snapshot's per-rank hook state `saved` cannot be placed (another number of
-        processes or another hook): that state starts afresh from the snapshot's weights at `step`."""
-        if not saved or not self.dist.is_main_process:
-            return
-        world = self.dist.world_size
-        this = f"{world} ranks with ddp_comm_hook={self.name}" if world > 1 else "1 process (no comm hook)"
-        log.warning("the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts afresh "
-                    "at step %d, from the snapshot's weights%s", saved.get("name"), saved.get("world_size"), this,
-                    step, " (the replicas' mean) and rank 0's optimizer state"
-                    if saved.get("name") == "post_local_sgd" else "")
 
     def after_optimizer_step(self, model: torch.nn.Module) -> None:
         pass
@@ -77,31 +81,16 @@ class CommHook:
         """`state`, the model's state dict, with the weights that stand for the run (collective for LocalSGD)."""
         return state
 
-    def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
-        """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's own}, or None."""
+    def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
         return None
 
-
-class PerRankState(CommHook):
-    """A hook whose state differs per rank: each rank saves its own (`own_state`), given back to each rank
-    on a resume with the same world size (`load_own_state`); otherwise the hook `restart`s at the step."""
-
-    def state_dict(self, model, optimizer, scaler):
-        return {"about": {"name": self.name, "world_size": self.dist.world_size},
-                "state": self.own_state(model, optimizer, scaler)}
-
-    def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
-        if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
-                and saved.get("state") is not None):
-            self.load_own_state(saved["state"], step, ddp, model, optimizer, scaler, warm_up)
-            return
-        if not saved and step > 0 and self.dist.is_main_process:
-            log.info("the snapshot holds no %s state: it starts afresh at step %d", self.name, step)
-        self.unused(saved, step)
-        self.restart(ddp, step)
+    def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
+        """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's own}, or None."""
+        own = self.own_state(model, optimizer, scaler)
+        return own and {"about": {"name": self.name, "world_size": self.dist.world_size}, "state": own}
 
 
-class PowerSGD(PerRankState):
+class PowerSGD(CommHook):
     def __init__(self, name: str, cfg: TrainerConfig, dist_info: DistInfo):
         super().__init__(dist_info, name)
         self.state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
@@ -137,7 +126,7 @@ class PowerSGD(PerRankState):
         ddp.register_comm_hook(s, self.hook)
 
 
-class PostLocalSGD(PerRankState):
+class PostLocalSGD(CommHook):
     replicas_differ = True
 
     def __init__(self, cfg: TrainerConfig, dist_info: DistInfo):

@@ -58,13 +58,11 @@ def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config
     return torch.device("cpu")
 
 
-class OwnInfo(logging.Filter):
+def _own_info(record: logging.LogRecord) -> bool:
     """mingpt's own INFO lines (also `python -m mingpt.X`'s, logged as __main__); other libraries' only
     from WARNING up: botocore's `Found credentials in environment variables` stays out of the log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        name = record.name
-        return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
+    name = record.name
+    return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
 
 
 def setup_logging(rank: int) -> None:
@@ -73,7 +71,7 @@ def setup_logging(rank: int) -> None:
     prefix = "" if rank == 0 else f"[rank {rank}] "
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    handler.addFilter(OwnInfo())
+    handler.addFilter(_own_info)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
@@ -90,10 +88,9 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if info.is_distributed:
-        with torch_fixes.bounded_if_restarted():
+        with torch_fixes.restart_store(info.world_size) as store:
             dist.init_process_group(info.backend, rank=info.rank, world_size=info.world_size,
-                                    device_id=device if device.type == "cuda" else None,
-                                    store=torch_fixes.attempt_store(info.world_size))
+                                    device_id=device if device.type == "cuda" else None, store=store)
         _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
     try:
         yield info

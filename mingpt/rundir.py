@@ -38,12 +38,6 @@ class RunDirError(ValueError):
     """The run directory cannot be used (in use by another job, cannot be created); the message names it."""
 
 
-def config_hash(sections: Mapping[str, Any]) -> str:
-    """8 hex digits of the result-affecting values of a config given as {section: {key: value}}."""
-    text = json.dumps(result_items(sections), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
 def _short_key(key: str) -> str:
     """The field alone (`learning_rate`), unless another section has a field of that name (block_size)."""
     field = key.partition(".")[2]
@@ -66,22 +60,19 @@ def _path_tail(path: Any) -> Any:
     return "/".join([part for part in path.split("/") if part][-2:]) or path
 
 
-def config_label(sections: Mapping[str, Any]) -> str:
-    """The result-affecting values that differ from the defaults, sorted by key (`learning_rate=0.001,max_epochs=5`);
-    '' when none differ or they take more than LABEL_MAX_CHARS (then a fine-tuning run's source alone)."""
-    defaults = result_items(dataclasses.asdict(Config()))
+def config_tag(sections: Mapping[str, Any]) -> str:
+    """`<changes>-<hash>` of a config given as {section: {key: value}}: its result-affecting values that
+    differ from the defaults, sorted by key (`learning_rate=0.001,max_epochs=5`), and 8 hex digits of all
+    of them; the hash alone when none differ or they take more than LABEL_MAX_CHARS (then a fine-tuning
+    run's source alone)."""
+    values, defaults = result_items(sections), result_items(dataclasses.asdict(Config()))
     changed = {_short_key(k): _value_text(_path_tail(v) if k == "trainer_config.init_from" else v)
-               for k, v in result_items(sections).items() if k not in defaults or defaults[k] != v}
+               for k, v in values.items() if k not in defaults or defaults[k] != v}
     label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
     if len(label) > LABEL_MAX_CHARS and "init_from" in changed:
         label = f"init_from={changed['init_from']}"
-    return label if len(label) <= LABEL_MAX_CHARS else ""
-
-
-def config_tag(sections: Mapping[str, Any]) -> str:
-    """`<config_label>-<config_hash>`, or the hash alone when the label is empty."""
-    label = config_label(sections)
-    return f"{label}-{config_hash(sections)}" if label else config_hash(sections)
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{label}-{digest}" if label and len(label) <= LABEL_MAX_CHARS else digest
 
 
 def run_dir_name(sections: Mapping[str, Any]) -> str:
@@ -97,8 +88,8 @@ def _sections(root: DictConfig) -> dict[str, Any]:
 
 
 def register_resolvers() -> None:
-    """`${mingpt.run_dir_name:}`, `${mingpt.config_tag:}` and `${mingpt.config_hash:}` for conf/config.yaml."""
-    for fn in (run_dir_name, config_tag, config_hash):
+    """`${mingpt.run_dir_name:}` and `${mingpt.config_tag:}` for conf/config.yaml."""
+    for fn in (run_dir_name, config_tag):
         OmegaConf.register_new_resolver(f"mingpt.{fn.__name__}", lambda _root_, fn=fn: fn(_sections(_root_)),
                                         replace=True)
 
@@ -137,9 +128,9 @@ def _holder(fd: int) -> str:
     return f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')}{run_id}"
 
 
-def _lock(path: str, what: str) -> int | None:
-    """An exclusive flock on `path` (created if missing), or RunDirError naming the holder.
-    None where the file system refuses locks (Lustre mounted without flock or localflock)."""
+def _lock(path: str, what: str) -> list[int]:
+    """[fd] holding an exclusive flock on `path` (created if missing), or RunDirError naming the holder;
+    [] where the file system refuses locks (Lustre mounted without flock or localflock)."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -156,9 +147,9 @@ def _lock(path: str, what: str) -> int | None:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
             log.warning("cannot lock %s (%s): a second job on it would not be detected", path, e.strerror)
-            return None
+            return []
         raise RunDirError(f"cannot lock {path}: {e.strerror}") from None
-    return fd
+    return [fd]
 
 
 def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
@@ -213,9 +204,8 @@ class Claim:
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         root = logging.getLogger()
         self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
-        self.log_file.setFormatter(root.handlers[0].formatter if root.handlers else None)
-        for log_filter in root.handlers[0].filters if root.handlers else ():  # mingpt's INFO only
-            self.log_file.addFilter(log_filter)
+        self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler
+        self.log_file.filters = list(root.handlers[0].filters)  # mingpt's INFO only
         if self.log_buffer is not None:
             self.log_buffer.setTarget(self.log_file)
             self.log_buffer.flush()
@@ -250,9 +240,7 @@ def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
         if dist_info.is_main_process:
             try:
                 for path, what in lock_paths(run_dir, snapshot_path):
-                    fd = _lock(path, what)
-                    if fd is not None:
-                        owned.fds.append(fd)
+                    owned.fds += _lock(path, what)
             except RunDirError as e:
                 refusal = str(e)
         _agree(dist_info, refusal)

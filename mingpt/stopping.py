@@ -34,8 +34,7 @@ class Stopped(BaseException):
 
 
 class StepFlags(enum.IntEnum):
-    """The slots of the integer tensor that all ranks all-reduce (MAX) once per optimizer step,
-    so that every rank takes the same decision at the same step."""
+    """The slots of the integers that all ranks all-reduce (MAX) once per step: the same decision on every rank."""
 
     STOP = 0  # the number of a stop signal that some rank received (0: none)
     SAVE_DUE = 1  # rank 0's clock: a time-based snapshot is due (1) or not (0)
@@ -46,10 +45,7 @@ def exit_status(signum: int) -> int:
 
 
 def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+    return signal.Signals(signum).name
 
 
 def describe(signum: int) -> str:
@@ -65,16 +61,14 @@ def parse_signal(name: str) -> int:
     return int(signum)
 
 
-# requested: the number of the first stop signal received (0: none).
-_state = types.SimpleNamespace(signals=set(), previous={}, graceful=False, requested=0, watching=False)
-_exiting = threading.Event()  # exit_now is ending the process
+# requested: the number of the first stop signal received (0: none); exiting: exit_now is ending the process.
+_state = types.SimpleNamespace(signals=set(), previous={}, graceful=False, requested=0, watching=False, exiting=False)
 
 
 def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
-    """Handle `signals` from now on (main thread only; again to change the list; those dropped get back
-    their previous handler). Python's C-level handler writes each signal's number to a pipe
-    (signal.set_wakeup_fd) that a thread reads, so a signal is seen even while the main thread waits
-    in C code (a collective, a long save); the Python-level handler does nothing."""
+    """Handle `signals` from now on (main thread only; again to change the list). Python's C-level handler
+    writes each signal's number to a pipe (signal.set_wakeup_fd) that a thread reads, so a signal is seen
+    even while the main thread waits in C code (a collective, a long save)."""
     wanted = {parse_signal(n) for n in signals}
     if not _state.watching:
         read_fd, write_fd = os.pipe()
@@ -82,10 +76,10 @@ def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         threading.Thread(target=_watch, args=(read_fd,), name="mingpt-signals", daemon=True).start()
         _state.watching = True
-    for signum in _state.signals - wanted:
+    for signum in _state.signals - wanted:  # no longer ours: as before
         signal.signal(signum, _state.previous.pop(signum))
     for signum in wanted - _state.signals:
-        _state.previous[signum] = signal.signal(signum, lambda *_: None)
+        _state.previous[signum] = signal.signal(signum, lambda *_: None)  # the thread acts
     _state.signals = wanted
 
 
@@ -122,7 +116,7 @@ def graceful() -> Iterator[None]:
 def exit_now(signum: int, again: str = "") -> None:
     """One line on stderr, then exit with 128 + signum, skipping every cleanup
     that could hang (threads, process groups, buffered writers)."""
-    _exiting.set()
+    _state.exiting = True
     line = f"error: {describe(signum)}{' ' + again if again else ''}, exiting at once"
     tell_launcher(line)
     with contextlib.suppress(OSError):
@@ -134,7 +128,7 @@ def park_if_exiting() -> None:
     """For the main thread on its way out with an error: when exit_now is ending the process (a signal
     came as the error rose; under torchrun, the SIGTERM that stops the workers beside a dead one, whose
     collectives fail), wait for it forever, so that its line is the only one (no Hydra report, no traceback)."""
-    if _exiting.is_set():
+    if _state.exiting:
         threading.Event().wait()
 
 
@@ -142,9 +136,7 @@ def tell_launcher(line: str) -> None:
     """Under torchrun, write the worker's one error line to its error file (TORCHELASTIC_ERROR_FILE, in the
     JSON of torch.distributed.elastic's ErrorHandler), so that torchrun's failure summary shows it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
     record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    with contextlib.suppress(OSError):
-        with open(path, "w") as f:
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
             json.dump(record, f)

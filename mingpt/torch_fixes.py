@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.constants import default_pg_timeout
 
 
 class _View:
@@ -73,45 +74,31 @@ RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch
 INIT_AFTER_RESTART_SECONDS = 300
 
 
-def _shared_store_restart() -> int | None:
-    """The restart count when torchrun shares its store (None: it does not)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def attempt_store(world_size: int) -> "dist.Store | None":
-    """With one torchrun agent (one node) sharing its store, the keys of each restart under their own
-    prefix, so nothing of an earlier attempt is read; None (the env:// rendezvous) otherwise. With several
-    agents the nodes' restart counts can differ: there the variable is needed (bounded_if_restarted)."""
-    restart = _shared_store_restart()
-    if restart is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        return None
-    from torch.distributed.constants import default_pg_timeout
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=default_pg_timeout)
-    return dist.PrefixStore(f"mingpt/attempt-{restart}", store)
-
-
 @contextlib.contextmanager
-def bounded_if_restarted() -> Iterator[None]:
-    """A restarted worker of a multi-node job on torchrun's shared store that cannot join the process
-    group in INIT_AFTER_RESTART_SECONDS ends with one line naming the fix, instead of waiting silently."""
-    restart = _shared_store_restart()
-    if not restart or os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
-        yield
-        return
+def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
+    """The store to join the process group with, for the body's duration. With one torchrun agent (one
+    node) sharing its store: the keys of each restart under their own prefix, so nothing of an earlier
+    attempt is read. With several, whose restart counts can differ, only the variable helps: None (the
+    env:// rendezvous), and a restarted worker that cannot join in INIT_AFTER_RESTART_SECONDS ends with
+    one line naming the fix instead of waiting silently. None as well where torchrun shares no store."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=default_pg_timeout)
+        yield dist.PrefixStore(f"mingpt/attempt-{restart}", store)
+    elif not (shared and restart):
+        yield None
+    else:
+        def give_up() -> None:
+            line = f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
+            os.write(sys.stderr.fileno(), f"{line}{RESTART_FIX}\n".encode())
+            os._exit(2)
 
-    def give_up() -> None:
-        line = f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
-        os.write(sys.stderr.fileno(), f"{line}{RESTART_FIX}\n".encode())
-        os._exit(2)
-
-    timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
+        timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield None
+        finally:
+            timer.cancel()
