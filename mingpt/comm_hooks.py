@@ -1,6 +1,5 @@
 """DDP communication (docs/training.md): PyTorch's gradient hooks of `trainer_config.ddp_comm_hook`,
-LocalSGD's model averaging, and each rank's own state of them in the snapshot, for a restart. Every rank
-calls `state_dict` at the same step (LocalSGD's mean of the weights is collective)."""
+LocalSGD's model averaging, and each rank's own state of them in the snapshot."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
 
 
 class CommHook:
-    """The hook `name`: none (plain DDP all-reduce, or one process) or fp16/bf16 compression, which keep
-    nothing; a subclass whose state differs per rank saves each rank's own (`own_state`), given back to
-    each rank on a resume with the same world size (`load_own_state`)."""
+    """The hook `name`: none (plain DDP, or one process) or fp16/bf16, which keep nothing; a subclass saves
+    each rank's `own_state`, given back on a resume with the same world size (`load_own_state`)."""
 
     ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
     replicas_differ = False  # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
@@ -48,9 +46,8 @@ class CommHook:
 
     def start(self, ddp: DDP | None, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer,
               scaler, warm_up: Callable[[], None]) -> None:
-        """Register the hook on `ddp` (after DDP copied rank 0's weights to every rank; None in one process)
-        and restore the state `saved` at `step` (None: none saved). `warm_up` runs one plain DDP step on a
-        training batch and drops its gradients."""
+        """Register the hook on `ddp` (None in one process) and restore the state `saved` at `step`.
+        `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
         if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
                 and saved.get("state") is not None):
             self.load_own_state(saved["state"], step, ddp, model, optimizer, scaler, warm_up)
@@ -78,7 +75,7 @@ class CommHook:
         yield
 
     def model_state(self, model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-        """`state`, the model's state dict, with the weights that stand for the run (collective for LocalSGD)."""
+        """`state`, the model's state dict, with the weights that stand for the run (collective: on every rank)."""
         return state
 
     def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
@@ -138,9 +135,8 @@ class PostLocalSGD(CommHook):
             if dist_info.local_world_size == dist_info.world_size and dist_info.is_main_process:
                 log.warning("trainer_config.localsgd_group=node on one node: every rank still all-reduces every "
                             "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)")
-        self.state = post_localSGD_hook.PostLocalSGDState(
-            process_group=None, subgroup=subgroup, start_localSGD_iter=cfg.localsgd_start_step,
-            post_local_gradient_allreduce=cfg.localsgd_group == "node")
+        self.state = post_localSGD_hook.PostLocalSGDState(None, subgroup, cfg.localsgd_start_step,
+                                                          post_local_gradient_allreduce=subgroup is not None)
         self.averager = averagers.PeriodicModelAverager(period=cfg.localsgd_period,
                                                         warmup_steps=cfg.localsgd_start_step)
 
@@ -157,9 +153,8 @@ class PostLocalSGD(CommHook):
 
     @contextlib.contextmanager
     def mean_weights(self, model):
-        mean = self._mean(model)
         named = list(model.named_parameters(remove_duplicate=False))
-        own = [p.data for _, p in named]
+        own, mean = [p.data for _, p in named], self._mean(model)
         for name, p in named:
             p.data = mean[name]
         try:

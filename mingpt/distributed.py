@@ -59,15 +59,13 @@ def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config
 
 
 def _own_info(record: logging.LogRecord) -> bool:
-    """mingpt's own INFO lines (also `python -m mingpt.X`'s, logged as __main__); other libraries' only
-    from WARNING up: botocore's `Found credentials in environment variables` stays out of the log."""
+    """mingpt's own INFO lines (and `python -m mingpt.X`'s, logged as __main__); other libraries' from WARNING up."""
     name = record.name
     return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
 
 
 def setup_logging(rank: int) -> None:
-    """Rank 0 logs mingpt's INFO to stderr (train.log joins once the run is accepted: mingpt/rundir.py);
-    other ranks log warnings and errors, prefixed with their rank."""
+    """Rank 0 logs mingpt's INFO to stderr; other ranks log warnings and errors, prefixed with their rank."""
     prefix = "" if rank == 0 else f"[rank {rank}] "
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))

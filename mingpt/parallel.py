@@ -25,8 +25,7 @@ def uses_fsdp(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
 
 
 def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) -> None:
-    """FSDP2 in place: each block, then the root, becomes a sharded unit over all ranks.
-    Before the optimizer is built: the parameters become DTensor shards."""
+    """FSDP2 in place, before the optimizer is built: each block, then the root, is sharded over all ranks."""
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
@@ -48,17 +47,14 @@ def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iterator[None]:
-    """While in the body, backward all-reduces (DDP) or reduce-scatters (FSDP) the gradients
-    only if `enabled`: the last micro-batch of a step does."""
-    if enabled:
-        yield
-    elif isinstance(raw_model, FSDPModule):
+    """While in the body, backward reduces the gradients over the ranks only if `enabled` (last micro-batch)."""
+    if not enabled and isinstance(raw_model, FSDPModule):
         raw_model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             raw_model.set_requires_gradient_sync(True)
-    elif hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
+    elif not enabled and hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
         with model.no_sync():
             yield
     else:

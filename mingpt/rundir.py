@@ -1,5 +1,4 @@
-"""The run directory: its name (from the config's result-affecting values), its one owner (a lock
-held for the job's lifetime), what is written once a run is accepted, and its one record."""
+"""The run directory: its name (from the config), its one owner (a lock), writes once accepted, its one record."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
 LABEL_MAX_CHARS = 80  # a longer label leaves the hash alone in the name
-STARTING = "another job that is starting"
 # What the record of a run directory is made of, and the kind of file each must be.
 RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
@@ -45,29 +43,23 @@ def _short_key(key: str) -> str:
     return key if sum(field in names for names in sections) > 1 else field
 
 
-def _value_text(value: Any) -> str:
+def _value_text(key: str, value: Any) -> str:
+    """As a name shows it: lists joined by '_', a fine-tuning source by its path's last two parts."""
     if isinstance(value, list):
-        text = "_".join(_value_text(v) for v in value)
+        text = "_".join(_value_text(key, v) for v in value)
+    elif key == "trainer_config.init_from" and isinstance(value, str):
+        text = "/".join([part for part in value.split("/") if part][-2:]) or value
     else:
         text = value if isinstance(value, str) else json.dumps(value)
     return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
 
 
-def _path_tail(path: Any) -> Any:
-    """The last two parts of a path or URL: `pre/snapshot-best.pt` of /data/runs/pre/snapshot-best.pt."""
-    if not isinstance(path, str):
-        return path
-    return "/".join([part for part in path.split("/") if part][-2:]) or path
-
-
 def config_tag(sections: Mapping[str, Any]) -> str:
-    """`<changes>-<hash>` of a config given as {section: {key: value}}: its result-affecting values that
-    differ from the defaults, sorted by key (`learning_rate=0.001,max_epochs=5`), and 8 hex digits of all
-    of them; the hash alone when none differ or they take more than LABEL_MAX_CHARS (then a fine-tuning
-    run's source alone)."""
+    """`<changes>-<hash>` of a config given as {section: {key: value}} (docs/run-directory.md): the changed
+    result-affecting values, sorted by key, and 8 hex digits of all of them; the hash alone when none differ
+    or they take more than LABEL_MAX_CHARS (then a fine-tuning run's source alone)."""
     values, defaults = result_items(sections), result_items(dataclasses.asdict(Config()))
-    changed = {_short_key(k): _value_text(_path_tail(v) if k == "trainer_config.init_from" else v)
-               for k, v in values.items() if k not in defaults or defaults[k] != v}
+    changed = {_short_key(k): _value_text(k, v) for k, v in values.items() if k not in defaults or defaults[k] != v}
     label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
     if len(label) > LABEL_MAX_CHARS and "init_from" in changed:
         label = f"init_from={changed['init_from']}"
@@ -77,9 +69,8 @@ def config_tag(sections: Mapping[str, Any]) -> str:
 
 def run_dir_name(sections: Mapping[str, Any]) -> str:
     """`<run_name>` for the default config, `<run_name>-<config_tag>` for any other."""
-    name = sections["trainer_config"]["run_name"]
-    defaults = dataclasses.asdict(Config())
-    return name if result_items(sections) == result_items(defaults) else f"{name}-{config_tag(sections)}"
+    default = result_items(sections) == result_items(dataclasses.asdict(Config()))
+    return sections["trainer_config"]["run_name"] + ("" if default else f"-{config_tag(sections)}")
 
 
 def _sections(root: DictConfig) -> dict[str, Any]:
@@ -110,20 +101,16 @@ def _agree(dist_info: DistInfo, refusal: str | None) -> None:
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, from the details it wrote into the file."""
+    """Who holds the lock, from the details it wrote into the file: none yet, or a dead earlier holder's
+    on this host, while a new job is starting."""
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"null")
-    except (OSError, ValueError):
-        info = None
-    if not isinstance(info, dict):
-        return STARTING
-    if info.get("host") == socket.gethostname():
-        try:
+        if info.get("host") == socket.gethostname():
             os.kill(int(info["pid"]), 0)
-        except ProcessLookupError:  # an earlier holder's details; the new one has not written its own yet
-            return STARTING
-        except (OSError, ValueError, KeyError):
-            pass
+    except PermissionError:  # alive, another user's
+        pass
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return "another job that is starting"
     run_id = f", torchrun run id {info['run_id']}" if info.get("run_id") else ""
     return f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')}{run_id}"
 
@@ -153,8 +140,7 @@ def _lock(path: str, what: str) -> list[int]:
 
 
 def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
-    """The lock files of a run: in its directory, and beside a local snapshot kept elsewhere
-    (an object store's has none)."""
+    """The lock files of a run: in its directory, and beside a local snapshot root outside it."""
     paths = [(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
         snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))

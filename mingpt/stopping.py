@@ -1,6 +1,5 @@
-"""Stop signals (`trainer_config.stop_signals`): inside `graceful()` a signal asks every rank to save
-and stop at the next step boundary; outside it, or a second Ctrl-C, the process ends at once with one
-line. Either way the exit status is 128 + the signal's number, so torchrun and SLURM see no success."""
+"""Stop signals (`trainer_config.stop_signals`, docs/fault-tolerance.md): inside `graceful()` a signal asks
+every rank to save and stop at the next step boundary; outside it, the process ends at once with one line."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ STARTUP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 class Stopped(BaseException):
-    """The run stopped on a signal after saving; ends the process with `status`.
-    A BaseException, so that no `except Exception` on the way out can swallow it."""
+    """The run stopped on a signal after saving: exit with `status` (a BaseException: no `except Exception` eats it)."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -66,9 +64,8 @@ _state = types.SimpleNamespace(signals=set(), previous={}, graceful=False, reque
 
 
 def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
-    """Handle `signals` from now on (main thread only; again to change the list). Python's C-level handler
-    writes each signal's number to a pipe (signal.set_wakeup_fd) that a thread reads, so a signal is seen
-    even while the main thread waits in C code (a collective, a long save)."""
+    """Handle `signals` from now on (main thread only; again to change the list). Their numbers reach a thread
+    through signal.set_wakeup_fd, so a signal is seen even while the main thread waits in C (a collective)."""
     wanted = {parse_signal(n) for n in signals}
     if not _state.watching:
         read_fd, write_fd = os.pipe()
@@ -85,9 +82,7 @@ def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
 
 def _watch(read_fd: int) -> None:
     while True:
-        for signum in os.read(read_fd, 64):
-            if signum not in _state.signals:
-                continue
+        for signum in (s for s in os.read(read_fd, 64) if s in _state.signals):
             second_ctrl_c = signum == signal.SIGINT and _state.requested
             if not _state.graceful or second_ctrl_c:
                 exit_now(signum, "again" if second_ctrl_c else "")
@@ -114,8 +109,7 @@ def graceful() -> Iterator[None]:
 
 
 def exit_now(signum: int, again: str = "") -> None:
-    """One line on stderr, then exit with 128 + signum, skipping every cleanup
-    that could hang (threads, process groups, buffered writers)."""
+    """One line on stderr, then exit with 128 + signum, skipping every cleanup that could hang."""
     _state.exiting = True
     line = f"error: {describe(signum)}{' ' + again if again else ''}, exiting at once"
     tell_launcher(line)
@@ -125,9 +119,8 @@ def exit_now(signum: int, again: str = "") -> None:
 
 
 def park_if_exiting() -> None:
-    """For the main thread on its way out with an error: when exit_now is ending the process (a signal
-    came as the error rose; under torchrun, the SIGTERM that stops the workers beside a dead one, whose
-    collectives fail), wait for it forever, so that its line is the only one (no Hydra report, no traceback)."""
+    """For the main thread on its way out with an error (under torchrun, collectives fail as workers are
+    stopped): while exit_now ends the process, wait, so that its line is the only one (no traceback)."""
     if _state.exiting:
         threading.Event().wait()
 

@@ -66,21 +66,18 @@ def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
     return functools.update_wrapper(copy, hook)
 
 
-# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its own rendezvous TCPStore, the same
-# for every restart, and the keys the previous workers wrote are still there: restarted workers read the
-# dead ones' addresses, fail to connect or wait forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes
-# torchrun start a fresh store per restart.
+# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its rendezvous TCPStore, the same for every
+# restart, with the keys the previous workers wrote: restarted workers read the dead ones' addresses, fail to
+# connect or wait forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun start a fresh store per restart.
 RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch#135712)"
 INIT_AFTER_RESTART_SECONDS = 300
 
 
 @contextlib.contextmanager
 def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
-    """The store to join the process group with, for the body's duration. With one torchrun agent (one
-    node) sharing its store: the keys of each restart under their own prefix, so nothing of an earlier
-    attempt is read. With several, whose restart counts can differ, only the variable helps: None (the
-    env:// rendezvous), and a restarted worker that cannot join in INIT_AFTER_RESTART_SECONDS ends with
-    one line naming the fix instead of waiting silently. None as well where torchrun shares no store."""
+    """The store to join the process group with (None: env://). One torchrun agent sharing its store: each
+    restart's keys under their own prefix. Several, whose restart counts can differ: a restarted worker that
+    cannot join in INIT_AFTER_RESTART_SECONDS ends with one line naming the fix instead of waiting silently."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
