@@ -94,8 +94,7 @@ class PowerSGD(CommHook):
                                                  start_powerSGD_iter=cfg.powersgd_start_step)
         self.hook = torch_fixes.powersgd_hook(name == "batched_powersgd", dist_info.device.type == "cuda")
         if dist_info.backend == "gloo":
-            # One bucket: gloo runs the hook's callbacks as the data arrives, so with several buckets
-            # the ranks' PowerSGD all-reduces can come in different orders and mismatch.
+            # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces wrongly (docs/training.md).
             self.ddp_options = {"bucket_cap_mb": 2**20}
 
     def own_state(self, model, optimizer, scaler):

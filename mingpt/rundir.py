@@ -205,11 +205,10 @@ class Claim:
 
     def release(self) -> None:
         root = logging.getLogger()
-        for handler in (self.log_buffer, self.log_file):
-            if handler is not None:
-                root.removeHandler(handler)
-                with contextlib.suppress(OSError):  # the last lines, to a full disk: said on stderr already
-                    handler.close()
+        for handler in filter(None, (self.log_buffer, self.log_file)):
+            root.removeHandler(handler)
+            with contextlib.suppress(OSError):  # the last lines, to a full disk: said on stderr already
+                handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
         self.fds = []

@@ -17,12 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.constants import default_pg_timeout
 
 
-class _View:
-    """`target` with some attributes replaced, for a copied function's globals."""
-
-    def __init__(self, target: Any, **replaced: Any):
-        self.__dict__.update(replaced)
-        self._target = target
+class _View(types.SimpleNamespace):
+    """`_target` with the other keyword arguments in place of its attributes, for a copied function's globals."""
 
     def __getattr__(self, name: str) -> Any:  # only for names not replaced
         return getattr(self._target, name)
@@ -55,7 +51,7 @@ def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
     hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
     replaced: dict[str, Any] = {}
     if not on_cuda and torch.cuda.is_available():
-        replaced["torch"] = _View(torch, cuda=_View(torch.cuda, is_available=lambda: False))
+        replaced["torch"] = _View(_target=torch, cuda=_View(_target=torch.cuda, is_available=lambda: False))
     if batched and _orthogonalize_takes_only_batches():
         replaced["_orthogonalize"] = _orthogonalize_matrix_or_batch
     if not replaced:
