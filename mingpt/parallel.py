@@ -27,8 +27,7 @@ def uses_fsdp(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
 def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) -> None:
     """FSDP2 in place, before the optimizer is built: each block, then the root, is sharded over all ranks."""
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
-        else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None)
     for unit in [*model.h, model]:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(model, "step")  # generation calls `step`: it gathers the root's parameters too
