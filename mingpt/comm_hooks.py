@@ -1,11 +1,5 @@
-"""DDP communication: the gradient hooks of `trainer_config.ddp_comm_hook`, LocalSGD's
-model averaging, and the per-rank state they carry across a restart. All of it is
-PyTorch's own (torch.distributed.algorithms): this module picks, configures and
-registers the pieces, and saves and restores their state (docs/training.md says what
-each hook does and what a resume keeps). Every rank calls `state_dict` at the same
-step and its own state goes into the snapshot beside the others' (LocalSGD's mean of
-the weights is collective).
-"""
+"""DDP communication (docs/training.md): PyTorch's gradient hooks of `trainer_config.ddp_comm_hook`,
+LocalSGD's model averaging, and each rank's own state of them in the snapshot."""
 
 from __future__ import annotations
 
@@ -31,50 +25,46 @@ def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
     """Refuse, before any work, a hook this run cannot use."""
     hook = cfg.ddp_comm_hook
     if hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
-        raise ConfigError(
-            f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
-            f"this run uses {dist_info.backend}: use fp16, powersgd or none"
-        )
-    if hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed:
-        if dist_info.world_size % dist_info.local_world_size:
-            raise ConfigError(
-                f"trainer_config.localsgd_group: node needs the same number of processes on every node "
-                f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
-            )
+        raise ConfigError(f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
+                          f"this run uses {dist_info.backend}: use fp16, powersgd or none")
+    if (hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed
+            and dist_info.world_size % dist_info.local_world_size):
+        raise ConfigError(f"trainer_config.localsgd_group: node needs the same number of processes on every node "
+                          f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)")
 
 
 class CommHook:
-    """No hook (plain DDP all-reduce, or one process): nothing to do or keep."""
+    """The hook `name`: none (plain DDP, or one process) or fp16/bf16, which keep nothing; a subclass saves
+    each rank's `own_state`, given back on a resume with the same world size (`load_own_state`)."""
 
-    name = "none"
-    # Extra keyword arguments for DistributedDataParallel.
-    ddp_options: dict[str, Any] = {}
-    # Whether the ranks' weights and optimizer states differ (LocalSGD): the snapshot then takes rank 0's.
-    replicas_differ = False
+    ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
+    replicas_differ = False  # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
 
-    def __init__(self, dist_info: DistInfo | None = None):
+    def __init__(self, dist_info: DistInfo | None = None, name: str = "none"):
         self.dist = dist_info or DistInfo(0, 0, 1, 1, torch.device("cpu"))
+        self.name = name
 
     def start(self, ddp: DDP | None, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer,
               scaler, warm_up: Callable[[], None]) -> None:
-        """Register the hook on `ddp` and restore the state `saved` at `step` (None: none saved).
-        Called after DDP wrapped the model (which copied rank 0's weights to every rank), before
-        training; in one process (`ddp` None) too, to say that a saved state goes unused.
+        """Register the hook on `ddp` (None in one process) and restore the state `saved` at `step`.
         `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
-        self.unused(saved, step)
-
-    def unused(self, saved: dict[str, Any] | None, step: int) -> None:
-        """Warn (rank 0) that the snapshot's per-rank hook state `saved` cannot be placed: this run
-        has another number of processes (one included: no hook) or another hook, so that state
-        starts afresh from the snapshot's weights (with LocalSGD the replicas' mean) at `step`."""
-        if not saved or not self.dist.is_main_process:
+        if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
+                and saved.get("state") is not None):
+            self.load_own_state(saved["state"], step, ddp, model, optimizer, scaler, warm_up)
             return
-        world = self.dist.world_size
-        this = f"{world} ranks with ddp_comm_hook={self.name}" if world > 1 else "1 process (no comm hook)"
-        log.warning("the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts afresh "
-                    "at step %d, from the snapshot's weights%s", saved.get("name"), saved.get("world_size"), this,
-                    step, " (the replicas' mean) and rank 0's optimizer state"
-                    if saved.get("name") == "post_local_sgd" else "")
+        if saved and self.dist.is_main_process:  # another number of processes or another hook
+            world = self.dist.world_size
+            this = f"{world} ranks with ddp_comm_hook={self.name}" if world > 1 else "1 process (no comm hook)"
+            log.warning("the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts "
+                        "afresh at step %d, from the snapshot's weights%s", saved.get("name"), saved.get("world_size"),
+                        this, step, " (the replicas' mean) and rank 0's optimizer state"
+                        if saved.get("name") == "post_local_sgd" else "")
+        self.restart(ddp, step)
+
+    def restart(self, ddp: DDP | None, step: int) -> None:
+        """Register the hook, to go on at `step` without saved state."""
+        if self.name != "none":
+            ddp.register_comm_hook(None, getattr(default_hooks, f"{self.name}_compress_hook"))
 
     def after_optimizer_step(self, model: torch.nn.Module) -> None:
         pass
@@ -85,128 +75,67 @@ class CommHook:
         yield
 
     def model_state(self, model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-        """`state`, the model's state dict, with the weights that stand for the run (collective for LocalSGD)."""
+        """`state`, the model's state dict, with the weights that stand for the run (collective: on every rank)."""
         return state
+
+    def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
+        return None
 
     def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
         """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's own}, or None."""
-        return None
+        own = self.own_state(model, optimizer, scaler)
+        return own and {"about": {"name": self.name, "world_size": self.dist.world_size}, "state": own}
 
 
-class HalfPrecision(CommHook):
-    def __init__(self, name: str, dist_info: DistInfo):
-        super().__init__(dist_info)
-        self.name = name
-
-    def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
-        self.unused(saved, step)
-        hook = default_hooks.fp16_compress_hook if self.name == "fp16" else default_hooks.bf16_compress_hook
-        ddp.register_comm_hook(None, hook)
-
-
-class PerRankState(CommHook):
-    """A hook whose state differs per rank: each rank saves its own in the snapshot,
-    given back to each rank on a resume with the same world size."""
-
-    def __init__(self, name: str, dist_info: DistInfo):
-        super().__init__(dist_info)
-        self.name = name
-
-    def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def load_own_state(self, own: dict[str, Any], step: int, ddp: DDP, model: torch.nn.Module, optimizer, scaler,
-                       warm_up: Callable[[], None]) -> None:
-        raise NotImplementedError
-
-    def restart(self, ddp: DDP, step: int) -> None:
-        """Register the hook, to go on at `step` without saved state."""
-        raise NotImplementedError
-
-    def state_dict(self, model, optimizer, scaler):
-        return {"about": {"name": self.name, "world_size": self.dist.world_size},
-                "state": self.own_state(model, optimizer, scaler)}
-
-    def start(self, ddp, saved, step, model, optimizer, scaler, warm_up):
-        if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
-                and saved.get("state") is not None):
-            own = _to_device(saved["state"], self.dist.device)
-            self.load_own_state(own, step, ddp, model, optimizer, scaler, warm_up)
-            return
-        if not saved and step > 0 and self.dist.is_main_process:
-            log.info("the snapshot holds no %s state: it starts afresh at step %d", self.name, step)
-        self.unused(saved, step)
-        self.restart(ddp, step)
-
-
-class PowerSGD(PerRankState):
+class PowerSGD(CommHook):
     def __init__(self, name: str, cfg: TrainerConfig, dist_info: DistInfo):
-        super().__init__(name, dist_info)
-        self.state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=cfg.powersgd_rank,
-            start_powerSGD_iter=cfg.powersgd_start_step,
-        )
+        super().__init__(dist_info, name)
+        self.state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
+                                                 start_powerSGD_iter=cfg.powersgd_start_step)
         self.hook = torch_fixes.powersgd_hook(name == "batched_powersgd", dist_info.device.type == "cuda")
         if dist_info.backend == "gloo":
-            # One bucket. The hook all-reduces a bucket's Q from a callback of its P's all-reduce;
-            # gloo runs that callback when the P arrives, so with several buckets one rank can send
-            # bucket 0's Q before bucket 1's P and another after: the collectives mismatch and the
-            # run dies ("Received data size doesn't match"). NCCL runs it at once, in issue order.
+            # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces wrongly (docs/training.md).
             self.ddp_options = {"bucket_cap_mb": 2**20}
 
     def own_state(self, model, optimizer, scaler):
         s = self.state
-        _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()
-        return {
-            "iter": s.iter,
-            # numpy's Mersenne Twister, which seeds the random starts of Q (the same on every rank)
-            "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
-                    "cached_gaussian": float(cached_gaussian)},
-            "error": dict(s.error_dict),
-            "p": dict(s.p_memory_dict),
-            "q": dict(s.q_memory_dict),
-        }
+        _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()  # numpy's Mersenne Twister: Q's random starts
+        return {"iter": s.iter, "error": dict(s.error_dict), "p": dict(s.p_memory_dict), "q": dict(s.q_memory_dict),
+                "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
+                        "cached_gaussian": float(cached_gaussian)}}
 
     def restart(self, ddp, step):
-        # From its first step again: plain all-reduce for powersgd_start_step steps, then compression.
-        ddp.register_comm_hook(self.state, self.hook)
+        ddp.register_comm_hook(self.state, self.hook)  # from its first step: powersgd_start_step plain steps
 
     def load_own_state(self, own, step, ddp, model, optimizer, scaler, warm_up):
         s = self.state
         if own["iter"] >= s.start_powerSGD_iter:
-            # The saved error and P/Q are laid out in DDP's rebuilt buckets (gradients in the order
-            # backward produces them), which a new DDP only has from its second iteration on: one
-            # plain step on a training batch, whose gradients are dropped, rebuilds them first.
+            # The saved error and P/Q are laid out in DDP's rebuilt buckets (gradients in the order backward
+            # produces them), which a new DDP only has from its second iteration on: one plain step rebuilds them.
             warm_up()
         s.iter = own["iter"]
         rng = own["rng"]
         s.rng.set_state(("MT19937", rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
                          rng["cached_gaussian"]))
-        s.error_dict, s.p_memory_dict, s.q_memory_dict = dict(own["error"]), dict(own["p"]), dict(own["q"])
+        s.error_dict, s.p_memory_dict, s.q_memory_dict = (
+            {k: v.to(self.dist.device) for k, v in own[name].items()} for name in ("error", "p", "q"))
         ddp.register_comm_hook(s, self.hook)
 
 
-class PostLocalSGD(PerRankState):
+class PostLocalSGD(CommHook):
     replicas_differ = True
 
     def __init__(self, cfg: TrainerConfig, dist_info: DistInfo):
-        super().__init__("post_local_sgd", dist_info)
+        super().__init__(dist_info, "post_local_sgd")
+        subgroup = None
         if cfg.localsgd_group == "node":
-            # The ranks of a node all-reduce their gradients every step (PyTorch's default
-            # subgroup); torchrun numbers a node's ranks contiguously.
+            # The ranks of a node all-reduce their gradients every step; torchrun numbers them contiguously.
             subgroup, _ = dist.new_subgroups(group_size=dist_info.local_world_size)
             if dist_info.local_world_size == dist_info.world_size and dist_info.is_main_process:
                 log.warning("trainer_config.localsgd_group=node on one node: every rank still all-reduces every "
                             "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)")
-        else:
-            subgroup = None
-        self.state = post_localSGD_hook.PostLocalSGDState(
-            process_group=None,
-            subgroup=subgroup,
-            start_localSGD_iter=cfg.localsgd_start_step,
-            post_local_gradient_allreduce=cfg.localsgd_group == "node",
-        )
+        self.state = post_localSGD_hook.PostLocalSGDState(None, subgroup, cfg.localsgd_start_step,
+                                                          post_local_gradient_allreduce=subgroup is not None)
         self.averager = averagers.PeriodicModelAverager(period=cfg.localsgd_period,
                                                         warmup_steps=cfg.localsgd_start_step)
 
@@ -223,15 +152,15 @@ class PostLocalSGD(PerRankState):
 
     @contextlib.contextmanager
     def mean_weights(self, model):
-        mean = self._mean(model)
-        own = {name: p.data for name, p in model.named_parameters(remove_duplicate=False)}
-        for name, p in model.named_parameters(remove_duplicate=False):
+        named = list(model.named_parameters(remove_duplicate=False))
+        own, mean = [p.data for _, p in named], self._mean(model)
+        for name, p in named:
             p.data = mean[name]
         try:
             yield
         finally:
-            for name, p in model.named_parameters(remove_duplicate=False):
-                p.data = own[name]
+            for (_, p), data in zip(named, own):
+                p.data = data
 
     def model_state(self, model, state):
         return {**state, **self._mean(model)}
@@ -246,8 +175,7 @@ class PostLocalSGD(PerRankState):
         ddp.register_comm_hook(self.state, post_localSGD_hook.post_localSGD_hook)
 
     def load_own_state(self, own, step, ddp, model, optimizer, scaler, warm_up):
-        # After DDP's wrapping, which copied rank 0's weights to every rank.
-        model.load_state_dict(own["model_state"])
+        model.load_state_dict(own["model_state"])  # the state's CPU tensors go to where each one is
         whole = optimizer.state_dict()  # this run's hyperparameters, the rank's own moments
         whole["state"] = own["optimizer_state"]
         optimizer.load_state_dict(whole)
@@ -258,21 +186,9 @@ class PostLocalSGD(PerRankState):
 
 def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
     """The hook `trainer_config.ddp_comm_hook` names; a single process has none."""
-    name = cfg.ddp_comm_hook
-    if not dist_info.is_distributed or name == "none":
-        return CommHook(dist_info)
-    if name in ("fp16", "bf16"):
-        return HalfPrecision(name, dist_info)
+    name = cfg.ddp_comm_hook if dist_info.is_distributed else "none"
     if name in ("powersgd", "batched_powersgd"):
         return PowerSGD(name, cfg, dist_info)
-    return PostLocalSGD(cfg, dist_info)
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    return obj
+    if name == "post_local_sgd":
+        return PostLocalSGD(cfg, dist_info)
+    return CommHook(dist_info, name)

@@ -1,6 +1,5 @@
-"""Process group, device and roles under torchrun, or one plain process without
-a group. Rank 0 writes snapshots, metrics and logs at INFO; each node's local
-rank 0 does once-per-node work (the corpus) while the others wait."""
+"""Process group, device and roles under torchrun, or one plain process without a group. Rank 0 writes
+snapshots, metrics and logs at INFO; each node's local rank 0 does once-per-node work (the corpus)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ import torch.distributed as dist
 from mingpt import torch_fixes
 from mingpt.config import ConfigError
 
-log = logging.getLogger(__name__)
+# Per-step decisions travel between CPUs: on a CUDA tensor, reading them would make the host wait for every step.
+_control_group: "dist.ProcessGroup | None" = None
 
 
 @dataclass(frozen=True)
@@ -52,32 +52,24 @@ def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config
         raise ConfigError(f"{key}: cuda, but CUDA is not available")
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
-                f"(start at most that many processes per node)"
-            )
+            raise ConfigError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
+                              f"(start at most that many processes per node)")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-class OwnInfo(logging.Filter):
-    """mingpt's own INFO lines (also those of `python -m mingpt.X`, logged as
-    __main__); other libraries' only from WARNING up: botocore's `Found
-    credentials in environment variables` stays out of the log and train.log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        name = record.name
-        return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
+def _own_info(record: logging.LogRecord) -> bool:
+    """mingpt's own INFO lines (and `python -m mingpt.X`'s, logged as __main__); other libraries' from WARNING up."""
+    name = record.name
+    return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
 
 
 def setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO to stderr (mingpt's INFO: OwnInfo; train.log joins once
-    the run is accepted: mingpt/rundir.py); other ranks log warnings and errors,
-    prefixed with their rank."""
+    """Rank 0 logs mingpt's INFO to stderr; other ranks log warnings and errors, prefixed with their rank."""
     prefix = "" if rank == 0 else f"[rank {rank}] "
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    handler.addFilter(OwnInfo())
+    handler.addFilter(_own_info)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
@@ -85,31 +77,22 @@ def setup_logging(rank: int) -> None:
 
 @contextlib.contextmanager
 def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
-    """Join the process group torchrun describes (if any) and leave it at exit,
-    also when the body raises."""
-    env = os.environ
-    rank = int(env.get("RANK", 0))
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    world_size = int(env.get("WORLD_SIZE", 1))
-    local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
-    device = pick_device(device_preference, local_rank)
-    info = DistInfo(rank, local_rank, world_size, local_world_size, device)
+    """Join the process group torchrun describes (if any) and leave it at exit, also when the body raises."""
+    global _control_group
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    info = DistInfo(int(os.environ.get("RANK", 0)), local_rank, int(os.environ.get("WORLD_SIZE", 1)),
+                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), pick_device(device_preference, local_rank))
+    device = info.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    global _control_group
     if info.is_distributed:
-        with torch_fixes.bounded_if_restarted():
-            dist.init_process_group(
-                info.backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-                store=torch_fixes.attempt_store(world_size),
-            )
-        # Per-step decisions travel between CPUs: on a CUDA tensor, reading them
-        # would make the host wait for every step's kernels.
+        with torch_fixes.restart_store(info.world_size) as store:
+            dist.init_process_group(info.backend, rank=info.rank, world_size=info.world_size,
+                                    device_id=device if device.type == "cuda" else None, store=store)
         _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
     try:
         yield info
-        # Leave together: a rank that tears down gloo while rank 0 still saves can abort at exit.
-        barrier(info)
+        barrier(info)  # leave together: a rank that tears down gloo while rank 0 still saves can abort at exit
     finally:
         _control_group = None
         if dist.is_initialized():
@@ -117,12 +100,8 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
             dist.destroy_process_group()
 
 
-_control_group: "dist.ProcessGroup | None" = None
-
-
 def all_max(info: DistInfo, values: list[int]) -> list[int]:
-    """The element-wise maximum of every rank's `values`: one small all-reduce
-    of CPU integers (nothing at all in a single process)."""
+    """The element-wise maximum of every rank's `values`: one small all-reduce of CPU integers."""
     if not info.is_distributed:
         return values
     tensor = torch.tensor(values, dtype=torch.int64)
@@ -134,9 +113,8 @@ def global_mean(info: DistInfo, value: torch.Tensor) -> float:
     """The mean over the ranks of a one-element tensor."""
     if info.is_distributed:
         value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG if info.backend == "nccl" else dist.ReduceOp.SUM)
-        if info.backend != "nccl":  # gloo has no AVG
-            value /= info.world_size
+        dist.all_reduce(value)  # a sum: gloo has no AVG
+        value /= info.world_size
     return value.item()
 
 

@@ -1,6 +1,5 @@
-"""How the model is spread over the processes (`trainer_config.parallelism`):
-DDP replicas, or FSDP2 shards of every block and the root; one process is plain.
-`torch.compile` goes around either."""
+"""How the model is spread over the processes (`trainer_config.parallelism`): DDP replicas, or FSDP2
+shards of every block and the root; one process is plain. `torch.compile` goes around either."""
 
 from __future__ import annotations
 
@@ -9,6 +8,9 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.comm_hooks import CommHook
@@ -23,24 +25,16 @@ def uses_fsdp(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
 
 
 def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) -> None:
-    """FSDP2 in place: each block, then the root, becomes a sharded unit over all
-    ranks. Before the optimizer is built: the parameters become DTensor shards."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
+    """FSDP2 in place, before the optimizer is built: each block, then the root, is sharded over all ranks."""
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
-        else MixedPrecisionPolicy()
-    for block in model.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    # Generation calls `step`, not `forward`: it must gather the root's parameters too.
-    register_fsdp_forward_method(model, "step")
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None)
+    for unit in [*model.h, model]:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    register_fsdp_forward_method(model, "step")  # generation calls `step`: it gathers the root's parameters too
 
 
 def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
-    """DDP around the model (which copies rank 0's weights to every rank), with
-    the options of its comm hook; the caller starts the hook on it."""
+    """DDP around the model (which copies rank 0's weights to every rank), with the options of its comm hook."""
     device = dist_info.device
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
                **comm.ddp_options)
@@ -52,17 +46,14 @@ def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iterator[None]:
-    """While in the body, backward all-reduces (DDP) or reduce-scatters (FSDP)
-    the gradients only if `enabled`: the last micro-batch of a step does."""
-    if enabled:
-        yield
-    elif isinstance(raw_model, _fsdp_module()):
+    """While in the body, backward reduces the gradients over the ranks only if `enabled` (last micro-batch)."""
+    if not enabled and isinstance(raw_model, FSDPModule):
         raw_model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             raw_model.set_requires_gradient_sync(True)
-    elif hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
+    elif not enabled and hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
         with model.no_sync():
             yield
     else:
@@ -71,12 +62,4 @@ def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iter
 
 def full_value(value: Any) -> Any:
     """A DTensor (a sharded model's gradient norm) as the plain tensor it stands for."""
-    from torch.distributed.tensor import DTensor
-
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _fsdp_module() -> type:
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule

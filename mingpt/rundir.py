@@ -1,9 +1,4 @@
-"""The run directory: its name (from the result-affecting values, through the resolvers
-that conf/config.yaml uses), its one owner (an advisory lock held for the job's lifetime,
-dropped by the kernel however the process ends), what is written there once a run is
-accepted (`Claim.accept`: nothing before every check has passed), and its one record
-(`check_record`). What users see of it: docs/run-directory.md and docs/fault-tolerance.md.
-"""
+"""The run directory: its name (from the config), its one owner (a lock), writes once accepted, its one record."""
 
 from __future__ import annotations
 
@@ -32,85 +27,50 @@ from mingpt.metrics import last_step
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
+LABEL_MAX_CHARS = 80  # a longer label leaves the hash alone in the name
+# What the record of a run directory is made of, and the kind of file each must be.
+RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
 class RunDirError(ValueError):
     """The run directory cannot be used (in use by another job, cannot be created); the message names it."""
 
 
-# ------------------------------------------------------------------ naming
-
-
-def config_hash(sections: Mapping[str, Any]) -> str:
-    """8 hex digits of the result-affecting values of a config given as {section: {key: value}}."""
-    text = json.dumps(result_items(sections), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
-# The readable part of a run directory's name is at most this long; a longer
-# list of changed values leaves only the hash (experiments change many).
-LABEL_MAX_CHARS = 80
-
-
 def _short_key(key: str) -> str:
-    """`learning_rate` for optimizer_config.learning_rate; the full key where
-    another section has a field of the same name (block_size)."""
+    """The field alone (`learning_rate`), unless another section has a field of that name (block_size)."""
     field = key.partition(".")[2]
     sections = [{g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(Config)]
     return key if sum(field in names for names in sections) > 1 else field
 
 
-def _value_text(value: Any) -> str:
-    """A value as shown in a name: lists joined by '_', anything but letters,
-    digits and `._+-` (a path's '/') replaced by '_'."""
+def _value_text(key: str, value: Any) -> str:
+    """As a name shows it: lists joined by '_', a fine-tuning source by its path's last two parts."""
     if isinstance(value, list):
-        text = "_".join(_value_text(v) for v in value)
+        text = "_".join(_value_text(key, v) for v in value)
+    elif key == "trainer_config.init_from" and isinstance(value, str):
+        text = "/".join([part for part in value.split("/") if part][-2:]) or value
     else:
         text = value if isinstance(value, str) else json.dumps(value)
     return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
 
 
-def _path_tail(path: Any) -> Any:
-    """The last two parts of a path or URL (`pre/snapshot-best.pt` of
-    /data/runs/pre/snapshot-best.pt): enough to read, short enough to keep."""
-    if not isinstance(path, str):
-        return path
-    parts = [part for part in path.split("/") if part]
-    return "/".join(parts[-2:]) or path
-
-
-# Keys shown by a shorter text than their value: the hash keeps the whole value.
-SHOWN_AS = {"trainer_config.init_from": _path_tail}
-
-
-def config_label(sections: Mapping[str, Any]) -> str:
-    """The result-affecting values that differ from the defaults, readable and
-    safe in a directory name (`learning_rate=0.001,max_epochs=5`), sorted by
-    key; '' when none differ or they take more than LABEL_MAX_CHARS (then a
-    fine-tuning run's source alone). The source shows its path's last two parts
-    (`init_from=pre_snapshot-best.pt`)."""
-    defaults = result_items(dataclasses.asdict(Config()))
-    changed = {_short_key(k): _value_text(SHOWN_AS.get(k, lambda v: v)(v)) for k, v in result_items(sections).items()
-               if k not in defaults or defaults[k] != v}
-    label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
-    if len(label) > LABEL_MAX_CHARS and "init_from" in changed:  # too many to read: a fine-tuning run's source
-        label = f"init_from={changed['init_from']}"
-    return label if len(label) <= LABEL_MAX_CHARS else ""
-
-
 def config_tag(sections: Mapping[str, Any]) -> str:
-    """`<config_label>-<config_hash>`, or the hash alone when the label is empty.
-    The hash keeps the identity: equal values, equal tag; other values, another."""
-    label = config_label(sections)
-    return f"{label}-{config_hash(sections)}" if label else config_hash(sections)
+    """`<changes>-<hash>` of a config given as {section: {key: value}} (docs/run-directory.md): the changed
+    result-affecting values, sorted by key, and 8 hex digits of all of them; the hash alone when none differ
+    or they take more than LABEL_MAX_CHARS (then a fine-tuning run's source alone)."""
+    values, defaults = result_items(sections), result_items(dataclasses.asdict(Config()))
+    changed = {_short_key(k): _value_text(k, v) for k, v in values.items() if k not in defaults or defaults[k] != v}
+    label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
+    if len(label) > LABEL_MAX_CHARS and "init_from" in changed:
+        label = f"init_from={changed['init_from']}"
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{label}-{digest}" if label and len(label) <= LABEL_MAX_CHARS else digest
 
 
 def run_dir_name(sections: Mapping[str, Any]) -> str:
-    """`<run_name>` for the default config, `<run_name>-<config_tag>` for any
-    other: `default-learning_rate=0.001-1a2b3c4d`."""
-    name = sections["trainer_config"]["run_name"]
-    defaults = dataclasses.asdict(Config())
-    return name if result_items(sections) == result_items(defaults) else f"{name}-{config_tag(sections)}"
+    """`<run_name>` for the default config, `<run_name>-<config_tag>` for any other."""
+    default = result_items(sections) == result_items(dataclasses.asdict(Config()))
+    return sections["trainer_config"]["run_name"] + ("" if default else f"-{config_tag(sections)}")
 
 
 def _sections(root: DictConfig) -> dict[str, Any]:
@@ -119,23 +79,15 @@ def _sections(root: DictConfig) -> dict[str, Any]:
 
 
 def register_resolvers() -> None:
-    """`${mingpt.run_dir_name:}`, `${mingpt.config_tag:}` and `${mingpt.config_hash:}`
-    for conf/config.yaml's hydra.run/sweep dirs."""
-    OmegaConf.register_new_resolver("mingpt.run_dir_name", lambda _root_: run_dir_name(_sections(_root_)),
-                                    replace=True)
-    OmegaConf.register_new_resolver("mingpt.config_tag", lambda _root_: config_tag(_sections(_root_)),
-                                    replace=True)
-    OmegaConf.register_new_resolver("mingpt.config_hash", lambda _root_: config_hash(_sections(_root_)),
-                                    replace=True)
+    """`${mingpt.run_dir_name:}` and `${mingpt.config_tag:}` for conf/config.yaml."""
+    for fn in (run_dir_name, config_tag):
+        OmegaConf.register_new_resolver(f"mingpt.{fn.__name__}", lambda _root_, fn=fn: fn(_sections(_root_)),
+                                        replace=True)
 
 
 def check_run_dir_setting(run_dir_setting: str) -> None:
-    """`hydra.run.dir=''` would put the run's files into the current directory."""
     if not str(run_dir_setting).strip():
         raise RunDirError("hydra.run.dir: must not be empty (it would put the run into the current directory)")
-
-
-# --------------------------------------------------------------- ownership
 
 
 def _agree(dist_info: DistInfo, refusal: str | None) -> None:
@@ -149,30 +101,23 @@ def _agree(dist_info: DistInfo, refusal: str | None) -> None:
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, from the details it wrote into the file."""
+    """Who holds the lock, from the details it wrote into the file: none yet, or a dead earlier holder's
+    on this host, while a new job is starting."""
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"null")
-    except (OSError, ValueError):
-        info = None
-    if not isinstance(info, dict):
-        return "another job that is starting"
-    alive = True
-    if info.get("host") == socket.gethostname():
-        try:
+        if info.get("host") == socket.gethostname():
             os.kill(int(info["pid"]), 0)
-        except ProcessLookupError:
-            alive = False
-        except (OSError, ValueError, KeyError):
-            pass
-    if not alive:  # the details of an earlier holder; the new one has not written its own yet
+    except PermissionError:  # alive, another user's
+        pass
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return "another job that is starting"
     run_id = f", torchrun run id {info['run_id']}" if info.get("run_id") else ""
     return f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')}{run_id}"
 
 
-def _lock(path: str, what: str) -> int | None:
-    """An exclusive flock on `path` (created if missing), or RunDirError naming the holder.
-    None where the file system refuses locks (Lustre mounted without flock or localflock)."""
+def _lock(path: str, what: str) -> list[int]:
+    """[fd] holding an exclusive flock on `path` (created if missing), or RunDirError naming the holder;
+    [] where the file system refuses locks (Lustre mounted without flock or localflock)."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -183,22 +128,19 @@ def _lock(path: str, what: str) -> int | None:
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise RunDirError(
-            f"{what} is in use by {holder}; wait for that job to end or stop it, "
-            f"or run this one in another directory (hydra.run.dir=...)"
-        ) from None
+        raise RunDirError(f"{what} is in use by {holder}; wait for that job to end or stop it, "
+                          f"or run this one in another directory (hydra.run.dir=...)") from None
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
             log.warning("cannot lock %s (%s): a second job on it would not be detected", path, e.strerror)
-            return None
+            return []
         raise RunDirError(f"cannot lock {path}: {e.strerror}") from None
-    return fd
+    return [fd]
 
 
 def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
-    """The lock files of a run: in its directory, and beside a local snapshot kept elsewhere.
-    Object stores (s3://, gs://) have no locks: a snapshot there is not claimed."""
+    """The lock files of a run: in its directory, and beside a local snapshot root outside it."""
     paths = [(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
         snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))
@@ -218,8 +160,7 @@ def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
 
 
 class _LogFile(logging.FileHandler):
-    """train.log: a line it cannot write (a full disk, the directory removed)
-    costs one warning, and the log goes on on stderr only."""
+    """train.log: a line it cannot write costs one warning, and the log goes on on stderr only."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         logging.getLogger().removeHandler(self)
@@ -238,8 +179,8 @@ class Claim:
     log_file: logging.FileHandler | None = None
 
     def accept(self, files: Mapping[str, str | Callable[[], str]] | None = None) -> None:
-        """Every check passed: record the holder, open train.log with the lines
-        logged so far, and write `files` ({path in the run directory: text, or what makes it})."""
+        """Every check passed: record the holder, open train.log with the lines logged so far,
+        and write `files` ({path in the run directory: text, or what makes it})."""
         if self.rank != 0:
             return
         info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -249,9 +190,8 @@ class Claim:
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         root = logging.getLogger()
         self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
-        self.log_file.setFormatter(root.handlers[0].formatter if root.handlers else None)
-        for log_filter in root.handlers[0].filters if root.handlers else ():  # mingpt's INFO only
-            self.log_file.addFilter(log_filter)
+        self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler
+        self.log_file.filters = list(root.handlers[0].filters)  # mingpt's INFO only
         if self.log_buffer is not None:
             self.log_buffer.setTarget(self.log_file)
             self.log_buffer.flush()
@@ -265,11 +205,10 @@ class Claim:
 
     def release(self) -> None:
         root = logging.getLogger()
-        for handler in (self.log_buffer, self.log_file):
-            if handler is not None:
-                root.removeHandler(handler)
-                with contextlib.suppress(OSError):  # the last lines, to a full disk: said on stderr already
-                    handler.close()
+        for handler in filter(None, (self.log_buffer, self.log_file)):
+            root.removeHandler(handler)
+            with contextlib.suppress(OSError):  # the last lines, to a full disk: said on stderr already
+                handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
         self.fds = []
@@ -278,30 +217,21 @@ class Claim:
 @contextlib.contextmanager
 def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
           log_buffer: logging.handlers.MemoryHandler | None = None) -> Iterator[Claim]:
-    """Own the run directory (and a local snapshot location) for the body's
-    duration. Rank 0 takes the locks and tells the others, so every rank of a
-    refused job raises the same RunDirError before anything is written."""
+    """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
+    the locks, so every rank of a refused job raises the same RunDirError before anything is written."""
     owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
     refusal = None
     try:
         if dist_info.is_main_process:
             try:
                 for path, what in lock_paths(run_dir, snapshot_path):
-                    fd = _lock(path, what)
-                    if fd is not None:
-                        owned.fds.append(fd)
+                    owned.fds += _lock(path, what)
             except RunDirError as e:
                 refusal = str(e)
         _agree(dist_info, refusal)
         yield owned
     finally:
         owned.release()
-
-
-# ------------------------------------------------------------------ record
-
-# What the record of a run directory is made of, and the kind of file each must be.
-RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
 def _comparable(snapshot_path: str) -> str:
@@ -330,6 +260,6 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
 
 
 def check_record(run_dir: str, snapshot_path: str, step: int, dist_info: DistInfo) -> None:
-    """Refuse, on every rank, a start from `step` that would cut back the record
-    of another run in `run_dir` (see the module doc), or a record file of the wrong kind."""
+    """Refuse, on every rank, a start from `step` that would cut back the record of another run
+    in `run_dir` (the run whose snapshot its lock file names), or a record file of the wrong kind."""
     _agree(dist_info, _record_problem(run_dir, snapshot_path, step) if dist_info.is_main_process else None)

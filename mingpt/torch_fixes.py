@@ -1,6 +1,5 @@
-"""Workarounds for bugs in PyTorch, all of them here. Each names its bug, applies only
-where the installed torch has it, and changes nothing in torch itself: mingpt gets
-its own copy of what it calls."""
+"""Workarounds for bugs in PyTorch, all of them here. Each names its bug, applies only where the
+installed torch has it, and changes nothing in torch itself: mingpt gets its own copy of what it calls."""
 
 from __future__ import annotations
 
@@ -15,35 +14,20 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.constants import default_pg_timeout
 
 
-class _View:
-    """`target` with some attributes replaced, for a copied function's globals."""
-
-    def __init__(self, target: Any, **replaced: Any):
-        self.__dict__.update(replaced)
-        self._target = target
+class _View(types.SimpleNamespace):
+    """`_target` with the other keyword arguments in place of its attributes, for a copied function's globals."""
 
     def __getattr__(self, name: str) -> Any:  # only for names not replaced
         return getattr(self._target, name)
 
 
-def _with_globals(fn: Callable, **replaced: Any) -> Callable:
-    """A copy of `fn` (its code, defaults, closure, name and annotations, which DDP
-    checks) that sees `replaced` in place of its module's globals of those names."""
-    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **replaced}, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return functools.update_wrapper(copy, fn)
-
-
-# ------------------------------------------------------------------ PowerSGD
-
-
 def _orthogonalize_takes_only_batches() -> bool:
-    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes
-    only batches of them (3-D) since PowerSGD learnt to batch same-shaped layers, so the
-    hook fails at its first compressed step (an AssertionError; torch 2.13 has it)."""
+    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes only batches
+    of them (3-D) since PowerSGD learnt to batch same-shaped layers, so the hook fails at its first
+    compressed step (an AssertionError; torch 2.13 has it)."""
     try:
         powerSGD_hook._orthogonalize(torch.ones(2, 1))
     except AssertionError:
@@ -57,73 +41,57 @@ def _orthogonalize_matrix_or_batch(matrices: torch.Tensor, epsilon: float = 0) -
 
 
 def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
-    """torch's PowerSGD hook (batched or not) for a job on CUDA or not, with what this torch needs.
+    """torch's PowerSGD hook (batched or not) for a job on CUDA or not, as a copy (its code, defaults,
+    closure, name and annotations, which DDP checks) that sees fixed globals where this torch needs them.
 
-    Bug: both hooks end each bucket with `torch.cuda.synchronize(device)` whenever CUDA is
-    available, also for gradients on the CPU, where it raises ("Expected a cuda device,
-    but got: cpu"; upstream PR 196568; torch 2.13 has it): a CPU job on a GPU host dies in
-    its first compressed backward. Its copy sees a torch without CUDA."""
+    Bug: both hooks end each bucket with `torch.cuda.synchronize(device)` whenever CUDA is available,
+    also for gradients on the CPU, where it raises ("Expected a cuda device, but got: cpu"; upstream
+    PR 196568; torch 2.13 has it): a CPU job on a GPU host dies in its first compressed backward.
+    Its copy sees a torch without CUDA."""
     hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
     replaced: dict[str, Any] = {}
     if not on_cuda and torch.cuda.is_available():
-        replaced["torch"] = _View(torch, cuda=_View(torch.cuda, is_available=lambda: False))
+        replaced["torch"] = _View(_target=torch, cuda=_View(_target=torch.cuda, is_available=lambda: False))
     if batched and _orthogonalize_takes_only_batches():
         replaced["_orthogonalize"] = _orthogonalize_matrix_or_batch
-    return _with_globals(hook, **replaced) if replaced else hook
+    if not replaced:
+        return hook
+    copy = types.FunctionType(hook.__code__, {**hook.__globals__, **replaced}, hook.__name__, hook.__defaults__,
+                              hook.__closure__)
+    copy.__kwdefaults__ = hook.__kwdefaults__
+    return functools.update_wrapper(copy, hook)
 
 
-# ------------------------------------------------------------------ torchrun's shared store
-
-# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its own rendezvous
-# TCPStore, the same for every restart, and the keys the previous workers wrote are
-# still there: restarted workers read the dead ones' addresses, fail to connect or wait
-# forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun start a fresh store per restart.
+# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its rendezvous TCPStore, the same for every
+# restart, with the keys the previous workers wrote: restarted workers read the dead ones' addresses, fail to
+# connect or wait forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun start a fresh store per restart.
 RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch#135712)"
 INIT_AFTER_RESTART_SECONDS = 300
 
 
-def _shared_store_restart() -> int | None:
-    """The restart count when torchrun shares its store (None: it does not)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def attempt_store(world_size: int) -> "dist.Store | None":
-    """With one torchrun agent (one node) sharing its store, the keys of each restart under
-    their own prefix, so nothing of an earlier attempt is read; None (the env:// rendezvous)
-    otherwise. With several agents the nodes' restart counts can differ, so there the
-    variable is needed (bounded_if_restarted)."""
-    restart = _shared_store_restart()
-    if restart is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        return None
-    from torch.distributed.constants import default_pg_timeout
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=default_pg_timeout)
-    return dist.PrefixStore(f"mingpt/attempt-{restart}", store)
-
-
 @contextlib.contextmanager
-def bounded_if_restarted() -> Iterator[None]:
-    """A restarted worker of a multi-node job on torchrun's shared store that cannot join
-    the process group in INIT_AFTER_RESTART_SECONDS ends with one line naming the fix,
-    instead of waiting silently."""
-    restart = _shared_store_restart()
-    if not restart or os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
-        yield
-        return
+def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
+    """The store to join the process group with (None: env://). One torchrun agent sharing its store: each
+    restart's keys under their own prefix. Several, whose restart counts can differ: a restarted worker that
+    cannot join in INIT_AFTER_RESTART_SECONDS ends with one line naming the fix instead of waiting silently."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=default_pg_timeout)
+        yield dist.PrefixStore(f"mingpt/attempt-{restart}", store)
+    elif not (shared and restart):
+        yield None
+    else:
+        def give_up() -> None:
+            line = f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
+            os.write(sys.stderr.fileno(), f"{line}{RESTART_FIX}\n".encode())
+            os._exit(2)
 
-    def give_up() -> None:
-        line = (f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
-                f"{RESTART_FIX}\n")
-        os.write(sys.stderr.fileno(), line.encode())
-        os._exit(2)
-
-    timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
+        timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield None
+        finally:
+            timer.cancel()
