@@ -1,15 +1,11 @@
 """Export a snapshot for other tools (also: mingpt-export).
 
-Short forms: `python -m mingpt.export SRC DST [--format FORMAT]` is `src=SRC dst=DST
-format=FORMAT`. The formats: safetensors: DST a directory of model.safetensors (the
-weights under the model's own names, float32), config.json (the GPTConfig) and
-vocab.json (each character and its token id); hf: DST a directory that Hugging Face
-transformers loads with GPT2LMHeadModel.from_pretrained(DST); snapshot: DST one
-snapshot file (the single-file format, optimizer state included; a local path or
-fsspec URL).
-
-The export is written beside DST and renamed into place, so DST only ever holds
-a complete export. Bad input ends with one line on stderr and exit status 2.
+`python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`. The formats:
+safetensors: DST a directory of model.safetensors (the float32 weights under the model's own names), config.json
+(the GPTConfig) and vocab.json (each character and its token id); hf: DST a directory that Hugging Face transformers
+loads with GPT2LMHeadModel.from_pretrained(DST); snapshot: DST one snapshot file (optimizer state included; a local
+path or fsspec URL). The export is written beside DST and renamed into place, so DST only ever holds a complete
+export. Bad input ends with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "hf", "snapshot")
 WEIGHTS, CONFIG, VOCAB = "model.safetensors", "config.json", "vocab.json"
-# GPT-2's Conv1D keeps its weight as (in, out), the transpose of nn.Linear's (out, in).
-CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # GPT-2 keeps their weights as (in, out)
 
 
 class ExportError(ValueError):
@@ -64,98 +59,50 @@ class ExportConfig:
         one_of(self.format, "format", FORMATS)
 
 
-# ---------------------------------------------------------------- what is written
-
-
-def vocab_json(tokenizer: CharTokenizer) -> bytes:
-    return json.dumps({c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1).encode()
-
-
-def weights(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's float32 weights under its own names (what GPT.load_state_dict takes)."""
-    return {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
-
-
-def safetensors_files(model: GPT, tokenizer: CharTokenizer, step) -> dict[str, bytes]:
-    """`GPT(GPTConfig(**config.json))` loads model.safetensors as it is."""
-    return {
-        WEIGHTS: safetensors_bytes(weights(model), metadata={"format": "pt", "mingpt_step": str(step)}),
-        CONFIG: json.dumps(dataclasses.asdict(model.config), indent=1).encode(),
-        VOCAB: vocab_json(tokenizer),
-    }
-
-
 def hf_config(model: GPT) -> dict:
-    """GPT2Config's fields for this model. The same arithmetic: pre-LayerNorm blocks
-    with biases, attention scaled by 1/sqrt(head size), a 4x MLP, the activation
-    and LayerNorm epsilon read from the model itself, and a head of its own (untied)."""
+    """GPT2Config's fields for this model: the same arithmetic (pre-LayerNorm blocks with biases, attention scaled
+    by 1/sqrt(head size), a 4x MLP), its activation and LayerNorm epsilon, and an untied head."""
     c, gelu = model.config, model.h[0].mlp.gelu
-    activation = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[gelu.approximate]
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": c.vocab_size,
-        "n_positions": c.block_size,
-        "n_embd": c.n_embd,
-        "n_layer": c.n_layer,
-        "n_head": c.n_head,
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+        "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
         "n_inner": model.h[0].mlp.c_fc.out_features,
-        "activation_function": activation,
-        "layer_norm_epsilon": model.ln_f.eps,
-        "resid_pdrop": c.dropout,
-        "embd_pdrop": c.dropout,
-        "attn_pdrop": c.dropout,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": None,  # a character model has no special tokens
-        "eos_token_id": None,
-        "torch_dtype": "float32",
-        "use_cache": True,
+        "activation_function": {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[gelu.approximate],
+        "layer_norm_epsilon": model.ln_f.eps, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+        "attn_pdrop": c.dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": None,  # a character model has no special tokens
+        "torch_dtype": "float32", "use_cache": True,
     }
 
 
-def hf_weights(model: GPT) -> dict[str, torch.Tensor]:
-    """The weights under GPT2LMHeadModel's names: the body under `transformer.`,
-    the Conv1D weights transposed, lm_head as it is."""
-    out = {}
-    for name, tensor in weights(model).items():
+def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[str, bytes]:
+    """The files of a safetensors export (`GPT(GPTConfig(**config.json))` loads its weights as they are), or of
+    an hf one: the weights under GPT2LMHeadModel's names, the body under `transformer.`, Conv1D's transposed."""
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().float().cpu().contiguous()
         module, _, kind = name.rpartition(".")
-        if name != "lm_head.weight":
+        if hf and name != "lm_head.weight":
             if kind == "weight" and module.split(".", 2)[-1] in CONV1D:  # h.<i>.attn.c_attn
                 tensor = tensor.t().contiguous()
             name = f"transformer.{name}"
-        out[name] = tensor
-    return out
-
-
-def hf_files(model: GPT, tokenizer: CharTokenizer, step) -> dict[str, bytes]:
+        weights[name] = tensor
+    config = hf_config(model) if hf else dataclasses.asdict(model.config)
     return {
-        WEIGHTS: safetensors_bytes(hf_weights(model), metadata={"format": "pt", "mingpt_step": str(step)}),
-        CONFIG: json.dumps(hf_config(model), indent=1).encode(),
-        VOCAB: vocab_json(tokenizer),
+        WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt", "mingpt_step": str(step)}),
+        CONFIG: json.dumps(config, indent=1).encode(),
+        VOCAB: json.dumps({c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1).encode(),
     }
 
 
-# ---------------------------------------------------------------- where it is written
-
-
-def _local(dst: str) -> Optional[str]:
-    """The local path of DST (symbolic links followed: the export replaces their
-    target), or None for a URL of another file system."""
+def check_destination(dst: str, directory: bool) -> Optional[str]:
+    """DST's local path (symbolic links followed; None for a URL of another file system), once it is known to be
+    absent or of the kind the export replaces: a regular file (snapshot format), or a directory of nothing but an
+    earlier export's files. A device, pipe or socket is never replaced."""
     if "://" in dst and not dst.startswith("file://"):
         return None
-    return os.path.realpath(dst.removeprefix("file://"))
-
-
-def check_destination(dst: str, directory: bool) -> Optional[str]:
-    """DST's local path, after checking that it is absent or of the kind the export
-    replaces: a regular file (snapshot format), or a directory that holds nothing
-    but an earlier export's files. A device, pipe or socket is never replaced."""
-    path = _local(dst)
-    if path is None:
-        return None
+    path = os.path.realpath(dst.removeprefix("file://"))
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -178,8 +125,8 @@ def check_destination(dst: str, directory: bool) -> Optional[str]:
 
 
 def write_directory(dst: str, files: dict[str, bytes]) -> None:
-    """Write `files` into a temporary directory beside DST, then rename it to DST
-    (an earlier export there is moved aside first, then removed)."""
+    """Write `files` into a temporary directory beside DST, then rename it to DST (an earlier export there is
+    moved aside first, then removed)."""
     path = check_destination(dst, directory=True)
     if path is None:
         raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
@@ -201,7 +148,7 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
                 os.fsync(f.fileno())
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
         fsync_dir(tmp)
-        if os.path.isdir(path):  # an earlier export: moved aside, removed once the new one is in place
+        if os.path.isdir(path):
             old = f"{prefix}old-{uuid.uuid4().hex[:8]}"
             os.rename(path, os.path.join(parent, old))
         os.rename(tmp, path)
@@ -216,16 +163,14 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
 
 
 def export(config: ExportConfig) -> dict:
-    """Write the export; return the snapshot's state (its progress names the step)."""
+    """Write the export; return the snapshot's state."""
     check_destination(config.dst, directory=config.format != "snapshot")  # before any work; again when writing
     model, tokenizer, state = load_model(config.src, torch.device("cpu"))
-    step = state.get("step", "?")
     if config.format == "snapshot":
         check_destination(config.dst, directory=False)
         single_file.save(state, config.dst)  # streamed to a temporary file, then renamed
     else:
-        build = safetensors_files if config.format == "safetensors" else hf_files
-        write_directory(config.dst, build(model, tokenizer, step))
+        write_directory(config.dst, export_files(model, tokenizer, state.get("step", "?"), config.format == "hf"))
     return state
 
 
@@ -254,7 +199,8 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    command("python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]", ExportConfig, __doc__, run, (ConfigError, SnapshotError, StorageError, ExportError), argv)
+    command("python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]", ExportConfig, __doc__, run,
+            (ConfigError, SnapshotError, StorageError, ExportError), argv)
 
 
 if __name__ == "__main__":
