@@ -100,34 +100,6 @@ def decode_step(model: GPT, token: torch.Tensor, pos: torch.Tensor, cache: KVCac
     row.add_(1)
 
 
-class _CachedStep:
-    """Cached decoding's state on the device (the KV cache, the newest token, its position, its noise row) and
-    the decode_step, compiled with `compile`, that advances it."""
-
-    def __init__(self, model: GPT, batch: int, noise: torch.Tensor, compile: bool):
-        param = next(model.parameters())
-        self.cache = KVCache(model.config, batch, param.device, param.dtype)
-        self.token = torch.zeros(batch, 1, dtype=torch.long, device=noise.device)
-        self.pos = torch.zeros(1, dtype=torch.long, device=noise.device)
-        self.row = torch.zeros(1, dtype=torch.long, device=noise.device)
-        self.step = compile_for_decoding(decode_step, param.device) if compile else decode_step
-        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
-            for t in [*self.cache.k, *self.cache.v, self.token, self.pos, self.row, noise]:
-                torch._dynamo.mark_static_address(t)
-
-    def refilled(self, new: torch.Tensor, n: int, r: int) -> None:
-        """The window of n tokens was encoded into the cache and sampled `new` with noise row r."""
-        self.token.copy_(new)
-        self.pos.fill_(n)
-        self.row.fill_(r + 1)
-
-    def __call__(self, model: GPT, noise: torch.Tensor, r: int, *sampling) -> torch.Tensor:
-        if r == 0:
-            self.row.zero_()
-        self.step(model, self.token, self.pos, self.cache, noise, self.row, *sampling)
-        return self.token
-
-
 @torch.inference_mode()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Generators = None,
@@ -148,7 +120,15 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     rows = noise_rows(model.config.vocab_size)
     noise = torch.empty(B, rows, model.config.vocab_size, device=idx.device)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=idx.device)
-    cached = _CachedStep(model, B, noise, compile) if use_cache else None
+    cache = None
+    if use_cache:  # the cache, the newest token, its position and noise row: decode_step's state, on the device
+        param = next(model.parameters())
+        cache = KVCache(model.config, B, param.device, param.dtype)
+        token, pos, row = (torch.zeros(shape, dtype=torch.long, device=idx.device) for shape in ((B, 1), 1, 1))
+        step = compile_for_decoding(decode_step, param.device) if compile else decode_step
+        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
+            for t in [*cache.k, *cache.v, token, pos, row, noise]:
+                torch._dynamo.mark_static_address(t)
 
     def window(i: int, n: int) -> torch.Tensor:
         """The last n tokens of the prompt followed by the first i new tokens."""
@@ -163,20 +143,24 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             r = i % rows
             if r == 0 and temperature != 0:
                 draw_noise(noise, generator)
-            if cached is None or refill:
-                logits = model(window(i, n), cache=cached.cache if cached else None)[0][:, -1]
+            if cache is None or refill:
+                logits = model(window(i, n), cache=cache)[0][:, -1]
                 out[:, i : i + 1] = new = pick(logits, noise[:, r], *sampling)
-                if cached is not None:
-                    cached.refilled(new, n, r)
+                if cache is not None:
+                    token.copy_(new)
+                    pos.fill_(n)
+                    row.fill_(r + 1)
             else:
-                out[:, i : i + 1] = cached(model, noise, r, *sampling)
+                if r == 0:
+                    row.zero_()
+                step(model, token, pos, cache, noise, row, *sampling)
+                out[:, i : i + 1] = token
             n += 1
             refill = n > block_size
             if refill:
                 n = max(1, block_size // 2)  # tokens kept when the window restarts
-            now = time.perf_counter()
             if (start == 0 or i + 1 - start >= chunk_tokens or i + 1 == max_new_tokens
-                    or (chunk_seconds is not None and now - last_chunk >= chunk_seconds)):
+                    or (chunk_seconds is not None and time.perf_counter() - last_chunk >= chunk_seconds)):
                 yield out[:, start : i + 1]
                 start, last_chunk = i + 1, time.perf_counter()
     finally:

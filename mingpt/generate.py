@@ -144,27 +144,23 @@ def read_prompt(config: GenerateConfig) -> str:
         raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {reason(e)}") from None
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free for new tensors: the GPU's, or the host's MemAvailable (free plus reclaimable page cache)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None:
-    """Refuse a batch of num_samples that cannot fit in memory. One sample holds its random stream and the noise
-    drawn ahead, its KV cache, a window's largest activations (one layer's MLP and attention scores, twice), a
-    few rows of logits and its tokens."""
+    """Refuse a batch of num_samples that cannot fit in the GPU's free memory or the host's MemAvailable (free
+    plus reclaimable page cache). One sample holds its random stream and the noise drawn ahead, its KV cache, a
+    window's largest activations (one layer's MLP and attention scores, twice), a few rows of logits, its tokens."""
     c, item = model.config, next(model.parameters()).element_size()
     stream = len(torch.Generator(device).get_state()) + noise_rows(c.vocab_size) * c.vocab_size * 4
     cache = 2 * c.n_layer * c.block_size * c.n_embd * item if config.use_cache else 0
     activations = 2 * c.block_size * (4 * c.n_embd + c.n_head * c.block_size) * 4
     need = stream + cache + activations + 4 * c.vocab_size * 4 + 2 * 8 * config.max_new_tokens
-    free = available_memory(device)
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need * config.num_samples > free:
         total = need * config.num_samples / 2**30
         raise ConfigError(f"num_samples: {config.num_samples:,} samples need about {total:,.1f} GiB on {device}, "
@@ -209,22 +205,15 @@ def run(config: GenerateConfig) -> None:
     generators = [torch.Generator(device).manual_seed(config.seed + i) for i in range(config.num_samples)]
     header = "--- sample {} of %d ---\n" % config.num_samples if config.num_samples > 1 else ""
     write(header.format(1) + prompt)
-    last, started = prompt[-1:], time.perf_counter()
-    rest = []  # the tokens of samples 2.., printed when sample 1 is complete
-    tokens = generate(model, idx.expand(config.num_samples, -1), config.max_new_tokens, config.temperature,
-                      config.top_k, config.top_p, generators, config.use_cache, compile)
-    for chunk in tokens:  # the first character alone, then chunks (one wait for the device each)
-        text = tokenizer.decode(chunk[0].tolist())
-        write(text)
-        last = text[-1]
-        rest.append(chunk[1:])
-    if last != "\n":
-        write("\n")
-    for i, new in enumerate(torch.cat(rest, dim=1).tolist() if rest else [[]] * (config.num_samples - 1), 2):
-        text = prompt + tokenizer.decode(new)
-        write("\n" + header.format(i) + text + ("" if text.endswith("\n") else "\n"))
-    seconds = time.perf_counter() - started
-    chars = config.max_new_tokens * config.num_samples
+    started, chunks = time.perf_counter(), [idx[:, :0].expand(config.num_samples, -1)]
+    for chunk in generate(model, idx.expand(config.num_samples, -1), config.max_new_tokens, config.temperature,
+                          config.top_k, config.top_p, generators, config.use_cache, compile):
+        write(tokenizer.decode(chunk[0].tolist()))  # the first character alone, then chunks
+        chunks.append(chunk)
+    samples = [prompt + tokenizer.decode(new) for new in torch.cat(chunks, dim=1).tolist()]
+    for i, text in enumerate(samples):  # sample 1 was written as it came
+        write(("\n" + header.format(i + 1) + text if i else "") + ("" if text.endswith("\n") else "\n"))
+    seconds, chars = time.perf_counter() - started, config.max_new_tokens * config.num_samples
     log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))
 
 

@@ -90,27 +90,21 @@ def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device,
     return heldout, f"the held-out split of {data_config.path}"
 
 
-def text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: torch.device) -> TokenWindows:
-    """Every whole non-overlapping window of block_size of the file (one of its whole length when shorter)."""
-    text = read_text(path)
-    unknown = tokenizer.unknown(text)
-    if unknown:
-        raise TextError(f"{path} has characters outside the snapshot's vocabulary: "
-                        f"{' '.join(repr(c) for c in unknown[:20])}")
-    tokens = tokenizer.encode(text).to(device)
-    if len(tokens) < 2:
-        raise TextError(f"{path} has {len(tokens)} character: nothing to predict")
-    block = min(block_size, len(tokens) - 1)
-    return TokenWindows(tokens, block, block)
-
-
 def score(config: ScoreConfig) -> Score:
     device = pick_device(config.device, key="device")
     model, tokenizer, state = load_model(config.snapshot_path, device)
     trainer_config = state.get("trainer_config") or {}
     if config.path:
-        windows, source = text_windows(config.path, tokenizer, model.config.block_size, device), config.path
-        eval_tokens = 0  # all of it
+        text = read_text(config.path)
+        unknown = tokenizer.unknown(text)
+        if unknown:
+            raise TextError(f"{config.path} has characters outside the snapshot's vocabulary: "
+                            f"{' '.join(repr(c) for c in unknown[:20])}")
+        tokens = tokenizer.encode(text).to(device)
+        if len(tokens) < 2:
+            raise TextError(f"{config.path} has {len(tokens)} character: nothing to predict")
+        block = min(model.config.block_size, len(tokens) - 1)  # a shorter text is one window
+        windows, source, eval_tokens = TokenWindows(tokens, block, block), config.path, 0  # 0: all of it
     else:
         windows, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
