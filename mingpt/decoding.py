@@ -1,9 +1,5 @@
-"""Decoding: sampling from a GPT (temperature, top-k, top-p) with or without the KV cache, and its compiled step.
-
-Both paths predict each token from the same window (docs/generation.md), so they give the same tokens. Sampling
-never waits for the device: the exponential race on noise drawn ahead, the position a counter on the device, the
-tokens written into one tensor and handed out in chunks.
-"""
+"""Decoding: sampling from a GPT (temperature, top-k, top-p) with or without the KV cache, the same windows either
+way (docs/generation.md); on the device, never waiting for it per token: the exponential race on noise drawn ahead."""
 
 from __future__ import annotations
 
@@ -48,10 +44,8 @@ def draw_noise(noise: torch.Tensor, generator: Generators = None) -> torch.Tenso
 def pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
          top_p: Optional[float] = None) -> torch.Tensor:
     """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise (B, vocab): argmax(log probs -
-    log E), which is token k with probability probs[k], with no host work or synchronisation.
-
-    temperature 0 is greedy (the noise is not read); one below MIN_TEMPERATURE counts as MIN_TEMPERATURE. top_k
-    keeps the k most likely tokens; top_p the fewest most likely whose probability reaches top_p (at least one)."""
+    log E), token k with probability probs[k]. temperature 0 is greedy (the noise is not read); top_k keeps the k
+    most likely tokens; top_p the fewest most likely whose probability reaches top_p (at least one)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     # Shifted so that the largest is 0: scaled, they are 0 or negative (-inf at worst), never inf or nan.
@@ -76,9 +70,8 @@ def next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[i
     return pick(logits, noise, temperature, top_k, top_p)
 
 
-# On CPU, one-row matrix products as inductor reductions (its pass for memory-bound matmuls): a decoding step reads
-# every weight once per token, which BLAS streams at a quarter to a third of the memory's speed, the reduction at
-# close to it (BENCHMARKS.md).
+# On CPU, one-row matrix products as inductor reductions: BLAS streams the weights at a quarter to a third of the
+# memory's speed, the reduction at close to it (BENCHMARKS.md).
 CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
@@ -91,9 +84,8 @@ def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
 
 def decode_step(model: GPT, token: torch.Tensor, pos: torch.Tensor, cache: KVCache, noise: torch.Tensor,
                 row: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
-    """One cached step, all on the device: token (B, 1) at position pos goes through model.step, the next token,
-    sampled with row `row` of the noise block (B, rows, vocab), replaces it, and pos and row move on by one.
-    Nothing is read back and no shape changes, so it compiles to one graph."""
+    """One cached step on the device: the token (B, 1) at pos is replaced by the next, sampled with noise row `row`,
+    and pos and row move on. Nothing is read back and no shape changes, so it compiles to one graph."""
     logits = model.step(token, pos, cache)
     token.copy_(pick(logits, noise.index_select(1, row).squeeze(1), temperature, top_k, top_p))
     pos.add_(1)
@@ -169,9 +161,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 def sample_line(model: GPT, tokenizer, seed: int, n_chars: int,
                 stop_requested: Optional[Callable[[], int]] = None) -> Optional[str]:
-    """n_chars of text after the start of a line, from a generator seeded by `seed` (the global streams untouched).
-    Every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree), a true `stop_requested()` ends it
-    with None."""
+    """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`, asked every
+    STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""
     device = next(model.parameters()).device
     prompt = tokenizer.line_start()
     generator = torch.Generator(device).manual_seed(seed)

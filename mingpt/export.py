@@ -1,11 +1,9 @@
 """Export a snapshot for other tools (also: mingpt-export).
 
-`python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`. The formats:
-safetensors: DST a directory of model.safetensors (the float32 weights under the model's own names), config.json
-(the GPTConfig) and vocab.json (each character and its token id); hf: DST a directory that Hugging Face transformers
-loads with GPT2LMHeadModel.from_pretrained(DST); snapshot: DST one snapshot file (optimizer state included; a local
-path or fsspec URL). The export is written beside DST and renamed into place, so DST only ever holds a complete
-export. Bad input ends with one line on stderr and exit status 2.
+`python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`. safetensors: DST a
+directory of model.safetensors (the float32 weights under the model's own names), config.json (the GPTConfig) and
+vocab.json (each character's token id); hf: a directory that transformers' GPT2LMHeadModel.from_pretrained(DST)
+loads; snapshot: one snapshot file (local path or fsspec URL). DST only ever holds a complete export.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import logging
 import os
 import shutil
 import stat
@@ -32,8 +29,6 @@ from mingpt.generate import load_model
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, single_file
 from mingpt.storage import StorageError, fsync_dir
-
-log = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "hf", "snapshot")
 WEIGHTS, CONFIG, VOCAB = "model.safetensors", "config.json", "vocab.json"
@@ -178,15 +173,11 @@ def overrides(argv: list[str]) -> list[str]:
     """The short forms as key=value: `SRC DST` for src= and dst=, `--format F` for format=F."""
     out, paths, args = [], [], iter(argv)
     for arg in args:
-        key = arg.partition("=")[0]
         if arg == "--format":
-            out.append(f"format={next(args, 'null')}")
-        elif key == "--format":
-            out.append(arg[2:])
-        elif "=" in arg and key.isidentifier():
-            out.append(arg)
-        else:
-            paths.append(arg)  # a path, though it may hold a '='
+            arg = f"format={next(args, 'null')}"
+        elif arg.startswith("--format="):
+            arg = arg[2:]
+        (out if arg.partition("=")[0].isidentifier() and "=" in arg else paths).append(arg)  # a path may hold '='
     if len(paths) > 2:
         raise ConfigError(f"{' '.join(paths[2:])}: expected key=value (SRC and DST are given)")
     return [f"{name}={path}" for name, path in zip(("src", "dst"), paths)] + out

@@ -54,9 +54,8 @@ class CausalSelfAttention(nn.Module):
         mask = None
         if cache is not None:
             k, v, mask = cache.store(layer, k, v, pos)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None and T > 1
-        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=mask is None and T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -90,8 +89,6 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        if config.vocab_size is None or config.block_size is None:
-            raise ValueError("GPTConfig.vocab_size and block_size must be set from the data")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
         self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding

@@ -1,8 +1,7 @@
 """Score a text under a snapshot: loss, bits per character, perplexity (also: mingpt-score).
 
-The text (a file, or the run's held-out split exactly as the run evaluated it) is cut into non-overlapping windows
-of block_size, each predicted from its own start, in float32. Bad input ends with one line on stderr and exit
-status 2 (docs/generation.md).
+A file, or the run's held-out split exactly as the run evaluated it, in non-overlapping windows of block_size, each
+predicted from its own start, in float32 (docs/generation.md).
 """
 
 from __future__ import annotations
