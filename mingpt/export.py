@@ -126,16 +126,12 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
     if path is None:
         raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
     parent, base = os.path.split(path)
-    prefix = f".{base}.tmp-"
+    prefix, tmp, old = f".{base}.tmp-", None, None
     try:
         os.makedirs(parent, exist_ok=True)
         for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):
             shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
         tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    except OSError as e:
-        raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
-    old = None
-    try:
         for name, data in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
@@ -144,17 +140,18 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
         fsync_dir(tmp)
         if os.path.isdir(path):
-            old = f"{prefix}old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, os.path.join(parent, old))
+            old = os.path.join(parent, f"{prefix}old-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
         os.rename(tmp, path)
         fsync_dir(parent)
     except OSError as e:
         if old and not os.path.exists(path):  # put the earlier export back
-            os.rename(os.path.join(parent, old), path)
-        shutil.rmtree(tmp, ignore_errors=True)
+            os.rename(old, path)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
     if old:
-        shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def export(config: ExportConfig) -> dict:
