@@ -25,7 +25,7 @@ from safetensors.torch import save as safetensors_bytes
 from mingpt.command import command, parse_args
 from mingpt.config import ConfigError, check, key, one_of
 from mingpt.data import CharTokenizer
-from mingpt.generate import load_model
+from mingpt.generate import SNAPSHOT_HELP, load_model
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, single_file
 from mingpt.storage import StorageError, fsync_dir
@@ -41,9 +41,7 @@ class ExportError(ValueError):
 
 @dataclass
 class ExportConfig:
-    src: str = key("", "the snapshot: a snapshot file, a sharded snapshot's directory (its newest published "
-                       "snapshot, or one step-... directory) or a run directory (its best weights, else its "
-                       "snapshot); local path or fsspec URL")
+    src: str = key("", f"the snapshot: {SNAPSHOT_HELP}")
     dst: str = key("", "where the export goes: absent, or of the kind the format writes (an earlier export's "
                        "directory, or a regular file); never a device")
     format: str = key("safetensors", f"{', '.join(FORMATS)}: see below")

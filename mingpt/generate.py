@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 EXPECTED = "expected a snapshot directory, a snapshot file (export --format snapshot writes one) or a run directory"
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")  # free text, taken verbatim
+SNAPSHOT_HELP = ("a snapshot file, a sharded snapshot's directory (its newest published snapshot, or one step-... "
+                 "directory) or a run directory (its best weights, else its snapshot); local path or fsspec URL")
 # compile=auto compiles the step from this many new characters per sample, where compiling (caches warm) costs less
 # than it saves. cpu: measured, one sample (a batch gains too little: never); cuda: estimated (BENCHMARKS.md).
 COMPILE_PAYS_AFTER = {"cpu": 1500, "cuda": 6000}
@@ -47,9 +49,7 @@ class OutputError(ValueError):
 
 @dataclass
 class GenerateConfig:
-    snapshot_path: str = key("runs/default", "the snapshot to sample from (local path or fsspec URL): a snapshot file, "
-                             "a sharded snapshot's directory (its newest published snapshot), or a run directory (its "
-                             "best weights, else its snapshot)")
+    snapshot_path: str = key("runs/default", f"the snapshot to sample from: {SNAPSHOT_HELP}")
     prompt: str = key("", "text to continue, taken verbatim (empty: start of a new line)")
     prompt_file: str = key("", "read the prompt from this file instead (local path or fsspec URL)")
     max_new_tokens: int = key(500, "characters to generate per sample, >= 0")

@@ -18,7 +18,7 @@ from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, key, on
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.command import command, parse_args
-from mingpt.generate import GenerateConfig, load_model
+from mingpt.generate import SNAPSHOT_HELP, GenerateConfig, load_model
 from mingpt.snapshot import SnapshotError, fit
 from mingpt.storage import StorageError
 
@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ScoreConfig:
-    snapshot_path: str = key(GenerateConfig.snapshot_path, "the model: a snapshot file, a sharded snapshot's "
-                             "directory, or a run directory (its best weights); local path or fsspec URL")
+    snapshot_path: str = key(GenerateConfig.snapshot_path, f"the model: {SNAPSHOT_HELP}")
     path: str = key("", "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of the "
                         "run's own corpus, as the run evaluates it")
     device: str = key("auto", "auto (CUDA if available), cpu or cuda")
