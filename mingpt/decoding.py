@@ -105,8 +105,6 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     The model is in eval mode until the generator is exhausted or closed."""
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token of context")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     B, T = idx.shape
     block_size, sampling = model.config.block_size, (temperature, top_k, top_p)
     rows = noise_rows(model.config.vocab_size)
@@ -122,10 +120,6 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             for t in [*cache.k, *cache.v, token, pos, row, noise]:
                 torch._dynamo.mark_static_address(t)
 
-    def window(i: int, n: int) -> torch.Tensor:
-        """The last n tokens of the prompt followed by the first i new tokens."""
-        return out[:, i - n : i] if n <= i else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
-
     was_training = model.training
     model.eval()
     try:
@@ -136,7 +130,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             if r == 0 and temperature != 0:
                 draw_noise(noise, generator)
             if cache is None or refill:
-                logits = model(window(i, n), cache=cache)[0][:, -1]
+                # The window: the last n tokens of the prompt followed by the first i new ones.
+                window = out[:, i - n : i] if n <= i else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
+                logits = model(window, cache=cache)[0][:, -1]
                 out[:, i : i + 1] = new = pick(logits, noise[:, r], *sampling)
                 if cache is not None:
                     token.copy_(new)

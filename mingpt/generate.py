@@ -88,7 +88,6 @@ def find_snapshot(path: str) -> str:
     config_file = os.path.join(path, ".hydra", "config.yaml")
     if "://" in path or not os.path.isfile(config_file):
         from mingpt.export import WEIGHTS  # imported here: mingpt.export imports this module
-
         names = os.listdir(path) if "://" not in path and os.path.isdir(path) else None
         if names == []:
             raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
