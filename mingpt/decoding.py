@@ -1,19 +1,5 @@
-"""Decoding: autoregressive sampling from a GPT (temperature, top-k, top-p), with
-or without a key/value cache. The command line around it is mingpt/generate.py.
-
-The context policy, the same with and without the cache: the window of tokens
-the model sees grows to block_size; when one more token would not fit, it
-restarts with the last block_size // 2 tokens and grows again. Positions are
-learned and absolute, so a window sliding by one token would change every
-cached key; restarting instead means the cache is refilled once every
-block_size // 2 tokens, and cached and uncached decoding predict every token
-from the same window, so they give the same tokens.
-
-Sampling runs on the device with no synchronisation per token: the exponential
-race (Gumbel-max) on noise drawn ahead from the caller's random stream, the
-position a counter on the device, the tokens written into one preallocated
-tensor and handed out in chunks.
-"""
+"""Decoding: sampling from a GPT (temperature, top-k, top-p) with or without the KV cache, the same windows either
+way (docs/generation.md); on the device, never waiting for it per token: the exponential race on noise drawn ahead."""
 
 from __future__ import annotations
 
@@ -27,31 +13,25 @@ from mingpt.model import GPT, KVCache
 
 
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # the smallest normal float32: logits / it is no nan
-
-# Noise is drawn ahead, NOISE_ROWS tokens' worth per sample at once (fewer for a large
-# vocabulary, noise_rows): token i of a generation always takes row i % rows of the
-# block drawn for tokens i - i % rows onward, whatever path or chunk size is used.
+# Token i of a generation takes noise row i % rows of the block drawn for tokens i - i % rows onward, whatever the
+# path or chunk size; a block holds NOISE_ROWS tokens' worth per sample, fewer for a large vocabulary (noise_rows).
 NOISE_ROWS = 128
 NOISE_ELEMENTS = 1 << 16  # at most this many noise values per sample held at once
+CHUNK_TOKENS = 64  # the first token is yielded alone; later ones in chunks of up to this many,
+CHUNK_SECONDS = 0.1  # or fewer once this long has passed since the last chunk
+STOP_CHECK_EVERY = 16  # tokens of a stoppable sample between two looks for a stop request
 
-# Streaming: the first token is yielded alone, at once; later ones in chunks of up to
-# CHUNK_TOKENS, or fewer when CHUNK_SECONDS have passed since the last chunk.
-CHUNK_TOKENS = 64
-CHUNK_SECONDS = 0.1
+Generators = Union[None, torch.Generator, Sequence[torch.Generator]]
 
 
 def noise_rows(vocab_size: int) -> int:
-    """Tokens of noise drawn at once per sample: a function of the vocabulary
-    alone, so the text never depends on anything else."""
+    """Tokens of noise drawn at once per sample: a function of the vocabulary alone, so the text is too."""
     return max(1, min(NOISE_ROWS, NOISE_ELEMENTS // vocab_size))
 
 
-def draw_noise(
-    noise: torch.Tensor, generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None
-) -> torch.Tensor:
-    """Fill `noise` (B, rows, vocab) in place with standard Gumbel noise, -log(E)
-    with E ~ Exp(1), from `generator`: one stream for the whole batch, or one per
-    row (row b then holds what a batch of one draws with its generator)."""
+def draw_noise(noise: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+    """Fill `noise` (B, rows, vocab) in place with standard Gumbel noise, -log(E) with E ~ Exp(1), from one
+    generator for the batch, or one per row (row b then holds what a batch of one draws with its generator)."""
     if isinstance(generator, (list, tuple)):
         for row, g in zip(noise, generator):
             row.uniform_(generator=g)
@@ -61,27 +41,14 @@ def draw_noise(
     return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
 
 
-def pick(
-    logits: torch.Tensor,
-    noise: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-) -> torch.Tensor:
-    """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise
-    (B, vocab) (draw_noise): the exponential race, argmax(probs / E), computed as
-    argmax(log probs - log E), which is token k with probability probs[k]. No host
-    work and no synchronisation: it runs on the device, inside a compiled graph too.
-
-    temperature 0 is greedy decoding (the noise is not read); a temperature below
-    MIN_TEMPERATURE counts as MIN_TEMPERATURE. top_k keeps exactly the k most
-    likely tokens; top_p keeps the smallest set of most likely tokens whose
-    probability reaches top_p (always at least one).
-    """
+def pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+         top_p: Optional[float] = None) -> torch.Tensor:
+    """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise (B, vocab): argmax(log probs -
+    log E), token k with probability probs[k]. temperature 0 is greedy (the noise is not read); top_k keeps the k
+    most likely tokens; top_p the fewest most likely whose probability reaches top_p (at least one)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # Shifted so that the largest is 0: with any temperature >= MIN_TEMPERATURE the
-    # scaled logits are 0 or negative (-inf at worst), never inf or nan.
+    # Shifted so that the largest is 0: scaled, they are 0 or negative (-inf at worst), never inf or nan.
     logits = logits.float()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, MIN_TEMPERATURE)
     if top_k is not None and top_k < logits.size(-1):
@@ -89,137 +56,69 @@ def pick(
         logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
-        # Drop a token when the tokens before it already reach top_p.
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # the tokens before it already reach top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    # A dropped token scores -inf; a kept one a number (the noise is finite).
     return (logits + noise).argmax(dim=-1, keepdim=True)
 
 
-def next_token(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
-) -> torch.Tensor:
-    """Pick one next token from last-position logits (B, vocab) -> (B, 1), drawing
-    one row of noise now (generate draws it ahead, in blocks); see pick."""
+def next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+               top_p: Optional[float] = None, generator: Generators = None) -> torch.Tensor:
+    """pick, with one row of noise drawn now (generate draws it ahead, in blocks)."""
     noise = None
     if temperature != 0:
         noise = draw_noise(torch.empty(logits.size(0), 1, logits.size(-1), device=logits.device), generator)[:, 0]
     return pick(logits, noise, temperature, top_k, top_p)
 
 
-# One-row matrix products as inductor reductions on CPU (inductor's pass for
-# memory-bound matmuls; on CPU it takes products of one row whose other sides
-# are at most 2,048). A decoding step reads every weight once per token; the
-# BLAS one-row product streams them at a quarter to a third of the memory's
-# speed on the project's CPU, the reduction at close to it (BENCHMARKS.md).
+# On CPU, one-row matrix products as inductor reductions: BLAS streams the weights at a quarter to a third of the
+# memory's speed, the reduction at close to it (BENCHMARKS.md).
 CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
 def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
-    """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs
-    (mode reduce-overhead, which takes the per-kernel launch cost away), one-row
-    matrix products as memory-speed reductions on CPU."""
+    """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs, memory-speed reductions on CPU."""
     if device.type == "cuda":
         return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
     return torch.compile(fn, options=CPU_DECODING_OPTIONS, fullgraph=True, dynamic=False)
 
 
-def decode_step(
-    model: GPT,
-    token: torch.Tensor,
-    pos: torch.Tensor,
-    cache: KVCache,
-    noise: torch.Tensor,
-    row: torch.Tensor,
-    temperature: float,
-    top_k: Optional[int],
-    top_p: Optional[float],
-) -> None:
-    """One whole cached decoding step on the device, sampling included: the token
-    (B, 1) at position pos (a one-element device tensor) goes through model.step;
-    the next token, sampled with noise row `row` (a one-element device tensor)
-    of the noise block (B, rows, vocab), replaces it in place, and pos and row
-    move on by one. Nothing is read back to the host, and the shapes never
-    change, so it compiles to one graph (one CUDA graph replay per token)."""
+def decode_step(model: GPT, token: torch.Tensor, pos: torch.Tensor, cache: KVCache, noise: torch.Tensor,
+                row: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    """One cached step on the device: the token (B, 1) at pos is replaced by the next, sampled with noise row `row`,
+    and pos and row move on. Nothing is read back and no shape changes, so it compiles to one graph."""
     logits = model.step(token, pos, cache)
     token.copy_(pick(logits, noise.index_select(1, row).squeeze(1), temperature, top_k, top_p))
     pos.add_(1)
     row.add_(1)
 
 
-def decoding_step(model: GPT, compile: bool = False) -> Callable:
-    """decode_step, or a torch.compile of it (one graph, as its shapes never
-    change). Compiling takes seconds, so it pays only for long generations."""
-    if not compile:
-        return decode_step
-    return compile_for_decoding(decode_step, next(model.parameters()).device)
-
-
-class _CachedStep:
-    """The state of cached decoding: the KV cache, the newest token, its position in
-    the window and the noise row of the token it samples, all on the device, and the
-    fixed-shape decode_step (compiled with `compile`) that advances them."""
-
-    def __init__(self, model: GPT, batch: int, noise: torch.Tensor, compile: bool):
-        param = next(model.parameters())
-        self.cache = KVCache(model.config, batch, param.device, param.dtype)
-        self.token = torch.zeros(batch, 1, dtype=torch.long, device=noise.device)
-        self.pos = torch.zeros(1, dtype=torch.long, device=noise.device)
-        self.row = torch.zeros(1, dtype=torch.long, device=noise.device)
-        self.step = decoding_step(model, compile)
-        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
-            for t in [*self.cache.k, *self.cache.v, self.token, self.pos, self.row, noise]:
-                torch._dynamo.mark_static_address(t)
-
-    def refilled(self, new: torch.Tensor, n: int, r: int) -> None:
-        """The window of n tokens was encoded into the cache and sampled `new` with noise row r."""
-        self.token.copy_(new)
-        self.pos.fill_(n)
-        self.row.fill_(r + 1)
-
-    def __call__(self, model: GPT, noise: torch.Tensor, r: int, *sampling) -> torch.Tensor:
-        if r == 0:
-            self.row.zero_()
-        self.step(model, self.token, self.pos, self.cache, noise, self.row, *sampling)
-        return self.token
-
-
 @torch.inference_mode()
-def generate(
-    model: GPT, idx: torch.Tensor, max_new_tokens: int,
-    temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
-    use_cache: bool = True, compile: bool = False,
-    chunk_tokens: int = CHUNK_TOKENS, chunk_seconds: Optional[float] = CHUNK_SECONDS,
-) -> Iterator[torch.Tensor]:
-    """Yield max_new_tokens new tokens continuing idx (B, T), T >= 1, in chunks
-    (B, n): the first token alone, as soon as it is sampled, then up to
-    chunk_tokens at a time, or fewer when chunk_seconds (None: no limit) have
-    passed since the last chunk. The chunks are views of one (B, max_new_tokens)
-    tensor, and the host never waits for the device between them.
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Generators = None,
+             use_cache: bool = True, compile: bool = False, chunk_tokens: int = CHUNK_TOKENS,
+             chunk_seconds: Optional[float] = CHUNK_SECONDS) -> Iterator[torch.Tensor]:
+    """Yield max_new_tokens tokens continuing idx (B, T), T >= 1, in chunks (B, n), views of one tensor: the first
+    token alone, then up to chunk_tokens, fewer once chunk_seconds (None: no limit) have passed since the last.
 
-    Token i always uses noise row i, so the same generator state gives the same
-    tokens with or without the cache, compiled or not, whatever the chunks; with
-    one generator per row of idx, each row gets the tokens it would get alone.
+    Token i always uses noise row i, so the same generator state gives the same tokens with or without the cache,
+    compiled or not, whatever the chunks; with one generator per row of idx, each row gets what it would alone.
     The model is in eval mode until the generator is exhausted or closed."""
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token of context")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     B, T = idx.shape
     block_size, sampling = model.config.block_size, (temperature, top_k, top_p)
     rows = noise_rows(model.config.vocab_size)
     noise = torch.empty(B, rows, model.config.vocab_size, device=idx.device)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=idx.device)
-    cached = _CachedStep(model, B, noise, compile) if use_cache else None
-
-    def window(i: int, n: int) -> torch.Tensor:
-        """The last n tokens of the prompt followed by the first i new tokens."""
-        return out[:, i - n : i] if n <= i else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
+    cache = None
+    if use_cache:  # the cache, the newest token, its position and noise row: decode_step's state, on the device
+        param = next(model.parameters())
+        cache = KVCache(model.config, B, param.device, param.dtype)
+        token, pos, row = (torch.zeros(shape, dtype=torch.long, device=idx.device) for shape in ((B, 1), 1, 1))
+        step = compile_for_decoding(decode_step, param.device) if compile else decode_step
+        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
+            for t in [*cache.k, *cache.v, token, pos, row, noise]:
+                torch._dynamo.mark_static_address(t)
 
     was_training = model.training
     model.eval()
@@ -230,35 +129,36 @@ def generate(
             r = i % rows
             if r == 0 and temperature != 0:
                 draw_noise(noise, generator)
-            if cached is None or refill:
-                logits = model(window(i, n), cache=cached.cache if cached else None)[0][:, -1]
+            if cache is None or refill:
+                # The window: the last n tokens of the prompt followed by the first i new ones.
+                window = out[:, i - n : i] if n <= i else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
+                logits = model(window, cache=cache)[0][:, -1]
                 out[:, i : i + 1] = new = pick(logits, noise[:, r], *sampling)
-                if cached is not None:
-                    cached.refilled(new, n, r)
+                if cache is not None:
+                    token.copy_(new)
+                    pos.fill_(n)
+                    row.fill_(r + 1)
             else:
-                out[:, i : i + 1] = cached(model, noise, r, *sampling)
+                if r == 0:
+                    row.zero_()
+                step(model, token, pos, cache, noise, row, *sampling)
+                out[:, i : i + 1] = token
             n += 1
             refill = n > block_size
             if refill:
                 n = max(1, block_size // 2)  # tokens kept when the window restarts
-            now = time.perf_counter()
             if (start == 0 or i + 1 - start >= chunk_tokens or i + 1 == max_new_tokens
-                    or (chunk_seconds is not None and now - last_chunk >= chunk_seconds)):
+                    or (chunk_seconds is not None and time.perf_counter() - last_chunk >= chunk_seconds)):
                 yield out[:, start : i + 1]
                 start, last_chunk = i + 1, time.perf_counter()
     finally:
         model.train(was_training)
 
 
-STOP_CHECK_EVERY = 16  # tokens of a stoppable sample between two looks for a stop request
-
-
 def sample_line(model: GPT, tokenizer, seed: int, n_chars: int,
                 stop_requested: Optional[Callable[[], int]] = None) -> Optional[str]:
-    """n_chars of text after the start of a line, sampled from `model` with a generator
-    seeded by `seed` (the global random streams are untouched). Every STOP_CHECK_EVERY
-    tokens (by count alone, so that a sharded model's ranks look at the same tokens),
-    a true `stop_requested()` ends it, and it returns None."""
+    """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`, asked every
+    STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""
     device = next(model.parameters()).device
     prompt = tokenizer.line_start()
     generator = torch.Generator(device).manual_seed(seed)

@@ -1,15 +1,9 @@
 """Export a snapshot for other tools (also: mingpt-export).
 
-Short forms: `python -m mingpt.export SRC DST [--format FORMAT]` is `src=SRC dst=DST
-format=FORMAT`. The formats: safetensors: DST a directory of model.safetensors (the
-weights under the model's own names, float32), config.json (the GPTConfig) and
-vocab.json (each character and its token id); hf: DST a directory that Hugging Face
-transformers loads with GPT2LMHeadModel.from_pretrained(DST); snapshot: DST one
-snapshot file (the single-file format, optimizer state included; a local path or
-fsspec URL).
-
-The export is written beside DST and renamed into place, so DST only ever holds
-a complete export. Bad input ends with one line on stderr and exit status 2.
+`python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`. safetensors: DST a
+directory of model.safetensors (the float32 weights under the model's own names), config.json (the GPTConfig) and
+vocab.json (each character's token id); hf: a directory that transformers' GPT2LMHeadModel.from_pretrained(DST)
+loads; snapshot: one snapshot file (local path or fsspec URL). DST only ever holds a complete export.
 """
 
 from __future__ import annotations
@@ -17,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import logging
 import os
 import shutil
 import stat
@@ -32,17 +25,14 @@ from safetensors.torch import save as safetensors_bytes
 from mingpt.command import command, parse_args
 from mingpt.config import ConfigError, check, key, one_of
 from mingpt.data import CharTokenizer
-from mingpt.generate import load_model
+from mingpt.generate import SNAPSHOT_HELP, load_model
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, single_file
 from mingpt.storage import StorageError, fsync_dir
 
-log = logging.getLogger(__name__)
-
 FORMATS = ("safetensors", "hf", "snapshot")
 WEIGHTS, CONFIG, VOCAB = "model.safetensors", "config.json", "vocab.json"
-# GPT-2's Conv1D keeps its weight as (in, out), the transpose of nn.Linear's (out, in).
-CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # GPT-2 keeps their weights as (in, out)
 
 
 class ExportError(ValueError):
@@ -51,9 +41,7 @@ class ExportError(ValueError):
 
 @dataclass
 class ExportConfig:
-    src: str = key("", "the snapshot: a snapshot file, a sharded snapshot's directory (its newest published "
-                       "snapshot, or one step-... directory) or a run directory (its best weights, else its "
-                       "snapshot); local path or fsspec URL")
+    src: str = key("", f"the snapshot: {SNAPSHOT_HELP}")
     dst: str = key("", "where the export goes: absent, or of the kind the format writes (an earlier export's "
                        "directory, or a regular file); never a device")
     format: str = key("safetensors", f"{', '.join(FORMATS)}: see below")
@@ -64,98 +52,50 @@ class ExportConfig:
         one_of(self.format, "format", FORMATS)
 
 
-# ---------------------------------------------------------------- what is written
-
-
-def vocab_json(tokenizer: CharTokenizer) -> bytes:
-    return json.dumps({c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1).encode()
-
-
-def weights(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's float32 weights under its own names (what GPT.load_state_dict takes)."""
-    return {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
-
-
-def safetensors_files(model: GPT, tokenizer: CharTokenizer, step) -> dict[str, bytes]:
-    """`GPT(GPTConfig(**config.json))` loads model.safetensors as it is."""
-    return {
-        WEIGHTS: safetensors_bytes(weights(model), metadata={"format": "pt", "mingpt_step": str(step)}),
-        CONFIG: json.dumps(dataclasses.asdict(model.config), indent=1).encode(),
-        VOCAB: vocab_json(tokenizer),
-    }
-
-
 def hf_config(model: GPT) -> dict:
-    """GPT2Config's fields for this model. The same arithmetic: pre-LayerNorm blocks
-    with biases, attention scaled by 1/sqrt(head size), a 4x MLP, the activation
-    and LayerNorm epsilon read from the model itself, and a head of its own (untied)."""
+    """GPT2Config's fields for this model: the same arithmetic (pre-LayerNorm blocks with biases, attention scaled
+    by 1/sqrt(head size), a 4x MLP), its activation and LayerNorm epsilon, and an untied head."""
     c, gelu = model.config, model.h[0].mlp.gelu
-    activation = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[gelu.approximate]
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": c.vocab_size,
-        "n_positions": c.block_size,
-        "n_embd": c.n_embd,
-        "n_layer": c.n_layer,
-        "n_head": c.n_head,
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+        "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
         "n_inner": model.h[0].mlp.c_fc.out_features,
-        "activation_function": activation,
-        "layer_norm_epsilon": model.ln_f.eps,
-        "resid_pdrop": c.dropout,
-        "embd_pdrop": c.dropout,
-        "attn_pdrop": c.dropout,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": None,  # a character model has no special tokens
-        "eos_token_id": None,
-        "torch_dtype": "float32",
-        "use_cache": True,
+        "activation_function": {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[gelu.approximate],
+        "layer_norm_epsilon": model.ln_f.eps, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+        "attn_pdrop": c.dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": None,  # a character model has no special tokens
+        "torch_dtype": "float32", "use_cache": True,
     }
 
 
-def hf_weights(model: GPT) -> dict[str, torch.Tensor]:
-    """The weights under GPT2LMHeadModel's names: the body under `transformer.`,
-    the Conv1D weights transposed, lm_head as it is."""
-    out = {}
-    for name, tensor in weights(model).items():
+def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[str, bytes]:
+    """The files of a safetensors export (`GPT(GPTConfig(**config.json))` loads its weights as they are), or of
+    an hf one: the weights under GPT2LMHeadModel's names, the body under `transformer.`, Conv1D's transposed."""
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().float().cpu().contiguous()
         module, _, kind = name.rpartition(".")
-        if name != "lm_head.weight":
+        if hf and name != "lm_head.weight":
             if kind == "weight" and module.split(".", 2)[-1] in CONV1D:  # h.<i>.attn.c_attn
                 tensor = tensor.t().contiguous()
             name = f"transformer.{name}"
-        out[name] = tensor
-    return out
-
-
-def hf_files(model: GPT, tokenizer: CharTokenizer, step) -> dict[str, bytes]:
+        weights[name] = tensor
+    config = hf_config(model) if hf else dataclasses.asdict(model.config)
     return {
-        WEIGHTS: safetensors_bytes(hf_weights(model), metadata={"format": "pt", "mingpt_step": str(step)}),
-        CONFIG: json.dumps(hf_config(model), indent=1).encode(),
-        VOCAB: vocab_json(tokenizer),
+        WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt", "mingpt_step": str(step)}),
+        CONFIG: json.dumps(config, indent=1).encode(),
+        VOCAB: json.dumps({c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1).encode(),
     }
 
 
-# ---------------------------------------------------------------- where it is written
-
-
-def _local(dst: str) -> Optional[str]:
-    """The local path of DST (symbolic links followed: the export replaces their
-    target), or None for a URL of another file system."""
+def check_destination(dst: str, directory: bool) -> Optional[str]:
+    """DST's local path (symbolic links followed; None for a URL of another file system), once it is known to be
+    absent or of the kind the export replaces: a regular file (snapshot format), or a directory of nothing but an
+    earlier export's files. A device, pipe or socket is never replaced."""
     if "://" in dst and not dst.startswith("file://"):
         return None
-    return os.path.realpath(dst.removeprefix("file://"))
-
-
-def check_destination(dst: str, directory: bool) -> Optional[str]:
-    """DST's local path, after checking that it is absent or of the kind the export
-    replaces: a regular file (snapshot format), or a directory that holds nothing
-    but an earlier export's files. A device, pipe or socket is never replaced."""
-    path = _local(dst)
-    if path is None:
-        return None
+    path = os.path.realpath(dst.removeprefix("file://"))
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -178,22 +118,18 @@ def check_destination(dst: str, directory: bool) -> Optional[str]:
 
 
 def write_directory(dst: str, files: dict[str, bytes]) -> None:
-    """Write `files` into a temporary directory beside DST, then rename it to DST
-    (an earlier export there is moved aside first, then removed)."""
+    """Write `files` into a temporary directory beside DST, then rename it to DST (an earlier export there is
+    moved aside first, then removed)."""
     path = check_destination(dst, directory=True)
     if path is None:
         raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
     parent, base = os.path.split(path)
-    prefix = f".{base}.tmp-"
+    prefix, tmp, old = f".{base}.tmp-", None, None
     try:
         os.makedirs(parent, exist_ok=True)
         for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):
             shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
         tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    except OSError as e:
-        raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
-    old = None
-    try:
         for name, data in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
@@ -201,31 +137,30 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
                 os.fsync(f.fileno())
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
         fsync_dir(tmp)
-        if os.path.isdir(path):  # an earlier export: moved aside, removed once the new one is in place
-            old = f"{prefix}old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, os.path.join(parent, old))
+        if os.path.isdir(path):
+            old = os.path.join(parent, f"{prefix}old-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
         os.rename(tmp, path)
         fsync_dir(parent)
     except OSError as e:
         if old and not os.path.exists(path):  # put the earlier export back
-            os.rename(os.path.join(parent, old), path)
-        shutil.rmtree(tmp, ignore_errors=True)
+            os.rename(old, path)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
     if old:
-        shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def export(config: ExportConfig) -> dict:
-    """Write the export; return the snapshot's state (its progress names the step)."""
+    """Write the export; return the snapshot's state."""
     check_destination(config.dst, directory=config.format != "snapshot")  # before any work; again when writing
     model, tokenizer, state = load_model(config.src, torch.device("cpu"))
-    step = state.get("step", "?")
     if config.format == "snapshot":
         check_destination(config.dst, directory=False)
         single_file.save(state, config.dst)  # streamed to a temporary file, then renamed
     else:
-        build = safetensors_files if config.format == "safetensors" else hf_files
-        write_directory(config.dst, build(model, tokenizer, step))
+        write_directory(config.dst, export_files(model, tokenizer, state.get("step", "?"), config.format == "hf"))
     return state
 
 
@@ -233,15 +168,11 @@ def overrides(argv: list[str]) -> list[str]:
     """The short forms as key=value: `SRC DST` for src= and dst=, `--format F` for format=F."""
     out, paths, args = [], [], iter(argv)
     for arg in args:
-        key = arg.partition("=")[0]
         if arg == "--format":
-            out.append(f"format={next(args, 'null')}")
-        elif key == "--format":
-            out.append(arg[2:])
-        elif "=" in arg and key.isidentifier():
-            out.append(arg)
-        else:
-            paths.append(arg)  # a path, though it may hold a '='
+            arg = f"format={next(args, 'null')}"
+        elif arg.startswith("--format="):
+            arg = arg[2:]
+        (out if arg.partition("=")[0].isidentifier() and "=" in arg else paths).append(arg)  # a path may hold '='
     if len(paths) > 2:
         raise ConfigError(f"{' '.join(paths[2:])}: expected key=value (SRC and DST are given)")
     return [f"{name}={path}" for name, path in zip(("src", "dst"), paths)] + out
@@ -254,7 +185,8 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    command("python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]", ExportConfig, __doc__, run, (ConfigError, SnapshotError, StorageError, ExportError), argv)
+    command("python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]", ExportConfig, __doc__, run,
+            (ConfigError, SnapshotError, StorageError, ExportError), argv)
 
 
 if __name__ == "__main__":

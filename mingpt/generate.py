@@ -1,8 +1,7 @@
 """Generate text from a snapshot and stream it to stdout (also: mingpt-generate).
 
-The model and its vocabulary come from the snapshot alone. Only the text goes
-to stdout; logs and errors go to stderr. A bad value, snapshot or prompt ends
-with one line on stderr and exit status 2.
+The model and its vocabulary come from the snapshot alone. Only the text goes to stdout; logs go to stderr, and
+a bad value, snapshot or prompt ends with one line there and exit status 2 (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -31,6 +30,14 @@ from mingpt.storage import StorageError, check_regular, reason, storage_errors
 
 log = logging.getLogger(__name__)
 
+EXPECTED = "expected a snapshot directory, a snapshot file (export --format snapshot writes one) or a run directory"
+TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")  # free text, taken verbatim
+SNAPSHOT_HELP = ("a snapshot file, a sharded snapshot's directory (its newest published snapshot, or one step-... "
+                 "directory) or a run directory (its best weights, else its snapshot); local path or fsspec URL")
+# compile=auto compiles the step from this many new characters per sample, where compiling (caches warm) costs less
+# than it saves. cpu: measured, one sample (a batch gains too little: never); cuda: estimated (BENCHMARKS.md).
+COMPILE_PAYS_AFTER = {"cpu": 1500, "cuda": 6000}
+
 
 class PromptError(ValueError):
     """The prompt cannot be read or does not fit the snapshot's vocabulary."""
@@ -42,34 +49,28 @@ class OutputError(ValueError):
 
 @dataclass
 class GenerateConfig:
-    snapshot_path: str = key(
-        "runs/default", "the snapshot to sample from (local path or fsspec URL): a snapshot file, a sharded "
-        "snapshot's directory (its newest published snapshot), or a run directory (its best weights, else "
-        "its snapshot)")
+    snapshot_path: str = key("runs/default", f"the snapshot to sample from: {SNAPSHOT_HELP}")
     prompt: str = key("", "text to continue, taken verbatim (empty: start of a new line)")
     prompt_file: str = key("", "read the prompt from this file instead (local path or fsspec URL)")
     max_new_tokens: int = key(500, "characters to generate per sample, >= 0")
     temperature: float = key(1.0, f"0 is greedy decoding; higher is more random (0, or >= {MIN_TEMPERATURE:.3g})")
     top_k: Optional[int] = key(None, "sample only from the k most likely characters, >= 1")
-    top_p: float = key(1.0, "sample only from the most likely characters whose probability reaches top_p, "
-                            "in (0, 1]")
-    num_samples: int = key(1, "samples, decoded as one batch, each headed by a separator line; sample 1 "
-                              "streams, the others follow when it ends")
+    top_p: float = key(1.0, "sample only from the most likely characters whose probability reaches top_p, in (0, 1]")
+    num_samples: int = key(1, "samples, decoded as one batch, each headed by a separator line; sample 1 streams, "
+                              "the others follow when it ends")
     seed: int = key(1337, "the same seed (and device) gives the same text; sample i uses seed+i-1")
     device: str = key("auto", "auto (CUDA if available), cpu or cuda")
     use_cache: bool = key(True, "key/value cache: one position's work per new character")
-    compile: str = key("auto", "torch.compile the decoding step: faster per character, but compiling takes "
-                               "seconds; auto: when max_new_tokens is long enough for it to pay on this device "
-                               "type; true or false")
+    compile: str = key("auto", "torch.compile the decoding step: faster per character, but compiling takes seconds; "
+                               "auto: when max_new_tokens is long enough for it to pay on this device type; "
+                               "true or false")
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
         check(not (self.prompt and self.prompt_file), "prompt_file", "give prompt or prompt_file, not both")
         check(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
-        check(
-            math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
-            "temperature", f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}",
-        )
+        check(math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+              "temperature", f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}")
         check(self.top_k is None or self.top_k >= 1, "top_k", f"must be >= 1 or null, got {self.top_k}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
@@ -80,32 +81,18 @@ class GenerateConfig:
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
-TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")  # free text, taken verbatim
-
-
-EXPECTED = "expected a snapshot directory, a snapshot file (export --format snapshot writes one) or a run directory"
-
-
-def not_a_snapshot(path: str) -> None:
-    """Raise SnapshotError saying what a local directory that cannot hold a snapshot is instead:
-    empty, or an export in another format (mingpt/export.py)."""
-    from mingpt.export import WEIGHTS  # imported here: mingpt.export imports this module
-
-    names = os.listdir(path) if "://" not in path and os.path.isdir(path) else None
-    if names == []:
-        raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
-    if names and WEIGHTS in names:
-        raise SnapshotError(f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}")
-
-
 def find_snapshot(path: str) -> str:
-    """The best weights of a run directory (a local directory with .hydra/config.yaml),
-    beside the snapshot where that run's trainer_config puts it, or that snapshot while
-    the run has none; said on stderr. Any other path as given, unless it is a directory
-    that holds no snapshot (not_a_snapshot) or a run directory that has none yet."""
+    """A run directory's (a local directory with .hydra/config.yaml) best weights, else its snapshot where its
+    trainer_config puts it, said on stderr; any other path as given. A directory that cannot hold a snapshot (empty,
+    an export) or a run directory with none yet is refused."""
     config_file = os.path.join(path, ".hydra", "config.yaml")
     if "://" in path or not os.path.isfile(config_file):
-        not_a_snapshot(path)
+        from mingpt.export import WEIGHTS  # imported here: mingpt.export imports this module
+        names = os.listdir(path) if "://" not in path and os.path.isdir(path) else None
+        if names == []:
+            raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
+        if names and WEIGHTS in names:
+            raise SnapshotError(f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}")
         return path
     try:
         saved = OmegaConf.load(config_file).get("trainer_config") or {}
@@ -118,7 +105,7 @@ def find_snapshot(path: str) -> str:
         log.info("run directory %s: its best weights, %s (the lowest held-out loss; the latest snapshot is %s)",
                  path, best, found)
         return best
-    old = os.path.join(path, manager.OLD_DEFAULT_PATH)  # a ddp run's single file, from before
+    old = os.path.join(path, manager.OLD_DEFAULT_PATH)  # an older ddp run's single file
     if not manager.has_snapshot(found) and not trainer_config.snapshot_path and os.path.isfile(old):
         found = old
     elif not manager.has_snapshot(found):
@@ -128,9 +115,7 @@ def find_snapshot(path: str) -> str:
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict]:
-    """The model and vocabulary of a snapshot (a file, a sharded snapshot's
-    directory read in this one process, or a run directory's snapshot), ready
-    for inference on `device`."""
+    """The model (float32, in eval mode on `device`), vocabulary and state of the snapshot at `path`."""
     state = manager.read(find_snapshot(path))
     vocab = state.get("vocab")
     try:
@@ -139,9 +124,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
             raise ValueError(f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}")
         with torch.device("meta"):  # no time spent initialising weights about to be replaced
             model = GPT(config)
-        # As training keeps them: float32, whatever precision the file holds.
-        weights = {name: tensor.float() for name, tensor in state["model_state"].items()}
-        model.load_state_dict(weights, assign=True)
+        model.load_state_dict({name: t.float() for name, t in state["model_state"].items()}, assign=True)
     except (TypeError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"snapshot {path} cannot be used: {reason(e)}") from None
     return model.to(device).eval(), CharTokenizer(vocab), state
@@ -160,42 +143,23 @@ def read_prompt(config: GenerateConfig) -> str:
         raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {reason(e)}") from None
 
 
-def encode_prompt(prompt: str, tokenizer: CharTokenizer) -> torch.Tensor:
-    """The prompt's token ids, (1, T); an empty prompt starts a line (CharTokenizer.line_start)."""
-    unknown = tokenizer.unknown(prompt)
-    if unknown:
-        shown = " ".join(repr(c) for c in unknown)
-        raise PromptError(f"prompt has characters outside the snapshot's vocabulary: {shown}")
-    return tokenizer.encode(prompt or tokenizer.line_start()).long()[None]
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on `device`: the GPU's free memory, or the
-    host's available memory (MemAvailable: free plus reclaimable page cache)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def bytes_per_sample(model: GPT, config: GenerateConfig, device: torch.device) -> int:
-    """What one more sample of a batch holds while decoding: its random stream and
-    the noise drawn ahead from it, its key/value cache, a window's largest
-    activations (one layer's MLP and attention scores, twice over), a few rows of
-    logits, and its tokens (kept, then joined)."""
+def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None:
+    """Refuse a batch of num_samples that cannot fit in the GPU's free memory or the host's MemAvailable (free
+    plus reclaimable page cache). One sample holds its random stream and the noise drawn ahead, its KV cache, a
+    window's largest activations (one layer's MLP and attention scores, twice), a few rows of logits, its tokens."""
     c, item = model.config, next(model.parameters()).element_size()
     stream = len(torch.Generator(device).get_state()) + noise_rows(c.vocab_size) * c.vocab_size * 4
     cache = 2 * c.n_layer * c.block_size * c.n_embd * item if config.use_cache else 0
     activations = 2 * c.block_size * (4 * c.n_embd + c.n_head * c.block_size) * 4
-    return stream + cache + activations + 4 * c.vocab_size * 4 + 2 * 8 * config.max_new_tokens
-
-
-def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None:
-    """num_samples are decoded as one batch: refuse a batch that cannot fit in memory."""
-    need, free = bytes_per_sample(model, config, device), available_memory(device)
+    need = stream + cache + activations + 4 * c.vocab_size * 4 + 2 * 8 * config.max_new_tokens
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need * config.num_samples > free:
         total = need * config.num_samples / 2**30
         raise ConfigError(f"num_samples: {config.num_samples:,} samples need about {total:,.1f} GiB on {device}, "
@@ -215,16 +179,7 @@ def write(text: str) -> None:
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
-# compile=auto compiles the decoding step when a sample has at least this many new
-# characters on this device type: where compiling (PyTorch's compile caches warm, as for
-# a second invocation) costs less time than it saves. cpu: measured, one sample (a batch
-# gains too little there: never); cuda: estimated from the H100 figures of the decoding
-# before sampling moved to the device, to be measured again (BENCHMARKS.md).
-COMPILE_PAYS_AFTER = {"cpu": 1500, "cuda": 6000}
-
-
 def should_compile(config: GenerateConfig, device: torch.device) -> bool:
-    """compile=true or false as said; auto by the crossover of COMPILE_PAYS_AFTER."""
     if config.compile != "auto":
         return config.compile == "true"
     if not config.use_cache or (device.type == "cpu" and config.num_samples > 1):
@@ -236,34 +191,28 @@ def run(config: GenerateConfig) -> None:
     device = pick_device(config.device, key="device")
     model, tokenizer, state = load_model(config.snapshot_path, device)
     prompt = read_prompt(config)
-    idx = encode_prompt(prompt, tokenizer).to(device)
+    unknown = " ".join(repr(c) for c in tokenizer.unknown(prompt))
+    if unknown:
+        raise PromptError(f"prompt has characters outside the snapshot's vocabulary: {unknown}")
+    idx = tokenizer.encode(prompt or tokenizer.line_start()).long()[None].to(device)
     check_fits(model, config, device)
     compile = should_compile(config, device)
-    log.info(
-        "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s",
-        config.snapshot_path, state.get("step", "?"), model.num_params() / 1e6, model.config.block_size,
-        device, "with" if config.use_cache else "without", ", compiled step" if compile else "",
-    )
+    log.info("%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s", config.snapshot_path,
+             state.get("step", "?"), model.num_params() / 1e6, model.config.block_size, device,
+             "with" if config.use_cache else "without", ", compiled step" if compile else "")
     # One random stream per sample, so sample i is the text of a one-sample run with seed + i - 1.
     generators = [torch.Generator(device).manual_seed(config.seed + i) for i in range(config.num_samples)]
     header = "--- sample {} of %d ---\n" % config.num_samples if config.num_samples > 1 else ""
     write(header.format(1) + prompt)
-    last, started = prompt[-1:], time.perf_counter()
-    rest = []  # the tokens of samples 2.., printed when sample 1 is complete
-    tokens = generate(model, idx.expand(config.num_samples, -1), config.max_new_tokens, config.temperature,
-                      config.top_k, config.top_p, generators, config.use_cache, compile)
-    for chunk in tokens:  # the first character alone, then chunks (one wait for the device each)
-        text = tokenizer.decode(chunk[0].tolist())
-        write(text)
-        last = text[-1]
-        rest.append(chunk[1:])
-    if last != "\n":
-        write("\n")
-    for i, new in enumerate(torch.cat(rest, dim=1).tolist() if rest else [[]] * (config.num_samples - 1), 2):
-        text = prompt + tokenizer.decode(new)
-        write("\n" + header.format(i) + text + ("" if text.endswith("\n") else "\n"))
-    seconds = time.perf_counter() - started
-    chars = config.max_new_tokens * config.num_samples
+    started, chunks = time.perf_counter(), [idx[:, :0].expand(config.num_samples, -1)]
+    for chunk in generate(model, idx.expand(config.num_samples, -1), config.max_new_tokens, config.temperature,
+                          config.top_k, config.top_p, generators, config.use_cache, compile):
+        write(tokenizer.decode(chunk[0].tolist()))  # the first character alone, then chunks
+        chunks.append(chunk)
+    samples = [prompt + tokenizer.decode(new) for new in torch.cat(chunks, dim=1).tolist()]
+    for i, text in enumerate(samples):  # sample 1 was written as it came
+        write(("\n" + header.format(i + 1) + text if i else "") + ("" if text.endswith("\n") else "\n"))
+    seconds, chars = time.perf_counter() - started, config.max_new_tokens * config.num_samples
     log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))
 
 

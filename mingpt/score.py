@@ -1,12 +1,7 @@
 """Score a text under a snapshot: loss, bits per character, perplexity (also: mingpt-score).
 
-The text is cut into non-overlapping windows of the model's block_size (the
-held-out split: exactly the windows of the run's evaluation, trainer_config.eval_tokens
-included; a file: every whole window, or one window of the whole text if it is
-shorter), each predicted from its own start, in float32. Printed to stdout:
-the mean cross-entropy per character in nats, in bits (bpc) and its exponential
-(perplexity). A character outside the snapshot's vocabulary, a missing file or
-snapshot, or a bad value ends with one line on stderr and exit status 2.
+A file, or the run's held-out split exactly as the run evaluated it, in non-overlapping windows of block_size, each
+predicted from its own start, in float32 (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, key, on
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.command import command, parse_args
-from mingpt.generate import GenerateConfig, load_model
+from mingpt.generate import SNAPSHOT_HELP, GenerateConfig, load_model
 from mingpt.snapshot import SnapshotError, fit
 from mingpt.storage import StorageError
 
@@ -32,13 +27,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ScoreConfig:
-    snapshot_path: str = key(GenerateConfig.snapshot_path, "the model: a snapshot file, a sharded snapshot's "
-                             "directory, or a run directory (its best weights); local path or fsspec URL")
-    path: str = key("", "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of "
-                        "the run's own corpus, as the run evaluates it")
+    snapshot_path: str = key(GenerateConfig.snapshot_path, f"the model: {SNAPSHOT_HELP}")
+    path: str = key("", "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of the "
+                        "run's own corpus, as the run evaluates it")
     device: str = key("auto", "auto (CUDA if available), cpu or cuda")
-    allow_corpus_change: bool = key(False, "score the held-out split of a corpus changed since the snapshot "
-                                           "was written (with a warning: that split moved)")
+    allow_corpus_change: bool = key(False, "score the held-out split of a corpus changed since the snapshot was "
+                                           "written (with a warning: that split moved)")
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
@@ -69,8 +63,8 @@ class Score:
 
 
 def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool = False):
-    """The held-out windows of the run that wrote the snapshot, from its data_config,
-    refused (unless `allow_corpus_change`: a warning) when the corpus changed since."""
+    """The held-out windows of the snapshot's run, from its data_config; refused when the corpus changed since,
+    unless `allow_corpus_change` (then a warning)."""
     if "data_config" not in state:
         raise SnapshotError("the snapshot holds no data_config: give the text to score with path=...")
     try:
@@ -94,28 +88,21 @@ def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device,
     return heldout, f"the held-out split of {data_config.path}"
 
 
-def text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: torch.device) -> TokenWindows:
-    """Every whole non-overlapping window of block_size of the file (one of its
-    whole length when it is shorter)."""
-    text = read_text(path)
-    unknown = tokenizer.unknown(text)
-    if unknown:
-        raise TextError(f"{path} has characters outside the snapshot's vocabulary: "
-                        f"{' '.join(repr(c) for c in unknown[:20])}")
-    tokens = tokenizer.encode(text).to(device)
-    if len(tokens) < 2:
-        raise TextError(f"{path} has {len(tokens)} character: nothing to predict")
-    block = min(block_size, len(tokens) - 1)
-    return TokenWindows(tokens, block, block)
-
-
 def score(config: ScoreConfig) -> Score:
     device = pick_device(config.device, key="device")
     model, tokenizer, state = load_model(config.snapshot_path, device)
     trainer_config = state.get("trainer_config") or {}
     if config.path:
-        windows, source = text_windows(config.path, tokenizer, model.config.block_size, device), config.path
-        eval_tokens = 0  # all of it
+        text = read_text(config.path)
+        unknown = tokenizer.unknown(text)
+        if unknown:
+            raise TextError(f"{config.path} has characters outside the snapshot's vocabulary: "
+                            f"{' '.join(repr(c) for c in unknown[:20])}")
+        tokens = tokenizer.encode(text).to(device)
+        if len(tokens) < 2:
+            raise TextError(f"{config.path} has {len(tokens)} character: nothing to predict")
+        block = min(model.config.block_size, len(tokens) - 1)  # a shorter text is one window
+        windows, source, eval_tokens = TokenWindows(tokens, block, block), config.path, 0  # 0: all of it
     else:
         windows, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
@@ -135,7 +122,8 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    command("python -m mingpt.score [key=value ...]", ScoreConfig, __doc__, run, (ConfigError, SnapshotError, StorageError, DataError, TextError), argv)
+    command("python -m mingpt.score [key=value ...]", ScoreConfig, __doc__, run,
+            (ConfigError, SnapshotError, StorageError, DataError, TextError), argv)
 
 
 if __name__ == "__main__":
