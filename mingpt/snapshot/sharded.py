@@ -1,10 +1,6 @@
-"""Snapshots, the run's one format for every parallelism: PyTorch Distributed Checkpoint
-(DCP) in a directory at any fsspec URL. Every rank writes its own shards; a snapshot
-written by W ranks loads into any number of ranks, or into one process without a
-process group. Its layout, publication and checks: docs/fault-tolerance.md.
-
-Every function that takes `group` is called by every rank of it (None: the default
-group, or none at all in one process); the run uses them through ShardedFormat.
+"""The snapshot format for every parallelism: PyTorch Distributed Checkpoint (DCP) in a directory at any fsspec URL,
+published by its manifest (docs/fault-tolerance.md). Every function that takes `group` is called by every rank of it
+(None: the default group, or none at all in one process).
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import os
 import pickle
 import re
 import threading
-import traceback
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -33,6 +28,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from mingpt import storage
 from mingpt.snapshot import SnapshotError, background, single_file
+from mingpt.snapshot.background import SaveHandle, broadcast as _broadcast, wait_pending
 from mingpt.storage import StorageError, reason, storage_errors
 
 log = logging.getLogger(__name__)
@@ -43,19 +39,15 @@ META = "meta.json"
 DCP_METADATA = ".metadata"
 NAME = re.compile(r"step-(\d{8,})(?:-(\d+))?")
 OWN = "rank"  # the top-level key of each rank's own state: rank0, rank1, ...
+REREADS = 5  # snapshots rotated away while being read before a reader gives up
 
 # DCP warns at every single-process save and load that it assumes one process: that is the intent here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
-# ---------------------------------------------------------------- structure
-
-
 def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split a nested state dict into its tensors under flat '/'-joined keys and
-    a JSON-able structure holding everything else (the plain values and where
-    each tensor goes). Only tensors go into DCP, so it never stores "bytes"
-    entries, which it would read with torch.load(weights_only=False)."""
+    """The tensors of a nested state under flat '/'-joined keys, and a JSON-able structure of the rest. Only
+    tensors go into DCP: it would read other entries with torch.load(weights_only=False)."""
     flat: dict[str, torch.Tensor] = {}
 
     def encode(node: Any, path: list[str]) -> Any:
@@ -79,16 +71,13 @@ def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
 
 
 def _unflatten(structure: Any, flat: dict[str, torch.Tensor]) -> Any:
-    """The nested dict that `_flatten` split, with the tensors of `flat`."""
     (kind, body), = structure.items()
     if kind == "tensor":
         return flat[body]
     if kind == "dict":
         return {k: _unflatten(v, flat) for k, v in body}
-    if kind == "list":
-        return [_unflatten(v, flat) for v in body]
-    if kind == "tuple":
-        return tuple(_unflatten(v, flat) for v in body)
+    if kind in ("list", "tuple"):
+        return (list if kind == "list" else tuple)(_unflatten(v, flat) for v in body)
     return body
 
 
@@ -96,13 +85,8 @@ def _tensor_keys(structure: Any) -> list[str]:
     (kind, body), = structure.items()
     if kind == "tensor":
         return [body]
-    if kind in ("dict", "list", "tuple"):
-        children = [v for _, v in body] if kind == "dict" else body
-        return [key for child in children for key in _tensor_keys(child)]
-    return []
-
-
-# ---------------------------------------------------------------- storage
+    children = [v for _, v in body] if kind == "dict" else body if kind in ("list", "tuple") else []
+    return [key for child in children for key in _tensor_keys(child)]
 
 
 def _join(root: str, name: str) -> str:
@@ -116,10 +100,8 @@ def _order(name: str) -> Optional[tuple[int, int]]:
 
 
 def _listing(root: str, every_name: bool = False) -> tuple[list[str], set[str]]:
-    """The snapshot directory names under `root` (oldest first) and the published ones.
-    A published directory whose name's step is not the step it holds (a stray copy,
-    a manual rename) is left out of both, with one warning, so it is neither resumed
-    nor pruned; `every_name` keeps it in the names (to name a new snapshot)."""
+    """The snapshot directory names under `root` (oldest first) and the published ones. A published directory whose
+    name lies about its step is left out of both (neither resumed nor pruned); `every_name` keeps it in the names."""
     fs, p = storage.filesystem(root)
     try:
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
@@ -135,34 +117,26 @@ def _listing(root: str, every_name: bool = False) -> tuple[list[str], set[str]]:
     return [n for n in names if n not in lying], published - lying
 
 
-_honest: set[str] = set()  # published directories whose name was checked against their step
-_warned: set[str] = set()  # directories whose lying name was reported
+_lies: dict[str, bool] = {}  # published directory -> whether its name says another step than its meta.json
 
 
 def _name_lies(fs, p: str, root: str, name: str) -> bool:
-    """Whether the published directory `name` holds another step than its name says
-    (read from its meta.json; one that cannot be read is left for loading to report)."""
     path = f"{p.rstrip('/')}/{name}"
-    if path in _honest:
-        return False
-    try:
-        with fs.open(f"{path}/{META}", "rb") as f:
-            inside = json.loads(f.read()).get("step")
-    except (FileNotFoundError, ValueError, AttributeError):
-        return False
-    if inside == _order(name)[0]:
-        _honest.add(path)
-        return False
-    if path not in _warned and (not dist.is_initialized() or dist.get_rank() == 0):  # once, by rank 0
-        _warned.add(path)
-        log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
-                    "a renamed directory?); it is neither resumed nor removed", _join(root, name), _order(name)[0],
-                    inside)
-    return True
+    if path not in _lies:
+        try:
+            with fs.open(f"{path}/{META}", "rb") as f:
+                inside = json.loads(f.read()).get("step")
+        except (FileNotFoundError, ValueError, AttributeError):
+            return False  # left for loading to report
+        _lies[path] = inside != _order(name)[0]
+        if _lies[path] and (not dist.is_initialized() or dist.get_rank() == 0):
+            log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
+                        "a renamed directory?); it is neither resumed nor removed", _join(root, name),
+                        _order(name)[0], inside)
+    return _lies[path]
 
 
 def step_of(directory: str) -> int:
-    """The step of a snapshot directory, from its name (`_listing` leaves out a published one that lies)."""
     return _order(os.path.basename(directory.rstrip("/")))[0]
 
 
@@ -194,13 +168,6 @@ def _sha256(fs, path: str) -> tuple[int, str]:
         return storage.sha256(f)
 
 
-# ---------------------------------------------------------------- process groups
-
-# The snapshot's own gloo group and its broadcast, shared with the single-file format's background saves.
-_checkpoint_group = background.checkpoint_group
-_broadcast = background.broadcast
-
-
 def _rank(pg) -> int:
     return dist.get_rank(pg) if pg is not None else 0
 
@@ -218,34 +185,19 @@ def _gather(value: Any, pg) -> list[Any]:
 
 
 def _dcp_reason(error: BaseException) -> str:
-    """One line for an exception that DCP may have wrapped (CheckpointException: per-rank failures)."""
-    if isinstance(error, CheckpointException):
-        for rank, failure in sorted(error.failures.items()):
-            return f"{_failure_reason(failure)} (rank {rank})"
-    return reason(error)
-
-
-def _failure_reason(failure: Any) -> str:
-    """One rank's failure, as DCP keeps it ((exception, stack summary)), as one line
-    that names the exception's type (a KeyError's text is only its key: `<class
-    'type'>`) and where it was raised."""
-    parts = failure if isinstance(failure, tuple) else (failure,)
-    inner = next((p for p in parts if isinstance(p, BaseException)), None)
-    if inner is None:
-        return f"unknown failure {parts[0]!r}"
-    where = next((p for p in parts if isinstance(p, traceback.StackSummary) and p), None)
-    at = f", at {os.path.basename(where[-1].filename)}:{where[-1].lineno} in {where[-1].name}" if where else ""
+    """One line for an exception; for DCP's per-rank failures, the first one's type (a KeyError's text is only its
+    key), text and where it was raised."""
+    if not isinstance(error, CheckpointException) or not error.failures:
+        return reason(error)
+    rank, (inner, stack) = min(error.failures.items())
     name, text = type(inner).__name__, reason(inner)
-    return f"{name if text == name else f'{name}: {text}'}{at}"
-
-
-# ---------------------------------------------------------------- saving
+    at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
+    return f"{name if text == name else f'{name}: {text}'}{at} (rank {rank})"
 
 
 class _Streams(FileSystem):
-    """DCP's fsspec file system with each stream it writes wrapped in storage.Sink:
-    the first storage error a write met is kept in `error`, since DCP's torch.save
-    reports it as "unexpected pos ..." (a full disk included)."""
+    """DCP's fsspec file system keeping the first storage error a write met (`error`): DCP's torch.save reports it as
+    "unexpected pos ...", a full disk included."""
 
     error: Optional[BaseException] = None
 
@@ -260,8 +212,6 @@ class _Streams(FileSystem):
 
 
 class _Writer(FsspecWriter):
-    """DCP's fsspec writer over _Streams; `reason(e)` is a failed write's cause as one line."""
-
     def __init__(self, path: str, **options: Any):
         super().__init__(path, **options)
         streams = _Streams()
@@ -269,25 +219,17 @@ class _Writer(FsspecWriter):
         self.fs = streams
 
     def reason(self, error: BaseException, rank: int) -> str:
-        if self.fs.error is not None:
-            return f"{reason(self.fs.error)} (rank {rank})"
-        return _dcp_reason(error)
+        return _dcp_reason(error) if self.fs.error is None else f"{reason(self.fs.error)} (rank {rank})"
 
 
-SaveHandle = background.SaveHandle  # one concept of a save in flight for both formats
-wait_pending = background.wait_pending
 _stagers: dict[bool, DefaultStager] = {}
 _lock = threading.Lock()
 
 
 def _staging(pinned: bool) -> DefaultStager:
-    """DCP's stager, kept for the process: its CPU copy of each tensor is made at
-    the first asynchronous save and refilled in place by the later ones, so they
-    cost a copy and no allocation (the copy is never in use across two saves:
-    each save first waits for the one before). Synchronous; the copy is pinned
-    only for a state on a GPU (`pinned`), whose copy is what training waits for.
-    Whether the host has CUDA does not matter: a CPU job's state on a GPU host
-    gains nothing from pinning, and its asynchronous saves failed there."""
+    """DCP's stager, kept for the process: its CPU copy, made at the first asynchronous save, is refilled in place by
+    the later ones (each waits for the one before). Pinned only for a state on a GPU, not for a CPU job on a GPU host
+    (its asynchronous saves failed there)."""
     with _lock:
         if pinned not in _stagers:
             _stagers[pinned] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
@@ -295,13 +237,8 @@ def _staging(pinned: bool) -> DefaultStager:
     return _stagers[pinned]
 
 
-def _on_gpu(flat: dict[str, Any]) -> bool:
-    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in flat.values())
-
-
 def _new_name(root: str, step: int, pg) -> str:
-    """The new snapshot's directory name, chosen by rank 0 and given to every rank:
-    step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused."""
+    """step-<step>, or step-<step>-<n> after a crashed save's (never reused), chosen by rank 0 for every rank."""
     name: str | StorageError | None = None
     if _rank(pg) == 0:
         try:
@@ -309,9 +246,8 @@ def _new_name(root: str, step: int, pg) -> str:
         except StorageError as e:
             name = e
         else:
-            base = f"step-{step:08d}"
             taken = [_order(n)[1] for n in names if _order(n)[0] == step]
-            name = base if not taken else f"{base}-{max(taken) + 1}"
+            name = f"step-{step:08d}" + (f"-{max(taken) + 1}" if taken else "")
     name = _broadcast(name, pg)
     if isinstance(name, StorageError):
         raise StorageError(str(name))
@@ -321,17 +257,13 @@ def _new_name(root: str, step: int, pg) -> str:
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
          async_save: bool = True, group: Optional[dist.ProcessGroup] = None, own: Any = None,
          lowest_rank: bool = False) -> SaveHandle:
-    """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state,
-    such as a comm hook's, if not None) as a new snapshot of `root`, publish it
-    when complete and keep the newest `keep`. Called by every rank. Synchronous:
-    returns when published (or raises StorageError). Asynchronous: returns when
-    the state is copied; the handle (also reached by wait_pending()) gives the outcome.
-    A plain tensor is written by one of the ranks that hold it; `lowest_rank`: by the
-    first (for replicas that differ, such as LocalSGD's optimizer states: rank 0's)."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
+    """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state, if not None) as a new
+    snapshot of `root`, publish it and keep the newest `keep`. Synchronous: returns when published (or raises
+    StorageError). Asynchronous: returns once the state is copied; the handle (or wait_pending()) gives the outcome.
+    A plain tensor is written by one of the ranks that hold it; with `lowest_rank`, the first (replicas that differ,
+    such as LocalSGD's optimizer states)."""
     wait_pending()  # one save at a time; the previous one's error surfaces here
-    pg = _checkpoint_group(group)
+    pg = background.checkpoint_group(group)
     flat, structure = _flatten(tensors)
     ranks = None
     if own is not None:  # under keys of the rank's own, which DCP writes from that rank
@@ -341,26 +273,23 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
                            "structure": structure, "ranks": ranks}).encode()
     directory = _join(root, _new_name(root, step, pg))
-    on_gpu = _on_gpu(flat)
-    # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
-    # whenever the host has CUDA, so a CPU job on a GPU host would open a CUDA context.
+    on_gpu = any(v.device.type == "cuda" for v in flat.values())
+    # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams whenever the host has CUDA.
     writer = _Writer(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
-                          **({} if on_gpu else {"per_thread_copy_ahead": 0}))
-    no_dist = pg is None
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank)
+                     **({} if on_gpu else {"per_thread_copy_ahead": 0}))
+    options = {"storage_writer": writer, "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
+               "process_group": pg, "no_dist": pg is None}
     if not async_save:
         error = None
         try:
-            dcp.save(flat, storage_writer=writer, planner=planner, process_group=pg, no_dist=no_dist)
+            dcp.save(flat, **options)
         except (Exception, CheckpointException) as e:
             error = writer.reason(e, _rank(pg))
-        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error,
-                                                           writer.fs.error is not None))
+        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error, writer.fs.error))
         handle.wait()
         return handle
     try:
-        upload = dcp.async_save(flat, storage_writer=writer, planner=planner, process_group=pg, no_dist=no_dist,
-                                async_stager=_staging(on_gpu))
+        upload = dcp.async_save(flat, async_stager=_staging(on_gpu), **options)
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
 
@@ -371,7 +300,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         except (Exception, CheckpointException) as e:
             error = writer.reason(e, _rank(pg))
         try:
-            return _publish(directory, root, document, keep, pg, error, writer.fs.error is not None)
+            return _publish(directory, root, document, keep, pg, error, writer.fs.error)
         except BaseException as e:  # never lost: the handle reports it
             return f"cannot save sharded snapshot {directory}: {reason(e)}"
 
@@ -379,11 +308,10 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
 
 
 def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
-             storage_cause: bool = False) -> Optional[str]:
-    """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes
-    meta.json and the manifest (publishing the snapshot) and prunes. Returns the
-    error, the same on every rank, or None: a rank's own storage error (`storage_cause`)
-    comes before what the other ranks saw of it (torch's "unexpected pos", as DCP passes it on)."""
+             storage_error: Optional[BaseException]) -> Optional[str]:
+    """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes meta.json and the manifest
+    (publishing the snapshot) and prunes. Returns the error, the same on every rank, or None: a rank's own storage
+    error (`storage_error`) comes before what the other ranks saw of it (torch's "unexpected pos")."""
     fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
@@ -396,7 +324,7 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
                     files[base] = list(_sha256(fs, path))
         except storage_errors() as e:
             error = f"rank {rank}: {reason(e)}"
-    gathered = _gather((files, error, storage_cause), pg)
+    gathered = _gather((files, error, storage_error is not None), pg)
     outcome = None
     if rank == 0:
         errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
@@ -420,13 +348,12 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
             else:
                 _prune(root, os.path.basename(directory.rstrip("/")), keep)
                 log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
-    outcome = _broadcast(outcome, pg)
-    return outcome
+    return _broadcast(outcome, pg)
 
 
 def _prune(root: str, newest: str, keep: int) -> None:
-    """Remove all but the newest `keep` published snapshots and the unpublished
-    directories older than `newest`. A failure here only warns: the new snapshot is safe."""
+    """Remove all but the newest `keep` published snapshots and the unpublished directories older than `newest`.
+    A failure only warns: the new snapshot is safe."""
     try:
         names, published = _listing(root)
         done = [n for n in names if n in published]
@@ -441,23 +368,16 @@ def _prune(root: str, newest: str, keep: int) -> None:
         log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
 
 
-# ---------------------------------------------------------------- loading
-
 # The globals a DCP .metadata pickle may name: DCP's metadata classes, torch.Size, dtypes, layouts.
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "StorageMeta",
-        "MetadataIndex", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-}
+_ALLOWED = {"torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                                       "ChunkStorageMetadata", "StorageMeta", "MetadataIndex",
+                                                       "_MEM_FORMAT_ENCODING"},
+            "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+            "torch": {"Size"}}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: only DCP's metadata classes, torch.Size and dtypes
-    are allowed, so a pickled payload never runs, even in a file whose manifest was
+    """Builds only what _ALLOWED names and dtypes, so a pickled payload never runs, even one whose manifest was
     rewritten with it."""
 
     def find_class(self, module: str, name: str) -> Any:
@@ -486,8 +406,7 @@ def read_metadata(data: bytes, name: str) -> Metadata:
 
 
 class _Reader(FsspecReader):
-    """DCP's fsspec reader, given the .metadata that `read_metadata` above checked:
-    DCP's own read_metadata would unpickle the file with pickle.load."""
+    """DCP's fsspec reader given the checked .metadata: DCP's own read_metadata would pickle.load the file."""
 
     def __init__(self, path: str, metadata: Metadata):
         super().__init__(path)
@@ -501,8 +420,7 @@ class _Reader(FsspecReader):
 
 
 def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
-    """The manifest, meta.json and DCP metadata of a published snapshot, sizes and digests
-    of those two files checked. SnapshotError names a damaged or missing file."""
+    """The manifest, meta.json and DCP metadata of a published snapshot, the latter two checked against the first."""
     fs, p = storage.filesystem(directory)
 
     def read(name: str) -> bytes:
@@ -514,17 +432,15 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
         except storage_errors() as e:
             raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
 
-    data = read(MANIFEST)
     try:
-        manifest = json.loads(data)
+        manifest = json.loads(read(MANIFEST))
         files = manifest["files"]
         if manifest.get("format") != FORMAT or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
             raise ValueError(f"format {manifest.get('format')!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {MANIFEST} cannot be read ({reason(e)})") from None
-    blobs = {}
-    for name in (META, DCP_METADATA):
-        data = blobs[name] = read(name)
+    blobs = {name: read(name) for name in (META, DCP_METADATA)}
+    for name, data in blobs.items():
         if name not in files or [len(data), hashlib.sha256(data).hexdigest()] != files[name]:
             raise SnapshotError(f"snapshot {directory} is damaged: {name} does not match its size and sha256 "
                                 f"in {MANIFEST} (changed after it was written)")
@@ -544,10 +460,10 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
     return files, meta, metadata
 
 
-def _verify(directory: str, names: list[str], files: dict[str, list]) -> Optional[str]:
-    """Check each named file's size and sha256 against the manifest; the first problem as a line, or None."""
+def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> Optional[str]:
+    """Check the size and sha256 of the shards (a `share` of them, sorted); the first problem as a line, or None."""
     fs, p = storage.filesystem(directory)
-    for name in names:
+    for name in sorted(n for n in files if n not in (META, DCP_METADATA))[share]:
         try:
             size, digest = _sha256(fs, f"{p}/{name}")
         except FileNotFoundError:
@@ -561,13 +477,19 @@ def _verify(directory: str, names: list[str], files: dict[str, list]) -> Optiona
 
 
 def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
-    """The snapshot holds exactly the tensors expected, and its index has them all."""
     for key in expected:
         if key not in saved or key not in metadata.state_dict_metadata:
             raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {key}")
     for key in saved:
         if key not in expected:
             raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {key} that this run has not")
+
+
+def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
+    """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
+    _check_keys(directory, keys, keys, metadata)
+    return {key: torch.empty(metadata.state_dict_metadata[key].size,
+                             dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
 
 
 def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **options: Any) -> None:
@@ -579,15 +501,12 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
 
 def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None,
          own: bool = False, check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
-    """Verify the newest published snapshot of a root (or the given snapshot
-    directory), then load it in place into `tensors` (tensors and DTensors are
-    filled, resharded to this run's layout; plain values are replaced by the
-    snapshot's). Called by every rank. `check(meta)`, if given, may refuse the
-    snapshot (by raising) before any tensor is matched or read. Returns the `meta`
-    saved with it; with `own`, (meta, this rank's own state), the latter None unless
-    the snapshot holds one for each rank of this run (the same world size)."""
+    """Verify the newest published snapshot of a root (or the given directory), then load it in place into `tensors`
+    (tensors and DTensors filled, resharded to this run's layout; plain values replaced). `check(meta)` may refuse
+    it (by raising) before any tensor is read. Returns its `meta`; with `own`, (meta, this rank's own state), the
+    latter None unless the snapshot holds one for each rank of this run (the same world size)."""
     wait_pending()  # a save in flight uses the same collectives
-    pg = _checkpoint_group(group)
+    pg = background.checkpoint_group(group)
     directory, problem = None, None
     if _rank(pg) == 0:
         try:
@@ -599,8 +518,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
         raise (StorageError if problem[0] == "StorageError" else SnapshotError)(problem[1])
     try:  # every rank reads the index; each checks its share of the shards
         files, document, metadata = _read_manifest(directory)
-        shards = sorted(n for n in files if n not in (META, DCP_METADATA))
-        problem = _verify(directory, shards[_rank(pg)::_world(pg)], files)
+        problem = _verify(directory, files, slice(_rank(pg), None, _world(pg)))
     except (SnapshotError, StorageError) as e:
         problem = str(e)
     errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
@@ -625,34 +543,20 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     return document["meta"], (None if mine is None else _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"])
 
 
-def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
-    """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
-    _check_keys(directory, keys, keys, metadata)
-    return {key: torch.empty(metadata.state_dict_metadata[key].size,
-                             dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
-
-
-REREADS = 5  # snapshots rotated away while being read before a reader gives up
-
-
-def _published(directory: str) -> bool:
-    fs, p = storage.filesystem(directory)
-    try:
-        return fs.exists(f"{p.rstrip('/')}/{MANIFEST}")
-    except storage_errors():
-        return True  # unknown: the read's own error stands
-
-
 def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
-    """`read` of the snapshot `_resolve` chooses. A snapshot that lost its manifest while
-    being read was rotated away by a newer one (keep_snapshots: _prune removes the manifest
-    first), not damaged: chosen from a root, the newest published one is read instead."""
+    """`read` of the snapshot `_resolve` chooses. One that lost its manifest while being read was rotated away
+    (_prune removes the manifest first), not damaged: chosen from a root, the newest published one is read instead."""
     for _ in range(REREADS):
         directory = _resolve(root_or_dir)
         try:
             return read(directory)
         except (SnapshotError, StorageError):
-            if _published(directory):
+            fs, p = storage.filesystem(directory)
+            try:
+                published = fs.exists(f"{p.rstrip('/')}/{MANIFEST}")
+            except storage_errors():
+                published = True  # unknown: the read's own error stands
+            if published:
                 raise
         if directory == root_or_dir:
             raise SnapshotError(f"snapshot {directory} was removed while being read (its run replaced it with a "
@@ -663,36 +567,29 @@ def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
 
 
 def read_meta(root_or_dir: str) -> dict[str, Any]:
-    """The `meta` of the newest published snapshot of a root (or of the given snapshot
-    directory), its manifest and meta.json checked; no shard is read."""
+    """The `meta` of the newest published snapshot of a root (or of the given directory); no shard is read."""
     return _newest(root_or_dir, lambda directory: _read_manifest(directory)[1]["meta"])
 
 
 def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read a whole snapshot into plain CPU tensors in one process, with no
-    process group (generation, export): (the nested dict that was saved, meta)."""
+    """A whole snapshot as plain CPU tensors in one process, with no process group: (what was saved, meta)."""
     return _newest(root_or_dir, _read_whole)
 
 
 def _read_whole(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
     files, document, metadata = _read_manifest(directory)
-    problem = _verify(directory, sorted(n for n in files if n not in (META, DCP_METADATA)), files)
+    problem = _verify(directory, files)
     if problem:
         raise SnapshotError(problem)
     structure = document["structure"]
     flat = _empty(directory, _tensor_keys(structure), metadata)
     _dcp_load(flat, directory, metadata, no_dist=True)
-    log.debug("read snapshot %s (step %s) in one process", directory, document.get("step"))
     return _unflatten(structure, flat), document["meta"]
 
 
-# ---------------------------------------------------------------- the run's format
-
-
 class ShardedFormat:
-    """The run's snapshot, for every parallelism (mingpt/snapshot/manager.py): every rank
-    saves and loads its shards of the model and optimizer (with ddp, whole tensors that
-    one rank writes), and its own comm hook state."""
+    """The run's snapshot (manager.py): every rank saves and loads its shards of the model and optimizer (with ddp,
+    whole tensors that one rank writes), and its own comm hook state."""
 
     def __init__(self, root: str, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,
                  comm: Any, keep: int, async_save: bool):
@@ -713,8 +610,7 @@ class ShardedFormat:
              async_save=self.background, own=own and own["state"], lowest_rank=self.comm.replicas_differ)
 
     def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
-        """The weights alone, as a snapshot of their own root that keeps one
-        (Snapshot.save_best); synchronous, after any save in flight."""
+        """The weights alone, synchronously, as a snapshot of their own root that keeps one."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
@@ -722,8 +618,7 @@ class ShardedFormat:
         save({"model": model_state}, meta, root, step, keep=1, async_save=False)
 
     def load(self, check_fits: Callable) -> dict[str, Any]:
-        """Into the model and optimizer (with fsdp after the model is sharded, with ddp
-        before DDP wraps it), resharded to this run's layout."""
+        """Into the model and optimizer (with fsdp after the model is sharded, with ddp before DDP wraps it)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
@@ -739,31 +634,15 @@ class ShardedFormat:
         wait_pending()
 
 
-# ---------------------------------------------------------------- the single-file format
-
-
-def to_file_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The single-file snapshot dict (mingpt/snapshot/single_file.py) of a sharded snapshot
-    read by load_full: `model` becomes model_state, and `optim` (keyed by
-    parameter names, as get_state_dict gives it) becomes optimizer_state keyed
-    by parameter index in the optimizer's order, as Optimizer.state_dict() has
-    it; `meta` gives the rest (progress, configs, vocabulary)."""
-    state = {key: value for key, value in meta.items()}
-    state["model_state"] = dict(tensors.get("model", {}))
-    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
-    order = [fqn for group in optim["param_groups"] for fqn in group["params"]]
-    index = {fqn: i for i, fqn in enumerate(order)}
-    state["optimizer_state"] = {
-        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index},
-        "param_groups": [{**group, "params": [index[fqn] for fqn in group["params"]]}
-                         for group in optim["param_groups"]],
-    }
-    return state
-
-
 def load_file_state(path: str) -> dict[str, Any]:
-    """A sharded snapshot (root or directory) read in one process as the
-    single-file format's dict, its structure checked as single_file.load does."""
-    state = to_file_state(*load_full(path))
+    """A sharded snapshot (root or directory) read in one process as the single-file format's dict, checked as
+    single_file.load checks one: `optim`, keyed by parameter names (get_state_dict), becomes optimizer_state keyed
+    by parameter index in the optimizer's order (Optimizer.state_dict())."""
+    tensors, meta = load_full(path)
+    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
+    index = {fqn: i for i, fqn in enumerate(fqn for group in optim["param_groups"] for fqn in group["params"])}
+    groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in optim["param_groups"]]
+    state = {**meta, "model_state": dict(tensors.get("model", {})), "optimizer_state": {
+        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index}, "param_groups": groups}}
     single_file.check_structure(state, path)
     return state
