@@ -1,10 +1,5 @@
-"""Storage: local paths and fsspec URLs, their errors, atomic writes, hashing.
-
-Every file written for others to read (snapshots, the token cache, the
-corpus) goes through `atomic_open`, so a reader sees the old file or the whole
-new one. Failing storage (a full disk, a read-only or missing location, an
-unreachable object store) is one StorageError naming the path;
-`check_writable` finds most of these at start, before any training.
+"""Storage: local paths and fsspec URLs, their errors (one StorageError naming the path), atomic writes (a reader sees
+the old file or the whole new one), hashing, and the check at start that the run's locations can be written.
 """
 
 from __future__ import annotations
@@ -31,9 +26,7 @@ class StorageError(ValueError):
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:
-    """What fsspec raises when the storage behind it fails: OSError, and the client
-    libraries' own errors (botocore's for an unreachable S3 endpoint, aiohttp's for
-    GCS), once imported (one not imported yet cannot have raised anything)."""
+    """What failing storage raises through fsspec: OSError, and the client libraries' errors once imported."""
     errors: list[type[BaseException]] = [OSError]
     if "botocore" in sys.modules:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -53,9 +46,8 @@ def reason(error: BaseException) -> str:
 
 
 class Sink:
-    """A binary file that keeps the first storage error a write met (`error`):
-    torch.save reports it as a RuntimeError ("unexpected pos ...") that hides the
-    cause, such as a full disk. Everything but `write` is the file's own."""
+    """A binary file that keeps the first storage error a write met (`error`): torch.save reports it as
+    "unexpected pos ...", hiding the cause (a full disk)."""
 
     def __init__(self, file: Any):
         self.file, self.error = file, None
@@ -76,9 +68,8 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     try:
         return fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # s3fs or gcsfs not installed, unknown protocol
-        raise StorageError(
-            f"cannot use snapshot path {path}: {e} (s3:// and gs:// need pip install -e \".[s3]\" or \".[gcs]\")"
-        ) from None
+        raise StorageError(f"cannot use snapshot path {path}: {e} "
+                           "(s3:// and gs:// need pip install -e \".[s3]\" or \".[gcs]\")") from None
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -93,38 +84,28 @@ def exists(path: str, directory: bool = False) -> bool:  # with `directory`: is 
         raise StorageError(f"cannot reach snapshot path {path}: {reason(e)}") from None
 
 
-def bucket(fs: fsspec.AbstractFileSystem, p: str) -> str | None:
-    """The bucket of an object-store path (s3, gs, ...: paths without a leading /), else None."""
-    if is_local(fs) or p.startswith("/"):
-        return None
-    return p.split("/", 1)[0]
-
-
 def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
-    """Make the directory that will hold `p`. An object store's bucket must exist:
+    """Make the directory that will hold `p`. An object store's bucket (a path without a leading /) must exist:
     s3fs would create a missing one, so a typo would make a new bucket."""
-    name = bucket(fs, p)
-    if name is None:
+    if is_local(fs) or p.startswith("/"):
         fs.makedirs(fs._parent(p), exist_ok=True)
         return
+    name = p.split("/", 1)[0]
     try:
         fs.info(name)  # not exists(): s3fs answers False for a bucket it cannot reach
     except FileNotFoundError:
-        raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)") from None
+        raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)"
+                           ) from None
 
 
 def check_writable(run_dir: str, snapshot_path: str) -> None:
-    """Before any training: the run directory and the snapshot root can be written (a
-    file is created there and removed), an object store's bucket exists, and the root is
-    not a file. Raises StorageError naming the path."""
+    """Before any training: a file can be created and removed in the run directory and beside the snapshot root,
+    and the root is not a file; else StorageError naming the path."""
     fs, p = filesystem(snapshot_path)
-    try:
-        is_file = fs.isfile(p)
-    except storage_errors():
-        is_file = False  # the write probe names the storage's fault
-    if is_file:
-        raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
-                           "kept in a directory there")
+    with contextlib.suppress(*storage_errors()):  # the write probe names the storage's fault
+        if fs.isfile(p):
+            raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
+                               "kept in a directory there")
     for label, path, probe in (
         ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")),
         ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"),
@@ -149,9 +130,8 @@ def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path
 
 @contextlib.contextmanager
 def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Iterator[BinaryIO]:
-    """A file that replaces `path` whole when the body ends: a temporary file beside
-    it, fsynced on a local disk (and then its directory), moved over it; on failure
-    removed, `path` as it was. With `fs`, `path` is a path in it, not a URL."""
+    """A file that replaces `path` whole when the body ends (a temporary beside it, fsynced on a local disk, then
+    moved); on failure removed, `path` as it was. With `fs`, `path` is a path in it, not a URL."""
     if fs is None:
         fs, path = filesystem(path)
     tmp = f"{path}{TMP_MARK}{os.getpid()}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -163,21 +143,16 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
                 os.fsync(f.fileno())
         fs.mv(tmp, path)  # a rename on local disks; object stores publish whole objects
     finally:
-        try:
+        with contextlib.suppress(*storage_errors()):  # the write's own error says more
             if fs.exists(tmp):
                 fs.rm(tmp)
-        except storage_errors():
-            pass  # the write's own error says more
     if is_local(fs):
         fsync_dir(fs._parent(path))
 
 
 def remove_stale_temporaries(path: str) -> list[str]:
-    """Remove the temporary files of `path` (local) that atomic_open left behind
-    when its process died (a Ctrl-C at start-up ends the process at once, with
-    no cleanup): those written on this host by a process that no longer runs.
-    Another host's temporary, on a shared file system, may be a live writer's:
-    it is left, as is one whose name does not say its writer. Returns the removed paths."""
+    """Remove the temporaries of the local `path` that atomic_open left on this host in a process no longer running
+    (another host's may be a live writer's); return their paths."""
     here = re.escape(socket.gethostname())
     removed = []
     for name in os.listdir(os.path.dirname(path) or "."):
@@ -202,17 +177,16 @@ def process_runs(pid: int) -> bool:
 
 
 def irregular(mode: int) -> str | None:
-    """What a file of this st_mode is when it is not a regular file, in words; None
-    for a regular file. A command never reads such a path: a FIFO blocks the read
-    forever, and a device such as /dev/zero never ends."""
+    """What a file of this st_mode is in words when not a regular file (a FIFO would block a read, a device never
+    end), else None."""
     if stat.S_ISREG(mode):
         return None
     return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
 
 
 def check_regular(path: str, label: str) -> None:
-    """Raise StorageError when the local path exists and is not a regular file (see
-    `irregular`); a URL, or a path that does not exist, is left to the reader."""
+    """StorageError if the local path exists and is not a regular file; a URL, or a missing path, is left to the
+    reader."""
     fs, p = filesystem(path)
     if not is_local(fs):
         return
