@@ -1,21 +1,10 @@
-"""Saves written in the background: the one save in flight.
-
-An asynchronous save (sharded.save) has DCP copy the state it saves (training
-goes on changing the model in place), then hands the rest to `submit`, which runs
-it on the process's one snapshot thread and returns a SaveHandle. At most one
-save is in flight: every save, and everything that must see a save complete
-(the end of a run, a stop by signal, a load), first calls `wait_pending()`.
-
-Every rank submits its part of each save, and the part ends with a collective
-on a gloo group of the snapshot's own (`checkpoint_group`: the background
-thread must not share the training group's collectives), whose outcome is the
-same on every rank: an error met by any rank is raised by `wait()` on every
-rank, as one StorageError line.
+"""The one save in flight (async_save), written on the process's snapshot thread, and the snapshot's own gloo group:
+every save, load, stop and the end of a run first waits for it (`wait_pending`), and its outcome is the same on
+every rank.
 """
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -25,9 +14,7 @@ from mingpt.storage import StorageError
 
 
 class SaveHandle:
-    """A save in progress (asynchronous) or done. `wait()` returns what was saved
-    (a file, a published directory), or raises StorageError on every rank if the
-    save failed."""
+    """A save in progress or done: `wait()` returns its target (a published directory) or raises its StorageError."""
 
     def __init__(self, target: str, future: Optional[Future] = None, error: Optional[str] = None):
         self.target, self._future, self._error = target, future, error
@@ -48,8 +35,7 @@ class SaveHandle:
 
 
 _pending: Optional[SaveHandle] = None
-_executor: Optional[ThreadPoolExecutor] = None
-_lock = threading.Lock()
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")  # its thread starts at a submit
 
 
 def pending() -> SaveHandle:
@@ -58,27 +44,20 @@ def pending() -> SaveHandle:
 
 
 def wait_pending() -> Optional[str]:
-    """Wait for the asynchronous save in flight, if any; return its target or
-    raise its StorageError (once: the handle is then forgotten)."""
+    """Wait for the save in flight, if any: its target, or its StorageError (given once)."""
     global _pending
     handle, _pending = _pending, None
     return handle.wait() if handle is not None else None
 
 
 def submit(target: str, write: Callable[[], Optional[str]]) -> SaveHandle:
-    """Run `write` (which returns its error as one line, the same on every rank, or
-    None; it must not raise) on the snapshot thread, after any save in flight:
-    the save in flight from now on. Called after wait_pending()."""
-    global _pending, _executor
+    """Run `write` on the snapshot thread after any save in flight: the save in flight from now on. `write` returns
+    its error as one line, the same on every rank, or None; it must not raise."""
+    global _pending
     wait_pending()
-    with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
     _pending = SaveHandle(target, _executor.submit(write))
     return _pending
 
-
-# ---------------------------------------------------------------- the snapshot's process group
 
 # (id of the default group, ranks) -> (the default group, the gloo group). Holding
 # the default group keeps its id from being reused by a later process group.
@@ -86,9 +65,8 @@ _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, dist.ProcessGroup]] = {}
 
 
 def checkpoint_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
-    """A gloo group over `group`'s ranks for the snapshot's own collectives
-    (the background thread must not share the training group), created once
-    per process group (every rank of it calls this); None without a process group."""
+    """A gloo group over `group`'s ranks for the snapshot's collectives (the background thread must not share the
+    training group's), made once per process group; None without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.group.WORLD
