@@ -1,17 +1,10 @@
-"""The single-file snapshot: one torch.save file at any fsspec URL, what `mingpt.export
---format snapshot` writes and what generate, score, export and init_from read (and
-the ddp training format before Distributed Checkpoint).
-
-A plain dict of tensors, numbers, strings, lists and dicts, loaded with
-torch.load(weights_only=True): pickled code is refused and none of it runs.
-It is written atomically (mingpt/storage.py). `verify` recomputes the CRC-32 that torch.save's zip
-archive stores for each record, so a flipped bit anywhere is caught, not loaded.
+"""The single-file snapshot: one torch.save file of plain data and tensors at any fsspec URL, written by export and
+read by generate, score, export and init_from with torch.load(weights_only=True) after its CRC-32s are checked.
 """
 
 from __future__ import annotations
 
 import io
-import logging
 import pickle
 import re
 import struct
@@ -25,10 +18,6 @@ from mingpt import storage
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
-
-log = logging.getLogger(__name__)
-
-# What every mingpt snapshot holds (the trainer writes more).
 REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", "epoch", "samples_in_epoch", "step")
 
 
@@ -38,39 +27,30 @@ def is_torch_file(path: str) -> bool:
         return f.read(4) == b"PK\x03\x04"
 
 
-def _save_to(state: dict[str, Any], file: Any) -> None:
-    """torch.save into an open file, raising the storage error behind a failed write."""
-    sink = storage.Sink(file)
-    try:
-        torch.save(state, sink)
-    except RuntimeError:
-        if sink.error is None:
-            raise
-    if sink.error is not None:
-        raise sink.error
-
-
 def save(state: dict[str, Any], path: str) -> None:
-    """Write `state` to `path` atomically: a crash mid-save leaves the previous
-    file intact. A storage failure raises StorageError, with the previous file
-    intact too. torch.save streams into the temporary file (an object store's
-    file uploads in parts as it fills), so the snapshot is never built whole in memory."""
+    """Write `state` to `path` atomically, streamed (never built whole in memory); StorageError if storage fails,
+    the previous file intact."""
     fs, p = storage.filesystem(path)
     try:
         storage.prepare_parent(fs, p, path)
         for stale in fs.glob(f"{p}{storage.TMP_MARK}*"):  # left by a save that was killed
             fs.rm(stale)
         with storage.atomic_open(p, fs) as f:
-            _save_to(state, f)
+            sink = storage.Sink(f)  # torch.save hides a failed write's cause
+            try:
+                torch.save(state, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise
+            if sink.error is not None:
+                raise sink.error
     except storage_errors() as e:
         raise StorageError(f"cannot save snapshot {path}: {reason(e)}; the file there before is unchanged") from None
 
 
 def verify(data: bytes, name: str) -> None:
-    """Check a snapshot file's bytes against the CRC-32 that torch.save stored
-    with each record of its zip archive (the pickle, every tensor's storage),
-    or raise SnapshotError naming the file, before torch reads it (sharded
-    snapshots are checked against their manifest's SHA-256s instead). The checksums are computed over the bytes in place, without copies."""
+    """Check a snapshot file's bytes, in place, against the CRC-32 that torch.save stored with each record of its zip
+    archive (the pickle, every tensor's storage); SnapshotError naming the file otherwise."""
     view = memoryview(data)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -110,8 +90,8 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 
 
 def check_structure(state: Any, path: str) -> None:
-    """The snapshot is a dict with every required field, each of the right
-    type, and finite floating-point weights; else SnapshotError naming the field."""
+    """The snapshot is a dict with every required field, each of its type, and finite floating-point weights; else
+    SnapshotError naming the field."""
     missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
         raise SnapshotError(f"{path} is not a mingpt snapshot (no {', '.join(missing)})")
@@ -131,8 +111,7 @@ def check_structure(state: Any, path: str) -> None:
 
 
 def load(path: str) -> dict[str, Any]:
-    """Read a snapshot to CPU with weights_only=True after verifying its
-    checksums and before checking its structure, or raise SnapshotError naming the file."""
+    """A snapshot read to CPU, its checksums, pickle and structure checked; SnapshotError naming the file otherwise."""
     storage.check_regular(path, "snapshot")
     fs, p = storage.filesystem(path)
     try:
