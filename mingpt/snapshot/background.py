@@ -59,21 +59,18 @@ def submit(target: str, write: Callable[[], Optional[str]]) -> SaveHandle:
     return _pending
 
 
-# (id of the default group, ranks) -> (the default group, the gloo group). Holding
-# the default group keeps its id from being reused by a later process group.
-_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, dist.ProcessGroup]] = {}
+_groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id -> (the default group, kept so its id is not reused; gloo)
 
 
-def checkpoint_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
-    """A gloo group over `group`'s ranks for the snapshot's collectives (the background thread must not share the
-    training group's), made once per process group; None without a process group."""
+def checkpoint_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group over all ranks for the snapshot's collectives (the background thread must not share the training
+    group's), made once per default group; None without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.group.WORLD
-    key = (id(world), tuple(dist.get_process_group_ranks(group or world)))
-    if key not in _groups:
-        _groups[key] = (world, dist.new_group(ranks=list(key[1]), backend="gloo"))
-    return _groups[key][1]
+    if id(world) not in _groups:
+        _groups[id(world)] = (world, dist.new_group(backend="gloo"))
+    return _groups[id(world)][1]
 
 
 def broadcast(value: Any, pg: Optional[dist.ProcessGroup]) -> Any:

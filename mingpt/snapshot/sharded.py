@@ -1,11 +1,11 @@
 """The snapshot format for every parallelism: PyTorch Distributed Checkpoint (DCP) in a directory at any fsspec URL,
-published by its manifest (docs/fault-tolerance.md). Every function that takes `group` is called by every rank of it
-(None: the default group, or none at all in one process).
+published by its manifest (docs/fault-tolerance.md). save and load are called by every rank (or by one process).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -13,7 +13,6 @@ import logging
 import os
 import pickle
 import re
-import threading
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from mingpt import storage
 from mingpt.snapshot import SnapshotError, background, single_file
@@ -89,18 +89,14 @@ def _tensor_keys(structure: Any) -> list[str]:
     return [key for child in children for key in _tensor_keys(child)]
 
 
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}"
-
-
 def _order(name: str) -> Optional[tuple[int, int]]:
     """(step, number) of a snapshot directory's name, or None for other names."""
     found = NAME.fullmatch(name)
     return (int(found.group(1)), int(found.group(2) or 0)) if found else None
 
 
-def _listing(root: str, every_name: bool = False) -> tuple[list[str], set[str]]:
-    """The snapshot directory names under `root` (oldest first) and the published ones. A published directory whose
+def _listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]:
+    """The snapshot directory names under `root` and the published ones, oldest first. A published directory whose
     name lies about its step is left out of both (neither resumed nor pruned); `every_name` keeps it in the names."""
     fs, p = storage.filesystem(root)
     try:
@@ -113,8 +109,8 @@ def _listing(root: str, every_name: bool = False) -> tuple[list[str], set[str]]:
         lying = set() if every_name else {n for n in published if _name_lies(fs, p, root, n)}
     except storage_errors() as e:
         raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
-    names.sort(key=_order)
-    return [n for n in names if n not in lying], published - lying
+    names = sorted((n for n in names if n not in lying), key=_order)
+    return names, [n for n in names if n in published]
 
 
 _lies: dict[str, bool] = {}  # published directory -> whether its name says another step than its meta.json
@@ -131,7 +127,7 @@ def _name_lies(fs, p: str, root: str, name: str) -> bool:
         _lies[path] = inside != _order(name)[0]
         if _lies[path] and (not dist.is_initialized() or dist.get_rank() == 0):
             log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
-                        "a renamed directory?); it is neither resumed nor removed", _join(root, name),
+                        "a renamed directory?); it is neither resumed nor removed", f"{root.rstrip('/')}/{name}",
                         _order(name)[0], inside)
     return _lies[path]
 
@@ -142,9 +138,8 @@ def step_of(directory: str) -> int:
 
 def latest(root: str) -> Optional[str]:
     """The newest published snapshot directory under `root` (a URL), or None."""
-    names, published = _listing(root)
-    done = [n for n in names if n in published]
-    return _join(root, done[-1]) if done else None
+    published = _listing(root)[1]
+    return f"{root.rstrip('/')}/{published[-1]}" if published else None
 
 
 def _resolve(root_or_dir: str) -> str:
@@ -161,11 +156,6 @@ def _resolve(root_or_dir: str) -> str:
     if found is None:
         raise SnapshotError(f"no published sharded snapshot in {root_or_dir}")
     return found
-
-
-def _sha256(fs, path: str) -> tuple[int, str]:
-    with fs.open(path, "rb") as f:
-        return storage.sha256(f)
 
 
 def _rank(pg) -> int:
@@ -222,48 +212,44 @@ class _Writer(FsspecWriter):
         return _dcp_reason(error) if self.fs.error is None else f"{reason(self.fs.error)} (rank {rank})"
 
 
-_stagers: dict[bool, DefaultStager] = {}
-_lock = threading.Lock()
-
-
+@functools.cache
 def _staging(pinned: bool) -> DefaultStager:
     """DCP's stager, kept for the process: its CPU copy, made at the first asynchronous save, is refilled in place by
     the later ones (each waits for the one before). Pinned only for a state on a GPU, not for a CPU job on a GPU host
     (its asynchronous saves failed there)."""
-    with _lock:
-        if pinned not in _stagers:
-            _stagers[pinned] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=False))
-    return _stagers[pinned]
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=False))
 
 
-def _new_name(root: str, step: int, pg) -> str:
-    """step-<step>, or step-<step>-<n> after a crashed save's (never reused), chosen by rank 0 for every rank."""
-    name: str | StorageError | None = None
+def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
+    """What `decide()` returns on rank 0, on every rank; its SnapshotError or StorageError raised on every rank."""
+    outcome = None
     if _rank(pg) == 0:
         try:
-            names, _ = _listing(root, every_name=True)
-        except StorageError as e:
-            name = e
-        else:
-            taken = [_order(n)[1] for n in names if _order(n)[0] == step]
-            name = f"step-{step:08d}" + (f"-{max(taken) + 1}" if taken else "")
-    name = _broadcast(name, pg)
-    if isinstance(name, StorageError):
-        raise StorageError(str(name))
-    return name
+            outcome = decide()
+        except (SnapshotError, StorageError) as e:
+            outcome = e
+    outcome = _broadcast(outcome, pg)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def _new_name(root: str, step: int) -> str:
+    """step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused."""
+    taken = [_order(n)[1] for n in _listing(root, every_name=True)[0] if _order(n)[0] == step]
+    return f"step-{step:08d}" + (f"-{max(taken) + 1}" if taken else "")
 
 
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
-         async_save: bool = True, group: Optional[dist.ProcessGroup] = None, own: Any = None,
-         lowest_rank: bool = False) -> SaveHandle:
+         async_save: bool = True, own: Any = None, lowest_rank: bool = False) -> SaveHandle:
     """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state, if not None) as a new
     snapshot of `root`, publish it and keep the newest `keep`. Synchronous: returns when published (or raises
     StorageError). Asynchronous: returns once the state is copied; the handle (or wait_pending()) gives the outcome.
     A plain tensor is written by one of the ranks that hold it; with `lowest_rank`, the first (replicas that differ,
     such as LocalSGD's optimizer states)."""
     wait_pending()  # one save at a time; the previous one's error surfaces here
-    pg = background.checkpoint_group(group)
+    pg = background.checkpoint_group()
     flat, structure = _flatten(tensors)
     ranks = None
     if own is not None:  # under keys of the rank's own, which DCP writes from that rank
@@ -272,38 +258,33 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         ranks = _gather(own_structure, pg)
     document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
                            "structure": structure, "ranks": ranks}).encode()
-    directory = _join(root, _new_name(root, step, pg))
+    directory = f"{root.rstrip('/')}/{_by_rank0(pg, lambda: _new_name(root, step))}"
     on_gpu = any(v.device.type == "cuda" for v in flat.values())
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams whenever the host has CUDA.
     writer = _Writer(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
                      **({} if on_gpu else {"per_thread_copy_ahead": 0}))
     options = {"storage_writer": writer, "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
                "process_group": pg, "no_dist": pg is None}
-    if not async_save:
-        error = None
+
+    def complete() -> Optional[str]:
         try:
-            dcp.save(flat, **options)
+            upload.result() if async_save else dcp.save(flat, **options)
+            error = None
         except (Exception, CheckpointException) as e:
             error = writer.reason(e, _rank(pg))
-        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error, writer.fs.error))
+        try:
+            return _publish(directory, root, document, keep, pg, error, writer.fs.error)
+        except Exception as e:  # one line on this rank too, never lost
+            return f"cannot save sharded snapshot {directory}: {reason(e)}"
+
+    if not async_save:
+        handle = SaveHandle(directory, error=complete())
         handle.wait()
         return handle
     try:
         upload = dcp.async_save(flat, async_stager=_staging(on_gpu), **options)
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
-
-    def complete() -> Optional[str]:
-        try:
-            upload.result()
-            error = None
-        except (Exception, CheckpointException) as e:
-            error = writer.reason(e, _rank(pg))
-        try:
-            return _publish(directory, root, document, keep, pg, error, writer.fs.error)
-        except BaseException as e:  # never lost: the handle reports it
-            return f"cannot save sharded snapshot {directory}: {reason(e)}"
-
     return background.submit(directory, complete)
 
 
@@ -321,7 +302,8 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
             for path in fs.ls(p, detail=False):
                 base = os.path.basename(path)
                 if base.startswith(mine) and base.endswith(".distcp"):
-                    files[base] = list(_sha256(fs, path))
+                    with fs.open(path, "rb") as f:
+                        files[base] = list(storage.sha256(f))
         except storage_errors() as e:
             error = f"rank {rank}: {reason(e)}"
     gathered = _gather((files, error, storage_error is not None), pg)
@@ -336,7 +318,8 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
                 with storage.atomic_open(f"{p}/{META}", fs) as f:
                     f.write(document)
                 for name in (DCP_METADATA, META):
-                    manifest[name] = list(_sha256(fs, f"{p}/{name}"))
+                    with fs.open(f"{p}/{name}", "rb") as f:
+                        manifest[name] = list(storage.sha256(f))
                 if storage.is_local(fs):
                     storage.fsync_dir(p)
                 with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
@@ -356,8 +339,7 @@ def _prune(root: str, newest: str, keep: int) -> None:
     A failure only warns: the new snapshot is safe."""
     try:
         names, published = _listing(root)
-        done = [n for n in names if n in published]
-        doomed = done[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
+        doomed = published[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
         fs, p = storage.filesystem(root)
         for name in doomed:
             # The manifest first: a removal cut short leaves an unpublished directory, never a damaged snapshot.
@@ -465,7 +447,8 @@ def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) 
     fs, p = storage.filesystem(directory)
     for name in sorted(n for n in files if n not in (META, DCP_METADATA))[share]:
         try:
-            size, digest = _sha256(fs, f"{p}/{name}")
+            with fs.open(f"{p}/{name}", "rb") as f:
+                size, digest = storage.sha256(f)
         except FileNotFoundError:
             return f"snapshot {directory} is damaged: {name} is missing"
         except storage_errors() as e:
@@ -499,23 +482,15 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
         raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
 
 
-def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None,
-         own: bool = False, check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
+def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
+         check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
     """Verify the newest published snapshot of a root (or the given directory), then load it in place into `tensors`
     (tensors and DTensors filled, resharded to this run's layout; plain values replaced). `check(meta)` may refuse
     it (by raising) before any tensor is read. Returns its `meta`; with `own`, (meta, this rank's own state), the
     latter None unless the snapshot holds one for each rank of this run (the same world size)."""
     wait_pending()  # a save in flight uses the same collectives
-    pg = background.checkpoint_group(group)
-    directory, problem = None, None
-    if _rank(pg) == 0:
-        try:
-            directory = _resolve(root_or_dir)
-        except (SnapshotError, StorageError) as e:
-            problem = (type(e).__name__, str(e))
-    directory, problem = _broadcast((directory, problem), pg)
-    if problem:
-        raise (StorageError if problem[0] == "StorageError" else SnapshotError)(problem[1])
+    pg = background.checkpoint_group()
+    directory = _by_rank0(pg, lambda: _resolve(root_or_dir))
     try:  # every rank reads the index; each checks its share of the shards
         files, document, metadata = _read_manifest(directory)
         problem = _verify(directory, files, slice(_rank(pg), None, _world(pg)))
@@ -533,7 +508,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     mine = ranks[_rank(pg)] if own and len(ranks) == _world(pg) else None
     if mine is not None:
         flat.update(_empty(directory, _tensor_keys(mine), metadata))
-    _dcp_load(flat, directory, metadata, process_group=group, no_dist=pg is None)
+    _dcp_load(flat, directory, metadata, no_dist=pg is None)
     loaded = _unflatten(structure, flat)
     for key in list(tensors):
         tensors[key] = loaded.get(key, tensors[key])
@@ -599,8 +574,6 @@ class ShardedFormat:
         self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
 
     def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
         model_state = self.comm.model_state(self.model, model_state)
         check_finite(model_state.values())
@@ -611,16 +584,12 @@ class ShardedFormat:
 
     def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
         """The weights alone, synchronously, as a snapshot of their own root that keeps one."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
         check_finite(model_state.values())
         save({"model": model_state}, meta, root, step, keep=1, async_save=False)
 
     def load(self, check_fits: Callable) -> dict[str, Any]:
         """Into the model and optimizer (with fsdp after the model is sharded, with ddp before DDP wraps it)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
         meta, own = load(tensors, self.root, own=True, check=check_fits)
