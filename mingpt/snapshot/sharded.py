@@ -102,7 +102,7 @@ def _listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]
     try:
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
         if not fs.isdir(p):
-            return [], set()
+            return [], []
         names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
         manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
         published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests} & set(names)
@@ -335,8 +335,7 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
 
 
 def _prune(root: str, newest: str, keep: int) -> None:
-    """Remove all but the newest `keep` published snapshots and the unpublished directories older than `newest`.
-    A failure only warns: the new snapshot is safe."""
+    """Remove all but the newest `keep` published snapshots and unpublished ones older than `newest`; only warns."""
     try:
         names, published = _listing(root)
         doomed = published[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
@@ -358,33 +357,13 @@ _ALLOWED = {"torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorage
             "torch": {"Size"}}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what _ALLOWED names and dtypes, so a pickled payload never runs, even one whose manifest was
-    rewritten with it."""
-
+class _MetadataUnpickler(pickle.Unpickler):  # a pickled payload never runs, even one with a rewritten manifest
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
-
-
-def read_metadata(data: bytes, name: str) -> Metadata:
-    """DCP's .metadata, unpickled with only DCP's classes allowed; SnapshotError otherwise."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise SnapshotError(f"refusing to load {name}: it holds pickled objects other than DCP's metadata, "
-                            f"and none of it was run ({reason(e)})") from None
-    except Exception as e:  # damaged bytes raise many types
-        raise SnapshotError(f"snapshot {name} is damaged ({type(e).__name__}: {reason(e)})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise SnapshotError(f"snapshot {name} is damaged (not DCP metadata)")
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):  # bytes entries are read with torch.load(weights_only=False)
-            raise SnapshotError(f"refusing to load {name}: entry {key!r} is not a tensor, and none of it was run")
-    return metadata
 
 
 class _Reader(FsspecReader):
@@ -402,7 +381,8 @@ class _Reader(FsspecReader):
 
 
 def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
-    """The manifest, meta.json and DCP metadata of a published snapshot, the latter two checked against the first."""
+    """The manifest, meta.json and DCP metadata of a published snapshot, the latter two checked against the first;
+    the metadata unpickled with only DCP's classes allowed."""
     fs, p = storage.filesystem(directory)
 
     def read(name: str) -> bytes:
@@ -434,7 +414,19 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
             _unflatten(structure, {key: None for key in _tensor_keys(structure)})
     except (ValueError, AttributeError, KeyError, TypeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})") from None
-    metadata = read_metadata(blobs[DCP_METADATA], f"{directory}/{DCP_METADATA}")
+    name = f"{directory}/{DCP_METADATA}"
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(blobs[DCP_METADATA])).load()
+    except pickle.UnpicklingError as e:
+        raise SnapshotError(f"refusing to load {name}: it holds pickled objects other than DCP's metadata, "
+                            f"and none of it was run ({reason(e)})") from None
+    except Exception as e:  # damaged bytes raise many types
+        raise SnapshotError(f"snapshot {name} is damaged ({type(e).__name__}: {reason(e)})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise SnapshotError(f"snapshot {name} is damaged (not DCP metadata)")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):  # bytes entries are read with torch.load(weights_only=False)
+            raise SnapshotError(f"refusing to load {name}: entry {key!r} is not a tensor, and none of it was run")
     for info in (metadata.storage_data or {}).values():  # DCP reads only files that were verified
         if getattr(info, "relative_path", None) not in files:
             raise SnapshotError(f"snapshot {directory} is damaged: its index names a file that {MANIFEST} "
@@ -548,18 +540,17 @@ def read_meta(root_or_dir: str) -> dict[str, Any]:
 
 def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A whole snapshot as plain CPU tensors in one process, with no process group: (what was saved, meta)."""
-    return _newest(root_or_dir, _read_whole)
 
+    def read(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        files, document, metadata = _read_manifest(directory)
+        problem = _verify(directory, files)
+        if problem:
+            raise SnapshotError(problem)
+        flat = _empty(directory, _tensor_keys(document["structure"]), metadata)
+        _dcp_load(flat, directory, metadata, no_dist=True)
+        return _unflatten(document["structure"], flat), document["meta"]
 
-def _read_whole(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    files, document, metadata = _read_manifest(directory)
-    problem = _verify(directory, files)
-    if problem:
-        raise SnapshotError(problem)
-    structure = document["structure"]
-    flat = _empty(directory, _tensor_keys(structure), metadata)
-    _dcp_load(flat, directory, metadata, no_dist=True)
-    return _unflatten(structure, flat), document["meta"]
+    return _newest(root_or_dir, read)
 
 
 class ShardedFormat:
