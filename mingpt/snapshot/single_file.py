@@ -7,9 +7,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
-import struct
 import zipfile
-import zlib
 from typing import Any
 
 import torch
@@ -18,7 +16,8 @@ from mingpt import storage
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
-REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", "epoch", "samples_in_epoch", "step")
+COUNTS = ("epoch", "samples_in_epoch", "step")
+REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", *COUNTS)
 
 
 def is_torch_file(path: str) -> bool:
@@ -49,43 +48,23 @@ def save(state: dict[str, Any], path: str) -> None:
 
 
 def verify(data: bytes, name: str) -> None:
-    """Check a snapshot file's bytes, in place, against the CRC-32 that torch.save stored with each record of its zip
-    archive (the pickle, every tensor's storage); SnapshotError naming the file otherwise."""
-    view = memoryview(data)
+    """Check a snapshot file's bytes against the CRC-32 that torch.save stored with each record of its zip archive
+    (the pickle, every tensor's storage); SnapshotError naming the file otherwise."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            records = archive.infolist()
-        for record in records:
-            h = record.header_offset
-            if bytes(view[h : h + 4]) != b"PK\x03\x04" or record.compress_type != zipfile.ZIP_STORED:
-                raise zipfile.BadZipFile(f"record {record.filename} has no valid header")
-            name_len, extra_len = struct.unpack("<HH", view[h + 26 : h + 30])
-            begin = h + 30 + name_len + extra_len
-            if begin + record.compress_size > len(data):
-                raise zipfile.BadZipFile(f"record {record.filename} ends past the end of the file")
-            if zlib.crc32(view[begin : begin + record.compress_size]) != record.CRC:
-                break
-        else:
-            return
-    except (zipfile.BadZipFile, struct.error, ValueError, EOFError) as e:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, ValueError, EOFError) as e:
         raise SnapshotError(f"snapshot {name} is damaged ({reason(e)})") from None
-    raise SnapshotError(
-        f"snapshot {name} is damaged: the checksum of its record {record.filename} does not match its bytes "
-        "(changed after it was written)"
-    )
+    if bad is not None:
+        raise SnapshotError(f"snapshot {name} is damaged: the checksum of its record {bad} does not match its bytes "
+                            "(changed after it was written)")
 
 
-# What each field of a snapshot must be: (accepted types, description).
-FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "model_state": ((dict,), "a mapping of names to tensors"),
-    "optimizer_state": ((dict,), "a mapping"),
-    "gpt_config": ((dict,), "a mapping"),
-    "vocab": ((str,), "a string"),
-    "epoch": ((int,), "a whole number >= 0"),
-    "samples_in_epoch": ((int,), "a whole number >= 0"),
-    "step": ((int,), "a whole number >= 0"),
-    "scaler_state": ((dict,), "a mapping"),
-    "best_eval_loss": ((float, int), "a number"),
+FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # what each field must be: (accepted types, in words)
+    "model_state": ((dict,), "a mapping of names to tensors"), "optimizer_state": ((dict,), "a mapping"),
+    "gpt_config": ((dict,), "a mapping"), "vocab": ((str,), "a string"),
+    **{key: ((int,), "a whole number >= 0") for key in COUNTS},
+    "scaler_state": ((dict,), "a mapping"), "best_eval_loss": ((float, int), "a number"),
 }
 
 
@@ -98,7 +77,7 @@ def check_structure(state: Any, path: str) -> None:
     for key, (types, what) in FIELD_TYPES.items():
         value = state.get(key)
         if key not in state or (isinstance(value, types) and not isinstance(value, bool)):
-            if key in ("epoch", "samples_in_epoch", "step") and value < 0:
+            if key in COUNTS and value < 0:
                 raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {value}")
             continue
         raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}")
@@ -128,13 +107,10 @@ def load(path: str) -> dict[str, Any]:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|\n|$)", str(e))
-        if not found or not found.group(1).strip() or found.group(1).startswith("Unsupported operand"):
-            # Nothing was refused: the pickle itself is malformed.
+        if not found or not found.group(1).strip() or found.group(1).startswith("Unsupported operand"):  # malformed
             raise SnapshotError(f"snapshot {path} is damaged (its pickle cannot be read: {reason(e)})") from None
-        raise SnapshotError(
-            f"refusing to load {path}: it holds pickled objects other than tensors and plain data, "
-            f"and none of it was run ({found.group(1)})"
-        ) from None
+        raise SnapshotError(f"refusing to load {path}: it holds pickled objects other than tensors and plain data, "
+                            f"and none of it was run ({found.group(1)})") from None
     except Exception as e:  # torch.load on damaged bytes raises many types
         raise SnapshotError(f"snapshot {path} is damaged ({type(e).__name__}: {reason(e)})") from None
     check_structure(state, path)
