@@ -1,5 +1,6 @@
 """The snapshot format for every parallelism: PyTorch Distributed Checkpoint (DCP) in a directory at any fsspec URL,
-published by its manifest (docs/fault-tolerance.md). save and load are called by every rank (or by one process).
+published by its manifest (docs/fault-tolerance.md), and the one save in flight. save and load are called by every
+rank (or by one process).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import pickle
 import re
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -27,8 +29,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from mingpt import storage
-from mingpt.snapshot import SnapshotError, background, single_file
-from mingpt.snapshot.background import SaveHandle, broadcast as _broadcast, wait_pending
+from mingpt.snapshot import SnapshotError, single_file
 from mingpt.storage import StorageError, reason, storage_errors
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,64 @@ def _resolve(root_or_dir: str) -> str:
     return found
 
 
+class SaveHandle:
+    """A save in progress or done: `wait()` returns its target (a published directory) or raises its StorageError, the
+    same on every rank."""
+
+    def __init__(self, target: str, future: Optional[Future] = None, error: Optional[str] = None):
+        self.target, self._future, self._error = target, future, error
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self) -> str:
+        global _pending
+        if _pending is self:  # its outcome is given here: wait_pending() does not give it again
+            _pending = None
+        if self._future is not None:
+            self._error = self._future.result()
+            self._future = None
+        if self._error:
+            raise StorageError(self._error)
+        return self.target
+
+
+_pending: Optional[SaveHandle] = None  # the one asynchronous save in flight: every save, load and exit waits for it
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")  # its thread starts at a submit
+_groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id -> (the default group, kept so its id is not reused; gloo)
+
+
+def pending() -> SaveHandle:
+    """The save in flight, or a handle that is done if there is none."""
+    return _pending or SaveHandle("")
+
+
+def wait_pending() -> Optional[str]:
+    """Wait for the save in flight, if any: its target, or its StorageError (given once)."""
+    global _pending
+    handle, _pending = _pending, None
+    return handle.wait() if handle is not None else None
+
+
+def _checkpoint_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group over all ranks for the snapshot's collectives (the background thread must not share the training
+    group's), made once per default group; None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if id(world) not in _groups:
+        _groups[id(world)] = (world, dist.new_group(backend="gloo"))
+    return _groups[id(world)][1]
+
+
+def _broadcast(value: Any, pg) -> Any:
+    if pg is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    return box[0]
+
+
 def _rank(pg) -> int:
     return dist.get_rank(pg) if pg is not None else 0
 
@@ -249,7 +308,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     A plain tensor is written by one of the ranks that hold it; with `lowest_rank`, the first (replicas that differ,
     such as LocalSGD's optimizer states)."""
     wait_pending()  # one save at a time; the previous one's error surfaces here
-    pg = background.checkpoint_group()
+    pg = _checkpoint_group()
     flat, structure = _flatten(tensors)
     ranks = None
     if own is not None:  # under keys of the rank's own, which DCP writes from that rank
@@ -266,7 +325,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     options = {"storage_writer": writer, "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
                "process_group": pg, "no_dist": pg is None}
 
-    def complete() -> Optional[str]:
+    def complete() -> Optional[str]:  # returns the error, the same on every rank, or None
         try:
             upload.result() if async_save else dcp.save(flat, **options)
             error = None
@@ -285,7 +344,9 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         upload = dcp.async_save(flat, async_stager=_staging(on_gpu), **options)
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
-    return background.submit(directory, complete)
+    global _pending
+    _pending = SaveHandle(directory, _executor.submit(complete))
+    return _pending
 
 
 def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
@@ -481,7 +542,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
     it (by raising) before any tensor is read. Returns its `meta`; with `own`, (meta, this rank's own state), the
     latter None unless the snapshot holds one for each rank of this run (the same world size)."""
     wait_pending()  # a save in flight uses the same collectives
-    pg = background.checkpoint_group()
+    pg = _checkpoint_group()
     directory = _by_rank0(pg, lambda: _resolve(root_or_dir))
     try:  # every rank reads the index; each checks its share of the shards
         files, document, metadata = _read_manifest(directory)
