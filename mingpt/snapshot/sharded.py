@@ -1,7 +1,5 @@
-"""The snapshot format for every parallelism: PyTorch Distributed Checkpoint (DCP) in a directory at any fsspec URL,
-published by its manifest (docs/fault-tolerance.md), and the one save in flight. save and load are called by every
-rank (or by one process).
-"""
+"""The snapshot format (docs/fault-tolerance.md): Distributed Checkpoint (DCP) at any fsspec URL, published by its
+manifest, and the one save in flight. save and load are called by every rank (or by one process)."""
 
 from __future__ import annotations
 
@@ -97,8 +95,8 @@ def _order(name: str) -> Optional[tuple[int, int]]:
 
 
 def _listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]:
-    """The snapshot directory names under `root` and the published ones, oldest first. A published directory whose
-    name lies about its step is left out of both (neither resumed nor pruned); `every_name` keeps it in the names."""
+    """The snapshot directory names under `root` and the published ones, oldest first; a published one whose name
+    lies about its step is in neither (neither resumed nor pruned), except in the names with `every_name`."""
     fs, p = storage.filesystem(root)
     try:
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
@@ -160,8 +158,7 @@ def _resolve(root_or_dir: str) -> str:
 
 
 class SaveHandle:
-    """A save in progress or done: `wait()` returns its target (a published directory) or raises its StorageError, the
-    same on every rank."""
+    """A save in progress or done: `wait()` returns its directory or raises its StorageError, on every rank alike."""
 
     def __init__(self, target: str, future: Optional[Future] = None, error: Optional[str] = None):
         self.target, self._future, self._error = target, future, error
@@ -199,8 +196,7 @@ def wait_pending() -> Optional[str]:
 
 
 def _checkpoint_group() -> Optional[dist.ProcessGroup]:
-    """A gloo group over all ranks for the snapshot's collectives (the background thread must not share the training
-    group's), made once per default group; None without a process group."""
+    """A gloo group of all ranks, made once per default group, for the collectives of the snapshot thread."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.group.WORLD
@@ -234,8 +230,7 @@ def _gather(value: Any, pg) -> list[Any]:
 
 
 def _dcp_reason(error: BaseException) -> str:
-    """One line for an exception; for DCP's per-rank failures, the first one's type (a KeyError's text is only its
-    key), text and where it was raised."""
+    """One line for an exception; for DCP's, the first rank's type (a KeyError's text is only its key) and place."""
     if not isinstance(error, CheckpointException) or not error.failures:
         return reason(error)
     rank, (inner, stack) = min(error.failures.items())
@@ -245,8 +240,7 @@ def _dcp_reason(error: BaseException) -> str:
 
 
 class _Streams(FileSystem):
-    """DCP's fsspec file system keeping the first storage error a write met (`error`): DCP's torch.save reports it as
-    "unexpected pos ...", a full disk included."""
+    """DCP's file system keeping the first storage error a write met: torch.save reports it as "unexpected pos"."""
 
     error: Optional[BaseException] = None
 
@@ -260,22 +254,10 @@ class _Streams(FileSystem):
                 self.error = self.error or sink.error
 
 
-class _Writer(FsspecWriter):
-    def __init__(self, path: str, **options: Any):
-        super().__init__(path, **options)
-        streams = _Streams()
-        streams.fs = self.fs.fs
-        self.fs = streams
-
-    def reason(self, error: BaseException, rank: int) -> str:
-        return _dcp_reason(error) if self.fs.error is None else f"{reason(self.fs.error)} (rank {rank})"
-
-
 @functools.cache
 def _staging(pinned: bool) -> DefaultStager:
-    """DCP's stager, kept for the process: its CPU copy, made at the first asynchronous save, is refilled in place by
-    the later ones (each waits for the one before). Pinned only for a state on a GPU, not for a CPU job on a GPU host
-    (its asynchronous saves failed there)."""
+    """DCP's stager, whose CPU copy is refilled in place by every asynchronous save; pinned only for a state on a GPU
+    (a CPU job's asynchronous saves failed on a GPU host)."""
     return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=False))
 
@@ -302,11 +284,9 @@ def _new_name(root: str, step: int) -> str:
 
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
          async_save: bool = True, own: Any = None, lowest_rank: bool = False) -> SaveHandle:
-    """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state, if not None) as a new
-    snapshot of `root`, publish it and keep the newest `keep`. Synchronous: returns when published (or raises
-    StorageError). Asynchronous: returns once the state is copied; the handle (or wait_pending()) gives the outcome.
-    A plain tensor is written by one of the ranks that hold it; with `lowest_rank`, the first (replicas that differ,
-    such as LocalSGD's optimizer states)."""
+    """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state) as a new snapshot of
+    `root`, publish it and keep the newest `keep`; asynchronously, return once the state is copied. A plain tensor is
+    written by one rank that holds it; with `lowest_rank`, the first (replicas that differ, as LocalSGD's)."""
     wait_pending()  # one save at a time; the previous one's error surfaces here
     pg = _checkpoint_group()
     flat, structure = _flatten(tensors)
@@ -320,8 +300,10 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     directory = f"{root.rstrip('/')}/{_by_rank0(pg, lambda: _new_name(root, step))}"
     on_gpu = any(v.device.type == "cuda" for v in flat.values())
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams whenever the host has CUDA.
-    writer = _Writer(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
-                     **({} if on_gpu else {"per_thread_copy_ahead": 0}))
+    writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
+                          **({} if on_gpu else {"per_thread_copy_ahead": 0}))
+    streams = _Streams()
+    streams.fs, writer.fs = writer.fs.fs, streams
     options = {"storage_writer": writer, "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
                "process_group": pg, "no_dist": pg is None}
 
@@ -330,9 +312,9 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
             upload.result() if async_save else dcp.save(flat, **options)
             error = None
         except (Exception, CheckpointException) as e:
-            error = writer.reason(e, _rank(pg))
+            error = _dcp_reason(e) if streams.error is None else f"{reason(streams.error)} (rank {_rank(pg)})"
         try:
-            return _publish(directory, root, document, keep, pg, error, writer.fs.error)
+            return _publish(directory, root, document, keep, pg, error, streams.error is not None)
         except Exception as e:  # one line on this rank too, never lost
             return f"cannot save sharded snapshot {directory}: {reason(e)}"
 
@@ -350,10 +332,9 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
 
 
 def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
-             storage_error: Optional[BaseException]) -> Optional[str]:
-    """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes meta.json and the manifest
-    (publishing the snapshot) and prunes. Returns the error, the same on every rank, or None: a rank's own storage
-    error (`storage_error`) comes before what the other ranks saw of it (torch's "unexpected pos")."""
+             storage_cause: bool) -> Optional[str]:
+    """Each rank hashes its shards, then rank 0 writes meta.json and the manifest, and prunes. The error on every rank,
+    or None; one that is a rank's own storage error (`storage_cause`) comes before the other ranks' echoes of it."""
     fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
@@ -367,7 +348,7 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
                         files[base] = list(storage.sha256(f))
         except storage_errors() as e:
             error = f"rank {rank}: {reason(e)}"
-    gathered = _gather((files, error, storage_error is not None), pg)
+    gathered = _gather((files, error, storage_cause), pg)
     outcome = None
     if rank == 0:
         errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
@@ -442,8 +423,7 @@ class _Reader(FsspecReader):
 
 
 def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
-    """The manifest, meta.json and DCP metadata of a published snapshot, the latter two checked against the first;
-    the metadata unpickled with only DCP's classes allowed."""
+    """The manifest's files, meta.json and DCP's metadata (unpickled with only DCP's classes allowed), checked."""
     fs, p = storage.filesystem(directory)
 
     def read(name: str) -> bytes:
@@ -572,8 +552,8 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
 
 
 def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
-    """`read` of the snapshot `_resolve` chooses. One that lost its manifest while being read was rotated away
-    (_prune removes the manifest first), not damaged: chosen from a root, the newest published one is read instead."""
+    """`read` of the snapshot `_resolve` chooses; if it lost its manifest while being read (rotated away, not
+    damaged), the newest published one of the root instead."""
     for _ in range(REREADS):
         directory = _resolve(root_or_dir)
         try:
@@ -615,8 +595,7 @@ def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 class ShardedFormat:
-    """The run's snapshot (manager.py): every rank saves and loads its shards of the model and optimizer (with ddp,
-    whole tensors that one rank writes), and its own comm hook state."""
+    """The run's snapshot (manager.py): each rank's shards of the model and optimizer, and its own comm hook state."""
 
     def __init__(self, root: str, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,
                  comm: Any, keep: int, async_save: bool):
@@ -656,9 +635,8 @@ class ShardedFormat:
 
 
 def load_file_state(path: str) -> dict[str, Any]:
-    """A sharded snapshot (root or directory) read in one process as the single-file format's dict, checked as
-    single_file.load checks one: `optim`, keyed by parameter names (get_state_dict), becomes optimizer_state keyed
-    by parameter index in the optimizer's order (Optimizer.state_dict())."""
+    """A snapshot read in one process as the single-file format's dict (its optimizer state keyed by parameter index,
+    as Optimizer.state_dict() has it), checked as single_file.load checks one."""
     tensors, meta = load_full(path)
     optim = tensors.get("optim") or {"state": {}, "param_groups": []}
     index = {fqn: i for i, fqn in enumerate(fqn for group in optim["param_groups"] for fqn in group["params"])}
