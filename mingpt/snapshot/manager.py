@@ -59,8 +59,7 @@ def best_path(path: str) -> str:
 
 def find_best(path: str) -> str | None:
     """The best weights of the run whose snapshot root is `path`, if it has written them."""
-    best = best_path(path)
-    return best if storage.exists(best, directory=True) and sharded.latest(best) else None
+    return best_path(path) if sharded.latest(best_path(path)) else None
 
 
 def check_not_old(cfg: TrainerConfig, run_dir: str, path: str) -> None:
@@ -124,14 +123,10 @@ class Snapshot:
                      " (writing on in the background)" if self.format.background else "")
 
     def _meta(self, progress: Progress) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(progress),
-            "world_size": self.dist.world_size,
-            "vocab": self.vocab,
-            **({"corpus": self.corpus} if self.corpus is not None else {}),
-            **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {}),
-            **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)},
-        }
+        return {**dataclasses.asdict(progress), "world_size": self.dist.world_size, "vocab": self.vocab,
+                **({"corpus": self.corpus} if self.corpus is not None else {}),
+                **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {}),
+                **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)}}
 
     def save_best(self, progress: Progress) -> None:
         """The current weights (with LocalSGD: the replicas' mean) and meta, no optimizer state, at best_path;
@@ -146,8 +141,7 @@ class Snapshot:
         if all_max(self.dist, [bad])[0]:
             raise NotFinite("the weights are not finite")
 
-    def wait(self) -> None:
-        """Wait for a save still being written in the background (async_save); raise its StorageError, on every rank."""
+    def wait(self) -> None:  # for the save in flight (async_save); raises its StorageError on every rank
         self.format.wait()
 
     def restore(self) -> Progress | None:
