@@ -157,23 +157,18 @@ def remove_stale_temporaries(path: str) -> list[str]:
     removed = []
     for name in os.listdir(os.path.dirname(path) or "."):
         found = re.fullmatch(re.escape(os.path.basename(path) + TMP_MARK) + rf"(\d+)-{here}-[0-9a-f]{{8}}", name)
-        if found and not process_runs(int(found.group(1))):
+        if not found:
+            continue
+        try:
+            os.kill(int(found.group(1)), 0)  # signal 0: nothing is sent, the process is only looked up
+        except ProcessLookupError:  # its writer is gone
             stale = os.path.join(os.path.dirname(path), name)
             with contextlib.suppress(FileNotFoundError):  # another process removed it first
                 os.remove(stale)
                 removed.append(stale)
+        except PermissionError:  # it runs, as another user
+            pass
     return removed
-
-
-def process_runs(pid: int) -> bool:
-    """Whether a process of this id runs on this host (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)  # signal 0: nothing is sent, the process is only looked up
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it runs, as another user
-        pass
-    return True
 
 
 def irregular(mode: int) -> str | None:
