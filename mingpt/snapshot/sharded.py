@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import io
 import json
 import logging
@@ -205,14 +204,6 @@ def _checkpoint_group() -> Optional[dist.ProcessGroup]:
     return _groups[id(world)][1]
 
 
-def _broadcast(value: Any, pg) -> Any:
-    if pg is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-    return box[0]
-
-
 def _rank(pg) -> int:
     return dist.get_rank(pg) if pg is not None else 0
 
@@ -270,7 +261,10 @@ def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
             outcome = decide()
         except (SnapshotError, StorageError) as e:
             outcome = e
-    outcome = _broadcast(outcome, pg)
+    if pg is not None:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        outcome = box[0]
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
@@ -349,31 +343,31 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
         except storage_errors() as e:
             error = f"rank {rank}: {reason(e)}"
     gathered = _gather((files, error, storage_cause), pg)
-    outcome = None
-    if rank == 0:
+
+    def publish() -> Optional[str]:  # rank 0's part: raises nothing, so that no rank is left waiting
         errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
         if errors:
-            outcome = f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
-        else:
-            try:
-                manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
-                with storage.atomic_open(f"{p}/{META}", fs) as f:
-                    f.write(document)
-                for name in (DCP_METADATA, META):
-                    with fs.open(f"{p}/{name}", "rb") as f:
-                        manifest[name] = list(storage.sha256(f))
-                if storage.is_local(fs):
-                    storage.fsync_dir(p)
-                with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
-                    f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
-            except storage_errors() as e:
-                outcome = f"cannot save sharded snapshot {directory}: {reason(e)}; the previous snapshots are unchanged"
-            except Exception as e:  # anything else: still one line on every rank, no rank left waiting
-                outcome = f"cannot save sharded snapshot {directory}: {type(e).__name__}: {reason(e)}"
-            else:
-                _prune(root, os.path.basename(directory.rstrip("/")), keep)
-                log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
-    return _broadcast(outcome, pg)
+            return f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
+        try:
+            manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
+            with storage.atomic_open(f"{p}/{META}", fs) as f:
+                f.write(document)
+            for name in (DCP_METADATA, META):
+                with fs.open(f"{p}/{name}", "rb") as f:
+                    manifest[name] = list(storage.sha256(f))
+            if storage.is_local(fs):
+                storage.fsync_dir(p)
+            with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
+                f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
+        except storage_errors() as e:
+            return f"cannot save sharded snapshot {directory}: {reason(e)}; the previous snapshots are unchanged"
+        except Exception as e:
+            return f"cannot save sharded snapshot {directory}: {type(e).__name__}: {reason(e)}"
+        _prune(root, os.path.basename(directory.rstrip("/")), keep)
+        log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
+        return None
+
+    return _by_rank0(pg, publish)
 
 
 def _prune(root: str, newest: str, keep: int) -> None:
@@ -424,29 +418,15 @@ class _Reader(FsspecReader):
 
 def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
     """The manifest's files, meta.json and DCP's metadata (unpickled with only DCP's classes allowed), checked."""
-    fs, p = storage.filesystem(directory)
-
-    def read(name: str) -> bytes:
-        try:
-            with fs.open(f"{p}/{name}", "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise SnapshotError(f"snapshot {directory} is damaged: {name} is missing") from None
-        except storage_errors() as e:
-            raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
-
+    data = _checked(directory, MANIFEST)  # outside the try: its SnapshotError is a ValueError
     try:
-        manifest = json.loads(read(MANIFEST))
+        manifest = json.loads(data)
         files = manifest["files"]
         if manifest.get("format") != FORMAT or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
             raise ValueError(f"format {manifest.get('format')!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {MANIFEST} cannot be read ({reason(e)})") from None
-    blobs = {name: read(name) for name in (META, DCP_METADATA)}
-    for name, data in blobs.items():
-        if name not in files or [len(data), hashlib.sha256(data).hexdigest()] != files[name]:
-            raise SnapshotError(f"snapshot {directory} is damaged: {name} does not match its size and sha256 "
-                                f"in {MANIFEST} (changed after it was written)")
+    blobs = {name: _checked(directory, name, files) for name in (META, DCP_METADATA)}
     try:
         meta = json.loads(blobs[META])
         if meta.get("format") != FORMAT or not isinstance(meta.get("meta"), dict):
@@ -475,21 +455,27 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
     return files, meta, metadata
 
 
-def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> Optional[str]:
-    """Check the size and sha256 of the shards (a `share` of them, sorted); the first problem as a line, or None."""
+def _checked(directory: str, name: str, files: Optional[dict[str, list]] = None, whole: bool = True) -> bytes:
+    """A file of the snapshot (its bytes if `whole`), checked against the size and sha256 that `files` lists."""
     fs, p = storage.filesystem(directory)
+    try:
+        with fs.open(f"{p}/{name}", "rb") as f:
+            data = f.read() if whole else b""
+            size, digest = storage.sha256(io.BytesIO(data) if whole else f)
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot {directory} is damaged: {name} is missing") from None
+    except storage_errors() as e:
+        raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
+    if files is not None and [size, digest] != files.get(name):
+        raise SnapshotError(f"snapshot {directory} is damaged: {name} does not match its size and sha256 in "
+                            f"{MANIFEST} (changed after it was written)")
+    return data
+
+
+def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> None:
+    """Check the shards (a `share` of them, sorted) against the manifest."""
     for name in sorted(n for n in files if n not in (META, DCP_METADATA))[share]:
-        try:
-            with fs.open(f"{p}/{name}", "rb") as f:
-                size, digest = storage.sha256(f)
-        except FileNotFoundError:
-            return f"snapshot {directory} is damaged: {name} is missing"
-        except storage_errors() as e:
-            return f"cannot read snapshot {directory}/{name}: {reason(e)}"
-        if [size, digest] != files[name]:
-            return (f"snapshot {directory} is damaged: {name} does not match its size and sha256 in {MANIFEST} "
-                    "(changed after it was written)")
-    return None
+        _checked(directory, name, files, whole=False)
 
 
 def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
@@ -524,9 +510,10 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
     wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group()
     directory = _by_rank0(pg, lambda: _resolve(root_or_dir))
+    problem = None
     try:  # every rank reads the index; each checks its share of the shards
         files, document, metadata = _read_manifest(directory)
-        problem = _verify(directory, files, slice(_rank(pg), None, _world(pg)))
+        _verify(directory, files, slice(_rank(pg), None, _world(pg)))
     except (SnapshotError, StorageError) as e:
         problem = str(e)
     errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
@@ -584,9 +571,7 @@ def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
     def read(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
         files, document, metadata = _read_manifest(directory)
-        problem = _verify(directory, files)
-        if problem:
-            raise SnapshotError(problem)
+        _verify(directory, files)
         flat = _empty(directory, _tensor_keys(document["structure"]), metadata)
         _dcp_load(flat, directory, metadata, no_dist=True)
         return _unflatten(document["structure"], flat), document["meta"]
