@@ -183,14 +183,9 @@ def check_regular(path: str, label: str) -> None:
     """StorageError if the local path exists and is not a regular file; a URL, or a missing path, is left to the
     reader."""
     fs, p = filesystem(path)
-    if not is_local(fs):
-        return
-    try:
-        kind = irregular(os.stat(p).st_mode)
-    except OSError:
-        return
-    if kind:
-        raise StorageError(f"{label} is not a regular file: {path} is {kind}")
+    with contextlib.suppress(OSError):
+        if is_local(fs) and (kind := irregular(os.stat(p).st_mode)):
+            raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 
 def sha256(f: Any) -> tuple[int, str]:
