@@ -65,16 +65,28 @@ def find_best(path: str) -> str | None:
 def check_not_old(cfg: TrainerConfig, run_dir: str, path: str) -> None:
     """Refuse a run directory whose snapshot is ddp's former single file: not resumed, nor silently started afresh."""
     old = path if cfg.snapshot_path else os.path.join(run_dir, OLD_DEFAULT_PATH)
-    if "://" not in old and os.path.isfile(old) and single_file.is_torch_file(old) and not has_snapshot(path):
-        raise SnapshotError(
-            f"{old} is a single-file snapshot, the ddp training format of mingpt before its snapshots became "
-            f"Distributed Checkpoints: it is not resumed. Fine-tune from its weights in a new run "
-            f"(trainer_config.init_from={old} trainer_config.run_name=NAME), or finish it with the earlier mingpt")
+    if "://" not in old and os.path.isfile(old) and not has_snapshot(path):
+        with open(old, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":  # as torch.save's zip archive starts
+                raise SnapshotError(f"{old} is a single-file snapshot, the ddp training format of mingpt before its "
+                                    "snapshots became Distributed Checkpoints: it is not resumed. Fine-tune from its "
+                                    f"weights in a new run (trainer_config.init_from={old} "
+                                    "trainer_config.run_name=NAME), or finish it with the earlier mingpt")
 
 
 def read(path: str) -> dict[str, Any]:
-    """A snapshot of either format whole, in this one process, as the single-file format's dict."""
-    return sharded.load_file_state(path) if storage.exists(path, directory=True) else single_file.load(path)
+    """A snapshot of either format whole, in this one process, as the single-file format's dict (a sharded one's
+    optimizer state keyed by parameter index, as Optimizer.state_dict() has it), checked as single_file.load does."""
+    if not storage.exists(path, directory=True):
+        return single_file.load(path)
+    tensors, meta = sharded.load_full(path)
+    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
+    index = {fqn: i for i, fqn in enumerate(fqn for group in optim["param_groups"] for fqn in group["params"])}
+    groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in optim["param_groups"]]
+    state = {**meta, "model_state": dict(tensors.get("model", {})), "optimizer_state": {
+        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index}, "param_groups": groups}}
+    single_file.check_structure(state, path)
+    return state
 
 
 def has_snapshot(path: str) -> bool:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from mingpt import storage
-from mingpt.snapshot import SnapshotError, single_file
+from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
 log = logging.getLogger(__name__)
@@ -617,16 +617,3 @@ class ShardedFormat:
 
     def wait(self) -> None:
         wait_pending()
-
-
-def load_file_state(path: str) -> dict[str, Any]:
-    """A snapshot read in one process as the single-file format's dict (its optimizer state keyed by parameter index,
-    as Optimizer.state_dict() has it), checked as single_file.load checks one."""
-    tensors, meta = load_full(path)
-    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
-    index = {fqn: i for i, fqn in enumerate(fqn for group in optim["param_groups"] for fqn in group["params"])}
-    groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in optim["param_groups"]]
-    state = {**meta, "model_state": dict(tensors.get("model", {})), "optimizer_state": {
-        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index}, "param_groups": groups}}
-    single_file.check_structure(state, path)
-    return state

@@ -20,12 +20,6 @@ COUNTS = ("epoch", "samples_in_epoch", "step")
 REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", *COUNTS)
 
 
-def is_torch_file(path: str) -> bool:
-    """Whether the local file at `path` starts as torch.save's zip archive does."""
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
-
-
 def save(state: dict[str, Any], path: str) -> None:
     """Write `state` to `path` atomically, streamed (never built whole in memory); StorageError if storage fails,
     the previous file intact."""
