@@ -90,7 +90,6 @@ def read(path: str) -> dict[str, Any]:
 
 
 def has_snapshot(path: str) -> bool:
-    """Whether the run whose snapshot root is `path` has published one."""
     return sharded.latest(path) is not None
 
 

@@ -142,12 +142,8 @@ def latest(root: str) -> Optional[str]:
 
 def _resolve(root_or_dir: str) -> str:
     """A published snapshot directory: `root_or_dir` itself, or the newest under it."""
-    fs, p = storage.filesystem(root_or_dir)
-    try:
-        if fs.exists(f"{p.rstrip('/')}/{MANIFEST}"):
-            return root_or_dir
-    except storage_errors() as e:
-        raise StorageError(f"cannot reach snapshot path {root_or_dir}: {reason(e)}") from None
+    if storage.exists(f"{root_or_dir.rstrip('/')}/{MANIFEST}"):
+        return root_or_dir
     if _order(os.path.basename(root_or_dir.rstrip("/"))):
         raise SnapshotError(f"snapshot {root_or_dir} is not published (no {MANIFEST}: its save did not complete)")
     found = latest(root_or_dir)
@@ -180,11 +176,6 @@ class SaveHandle:
 _pending: Optional[SaveHandle] = None  # the one asynchronous save in flight: every save, load and exit waits for it
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")  # its thread starts at a submit
 _groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id -> (the default group, kept so its id is not reused; gloo)
-
-
-def pending() -> SaveHandle:
-    """The save in flight, or a handle that is done if there is none."""
-    return _pending or SaveHandle("")
 
 
 def wait_pending() -> Optional[str]:
@@ -472,8 +463,7 @@ def _checked(directory: str, name: str, files: Optional[dict[str, list]] = None,
     return data
 
 
-def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> None:
-    """Check the shards (a `share` of them, sorted) against the manifest."""
+def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> None:  # a share of the shards
     for name in sorted(n for n in files if n not in (META, DCP_METADATA))[share]:
         _checked(directory, name, files, whole=False)
 
@@ -546,10 +536,9 @@ def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
         try:
             return read(directory)
         except (SnapshotError, StorageError):
-            fs, p = storage.filesystem(directory)
             try:
-                published = fs.exists(f"{p.rstrip('/')}/{MANIFEST}")
-            except storage_errors():
+                published = storage.exists(f"{directory.rstrip('/')}/{MANIFEST}")
+            except StorageError:
                 published = True  # unknown: the read's own error stands
             if published:
                 raise
@@ -589,23 +578,21 @@ class ShardedFormat:
         self.keep, self.background = keep, async_save
         self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
 
-    def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
+    def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> SaveHandle:
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
         model_state = self.comm.model_state(self.model, model_state)
         check_finite(model_state.values())
         own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
         meta = {**meta, "scaler_state": self.scaler.state_dict(), "comm_hook": own and own["about"]}
-        save({"model": model_state, "optim": optim_state}, meta, self.root, step, keep=self.keep,
-             async_save=self.background, own=own and own["state"], lowest_rank=self.comm.replicas_differ)
+        return save({"model": model_state, "optim": optim_state}, meta, self.root, step, keep=self.keep,
+                    async_save=self.background, own=own and own["state"], lowest_rank=self.comm.replicas_differ)
 
     def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
-        """The weights alone, synchronously, as a snapshot of their own root that keeps one."""
         model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
         check_finite(model_state.values())
         save({"model": model_state}, meta, root, step, keep=1, async_save=False)
 
     def load(self, check_fits: Callable) -> dict[str, Any]:
-        """Into the model and optimizer (with fsdp after the model is sharded, with ddp before DDP wraps it)."""
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
         meta, own = load(tensors, self.root, own=True, check=check_fits)

@@ -70,11 +70,10 @@ def check_structure(state: Any, path: str) -> None:
         raise SnapshotError(f"{path} is not a mingpt snapshot (no {', '.join(missing)})")
     for key, (types, what) in FIELD_TYPES.items():
         value = state.get(key)
-        if key not in state or (isinstance(value, types) and not isinstance(value, bool)):
-            if key in COUNTS and value < 0:
-                raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {value}")
-            continue
-        raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}")
+        if key in state and (not isinstance(value, types) or isinstance(value, bool)):
+            raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}")
+        if key in COUNTS and value < 0:
+            raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {value}")
     for name, tensor in state["model_state"].items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
