@@ -105,10 +105,9 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
         if fs.isfile(p):
             raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
                                "kept in a directory there")
-    for label, path, probe in (
-        ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")),
-        ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"),
-    ):
+    tag = uuid.uuid4().hex[:8]
+    for label, path, probe in (("run directory", run_dir, os.path.join(run_dir, f".write-probe-{tag}")),
+                               ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{tag}")):
         fs, p = filesystem(probe)
         try:
             prepare_parent(fs, p, path)
@@ -179,8 +178,7 @@ def irregular(mode: int) -> str | None:
 
 
 def check_regular(path: str, label: str) -> None:
-    """StorageError if the local path exists and is not a regular file; a URL, or a missing path, is left to the
-    reader."""
+    """StorageError if the local `path` exists and is not a regular file (a URL is left to the reader)."""
     fs, p = filesystem(path)
     with contextlib.suppress(OSError):
         if is_local(fs) and (kind := irregular(os.stat(p).st_mode)):

@@ -113,13 +113,9 @@ class Snapshot:
         self.corpus = corpus  # the corpus's fingerprint (data.CharData.fingerprint): saved, and checked on restore
         self.optimizer, self.scaler, self.notice = optimizer, scaler, SlowNotice()
         self.tracker_run_id: str | None = None  # the experiment tracker's run: saved, so a resume continues it
+        self.comm_state: dict[str, Any] | None = None  # the comm hook's, from restore: {name, world_size, state: own}
         cfg = config.trainer_config
         self.format = sharded.ShardedFormat(path, model, optimizer, scaler, comm, cfg.keep_snapshots, cfg.async_save)
-
-    @property
-    def comm_state(self) -> dict[str, Any] | None:
-        """The comm hook's state that restore found: {name, world_size, state: this rank's own}."""
-        return self.format.comm_state
 
     def save(self, progress: Progress) -> None:
         """Every rank calls it; raises NotFinite, on every rank alike, if the weights are not finite."""
@@ -140,8 +136,7 @@ class Snapshot:
                 **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)}}
 
     def save_best(self, progress: Progress) -> None:
-        """The current weights (with LocalSGD: the replicas' mean) and meta, no optimizer state, at best_path;
-        synchronous. Every rank calls it; raises NotFinite as save does."""
+        """The weights (LocalSGD: the replicas' mean) and meta, no optimizer state, at best_path; synchronous."""
         self.format.save_best(self._meta(progress), best_path(self.path), progress.step, self._check_finite)
         if self.dist.is_main_process:
             log.info("saved the best weights so far (held-out loss %.4f at step %d) to %s",
@@ -156,15 +151,14 @@ class Snapshot:
         self.format.wait()
 
     def restore(self) -> Progress | None:
-        """Load the newest snapshot, once it fits this run, into the model, optimizer and scaler; its progress, or
-        None without one. Every rank calls it (with ddp before DDP wraps the model, with fsdp after sharding); all
-        must start from the same step, checked first: a rank seeing no snapshot would never join the load."""
+        """Load the newest snapshot that fits this run; its progress, or None. Every rank calls it (with ddp before DDP
+        wraps the model, with fsdp after sharding), all from the same step: one seeing none would not join the load."""
         newest = sharded.latest(self.path)
         fit.check_same_start(self.dist, sharded.step_of(newest) if newest else 0, self.path)
         if newest is None:
             return None
-        state = self.format.load(lambda state: fit.check_fits(state, self.config, self.vocab, self.path, self.dist,
-                                                                self.corpus))
+        state, self.comm_state = self.format.load(
+            lambda meta: fit.check_fits(meta, self.config, self.vocab, self.path, self.dist, self.corpus))
         if self.scaler.is_enabled() and state.get("scaler_state"):
             self.scaler.load_state_dict(state["scaler_state"])
         set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's

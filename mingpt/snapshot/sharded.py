@@ -44,8 +44,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 
 
 def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """The tensors of a nested state under flat '/'-joined keys, and a JSON-able structure of the rest. Only
-    tensors go into DCP: it would read other entries with torch.load(weights_only=False)."""
+    """The tensors of a nested state under flat '/'-joined keys (all that goes into DCP), and a JSON structure of it."""
     flat: dict[str, torch.Tensor] = {}
 
     def encode(node: Any, path: list[str]) -> Any:
@@ -165,11 +164,9 @@ class SaveHandle:
         global _pending
         if _pending is self:  # its outcome is given here: wait_pending() does not give it again
             _pending = None
-        if self._future is not None:
-            self._error = self._future.result()
-            self._future = None
-        if self._error:
-            raise StorageError(self._error)
+        error = self._future.result() if self._future is not None else self._error
+        if error:
+            raise StorageError(error)
         return self.target
 
 
@@ -493,10 +490,9 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
 
 def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
          check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
-    """Verify the newest published snapshot of a root (or the given directory), then load it in place into `tensors`
-    (tensors and DTensors filled, resharded to this run's layout; plain values replaced). `check(meta)` may refuse
-    it (by raising) before any tensor is read. Returns its `meta`; with `own`, (meta, this rank's own state), the
-    latter None unless the snapshot holds one for each rank of this run (the same world size)."""
+    """Verify the newest published snapshot of a root (or the given directory), which `check(meta)` may refuse, then
+    load it into `tensors` in place, resharded. Its `meta`; with `own`, (meta, this rank's own state, or None unless
+    the snapshot holds one for each rank of this run)."""
     wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group()
     directory = _by_rank0(pg, lambda: _resolve(root_or_dir))
@@ -520,8 +516,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
         flat.update(_empty(directory, _tensor_keys(mine), metadata))
     _dcp_load(flat, directory, metadata, no_dist=pg is None)
     loaded = _unflatten(structure, flat)
-    for key in list(tensors):
-        tensors[key] = loaded.get(key, tensors[key])
+    tensors.update({key: loaded[key] for key in tensors if key in loaded})
     log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
     if not own:
         return document["meta"]
@@ -576,7 +571,6 @@ class ShardedFormat:
         self.root, self.model, self.optimizer, self.scaler, self.comm = root, model, optimizer, scaler, comm
         self.optimizers = getattr(optimizer, "optimizers", optimizer)  # mingpt.optim.Combined: AdamW and Muon
         self.keep, self.background = keep, async_save
-        self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
 
     def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> SaveHandle:
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
@@ -592,15 +586,14 @@ class ShardedFormat:
         check_finite(model_state.values())
         save({"model": model_state}, meta, root, step, keep=1, async_save=False)
 
-    def load(self, check_fits: Callable) -> dict[str, Any]:
+    def load(self, check_fits: Callable) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:  # meta, comm hook's
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
         meta, own = load(tensors, self.root, own=True, check=check_fits)
         set_state_dict(self.model, self.optimizers, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])
         about = meta.get("comm_hook")
-        self.comm_state = {**about, "state": own} if isinstance(about, dict) else None
-        return meta
+        return meta, ({**about, "state": own} if isinstance(about, dict) else None)
 
     def wait(self) -> None:
         wait_pending()

@@ -63,8 +63,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # what each field must
 
 
 def check_structure(state: Any, path: str) -> None:
-    """The snapshot is a dict with every required field, each of its type, and finite floating-point weights; else
-    SnapshotError naming the field."""
+    """SnapshotError naming the first field missing, of another type, or (of the weights) not finite and float."""
     missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
         raise SnapshotError(f"{path} is not a mingpt snapshot (no {', '.join(missing)})")
