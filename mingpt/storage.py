@@ -45,8 +45,7 @@ def reason(error: BaseException) -> str:
 
 
 class Sink:
-    """A binary file that keeps the first storage error a write met (`error`): torch.save reports it as
-    "unexpected pos ...", hiding the cause (a full disk)."""
+    """A binary file keeping the first storage error a write met, which torch.save hides behind "unexpected pos"."""
 
     def __init__(self, file: Any):
         self.file, self.error = file, None
@@ -98,8 +97,7 @@ def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
 
 
 def check_writable(run_dir: str, snapshot_path: str) -> None:
-    """Before any training: a file can be created and removed in the run directory and beside the snapshot root,
-    and the root is not a file; else StorageError naming the path."""
+    """StorageError unless a file can be made and removed in the run directory and beside the snapshot root."""
     fs, p = filesystem(snapshot_path)
     with contextlib.suppress(*storage_errors()):  # the write probe names the storage's fault
         if fs.isfile(p):
@@ -170,8 +168,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
 
 
 def irregular(mode: int) -> str | None:
-    """What a file of this st_mode is in words when not a regular file (a FIFO would block a read, a device never
-    end), else None."""
+    """What a file of this st_mode is, in words, unless regular (a FIFO would block a read, a device never end)."""
     if stat.S_ISREG(mode):
         return None
     return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"

@@ -49,8 +49,7 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
 
 
 def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
-    """What differs between the corpus a snapshot recorded (data.CharData.fingerprint, or None: not compared) and
-    `current`, one line per file."""
+    """One line per file that differs between a snapshot's corpus (data.CharData.fingerprint, or None) and `current`."""
     if not isinstance(saved, list):
         return []
     changes = []
@@ -66,8 +65,7 @@ def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
 
 def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dist_info: DistInfo,
                corpus: list[dict] | None = None) -> None:
-    """The snapshot's shapes, vocabulary, corpus (`corpus`: the run's fingerprint, if given) and config are this
-    run's (or the change is allowed: rank 0 says so)."""
+    """The snapshot's shapes, vocabulary, corpus (if `corpus`) and config are this run's or allowed (rank 0 says)."""
     moved = corpus_changes(state.get("corpus"), corpus) if corpus is not None else []
     if moved and state.get("vocab") != vocab:
         saved = state.get("vocab") or ""
@@ -92,9 +90,8 @@ def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
     """All ranks start from the same step: a snapshot only some of them see (a node-local path) would split the run."""
     if not dist_info.is_distributed:
         return
-    mine = torch.tensor([step], device=dist_info.device)
-    gathered = [torch.zeros_like(mine) for _ in range(dist_info.world_size)]
-    dist.all_gather(gathered, mine)
+    gathered = [torch.zeros(1, dtype=torch.long, device=dist_info.device) for _ in range(dist_info.world_size)]
+    dist.all_gather(gathered, torch.tensor([step], device=dist_info.device))
     steps = [int(t) for t in gathered]
     if len(set(steps)) > 1:
         raise SnapshotError(f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "

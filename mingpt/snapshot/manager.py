@@ -100,9 +100,8 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         if t.is_floating_point() and t.numel():
             sums.setdefault(t.device, []).append(t.sum(dtype=torch.float32))
-    if all(bool(torch.stack(found).isfinite().all()) for found in sums.values()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return (all(bool(torch.stack(found).isfinite().all()) for found in sums.values())
+            or all(bool(torch.isfinite(t).all()) for t in tensors))
 
 
 class Snapshot:

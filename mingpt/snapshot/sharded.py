@@ -258,12 +258,6 @@ def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
     return outcome
 
 
-def _new_name(root: str, step: int) -> str:
-    """step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused."""
-    taken = [_order(n)[1] for n in _listing(root, every_name=True)[0] if _order(n)[0] == step]
-    return f"step-{step:08d}" + (f"-{max(taken) + 1}" if taken else "")
-
-
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
          async_save: bool = True, own: Any = None, lowest_rank: bool = False) -> SaveHandle:
     """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state) as a new snapshot of
@@ -279,7 +273,12 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         ranks = _gather(own_structure, pg)
     document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
                            "structure": structure, "ranks": ranks}).encode()
-    directory = f"{root.rstrip('/')}/{_by_rank0(pg, lambda: _new_name(root, step))}"
+
+    def new_name() -> str:  # step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused
+        taken = [_order(n)[1] for n in _listing(root, every_name=True)[0] if _order(n)[0] == step]
+        return f"step-{step:08d}" + (f"-{max(taken) + 1}" if taken else "")
+
+    directory = f"{root.rstrip('/')}/{_by_rank0(pg, new_name)}"
     on_gpu = any(v.device.type == "cuda" for v in flat.values())
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams whenever the host has CUDA.
     writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
@@ -365,8 +364,7 @@ def _prune(root: str, newest: str, keep: int) -> None:
         doomed = published[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
         fs, p = storage.filesystem(root)
         for name in doomed:
-            # The manifest first: a removal cut short leaves an unpublished directory, never a damaged snapshot.
-            if name in published:
+            if name in published:  # the manifest first: cut short, this leaves no damaged snapshot
                 fs.rm(f"{p.rstrip('/')}/{name}/{MANIFEST}")
             fs.rm(f"{p.rstrip('/')}/{name}", recursive=True)
     except (SnapshotError, StorageError, *storage_errors()) as e:

@@ -21,8 +21,7 @@ REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", *COUNT
 
 
 def save(state: dict[str, Any], path: str) -> None:
-    """Write `state` to `path` atomically, streamed (never built whole in memory); StorageError if storage fails,
-    the previous file intact."""
+    """Write `state` to `path` atomically, streamed; StorageError if storage fails, the previous file intact."""
     fs, p = storage.filesystem(path)
     try:
         storage.prepare_parent(fs, p, path)
@@ -32,9 +31,8 @@ def save(state: dict[str, Any], path: str) -> None:
             sink = storage.Sink(f)  # torch.save hides a failed write's cause
             try:
                 torch.save(state, sink)
-            except RuntimeError:
-                if sink.error is None:
-                    raise
+            except RuntimeError as e:
+                raise sink.error or e
             if sink.error is not None:
                 raise sink.error
     except storage_errors() as e:
