@@ -109,8 +109,7 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
         fs, p = filesystem(probe)
         try:
             prepare_parent(fs, p, path)
-            with fs.open(p, "wb") as f:
-                f.write(b"\0")
+            fs.pipe_file(p, b"\0")
             fs.rm(p)
         except storage_errors() as e:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None

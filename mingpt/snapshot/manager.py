@@ -8,7 +8,6 @@ import math
 import os
 import posixpath
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from mingpt.snapshot import SnapshotError, fit, sharded, single_file
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclasses.dataclass
 class Progress:
     """Where the run is: restored from a snapshot, advanced by each step."""
 

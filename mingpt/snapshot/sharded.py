@@ -117,8 +117,7 @@ def _name_lies(fs, p: str, root: str, name: str) -> bool:
     path = f"{p.rstrip('/')}/{name}"
     if path not in _lies:
         try:
-            with fs.open(f"{path}/{META}", "rb") as f:
-                inside = json.loads(f.read()).get("step")
+            inside = json.loads(fs.cat_file(f"{path}/{META}")).get("step")
         except (FileNotFoundError, ValueError, AttributeError):
             return False  # left for loading to report
         _lies[path] = inside != _order(name)[0]
@@ -177,9 +176,7 @@ _groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id -> (the default gro
 
 def wait_pending() -> Optional[str]:
     """Wait for the save in flight, if any: its target, or its StorageError (given once)."""
-    global _pending
-    handle, _pending = _pending, None
-    return handle.wait() if handle is not None else None
+    return _pending.wait() if _pending is not None else None
 
 
 def _checkpoint_group() -> Optional[dist.ProcessGroup]:
@@ -516,9 +513,8 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
     loaded = _unflatten(structure, flat)
     tensors.update({key: loaded[key] for key in tensors if key in loaded})
     log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
-    if not own:
-        return document["meta"]
-    return document["meta"], (None if mine is None else _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"])
+    own_state = None if mine is None else _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"]
+    return (document["meta"], own_state) if own else document["meta"]
 
 
 def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
@@ -593,5 +589,4 @@ class ShardedFormat:
         about = meta.get("comm_hook")
         return meta, ({**about, "state": own} if isinstance(about, dict) else None)
 
-    def wait(self) -> None:
-        wait_pending()
+    wait = staticmethod(wait_pending)

@@ -84,8 +84,7 @@ def load(path: str) -> dict[str, Any]:
     storage.check_regular(path, "snapshot")
     fs, p = storage.filesystem(path)
     try:
-        with fs.open(p, "rb") as f:
-            data = f.read()
+        data = fs.cat_file(p)
     except FileNotFoundError:
         raise SnapshotError(f"snapshot not found: {path}") from None
     except storage_errors() as e:
