@@ -17,7 +17,6 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<pid>-<host>-<random> (atomic_open)
-CHUNK = 16 << 20  # bytes hashed per read
 
 
 class StorageError(ValueError):
@@ -125,8 +124,7 @@ def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path
 
 @contextlib.contextmanager
 def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Iterator[BinaryIO]:
-    """A file that replaces `path` whole when the body ends (a temporary beside it, fsynced on a local disk, then
-    moved); on failure removed, `path` as it was. With `fs`, `path` is a path in it, not a URL."""
+    """A file that replaces `path` whole when the body ends, else is removed (`path` as it was); with `fs`, in it."""
     if fs is None:
         fs, path = filesystem(path)
     tmp = f"{path}{TMP_MARK}{os.getpid()}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -146,8 +144,7 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
 
 
 def remove_stale_temporaries(path: str) -> list[str]:
-    """Remove the temporaries of the local `path` that atomic_open left on this host in a process no longer running
-    (another host's may be a live writer's); return their paths."""
+    """Remove the temporaries of the local `path` left on this host by processes gone (not another host's); paths."""
     here = re.escape(socket.gethostname())
     removed = []
     for name in os.listdir(os.path.dirname(path) or "."):
@@ -181,10 +178,10 @@ def check_regular(path: str, label: str) -> None:
             raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 
-def sha256(f: Any) -> tuple[int, str]:
-    """The size and SHA-256 of what is left to read in the open binary file `f`, read a chunk at a time."""
+def sha256(f: Any, chunk: int = 16 << 20) -> tuple[int, str]:
+    """The size and SHA-256 of what is left to read in the open binary file `f`, read `chunk` bytes at a time."""
     digest, size = hashlib.sha256(), 0
-    while block := f.read(CHUNK):
+    while block := f.read(chunk):
         digest.update(block)
         size += len(block)
     return size, digest.hexdigest()

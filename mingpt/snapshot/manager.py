@@ -74,8 +74,7 @@ def check_not_old(cfg: TrainerConfig, run_dir: str, path: str) -> None:
 
 
 def read(path: str) -> dict[str, Any]:
-    """A snapshot of either format whole, in this one process, as the single-file format's dict (a sharded one's
-    optimizer state keyed by parameter index, as Optimizer.state_dict() has it), checked as single_file.load does."""
+    """A snapshot of either format read whole in this process as the single-file format's dict, checked as that is."""
     if not storage.exists(path, directory=True):
         return single_file.load(path)
     tensors, meta = sharded.load_full(path)

@@ -257,9 +257,8 @@ def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
 
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
          async_save: bool = True, own: Any = None, lowest_rank: bool = False) -> SaveHandle:
-    """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state) as a new snapshot of
-    `root`, publish it and keep the newest `keep`; asynchronously, return once the state is copied. A plain tensor is
-    written by one rank that holds it; with `lowest_rank`, the first (replicas that differ, as LocalSGD's)."""
+    """Save `tensors` (each rank its shards), `meta` and `own` (each rank's own state) as a new snapshot of `root`,
+    keeping `keep`; asynchronously, return once copied. `lowest_rank`: each plain tensor written by its first holder."""
     wait_pending()  # one save at a time; the previous one's error surfaces here
     pg = _checkpoint_group()
     flat, structure = _flatten(tensors)
@@ -311,8 +310,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
 
 def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
              storage_cause: bool) -> Optional[str]:
-    """Each rank hashes its shards, then rank 0 writes meta.json and the manifest, and prunes. The error on every rank,
-    or None; one that is a rank's own storage error (`storage_cause`) comes before the other ranks' echoes of it."""
+    """Each rank hashes its shards; rank 0 publishes and prunes. The error, a storage_cause's first, or None."""
     fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
@@ -368,7 +366,6 @@ def _prune(root: str, newest: str, keep: int) -> None:
         log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
 
 
-# The globals a DCP .metadata pickle may name: DCP's metadata classes, torch.Size, dtypes, layouts.
 _ALLOWED = {"torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
                                                        "ChunkStorageMetadata", "StorageMeta", "MetadataIndex",
                                                        "_MEM_FORMAT_ENCODING"},
@@ -518,8 +515,7 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
 
 
 def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
-    """`read` of the snapshot `_resolve` chooses; if it lost its manifest while being read (rotated away, not
-    damaged), the newest published one of the root instead."""
+    """`read` of the snapshot `_resolve` chooses, or, if that one is rotated away meanwhile, of the root's newest."""
     for _ in range(REREADS):
         directory = _resolve(root_or_dir)
         try:
