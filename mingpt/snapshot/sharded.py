@@ -310,7 +310,7 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
 
 def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
              storage_cause: bool) -> Optional[str]:
-    """Each rank hashes its shards; rank 0 publishes and prunes. The error, a storage_cause's first, or None."""
+    """Each rank hashes its shards; rank 0 publishes and prunes. The error (storage causes first), or None."""
     fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
