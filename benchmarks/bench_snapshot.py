@@ -38,7 +38,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mingpt.comm_hooks import CommHook
-from mingpt.snapshot import background, sharded, single_file
+from mingpt.snapshot import sharded, single_file
 from mingpt.snapshot.manager import all_finite
 from mingpt.config import GPTConfig
 from mingpt.model import GPT
@@ -129,10 +129,10 @@ def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
         """(stall, seconds until published, training steps timed while the background write ran)."""
         changed()
         start = time.perf_counter()
-        formats[mode].save({**meta, "step": step}, step, check_finite)
+        handle = formats[mode].save({**meta, "step": step}, step, check_finite)
         stall = time.perf_counter() - start
         during = []
-        while mode == "async" and not background.pending().done():
+        while mode == "async" and not handle.done():
             during.append(train_step())
         formats[mode].wait()
         return stall, time.perf_counter() - start, during

@@ -1,11 +1,5 @@
-"""Storage: local paths and fsspec URLs, their errors, atomic writes, hashing.
-
-Every file written for others to read (snapshots, the token cache, the
-corpus) goes through `atomic_open`, so a reader sees the old file or the whole
-new one. Failing storage (a full disk, a read-only or missing location, an
-unreachable object store) is one StorageError naming the path;
-`check_writable` finds most of these at start, before any training.
-"""
+"""Storage: local paths and fsspec URLs, their errors (one StorageError naming the path), atomic writes (a reader sees
+the old file or the whole new one), hashing, and the check at start that the run's locations can be written."""
 
 from __future__ import annotations
 
@@ -23,7 +17,6 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<pid>-<host>-<random> (atomic_open)
-CHUNK = 16 << 20  # bytes hashed per read
 
 
 class StorageError(ValueError):
@@ -31,9 +24,7 @@ class StorageError(ValueError):
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:
-    """What fsspec raises when the storage behind it fails: OSError, and the client
-    libraries' own errors (botocore's for an unreachable S3 endpoint, aiohttp's for
-    GCS), once imported (one not imported yet cannot have raised anything)."""
+    """What failing storage raises through fsspec: OSError, and the client libraries' errors once imported."""
     errors: list[type[BaseException]] = [OSError]
     if "botocore" in sys.modules:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -53,9 +44,7 @@ def reason(error: BaseException) -> str:
 
 
 class Sink:
-    """A binary file that keeps the first storage error a write met (`error`):
-    torch.save reports it as a RuntimeError ("unexpected pos ...") that hides the
-    cause, such as a full disk. Everything but `write` is the file's own."""
+    """A binary file keeping the first storage error a write met, which torch.save hides behind "unexpected pos"."""
 
     def __init__(self, file: Any):
         self.file, self.error = file, None
@@ -76,9 +65,8 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     try:
         return fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # s3fs or gcsfs not installed, unknown protocol
-        raise StorageError(
-            f"cannot use snapshot path {path}: {e} (s3:// and gs:// need pip install -e \".[s3]\" or \".[gcs]\")"
-        ) from None
+        raise StorageError(f"cannot use snapshot path {path}: {e} "
+                           "(s3:// and gs:// need pip install -e \".[s3]\" or \".[gcs]\")") from None
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -93,47 +81,34 @@ def exists(path: str, directory: bool = False) -> bool:  # with `directory`: is 
         raise StorageError(f"cannot reach snapshot path {path}: {reason(e)}") from None
 
 
-def bucket(fs: fsspec.AbstractFileSystem, p: str) -> str | None:
-    """The bucket of an object-store path (s3, gs, ...: paths without a leading /), else None."""
-    if is_local(fs) or p.startswith("/"):
-        return None
-    return p.split("/", 1)[0]
-
-
 def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
-    """Make the directory that will hold `p`. An object store's bucket must exist:
+    """Make the directory that will hold `p`. An object store's bucket (a path without a leading /) must exist:
     s3fs would create a missing one, so a typo would make a new bucket."""
-    name = bucket(fs, p)
-    if name is None:
+    if is_local(fs) or p.startswith("/"):
         fs.makedirs(fs._parent(p), exist_ok=True)
         return
+    name = p.split("/", 1)[0]
     try:
         fs.info(name)  # not exists(): s3fs answers False for a bucket it cannot reach
     except FileNotFoundError:
-        raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)") from None
+        raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)"
+                           ) from None
 
 
 def check_writable(run_dir: str, snapshot_path: str) -> None:
-    """Before any training: the run directory and the snapshot root can be written (a
-    file is created there and removed), an object store's bucket exists, and the root is
-    not a file. Raises StorageError naming the path."""
+    """StorageError unless a file can be made and removed in the run directory and beside the snapshot root."""
     fs, p = filesystem(snapshot_path)
-    try:
-        is_file = fs.isfile(p)
-    except storage_errors():
-        is_file = False  # the write probe names the storage's fault
-    if is_file:
-        raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
-                           "kept in a directory there")
-    for label, path, probe in (
-        ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{uuid.uuid4().hex[:8]}")),
-        ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"),
-    ):
+    with contextlib.suppress(*storage_errors()):  # the write probe names the storage's fault
+        if fs.isfile(p):
+            raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
+                               "kept in a directory there")
+    tag = uuid.uuid4().hex[:8]
+    for label, path, probe in (("run directory", run_dir, os.path.join(run_dir, f".write-probe-{tag}")),
+                               ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{tag}")):
         fs, p = filesystem(probe)
         try:
             prepare_parent(fs, p, path)
-            with fs.open(p, "wb") as f:
-                f.write(b"\0")
+            fs.pipe_file(p, b"\0")
             fs.rm(p)
         except storage_errors() as e:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
@@ -149,9 +124,7 @@ def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path
 
 @contextlib.contextmanager
 def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Iterator[BinaryIO]:
-    """A file that replaces `path` whole when the body ends: a temporary file beside
-    it, fsynced on a local disk (and then its directory), moved over it; on failure
-    removed, `path` as it was. With `fs`, `path` is a path in it, not a URL."""
+    """A file that replaces `path` whole when the body ends, else is removed (`path` as it was); with `fs`, in it."""
     if fs is None:
         fs, path = filesystem(path)
     tmp = f"{path}{TMP_MARK}{os.getpid()}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -163,71 +136,52 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
                 os.fsync(f.fileno())
         fs.mv(tmp, path)  # a rename on local disks; object stores publish whole objects
     finally:
-        try:
+        with contextlib.suppress(*storage_errors()):  # the write's own error says more
             if fs.exists(tmp):
                 fs.rm(tmp)
-        except storage_errors():
-            pass  # the write's own error says more
     if is_local(fs):
         fsync_dir(fs._parent(path))
 
 
 def remove_stale_temporaries(path: str) -> list[str]:
-    """Remove the temporary files of `path` (local) that atomic_open left behind
-    when its process died (a Ctrl-C at start-up ends the process at once, with
-    no cleanup): those written on this host by a process that no longer runs.
-    Another host's temporary, on a shared file system, may be a live writer's:
-    it is left, as is one whose name does not say its writer. Returns the removed paths."""
+    """Remove the temporaries of the local `path` left on this host by processes gone (not another host's); paths."""
     here = re.escape(socket.gethostname())
     removed = []
     for name in os.listdir(os.path.dirname(path) or "."):
         found = re.fullmatch(re.escape(os.path.basename(path) + TMP_MARK) + rf"(\d+)-{here}-[0-9a-f]{{8}}", name)
-        if found and not process_runs(int(found.group(1))):
+        if not found:
+            continue
+        try:
+            os.kill(int(found.group(1)), 0)  # signal 0: nothing is sent, the process is only looked up
+        except ProcessLookupError:  # its writer is gone
             stale = os.path.join(os.path.dirname(path), name)
             with contextlib.suppress(FileNotFoundError):  # another process removed it first
                 os.remove(stale)
                 removed.append(stale)
+        except PermissionError:  # it runs, as another user
+            pass
     return removed
 
 
-def process_runs(pid: int) -> bool:
-    """Whether a process of this id runs on this host (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)  # signal 0: nothing is sent, the process is only looked up
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it runs, as another user
-        pass
-    return True
-
-
 def irregular(mode: int) -> str | None:
-    """What a file of this st_mode is when it is not a regular file, in words; None
-    for a regular file. A command never reads such a path: a FIFO blocks the read
-    forever, and a device such as /dev/zero never ends."""
+    """What a file of this st_mode is, in words, unless regular (a FIFO would block a read, a device never end)."""
     if stat.S_ISREG(mode):
         return None
     return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
 
 
 def check_regular(path: str, label: str) -> None:
-    """Raise StorageError when the local path exists and is not a regular file (see
-    `irregular`); a URL, or a path that does not exist, is left to the reader."""
+    """StorageError if the local `path` exists and is not a regular file (a URL is left to the reader)."""
     fs, p = filesystem(path)
-    if not is_local(fs):
-        return
-    try:
-        kind = irregular(os.stat(p).st_mode)
-    except OSError:
-        return
-    if kind:
-        raise StorageError(f"{label} is not a regular file: {path} is {kind}")
+    with contextlib.suppress(OSError):
+        if is_local(fs) and (kind := irregular(os.stat(p).st_mode)):
+            raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 
-def sha256(f: Any) -> tuple[int, str]:
-    """The size and SHA-256 of what is left to read in the open binary file `f`, read a chunk at a time."""
+def sha256(f: Any, chunk: int = 16 << 20) -> tuple[int, str]:
+    """The size and SHA-256 of what is left to read in the open binary file `f`, read `chunk` bytes at a time."""
     digest, size = hashlib.sha256(), 0
-    while block := f.read(CHUNK):
+    while block := f.read(chunk):
         digest.update(block)
         size += len(block)
     return size, digest.hexdigest()

@@ -13,7 +13,7 @@ import torch
 
 from conftest import TINY, run_torchrun
 from mingpt.comm_hooks import CommHook
-from mingpt.snapshot import background, sharded
+from mingpt.snapshot import sharded
 from mingpt.snapshot.manager import all_finite
 from mingpt.storage import StorageError
 
@@ -46,7 +46,7 @@ def test_the_snapshot_holds_the_state_at_the_call_not_what_training_did_next(tmp
     with torch.no_grad():  # training goes on in place while the snapshot is written
         fmt.model.weight.add_(1.0)
         fmt.optimizer.state[fmt.model.weight]["exp_avg"].mul_(0.0)
-    assert background.wait_pending() == f"{root}/step-00000001"
+    assert sharded.wait_pending() == f"{root}/step-00000001"
     tensors, meta = sharded.load_full(root)
     assert torch.equal(tensors["model"]["weight"], weight) and meta["step"] == 1
     assert torch.equal(tensors["optim"]["state"]["weight"]["exp_avg"], moment)
@@ -65,7 +65,7 @@ def test_a_full_disk_in_the_background_is_raised_at_the_next_wait(small_disk):
     assert str(failed.value) == (f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
                                  "device (rank 0); the previous snapshots are unchanged")
     assert sharded.latest(root) == f"{root}/step-00000001" and sharded.read_meta(root)["step"] == 1
-    assert background.wait_pending() is None  # given once
+    assert sharded.wait_pending() is None  # given once
     small.save({**META, "step": 3}, 3, lambda tensors: None)  # the next save goes on
     small.wait()
     assert sharded.read_meta(root)["step"] == 3

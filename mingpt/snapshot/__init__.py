@@ -1,10 +1,4 @@
-"""Snapshots: the state a run resumes from, and what generation reads.
-
-manager.py is the run's snapshot, sharded.py its format (Distributed Checkpoint,
-for every parallelism), background.py the save in flight, single_file.py the one
-file that export writes and the readers take, fit.py whether a snapshot fits this
-run. Storage itself (fsspec, atomic writes, hashing) is mingpt/storage.py.
-"""
+"""Snapshots: the state a run resumes from, and what generation reads (docs/layout.md says which module does what)."""
 
 
 class SnapshotError(ValueError):

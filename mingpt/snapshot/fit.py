@@ -16,7 +16,6 @@ from mingpt.snapshot import SnapshotError
 
 log = logging.getLogger(__name__)
 
-# The GPTConfig fields that fix the shapes of the weights.
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
 
 
@@ -26,27 +25,18 @@ def check_compatible(state: dict[str, Any], gpt_config: dict[str, Any], vocab: s
         saved, current = state["gpt_config"].get(key), gpt_config.get(key)
         if saved != current:
             raise SnapshotError(f"snapshot {path} does not match: gpt_config.{key}: snapshot {saved}, config {current}")
-    if state["vocab"] != vocab:
-        saved = state["vocab"]
+    if (saved := state["vocab"]) != vocab:
         raise SnapshotError(f"snapshot {path} does not match: vocabulary of {len(saved)} characters in the snapshot, "
                             f"{len(vocab)} in the data (differs: {''.join(sorted(set(saved) ^ set(vocab)))!r})")
 
 
-def config_changes(state: dict[str, Any], config: Config) -> list[str]:
-    """`key: old -> new` for each result-affecting key (mingpt.config.OPERATIONAL_KEYS
-    lists the others) whose value in the snapshot's saved configs differs from
-    `config`'s. Keys that one of them lacks (an older snapshot) are not compared."""
+def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
+    """Refuse a snapshot written with other values of result-affecting keys (those both configs have), naming each,
+    unless allow_config_change (never another optimizer: its state would not load); return them as `key: old -> new`."""
     saved = result_items(state)
     current = result_items({f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)})
-    return [f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
-            for key in sorted(saved.keys() & current.keys()) if saved[key] != current[key]]
-
-
-def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
-    """Refuse to resume a snapshot written with other result-affecting values,
-    naming each, unless trainer_config.allow_config_change (never another optimizer:
-    its state would not load); return the changes."""
-    changes = config_changes(state, config)
+    changes = [f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
+               for key in sorted(saved.keys() & current.keys()) if saved[key] != current[key]]
     algorithm = [c for c in changes if c.startswith("optimizer_config.algorithm:")]
     if algorithm:
         raise SnapshotError(f"snapshot {path} holds another optimizer's state ({algorithm[0]}): keep its "
@@ -59,9 +49,7 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
 
 
 def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
-    """What differs between the corpus a snapshot recorded (data.CharData.fingerprint)
-    and `current`, one entry per file: `FILE: SIZE -> SIZE bytes`, `FILE: other content
-    (same size ...)`, `FILE added`, `FILE removed`. None (a snapshot older than the record): nothing."""
+    """One line per file that differs between a snapshot's corpus (data.CharData.fingerprint, or None) and `current`."""
     if not isinstance(saved, list):
         return []
     changes = []
@@ -75,32 +63,21 @@ def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
     return changes
 
 
-def check_same_corpus(saved: list[dict] | None, current: list[dict], path: str, allow: bool) -> list[str]:
-    """Refuse a snapshot written for another corpus, naming what changed (the split
-    of each file into training and held-out text moved with it), unless `allow`;
-    return the changes."""
-    changes = corpus_changes(saved, current)
-    if changes and not allow:
-        raise SnapshotError(f"snapshot {path} was written for another corpus ({'; '.join(changes)}): its held-out "
-                            "split is no longer this corpus's; start a new run in another directory, or continue "
-                            "this one on the new corpus by adding trainer_config.allow_config_change=true")
-    return changes
-
-
 def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dist_info: DistInfo,
                corpus: list[dict] | None = None) -> None:
-    """The snapshot's shapes, vocabulary, corpus (when `corpus`, the run's fingerprint, is given)
-    and config are this run's (or the change is allowed: rank 0 says so)."""
-    allow = config.trainer_config.allow_config_change
-    if corpus is not None and state.get("vocab") != vocab and corpus_changes(state.get("corpus"), corpus):
+    """The snapshot's shapes, vocabulary, corpus (if `corpus`) and config are this run's or allowed (rank 0 says)."""
+    moved = corpus_changes(state.get("corpus"), corpus) if corpus is not None else []
+    if moved and state.get("vocab") != vocab:
         saved = state.get("vocab") or ""
-        raise SnapshotError(f"snapshot {path} was written for another corpus "
-                            f"({'; '.join(corpus_changes(state.get('corpus'), corpus))}) whose vocabulary differs "
-                            f"({len(saved)} characters in the snapshot, {len(vocab)} now; differs: "
+        raise SnapshotError(f"snapshot {path} was written for another corpus ({'; '.join(moved)}) whose vocabulary "
+                            f"differs ({len(saved)} characters in the snapshot, {len(vocab)} now; differs: "
                             f"{''.join(sorted(set(saved) ^ set(vocab)))!r}), and a model keeps its vocabulary: start "
                             "a new run in another directory, or fine-tune this one (trainer_config.init_from)")
     check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
-    moved = check_same_corpus(state.get("corpus"), corpus, path, allow) if corpus is not None else []
+    if moved and not config.trainer_config.allow_config_change:
+        raise SnapshotError(f"snapshot {path} was written for another corpus ({'; '.join(moved)}): its held-out "
+                            "split is no longer this corpus's; start a new run in another directory, or continue "
+                            "this one on the new corpus by adding trainer_config.allow_config_change=true")
     changes = check_same_config(state, config, path)
     if moved and dist_info.is_main_process:
         log.warning("continuing %s on a changed corpus (%s): the held-out split moved, so evaluation losses before "
@@ -110,13 +87,11 @@ def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dis
 
 
 def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
-    """All ranks must start from the same step: a snapshot that only some of
-    them see (a node-local path in a multi-node job) would split the run."""
+    """All ranks start from the same step: a snapshot only some of them see (a node-local path) would split the run."""
     if not dist_info.is_distributed:
         return
-    mine = torch.tensor([step], device=dist_info.device)
-    gathered = [torch.zeros_like(mine) for _ in range(dist_info.world_size)]
-    dist.all_gather(gathered, mine)
+    gathered = [torch.zeros(1, dtype=torch.long, device=dist_info.device) for _ in range(dist_info.world_size)]
+    dist.all_gather(gathered, torch.tensor([step], device=dist_info.device))
     steps = [int(t) for t in gathered]
     if len(set(steps)) > 1:
         raise SnapshotError(f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "

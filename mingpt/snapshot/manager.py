@@ -1,16 +1,4 @@
-"""A run's snapshot: what it holds, how it is saved and restored.
-
-One object over the run's stateful parts (model, optimizer, gradient scaler,
-comm hook, progress), in one format for every parallelism: PyTorch Distributed
-Checkpoint under a root directory (sharded.py), every rank writing its shards
-(with ddp, the replicated tensors once) and its own comm hook state,
-asynchronously by default, loadable into any world size or into one process.
-A snapshot holds the progress, the configs, the vocabulary, the corpus's
-fingerprint, the world size that wrote it and the experiment tracker's run id
-(mingpt/tracking.py), and is verified (checksums, structure, and fit.py's
-checks) before any of it is used. The single file (single_file.py) is what
-`mingpt.export --format snapshot` writes, read by generate, score and init_from.
-"""
+"""The run's snapshot: what it holds (docs/fault-tolerance.md), save, restore; where it lives; reading any snapshot."""
 
 from __future__ import annotations
 
@@ -20,7 +8,6 @@ import math
 import os
 import posixpath
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +23,7 @@ from mingpt.snapshot import SnapshotError, fit, sharded, single_file
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclasses.dataclass
 class Progress:
     """Where the run is: restored from a snapshot, advanced by each step."""
 
@@ -60,59 +47,59 @@ OLD_DEFAULT_PATH = "snapshot.pt"  # the single file that ddp runs wrote before: 
 def resolve_path(cfg: TrainerConfig, run_dir: str) -> str:
     """The snapshot root: relative local paths live in the run directory; URLs and absolute paths are kept."""
     path = cfg.snapshot_path or DEFAULT_PATH
-    if "://" in path or os.path.isabs(path):
-        return path
-    return os.path.join(run_dir, path)
+    return path if "://" in path or os.path.isabs(path) else os.path.join(run_dir, path)
 
 
 def best_path(path: str) -> str:
-    """Where a run whose snapshot root is `path` keeps its best weights: beside it, the
-    same name with `-best` (snapshots: snapshots-best, a root of its own)."""
+    """The root of the best weights of a run whose snapshot root is `path`: snapshots -> snapshots-best."""
     head, ext = posixpath.splitext(path.rstrip("/"))
     return f"{head}-best{ext}"
 
 
 def find_best(path: str) -> str | None:
     """The best weights of the run whose snapshot root is `path`, if it has written them."""
-    best = best_path(path)
-    return best if storage.exists(best, directory=True) and sharded.latest(best) else None
+    return best_path(path) if sharded.latest(best_path(path)) else None
 
 
 def check_not_old(cfg: TrainerConfig, run_dir: str, path: str) -> None:
-    """Refuse a run directory whose snapshot is a single file of the training format before
-    this one (ddp's): it is not resumed, and a run must not silently start afresh beside it."""
+    """Refuse a run directory whose snapshot is ddp's former single file: not resumed, nor silently started afresh."""
     old = path if cfg.snapshot_path else os.path.join(run_dir, OLD_DEFAULT_PATH)
-    if "://" not in old and os.path.isfile(old) and single_file.is_torch_file(old) and not has_snapshot(path):
-        raise SnapshotError(
-            f"{old} is a single-file snapshot, the ddp training format of mingpt before its snapshots became "
-            f"Distributed Checkpoints: it is not resumed. Fine-tune from its weights in a new run "
-            f"(trainer_config.init_from={old} trainer_config.run_name=NAME), or finish it with the earlier mingpt")
+    if "://" not in old and os.path.isfile(old) and not has_snapshot(path):
+        with open(old, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":  # as torch.save's zip archive starts
+                raise SnapshotError(f"{old} is a single-file snapshot, the ddp training format of mingpt before its "
+                                    "snapshots became Distributed Checkpoints: it is not resumed. Fine-tune from its "
+                                    f"weights in a new run (trainer_config.init_from={old} "
+                                    "trainer_config.run_name=NAME), or finish it with the earlier mingpt")
 
 
 def read(path: str) -> dict[str, Any]:
-    """A snapshot of either format whole, in this one process, as the single-file format's dict."""
-    if storage.exists(path, directory=True):
-        return sharded.load_file_state(path)
-    return single_file.load(path)
+    """A snapshot of either format read whole in this process as the single-file format's dict, checked as that is."""
+    if not storage.exists(path, directory=True):
+        return single_file.load(path)
+    tensors, meta = sharded.load_full(path)
+    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
+    index = {fqn: i for i, fqn in enumerate(fqn for group in optim["param_groups"] for fqn in group["params"])}
+    groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in optim["param_groups"]]
+    state = {**meta, "model_state": dict(tensors.get("model", {})), "optimizer_state": {
+        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index}, "param_groups": groups}}
+    single_file.check_structure(state, path)
+    return state
 
 
 def has_snapshot(path: str) -> bool:
-    """Whether the run whose snapshot root is `path` has published one."""
     return sharded.latest(path) is not None
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite, in one pass over each
-    without allocating (a part of every save's stall): a sum is finite only if
-    every element is, so only a sum that is not (a nan or inf inside, or an
-    overflow of finite values) is looked at element by element. One host sync per device."""
+    """Whether every element is finite, with one host sync per device and no copy (part of every save's stall): only
+    when a sum is not finite (a nan or inf, or an overflow) are the elements looked at."""
     sums: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
             sums.setdefault(t.device, []).append(t.sum(dtype=torch.float32))
-    if all(bool(torch.stack(found).isfinite().all()) for found in sums.values()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return (all(bool(torch.stack(found).isfinite().all()) for found in sums.values())
+            or all(bool(torch.isfinite(t).all()) for t in tensors))
 
 
 class Snapshot:
@@ -122,21 +109,13 @@ class Snapshot:
         self.config, self.dist, self.path, self.vocab = config, dist_info, path, vocab
         self.corpus = corpus  # the corpus's fingerprint (data.CharData.fingerprint): saved, and checked on restore
         self.optimizer, self.scaler, self.notice = optimizer, scaler, SlowNotice()
-        # The experiment tracker's run (mingpt/tracking.py): saved, so a resume continues it.
-        # Restored from the snapshot (None: none, or a snapshot from before trackers).
-        self.tracker_run_id: str | None = None
+        self.tracker_run_id: str | None = None  # the experiment tracker's run: saved, so a resume continues it
+        self.comm_state: dict[str, Any] | None = None  # the comm hook's, from restore: {name, world_size, state: own}
         cfg = config.trainer_config
         self.format = sharded.ShardedFormat(path, model, optimizer, scaler, comm, cfg.keep_snapshots, cfg.async_save)
 
-    @property
-    def comm_state(self) -> dict[str, Any] | None:
-        """The comm hook's state that restore found: {name, world_size, state: this rank's own}."""
-        return self.format.comm_state
-
     def save(self, progress: Progress) -> None:
-        """Save the run at `progress`. Every rank calls it (every rank writes its
-        shards, and its comm hook state). Raises
-        NotFinite, on every rank alike, if the weights are not finite."""
+        """Every rank calls it; raises NotFinite, on every rank alike, if the weights are not finite."""
         start = time.monotonic()
         if self.notice.slow and self.dist.is_main_process:
             log.info("saving snapshot %s at step %d", self.path, progress.step)
@@ -148,58 +127,41 @@ class Snapshot:
                      " (writing on in the background)" if self.format.background else "")
 
     def _meta(self, progress: Progress) -> dict[str, Any]:
-        """What a snapshot holds besides tensors: the progress, the configs, the vocabulary, the corpus,
-        the tracker's run."""
-        return {
-            **dataclasses.asdict(progress),
-            "world_size": self.dist.world_size,
-            "vocab": self.vocab,
-            **({"corpus": self.corpus} if self.corpus is not None else {}),
-            **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {}),
-            **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)},
-        }
+        return {**dataclasses.asdict(progress), "world_size": self.dist.world_size, "vocab": self.vocab,
+                **({"corpus": self.corpus} if self.corpus is not None else {}),
+                **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {}),
+                **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)}}
 
     def save_best(self, progress: Progress) -> None:
-        """Write the current weights (with LocalSGD: the replicas' mean) as the run's
-        best, at best_path: the snapshot's format, atomic and verified as it is, with
-        the progress, configs and vocabulary but no optimizer state (enough to
-        generate, export and score; resume uses the latest snapshot). Synchronous.
-        Every rank calls it; raises NotFinite, on every rank alike, as save does."""
+        """The weights (LocalSGD: the replicas' mean) and meta, no optimizer state, at best_path; synchronous."""
         self.format.save_best(self._meta(progress), best_path(self.path), progress.step, self._check_finite)
         if self.dist.is_main_process:
             log.info("saved the best weights so far (held-out loss %.4f at step %d) to %s",
                      progress.best_eval_loss, progress.step, best_path(self.path))
 
-    def _check_finite(self, tensors) -> None:
-        """All ranks agree: with FSDP each holds other shards."""
+    def _check_finite(self, tensors) -> None:  # all ranks agree: with FSDP each holds other shards
         bad = int(not all_finite([t.to_local() if hasattr(t, "to_local") else t for t in tensors]))
         if all_max(self.dist, [bad])[0]:
             raise NotFinite("the weights are not finite")
 
-    def wait(self) -> None:
-        """Wait for a save still being written in the background (async_save); raise its StorageError, on every rank."""
+    def wait(self) -> None:  # for the save in flight (async_save); raises its StorageError on every rank
         self.format.wait()
 
     def restore(self) -> Progress | None:
-        """Load the snapshot, if there is one, into the model, optimizer and
-        scaler, after checking that it fits this run (shapes, vocabulary,
-        config); return the progress it was saved at (None: no snapshot yet).
-        With `ddp`, before DDP wraps the model; with `fsdp`, after the model is
-        sharded. Every rank calls it, and all must start from the same step: checked before
-        the load, whose collectives a rank that sees no snapshot would never join."""
+        """Load the newest snapshot that fits this run; its progress, or None. Every rank calls it (with ddp before DDP
+        wraps the model, with fsdp after sharding), all from the same step: one seeing none would not join the load."""
         newest = sharded.latest(self.path)
         fit.check_same_start(self.dist, sharded.step_of(newest) if newest else 0, self.path)
         if newest is None:
             return None
-        state = self.format.load(lambda state: fit.check_fits(state, self.config, self.vocab, self.path, self.dist,
-                                                                self.corpus))
+        state, self.comm_state = self.format.load(
+            lambda meta: fit.check_fits(meta, self.config, self.vocab, self.path, self.dist, self.corpus))
         if self.scaler.is_enabled() and state.get("scaler_state"):
             self.scaler.load_state_dict(state["scaler_state"])
         set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's
         run_id = state.get("tracker_run_id")
         self.tracker_run_id = run_id if isinstance(run_id, str) and run_id else None
-        fields = {f.name for f in dataclasses.fields(Progress)}
-        progress = Progress(**{k: state[k] for k in fields if k in state})
+        progress = Progress(**{f.name: state[f.name] for f in dataclasses.fields(Progress) if f.name in state})
         log.info("resumed from %s: epoch %d, %d samples into it, step %d",
                  self.path, progress.epoch, progress.samples_in_epoch, progress.step)
         return progress

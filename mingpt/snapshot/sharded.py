@@ -1,25 +1,18 @@
-"""Snapshots, the run's one format for every parallelism: PyTorch Distributed Checkpoint
-(DCP) in a directory at any fsspec URL. Every rank writes its own shards; a snapshot
-written by W ranks loads into any number of ranks, or into one process without a
-process group. Its layout, publication and checks: docs/fault-tolerance.md.
-
-Every function that takes `group` is called by every rank of it (None: the default
-group, or none at all in one process); the run uses them through ShardedFormat.
-"""
+"""The snapshot format (docs/fault-tolerance.md): Distributed Checkpoint (DCP) at any fsspec URL, published by its
+manifest, and the one save in flight. save and load are called by every rank (or by one process)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import io
 import json
 import logging
 import os
 import pickle
 import re
-import threading
-import traceback
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -30,9 +23,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from mingpt import storage
-from mingpt.snapshot import SnapshotError, background, single_file
+from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
 log = logging.getLogger(__name__)
@@ -43,19 +37,14 @@ META = "meta.json"
 DCP_METADATA = ".metadata"
 NAME = re.compile(r"step-(\d{8,})(?:-(\d+))?")
 OWN = "rank"  # the top-level key of each rank's own state: rank0, rank1, ...
+REREADS = 5  # snapshots rotated away while being read before a reader gives up
 
 # DCP warns at every single-process save and load that it assumes one process: that is the intent here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
-# ---------------------------------------------------------------- structure
-
-
 def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split a nested state dict into its tensors under flat '/'-joined keys and
-    a JSON-able structure holding everything else (the plain values and where
-    each tensor goes). Only tensors go into DCP, so it never stores "bytes"
-    entries, which it would read with torch.load(weights_only=False)."""
+    """The tensors of a nested state under flat '/'-joined keys (all that goes into DCP), and a JSON structure of it."""
     flat: dict[str, torch.Tensor] = {}
 
     def encode(node: Any, path: list[str]) -> Any:
@@ -79,16 +68,13 @@ def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
 
 
 def _unflatten(structure: Any, flat: dict[str, torch.Tensor]) -> Any:
-    """The nested dict that `_flatten` split, with the tensors of `flat`."""
     (kind, body), = structure.items()
     if kind == "tensor":
         return flat[body]
     if kind == "dict":
         return {k: _unflatten(v, flat) for k, v in body}
-    if kind == "list":
-        return [_unflatten(v, flat) for v in body]
-    if kind == "tuple":
-        return tuple(_unflatten(v, flat) for v in body)
+    if kind in ("list", "tuple"):
+        return (list if kind == "list" else tuple)(_unflatten(v, flat) for v in body)
     return body
 
 
@@ -96,17 +82,8 @@ def _tensor_keys(structure: Any) -> list[str]:
     (kind, body), = structure.items()
     if kind == "tensor":
         return [body]
-    if kind in ("dict", "list", "tuple"):
-        children = [v for _, v in body] if kind == "dict" else body
-        return [key for child in children for key in _tensor_keys(child)]
-    return []
-
-
-# ---------------------------------------------------------------- storage
-
-
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}"
+    children = [v for _, v in body] if kind == "dict" else body if kind in ("list", "tuple") else []
+    return [key for child in children for key in _tensor_keys(child)]
 
 
 def _order(name: str) -> Optional[tuple[int, int]]:
@@ -115,72 +92,56 @@ def _order(name: str) -> Optional[tuple[int, int]]:
     return (int(found.group(1)), int(found.group(2) or 0)) if found else None
 
 
-def _listing(root: str, every_name: bool = False) -> tuple[list[str], set[str]]:
-    """The snapshot directory names under `root` (oldest first) and the published ones.
-    A published directory whose name's step is not the step it holds (a stray copy,
-    a manual rename) is left out of both, with one warning, so it is neither resumed
-    nor pruned; `every_name` keeps it in the names (to name a new snapshot)."""
+def _listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]:
+    """The snapshot directory names under `root` and the published ones, oldest first; a published one whose name
+    lies about its step is in neither (neither resumed nor pruned), except in the names with `every_name`."""
     fs, p = storage.filesystem(root)
     try:
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
         if not fs.isdir(p):
-            return [], set()
+            return [], []
         names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
         manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
         published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests} & set(names)
         lying = set() if every_name else {n for n in published if _name_lies(fs, p, root, n)}
     except storage_errors() as e:
         raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
-    names.sort(key=_order)
-    return [n for n in names if n not in lying], published - lying
+    names = sorted((n for n in names if n not in lying), key=_order)
+    return names, [n for n in names if n in published]
 
 
-_honest: set[str] = set()  # published directories whose name was checked against their step
-_warned: set[str] = set()  # directories whose lying name was reported
+_lies: dict[str, bool] = {}  # published directory -> whether its name says another step than its meta.json
 
 
 def _name_lies(fs, p: str, root: str, name: str) -> bool:
-    """Whether the published directory `name` holds another step than its name says
-    (read from its meta.json; one that cannot be read is left for loading to report)."""
     path = f"{p.rstrip('/')}/{name}"
-    if path in _honest:
-        return False
-    try:
-        with fs.open(f"{path}/{META}", "rb") as f:
-            inside = json.loads(f.read()).get("step")
-    except (FileNotFoundError, ValueError, AttributeError):
-        return False
-    if inside == _order(name)[0]:
-        _honest.add(path)
-        return False
-    if path not in _warned and (not dist.is_initialized() or dist.get_rank() == 0):  # once, by rank 0
-        _warned.add(path)
-        log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
-                    "a renamed directory?); it is neither resumed nor removed", _join(root, name), _order(name)[0],
-                    inside)
-    return True
+    if path not in _lies:
+        try:
+            inside = json.loads(fs.cat_file(f"{path}/{META}")).get("step")
+        except (FileNotFoundError, ValueError, AttributeError):
+            return False  # left for loading to report
+        _lies[path] = inside != _order(name)[0]
+        if _lies[path] and (not dist.is_initialized() or dist.get_rank() == 0):
+            log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
+                        "a renamed directory?); it is neither resumed nor removed", f"{root.rstrip('/')}/{name}",
+                        _order(name)[0], inside)
+    return _lies[path]
 
 
 def step_of(directory: str) -> int:
-    """The step of a snapshot directory, from its name (`_listing` leaves out a published one that lies)."""
     return _order(os.path.basename(directory.rstrip("/")))[0]
 
 
 def latest(root: str) -> Optional[str]:
     """The newest published snapshot directory under `root` (a URL), or None."""
-    names, published = _listing(root)
-    done = [n for n in names if n in published]
-    return _join(root, done[-1]) if done else None
+    published = _listing(root)[1]
+    return f"{root.rstrip('/')}/{published[-1]}" if published else None
 
 
 def _resolve(root_or_dir: str) -> str:
     """A published snapshot directory: `root_or_dir` itself, or the newest under it."""
-    fs, p = storage.filesystem(root_or_dir)
-    try:
-        if fs.exists(f"{p.rstrip('/')}/{MANIFEST}"):
-            return root_or_dir
-    except storage_errors() as e:
-        raise StorageError(f"cannot reach snapshot path {root_or_dir}: {reason(e)}") from None
+    if storage.exists(f"{root_or_dir.rstrip('/')}/{MANIFEST}"):
+        return root_or_dir
     if _order(os.path.basename(root_or_dir.rstrip("/"))):
         raise SnapshotError(f"snapshot {root_or_dir} is not published (no {MANIFEST}: its save did not complete)")
     found = latest(root_or_dir)
@@ -189,16 +150,43 @@ def _resolve(root_or_dir: str) -> str:
     return found
 
 
-def _sha256(fs, path: str) -> tuple[int, str]:
-    with fs.open(path, "rb") as f:
-        return storage.sha256(f)
+class SaveHandle:
+    """A save in progress or done: `wait()` returns its directory or raises its StorageError, on every rank alike."""
+
+    def __init__(self, target: str, future: Optional[Future] = None, error: Optional[str] = None):
+        self.target, self._future, self._error = target, future, error
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self) -> str:
+        global _pending
+        if _pending is self:  # its outcome is given here: wait_pending() does not give it again
+            _pending = None
+        error = self._future.result() if self._future is not None else self._error
+        if error:
+            raise StorageError(error)
+        return self.target
 
 
-# ---------------------------------------------------------------- process groups
+_pending: Optional[SaveHandle] = None  # the one asynchronous save in flight: every save, load and exit waits for it
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")  # its thread starts at a submit
+_groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id -> (the default group, kept so its id is not reused; gloo)
 
-# The snapshot's own gloo group and its broadcast, shared with the single-file format's background saves.
-_checkpoint_group = background.checkpoint_group
-_broadcast = background.broadcast
+
+def wait_pending() -> Optional[str]:
+    """Wait for the save in flight, if any: its target, or its StorageError (given once)."""
+    return _pending.wait() if _pending is not None else None
+
+
+def _checkpoint_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group of all ranks, made once per default group, for the collectives of the snapshot thread."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if id(world) not in _groups:
+        _groups[id(world)] = (world, dist.new_group(backend="gloo"))
+    return _groups[id(world)][1]
 
 
 def _rank(pg) -> int:
@@ -218,34 +206,17 @@ def _gather(value: Any, pg) -> list[Any]:
 
 
 def _dcp_reason(error: BaseException) -> str:
-    """One line for an exception that DCP may have wrapped (CheckpointException: per-rank failures)."""
-    if isinstance(error, CheckpointException):
-        for rank, failure in sorted(error.failures.items()):
-            return f"{_failure_reason(failure)} (rank {rank})"
-    return reason(error)
-
-
-def _failure_reason(failure: Any) -> str:
-    """One rank's failure, as DCP keeps it ((exception, stack summary)), as one line
-    that names the exception's type (a KeyError's text is only its key: `<class
-    'type'>`) and where it was raised."""
-    parts = failure if isinstance(failure, tuple) else (failure,)
-    inner = next((p for p in parts if isinstance(p, BaseException)), None)
-    if inner is None:
-        return f"unknown failure {parts[0]!r}"
-    where = next((p for p in parts if isinstance(p, traceback.StackSummary) and p), None)
-    at = f", at {os.path.basename(where[-1].filename)}:{where[-1].lineno} in {where[-1].name}" if where else ""
+    """One line for an exception; for DCP's, the first rank's type (a KeyError's text is only its key) and place."""
+    if not isinstance(error, CheckpointException) or not error.failures:
+        return reason(error)
+    rank, (inner, stack) = min(error.failures.items())
     name, text = type(inner).__name__, reason(inner)
-    return f"{name if text == name else f'{name}: {text}'}{at}"
-
-
-# ---------------------------------------------------------------- saving
+    at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
+    return f"{name if text == name else f'{name}: {text}'}{at} (rank {rank})"
 
 
 class _Streams(FileSystem):
-    """DCP's fsspec file system with each stream it writes wrapped in storage.Sink:
-    the first storage error a write met is kept in `error`, since DCP's torch.save
-    reports it as "unexpected pos ..." (a full disk included)."""
+    """DCP's file system keeping the first storage error a write met: torch.save reports it as "unexpected pos"."""
 
     error: Optional[BaseException] = None
 
@@ -259,79 +230,37 @@ class _Streams(FileSystem):
                 self.error = self.error or sink.error
 
 
-class _Writer(FsspecWriter):
-    """DCP's fsspec writer over _Streams; `reason(e)` is a failed write's cause as one line."""
-
-    def __init__(self, path: str, **options: Any):
-        super().__init__(path, **options)
-        streams = _Streams()
-        streams.fs = self.fs.fs
-        self.fs = streams
-
-    def reason(self, error: BaseException, rank: int) -> str:
-        if self.fs.error is not None:
-            return f"{reason(self.fs.error)} (rank {rank})"
-        return _dcp_reason(error)
-
-
-SaveHandle = background.SaveHandle  # one concept of a save in flight for both formats
-wait_pending = background.wait_pending
-_stagers: dict[bool, DefaultStager] = {}
-_lock = threading.Lock()
-
-
+@functools.cache
 def _staging(pinned: bool) -> DefaultStager:
-    """DCP's stager, kept for the process: its CPU copy of each tensor is made at
-    the first asynchronous save and refilled in place by the later ones, so they
-    cost a copy and no allocation (the copy is never in use across two saves:
-    each save first waits for the one before). Synchronous; the copy is pinned
-    only for a state on a GPU (`pinned`), whose copy is what training waits for.
-    Whether the host has CUDA does not matter: a CPU job's state on a GPU host
-    gains nothing from pinning, and its asynchronous saves failed there."""
-    with _lock:
-        if pinned not in _stagers:
-            _stagers[pinned] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=False))
-    return _stagers[pinned]
+    """DCP's stager, whose CPU copy is refilled in place by every asynchronous save; pinned only for a state on a GPU
+    (a CPU job's asynchronous saves failed on a GPU host)."""
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=False))
 
 
-def _on_gpu(flat: dict[str, Any]) -> bool:
-    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in flat.values())
-
-
-def _new_name(root: str, step: int, pg) -> str:
-    """The new snapshot's directory name, chosen by rank 0 and given to every rank:
-    step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused."""
-    name: str | StorageError | None = None
+def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
+    """What `decide()` returns on rank 0, on every rank; its SnapshotError or StorageError raised on every rank."""
+    outcome = None
     if _rank(pg) == 0:
         try:
-            names, _ = _listing(root, every_name=True)
-        except StorageError as e:
-            name = e
-        else:
-            base = f"step-{step:08d}"
-            taken = [_order(n)[1] for n in names if _order(n)[0] == step]
-            name = base if not taken else f"{base}-{max(taken) + 1}"
-    name = _broadcast(name, pg)
-    if isinstance(name, StorageError):
-        raise StorageError(str(name))
-    return name
+            outcome = decide()
+        except (SnapshotError, StorageError) as e:
+            outcome = e
+    if pg is not None:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        outcome = box[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
-         async_save: bool = True, group: Optional[dist.ProcessGroup] = None, own: Any = None,
-         lowest_rank: bool = False) -> SaveHandle:
-    """Save `tensors` (each rank its shards), `meta` (rank 0's) and `own` (each rank's own state,
-    such as a comm hook's, if not None) as a new snapshot of `root`, publish it
-    when complete and keep the newest `keep`. Called by every rank. Synchronous:
-    returns when published (or raises StorageError). Asynchronous: returns when
-    the state is copied; the handle (also reached by wait_pending()) gives the outcome.
-    A plain tensor is written by one of the ranks that hold it; `lowest_rank`: by the
-    first (for replicas that differ, such as LocalSGD's optimizer states: rank 0's)."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
+         async_save: bool = True, own: Any = None, lowest_rank: bool = False) -> SaveHandle:
+    """Save `tensors` (each rank its shards), `meta` and `own` (each rank's own state) as a new snapshot of `root`,
+    keeping `keep`; asynchronously, return once copied. `lowest_rank`: each plain tensor written by its first holder."""
     wait_pending()  # one save at a time; the previous one's error surfaces here
-    pg = _checkpoint_group(group)
+    pg = _checkpoint_group()
     flat, structure = _flatten(tensors)
     ranks = None
     if own is not None:  # under keys of the rank's own, which DCP writes from that rank
@@ -340,50 +269,48 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         ranks = _gather(own_structure, pg)
     document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
                            "structure": structure, "ranks": ranks}).encode()
-    directory = _join(root, _new_name(root, step, pg))
-    on_gpu = _on_gpu(flat)
-    # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams
-    # whenever the host has CUDA, so a CPU job on a GPU host would open a CUDA context.
-    writer = _Writer(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
+
+    def new_name() -> str:  # step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused
+        taken = [_order(n)[1] for n in _listing(root, every_name=True)[0] if _order(n)[0] == step]
+        return f"step-{step:08d}" + (f"-{max(taken) + 1}" if taken else "")
+
+    directory = f"{root.rstrip('/')}/{_by_rank0(pg, new_name)}"
+    on_gpu = any(v.device.type == "cuda" for v in flat.values())
+    # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams whenever the host has CUDA.
+    writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
                           **({} if on_gpu else {"per_thread_copy_ahead": 0}))
-    no_dist = pg is None
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank)
-    if not async_save:
-        error = None
+    streams = _Streams()
+    streams.fs, writer.fs = writer.fs.fs, streams
+    options = {"storage_writer": writer, "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
+               "process_group": pg, "no_dist": pg is None}
+
+    def complete() -> Optional[str]:  # returns the error, the same on every rank, or None
         try:
-            dcp.save(flat, storage_writer=writer, planner=planner, process_group=pg, no_dist=no_dist)
+            upload.result() if async_save else dcp.save(flat, **options)
+            error = None
         except (Exception, CheckpointException) as e:
-            error = writer.reason(e, _rank(pg))
-        handle = SaveHandle(directory, error=_publish(directory, root, document, keep, pg, error,
-                                                           writer.fs.error is not None))
+            error = _dcp_reason(e) if streams.error is None else f"{reason(streams.error)} (rank {_rank(pg)})"
+        try:
+            return _publish(directory, root, document, keep, pg, error, streams.error is not None)
+        except Exception as e:  # one line on this rank too, never lost
+            return f"cannot save sharded snapshot {directory}: {reason(e)}"
+
+    if not async_save:
+        handle = SaveHandle(directory, error=complete())
         handle.wait()
         return handle
     try:
-        upload = dcp.async_save(flat, storage_writer=writer, planner=planner, process_group=pg, no_dist=no_dist,
-                                async_stager=_staging(on_gpu))
+        upload = dcp.async_save(flat, async_stager=_staging(on_gpu), **options)
     except (Exception, CheckpointException) as e:  # staging failed: nothing was started
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
-
-    def complete() -> Optional[str]:
-        try:
-            upload.result()
-            error = None
-        except (Exception, CheckpointException) as e:
-            error = writer.reason(e, _rank(pg))
-        try:
-            return _publish(directory, root, document, keep, pg, error, writer.fs.error is not None)
-        except BaseException as e:  # never lost: the handle reports it
-            return f"cannot save sharded snapshot {directory}: {reason(e)}"
-
-    return background.submit(directory, complete)
+    global _pending
+    _pending = SaveHandle(directory, _executor.submit(complete))
+    return _pending
 
 
 def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
-             storage_cause: bool = False) -> Optional[str]:
-    """After DCP's write (all ranks): hash each rank's shards, then rank 0 writes
-    meta.json and the manifest (publishing the snapshot) and prunes. Returns the
-    error, the same on every rank, or None: a rank's own storage error (`storage_cause`)
-    comes before what the other ranks saw of it (torch's "unexpected pos", as DCP passes it on)."""
+             storage_cause: bool) -> Optional[str]:
+    """Each rank hashes its shards; rank 0 publishes and prunes. The error (storage causes first), or None."""
     fs, p = storage.filesystem(directory)
     rank = _rank(pg)
     files: dict[str, list] = {}
@@ -393,73 +320,60 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
             for path in fs.ls(p, detail=False):
                 base = os.path.basename(path)
                 if base.startswith(mine) and base.endswith(".distcp"):
-                    files[base] = list(_sha256(fs, path))
+                    with fs.open(path, "rb") as f:
+                        files[base] = list(storage.sha256(f))
         except storage_errors() as e:
             error = f"rank {rank}: {reason(e)}"
     gathered = _gather((files, error, storage_cause), pg)
-    outcome = None
-    if rank == 0:
+
+    def publish() -> Optional[str]:  # rank 0's part: raises nothing, so that no rank is left waiting
         errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
         if errors:
-            outcome = f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
-        else:
-            try:
-                manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
-                with storage.atomic_open(f"{p}/{META}", fs) as f:
-                    f.write(document)
-                for name in (DCP_METADATA, META):
-                    manifest[name] = list(_sha256(fs, f"{p}/{name}"))
-                if storage.is_local(fs):
-                    storage.fsync_dir(p)
-                with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
-                    f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
-            except storage_errors() as e:
-                outcome = f"cannot save sharded snapshot {directory}: {reason(e)}; the previous snapshots are unchanged"
-            except Exception as e:  # anything else: still one line on every rank, no rank left waiting
-                outcome = f"cannot save sharded snapshot {directory}: {type(e).__name__}: {reason(e)}"
-            else:
-                _prune(root, os.path.basename(directory.rstrip("/")), keep)
-                log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
-    outcome = _broadcast(outcome, pg)
-    return outcome
+            return f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
+        try:
+            manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
+            with storage.atomic_open(f"{p}/{META}", fs) as f:
+                f.write(document)
+            for name in (DCP_METADATA, META):
+                with fs.open(f"{p}/{name}", "rb") as f:
+                    manifest[name] = list(storage.sha256(f))
+            if storage.is_local(fs):
+                storage.fsync_dir(p)
+            with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
+                f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
+        except storage_errors() as e:
+            return f"cannot save sharded snapshot {directory}: {reason(e)}; the previous snapshots are unchanged"
+        except Exception as e:
+            return f"cannot save sharded snapshot {directory}: {type(e).__name__}: {reason(e)}"
+        _prune(root, os.path.basename(directory.rstrip("/")), keep)
+        log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
+        return None
+
+    return _by_rank0(pg, publish)
 
 
 def _prune(root: str, newest: str, keep: int) -> None:
-    """Remove all but the newest `keep` published snapshots and the unpublished
-    directories older than `newest`. A failure here only warns: the new snapshot is safe."""
+    """Remove all but the newest `keep` published snapshots and unpublished ones older than `newest`; only warns."""
     try:
         names, published = _listing(root)
-        done = [n for n in names if n in published]
-        doomed = done[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
+        doomed = published[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
         fs, p = storage.filesystem(root)
         for name in doomed:
-            # The manifest first: a removal cut short leaves an unpublished directory, never a damaged snapshot.
-            if name in published:
+            if name in published:  # the manifest first: cut short, this leaves no damaged snapshot
                 fs.rm(f"{p.rstrip('/')}/{name}/{MANIFEST}")
             fs.rm(f"{p.rstrip('/')}/{name}", recursive=True)
     except (SnapshotError, StorageError, *storage_errors()) as e:
         log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
 
 
-# ---------------------------------------------------------------- loading
-
-# The globals a DCP .metadata pickle may name: DCP's metadata classes, torch.Size, dtypes, layouts.
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "StorageMeta",
-        "MetadataIndex", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-}
+_ALLOWED = {"torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                                       "ChunkStorageMetadata", "StorageMeta", "MetadataIndex",
+                                                       "_MEM_FORMAT_ENCODING"},
+            "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+            "torch": {"Size"}}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: only DCP's metadata classes, torch.Size and dtypes
-    are allowed, so a pickled payload never runs, even in a file whose manifest was
-    rewritten with it."""
-
+class _MetadataUnpickler(pickle.Unpickler):  # a pickled payload never runs, even one with a rewritten manifest
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
@@ -468,26 +382,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
-def read_metadata(data: bytes, name: str) -> Metadata:
-    """DCP's .metadata, unpickled with only DCP's classes allowed; SnapshotError otherwise."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise SnapshotError(f"refusing to load {name}: it holds pickled objects other than DCP's metadata, "
-                            f"and none of it was run ({reason(e)})") from None
-    except Exception as e:  # damaged bytes raise many types
-        raise SnapshotError(f"snapshot {name} is damaged ({type(e).__name__}: {reason(e)})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise SnapshotError(f"snapshot {name} is damaged (not DCP metadata)")
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):  # bytes entries are read with torch.load(weights_only=False)
-            raise SnapshotError(f"refusing to load {name}: entry {key!r} is not a tensor, and none of it was run")
-    return metadata
-
-
 class _Reader(FsspecReader):
-    """DCP's fsspec reader, given the .metadata that `read_metadata` above checked:
-    DCP's own read_metadata would unpickle the file with pickle.load."""
+    """DCP's fsspec reader given the checked .metadata: DCP's own read_metadata would pickle.load the file."""
 
     def __init__(self, path: str, metadata: Metadata):
         super().__init__(path)
@@ -501,20 +397,8 @@ class _Reader(FsspecReader):
 
 
 def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
-    """The manifest, meta.json and DCP metadata of a published snapshot, sizes and digests
-    of those two files checked. SnapshotError names a damaged or missing file."""
-    fs, p = storage.filesystem(directory)
-
-    def read(name: str) -> bytes:
-        try:
-            with fs.open(f"{p}/{name}", "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise SnapshotError(f"snapshot {directory} is damaged: {name} is missing") from None
-        except storage_errors() as e:
-            raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
-
-    data = read(MANIFEST)
+    """The manifest's files, meta.json and DCP's metadata (unpickled with only DCP's classes allowed), checked."""
+    data = _checked(directory, MANIFEST)  # outside the try: its SnapshotError is a ValueError
     try:
         manifest = json.loads(data)
         files = manifest["files"]
@@ -522,12 +406,7 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
             raise ValueError(f"format {manifest.get('format')!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {MANIFEST} cannot be read ({reason(e)})") from None
-    blobs = {}
-    for name in (META, DCP_METADATA):
-        data = blobs[name] = read(name)
-        if name not in files or [len(data), hashlib.sha256(data).hexdigest()] != files[name]:
-            raise SnapshotError(f"snapshot {directory} is damaged: {name} does not match its size and sha256 "
-                                f"in {MANIFEST} (changed after it was written)")
+    blobs = {name: _checked(directory, name, files) for name in (META, DCP_METADATA)}
     try:
         meta = json.loads(blobs[META])
         if meta.get("format") != FORMAT or not isinstance(meta.get("meta"), dict):
@@ -536,7 +415,19 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
             _unflatten(structure, {key: None for key in _tensor_keys(structure)})
     except (ValueError, AttributeError, KeyError, TypeError) as e:
         raise SnapshotError(f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})") from None
-    metadata = read_metadata(blobs[DCP_METADATA], f"{directory}/{DCP_METADATA}")
+    name = f"{directory}/{DCP_METADATA}"
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(blobs[DCP_METADATA])).load()
+    except pickle.UnpicklingError as e:
+        raise SnapshotError(f"refusing to load {name}: it holds pickled objects other than DCP's metadata, "
+                            f"and none of it was run ({reason(e)})") from None
+    except Exception as e:  # damaged bytes raise many types
+        raise SnapshotError(f"snapshot {name} is damaged ({type(e).__name__}: {reason(e)})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise SnapshotError(f"snapshot {name} is damaged (not DCP metadata)")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):  # bytes entries are read with torch.load(weights_only=False)
+            raise SnapshotError(f"refusing to load {name}: entry {key!r} is not a tensor, and none of it was run")
     for info in (metadata.storage_data or {}).values():  # DCP reads only files that were verified
         if getattr(info, "relative_path", None) not in files:
             raise SnapshotError(f"snapshot {directory} is damaged: its index names a file that {MANIFEST} "
@@ -544,30 +435,42 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
     return files, meta, metadata
 
 
-def _verify(directory: str, names: list[str], files: dict[str, list]) -> Optional[str]:
-    """Check each named file's size and sha256 against the manifest; the first problem as a line, or None."""
+def _checked(directory: str, name: str, files: Optional[dict[str, list]] = None, whole: bool = True) -> bytes:
+    """A file of the snapshot (its bytes if `whole`), checked against the size and sha256 that `files` lists."""
     fs, p = storage.filesystem(directory)
-    for name in names:
-        try:
-            size, digest = _sha256(fs, f"{p}/{name}")
-        except FileNotFoundError:
-            return f"snapshot {directory} is damaged: {name} is missing"
-        except storage_errors() as e:
-            return f"cannot read snapshot {directory}/{name}: {reason(e)}"
-        if [size, digest] != files[name]:
-            return (f"snapshot {directory} is damaged: {name} does not match its size and sha256 in {MANIFEST} "
-                    "(changed after it was written)")
-    return None
+    try:
+        with fs.open(f"{p}/{name}", "rb") as f:
+            data = f.read() if whole else b""
+            size, digest = storage.sha256(io.BytesIO(data) if whole else f)
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot {directory} is damaged: {name} is missing") from None
+    except storage_errors() as e:
+        raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
+    if files is not None and [size, digest] != files.get(name):
+        raise SnapshotError(f"snapshot {directory} is damaged: {name} does not match its size and sha256 in "
+                            f"{MANIFEST} (changed after it was written)")
+    return data
+
+
+def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> None:  # a share of the shards
+    for name in sorted(n for n in files if n not in (META, DCP_METADATA))[share]:
+        _checked(directory, name, files, whole=False)
 
 
 def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
-    """The snapshot holds exactly the tensors expected, and its index has them all."""
     for key in expected:
         if key not in saved or key not in metadata.state_dict_metadata:
             raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {key}")
     for key in saved:
         if key not in expected:
             raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {key} that this run has not")
+
+
+def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
+    """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
+    _check_keys(directory, keys, keys, metadata)
+    return {key: torch.empty(metadata.state_dict_metadata[key].size,
+                             dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
 
 
 def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **options: Any) -> None:
@@ -577,30 +480,18 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
         raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
 
 
-def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.ProcessGroup] = None,
-         own: bool = False, check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
-    """Verify the newest published snapshot of a root (or the given snapshot
-    directory), then load it in place into `tensors` (tensors and DTensors are
-    filled, resharded to this run's layout; plain values are replaced by the
-    snapshot's). Called by every rank. `check(meta)`, if given, may refuse the
-    snapshot (by raising) before any tensor is matched or read. Returns the `meta`
-    saved with it; with `own`, (meta, this rank's own state), the latter None unless
-    the snapshot holds one for each rank of this run (the same world size)."""
+def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
+         check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
+    """Verify the newest published snapshot of a root (or the given directory), which `check(meta)` may refuse, then
+    load it into `tensors` in place, resharded. Its `meta`; with `own`, (meta, this rank's own state, or None unless
+    the snapshot holds one for each rank of this run)."""
     wait_pending()  # a save in flight uses the same collectives
-    pg = _checkpoint_group(group)
-    directory, problem = None, None
-    if _rank(pg) == 0:
-        try:
-            directory = _resolve(root_or_dir)
-        except (SnapshotError, StorageError) as e:
-            problem = (type(e).__name__, str(e))
-    directory, problem = _broadcast((directory, problem), pg)
-    if problem:
-        raise (StorageError if problem[0] == "StorageError" else SnapshotError)(problem[1])
+    pg = _checkpoint_group()
+    directory = _by_rank0(pg, lambda: _resolve(root_or_dir))
+    problem = None
     try:  # every rank reads the index; each checks its share of the shards
         files, document, metadata = _read_manifest(directory)
-        shards = sorted(n for n in files if n not in (META, DCP_METADATA))
-        problem = _verify(directory, shards[_rank(pg)::_world(pg)], files)
+        _verify(directory, files, slice(_rank(pg), None, _world(pg)))
     except (SnapshotError, StorageError) as e:
         problem = str(e)
     errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
@@ -615,44 +506,26 @@ def load(tensors: dict[str, Any], root_or_dir: str, group: Optional[dist.Process
     mine = ranks[_rank(pg)] if own and len(ranks) == _world(pg) else None
     if mine is not None:
         flat.update(_empty(directory, _tensor_keys(mine), metadata))
-    _dcp_load(flat, directory, metadata, process_group=group, no_dist=pg is None)
+    _dcp_load(flat, directory, metadata, no_dist=pg is None)
     loaded = _unflatten(structure, flat)
-    for key in list(tensors):
-        tensors[key] = loaded.get(key, tensors[key])
+    tensors.update({key: loaded[key] for key in tensors if key in loaded})
     log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
-    if not own:
-        return document["meta"]
-    return document["meta"], (None if mine is None else _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"])
-
-
-def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
-    """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
-    _check_keys(directory, keys, keys, metadata)
-    return {key: torch.empty(metadata.state_dict_metadata[key].size,
-                             dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
-
-
-REREADS = 5  # snapshots rotated away while being read before a reader gives up
-
-
-def _published(directory: str) -> bool:
-    fs, p = storage.filesystem(directory)
-    try:
-        return fs.exists(f"{p.rstrip('/')}/{MANIFEST}")
-    except storage_errors():
-        return True  # unknown: the read's own error stands
+    own_state = None if mine is None else _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"]
+    return (document["meta"], own_state) if own else document["meta"]
 
 
 def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
-    """`read` of the snapshot `_resolve` chooses. A snapshot that lost its manifest while
-    being read was rotated away by a newer one (keep_snapshots: _prune removes the manifest
-    first), not damaged: chosen from a root, the newest published one is read instead."""
+    """`read` of the snapshot `_resolve` chooses, or, if that one is rotated away meanwhile, of the root's newest."""
     for _ in range(REREADS):
         directory = _resolve(root_or_dir)
         try:
             return read(directory)
         except (SnapshotError, StorageError):
-            if _published(directory):
+            try:
+                published = storage.exists(f"{directory.rstrip('/')}/{MANIFEST}")
+            except StorageError:
+                published = True  # unknown: the read's own error stands
+            if published:
                 raise
         if directory == root_or_dir:
             raise SnapshotError(f"snapshot {directory} was removed while being read (its run replaced it with a "
@@ -663,107 +536,53 @@ def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
 
 
 def read_meta(root_or_dir: str) -> dict[str, Any]:
-    """The `meta` of the newest published snapshot of a root (or of the given snapshot
-    directory), its manifest and meta.json checked; no shard is read."""
+    """The `meta` of the newest published snapshot of a root (or of the given directory); no shard is read."""
     return _newest(root_or_dir, lambda directory: _read_manifest(directory)[1]["meta"])
 
 
 def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read a whole snapshot into plain CPU tensors in one process, with no
-    process group (generation, export): (the nested dict that was saved, meta)."""
-    return _newest(root_or_dir, _read_whole)
+    """A whole snapshot as plain CPU tensors in one process, with no process group: (what was saved, meta)."""
 
+    def read(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        files, document, metadata = _read_manifest(directory)
+        _verify(directory, files)
+        flat = _empty(directory, _tensor_keys(document["structure"]), metadata)
+        _dcp_load(flat, directory, metadata, no_dist=True)
+        return _unflatten(document["structure"], flat), document["meta"]
 
-def _read_whole(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    files, document, metadata = _read_manifest(directory)
-    problem = _verify(directory, sorted(n for n in files if n not in (META, DCP_METADATA)), files)
-    if problem:
-        raise SnapshotError(problem)
-    structure = document["structure"]
-    flat = _empty(directory, _tensor_keys(structure), metadata)
-    _dcp_load(flat, directory, metadata, no_dist=True)
-    log.debug("read snapshot %s (step %s) in one process", directory, document.get("step"))
-    return _unflatten(structure, flat), document["meta"]
-
-
-# ---------------------------------------------------------------- the run's format
+    return _newest(root_or_dir, read)
 
 
 class ShardedFormat:
-    """The run's snapshot, for every parallelism (mingpt/snapshot/manager.py): every rank
-    saves and loads its shards of the model and optimizer (with ddp, whole tensors that
-    one rank writes), and its own comm hook state."""
+    """The run's snapshot (manager.py): each rank's shards of the model and optimizer, and its own comm hook state."""
 
     def __init__(self, root: str, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,
                  comm: Any, keep: int, async_save: bool):
         self.root, self.model, self.optimizer, self.scaler, self.comm = root, model, optimizer, scaler, comm
         self.optimizers = getattr(optimizer, "optimizers", optimizer)  # mingpt.optim.Combined: AdamW and Muon
         self.keep, self.background = keep, async_save
-        self.comm_state: dict[str, Any] | None = None  # the comm hook's saved state, set by load
 
-    def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
+    def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> SaveHandle:
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
         model_state = self.comm.model_state(self.model, model_state)
         check_finite(model_state.values())
         own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
         meta = {**meta, "scaler_state": self.scaler.state_dict(), "comm_hook": own and own["about"]}
-        save({"model": model_state, "optim": optim_state}, meta, self.root, step, keep=self.keep,
-             async_save=self.background, own=own and own["state"], lowest_rank=self.comm.replicas_differ)
+        return save({"model": model_state, "optim": optim_state}, meta, self.root, step, keep=self.keep,
+                    async_save=self.background, own=own and own["state"], lowest_rank=self.comm.replicas_differ)
 
     def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
-        """The weights alone, as a snapshot of their own root that keeps one
-        (Snapshot.save_best); synchronous, after any save in flight."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
         check_finite(model_state.values())
         save({"model": model_state}, meta, root, step, keep=1, async_save=False)
 
-    def load(self, check_fits: Callable) -> dict[str, Any]:
-        """Into the model and optimizer (with fsdp after the model is sharded, with ddp
-        before DDP wraps it), resharded to this run's layout."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+    def load(self, check_fits: Callable) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:  # meta, comm hook's
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
         tensors = {"model": model_state, "optim": optim_state}
         meta, own = load(tensors, self.root, own=True, check=check_fits)
         set_state_dict(self.model, self.optimizers, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])
         about = meta.get("comm_hook")
-        self.comm_state = {**about, "state": own} if isinstance(about, dict) else None
-        return meta
+        return meta, ({**about, "state": own} if isinstance(about, dict) else None)
 
-    def wait(self) -> None:
-        wait_pending()
-
-
-# ---------------------------------------------------------------- the single-file format
-
-
-def to_file_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The single-file snapshot dict (mingpt/snapshot/single_file.py) of a sharded snapshot
-    read by load_full: `model` becomes model_state, and `optim` (keyed by
-    parameter names, as get_state_dict gives it) becomes optimizer_state keyed
-    by parameter index in the optimizer's order, as Optimizer.state_dict() has
-    it; `meta` gives the rest (progress, configs, vocabulary)."""
-    state = {key: value for key, value in meta.items()}
-    state["model_state"] = dict(tensors.get("model", {}))
-    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
-    order = [fqn for group in optim["param_groups"] for fqn in group["params"]]
-    index = {fqn: i for i, fqn in enumerate(order)}
-    state["optimizer_state"] = {
-        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index},
-        "param_groups": [{**group, "params": [index[fqn] for fqn in group["params"]]}
-                         for group in optim["param_groups"]],
-    }
-    return state
-
-
-def load_file_state(path: str) -> dict[str, Any]:
-    """A sharded snapshot (root or directory) read in one process as the
-    single-file format's dict, its structure checked as single_file.load does."""
-    state = to_file_state(*load_full(path))
-    single_file.check_structure(state, path)
-    return state
+    wait = staticmethod(wait_pending)
