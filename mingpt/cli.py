@@ -1,8 +1,6 @@
 """The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes the config,
 mingpt/train.py runs it; bad input ends it with one line and exit status 2, a stop signal with 128 + its number."""
 
-from __future__ import annotations
-
 import os
 import re
 import sys

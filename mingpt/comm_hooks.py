@@ -1,8 +1,6 @@
 """DDP communication (docs/training.md): PyTorch's gradient hooks of `trainer_config.ddp_comm_hook`,
 LocalSGD's model averaging, and each rank's own state of them in the snapshot."""
 
-from __future__ import annotations
-
 import contextlib
 import logging
 from typing import Any, Callable, Iterator

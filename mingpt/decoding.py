@@ -1,8 +1,6 @@
 """Decoding: sampling from a GPT (temperature, top-k, top-p) with or without the KV cache, the same windows either
 way (docs/generation.md); on the device, never waiting for it per token: the exponential race on noise drawn ahead."""
 
-from __future__ import annotations
-
 import contextlib
 import time
 from typing import Callable, Iterator, Optional, Sequence, Union

@@ -1,8 +1,6 @@
 """Process group, device and roles under torchrun, or one plain process without a group. Rank 0 writes
 snapshots, metrics and logs at INFO; each node's local rank 0 does once-per-node work (the corpus)."""
 
-from __future__ import annotations
-
 import contextlib
 import gc
 import logging

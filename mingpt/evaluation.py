@@ -1,8 +1,6 @@
 """The held-out loss, exact and the same for any world size: each rank sums the float64 cross-entropy of every W-th
 chosen window and the sums are gathered. When to evaluate, the best loss, early stopping."""
 
-from __future__ import annotations
-
 import contextlib
 import logging
 import math

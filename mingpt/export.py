@@ -6,8 +6,6 @@ vocab.json (each character's token id); hf: a directory that transformers' GPT2L
 loads; snapshot: one snapshot file (local path or fsspec URL). DST only ever holds a complete export.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import glob
 import json

@@ -1,8 +1,6 @@
 """Fine-tuning (`trainer_config.init_from`, docs/training.md): the source's shape, vocabulary and weights.
 Once the run has a snapshot of its own, the shape and vocabulary come from that, and the source is not read."""
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import math

@@ -1,8 +1,6 @@
 """A model's FLOPs per token, the matmul rate MFU is measured against, peak memory, and the warning for a run
 whose steps would take over SLOW_STEP_SECONDS on this CPU (good to about a factor of 2 on a loaded machine)."""
 
-from __future__ import annotations
-
 import resource
 
 import torch

@@ -4,8 +4,6 @@ The model and its vocabulary come from the snapshot alone. Only the text goes to
 a bad value, snapshot or prompt ends with one line there and exit status 2 (docs/generation.md).
 """
 
-from __future__ import annotations
-
 import logging
 import math
 import os

@@ -1,8 +1,6 @@
 """Where metrics go: log lines (a progress bar on a terminal), TensorBoard, metrics.jsonl and the tracker, from
 the main process only; the pace of training: tokens/s, MFU and the ETA."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import logging

@@ -1,8 +1,6 @@
 """The GPT language model (Radford et al. 2018/2019, after Karpathy's minGPT): pre-LayerNorm blocks of causal
 self-attention (scaled_dot_product_attention) and a GELU MLP, and the KV cache that decoding steps through."""
 
-from __future__ import annotations
-
 import math
 from typing import Optional
 

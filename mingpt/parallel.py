@@ -1,8 +1,6 @@
 """How the model is spread over the processes (`trainer_config.parallelism`): DDP replicas, or FSDP2
 shards of every block and the root; one process is plain. `torch.compile` goes around either."""
 
-from __future__ import annotations
-
 import contextlib
 from typing import Any, Iterator
 

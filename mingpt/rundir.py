@@ -1,7 +1,5 @@
 """The run directory: its name (from the config), its one owner (a lock), writes once accepted, its one record."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import errno

@@ -1,8 +1,6 @@
 """When and what the run saves: latest snapshots on the step, minute and epoch schedules, on a stop signal and at
 the end; the best weights at a new best."""
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import time

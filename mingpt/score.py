@@ -4,8 +4,6 @@ A file, or the run's held-out split exactly as the run evaluated it, in non-over
 predicted from its own start, in float32 (docs/generation.md).
 """
 
-from __future__ import annotations
-
 import logging
 import math
 from dataclasses import dataclass

@@ -1,8 +1,6 @@
 """Stop signals (`trainer_config.stop_signals`, docs/fault-tolerance.md): inside `graceful()` a signal asks
 every rank to save and stop at the next step boundary; outside it, the process ends at once with one line."""
 
-from __future__ import annotations
-
 import contextlib
 import enum
 import json

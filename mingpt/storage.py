@@ -1,8 +1,6 @@
 """Storage: local paths and fsspec URLs, their errors (one StorageError naming the path), atomic writes (a reader sees
 the old file or the whole new one), hashing, and the check at start that the run's locations can be written."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import os

@@ -1,8 +1,6 @@
 """The token cache: a corpus encoded once per node into a checksummed file that every process reads its batches
 from. Layout: MAGIC, the JSON header's length, the header padded to a page, then the ids, file after file."""
 
-from __future__ import annotations
-
 import codecs
 import hashlib
 import json

@@ -1,8 +1,6 @@
 """Workarounds for bugs in PyTorch, all of them here. Each names its bug, applies only where the
 installed torch has it, and changes nothing in torch itself: mingpt gets its own copy of what it calls."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import os

@@ -1,8 +1,6 @@
 """The optional experiment tracker, MLflow: rank 0's config, scalars and samples (docs/tracking.md). It is never
 worth the run: MLflow missing, unreachable or failing costs one warning and training goes on without it."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import importlib.util

@@ -1,8 +1,6 @@
 """The training recipe: start-up, config -> data, model, trainer; train in the run directory and close with one
 line. The command line around it is mingpt/cli.py."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import logging

@@ -2,8 +2,6 @@
 and metrics.py. Exact resume needs no generator state: epoch e's order is seeded by (seed, e), dropout's
 stream is reseeded from (seed, rank, step) before each step, and the learning rate is a function of the step."""
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import math

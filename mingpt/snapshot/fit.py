@@ -1,7 +1,5 @@
 """Whether a snapshot fits this run: shapes, vocabulary, result-affecting config, the same step on every rank."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import logging

@@ -1,7 +1,5 @@
 """The run's snapshot: what it holds (docs/fault-tolerance.md), save, restore; where it lives; reading any snapshot."""
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import math

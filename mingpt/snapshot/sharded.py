@@ -1,8 +1,6 @@
 """The snapshot format (docs/fault-tolerance.md): Distributed Checkpoint (DCP) at any fsspec URL, published by its
 manifest, and the one save in flight. save and load are called by every rank (or by one process)."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import io

@@ -1,8 +1,6 @@
 """The single-file snapshot: one torch.save file of plain data and tensors at any fsspec URL, written by export and
 read by generate, score, export and init_from with torch.load(weights_only=True) after its CRC-32s are checked."""
 
-from __future__ import annotations
-
 import io
 import pickle
 import re
