@@ -232,18 +232,17 @@ class CharData:
         return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
 
 
-def build_cache(cfg: DataConfig) -> None:
-    """Encode the corpus into its token cache unless a valid one exists (one process per node does this)."""
+def build_cache(cfg: DataConfig) -> tuple[list[str], str]:
+    """Build the token cache unless a valid one exists (one process per node does this); cache_location's result."""
     sources, path = cache_location(cfg)
     token_cache.ensure(path, sources, cfg.truncate, open_source)
+    return sources, path
 
 
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
     """Open the corpus's token cache (building it first unless `build` is False: another process of the node did)
     and split it: the first train_split of each file trains, the rest of it is held out."""
-    sources, path = cache_location(cfg)
-    if build:
-        token_cache.ensure(path, sources, cfg.truncate, open_source)
+    sources, path = build_cache(cfg) if build else cache_location(cfg)
     try:  # the path names the sources, so the cache holds one entry per source
         cache = token_cache.open_cache(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -289,13 +288,12 @@ class ResumableSampler(DistributedSampler):
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
         super().__init__(range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self.dataset_len = dataset_len
         self.start_index = 0
 
     def indices(self) -> torch.Tensor:
         """This rank's share of the rest of the epoch, as one tensor (no Python object per sample)."""
         # int32 halves the memory of a large epoch; randperm draws the same permutation for either dtype.
-        n, dtype = self.dataset_len, torch.int32 if self.dataset_len < 2**31 else torch.int64
+        n, dtype = len(self.dataset), torch.int32 if len(self.dataset) < 2**31 else torch.int64
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(n, generator=g, dtype=dtype) if self.shuffle else torch.arange(n, dtype=dtype)
         rest = order[self.start_index :]
@@ -310,5 +308,5 @@ class ResumableSampler(DistributedSampler):
         return iter(self.indices().tolist())
 
     def __len__(self) -> int:
-        rest = max(0, self.dataset_len - self.start_index)
+        rest = max(0, len(self.dataset) - self.start_index)
         return -(-rest // self.num_replicas)

@@ -46,8 +46,7 @@ class TokenCache:
         """Row i of `out` (contiguous, on the CPU, in the cache's dtype) := the tokens from `starts[i]` on.
         One pread per row, not a gather through the memory map: a kernel that maps large page-cache folios
         adds about 1 MB to the process's RSS per window sampled through a map; a read copies just the window."""
-        item = out.element_size()
-        width = out.shape[1] * item
+        item, width = out.element_size(), out.shape[1] * out.element_size()
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
         for i, start in enumerate(starts.tolist()):
             if os.preadv(self.fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
@@ -132,7 +131,7 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
     the vocabulary is that of the kept text)."""
     scans = []
     for source in sources:
-        digest, size, n_chars, counts = hashlib.sha256(), 0, 0, torch.zeros(N_CODE_POINTS, dtype=torch.int64)
+        digest, size, n_chars, counts = hashlib.sha256(), 0, 0, 0
         for raw, text in decoded_chunks(source, open_source):
             digest.update(raw)
             size += len(raw)
@@ -143,8 +142,7 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
         scans.append(({"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts))
     kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
     counts = sum((c for *_, c in scans) if truncate == 1.0 else
-                 (count(cps) for source, keep in zip(sources, kept) for cps in kept_chunks(source, open_source, keep)),
-                 torch.zeros(N_CODE_POINTS, dtype=torch.int64))
+                 (count(cps) for source, keep in zip(sources, kept) for cps in kept_chunks(source, open_source, keep)))
     vocab_cps = np.flatnonzero(counts.numpy())
     dtype = dtype_for(len(vocab_cps))
     lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
@@ -165,8 +163,7 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
             f.seek(0)
             f.write(_header_bytes(header))
     except OSError as e:
-        raise DataError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") \
-            from None
+        raise DataError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") from None
 
 
 def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
