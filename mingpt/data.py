@@ -1,8 +1,6 @@
 """Character-level data: corpus files, vocabulary, a contiguous train/held-out split of each file, windows over
 the token cache (mingpt/token_cache.py), batches read from it or gathered on the device, a resumable sampler."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import glob
@@ -66,7 +64,7 @@ def read_text(path: str) -> str:
 
 def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     """The corpus files named by data_config.path (globs expanded), in order, and the path of their token cache."""
-    sources: list[str] = []
+    sources, local_dirs = [], []
     for pattern in [cfg.path] if isinstance(cfg.path, str) else cfg.path:
         try:
             fs, stripped = fsspec.core.url_to_fs(pattern)
@@ -78,10 +76,9 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
             raise DataError(f"no data file matches {pattern}")
         local = isinstance(fs, LocalFileSystem)
         sources += [pattern if m == stripped else m if local else fs.unstrip_protocol(m) for m in matches]
-    fs, first = fsspec.core.url_to_fs(sources[0])
-    local_dir = os.path.dirname(os.path.abspath(first)) if isinstance(fs, LocalFileSystem) else None
+        local_dirs.append(os.path.dirname(os.path.abspath(matches[0])) if local else None)
     keys = [s if "://" in s else os.path.abspath(s) for s in sources]
-    return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
+    return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dirs[0])
 
 
 class CharTokenizer:
@@ -92,7 +89,7 @@ class CharTokenizer:
         self._code_points = token_cache.code_points(chars)
 
     @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
+    def from_text(cls, text: str) -> "CharTokenizer":
         return cls("".join(sorted(set(text))))
 
     @property
@@ -138,7 +135,7 @@ class TokenWindows:
     def __len__(self) -> int:
         return self._len
 
-    def with_tokens(self, tokens: torch.Tensor, ids: torch.Tensor | None = None) -> TokenWindows:
+    def with_tokens(self, tokens: torch.Tensor, ids: torch.Tensor | None = None) -> "TokenWindows":
         """The same windows over `tokens` (the same, on a device), their stored id i read as ids[i] if given."""
         return TokenWindows(tokens, self.block_size, self.stride, self.segments, self.ids if ids is None else ids)
 
@@ -150,8 +147,11 @@ class TokenWindows:
         seg = torch.searchsorted(self._first, idx, right=True) - 1
         return self._seg_start[seg] + (idx - self._first[seg]) * self.stride
 
+    def _gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:  # the windows, as stored, on the device
+        return self.tokens[self.starts(indices)[:, None] + self._offsets]
+
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.tokens[self.starts(indices)[:, None] + self._offsets].long()
+        chunk = self._gather(indices).long()
         if self.ids is not None:
             chunk = self.ids[chunk]
         return chunk[:, :-1], chunk[:, 1:]
@@ -160,40 +160,33 @@ class TokenWindows:
         """Nothing to do: the tokens are where the batches are used."""
 
 
-class HostBatches:
+class HostBatches(TokenWindows):
     """Windows read from the cache file, one pread each; on a GPU into pinned memory, copied asynchronously (torch's
     caching host allocator reuses a pinned buffer once its copy is done). `prefetch(indices)` reads the next step
     while the current one runs; `batch` then hands out slices of it."""
 
     def __init__(self, windows: TokenWindows, cache: token_cache.TokenCache, device: torch.device):
-        self.windows, self.cache, self.device = windows, cache, device
-        self.tokens = windows.tokens  # where indices live: the host
-        self.block_size = windows.block_size
+        super().__init__(windows.tokens, windows.block_size, windows.stride, windows.segments)  # indices: on the host
+        self.cache, self.device = cache, device
+        self.ids = None if windows.ids is None else windows.ids.to(device)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # indices prefetched, their windows
-        self._ids = None if windows.ids is None else windows.ids.to(device)
 
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def _fetch(self, indices: torch.Tensor) -> torch.Tensor:
+    def _read(self, indices: torch.Tensor) -> torch.Tensor:
         buffer = torch.empty(len(indices), self.block_size + 1, dtype=self.tokens.dtype,
                              pin_memory=self.device.type == "cuda")
-        self.cache.read_windows(self.windows.starts(indices), buffer)
-        chunk = buffer.to(self.device, non_blocking=True).long()
-        return chunk if self._ids is None else self._ids[chunk]
+        self.cache.read_windows(self.starts(indices), buffer)
+        return buffer.to(self.device, non_blocking=True)
 
     def prefetch(self, indices: torch.Tensor) -> None:
-        self._pending = (indices.to("cpu", torch.long), self._fetch(indices))
+        self._pending = (indices.to("cpu", torch.long), self._read(indices))
 
-    def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
         indices, n = torch.as_tensor(indices, dtype=torch.long).cpu(), len(indices)
-        if self._pending is not None and torch.equal(self._pending[0][:n], indices):  # the next prefetched
-            chunk = self._pending[1][:n]
-            self._pending = (self._pending[0][n:], self._pending[1][n:])
-        else:
-            self._pending = None
-            chunk = self._fetch(indices)
-        return chunk[:, :-1], chunk[:, 1:]
+        if self._pending is None or not torch.equal(self._pending[0][:n], indices):  # not the next prefetched
+            self._pending = (indices, self._read(indices))
+        chunk = self._pending[1][:n]
+        self._pending = (self._pending[0][n:], self._pending[1][n:])
+        return chunk
 
 
 @dataclasses.dataclass
@@ -208,7 +201,7 @@ class CharData:
         """The corpus's identity, as snapshots record it: each file's name, size in bytes and SHA-256, in order."""
         return [{**key, "source": source} for (source, _), key in zip(self.files, self.cache.sources)]
 
-    def in_vocabulary(self, chars: str) -> CharData:
+    def in_vocabulary(self, chars: str) -> "CharData":
         """The same corpus with the vocabulary `chars` (a snapshot's), which the caller checked holds every
         character of the corpus's own: ids then mean the snapshot's characters."""
         if chars == self.tokenizer.chars:
@@ -221,12 +214,10 @@ class CharData:
     def place(self, device: torch.device, placement: str = "auto") -> tuple[TokenWindows | HostBatches, ...]:
         """Training and held-out windows for `device`, per data_config.placement (on a CPU `auto` is `host`:
         a copy in memory would cost every process the corpus)."""
-        tokens = self.train.tokens
-        if placement == "auto":
-            fits = device.type == "cuda" and tokens.nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
-            placement = "device" if fits else "host"
-        if placement == "host":
-            log.info("batches are read on the host from the %.1f MB token cache", tokens.nbytes / 1e6)
+        nbytes = self.train.tokens.nbytes
+        fits = device.type == "cuda" and nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
+        if placement == "host" or placement == "auto" and not fits:
+            log.info("batches are read on the host from the %.1f MB token cache", nbytes / 1e6)
             return HostBatches(self.train, self.cache, device), HostBatches(self.heldout, self.cache, device)
         tokens = self.cache.load(device)  # once for both
         return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
@@ -279,12 +270,11 @@ def spread(n: int, k: int) -> torch.Tensor:  # min(n, k) indices spread evenly o
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start part-way through an epoch.
-
-    For epoch e the global order is a permutation seeded by seed + e, padded like DistributedSampler with its own
-    first entries to a multiple of the world size W, and dealt out round-robin: rank r takes entries r, r+W, ...
-    After s steps of per-rank batch b the ranks have consumed exactly the first s*b*W entries, so `start_index`
-    (global samples consumed) resumes at the next unseen sample, whatever the world size now is."""
+    """DistributedSampler that can start part-way through an epoch. For epoch e the global order is a permutation
+    seeded by seed + e, padded like DistributedSampler with its own first entries to a multiple of the world size W,
+    and dealt out round-robin: rank r takes entries r, r+W, ... After s steps of per-rank batch b the ranks have
+    consumed exactly the first s*b*W entries, so `start_index` (global samples consumed) resumes at the next unseen
+    sample, whatever the world size now is."""
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
         super().__init__(range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
