@@ -77,8 +77,7 @@ def count(cps: np.ndarray) -> torch.Tensor:  # how often each code point occurs 
 def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
     """(raw bytes, decoded text) chunk by chunk, ending with an empty chunk. A byte-order mark at the start
     of the file is dropped; bytes that are not UTF-8 end it with a DataError."""
-    decoder = codecs.getincrementaldecoder("utf-8-sig")()
-    offset = 0
+    decoder, offset = codecs.getincrementaldecoder("utf-8-sig")(), 0
     with open_source(source) as f:
         while True:
             raw = f.read(CHUNK)
@@ -199,8 +198,7 @@ def open_cache(path: str) -> TokenCache:
     """Open and memory-map a cache file (checks its header and size, not its checksum)."""
     with open(path, "rb") as f:
         header, offset, dtype = read_header(f)
-        # Private and copy-on-write (nothing writes to it); pages are read on first touch.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, copy-on-write: nothing writes to it
         fd = os.dup(f.fileno())  # the file whose header was read, even if the path is replaced since
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))  # keeps `mapped` alive
