@@ -96,8 +96,7 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    def line_start(self) -> str:
-        """What starts the model at the beginning of a line (an empty prompt)."""
+    def line_start(self) -> str:  # what starts the model at the beginning of a line (an empty prompt)
         return "\n" if "\n" in self.chars else self.chars[0]
 
     def unknown(self, text: str) -> str:  # the distinct characters of `text` outside the vocabulary, sorted
@@ -139,8 +138,7 @@ class TokenWindows:
         """The same windows over `tokens` (the same, on a device), their stored id i read as ids[i] if given."""
         return TokenWindows(tokens, self.block_size, self.stride, self.segments, self.ids if ids is None else ids)
 
-    def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
-        """Where windows `indices` start in `tokens` (on the tokens' device)."""
+    def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:  # where windows `indices` start in `tokens`
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.tokens.device)
         if len(self.segments) == 1:  # without a search: a batch's cost, for the common case
             return idx * self.stride + self.segments[0][0]

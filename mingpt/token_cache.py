@@ -52,8 +52,7 @@ class TokenCache:
             if os.preadv(self.fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
                 raise DataError(f"token cache {self.path} was truncated while in use")
 
-    def load(self, device: torch.device) -> torch.Tensor:
-        """Every token id, read into `device`'s memory a chunk at a time."""
+    def load(self, device: torch.device) -> torch.Tensor:  # every token id, read into `device`'s memory by chunks
         out = torch.empty(len(self.tokens), dtype=self.tokens.dtype, device=device)
         for start in range(0, len(out), CHUNK):
             host = torch.empty(1, min(CHUNK, len(out) - start), dtype=out.dtype)
@@ -125,9 +124,30 @@ def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start 
     return head.ljust(-(-len(head) // PAGE) * PAGE, b"\0")
 
 
-def write(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Encode the sources into a cache file at `path` (atomically), reading each twice (thrice when truncated:
-    the vocabulary is that of the kept text)."""
+def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
+    """Build the cache at `path` (atomically) unless a valid one is there: the sources and the ids have the SHA-256s
+    its header records (each read once to compare). A build reads each source twice (thrice when truncated: the
+    vocabulary is that of the kept text)."""
+    why = "missing"
+    if os.path.exists(path):
+        keys = []
+        for source in sources:
+            with open_source(source) as f:
+                keys.append(storage.sha256(f))
+        try:
+            with open(path, "rb") as f:
+                header, offset, _ = read_header(f)
+                f.seek(offset)
+                if keys != [(h["size"], h["sha256"]) for h in header["sources"]] or header["truncate"] != truncate:
+                    why = "the corpus changed"
+                elif storage.sha256(f)[1] != header["digest"]:
+                    why = "damaged (its checksum does not match)"
+                else:
+                    log.info("token cache %s is up to date", path)
+                    return
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            why = f"damaged ({e})"
+    (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
     scans = []
     for source in sources:
         digest, size, n_chars, counts = hashlib.sha256(), 0, 0, 0
@@ -150,6 +170,8 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
               "vocab": "".join(map(chr, vocab_cps.tolist())), "dtype": dtype, "counts": kept, "digest": "0" * 64}
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        for stale in storage.remove_stale_temporaries(path):  # builds whose process died left their temporaries
+            log.info("removed %s, left by a build that was stopped", stale)
         with storage.atomic_open(path) as f:
             f.write(_header_bytes(header))
             digest = hashlib.sha256()
@@ -165,37 +187,7 @@ def write(path: str, sources: list[str], truncate: float, open_source) -> None:
         raise DataError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") from None
 
 
-def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Build the cache at `path` unless a valid one is there: the sources and the ids have the SHA-256s its
-    header records (each read once to compare)."""
-    why = "missing"
-    if os.path.exists(path):
-        keys = []
-        for source in sources:
-            with open_source(source) as f:
-                keys.append(storage.sha256(f))
-        try:
-            with open(path, "rb") as f:
-                header, offset, _ = read_header(f)
-                f.seek(offset)
-                if keys != [(h["size"], h["sha256"]) for h in header["sources"]] or header["truncate"] != truncate:
-                    why = "the corpus changed"
-                elif storage.sha256(f)[1] != header["digest"]:
-                    why = "damaged (its checksum does not match)"
-                else:
-                    log.info("token cache %s is up to date", path)
-                    return
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            why = f"damaged ({e})"
-    if os.path.isdir(os.path.dirname(path) or "."):  # builds whose process died left their temporaries
-        for stale in storage.remove_stale_temporaries(path):
-            log.info("removed %s, left by a build that was stopped", stale)
-    (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
-    write(path, sources, truncate, open_source)
-
-
-def open_cache(path: str) -> TokenCache:
-    """Open and memory-map a cache file (checks its header and size, not its checksum)."""
+def open_cache(path: str) -> TokenCache:  # memory-mapped; its header and size are checked, not its checksum
     with open(path, "rb") as f:
         header, offset, dtype = read_header(f)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, copy-on-write: nothing writes to it
