@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 import re
+import sys
 import textwrap
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -14,8 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import ListConfig, OmegaConf
 
-from mingpt.stopping import DEFAULT_SIGNALS as DEFAULT_STOP_SIGNALS
-from mingpt.stopping import parse_signal
+from mingpt.stopping import DEFAULT_SIGNALS, parse_signal
 
 
 class ConfigError(ValueError):
@@ -70,8 +71,6 @@ class GPTConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with decoupled weight decay and a warmup + cosine learning-rate schedule."""
-
     learning_rate: float = key(3e-3, "peak learning rate, > 0")
     weight_decay: float = key(0.1, "on the weights of Linear layers only; none on biases, LayerNorms, embeddings")
     betas: tuple[float, float] = key((0.9, 0.99), "AdamW betas")
@@ -111,8 +110,6 @@ DEFAULT_DATA_PATH = "data/input.txt"
 
 @dataclass
 class DataConfig:
-    """The corpus and how it is cut into training and held-out windows."""
-
     path: Any = key(DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or "
                     "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one "
                     "corpus; the default is downloaded when missing ([The corpus](data.md))")
@@ -143,8 +140,6 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    """The training run: length, evaluation, logging, snapshots, devices, precision."""
-
     run_name: str = key("default", "the run directory is `runs/<run_name>`, plus the changed values and their hash "
                         "for any other config (see [Run directory](run-directory.md))", operational=True)
     max_epochs: int = key(2, "epochs over the training windows")
@@ -181,7 +176,7 @@ class TrainerConfig:
     stop_signals: list[str] = key(help="signals that stop the run at the next step boundary after a snapshot, exit "
                                   "status 128 + the signal ([Fault tolerance](fault-tolerance.md#stopping-a-run-"
                                   "signals-and-exit-statuses))", operational=True,
-                                  default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+                                  default_factory=lambda: list(DEFAULT_SIGNALS))
     init_from: Optional[str] = key(None, "fine-tune from a snapshot file, a sharded snapshot or a run directory (its "
                                    "best weights): its shape, vocabulary and weights, with a fresh optimizer and "
                                    "schedule on this run's corpus ([Fine-tuning](training.md#fine-tuning))")
@@ -300,8 +295,7 @@ def check_known_keys(cfg: Mapping) -> None:
 
 
 def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
-    """Remove trainer_config.data_loader_workers of the PyTorch DDP minGPT tutorial's config file, which means
-    nothing here (a file with it still runs); return the notice saying so, if it was there."""
+    """Remove the PyTorch DDP minGPT tutorial's trainer_config.data_loader_workers (a file with it still runs)."""
     trainer = cfg.get("trainer_config")
     if not isinstance(trainer, MutableMapping) or "data_loader_workers" not in trainer:
         return []
@@ -333,7 +327,6 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def key_table(section: type) -> str:
-    """A config dataclass's keys as a markdown table."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(section):
         kind = re.sub(r"Optional\[(.*)\]", r"\1 or null", str(f.type)).replace("Any", "str or list")
@@ -362,9 +355,6 @@ def markdown(doc: str) -> str:
 
 
 if __name__ == "__main__":  # python -m mingpt.config --markdown docs/configuration.md: the key tables made anew
-    import pathlib
-    import sys
-
     if sys.argv[1:2] != ["--markdown"] or len(sys.argv) != 3:
         sys.exit("usage: python -m mingpt.config --markdown docs/configuration.md")
     path = pathlib.Path(sys.argv[2])
