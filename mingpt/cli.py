@@ -134,8 +134,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         config, notices = checked_config(cfg, hydra_cfg)
         stopping.install(config.trainer_config.stop_signals)
-        # Hydra's .hydra/ is off (it is written before any check); ours holds the values the run used (a fine-tuning
-        # run's shape is its snapshot's), vocab_size and block_size as given.
+        # Hydra's .hydra/ is off (written before any check); ours: the values used, vocab_size and block_size as given
         given = {key: OmegaConf.select(cfg, f"gpt_config.{key}") for key in ("vocab_size", "block_size")}
         files = {".hydra/config.yaml": lambda: OmegaConf.to_yaml(OmegaConf.merge(config, {"gpt_config": given})),
                  ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
