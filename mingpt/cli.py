@@ -1,5 +1,4 @@
-"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes the config,
-mingpt/train.py runs it; bad input ends it with one line and exit status 2, a stop signal with 128 + its number."""
+"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes, train.py runs."""
 
 import os
 import re
@@ -57,13 +56,12 @@ def config_error_line(error: BaseException) -> str:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
             return f"in {where.group(1)}: {line}" if where else line
         cause = cause.__cause__ or cause.__context__
-    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    line = (str(error).strip() or type(error).__name__).splitlines()[0]
     options = getattr(error, "options", None)
     return f"{line} (choices: {', '.join(options)})" if options else line
 
 
 def yaml_error_line(error: yaml.YAMLError) -> str:
-    """Where a config file is not YAML, and why."""
     mark = getattr(error, "problem_mark", None)
     if mark is None:
         return f"a config file is not valid YAML: {error}"
@@ -74,7 +72,6 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
 
 
 def override_error_line(override: str) -> str:
-    """Which override Hydra could not parse, and how to write it."""
     key, _, value = override.partition("=")
     if not re.fullmatch(r"[~+]{0,2}[A-Za-z_][\w.@/-]*", key, re.ASCII):
         return f"cannot parse the override {override!r}: a key is ASCII letters, digits, '_' and '.'"
@@ -117,9 +114,8 @@ def check_composed(cfg: DictConfig) -> None:
 
 def compose_checked(self: Hydra, config_name: Optional[str], overrides: list[str], run_mode: RunMode,
                     *args: Any, **kwargs: Any) -> DictConfig:
-    """Hydra.compose_config while main runs: each config (each job of a sweep) is checked as soon as it is
-    composed, before Hydra creates a run directory (a refused config leaves none), and for --cfg, which runs no
-    task."""
+    """Hydra.compose_config while main runs: each config (each job of a sweep) is checked once composed, before
+    Hydra creates a run directory (a refused config leaves none), and for --cfg, which runs no task."""
     cfg = COMPOSE(self, config_name, overrides, run_mode, *args, **kwargs)
     check_composed(cfg)
     if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
@@ -138,8 +134,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         config, notices = checked_config(cfg, hydra_cfg)
         stopping.install(config.trainer_config.stop_signals)
-        # Hydra's own .hydra/ is off (conf/config.yaml): it would be written before any check. config.yaml holds the
-        # values the run used (a fine-tuning run's shape is its snapshot's), vocab_size and block_size as given.
+        # Hydra's .hydra/ is off (written before any check); ours: the values used, vocab_size and block_size as given
         given = {key: OmegaConf.select(cfg, f"gpt_config.{key}") for key in ("vocab_size", "block_size")}
         files = {".hydra/config.yaml": lambda: OmegaConf.to_yaml(OmegaConf.merge(config, {"gpt_config": given})),
                  ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
@@ -159,7 +154,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def take_local_rank_argument(argv: list[str]) -> list[str]:
     """Remove the `--local-rank=N` (`--local_rank=N`, `--local_rank N`) of the legacy launcher (`python -m
     torch.distributed.launch`); LOCAL_RANK stays the source of truth: the argument only fills it in when missing."""
-    rest, given = [], None
+    rest = []
     args = iter(argv)
     for arg in args:
         name, eq, value = arg.partition("=")
@@ -169,11 +164,9 @@ def take_local_rank_argument(argv: list[str]) -> list[str]:
         value = value if eq else next(args, "")
         if not value.isdigit():
             fail(f"{name}: expects a local rank (a number >= 0), got {value!r}")
-        given = value
-    if given is not None:
-        env = os.environ.setdefault("LOCAL_RANK", given)
-        if env != given:
-            fail(f"--local-rank={given} contradicts LOCAL_RANK={env} from the launcher's environment")
+        env = os.environ.setdefault("LOCAL_RANK", value)
+        if env != value:
+            fail(f"--local-rank={value} contradicts LOCAL_RANK={env} from the launcher's environment")
     return rest
 
 

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt.config import ConfigError, key_lines
+from mingpt.config import ConfigError, check, key_lines
 from mingpt.distributed import setup_logging
 
 
@@ -17,8 +17,7 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     """`key=value` overrides on the defaults of the dataclass `schema`. The `text_keys` are taken verbatim, never
     parsed as YAML (`prompt=ROMEO:` would be a mapping, `prompt=O, Romeo!` or `${...}` would not survive)."""
     for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"{arg}: expected key=value")
+        check("=" in arg, arg, "expected key=value")
     text = {key: value for key, _, value in (arg.partition("=") for arg in argv) if key in text_keys}
     rest = [arg for arg in argv if arg.partition("=")[0] not in text_keys]
     try:

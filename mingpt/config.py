@@ -1,12 +1,13 @@
-"""The four config dataclasses, the one source of each key's default, type, help and whether it is operational.
-Hydra composes them with conf/ (which only overrides); OmegaConf rejects wrong keys and types, __post_init__ values."""
+"""The config dataclasses: each key's default, type, help and whether it is operational; __post_init__ checks values."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import pathlib
 import re
+import sys
 import textwrap
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -15,8 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import ListConfig, OmegaConf
 
-from mingpt.stopping import DEFAULT_SIGNALS as DEFAULT_STOP_SIGNALS
-from mingpt.stopping import parse_signal
+from mingpt.stopping import DEFAULT_SIGNALS, parse_signal
 
 
 class ConfigError(ValueError):
@@ -37,16 +37,16 @@ def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
-def at_least(bound: int, section: Any, prefix: str, *names: str) -> None:
+def at_least(bound: int, section: Any, prefix: str, *names: str, null: bool = False) -> None:
     for name in names:
         value = getattr(section, name)
-        check(value >= bound, f"{prefix}.{name}", f"must be >= {bound}, got {value}")
+        check(null and value is None or value >= bound, f"{prefix}.{name}",
+              f"must be >= {bound}{' or null' if null else ''}, got {value}")
 
 
 def key(default: Any = dataclasses.MISSING, help: str = "", operational: bool = False, **factory: Any) -> Any:
-    """A config key: its default (or default_factory), its meaning in one line (for docs/configuration.md and
-    --help), and whether it is operational: it changes how a run is carried out, logged or saved, never what it
-    computes."""
+    """A config key: its default (or default_factory), its one-line help (docs/configuration.md, --help), and whether
+    it is operational: it changes how a run is carried out, logged or saved, never what it computes."""
     return field(default=default, **factory, metadata={"help": help, "operational": operational})
 
 
@@ -66,15 +66,11 @@ class GPTConfig:
         check(self.n_embd % self.n_head == 0, "gpt_config.n_embd",
               f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}")
         check(0.0 <= self.dropout < 1.0, "gpt_config.dropout", f"must be in [0, 1), got {self.dropout}")
-        for name in ("vocab_size", "block_size"):
-            value = getattr(self, name)
-            check(value is None or value >= 1, f"gpt_config.{name}", f"must be >= 1, got {value}")
+        at_least(1, self, "gpt_config", "vocab_size", "block_size", null=True)
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with decoupled weight decay and a warmup + cosine learning-rate schedule."""
-
     learning_rate: float = key(3e-3, "peak learning rate, > 0")
     weight_decay: float = key(0.1, "on the weights of Linear layers only; none on biases, LayerNorms, embeddings")
     betas: tuple[float, float] = key((0.9, 0.99), "AdamW betas")
@@ -91,8 +87,9 @@ class OptimizerConfig:
     muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1)")
 
     def __post_init__(self) -> None:
-        check(math.isfinite(self.learning_rate) and self.learning_rate > 0, "optimizer_config.learning_rate",
-              f"must be > 0, got {self.learning_rate}")
+        for name in ("learning_rate", "muon_learning_rate"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value > 0, f"optimizer_config.{name}", f"must be > 0, got {value}")
         check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optimizer_config.weight_decay",
               f"must be a finite number >= 0, got {self.weight_decay}")
         check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer_config.betas",
@@ -102,8 +99,6 @@ class OptimizerConfig:
         one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
         at_least(0, self, "optimizer_config", "warmup_steps")
         one_of(self.algorithm, "optimizer_config.algorithm", ("adamw", "muon"))
-        check(math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0,
-              "optimizer_config.muon_learning_rate", f"must be > 0, got {self.muon_learning_rate}")
         check(0.0 <= self.muon_momentum < 1.0, "optimizer_config.muon_momentum",
               f"must be in [0, 1), got {self.muon_momentum}")
         check(0.0 <= self.min_lr_ratio <= 1.0, "optimizer_config.min_lr_ratio",
@@ -115,8 +110,6 @@ DEFAULT_DATA_PATH = "data/input.txt"
 
 @dataclass
 class DataConfig:
-    """The corpus and how it is cut into training and held-out windows."""
-
     path: Any = key(DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or "
                     "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one "
                     "corpus; the default is downloaded when missing ([The corpus](data.md))")
@@ -132,12 +125,11 @@ class DataConfig:
                          "corpus takes at most 1/8 of its memory; else `host`)", operational=True)
 
     def __post_init__(self) -> None:
-        paths = [self.path] if isinstance(self.path, str) else self.path
-        check(isinstance(paths, (list, tuple, ListConfig)) and len(paths) > 0
-              and all(isinstance(p, str) and p for p in paths),
-              "data_config.path", f"must be a non-empty path, glob or list of them, got {self.path!r}")
-        if not isinstance(self.path, str):
+        if isinstance(self.path, (tuple, ListConfig)):
             self.path = list(self.path)
+        paths = [self.path] if isinstance(self.path, str) else self.path
+        check(isinstance(paths, list) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
+              "data_config.path", f"must be a non-empty path, glob or list of them, got {self.path!r}")
         at_least(1, self, "data_config", "block_size", "stride")
         check(0.0 < self.train_split < 1.0, "data_config.train_split", f"must be in (0, 1), got {self.train_split}")
         check(0.0 < self.truncate <= 1.0, "data_config.truncate", f"must be in (0, 1], got {self.truncate}")
@@ -148,8 +140,6 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    """The training run: length, evaluation, logging, snapshots, devices, precision."""
-
     run_name: str = key("default", "the run directory is `runs/<run_name>`, plus the changed values and their hash "
                         "for any other config (see [Run directory](run-directory.md))", operational=True)
     max_epochs: int = key(2, "epochs over the training windows")
@@ -186,7 +176,7 @@ class TrainerConfig:
     stop_signals: list[str] = key(help="signals that stop the run at the next step boundary after a snapshot, exit "
                                   "status 128 + the signal ([Fault tolerance](fault-tolerance.md#stopping-a-run-"
                                   "signals-and-exit-statuses))", operational=True,
-                                  default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+                                  default_factory=lambda: list(DEFAULT_SIGNALS))
     init_from: Optional[str] = key(None, "fine-tune from a snapshot file, a sharded snapshot or a run directory (its "
                                    "best weights): its shape, vocabulary and weights, with a fresh optimizer and "
                                    "schedule on this run's corpus ([Fine-tuning](training.md#fine-tuning))")
@@ -231,9 +221,7 @@ class TrainerConfig:
         check(per_step < 2**31, "trainer_config.grad_accum_steps",
               f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}")
         check_seed(self.seed, "trainer_config.seed")
-        for name in ("max_steps", "save_every_steps", "early_stop_patience"):
-            value = getattr(self, name)
-            check(value is None or value >= 1, f"trainer_config.{name}", f"must be >= 1 or null, got {value}")
+        at_least(1, self, "trainer_config", "max_steps", "save_every_steps", "early_stop_patience", null=True)
         at_least(0, self, "trainer_config", "eval_every", "sample_chars", "eval_tokens", "localsgd_start_step")
         check(math.isfinite(self.early_stop_min_delta) and self.early_stop_min_delta >= 0,
               "trainer_config.early_stop_min_delta", f"must be a finite number >= 0, got {self.early_stop_min_delta}")
@@ -241,17 +229,15 @@ class TrainerConfig:
               f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
         check(self.save_every_minutes is None or self.save_every_minutes > 0, "trainer_config.save_every_minutes",
               f"must be > 0 or null, got {self.save_every_minutes}")
-        for name in self.stop_signals:
-            try:
-                parse_signal(name)
-            except ValueError as e:
-                raise ConfigError(f"trainer_config.stop_signals: {e}") from None
-        check(len({parse_signal(n) for n in self.stop_signals}) == len(self.stop_signals),
+        try:
+            signals = {parse_signal(name) for name in self.stop_signals}
+        except ValueError as e:
+            raise ConfigError(f"trainer_config.stop_signals: {e}") from None
+        check(len(signals) == len(self.stop_signals),
               "trainer_config.stop_signals", f"lists a signal twice: {list(self.stop_signals)}")
         check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
-        check(self.snapshot_path is None or bool(self.snapshot_path), "trainer_config.snapshot_path",
-              "must not be empty")
-        check(self.init_from is None or bool(self.init_from), "trainer_config.init_from",
+        check(self.snapshot_path != "", "trainer_config.snapshot_path", "must not be empty")
+        check(self.init_from != "", "trainer_config.init_from",
               "must be a snapshot file, a sharded snapshot or a run directory (null: train from scratch), got ''")
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
@@ -309,8 +295,7 @@ def check_known_keys(cfg: Mapping) -> None:
 
 
 def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
-    """Remove trainer_config.data_loader_workers of the PyTorch DDP minGPT tutorial's config file, which means
-    nothing here (a file with it still runs); return the notice saying so, if it was there."""
+    """Remove the PyTorch DDP minGPT tutorial's trainer_config.data_loader_workers (a file with it still runs)."""
     trainer = cfg.get("trainer_config")
     if not isinstance(trainer, MutableMapping) or "data_loader_workers" not in trainer:
         return []
@@ -342,7 +327,6 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def key_table(section: type) -> str:
-    """A config dataclass's keys as a markdown table."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(section):
         kind = re.sub(r"Optional\[(.*)\]", r"\1 or null", str(f.type)).replace("Any", "str or list")
@@ -356,11 +340,9 @@ def key_lines(section: type, values: Optional[Mapping] = None, prefix: str = "")
     rows = [(f"{prefix}{f.name}={_text(_default(f) if values is None else values[f.name])}", f.metadata["help"])
             for f in dataclasses.fields(section)]
     width = min(max(len(k) for k, _ in rows), 28) + 4
-    lines = []
-    for k, help in rows:
-        lines.append(f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
-        lines[-1] += ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
-    return "\n".join(lines)
+    return "\n".join((f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
+                     + ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
+                     for k, help in rows)
 
 
 def markdown(doc: str) -> str:
@@ -373,9 +355,6 @@ def markdown(doc: str) -> str:
 
 
 if __name__ == "__main__":  # python -m mingpt.config --markdown docs/configuration.md: the key tables made anew
-    import pathlib
-    import sys
-
     if sys.argv[1:2] != ["--markdown"] or len(sys.argv) != 3:
         sys.exit("usage: python -m mingpt.config --markdown docs/configuration.md")
     path = pathlib.Path(sys.argv[2])

@@ -1,5 +1,4 @@
-"""The training recipe: start-up, config -> data, model, trainer; train in the run directory and close with one
-line. The command line around it is mingpt/cli.py."""
+"""The training recipe: start-up, config -> data, model, trainer; train in the run directory, close with one line."""
 
 import contextlib
 import dataclasses
@@ -28,7 +27,6 @@ log = logging.getLogger(__name__)
 
 
 def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTConfig:
-    """The model's vocabulary and context length come from the data."""
     for key, value in (("vocab_size", vocab_size), ("block_size", block_size)):
         given = getattr(gpt_config, key)
         if given is not None and given != value:
@@ -52,9 +50,7 @@ def build_model(gpt_config: GPTConfig) -> GPT:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """What start-up settled; everything after it receives these."""
-
+class Run:  # what start-up settled
     dir: str
     snapshot_path: str
     saved: dict[str, Any] | None  # what its newest snapshot holds besides tensors (None: none yet)
@@ -123,12 +119,9 @@ def announce(t: Trainer) -> None:
 
 
 def train(trainer: Trainer) -> None:
-    """Train the run to its end (or say it is complete), print a sample and the closing line."""
     if trainer.finished():
         log.info("%s", already_complete(trainer))
-        final = None
-    else:
-        final = trainer.train()
+    final = None if trainer.finished() else trainer.train()
     trainer.print_sample()
     log.info("%s", summary(trainer, final))
 
@@ -139,8 +132,7 @@ def shown(path: str) -> str:
 
 
 def summary(t: Trainer, final: float | None) -> str:
-    """The closing line: the held-out losses, the best weights, the snapshot and the command that samples from the
-    best weights (from the snapshot while there are none)."""
+    """The closing line: losses, snapshot, and the command that samples from the best weights (else the snapshot)."""
     p = t.progress
     losses = [f"held-out loss {final:.4f}"] if final is not None and math.isfinite(final) else []
     best = find_best(t.snapshot_path) if math.isfinite(p.best_eval_loss) else None
