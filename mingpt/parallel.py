@@ -33,9 +33,8 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
 
 def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
     """DDP around the model (which copies rank 0's weights to every rank), with the options of its comm hook."""
-    device = dist_info.device
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-               **comm.ddp_options)
+    return DDP(model, device_ids=[dist_info.device.index] if dist_info.device.type == "cuda" else None,
+               gradient_as_bucket_view=True, **comm.ddp_options)
 
 
 def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
@@ -51,11 +50,9 @@ def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iter
             yield
         finally:
             raw_model.set_requires_gradient_sync(True)
-    elif not enabled and hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
-        with model.no_sync():
+    else:  # `no_sync`: DDP, or a compiled DDP (which passes it on)
+        with model.no_sync() if not enabled and hasattr(model, "no_sync") else contextlib.nullcontext():
             yield
-    else:
-        yield
 
 
 def full_value(value: Any) -> Any:
