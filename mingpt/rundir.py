@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
 LABEL_MAX_CHARS = 80  # a longer label leaves the hash alone in the name
-# What the record of a run directory is made of, and the kind of file each must be.
 RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
@@ -53,9 +52,7 @@ def _value_text(key: str, value: Any) -> str:
 
 
 def config_tag(sections: Mapping[str, Any]) -> str:
-    """`<changes>-<hash>` of a config given as {section: {key: value}} (docs/run-directory.md): the changed
-    result-affecting values, sorted by key, and 8 hex digits of all of them; the hash alone when none differ
-    or they take more than LABEL_MAX_CHARS (then a fine-tuning run's source alone)."""
+    """`<changes>-<hash>` of a config given as {section: {key: value}}, as docs/run-directory.md describes."""
     values, defaults = result_items(sections), result_items(dataclasses.asdict(Config()))
     changed = {_short_key(k): _value_text(k, v) for k, v in values.items() if k not in defaults or defaults[k] != v}
     label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
@@ -99,8 +96,7 @@ def _agree(dist_info: DistInfo, refusal: str | None) -> None:
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, from the details it wrote into the file: none yet, or a dead earlier holder's
-    on this host, while a new job is starting."""
+    """Who holds the lock, from what it wrote in the file (none yet, or a dead holder's: a job is starting)."""
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"null")
         if info.get("host") == socket.gethostname():
@@ -116,8 +112,7 @@ def _holder(fd: int) -> str:
 def _lock(path: str, what: str) -> list[int]:
     """[fd] holding an exclusive flock on `path` (created if missing), or RunDirError naming the holder;
     [] where the file system refuses locks (Lustre mounted without flock or localflock)."""
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:  # check_writable made its directory
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise RunDirError(f"cannot use {what}: {e.filename}: {e.strerror}") from None
@@ -148,8 +143,7 @@ def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
 
 
 def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
-    """Keep rank 0's log lines in memory (they still reach stderr) until `Claim.accept`
-    writes them to train.log: a refused invocation appends nothing there."""
+    """Rank 0's log lines, kept until `Claim.accept` writes them to train.log: a refused run appends nothing there."""
     if rank != 0:
         return None
     buffer = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
