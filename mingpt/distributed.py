@@ -80,13 +80,12 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     info = DistInfo(int(os.environ.get("RANK", 0)), local_rank, int(os.environ.get("WORLD_SIZE", 1)),
                     int(os.environ.get("LOCAL_WORLD_SIZE", 1)), pick_device(device_preference, local_rank))
-    device = info.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
     if info.is_distributed:
         with torch_fixes.restart_store(info.world_size) as store:
             dist.init_process_group(info.backend, rank=info.rank, world_size=info.world_size,
-                                    device_id=device if device.type == "cuda" else None, store=store)
+                                    device_id=info.device if info.device.type == "cuda" else None, store=store)
         _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
     try:
         yield info

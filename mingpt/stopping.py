@@ -50,8 +50,7 @@ def describe(signum: int) -> str:
 
 def parse_signal(name: str) -> int:
     """`SIGTERM` (or `TERM`) to its number; ValueError if it cannot stop a run."""
-    full = name if name.startswith("SIG") else f"SIG{name}"
-    signum = getattr(signal.Signals, full, None)
+    signum = getattr(signal.Signals, "SIG" + name.removeprefix("SIG"), None)
     if signum is None or signum in (signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"{name!r} is not a signal that can be handled")
     return int(signum)
