@@ -87,22 +87,20 @@ def check_run_dir_setting(run_dir_setting: str) -> None:
 
 def _agree(dist_info: DistInfo, refusal: str | None) -> None:
     """Rank 0's decision on every rank: all raise the same RunDirError, or none does."""
+    decision = [refusal]
     if dist_info.is_distributed:
-        decision = [refusal]
         dist.broadcast_object_list(decision, src=0)
-        refusal = decision[0]
-    if refusal is not None:
-        raise RunDirError(refusal)
+    if decision[0] is not None:
+        raise RunDirError(decision[0])
 
 
 def _holder(fd: int) -> str:
     """Who holds the lock, from what it wrote in the file (none yet, or a dead holder's: a job is starting)."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"null")
+        info = json.loads(os.pread(fd, 4096, 0))
         if info.get("host") == socket.gethostname():
-            os.kill(int(info["pid"]), 0)
-    except PermissionError:  # alive, another user's
-        pass
+            with contextlib.suppress(PermissionError):  # alive, another user's
+                os.kill(int(info["pid"]), 0)
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return "another job that is starting"
     run_id = f", torchrun run id {info['run_id']}" if info.get("run_id") else ""
@@ -184,10 +182,9 @@ class Claim:
         self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
         self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler
         self.log_file.filters = list(root.handlers[0].filters)  # mingpt's INFO only
-        if self.log_buffer is not None:
-            self.log_buffer.setTarget(self.log_file)
-            self.log_buffer.flush()
-            root.removeHandler(self.log_buffer)
+        self.log_buffer.setTarget(self.log_file)  # rank 0 has one (hold_log_lines)
+        self.log_buffer.flush()
+        root.removeHandler(self.log_buffer)
         root.addHandler(self.log_file)
         for name, text in (files or {}).items():
             path = os.path.join(self.run_dir, name)
@@ -203,12 +200,11 @@ class Claim:
                 handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
-        self.fds = []
 
 
 @contextlib.contextmanager
 def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
-          log_buffer: logging.handlers.MemoryHandler | None = None) -> Iterator[Claim]:
+          log_buffer: logging.handlers.MemoryHandler | None) -> Iterator[Claim]:
     """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
     the locks, so every rank of a refused job raises the same RunDirError before anything is written."""
     owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
@@ -235,16 +231,11 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         path = os.path.join(run_dir, name)
         if os.path.lexists(path) and os.path.isdir(path) != (kind == "a directory"):
             return f"run directory {run_dir}: {path} must be {kind}; move it away"
-    last = last_step(run_dir)
-    if last is None or last <= step:
-        return None
-    try:
-        with open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
-            previous = json.loads(f.read() or b"null").get("snapshot")
-    except (OSError, ValueError, AttributeError):
-        previous = None
-    if previous is None or previous == _comparable(snapshot_path):
-        return None  # a killed attempt of this run: its events after the snapshot are dropped
+    last, previous = last_step(run_dir), None  # previous: the snapshot the lock file names
+    with contextlib.suppress(OSError, ValueError, AttributeError), open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
+        previous = json.loads(f.read()).get("snapshot")
+    if last is None or last <= step or previous in (None, _comparable(snapshot_path)):
+        return None  # nothing to cut back, or a killed attempt of this run: its events after the snapshot are dropped
     return (f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot {previous}; "
             f"this one starts from step {step} with the snapshot {snapshot_path} and would overwrite that record: "
             "give trainer_config.snapshot_path as that run had it, or start this run in "
