@@ -21,19 +21,17 @@ log = logging.getLogger(__name__)
 
 def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
     """Refuse, before any work, a hook this run cannot use."""
-    hook = cfg.ddp_comm_hook
-    if hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
+    if cfg.ddp_comm_hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
         raise ConfigError(f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
                           f"this run uses {dist_info.backend}: use fp16, powersgd or none")
-    if (hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed
+    if (cfg.ddp_comm_hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed
             and dist_info.world_size % dist_info.local_world_size):
         raise ConfigError(f"trainer_config.localsgd_group: node needs the same number of processes on every node "
                           f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)")
 
 
 class CommHook:
-    """The hook `name`: none (plain DDP, or one process) or fp16/bf16, which keep nothing; a subclass saves
-    each rank's `own_state`, given back on a resume with the same world size (`load_own_state`)."""
+    """The hook `name` (none, fp16, bf16: nothing kept); a subclass keeps each rank's `own_state` for a resume."""
 
     ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
     replicas_differ = False  # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
@@ -132,8 +130,7 @@ class PostLocalSGD(CommHook):
                             "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)")
         self.state = post_localSGD_hook.PostLocalSGDState(None, subgroup, cfg.localsgd_start_step,
                                                           post_local_gradient_allreduce=subgroup is not None)
-        self.averager = averagers.PeriodicModelAverager(period=cfg.localsgd_period,
-                                                        warmup_steps=cfg.localsgd_start_step)
+        self.averager = averagers.PeriodicModelAverager(cfg.localsgd_period, warmup_steps=cfg.localsgd_start_step)
 
     def after_optimizer_step(self, model: torch.nn.Module) -> None:
         # Before the gradients are cleared: the averager skips parameters without one.
@@ -171,9 +168,8 @@ class PostLocalSGD(CommHook):
 
     def load_own_state(self, own, model, optimizer, scaler, warm_up):
         model.load_state_dict(own["model_state"])  # the state's CPU tensors go to where each one is
-        whole = optimizer.state_dict()  # this run's hyperparameters, the rank's own moments
-        whole["state"] = own["optimizer_state"]
-        optimizer.load_state_dict(whole)
+        # This run's hyperparameters, the rank's own moments.
+        optimizer.load_state_dict({**optimizer.state_dict(), "state": own["optimizer_state"]})
         if scaler.is_enabled() and own["scaler_state"]:
             scaler.load_state_dict(own["scaler_state"])
 
