@@ -44,15 +44,13 @@ def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iterator[None]:
     """While in the body, backward reduces the gradients over the ranks only if `enabled` (last micro-batch)."""
-    if not enabled and isinstance(raw_model, FSDPModule):
-        raw_model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            raw_model.set_requires_gradient_sync(True)
-    else:  # `no_sync`: DDP, or a compiled DDP (which passes it on)
-        with model.no_sync() if not enabled and hasattr(model, "no_sync") else contextlib.nullcontext():
-            yield
+    with contextlib.ExitStack() as stack:
+        if not enabled and isinstance(raw_model, FSDPModule):
+            raw_model.set_requires_gradient_sync(False)
+            stack.callback(raw_model.set_requires_gradient_sync, True)
+        elif not enabled and hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
+            stack.enter_context(model.no_sync())
+        yield
 
 
 def full_value(value: Any) -> Any:
