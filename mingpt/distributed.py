@@ -1,5 +1,4 @@
-"""Process group, device and roles under torchrun, or one plain process without a group. Rank 0 writes
-snapshots, metrics and logs at INFO; each node's local rank 0 does once-per-node work (the corpus)."""
+"""Process group, device, roles and per-rank logging under torchrun, or one plain process without a group."""
 
 import contextlib
 import gc
@@ -58,8 +57,7 @@ def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config
 
 def _own_info(record: logging.LogRecord) -> bool:
     """mingpt's own INFO lines (and `python -m mingpt.X`'s, logged as __main__); other libraries' from WARNING up."""
-    name = record.name
-    return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
+    return record.levelno >= logging.WARNING or record.name.partition(".")[0] in ("mingpt", "__main__")
 
 
 def setup_logging(rank: int) -> None:
