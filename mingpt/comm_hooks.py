@@ -21,19 +21,17 @@ log = logging.getLogger(__name__)
 
 def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
     """Refuse, before any work, a hook this run cannot use."""
-    hook = cfg.ddp_comm_hook
-    if hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
+    if cfg.ddp_comm_hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
         raise ConfigError(f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
                           f"this run uses {dist_info.backend}: use fp16, powersgd or none")
-    if (hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed
+    if (cfg.ddp_comm_hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed
             and dist_info.world_size % dist_info.local_world_size):
         raise ConfigError(f"trainer_config.localsgd_group: node needs the same number of processes on every node "
                           f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)")
 
 
 class CommHook:
-    """The hook `name`: none (plain DDP, or one process) or fp16/bf16, which keep nothing; a subclass saves
-    each rank's `own_state`, given back on a resume with the same world size (`load_own_state`)."""
+    """The hook `name` (none, fp16, bf16: nothing kept); a subclass keeps each rank's `own_state` for a resume."""
 
     ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
     replicas_differ = False  # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
@@ -44,23 +42,22 @@ class CommHook:
 
     def start(self, ddp: DDP | None, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer,
               scaler, warm_up: Callable[[], None]) -> None:
-        """Register the hook on `ddp` (None in one process) and restore the state `saved` at `step`.
+        """Restore the state `saved` and register the hook on `ddp` (None in one process), to go on at `step`.
         `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
         if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
                 and saved.get("state") is not None):
-            self.load_own_state(saved["state"], step, ddp, model, optimizer, scaler, warm_up)
-            return
-        if saved and self.dist.is_main_process:  # another number of processes or another hook
+            self.load_own_state(saved["state"], model, optimizer, scaler, warm_up)
+        elif saved and self.dist.is_main_process:  # another number of processes or another hook
             world = self.dist.world_size
             this = f"{world} ranks with ddp_comm_hook={self.name}" if world > 1 else "1 process (no comm hook)"
             log.warning("the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts "
                         "afresh at step %d, from the snapshot's weights%s", saved.get("name"), saved.get("world_size"),
                         this, step, " (the replicas' mean) and rank 0's optimizer state"
                         if saved.get("name") == "post_local_sgd" else "")
-        self.restart(ddp, step)
+        self.register(ddp, step)
 
-    def restart(self, ddp: DDP | None, step: int) -> None:
-        """Register the hook, to go on at `step` without saved state."""
+    def register(self, ddp: DDP | None, step: int) -> None:
+        """Register the hook on `ddp`, its state restored or fresh, to go on at `step`."""
         if self.name != "none":
             ddp.register_comm_hook(None, getattr(default_hooks, f"{self.name}_compress_hook"))
 
@@ -102,10 +99,10 @@ class PowerSGD(CommHook):
                 "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
                         "cached_gaussian": float(cached_gaussian)}}
 
-    def restart(self, ddp, step):
+    def register(self, ddp, step):
         ddp.register_comm_hook(self.state, self.hook)  # from its first step: powersgd_start_step plain steps
 
-    def load_own_state(self, own, step, ddp, model, optimizer, scaler, warm_up):
+    def load_own_state(self, own, model, optimizer, scaler, warm_up):
         s = self.state
         if own["iter"] >= s.start_powerSGD_iter:
             # The saved error and P/Q are laid out in DDP's rebuilt buckets (gradients in the order backward
@@ -117,7 +114,6 @@ class PowerSGD(CommHook):
                          rng["cached_gaussian"]))
         s.error_dict, s.p_memory_dict, s.q_memory_dict = (
             {k: v.to(self.dist.device) for k, v in own[name].items()} for name in ("error", "p", "q"))
-        ddp.register_comm_hook(s, self.hook)
 
 
 class PostLocalSGD(CommHook):
@@ -134,8 +130,7 @@ class PostLocalSGD(CommHook):
                             "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)")
         self.state = post_localSGD_hook.PostLocalSGDState(None, subgroup, cfg.localsgd_start_step,
                                                           post_local_gradient_allreduce=subgroup is not None)
-        self.averager = averagers.PeriodicModelAverager(period=cfg.localsgd_period,
-                                                        warmup_steps=cfg.localsgd_start_step)
+        self.averager = averagers.PeriodicModelAverager(cfg.localsgd_period, warmup_steps=cfg.localsgd_start_step)
 
     def after_optimizer_step(self, model: torch.nn.Module) -> None:
         # Before the gradients are cleared: the averager skips parameters without one.
@@ -143,10 +138,9 @@ class PostLocalSGD(CommHook):
 
     def _mean(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """{name: mean over the ranks} of each parameter, computed aside: the replicas stay as they are."""
-        named = list(model.named_parameters(remove_duplicate=False))
-        copies = [p.detach().clone() for _, p in named]
-        averaging_utils.average_parameters(iter(copies), dist.group.WORLD)  # the averager's own arithmetic
-        return {name: c for (name, _), c in zip(named, copies)}
+        mean = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+        averaging_utils.average_parameters(iter(mean.values()), dist.group.WORLD)  # the averager's own arithmetic
+        return mean
 
     @contextlib.contextmanager
     def mean_weights(self, model):
@@ -167,19 +161,17 @@ class PostLocalSGD(CommHook):
         return {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()["state"],
                 "scaler_state": scaler.state_dict()}
 
-    def restart(self, ddp, step):
+    def register(self, ddp, step):
         # Both count optimizer steps: the hook all-reduces before localsgd_start_step, the averager after.
         self.state.iter = self.averager.step = step
         ddp.register_comm_hook(self.state, post_localSGD_hook.post_localSGD_hook)
 
-    def load_own_state(self, own, step, ddp, model, optimizer, scaler, warm_up):
+    def load_own_state(self, own, model, optimizer, scaler, warm_up):
         model.load_state_dict(own["model_state"])  # the state's CPU tensors go to where each one is
-        whole = optimizer.state_dict()  # this run's hyperparameters, the rank's own moments
-        whole["state"] = own["optimizer_state"]
-        optimizer.load_state_dict(whole)
+        # This run's hyperparameters, the rank's own moments.
+        optimizer.load_state_dict({**optimizer.state_dict(), "state": own["optimizer_state"]})
         if scaler.is_enabled() and own["scaler_state"]:
             scaler.load_state_dict(own["scaler_state"])
-        self.restart(ddp, step)
 
 
 def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:

@@ -1,5 +1,4 @@
-"""Process group, device and roles under torchrun, or one plain process without a group. Rank 0 writes
-snapshots, metrics and logs at INFO; each node's local rank 0 does once-per-node work (the corpus)."""
+"""Process group, device, roles and per-rank logging under torchrun, or one plain process without a group."""
 
 import contextlib
 import gc
@@ -58,8 +57,7 @@ def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config
 
 def _own_info(record: logging.LogRecord) -> bool:
     """mingpt's own INFO lines (and `python -m mingpt.X`'s, logged as __main__); other libraries' from WARNING up."""
-    name = record.name
-    return record.levelno >= logging.WARNING or name in ("mingpt", "__main__") or name.startswith("mingpt.")
+    return record.levelno >= logging.WARNING or record.name.partition(".")[0] in ("mingpt", "__main__")
 
 
 def setup_logging(rank: int) -> None:
@@ -80,13 +78,12 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     info = DistInfo(int(os.environ.get("RANK", 0)), local_rank, int(os.environ.get("WORLD_SIZE", 1)),
                     int(os.environ.get("LOCAL_WORLD_SIZE", 1)), pick_device(device_preference, local_rank))
-    device = info.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
     if info.is_distributed:
         with torch_fixes.restart_store(info.world_size) as store:
             dist.init_process_group(info.backend, rank=info.rank, world_size=info.world_size,
-                                    device_id=device if device.type == "cuda" else None, store=store)
+                                    device_id=info.device if info.device.type == "cuda" else None, store=store)
         _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
     try:
         yield info

@@ -33,9 +33,8 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
 
 def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
     """DDP around the model (which copies rank 0's weights to every rank), with the options of its comm hook."""
-    device = dist_info.device
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-               **comm.ddp_options)
+    return DDP(model, device_ids=[dist_info.device.index] if dist_info.device.type == "cuda" else None,
+               gradient_as_bucket_view=True, **comm.ddp_options)
 
 
 def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
@@ -45,16 +44,12 @@ def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iterator[None]:
     """While in the body, backward reduces the gradients over the ranks only if `enabled` (last micro-batch)."""
-    if not enabled and isinstance(raw_model, FSDPModule):
-        raw_model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            raw_model.set_requires_gradient_sync(True)
-    elif not enabled and hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
-        with model.no_sync():
-            yield
-    else:
+    with contextlib.ExitStack() as stack:
+        if not enabled and isinstance(raw_model, FSDPModule):
+            raw_model.set_requires_gradient_sync(False)
+            stack.callback(raw_model.set_requires_gradient_sync, True)
+        elif not enabled and hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
+            stack.enter_context(model.no_sync())
         yield
 
 

@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
 LABEL_MAX_CHARS = 80  # a longer label leaves the hash alone in the name
-# What the record of a run directory is made of, and the kind of file each must be.
 RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
@@ -53,9 +52,7 @@ def _value_text(key: str, value: Any) -> str:
 
 
 def config_tag(sections: Mapping[str, Any]) -> str:
-    """`<changes>-<hash>` of a config given as {section: {key: value}} (docs/run-directory.md): the changed
-    result-affecting values, sorted by key, and 8 hex digits of all of them; the hash alone when none differ
-    or they take more than LABEL_MAX_CHARS (then a fine-tuning run's source alone)."""
+    """`<changes>-<hash>` of a config given as {section: {key: value}}, as docs/run-directory.md describes."""
     values, defaults = result_items(sections), result_items(dataclasses.asdict(Config()))
     changed = {_short_key(k): _value_text(k, v) for k, v in values.items() if k not in defaults or defaults[k] != v}
     label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
@@ -90,23 +87,20 @@ def check_run_dir_setting(run_dir_setting: str) -> None:
 
 def _agree(dist_info: DistInfo, refusal: str | None) -> None:
     """Rank 0's decision on every rank: all raise the same RunDirError, or none does."""
+    decision = [refusal]
     if dist_info.is_distributed:
-        decision = [refusal]
         dist.broadcast_object_list(decision, src=0)
-        refusal = decision[0]
-    if refusal is not None:
-        raise RunDirError(refusal)
+    if decision[0] is not None:
+        raise RunDirError(decision[0])
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, from the details it wrote into the file: none yet, or a dead earlier holder's
-    on this host, while a new job is starting."""
+    """Who holds the lock, from what it wrote in the file (none yet, or a dead holder's: a job is starting)."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"null")
+        info = json.loads(os.pread(fd, 4096, 0))
         if info.get("host") == socket.gethostname():
-            os.kill(int(info["pid"]), 0)
-    except PermissionError:  # alive, another user's
-        pass
+            with contextlib.suppress(PermissionError):  # alive, another user's
+                os.kill(int(info["pid"]), 0)
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return "another job that is starting"
     run_id = f", torchrun run id {info['run_id']}" if info.get("run_id") else ""
@@ -116,8 +110,7 @@ def _holder(fd: int) -> str:
 def _lock(path: str, what: str) -> list[int]:
     """[fd] holding an exclusive flock on `path` (created if missing), or RunDirError naming the holder;
     [] where the file system refuses locks (Lustre mounted without flock or localflock)."""
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:  # check_writable made its directory
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise RunDirError(f"cannot use {what}: {e.filename}: {e.strerror}") from None
@@ -148,8 +141,7 @@ def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
 
 
 def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
-    """Keep rank 0's log lines in memory (they still reach stderr) until `Claim.accept`
-    writes them to train.log: a refused invocation appends nothing there."""
+    """Rank 0's log lines, kept until `Claim.accept` writes them to train.log: a refused run appends nothing there."""
     if rank != 0:
         return None
     buffer = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
@@ -190,10 +182,9 @@ class Claim:
         self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
         self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler
         self.log_file.filters = list(root.handlers[0].filters)  # mingpt's INFO only
-        if self.log_buffer is not None:
-            self.log_buffer.setTarget(self.log_file)
-            self.log_buffer.flush()
-            root.removeHandler(self.log_buffer)
+        self.log_buffer.setTarget(self.log_file)  # rank 0 has one (hold_log_lines)
+        self.log_buffer.flush()
+        root.removeHandler(self.log_buffer)
         root.addHandler(self.log_file)
         for name, text in (files or {}).items():
             path = os.path.join(self.run_dir, name)
@@ -209,12 +200,11 @@ class Claim:
                 handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
-        self.fds = []
 
 
 @contextlib.contextmanager
 def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
-          log_buffer: logging.handlers.MemoryHandler | None = None) -> Iterator[Claim]:
+          log_buffer: logging.handlers.MemoryHandler | None) -> Iterator[Claim]:
     """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
     the locks, so every rank of a refused job raises the same RunDirError before anything is written."""
     owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
@@ -241,16 +231,11 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         path = os.path.join(run_dir, name)
         if os.path.lexists(path) and os.path.isdir(path) != (kind == "a directory"):
             return f"run directory {run_dir}: {path} must be {kind}; move it away"
-    last = last_step(run_dir)
-    if last is None or last <= step:
-        return None
-    try:
-        with open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
-            previous = json.loads(f.read() or b"null").get("snapshot")
-    except (OSError, ValueError, AttributeError):
-        previous = None
-    if previous is None or previous == _comparable(snapshot_path):
-        return None  # a killed attempt of this run: its events after the snapshot are dropped
+    last, previous = last_step(run_dir), None  # previous: the snapshot the lock file names
+    with contextlib.suppress(OSError, ValueError, AttributeError), open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
+        previous = json.loads(f.read()).get("snapshot")
+    if last is None or last <= step or previous in (None, _comparable(snapshot_path)):
+        return None  # nothing to cut back, or a killed attempt of this run: its events after the snapshot are dropped
     return (f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot {previous}; "
             f"this one starts from step {step} with the snapshot {snapshot_path} and would overwrite that record: "
             "give trainer_config.snapshot_path as that run had it, or start this run in "

@@ -50,14 +50,12 @@ def describe(signum: int) -> str:
 
 def parse_signal(name: str) -> int:
     """`SIGTERM` (or `TERM`) to its number; ValueError if it cannot stop a run."""
-    full = name if name.startswith("SIG") else f"SIG{name}"
-    signum = getattr(signal.Signals, full, None)
+    signum = getattr(signal.Signals, "SIG" + name.removeprefix("SIG"), None)
     if signum is None or signum in (signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"{name!r} is not a signal that can be handled")
     return int(signum)
 
 
-# requested: the number of the first stop signal received (0: none); exiting: exit_now is ending the process.
 _state = types.SimpleNamespace(signals=set(), previous={}, graceful=False, requested=0, watching=False, exiting=False)
 
 
@@ -124,10 +122,8 @@ def park_if_exiting() -> None:
 
 
 def tell_launcher(line: str) -> None:
-    """Under torchrun, write the worker's one error line to its error file (TORCHELASTIC_ERROR_FILE, in the
-    JSON of torch.distributed.elastic's ErrorHandler), so that torchrun's failure summary shows it."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    """Under torchrun (which sets TORCHELASTIC_ERROR_FILE), the worker's one error line into that file, in the JSON
+    of torch.distributed.elastic's ErrorHandler, so that torchrun's failure summary shows it."""
     record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    if path:
-        with contextlib.suppress(OSError), open(path, "w") as f:
-            json.dump(record, f)
+    with contextlib.suppress(KeyError, OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+        json.dump(record, f)

@@ -23,9 +23,8 @@ class _View(types.SimpleNamespace):
 
 
 def _orthogonalize_takes_only_batches() -> bool:
-    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes only batches
-    of them (3-D) since PowerSGD learnt to batch same-shaped layers, so the hook fails at its first
-    compressed step (an AssertionError; torch 2.13 has it)."""
+    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes only 3-D batches of
+    them since PowerSGD batches same-shaped layers: the hook fails at its first compressed step (torch 2.13 has it)."""
     try:
         powerSGD_hook._orthogonalize(torch.ones(2, 1))
     except AssertionError:
@@ -39,13 +38,11 @@ def _orthogonalize_matrix_or_batch(matrices: torch.Tensor, epsilon: float = 0) -
 
 
 def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
-    """torch's PowerSGD hook (batched or not) for a job on CUDA or not, as a copy (its code, defaults,
-    closure, name and annotations, which DDP checks) that sees fixed globals where this torch needs them.
-
-    Bug: both hooks end each bucket with `torch.cuda.synchronize(device)` whenever CUDA is available,
-    also for gradients on the CPU, where it raises ("Expected a cuda device, but got: cpu"; upstream
-    PR 196568; torch 2.13 has it): a CPU job on a GPU host dies in its first compressed backward.
-    Its copy sees a torch without CUDA."""
+    """torch's PowerSGD hook (batched or not) for a job on CUDA or not; where this torch needs it, a copy (its code,
+    defaults, closure, name and annotations, which DDP checks) whose globals are fixed. Bug: both hooks end each
+    bucket with `torch.cuda.synchronize(device)` whenever CUDA is available, also for gradients on the CPU, where
+    it raises ("Expected a cuda device, but got: cpu"; upstream PR 196568; torch 2.13 has it): a CPU job on a GPU
+    host dies in its first compressed backward. Its copy sees a torch without CUDA."""
     hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
     replaced: dict[str, Any] = {}
     if not on_cuda and torch.cuda.is_available():
