@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class AmpPolicy(NamedTuple):
     enabled: bool  # autocast (with FSDP: its mixed-precision policy) in `dtype`
-    dtype: torch.dtype
+    dtype: torch.dtype  # float32 without AMP: the dtype MFU's peak is measured in
     scaler: bool  # fp16 needs a gradient scaler; bf16 does not
 
 
@@ -35,14 +35,14 @@ def amp_policy(cfg: TrainerConfig, device_type: str, bf16_supported: bool = True
     """AMP on CUDA when use_amp; on a CPU only when amp_on_cpu forces it (warned: CPUs without bf16 units run it
     far slower). bf16 on a GPU without it: ConfigError."""
     enabled = cfg.use_amp and (device_type == "cuda" or cfg.amp_on_cpu)
-    dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
-    if enabled and device_type == "cuda" and cfg.amp_dtype == "bf16" and not bf16_supported:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp_dtype] if enabled else torch.float32
+    if dtype == torch.bfloat16 and device_type == "cuda" and not bf16_supported:
         raise ConfigError("trainer_config.amp_dtype: bf16 is not supported on this GPU; use fp16")
     if cfg.use_amp and device_type == "cpu":
         log.warning("trainer_config.use_amp %s on CPU: CPUs without bf16/fp16 units run it far slower than fp32%s",
                     "forced" if cfg.amp_on_cpu else "ignored",
                     "" if cfg.amp_on_cpu else " (trainer_config.amp_on_cpu=true forces it)")
-    return AmpPolicy(enabled, dtype, enabled and dtype == torch.float16)
+    return AmpPolicy(enabled, dtype, dtype == torch.float16)
 
 
 class StepPlan(NamedTuple):
@@ -74,7 +74,6 @@ class Trainer:
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
         self.amp = amp_policy(cfg, self.device.type, self.device.type != "cuda" or torch.cuda.is_bf16_supported())
-        amp_dtype = self.amp.dtype if self.amp.enabled else torch.float32  # the dtype MFU's peak is measured in
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp.scaler)
         self.fsdp = parallel.uses_fsdp(cfg, dist_info)
         if self.fsdp:  # before the optimizer; sharded on the CPU, so only this rank's shards go to the device
@@ -90,9 +89,8 @@ class Trainer:
         self.saver = Saver(cfg, dist_info, self.snapshot, self._check_diverged)  # restores the snapshot
         self.progress = dataclasses.replace(self.saver.saved) if self.saver.saved else Progress()
         self.evaluator = Evaluator(cfg, self.progress, self.saver.save_best)
-        ddp = None
-        if dist_info.is_distributed and not self.fsdp:
-            ddp = parallel.replicate(self.raw_model, dist_info, self.comm)
+        ddp = (parallel.replicate(self.raw_model, dist_info, self.comm)
+               if dist_info.is_distributed and not self.fsdp else None)
         # In one process too: a hook state saved by several says that it goes unused.
         self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
                         self.scaler, lambda: self._warm_up_ddp(ddp))
@@ -107,7 +105,7 @@ class Trainer:
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step, tracker)
         g, step_tokens = config.gpt_config, self.samples_per_step * block
         self.pace = Pace(step_tokens * W, flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd, block),
-                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, amp_dtype))
+                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, self.amp.dtype))
 
     def finished(self) -> bool:
         return self._out_of_steps() or self.evaluator.stopped_early()
@@ -223,33 +221,29 @@ class Trainer:
 
     def evaluate(self) -> float:
         """The held-out loss of the run's weights (with LocalSGD: the replicas' mean), recorded, logged, sampled."""
-        with self.comm.mean_weights(self.raw_model):
-            return self._evaluate()
-
-    def _evaluate(self) -> float:
-        self._check_diverged(self.progress.step)
-        p, cfg, windows = self.progress, self.cfg, self.eval_windows
-        start = time.monotonic()
+        p, cfg, windows, start = self.progress, self.cfg, self.eval_windows, time.monotonic()
+        self._check_diverged(p.step)
         if self.eval_notice.slow:
             n = len(evaluation.chosen_windows(len(windows), windows.block_size, cfg.eval_tokens))
             log.info("evaluating at step %d on %d held-out windows", p.step, n)
-        result = evaluation.evaluate(self.raw_model, windows, self.dist, cfg.eval_tokens, cfg.batch_size * 4,
-                                     self._autocast, lockstep=self.fsdp, stop_requested=stopping.stop_requested)
-        if result.interrupted:
-            log.info("evaluation at step %d interrupted by a stop signal: not recorded", p.step)
-            return math.nan
-        if not math.isfinite(result.loss):  # the weights of the last update are not: no log, no sample
-            raise TrainingError(f"training diverged: the held-out loss is {result.loss} at step {p.step}; "
-                                f"{self.saver.kept()}")
-        self.evaluator.record(result.loss, self._out_of_steps())
-        self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
-                         perplexity=math.exp(result.loss), rank_losses=result.rank_losses, tokens=result.tokens)
-        if cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
-            text = self.sample(cfg.sample_chars, stoppable=True)
-            if text is None:  # the step boundary right after stops the run
-                log.info("sample at step %d interrupted by a stop signal: not recorded", p.step)
-            else:
-                self.metrics.text("sample", text, p.step)
+        with self.comm.mean_weights(self.raw_model):
+            result = evaluation.evaluate(self.raw_model, windows, self.dist, cfg.eval_tokens, cfg.batch_size * 4,
+                                         self._autocast, lockstep=self.fsdp, stop_requested=stopping.stop_requested)
+            if result.interrupted:
+                log.info("evaluation at step %d interrupted by a stop signal: not recorded", p.step)
+                return math.nan
+            if not math.isfinite(result.loss):  # the weights of the last update are not: no log, no sample
+                raise TrainingError(f"training diverged: the held-out loss is {result.loss} at step {p.step}; "
+                                    f"{self.saver.kept()}")
+            self.evaluator.record(result.loss, self._out_of_steps())
+            self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
+                             perplexity=math.exp(result.loss), rank_losses=result.rank_losses, tokens=result.tokens)
+            if cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
+                text = self.sample(cfg.sample_chars, stoppable=True)
+                if text is None:  # the step boundary right after stops the run
+                    log.info("sample at step %d interrupted by a stop signal: not recorded", p.step)
+                else:
+                    self.metrics.text("sample", text, p.step)
         if self.eval_notice.took(time.monotonic() - start):
             log.info("evaluation at step %d took %.1f s", p.step, time.monotonic() - start)
         return result.loss
