@@ -31,13 +31,10 @@ class Saver:
         self.last_save = time.monotonic()
 
     def agree(self) -> list[int]:
-        """This step's StepFlags, the same on every rank."""
-        flags = [0] * len(StepFlags)
-        flags[StepFlags.STOP] = stopping.stop_requested()
+        """This step's StepFlags, the same on every rank; rank 0's clock decides for all whether a save is due."""
         minutes = self.cfg.save_every_minutes
-        if self.dist.is_main_process and minutes:  # rank 0's clock decides for all
-            flags[StepFlags.SAVE_DUE] = int(time.monotonic() - self.last_save >= 60 * minutes)
-        return all_max(self.dist, flags)
+        due = minutes is not None and self.dist.is_main_process and time.monotonic() - self.last_save >= 60 * minutes
+        return all_max(self.dist, [stopping.stop_requested(), int(due)])  # StepFlags.STOP, StepFlags.SAVE_DUE
 
     def after_step(self, progress: Progress) -> None:
         flags = self.agree()
