@@ -105,7 +105,8 @@ class Trainer:
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step, tracker)
         g, step_tokens = config.gpt_config, self.samples_per_step * block
         self.pace = Pace(step_tokens * W, flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd, block),
-                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, self.amp.dtype))
+                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, self.amp.dtype),
+                         self.progress.step)
 
     def finished(self) -> bool:
         return self._out_of_steps() or self.evaluator.stopped_early()
@@ -149,7 +150,6 @@ class Trainer:
                 self._check_diverged(p.step + 1)  # free on a CPU: stop at the step itself
             p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
             p.step += 1
-            self.pace.step()
             self.metrics.show_progress(p.step, self.total_steps)
             if p.step % cfg.log_every == 0 or p.step == self.total_steps:
                 self._log_train(loss, grad_norm, lr)
