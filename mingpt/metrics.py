@@ -1,5 +1,4 @@
-"""Where metrics go: log lines (a progress bar on a terminal), TensorBoard, metrics.jsonl and the tracker, from
-the main process only; the pace of training: tokens/s, MFU and the ETA."""
+"""Rank 0's metrics to log lines (a terminal's progress bar), TensorBoard, metrics.jsonl, the tracker; their pace."""
 
 import contextlib
 import json
@@ -35,8 +34,7 @@ def duration(seconds: float) -> str:
 
 
 class Pace:
-    """The speed of training for the train events: tokens/s since the last event, evaluations and saves excluded
-    (`paused`); MFU; the elapsed time and the ETA."""
+    """For the train events: tokens/s since the last, evaluations and saves excluded (`paused`); MFU; elapsed; ETA."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: Callable[[], float], step: int):
         self.tokens_per_step, self.flops_per_token, self._peak_flops = tokens_per_step, flops_per_token, peak_flops
@@ -116,8 +114,7 @@ class Metrics:
             raise
 
     def _write(self, write: Callable[[], None]) -> None:
-        """The record is not worth the run: a storage error (a full disk, the directory removed) costs one warning,
-        and training goes on without it."""
+        """Not worth the run: a storage error (a full disk, a removed directory) costs one warning; training goes on."""
         if self._jsonl is None:
             return
         try:
@@ -128,8 +125,8 @@ class Metrics:
             self._close_record()
 
     def _close_record(self) -> None:
-        writer, jsonl, self._writer, self._jsonl = self._writer, self._jsonl, None, None
-        for handle in [h for h in (writer, jsonl) if h is not None]:
+        handles, self._writer, self._jsonl = [h for h in (self._writer, self._jsonl) if h is not None], None, None
+        for handle in handles:
             with contextlib.suppress(OSError, ValueError):
                 handle.close()
 
@@ -143,7 +140,6 @@ class Metrics:
             self._bar = self._terminal.enter_context(tqdm(total=total, initial=step - 1, unit="step",
                                                           dynamic_ncols=True, leave=False, file=sys.stderr))
             self._terminal.enter_context(logging_redirect_tqdm())
-        self._bar.total = total
         self._bar.update(step - self._bar.n)
 
     def close(self, status: str = "FINISHED") -> None:

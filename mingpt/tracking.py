@@ -59,8 +59,7 @@ class TrackerUnavailable(RuntimeError):
 
 
 def _first_line(e: BaseException) -> str:
-    """The gist of MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] Connection
-    refused`) rather than the whole retry story."""
+    """MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] ...`), not the retry story."""
     text = str(e).strip()
     if errno := re.search(r"\[Errno -?\d+\][^'\")]*", text):
         return errno.group(0).strip()
@@ -111,8 +110,8 @@ class MlflowTracker(Tracker):
             with _environment(self._env):
                 experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
                 self.run_id = (run_id and self._continue(run_id, step)) or self.client.create_run(
-                        experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)),
-                        tags={"mingpt.run_dir": os.path.abspath(run_dir)}).info.run_id
+                    experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)),
+                    tags={"mingpt.run_dir": os.path.abspath(run_dir)}).info.run_id
                 self._log_params(config, step)
         except Exception as e:
             if self.run_id is not None:  # left RUNNING otherwise
