@@ -39,12 +39,12 @@ def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, b
              stop_requested: Callable[[], int] = lambda: 0) -> EvalResult:
     """`model` on `windows` (TokenWindows or HostBatches) in chunks of `batch_size` windows. With `lockstep` (a
     sharded model: every forward is a collective) every rank runs as many forwards, and a stop request waits."""
-    chosen = chosen_windows(len(windows), windows.block_size, eval_tokens)
+    chosen = chosen_windows(len(windows), windows.block_size, eval_tokens).to(windows.tokens.device)
     W, rank = dist_info.world_size, dist_info.rank
-    chunks = list(chosen[rank::W].to(windows.tokens.device).split(batch_size))
+    chunks = list(chosen[rank::W].split(batch_size))
     counted = len(chunks)  # the chunks after these are repeats
     if lockstep:  # a rank with fewer windows than rank 0 repeats one and does not count it
-        chunks += [chosen[:1].to(windows.tokens.device)] * (len(chosen[::W].split(batch_size)) - counted)
+        chunks += [chosen[:1]] * (len(chosen[::W].split(batch_size)) - counted)
     sums = torch.zeros(W, 3, dtype=torch.float64, device=dist_info.device)  # per rank: loss sum, tokens, interrupted
     was_training = model.training
     model.eval()
@@ -76,11 +76,10 @@ class Evaluator:
         self.cfg, self.progress, self.save_best = cfg, progress, save_best
         self.last = math.nan  # the held-out loss of the last evaluation recorded
 
-    def due_after_step(self, step: int) -> bool:
-        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0
-
-    def due_after_epoch(self) -> bool:
-        return self.cfg.eval_every == 0
+    def due(self, epoch_end: bool = False) -> bool:
+        """Whether to evaluate after the current step, or (`epoch_end`) at an epoch's end: where eval_every is 0."""
+        every = self.cfg.eval_every
+        return every == 0 if epoch_end else bool(every) and self.progress.step % every == 0
 
     def stopped_early(self) -> bool:
         """Early stopping ended the run (as the snapshot records it), and this config still would: a larger
