@@ -30,8 +30,7 @@ class EvalResult:
 
 def chosen_windows(n_windows: int, block_size: int, eval_tokens: int) -> torch.Tensor:
     """The held-out windows evaluated: all, or at most eval_tokens' worth spread evenly."""
-    cap = eval_tokens and max(1, eval_tokens // block_size)
-    return spread(n_windows, cap)
+    return spread(n_windows, eval_tokens and max(1, eval_tokens // block_size))
 
 
 @torch.no_grad()
@@ -40,33 +39,28 @@ def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, b
              stop_requested: Callable[[], int] = lambda: 0) -> EvalResult:
     """`model` on `windows` (TokenWindows or HostBatches) in chunks of `batch_size` windows. With `lockstep` (a
     sharded model: every forward is a collective) every rank runs as many forwards, and a stop request waits."""
-    chosen = chosen_windows(len(windows), windows.block_size, eval_tokens)
+    chosen = chosen_windows(len(windows), windows.block_size, eval_tokens).to(windows.tokens.device)
     W, rank = dist_info.world_size, dist_info.rank
-    chunks = list(chosen[rank::W].to(windows.tokens.device).split(batch_size))
+    chunks = list(chosen[rank::W].split(batch_size))
     counted = len(chunks)  # the chunks after these are repeats
     if lockstep:  # a rank with fewer windows than rank 0 repeats one and does not count it
-        chunks += [chosen[:1].to(windows.tokens.device)] * (len(chosen[::W].split(batch_size)) - counted)
-    device = dist_info.device
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count, interrupted = 0, 0
+        chunks += [chosen[:1]] * (len(chosen[::W].split(batch_size)) - counted)
+    sums = torch.zeros(W, 3, dtype=torch.float64, device=dist_info.device)  # per rank: loss sum, tokens, interrupted
     was_training = model.training
     model.eval()
     for k, chunk in enumerate(chunks):
         if not lockstep and stop_requested():  # the step boundary right after stops the run
-            interrupted = 1
+            sums[rank, 2] = 1
             break
         x, y = windows.batch(chunk)
         with autocast():
             logits, _ = model(x)
         if k < counted:
-            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().sum()
-            count += y.numel()
+            sums[rank, 0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().sum()
+            sums[rank, 1] += y.numel()
     model.train(was_training)  # an error on the way ends the process
-    stats = torch.tensor([loss_sum.item(), count, interrupted], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(stats) for _ in range(W)] if dist_info.is_distributed else [stats]
     if dist_info.is_distributed:
-        dist.all_gather(gathered, stats)
-    sums = torch.stack(gathered).cpu()
+        dist.all_reduce(sums)  # each row was filled by its own rank alone: the sum gathers them exactly
     if sums[:, 2].any():  # the same on every rank: the gathered flags are
         return EvalResult(float("nan"), [], 0, True)
     loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
@@ -82,11 +76,10 @@ class Evaluator:
         self.cfg, self.progress, self.save_best = cfg, progress, save_best
         self.last = math.nan  # the held-out loss of the last evaluation recorded
 
-    def due_after_step(self, step: int) -> bool:
-        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0
-
-    def due_after_epoch(self) -> bool:
-        return self.cfg.eval_every == 0
+    def due(self, epoch_end: bool = False) -> bool:
+        """Whether to evaluate after the current step, or (`epoch_end`) at an epoch's end: where eval_every is 0."""
+        every = self.cfg.eval_every
+        return every == 0 if epoch_end else bool(every) and self.progress.step % every == 0
 
     def stopped_early(self) -> bool:
         """Early stopping ended the run (as the snapshot records it), and this config still would: a larger

@@ -1,5 +1,4 @@
-"""A model's FLOPs per token, the matmul rate MFU is measured against, peak memory, and the warning for a run
-whose steps would take over SLOW_STEP_SECONDS on this CPU (good to about a factor of 2 on a loaded machine)."""
+"""FLOPs per token, the matmul rate MFU is measured against, peak memory, the warning for a run too slow on a CPU."""
 
 import resource
 

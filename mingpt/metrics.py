@@ -1,5 +1,4 @@
-"""Where metrics go: log lines (a progress bar on a terminal), TensorBoard, metrics.jsonl and the tracker, from
-the main process only; the pace of training: tokens/s, MFU and the ETA."""
+"""Rank 0's metrics to log lines (a terminal's progress bar), TensorBoard, metrics.jsonl, the tracker; their pace."""
 
 import contextlib
 import json
@@ -35,18 +34,13 @@ def duration(seconds: float) -> str:
 
 
 class Pace:
-    """The speed of training for the train events: tokens/s since the last event, evaluations and saves excluded
-    (`paused`); MFU; the elapsed time and the ETA."""
+    """For the train events: tokens/s since the last, evaluations and saves excluded (`paused`); MFU; elapsed; ETA."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: Callable[[], float]):
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self._peak_flops, self._peak = peak_flops, None  # measured at the first event
-        self.started = time.monotonic()
-        self._window_start, self._window_steps = time.perf_counter(), 0
-        self._pace_from: tuple[float, int] | None = None  # (time, step) of the first event
-
-    def step(self) -> None:
-        self._window_steps += 1
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: Callable[[], float], step: int):
+        self.tokens_per_step, self.flops_per_token, self._peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.started = self._window_start = time.perf_counter()
+        self._window_step = step  # the step the window started at
+        self._pace_from: tuple[float, int] | None = None  # (time, step) of the first event, which measures the peak
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -57,17 +51,15 @@ class Pace:
     def event(self, step: int, total_steps: int) -> tuple[float, float | None, str]:
         """(tokens/s, MFU, the log line's note) since the last event. The ETA is at this session's pace since its
         first event: the first window holds the start-up and compilation, so it gives none."""
-        tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
-        if self._peak is None:
-            self._peak = self._peak_flops()
-        now = time.monotonic()
+        now = time.perf_counter()
+        tokens_per_s = (step - self._window_step) * self.tokens_per_step / (now - self._window_start)
         note = f"elapsed {duration(now - self.started)}"
         if self._pace_from is None:
-            self._pace_from = (now, step)
+            self._peak, self._pace_from = self._peak_flops(), (time.perf_counter(), step)
         else:
             since, first = self._pace_from
             note += f" eta {duration((now - since) / max(1, step - first) * (total_steps - step))}"
-        self._window_start, self._window_steps = time.perf_counter(), 0
+        self._window_start, self._window_step = time.perf_counter(), step
         mfu = tokens_per_s * self.flops_per_token / self._peak if self._peak else None
         return tokens_per_s, mfu, note
 
@@ -122,8 +114,7 @@ class Metrics:
             raise
 
     def _write(self, write: Callable[[], None]) -> None:
-        """The record is not worth the run: a storage error (a full disk, the directory removed) costs one warning,
-        and training goes on without it."""
+        """Not worth the run: a storage error (a full disk, a removed directory) costs one warning; training goes on."""
         if self._jsonl is None:
             return
         try:
@@ -134,8 +125,8 @@ class Metrics:
             self._close_record()
 
     def _close_record(self) -> None:
-        writer, jsonl, self._writer, self._jsonl = self._writer, self._jsonl, None, None
-        for handle in [h for h in (writer, jsonl) if h is not None]:
+        handles, self._writer, self._jsonl = [h for h in (self._writer, self._jsonl) if h is not None], None, None
+        for handle in handles:
             with contextlib.suppress(OSError, ValueError):
                 handle.close()
 
@@ -149,7 +140,6 @@ class Metrics:
             self._bar = self._terminal.enter_context(tqdm(total=total, initial=step - 1, unit="step",
                                                           dynamic_ncols=True, leave=False, file=sys.stderr))
             self._terminal.enter_context(logging_redirect_tqdm())
-        self._bar.total = total
         self._bar.update(step - self._bar.n)
 
     def close(self, status: str = "FINISHED") -> None:

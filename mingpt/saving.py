@@ -1,5 +1,4 @@
-"""When and what the run saves: latest snapshots on the step, minute and epoch schedules, on a stop signal and at
-the end; the best weights at a new best."""
+"""When and what the run saves: the latest snapshot on schedule, on a stop signal and at the end; the best weights."""
 
 import dataclasses
 import logging
@@ -27,17 +26,13 @@ class Saver:
     def __init__(self, cfg: TrainerConfig, dist_info: DistInfo, snapshot: Snapshot,
                  check_diverged: Callable[[int], None]):
         self.cfg, self.dist, self.snapshot, self.check_diverged = cfg, dist_info, snapshot, check_diverged
-        self.saved = snapshot.restore()  # the position of the snapshot written last (None: none yet)
-        self.last_save = time.monotonic()
+        self.saved, self.last_save = snapshot.restore(), time.monotonic()  # saved: the last write's position, or None
 
     def agree(self) -> list[int]:
-        """This step's StepFlags, the same on every rank."""
-        flags = [0] * len(StepFlags)
-        flags[StepFlags.STOP] = stopping.stop_requested()
+        """This step's StepFlags, the same on every rank; rank 0's clock decides for all whether a save is due."""
         minutes = self.cfg.save_every_minutes
-        if self.dist.is_main_process and minutes:  # rank 0's clock decides for all
-            flags[StepFlags.SAVE_DUE] = int(time.monotonic() - self.last_save >= 60 * minutes)
-        return all_max(self.dist, flags)
+        due = minutes is not None and self.dist.is_main_process and time.monotonic() - self.last_save >= 60 * minutes
+        return all_max(self.dist, [stopping.stop_requested(), int(due)])  # StepFlags.STOP, StepFlags.SAVE_DUE
 
     def after_step(self, progress: Progress) -> None:
         flags = self.agree()
@@ -58,8 +53,7 @@ class Saver:
 
     def stop_if_requested(self, progress: Progress, flags: list[int]) -> None:
         """Some rank received a stop signal: every rank saves (rank 0 writes) and stops."""
-        signum = flags[StepFlags.STOP]
-        if not signum:
+        if not (signum := flags[StepFlags.STOP]):
             return
         self.save(progress)
         self.snapshot.wait()
@@ -86,8 +80,7 @@ class Saver:
             raise TrainingError(f"weights are not finite at step {progress.step}, not saving; {self.kept()}") from None
 
     def finish_in_flight(self) -> None:
-        """On the way out with an error: a save still being written completes; its own error is logged, since the
-        error on the way out is the one raised."""
+        """On the way out with an error: a save still being written completes; its own error is only logged."""
         try:
             self.snapshot.wait()
         except StorageError as e:

@@ -59,11 +59,9 @@ class TrackerUnavailable(RuntimeError):
 
 
 def _first_line(e: BaseException) -> str:
-    """The gist of MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] Connection
-    refused`) rather than the whole retry story."""
+    """MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] ...`), not the retry story."""
     text = str(e).strip()
-    errno = re.search(r"\[Errno -?\d+\][^'\")]*", text)
-    if errno:
+    if errno := re.search(r"\[Errno -?\d+\][^'\")]*", text):
         return errno.group(0).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(e).__name__}: {line[:200]}{'...' if len(line) > 200 else ''}"
@@ -111,11 +109,9 @@ class MlflowTracker(Tracker):
         try:
             with _environment(self._env):
                 experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-                self.run_id = self._continue(run_id, step) if run_id else None
-                if self.run_id is None:
-                    self.run_id = self.client.create_run(
-                        experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)),
-                        tags={"mingpt.run_dir": os.path.abspath(run_dir)}).info.run_id
+                self.run_id = (run_id and self._continue(run_id, step)) or self.client.create_run(
+                    experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)),
+                    tags={"mingpt.run_dir": os.path.abspath(run_dir)}).info.run_id
                 self._log_params(config, step)
         except Exception as e:
             if self.run_id is not None:  # left RUNNING otherwise
@@ -145,17 +141,16 @@ class MlflowTracker(Tracker):
         as `key:step<N>`, N the step it resumed from (MLflow's names take no `@`)."""
         from mlflow.entities import Param
 
-        logged, new = self.client.get_run(self.run_id).data.params, {}
+        logged, new = self.client.get_run(self.run_id).data.params, []
         for section in dataclasses.fields(config):
             for key, value in dataclasses.asdict(getattr(config, section.name)).items():
                 key, value = f"{section.name}.{key}", (value if isinstance(value, str) else json.dumps(value))[:6000]
                 if key not in logged:
-                    new[key] = value
+                    new.append(Param(key, value))
                 elif logged[key] != value:
-                    new[f"{key}:step{step}"] = value
-        items = [Param(k, v) for k, v in new.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch, values of 6000 characters
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
+                    new.append(Param(f"{key}:step{step}", value))
+        for i in range(0, len(new), 100):  # MLflow takes at most 100 params a batch, values of 6000 characters
+            self.client.log_batch(self.run_id, params=new[i : i + 100])
 
     def _call(self, what: str, call: Any) -> None:
         """A failure of the tracker costs one warning; then tracking is off, the run goes on."""

@@ -1,5 +1,4 @@
-"""The training loop and step; when to save, evaluate and how fast it goes live in saving.py, evaluation.py
-and metrics.py. Exact resume needs no generator state: epoch e's order is seeded by (seed, e), dropout's
+"""The training loop and step. Exact resume needs no generator state: epoch e's order is seeded by (seed, e), dropout's
 stream is reseeded from (seed, rank, step) before each step, and the learning rate is a function of the step."""
 
 import dataclasses
@@ -27,22 +26,20 @@ log = logging.getLogger(__name__)
 
 class AmpPolicy(NamedTuple):
     enabled: bool  # autocast (with FSDP: its mixed-precision policy) in `dtype`
-    dtype: torch.dtype
+    dtype: torch.dtype  # float32 without AMP: the dtype MFU's peak is measured in
     scaler: bool  # fp16 needs a gradient scaler; bf16 does not
 
 
 def amp_policy(cfg: TrainerConfig, device_type: str, bf16_supported: bool = True) -> AmpPolicy:
-    """AMP on CUDA when use_amp; on a CPU only when amp_on_cpu forces it (warned: CPUs without bf16 units run it
-    far slower). bf16 on a GPU without it: ConfigError."""
+    """AMP on CUDA when use_amp, on a CPU only when amp_on_cpu forces it (warned); bf16 on a GPU lacking it: refused."""
     enabled = cfg.use_amp and (device_type == "cuda" or cfg.amp_on_cpu)
-    dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
-    if enabled and device_type == "cuda" and cfg.amp_dtype == "bf16" and not bf16_supported:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp_dtype] if enabled else torch.float32
+    if dtype == torch.bfloat16 and device_type == "cuda" and not bf16_supported:
         raise ConfigError("trainer_config.amp_dtype: bf16 is not supported on this GPU; use fp16")
     if cfg.use_amp and device_type == "cpu":
         log.warning("trainer_config.use_amp %s on CPU: CPUs without bf16/fp16 units run it far slower than fp32%s",
-                    "forced" if cfg.amp_on_cpu else "ignored",
-                    "" if cfg.amp_on_cpu else " (trainer_config.amp_on_cpu=true forces it)")
-    return AmpPolicy(enabled, dtype, enabled and dtype == torch.float16)
+                    *(("forced", "") if cfg.amp_on_cpu else ("ignored", " (trainer_config.amp_on_cpu=true forces it)")))
+    return AmpPolicy(enabled, dtype, dtype == torch.float16)
 
 
 class StepPlan(NamedTuple):
@@ -66,15 +63,13 @@ class Trainer:
     def __init__(self, config: Config, model: GPT, data: CharData, dist_info: DistInfo, run_dir: str,
                  snapshot_path: str):
         self.config, self.cfg, self.dist, self.data = config, config.trainer_config, dist_info, data
-        cfg, self.device = self.cfg, dist_info.device
+        self.device, self.run_dir, self.snapshot_path, cfg = dist_info.device, run_dir, snapshot_path, self.cfg
         self.train_windows, self.eval_windows = data.place(self.device, config.data_config.placement)
-        self.run_dir, self.snapshot_path = run_dir, snapshot_path
         comm_hooks.check(cfg, dist_info)  # a hook this run cannot use is refused before any work
         self.comm = comm_hooks.create(cfg, dist_info)
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
         self.amp = amp_policy(cfg, self.device.type, self.device.type != "cuda" or torch.cuda.is_bf16_supported())
-        amp_dtype = self.amp.dtype if self.amp.enabled else torch.float32  # the dtype MFU's peak is measured in
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp.scaler)
         self.fsdp = parallel.uses_fsdp(cfg, dist_info)
         if self.fsdp:  # before the optimizer; sharded on the CPU, so only this rank's shards go to the device
@@ -90,34 +85,30 @@ class Trainer:
         self.saver = Saver(cfg, dist_info, self.snapshot, self._check_diverged)  # restores the snapshot
         self.progress = dataclasses.replace(self.saver.saved) if self.saver.saved else Progress()
         self.evaluator = Evaluator(cfg, self.progress, self.saver.save_best)
-        ddp = None
-        if dist_info.is_distributed and not self.fsdp:
-            ddp = parallel.replicate(self.raw_model, dist_info, self.comm)
+        ddp = (parallel.replicate(self.raw_model, dist_info, self.comm)
+               if dist_info.is_distributed and not self.fsdp else None)
         # In one process too: a hook state saved by several says that it goes unused.
         self.comm.start(ddp, self.snapshot.comm_state, self.progress.step, self.raw_model, self.optimizer,
                         self.scaler, lambda: self._warm_up_ddp(ddp))
         self.model = parallel.maybe_compile(self.raw_model if ddp is None else ddp, cfg)  # what the step calls
         W, block = dist_info.world_size, self.train_windows.block_size
         self.train_sampler = ResumableSampler(len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed)
-        self.plan = step_plan(cfg, len(data.train), W, self.progress)
-        self.samples_per_step, self.total_steps = self.plan.samples_per_step, self.plan.total_steps
+        self.samples_per_step, _, self.total_steps = self.plan = step_plan(cfg, len(data.train), W, self.progress)
         tracker = tracking.start(config, run_dir, self.snapshot.tracker_run_id, self.progress.step,
                                  enabled=dist_info.is_main_process and not self.finished())
         self.snapshot.tracker_run_id = tracker.run_id or self.snapshot.tracker_run_id
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.progress.step, tracker)
         g, step_tokens = config.gpt_config, self.samples_per_step * block
         self.pace = Pace(step_tokens * W, flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd, block),
-                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, amp_dtype))
+                         lambda: flops.peak_for_mfu(self.pace.flops_per_token * step_tokens, dist_info, self.amp.dtype),
+                         self.progress.step)
 
     def finished(self) -> bool:
-        return self._out_of_steps() or self.evaluator.stopped_early()
-
-    def _out_of_steps(self) -> bool:
-        return self.progress.epoch >= self.cfg.max_epochs or self.progress.step >= self.total_steps
+        p = self.progress
+        return p.epoch >= self.cfg.max_epochs or p.step >= self.total_steps or self.evaluator.stopped_early()
 
     def train(self) -> float:
-        """Train to the end, save, and return the held-out loss there. A stop signal saves and stops every rank
-        at the next step boundary (mingpt/stopping.py)."""
+        """Train to the end, save, return the final held-out loss; a stop signal saves and stops at a step boundary."""
         status = "FAILED"  # how the run ended, for the tracker
         try:
             with stopping.graceful():
@@ -138,35 +129,33 @@ class Trainer:
 
     def _train_epoch(self) -> None:
         """Train from the next unseen sample of the current epoch to its end (or to the last step)."""
-        cfg, p, per_step = self.cfg, self.progress, self.samples_per_step
+        p = self.progress
         self.train_sampler.set_epoch(p.epoch)
         self.train_sampler.start_index = p.samples_in_epoch
         order = self.train_sampler.indices().to(self.train_windows.tokens.device)  # host-gathered: stays on the host
-        for start in range(0, len(order), per_step):
-            indices = order[start : start + per_step]
+        batches = order.split(self.samples_per_step)
+        for k, indices in enumerate(batches):
             loss, grad_norm, lr = self.train_step(indices)
-            if start + per_step < len(order):  # host-gathered batches: the next is copied while this step runs
-                self.train_windows.prefetch(order[start + per_step : start + 2 * per_step])
+            if k + 1 < len(batches):  # host-gathered batches: the next is copied while this step runs
+                self.train_windows.prefetch(batches[k + 1])
             if self.device.type == "cpu" and not self.dist.is_distributed:
                 self._check_diverged(p.step + 1)  # free on a CPU: stop at the step itself
             p.samples_in_epoch = min(len(self.data.train), p.samples_in_epoch + len(indices) * self.dist.world_size)
             p.step += 1
-            self.pace.step()
             self.metrics.show_progress(p.step, self.total_steps)
-            if p.step % cfg.log_every == 0 or p.step == self.total_steps:
+            if p.step % self.cfg.log_every == 0 or p.step == self.total_steps:
                 self._log_train(loss, grad_norm, lr)
-            if p.step >= self.total_steps:
-                break
-            with self.pace.paused():
-                if self.evaluator.due_after_step(p.step):
-                    self.evaluate()
-                self.saver.after_step(p)  # after the step's evaluation: a resume goes on with the next step
-            if self.evaluator.stopped_early():
+            if p.step < self.total_steps:  # the last step's evaluation and save come at the end of the run
+                with self.pace.paused():
+                    if self.evaluator.due():
+                        self.evaluate()
+                    self.saver.after_step(p)  # after the step's evaluation: a resume goes on with the next step
+            if self.finished():
                 break
         if p.samples_in_epoch >= len(self.data.train):
             p.epoch, p.samples_in_epoch = p.epoch + 1, 0
             with self.pace.paused():
-                if self.evaluator.due_after_epoch() and not self.finished():
+                if self.evaluator.due(epoch_end=True) and not self.finished():
                     self.evaluate()
                 if not self.finished():
                     self.saver.after_epoch(p)
@@ -180,17 +169,15 @@ class Trainer:
         micro_batches = indices.split(cfg.batch_size)
         step_loss = torch.zeros((), device=self.device)
         for k, micro in enumerate(micro_batches):
-            x, y = self.train_windows.batch(micro)
             weight = len(micro) / len(indices)
             with parallel.gradient_sync(self.model, self.raw_model, enabled=k == len(micro_batches) - 1):
                 with self._autocast():
-                    _, loss = self.model(x, y)
+                    _, loss = self.model(*self.train_windows.batch(micro))
                 self.scaler.scale(loss * weight).backward()
             step_loss += loss.detach() * weight
         bad = (self.nonfinite_step == 0) & ~torch.isfinite(step_loss)
         self.nonfinite_step = torch.where(bad, p.step + 1, self.nonfinite_step)
         self.scaler.unscale_(self.optimizer)
-        # The global norm: over the shards too, with FSDP.
         grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_norm_clip))
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -211,8 +198,7 @@ class Trainer:
 
     def _check_diverged(self, step: int) -> None:
         """Stop if the loss was not finite at any step so far; every rank calls this at the same step."""
-        first = all_max(self.dist, [int(self.nonfinite_step)])[0]  # the host sync
-        if first:
+        if first := all_max(self.dist, [int(self.nonfinite_step)])[0]:  # the host sync
             found = "" if first == step else f" (found at step {step})"
             raise TrainingError(f"training diverged: the loss is not finite at step {first}{found}; "
                                 f"{self.saver.kept()}")
@@ -223,48 +209,44 @@ class Trainer:
 
     def evaluate(self) -> float:
         """The held-out loss of the run's weights (with LocalSGD: the replicas' mean), recorded, logged, sampled."""
-        with self.comm.mean_weights(self.raw_model):
-            return self._evaluate()
-
-    def _evaluate(self) -> float:
-        self._check_diverged(self.progress.step)
-        p, cfg, windows = self.progress, self.cfg, self.eval_windows
-        start = time.monotonic()
+        p, cfg, windows, start = self.progress, self.cfg, self.eval_windows, time.monotonic()
+        self._check_diverged(p.step)
         if self.eval_notice.slow:
             n = len(evaluation.chosen_windows(len(windows), windows.block_size, cfg.eval_tokens))
             log.info("evaluating at step %d on %d held-out windows", p.step, n)
-        result = evaluation.evaluate(self.raw_model, windows, self.dist, cfg.eval_tokens, cfg.batch_size * 4,
-                                     self._autocast, lockstep=self.fsdp, stop_requested=stopping.stop_requested)
-        if result.interrupted:
-            log.info("evaluation at step %d interrupted by a stop signal: not recorded", p.step)
-            return math.nan
-        if not math.isfinite(result.loss):  # the weights of the last update are not: no log, no sample
-            raise TrainingError(f"training diverged: the held-out loss is {result.loss} at step {p.step}; "
-                                f"{self.saver.kept()}")
-        self.evaluator.record(result.loss, self._out_of_steps())
-        self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
-                         perplexity=math.exp(result.loss), rank_losses=result.rank_losses, tokens=result.tokens)
-        if cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
-            text = self.sample(cfg.sample_chars, stoppable=True)
-            if text is None:  # the step boundary right after stops the run
-                log.info("sample at step %d interrupted by a stop signal: not recorded", p.step)
-            else:
-                self.metrics.text("sample", text, p.step)
+        with self.comm.mean_weights(self.raw_model):
+            result = evaluation.evaluate(self.raw_model, windows, self.dist, cfg.eval_tokens, cfg.batch_size * 4,
+                                         self._autocast, lockstep=self.fsdp, stop_requested=stopping.stop_requested)
+            if result.interrupted:
+                log.info("evaluation at step %d interrupted by a stop signal: not recorded", p.step)
+                return math.nan
+            if not math.isfinite(result.loss):  # the weights of the last update are not: no log, no sample
+                raise TrainingError(f"training diverged: the held-out loss is {result.loss} at step {p.step}; "
+                                    f"{self.saver.kept()}")
+            self.evaluator.record(result.loss, self.finished())  # finished: out of steps (not stopped early here)
+            self.metrics.log("eval", p.step, p.epoch, loss=result.loss, bpc=result.loss / math.log(2),
+                             perplexity=math.exp(result.loss), rank_losses=result.rank_losses, tokens=result.tokens)
+            if cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
+                text = self.sample(stoppable=True)
+                if text is None:  # the step boundary right after stops the run
+                    log.info("sample at step %d interrupted by a stop signal: not recorded", p.step)
+                else:
+                    self.metrics.text("sample", text, p.step)
         if self.eval_notice.took(time.monotonic() - start):
             log.info("evaluation at step %d took %.1f s", p.step, time.monotonic() - start)
         return result.loss
 
-    def sample(self, n_chars: int, stoppable: bool = False) -> str | None:
-        """A line of text from the current weights, seeded by (seed, step); a sharded model's ranks all generate,
-        in lockstep. `stoppable`: None once a stop is requested (by any rank, when sharded)."""
+    def sample(self, stoppable: bool = False) -> str | None:
+        """A line of sample_chars characters from the current weights, seeded by (seed, step); a sharded model's
+        ranks all generate, in lockstep. `stoppable`: None once a stop is requested (by any rank, when sharded)."""
         stop = (lambda: all_max(self.dist, [stopping.stop_requested()])[0]) if self.fsdp else stopping.stop_requested
-        return sample_line(self.raw_model, self.data.tokenizer, self.cfg.seed + self.progress.step, n_chars,
-                           stop if stoppable else None)
+        return sample_line(self.raw_model, self.data.tokenizer, self.cfg.seed + self.progress.step,
+                           self.cfg.sample_chars, stop if stoppable else None)
 
     def print_sample(self) -> None:
         with self.comm.mean_weights(self.raw_model):  # every rank takes part
             if self.cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
-                sample = self.sample(self.cfg.sample_chars)
+                sample = self.sample()
                 if self.dist.is_main_process:
                     print(f"--- sample after step {self.progress.step} ---\n{sample}", flush=True)
 
