@@ -124,10 +124,9 @@ def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start 
     return head.ljust(-(-len(head) // PAGE) * PAGE, b"\0")
 
 
-def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Build the cache at `path` (atomically) unless a valid one is there: the sources and the ids have the SHA-256s
-    its header records (each read once to compare). A build reads each source twice (thrice when truncated: the
-    vocabulary is that of the kept text)."""
+def _why_rebuild(path: str, sources: list[str], truncate: float, open_source) -> str | None:
+    """None if the cache at `path` is valid: the sources and the ids have the SHA-256s its header records (each read
+    once to compare); else why it is not."""
     why = "missing"
     if os.path.exists(path):
         keys = []
@@ -143,10 +142,19 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
                 elif storage.sha256(f)[1] != header["digest"]:
                     why = "damaged (its checksum does not match)"
                 else:
-                    log.info("token cache %s is up to date", path)
-                    return
+                    return None
         except (ValueError, KeyError, TypeError, OSError) as e:
             why = f"damaged ({e})"
+    return why
+
+
+def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
+    """Build the cache at `path` (atomically) unless a valid one is there. A build reads each source twice (thrice
+    when truncated: the vocabulary is that of the kept text)."""
+    why = _why_rebuild(path, sources, truncate, open_source)
+    if why is None:
+        log.info("token cache %s is up to date", path)
+        return
     (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
     scans = []
     for source in sources:
