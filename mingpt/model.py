@@ -26,13 +26,9 @@ class KVCache:
         """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys, values and mask the new queries
         attend to. pos None: a prompt at positions 0..T-1, causal over itself. pos a one-element tensor: one token
         there, attending to the cache up to its own position."""
-        if pos is None:
-            self.k[layer][:, :, : k.size(2)] = k
-            self.v[layer][:, :, : v.size(2)] = v
-            return k, v, None
-        self.k[layer].index_copy_(2, pos, k)
-        self.v[layer].index_copy_(2, pos, v)
-        return self.k[layer], self.v[layer], self.positions <= pos
+        self.k[layer].index_copy_(2, self.positions[0, : k.size(2)] if pos is None else pos, k)
+        self.v[layer].index_copy_(2, self.positions[0, : v.size(2)] if pos is None else pos, v)
+        return (k, v, None) if pos is None else (self.k[layer], self.v[layer], self.positions <= pos)
 
 
 class CausalSelfAttention(nn.Module):
@@ -113,11 +109,9 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        checkpointing = self.checkpoint_blocks and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
-            if self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x, cache, i)
+            x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x, cache, i)
         logits = self.lm_head(self.ln_f(x))
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
         return logits, loss
