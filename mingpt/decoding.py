@@ -30,11 +30,8 @@ def noise_rows(vocab_size: int) -> int:
 def draw_noise(noise: torch.Tensor, generator: Generators = None) -> torch.Tensor:
     """Fill `noise` (B, rows, vocab) in place with standard Gumbel noise, -log(E) with E ~ Exp(1), from one
     generator for the batch, or one per row (row b then holds what a batch of one draws with its generator)."""
-    if isinstance(generator, (list, tuple)):
-        for row, g in zip(noise, generator):
-            row.uniform_(generator=g)
-    else:
-        noise.uniform_(generator=generator)
+    for part, g in zip(noise, generator) if isinstance(generator, (list, tuple)) else [(noise, generator)]:
+        part.uniform_(generator=g)
     # U in [0, 1): E = -log(1 - U) is in [0, 16.6]; clamped away from 0, its log is finite.
     return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
 
@@ -62,10 +59,8 @@ def pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float = 1.0, to
 def next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                top_p: Optional[float] = None, generator: Generators = None) -> torch.Tensor:
     """pick, with one row of noise drawn now (generate draws it ahead, in blocks)."""
-    noise = None
-    if temperature != 0:
-        noise = draw_noise(torch.empty(logits.size(0), 1, logits.size(-1), device=logits.device), generator)[:, 0]
-    return pick(logits, noise, temperature, top_k, top_p)
+    noise = torch.empty(logits.size(0), logits.size(-1), device=logits.device)
+    return pick(logits, draw_noise(noise, generator) if temperature != 0 else None, temperature, top_k, top_p)
 
 
 # On CPU, one-row matrix products as inductor reductions: BLAS streams the weights at a quarter to a third of the
@@ -75,9 +70,8 @@ CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
     """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs, memory-speed reductions on CPU."""
-    if device.type == "cuda":
-        return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    return torch.compile(fn, options=CPU_DECODING_OPTIONS, fullgraph=True, dynamic=False)
+    how = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": CPU_DECODING_OPTIONS}
+    return torch.compile(fn, fullgraph=True, dynamic=False, **how)
 
 
 def decode_step(model: GPT, token: torch.Tensor, pos: torch.Tensor, cache: KVCache, noise: torch.Tensor,
@@ -101,8 +95,6 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     Token i always uses noise row i, so the same generator state gives the same tokens with or without the cache,
     compiled or not, whatever the chunks; with one generator per row of idx, each row gets what it would alone.
     The model is in eval mode until the generator is exhausted or closed."""
-    if idx.size(1) == 0:
-        raise ValueError("generate needs at least one token of context")
     B, T = idx.shape
     block_size, sampling = model.config.block_size, (temperature, top_k, top_p)
     rows = noise_rows(model.config.vocab_size)
@@ -110,11 +102,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=idx.device)
     cache = None
     if use_cache:  # the cache, the newest token, its position and noise row: decode_step's state, on the device
-        param = next(model.parameters())
-        cache = KVCache(model.config, B, param.device, param.dtype)
+        cache = KVCache(model.config, B, idx.device, next(model.parameters()).dtype)
         token, pos, row = (torch.zeros(shape, dtype=torch.long, device=idx.device) for shape in ((B, 1), 1, 1))
-        step = compile_for_decoding(decode_step, param.device) if compile else decode_step
-        if compile and param.device.type == "cuda":  # CUDA graphs update these in place
+        step = compile_for_decoding(decode_step, idx.device) if compile else decode_step
+        if compile and idx.device.type == "cuda":  # CUDA graphs update these in place
             for t in [*cache.k, *cache.v, token, pos, row, noise]:
                 torch._dynamo.mark_static_address(t)
 
@@ -157,12 +148,9 @@ def sample_line(model: GPT, tokenizer, seed: int, n_chars: int,
                 stop_requested: Optional[Callable[[], int]] = None) -> Optional[str]:
     """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`, asked every
     STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""
-    device = next(model.parameters()).device
-    prompt = tokenizer.line_start()
-    generator = torch.Generator(device).manual_seed(seed)
+    device, prompt, tokens = next(model.parameters()).device, tokenizer.line_start(), []
     idx = tokenizer.encode(prompt).long()[None].to(device)
-    tokens = []
-    with contextlib.closing(generate(model, idx, n_chars, temperature=1.0, generator=generator,
+    with contextlib.closing(generate(model, idx, n_chars, generator=torch.Generator(device).manual_seed(seed),
                                      chunk_tokens=STOP_CHECK_EVERY, chunk_seconds=None)) as new:
         for chunk in new:
             if stop_requested is not None and stop_requested():

@@ -3,8 +3,7 @@
 `python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`. safetensors: DST a
 directory of model.safetensors (the float32 weights under the model's own names), config.json (the GPTConfig) and
 vocab.json (each character's token id); hf: a directory that transformers' GPT2LMHeadModel.from_pretrained(DST)
-loads; snapshot: one snapshot file (local path or fsspec URL). DST only ever holds a complete export.
-"""
+loads; snapshot: one snapshot file (local path or fsspec URL). DST only ever holds a complete export."""
 
 import dataclasses
 import glob
@@ -53,18 +52,15 @@ class ExportConfig:
 def hf_config(model: GPT) -> dict:
     """GPT2Config's fields for this model: the same arithmetic (pre-LayerNorm blocks with biases, attention scaled
     by 1/sqrt(head size), a 4x MLP), its activation and LayerNorm epsilon, and an untied head."""
-    c, gelu = model.config, model.h[0].mlp.gelu
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
-        "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-        "n_inner": model.h[0].mlp.c_fc.out_features,
-        "activation_function": {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[gelu.approximate],
-        "layer_norm_epsilon": model.ln_f.eps, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
-        "attn_pdrop": c.dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False, "tie_word_embeddings": False,
-        "bos_token_id": None, "eos_token_id": None,  # a character model has no special tokens
-        "torch_dtype": "float32", "use_cache": True,
-    }
+    c, mlp = model.config, model.h[0].mlp
+    return dict(
+        architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size, n_positions=c.block_size,
+        n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, n_inner=mlp.c_fc.out_features,
+        activation_function={"none": "gelu", "tanh": "gelu_pytorch_tanh"}[mlp.gelu.approximate],
+        layer_norm_epsilon=model.ln_f.eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
+        scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,  # a character model has no special tokens
+        torch_dtype="float32", use_cache=True)
 
 
 def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[str, bytes]:
@@ -72,13 +68,12 @@ def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[s
     an hf one: the weights under GPT2LMHeadModel's names, the body under `transformer.`, Conv1D's transposed."""
     weights = {}
     for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().float().cpu().contiguous()
-        module, _, kind = name.rpartition(".")
+        tensor = tensor.detach().float().cpu()
         if hf and name != "lm_head.weight":
-            if kind == "weight" and module.split(".", 2)[-1] in CONV1D:  # h.<i>.attn.c_attn
-                tensor = tensor.t().contiguous()
+            if name.removesuffix(".weight").split(".", 2)[-1] in CONV1D:  # h.<i>.attn.c_attn(.weight)
+                tensor = tensor.t()
             name = f"transformer.{name}"
-        weights[name] = tensor
+        weights[name] = tensor.contiguous()
     config = hf_config(model) if hf else dataclasses.asdict(model.config)
     return {
         WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt", "mingpt_step": str(step)}),
@@ -103,8 +98,7 @@ def check_destination(dst: str, directory: bool) -> Optional[str]:
     if stat.S_ISDIR(info.st_mode):
         if not directory:
             raise ExportError(f"{dst} is a directory: the snapshot format writes one file")
-        others = sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB})
-        if others:
+        if others := sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB}):
             raise ExportError(f"{dst} is a directory with other files ({', '.join(others[:3])}): "
                               "give a new or an earlier export's directory")
     elif not stat.S_ISREG(info.st_mode):

@@ -1,8 +1,6 @@
 """Generate text from a snapshot and stream it to stdout (also: mingpt-generate).
 
-The model and its vocabulary come from the snapshot alone. Only the text goes to stdout; logs go to stderr, and
-a bad value, snapshot or prompt ends with one line there and exit status 2 (docs/generation.md).
-"""
+Only the text goes to stdout; logs and a one-line error (exit status 2) go to stderr (docs/generation.md)."""
 
 import logging
 import math
@@ -98,16 +96,15 @@ def find_snapshot(path: str) -> str:
     except (OmegaConfBaseException, ConfigError, OSError, ValueError) as e:
         raise SnapshotError(f"run directory {path}: {config_file} cannot be read ({reason(e)})") from None
     found = manager.resolve_path(trainer_config, path)
-    best = manager.find_best(found)
-    if best:
+    if best := manager.find_best(found):
         log.info("run directory %s: its best weights, %s (the lowest held-out loss; the latest snapshot is %s)",
                  path, best, found)
         return best
-    old = os.path.join(path, manager.OLD_DEFAULT_PATH)  # an older ddp run's single file
-    if not manager.has_snapshot(found) and not trainer_config.snapshot_path and os.path.isfile(old):
+    if not manager.has_snapshot(found):
+        old = os.path.join(path, manager.OLD_DEFAULT_PATH)  # an older ddp run's single file
+        if trainer_config.snapshot_path or not os.path.isfile(old):
+            raise SnapshotError(f"{path} is a run directory with no snapshot yet (it saves to {found})")
         found = old
-    elif not manager.has_snapshot(found):
-        raise SnapshotError(f"{path} is a run directory with no snapshot yet (it saves to {found})")
     log.info("run directory %s: its snapshot is %s (no best weights written yet)", path, found)
     return found
 
@@ -170,9 +167,9 @@ def write(text: str) -> None:
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
-    except BrokenPipeError:  # the reader went away, e.g. `| head`: not an error of ours
-        raise
-    except OSError as e:  # e.g. `>/dev/full`
+    except OSError as e:  # e.g. `>/dev/full`; BrokenPipeError (`| head`) is not an error of ours
+        if isinstance(e, BrokenPipeError):
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
@@ -180,17 +177,15 @@ def write(text: str) -> None:
 def should_compile(config: GenerateConfig, device: torch.device) -> bool:
     if config.compile != "auto":
         return config.compile == "true"
-    if not config.use_cache or (device.type == "cpu" and config.num_samples > 1):
-        return False
-    return config.max_new_tokens >= COMPILE_PAYS_AFTER.get(device.type, math.inf)
+    return (config.use_cache and not (device.type == "cpu" and config.num_samples > 1)
+            and config.max_new_tokens >= COMPILE_PAYS_AFTER.get(device.type, math.inf))
 
 
 def run(config: GenerateConfig) -> None:
     device = pick_device(config.device, key="device")
     model, tokenizer, state = load_model(config.snapshot_path, device)
     prompt = read_prompt(config)
-    unknown = " ".join(repr(c) for c in tokenizer.unknown(prompt))
-    if unknown:
+    if unknown := " ".join(repr(c) for c in tokenizer.unknown(prompt)):
         raise PromptError(f"prompt has characters outside the snapshot's vocabulary: {unknown}")
     idx = tokenizer.encode(prompt or tokenizer.line_start()).long()[None].to(device)
     check_fits(model, config, device)
@@ -207,8 +202,8 @@ def run(config: GenerateConfig) -> None:
                           config.top_k, config.top_p, generators, config.use_cache, compile):
         write(tokenizer.decode(chunk[0].tolist()))  # the first character alone, then chunks
         chunks.append(chunk)
-    samples = [prompt + tokenizer.decode(new) for new in torch.cat(chunks, dim=1).tolist()]
-    for i, text in enumerate(samples):  # sample 1 was written as it came
+    for i, new in enumerate(torch.cat(chunks, dim=1).tolist()):  # sample 1 was written as it came
+        text = prompt + tokenizer.decode(new)
         write(("\n" + header.format(i + 1) + text if i else "") + ("" if text.endswith("\n") else "\n"))
     seconds, chars = time.perf_counter() - started, config.max_new_tokens * config.num_samples
     log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))

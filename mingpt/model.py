@@ -26,13 +26,9 @@ class KVCache:
         """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys, values and mask the new queries
         attend to. pos None: a prompt at positions 0..T-1, causal over itself. pos a one-element tensor: one token
         there, attending to the cache up to its own position."""
-        if pos is None:
-            self.k[layer][:, :, : k.size(2)] = k
-            self.v[layer][:, :, : v.size(2)] = v
-            return k, v, None
-        self.k[layer].index_copy_(2, pos, k)
-        self.v[layer].index_copy_(2, pos, v)
-        return self.k[layer], self.v[layer], self.positions <= pos
+        self.k[layer].index_copy_(2, self.positions[0, : k.size(2)] if pos is None else pos, k)
+        self.v[layer].index_copy_(2, self.positions[0, : v.size(2)] if pos is None else pos, v)
+        return (k, v, None) if pos is None else (self.k[layer], self.v[layer], self.positions <= pos)
 
 
 class CausalSelfAttention(nn.Module):
@@ -49,9 +45,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        mask = None
-        if cache is not None:
-            k, v, mask = cache.store(layer, k, v, pos)
+        k, v, mask = (k, v, None) if cache is None else cache.store(layer, k, v, pos)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=mask is None and T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -96,14 +90,11 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.checkpoint_blocks = False  # training: recompute each block's activations in backward
         # GPT-2's initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 * n_layer).
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            if p.dim() == 2:  # Linear and Embedding weights
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """non_embedding leaves out the token and position embeddings (lookups; the head is not tied)."""
@@ -118,15 +109,11 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        checkpointing = self.checkpoint_blocks and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
-            if self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x, cache, i)
+            x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x, cache, i)
         logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
         return logits, loss
 
     def step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:

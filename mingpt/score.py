@@ -1,8 +1,7 @@
 """Score a text under a snapshot: loss, bits per character, perplexity (also: mingpt-score).
 
 A file, or the run's held-out split exactly as the run evaluated it, in non-overlapping windows of block_size, each
-predicted from its own start, in float32 (docs/generation.md).
-"""
+predicted from its own start, in float32 (docs/generation.md)."""
 
 import logging
 import math
@@ -92,8 +91,7 @@ def score(config: ScoreConfig) -> Score:
     trainer_config = state.get("trainer_config") or {}
     if config.path:
         text = read_text(config.path)
-        unknown = tokenizer.unknown(text)
-        if unknown:
+        if unknown := tokenizer.unknown(text):
             raise TextError(f"{config.path} has characters outside the snapshot's vocabulary: "
                             f"{' '.join(repr(c) for c in unknown[:20])}")
         tokens = tokenizer.encode(text).to(device)

@@ -94,7 +94,7 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(source, tmp_path, 
     assert hf_model.config.tie_word_embeddings is False
     assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
     assert max_difference(model, hf_model) <= TOLERANCE
-    assert json.loads((dst / "vocab.json").read_text(encoding="utf-8")) == tokenizer.stoi
+    assert json.loads((dst / "vocab.json").read_text(encoding="utf-8")) == {c: i for i, c in enumerate(tokenizer.chars)}
 
 
 def test_the_logit_check_detects_a_wrong_activation(sharded_root, tmp_path):
