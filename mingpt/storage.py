@@ -161,18 +161,13 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def irregular(mode: int) -> str | None:
-    """What a file of this st_mode is, in words, unless regular (a FIFO would block a read, a device never end)."""
-    if stat.S_ISREG(mode):
-        return None
-    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-
-
 def check_regular(path: str, label: str) -> None:
-    """StorageError if the local `path` exists and is not a regular file (a URL is left to the reader)."""
+    """StorageError if the local `path` exists and is not a regular file (a FIFO would block a read, a device never
+    end); a URL is left to the reader."""
     fs, p = filesystem(path)
     with contextlib.suppress(OSError):
-        if is_local(fs) and (kind := irregular(os.stat(p).st_mode)):
+        if is_local(fs) and not stat.S_ISREG(mode := os.stat(p).st_mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
             raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 

@@ -35,8 +35,7 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
     current = result_items({f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)})
     changes = [f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
                for key in sorted(saved.keys() & current.keys()) if saved[key] != current[key]]
-    algorithm = [c for c in changes if c.startswith("optimizer_config.algorithm:")]
-    if algorithm:
+    if algorithm := [c for c in changes if c.startswith("optimizer_config.algorithm:")]:
         raise SnapshotError(f"snapshot {path} holds another optimizer's state ({algorithm[0]}): keep its "
                             f"optimizer_config.algorithm, or fine-tune from it in a new run (trainer_config.init_from)")
     if changes and not config.trainer_config.allow_config_change:
@@ -90,7 +89,6 @@ def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
         return
     gathered = [torch.zeros(1, dtype=torch.long, device=dist_info.device) for _ in range(dist_info.world_size)]
     dist.all_gather(gathered, torch.tensor([step], device=dist_info.device))
-    steps = [int(t) for t in gathered]
-    if len(set(steps)) > 1:
+    if len(set(steps := [int(t) for t in gathered])) > 1:
         raise SnapshotError(f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "
                             "where every node sees it (a shared file system, s3://, gs://)")

@@ -157,8 +157,7 @@ class Snapshot:
         if self.scaler.is_enabled() and state.get("scaler_state"):
             self.scaler.load_state_dict(state["scaler_state"])
         set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's
-        run_id = state.get("tracker_run_id")
-        self.tracker_run_id = run_id if isinstance(run_id, str) and run_id else None
+        self.tracker_run_id = run_id if isinstance(run_id := state.get("tracker_run_id"), str) and run_id else None
         progress = Progress(**{f.name: state[f.name] for f in dataclasses.fields(Progress) if f.name in state})
         log.info("resumed from %s: epoch %d, %d samples into it, step %d",
                  self.path, progress.epoch, progress.samples_in_epoch, progress.step)

@@ -59,8 +59,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # what each field must
 
 def check_structure(state: Any, path: str) -> None:
     """SnapshotError naming the first field missing, of another type, or (of the weights) not finite and float."""
-    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
-    if missing:
+    if missing := [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]:
         raise SnapshotError(f"{path} is not a mingpt snapshot (no {', '.join(missing)})")
     for key, (types, what) in FIELD_TYPES.items():
         value = state.get(key)
