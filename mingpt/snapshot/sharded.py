@@ -224,8 +224,7 @@ class _Streams(FileSystem):
 
 @functools.cache
 def _staging(pinned: bool) -> DefaultStager:
-    """DCP's stager, whose CPU copy is refilled in place by every asynchronous save; pinned only for a state on a GPU
-    (a CPU job's asynchronous saves failed on a GPU host)."""
+    """DCP's stager, whose CPU copy every asynchronous save refills in place; pinned only for a state on a GPU."""
     return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=False))
 
@@ -320,8 +319,6 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
             for name in (DCP_METADATA, META):
                 with fs.open(f"{p}/{name}", "rb") as f:
                     manifest[name] = list(storage.sha256(f))
-            if storage.is_local(fs):
-                storage.fsync_dir(p)
             with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
                 f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
         except Exception as e:
@@ -440,12 +437,10 @@ def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) 
 
 
 def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
-    for key in expected:
-        if key not in saved or key not in metadata.state_dict_metadata:
-            raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {key}")
-    for key in saved:
-        if key not in expected:
-            raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {key} that this run has not")
+    if missing := [key for key in expected if key not in saved or key not in metadata.state_dict_metadata]:
+        raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {missing[0]}")
+    if extra := [key for key in saved if key not in expected]:
+        raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {extra[0]} that this run has not")
 
 
 def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
@@ -464,9 +459,8 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
 
 def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
          check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
-    """Verify the newest published snapshot of a root (or the given directory), which `check(meta)` may refuse, then
-    load it into `tensors` in place, resharded. Its `meta`; with `own`, (meta, this rank's own state, or None unless
-    the snapshot holds one for each rank of this run)."""
+    """Verify the newest published snapshot of a root (or that directory), which `check(meta)` may refuse, and load it
+    into `tensors` in place, resharded; its meta, or with `own` (meta, this rank's own state if as many ranks saved)."""
     wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group()
     directory = _by_rank0(pg, lambda: _resolve(root_or_dir))
@@ -501,10 +495,9 @@ def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
         try:
             return read(directory)
         except (SnapshotError, StorageError):
-            try:
+            published = True  # if storage cannot tell, the read's own error stands
+            with contextlib.suppress(StorageError):
                 published = storage.exists(f"{directory.rstrip('/')}/{MANIFEST}")
-            except StorageError:
-                published = True  # unknown: the read's own error stands
             if published:
                 raise
         if directory == root_or_dir:
@@ -558,10 +551,9 @@ class ShardedFormat:
 
     def load(self, check_fits: Callable) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:  # meta, comm hook's
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
-        tensors = {"model": model_state, "optim": optim_state}
-        meta, own = load(tensors, self.root, own=True, check=check_fits)
-        set_state_dict(self.model, self.optimizers, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors["optim"])
+        state = {"model": model_state, "optim": optim_state}
+        meta, own = load(state, self.root, own=True, check=check_fits)
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
         about = meta.get("comm_hook")
         return meta, ({**about, "state": own} if isinstance(about, dict) else None)
 
