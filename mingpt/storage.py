@@ -1,8 +1,8 @@
-"""Storage: local paths and fsspec URLs, their errors (one StorageError naming the path), atomic writes (a reader sees
-the old file or the whole new one), hashing, and the check at start that the run's locations can be written."""
+"""Local paths and fsspec URLs: errors as one StorageError naming the path, atomic writes, SHA-256, writability."""
 
 import contextlib
 import hashlib
+import importlib
 import os
 import re
 import socket
@@ -24,14 +24,9 @@ class StorageError(ValueError):
 def storage_errors() -> tuple[type[BaseException], ...]:
     """What failing storage raises through fsspec: OSError, and the client libraries' errors once imported."""
     errors: list[type[BaseException]] = [OSError]
-    if "botocore" in sys.modules:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        errors += [BotoCoreError, ClientError]
-    if "aiohttp" in sys.modules:
-        from aiohttp import ClientError as AiohttpClientError
-
-        errors.append(AiohttpClientError)
+    for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")), ("aiohttp", ("ClientError",))):
+        if module.split(".")[0] in sys.modules:
+            errors += [getattr(importlib.import_module(module), name) for name in names]
     return tuple(errors)
 
 
@@ -134,9 +129,8 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
                 os.fsync(f.fileno())
         fs.mv(tmp, path)  # a rename on local disks; object stores publish whole objects
     finally:
-        with contextlib.suppress(*storage_errors()):  # the write's own error says more
-            if fs.exists(tmp):
-                fs.rm(tmp)
+        with contextlib.suppress(*storage_errors()):  # renamed already, or the write's own error says more
+            fs.rm(tmp)
     if is_local(fs):
         fsync_dir(fs._parent(path))
 
@@ -161,18 +155,12 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def irregular(mode: int) -> str | None:
-    """What a file of this st_mode is, in words, unless regular (a FIFO would block a read, a device never end)."""
-    if stat.S_ISREG(mode):
-        return None
-    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-
-
 def check_regular(path: str, label: str) -> None:
-    """StorageError if the local `path` exists and is not a regular file (a URL is left to the reader)."""
+    """StorageError if the local `path` exists and is not a regular file (a FIFO would block a read); URLs pass."""
     fs, p = filesystem(path)
     with contextlib.suppress(OSError):
-        if is_local(fs) and (kind := irregular(os.stat(p).st_mode)):
+        if is_local(fs) and not stat.S_ISREG(mode := os.stat(p).st_mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
             raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 

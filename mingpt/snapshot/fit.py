@@ -5,7 +5,6 @@ import json
 import logging
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from mingpt.config import Config, result_items
@@ -32,11 +31,10 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
     """Refuse a snapshot written with other values of result-affecting keys (those both configs have), naming each,
     unless allow_config_change (never another optimizer: its state would not load); return them as `key: old -> new`."""
     saved = result_items(state)
-    current = result_items({f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)})
+    current = result_items(dataclasses.asdict(config))
     changes = [f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
                for key in sorted(saved.keys() & current.keys()) if saved[key] != current[key]]
-    algorithm = [c for c in changes if c.startswith("optimizer_config.algorithm:")]
-    if algorithm:
+    if algorithm := [c for c in changes if c.startswith("optimizer_config.algorithm:")]:
         raise SnapshotError(f"snapshot {path} holds another optimizer's state ({algorithm[0]}): keep its "
                             f"optimizer_config.algorithm, or fine-tune from it in a new run (trainer_config.init_from)")
     if changes and not config.trainer_config.allow_config_change:
@@ -56,17 +54,15 @@ def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
             changes.append(f"{new['source']}: {old.get('size')} -> {new['size']} bytes")
         elif old.get("sha256") != new["sha256"]:
             changes.append(f"{new['source']}: other content (same size, {new['size']} bytes)")
-    changes += [f"{new['source']} added" for new in current[len(saved):]]
-    changes += [f"{old.get('source')} removed" for old in saved[len(current):]]
-    return changes
+    return (changes + [f"{new['source']} added" for new in current[len(saved):]]
+            + [f"{old.get('source')} removed" for old in saved[len(current):]])
 
 
 def check_fits(state: dict[str, Any], config: Config, vocab: str, path: str, dist_info: DistInfo,
                corpus: list[dict] | None = None) -> None:
     """The snapshot's shapes, vocabulary, corpus (if `corpus`) and config are this run's or allowed (rank 0 says)."""
     moved = corpus_changes(state.get("corpus"), corpus) if corpus is not None else []
-    if moved and state.get("vocab") != vocab:
-        saved = state.get("vocab") or ""
+    if moved and (saved := state.get("vocab") or "") != vocab:
         raise SnapshotError(f"snapshot {path} was written for another corpus ({'; '.join(moved)}) whose vocabulary "
                             f"differs ({len(saved)} characters in the snapshot, {len(vocab)} now; differs: "
                             f"{''.join(sorted(set(saved) ^ set(vocab)))!r}), and a model keeps its vocabulary: start "
@@ -88,9 +84,8 @@ def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
     """All ranks start from the same step: a snapshot only some of them see (a node-local path) would split the run."""
     if not dist_info.is_distributed:
         return
-    gathered = [torch.zeros(1, dtype=torch.long, device=dist_info.device) for _ in range(dist_info.world_size)]
-    dist.all_gather(gathered, torch.tensor([step], device=dist_info.device))
-    steps = [int(t) for t in gathered]
+    steps: list[Any] = [None] * dist_info.world_size
+    dist.all_gather_object(steps, step)
     if len(set(steps)) > 1:
         raise SnapshotError(f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "
                             "where every node sees it (a shared file system, s3://, gs://)")

@@ -90,8 +90,7 @@ def has_snapshot(path: str) -> bool:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element is finite, with one host sync per device and no copy (part of every save's stall): only
-    when a sum is not finite (a nan or inf, or an overflow) are the elements looked at."""
+    """Whether all elements are finite: one host sync per device, no copy, unless a sum is not (nan, inf, overflow)."""
     sums: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
@@ -118,17 +117,15 @@ class Snapshot:
         if self.notice.slow and self.dist.is_main_process:
             log.info("saving snapshot %s at step %d", self.path, progress.step)
         self.format.save(self._meta(progress), progress.step, self._check_finite)
-        seconds = time.monotonic() - start
-        self.notice.took(seconds)
+        self.notice.took(seconds := time.monotonic() - start)
         if self.dist.is_main_process:
             log.info("saved snapshot %s at step %d in %.2f s%s", self.path, progress.step, seconds,
                      " (writing on in the background)" if self.format.background else "")
 
     def _meta(self, progress: Progress) -> dict[str, Any]:
-        return {**dataclasses.asdict(progress), "world_size": self.dist.world_size, "vocab": self.vocab,
-                **({"corpus": self.corpus} if self.corpus is not None else {}),
-                **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {}),
-                **{f.name: dataclasses.asdict(getattr(self.config, f.name)) for f in dataclasses.fields(Config)}}
+        return {**dataclasses.asdict(progress), **dataclasses.asdict(self.config), "world_size": self.dist.world_size,
+                "vocab": self.vocab, **({"corpus": self.corpus} if self.corpus is not None else {}),
+                **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {})}
 
     def save_best(self, progress: Progress) -> None:
         """The weights (LocalSGD: the replicas' mean) and meta, no optimizer state, at best_path; synchronous."""
@@ -157,8 +154,7 @@ class Snapshot:
         if self.scaler.is_enabled() and state.get("scaler_state"):
             self.scaler.load_state_dict(state["scaler_state"])
         set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's
-        run_id = state.get("tracker_run_id")
-        self.tracker_run_id = run_id if isinstance(run_id, str) and run_id else None
+        self.tracker_run_id = run_id if isinstance(run_id := state.get("tracker_run_id"), str) and run_id else None
         progress = Progress(**{f.name: state[f.name] for f in dataclasses.fields(Progress) if f.name in state})
         log.info("resumed from %s: epoch %d, %d samples into it, step %d",
                  self.path, progress.epoch, progress.samples_in_epoch, progress.step)

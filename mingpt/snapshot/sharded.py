@@ -108,22 +108,19 @@ def _listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]
     return names, [n for n in names if n in published]
 
 
-_lies: dict[str, bool] = {}  # published directory -> whether its name says another step than its meta.json
-
-
+@functools.cache  # a published directory does not change: its meta.json is read, and a lie warned about, once
 def _name_lies(fs, p: str, root: str, name: str) -> bool:
-    path = f"{p.rstrip('/')}/{name}"
-    if path not in _lies:
-        try:
-            inside = json.loads(fs.cat_file(f"{path}/{META}")).get("step")
-        except (FileNotFoundError, ValueError, AttributeError):
-            return False  # left for loading to report
-        _lies[path] = inside != _order(name)[0]
-        if _lies[path] and (not dist.is_initialized() or dist.get_rank() == 0):
-            log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
-                        "a renamed directory?); it is neither resumed nor removed", f"{root.rstrip('/')}/{name}",
-                        _order(name)[0], inside)
-    return _lies[path]
+    """Whether a published directory's name says another step than its meta.json."""
+    try:
+        inside = json.loads(fs.cat_file(f"{p.rstrip('/')}/{name}/{META}")).get("step")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False  # left for loading to report
+    lies = inside != _order(name)[0]
+    if lies and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
+                    "a renamed directory?); it is neither resumed nor removed", f"{root.rstrip('/')}/{name}",
+                    _order(name)[0], inside)
+    return lies
 
 
 def step_of(directory: str) -> int:
@@ -142,8 +139,7 @@ def _resolve(root_or_dir: str) -> str:
         return root_or_dir
     if _order(os.path.basename(root_or_dir.rstrip("/"))):
         raise SnapshotError(f"snapshot {root_or_dir} is not published (no {MANIFEST}: its save did not complete)")
-    found = latest(root_or_dir)
-    if found is None:
+    if (found := latest(root_or_dir)) is None:
         raise SnapshotError(f"no published sharded snapshot in {root_or_dir}")
     return found
 
@@ -161,8 +157,7 @@ class SaveHandle:
         global _pending
         if _pending is self:  # its outcome is given here: wait_pending() does not give it again
             _pending = None
-        error = self._future.result() if self._future is not None else self._error
-        if error:
+        if error := self._future.result() if self._future is not None else self._error:
             raise StorageError(error)
         return self.target
 
@@ -196,10 +191,9 @@ def _world(pg) -> int:
 
 
 def _gather(value: Any, pg) -> list[Any]:
-    if pg is None:
-        return [value]
-    out = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, value, group=pg)
+    out = [value] * _world(pg)
+    if pg is not None:
+        dist.all_gather_object(out, value, group=pg)
     return out
 
 
@@ -230,8 +224,7 @@ class _Streams(FileSystem):
 
 @functools.cache
 def _staging(pinned: bool) -> DefaultStager:
-    """DCP's stager, whose CPU copy is refilled in place by every asynchronous save; pinned only for a state on a GPU
-    (a CPU job's asynchronous saves failed on a GPU host)."""
+    """DCP's stager, whose CPU copy every asynchronous save refills in place; pinned only for a state on a GPU."""
     return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=False))
 
@@ -244,11 +237,7 @@ def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
             outcome = decide()
         except (SnapshotError, StorageError) as e:
             outcome = e
-    if pg is not None:
-        box = [outcome]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-        outcome = box[0]
-    if isinstance(outcome, Exception):
+    if isinstance(outcome := _gather(outcome, pg)[0], Exception):
         raise outcome
     return outcome
 
@@ -310,24 +299,19 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
              storage_cause: bool) -> Optional[str]:
     """Each rank hashes its shards; rank 0 publishes and prunes. The error (storage causes first), or None."""
     fs, p = storage.filesystem(directory)
-    rank = _rank(pg)
     files: dict[str, list] = {}
     if error is None:
-        try:
-            mine = f"__{rank}_" if pg is not None else "__"
-            for path in fs.ls(p, detail=False):
-                base = os.path.basename(path)
-                if base.startswith(mine) and base.endswith(".distcp"):
-                    with fs.open(path, "rb") as f:
-                        files[base] = list(storage.sha256(f))
+        try:  # DCP names each rank's files __<rank>_<n>.distcp, or __<n>.distcp without a process group
+            for path in fs.glob(f"{p}/__{_rank(pg)}_*.distcp" if pg is not None else f"{p}/__*.distcp"):
+                with fs.open(path, "rb") as f:
+                    files[os.path.basename(path)] = list(storage.sha256(f))
         except storage_errors() as e:
-            error = f"rank {rank}: {reason(e)}"
+            error = f"rank {_rank(pg)}: {reason(e)}"
     gathered = _gather((files, error, storage_cause), pg)
 
     def publish() -> Optional[str]:  # rank 0's part: raises nothing, so that no rank is left waiting
-        errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
-        if errors:
-            return f"cannot save sharded snapshot {directory}: {errors[0]}; the previous snapshots are unchanged"
+        if errors := [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]:
+            return errors[0]
         try:
             manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
             with storage.atomic_open(f"{p}/{META}", fs) as f:
@@ -335,19 +319,16 @@ def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: O
             for name in (DCP_METADATA, META):
                 with fs.open(f"{p}/{name}", "rb") as f:
                     manifest[name] = list(storage.sha256(f))
-            if storage.is_local(fs):
-                storage.fsync_dir(p)
             with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
                 f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
-        except storage_errors() as e:
-            return f"cannot save sharded snapshot {directory}: {reason(e)}; the previous snapshots are unchanged"
         except Exception as e:
-            return f"cannot save sharded snapshot {directory}: {type(e).__name__}: {reason(e)}"
+            return reason(e) if isinstance(e, storage_errors()) else f"{type(e).__name__}: {reason(e)}"
         _prune(root, os.path.basename(directory.rstrip("/")), keep)
         log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
         return None
 
-    return _by_rank0(pg, publish)
+    error = _by_rank0(pg, publish)
+    return error and f"cannot save sharded snapshot {directory}: {error}; the previous snapshots are unchanged"
 
 
 def _prune(root: str, newest: str, keep: int) -> None:
@@ -456,12 +437,10 @@ def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) 
 
 
 def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
-    for key in expected:
-        if key not in saved or key not in metadata.state_dict_metadata:
-            raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {key}")
-    for key in saved:
-        if key not in expected:
-            raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {key} that this run has not")
+    if missing := [key for key in expected if key not in saved or key not in metadata.state_dict_metadata]:
+        raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {missing[0]}")
+    if extra := [key for key in saved if key not in expected]:
+        raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {extra[0]} that this run has not")
 
 
 def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
@@ -480,9 +459,8 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
 
 def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
          check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
-    """Verify the newest published snapshot of a root (or the given directory), which `check(meta)` may refuse, then
-    load it into `tensors` in place, resharded. Its `meta`; with `own`, (meta, this rank's own state, or None unless
-    the snapshot holds one for each rank of this run)."""
+    """Verify the newest published snapshot of a root (or that directory), which `check(meta)` may refuse, and load it
+    into `tensors` in place, resharded; its meta, or with `own` (meta, this rank's own state if as many ranks saved)."""
     wait_pending()  # a save in flight uses the same collectives
     pg = _checkpoint_group()
     directory = _by_rank0(pg, lambda: _resolve(root_or_dir))
@@ -492,20 +470,18 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
         _verify(directory, files, slice(_rank(pg), None, _world(pg)))
     except (SnapshotError, StorageError) as e:
         problem = str(e)
-    errors = [e for e in _gather(problem, pg) if e]  # so that all ranks stop together, with the same line
-    if errors:
+    if errors := [e for e in _gather(problem, pg) if e]:  # so that all ranks stop together, with the same line
         raise SnapshotError(errors[0])
     if check is not None:  # the snapshot's own account of what it holds (its shapes, its optimizer) comes first
         check(document["meta"])
     flat, _ = _flatten(tensors)
-    structure = document["structure"]
-    _check_keys(directory, sorted(flat), _tensor_keys(structure), metadata)
+    _check_keys(directory, sorted(flat), _tensor_keys(document["structure"]), metadata)
     ranks = document.get("ranks") or []
     mine = ranks[_rank(pg)] if own and len(ranks) == _world(pg) else None
     if mine is not None:
         flat.update(_empty(directory, _tensor_keys(mine), metadata))
     _dcp_load(flat, directory, metadata, no_dist=pg is None)
-    loaded = _unflatten(structure, flat)
+    loaded = _unflatten(document["structure"], flat)
     tensors.update({key: loaded[key] for key in tensors if key in loaded})
     log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
     own_state = None if mine is None else _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"]
@@ -519,10 +495,9 @@ def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
         try:
             return read(directory)
         except (SnapshotError, StorageError):
-            try:
+            published = True  # if storage cannot tell, the read's own error stands
+            with contextlib.suppress(StorageError):
                 published = storage.exists(f"{directory.rstrip('/')}/{MANIFEST}")
-            except StorageError:
-                published = True  # unknown: the read's own error stands
             if published:
                 raise
         if directory == root_or_dir:
@@ -576,10 +551,9 @@ class ShardedFormat:
 
     def load(self, check_fits: Callable) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:  # meta, comm hook's
         model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
-        tensors = {"model": model_state, "optim": optim_state}
-        meta, own = load(tensors, self.root, own=True, check=check_fits)
-        set_state_dict(self.model, self.optimizers, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors["optim"])
+        state = {"model": model_state, "optim": optim_state}
+        meta, own = load(state, self.root, own=True, check=check_fits)
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
         about = meta.get("comm_hook")
         return meta, ({**about, "state": own} if isinstance(about, dict) else None)
 

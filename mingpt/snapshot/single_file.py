@@ -1,5 +1,4 @@
-"""The single-file snapshot: one torch.save file of plain data and tensors at any fsspec URL, written by export and
-read by generate, score, export and init_from with torch.load(weights_only=True) after its CRC-32s are checked."""
+"""The single-file snapshot (export's format): one torch.save file at any fsspec URL, its CRC-32s checked on read."""
 
 import io
 import pickle
@@ -28,10 +27,9 @@ def save(state: dict[str, Any], path: str) -> None:
             sink = storage.Sink(f)  # torch.save hides a failed write's cause
             try:
                 torch.save(state, sink)
-            except RuntimeError as e:
-                raise sink.error or e
-            if sink.error is not None:
-                raise sink.error
+            finally:
+                if sink.error is not None:
+                    raise sink.error
     except storage_errors() as e:
         raise StorageError(f"cannot save snapshot {path}: {reason(e)}; the file there before is unchanged") from None
 
@@ -59,8 +57,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # what each field must
 
 def check_structure(state: Any, path: str) -> None:
     """SnapshotError naming the first field missing, of another type, or (of the weights) not finite and float."""
-    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
-    if missing:
+    if missing := [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]:
         raise SnapshotError(f"{path} is not a mingpt snapshot (no {', '.join(missing)})")
     for key, (types, what) in FIELD_TYPES.items():
         value = state.get(key)
