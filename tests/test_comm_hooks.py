@@ -108,7 +108,7 @@ def test_localsgd_evaluates_the_mean_and_converges_like_ddp(runs, corpus_file):
     logged = last_eval(tmp, "localsgd")
     assert logged["step"] == 40
     # The eval loss is the same for any world size: one process scoring the mean reproduces it.
-    assert one._evaluate() == pytest.approx(logged["loss"], rel=1e-6)
+    assert one.evaluate() == pytest.approx(logged["loss"], rel=1e-6)
     # Within 3% of DDP's eval loss (measured: 3.144 against 3.180; both start at 4.17).
     ddp = last_eval(tmp, "ddp")["loss"]
     assert logged["loss"] == pytest.approx(ddp, rel=0.03), (logged["loss"], ddp)
