@@ -191,7 +191,9 @@ def gather_costs(corpus: str, cache_dir: str, repeats: int = 300) -> None:
 
 
 def run_case(corpus: str, cache_dir: str, nproc: int, work: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [repo, *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's own paths stay
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={nproc}"]
     run_dir = tempfile.mkdtemp(dir=work)

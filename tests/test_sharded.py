@@ -265,6 +265,22 @@ def test_async_save_of_a_cpu_state_on_a_gpu_host(tmp_path):
     assert torch.equal(loaded["model"]["w"], torch.arange(12.0).reshape(3, 4))
 
 
+def test_asynchronous_saves_in_a_row(tmp_path):
+    """Each asynchronous save after the first failed with `KeyError: <class 'type'>` on a torch whose DCP stager
+    closes itself after one stage (2.11): the saves of one process reused one stager."""
+    root = str(tmp_path / "root")
+    for step in (1, 2, 3):
+        state = {"model": {"w": torch.full((3, 4), float(step))}}
+        sharded.save(state, {"note": step}, root, step, keep=2, async_save=True).wait()
+    loaded, meta = sharded.load_full(root)
+    assert meta == {"note": 3} and torch.equal(loaded["model"]["w"], torch.full((3, 4), 3.0))
+
+
+def test_an_error_outside_dcp_is_reported_with_its_type():
+    assert sharded._dcp_reason(KeyError(type)) == "KeyError: <class 'type'>"
+    assert sharded._dcp_reason(OSError("disk full")) == "disk full"
+
+
 def test_a_rank_failure_is_reported_with_its_type_and_place():
     """DCP keeps each rank's failure as (exception, stack summary); the message gives the
     exception's type, its text and where it was raised: a KeyError's text alone is its key

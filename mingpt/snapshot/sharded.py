@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-from mingpt import storage
+from mingpt import storage, torch_fixes
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
@@ -197,14 +197,25 @@ def _gather(value: Any, pg) -> list[Any]:
     return out
 
 
+def _typed(error: BaseException) -> str:
+    """An exception as one line with its type, which a KeyError's text (only its key) leaves out."""
+    name, text = type(error).__name__, reason(error)
+    if text == name:
+        return name
+    return f"{name}: {text}"
+
+
 def _dcp_reason(error: BaseException) -> str:
-    """One line for an exception; for DCP's, the first rank's type (a KeyError's text is only its key) and place."""
+    """One line for an exception; for DCP's, the first rank's failure and where it was raised."""
     if not isinstance(error, CheckpointException) or not error.failures:
-        return reason(error)
+        if isinstance(error, OSError):  # a storage error says what it is
+            return reason(error)
+        return _typed(error)
     rank, (inner, stack) = min(error.failures.items())
-    name, text = type(inner).__name__, reason(inner)
-    at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
-    return f"{name if text == name else f'{name}: {text}'}{at} (rank {rank})"
+    at = ""
+    if stack:
+        at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}"
+    return f"{_typed(inner)}{at} (rank {rank})"
 
 
 class _Streams(FileSystem):
@@ -222,11 +233,25 @@ class _Streams(FileSystem):
                 self.error = self.error or sink.error
 
 
-@functools.cache
 def _staging(pinned: bool) -> DefaultStager:
-    """DCP's stager, whose CPU copy every asynchronous save refills in place; pinned only for a state on a GPU."""
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=False))
+    """DCP's stager, pinned only for a state on a GPU. Where torch lets a stager stage again, one is kept, and
+    every asynchronous save refills its CPU copy in place; else each save gets its own."""
+    if torch_fixes.stager_stages_once():
+        return _new_stager(pinned)
+    return _kept_stager(pinned)
+
+
+def _new_stager(pinned: bool) -> DefaultStager:
+    options = StagingOptions(
+        use_pinned_memory=pinned,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+    return DefaultStager(options)
+
+
+_kept_stager = functools.cache(_new_stager)
 
 
 def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
