@@ -32,8 +32,8 @@ def with_defaults(defaults: list[str], given: list[str]) -> list[str]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from mingpt.config import register_configs
     from mingpt.cli import CONF_DIR
+    from mingpt.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

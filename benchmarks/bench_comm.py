@@ -29,19 +29,27 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _cli import help_or_go_on, with_defaults  # noqa: E402
+
+from mingpt.cli import CONF_DIR  # noqa: E402
 from mingpt.config import register_configs  # noqa: E402
 from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
-from _cli import help_or_go_on, with_defaults  # noqa: E402
-from mingpt.cli import CONF_DIR  # noqa: E402
 from mingpt.train import build, fit_to_data  # noqa: E402
 
 HOOKS = ["none", "fp16", "powersgd", "batched_powersgd", "post_local_sgd"]
 START, STEPS = 4, 40  # plain steps before compression / local SGD; steps counted after them
-DEFAULTS = ["gpt_config.n_layer=4", "gpt_config.n_head=4", "gpt_config.n_embd=128", "data_config.block_size=64",
-            "trainer_config.batch_size=12", f"trainer_config.powersgd_start_step={START}",
-            f"trainer_config.localsgd_start_step={START}", "trainer_config.localsgd_period=4"]
+DEFAULTS = [
+    "gpt_config.n_layer=4",
+    "gpt_config.n_head=4",
+    "gpt_config.n_embd=128",
+    "data_config.block_size=64",
+    "trainer_config.batch_size=12",
+    f"trainer_config.powersgd_start_step={START}",
+    f"trainer_config.localsgd_start_step={START}",
+    "trainer_config.localsgd_period=4",
+]
 
 calls = {"n": 0, "bytes": 0}
 _all_reduce = dist.all_reduce
@@ -68,7 +76,7 @@ def measure(config, data, info, hook: str) -> tuple[float, float, float]:
                 dist.barrier()
                 calls.update(n=0, bytes=0)
                 start = time.perf_counter()
-            trainer.train_step(order[step * batch:(step + 1) * batch])
+            trainer.train_step(order[step * batch : (step + 1) * batch])
             trainer.progress.step += 1
         seconds = time.perf_counter() - start
         trainer.metrics.close()
@@ -87,15 +95,21 @@ def main() -> None:
             sys.exit("run it under torchrun with 2 or more processes")
         setup_logging(info.rank)
         data = load_data(config.data_config)
-        config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+        config.gpt_config = fit_to_data(
+            config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size
+        )
         dist.all_reduce = counting_all_reduce
         rows = [(hook, *measure(config, data, info, hook)) for hook in HOOKS]
         if info.is_main_process:
             params = sum(p.numel() for p in GPT(config.gpt_config).parameters())
-            print(f"{params / 1e6:.2f}M parameters ({params * 4 / 1e6:.2f} MB in fp32), {info.world_size} ranks, "
-                  f"{STEPS} steps counted after {START} plain ones")
+            print(
+                f"{params / 1e6:.2f}M parameters ({params * 4 / 1e6:.2f} MB in fp32), {info.world_size} ranks, "
+                f"{STEPS} steps counted after {START} plain ones"
+            )
             base = rows[0][2]
-            print("| ddp_comm_hook | all-reduce calls / step | MB reduced / step | vs DDP | ms / step (loopback) |")
+            print(
+                "| ddp_comm_hook | all-reduce calls / step | MB reduced / step | vs DDP | ms / step (loopback) |"
+            )
             print("|---|---|---|---|---|")
             for hook, n, mb, ms in rows:
                 print(f"| {hook} | {n:.2f} | {mb:.3f} | {mb / base:.3f} | {ms:.1f} |")

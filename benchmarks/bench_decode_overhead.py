@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone without installing
+# run from a clone without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_generate import load_baseline  # noqa: E402
 
 import mingpt.decoding as current  # noqa: E402
-from bench_generate import load_baseline  # noqa: E402
 from mingpt.config import GPTConfig  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
 
@@ -42,7 +44,9 @@ def seconds(decoding, model: GPT, n_tokens: int, samples: int, compile: bool) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", metavar="DECODING_PY", help="another version's mingpt/decoding.py")
+    parser.add_argument(
+        "--baseline", metavar="DECODING_PY", help="another version's mingpt/decoding.py"
+    )
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -54,22 +58,30 @@ def main() -> None:
     versions = {"now": current}
     if args.baseline:
         versions["before"] = load_baseline(args.baseline)
-    rows = {(version, samples, compile): module for compile in ((False,) if args.no_compile else (False, True))
-            for samples in (1, 16) for version, module in versions.items()}
+    rows = {
+        (version, samples, compile): module
+        for compile in ((False,) if args.no_compile else (False, True))
+        for samples in (1, 16)
+        for version, module in versions.items()
+    }
     for (_, samples, compile), module in rows.items():  # warm up, compile
         seconds(module, model, 8, samples, compile)
     times = {row: [] for row in rows}
     for _ in range(args.rounds):
         for row, module in rows.items():
             times[row].append(seconds(module, model, args.tokens, row[1], row[2]))
-    print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"date: {datetime.datetime.now().isoformat(timespec='seconds')}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{args.tokens} tokens per sample, medians of {args.rounds} alternating rounds\n")
     print("| decoding | version | samples | µs/step | tokens/s |\n|---|---|---|---|---|")
     for (version, samples, compile), t in times.items():
         s = statistics.median(t)
-        print(f"| {'compiled' if compile else 'eager'} | {version} | {samples} | {s / args.tokens * 1e6:,.0f} | "
-              f"{samples * args.tokens / s:,.0f} |")
+        print(
+            f"| {'compiled' if compile else 'eager'} | {version} | {samples} | {s / args.tokens * 1e6:,.0f} | "
+            f"{samples * args.tokens / s:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -40,11 +40,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone without installing
+# run from a clone without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mingpt.config import GPTConfig  # noqa: E402
-from mingpt.model import GPT  # noqa: E402
 from mingpt.decoding import compile_for_decoding, generate, next_token  # noqa: E402
+from mingpt.model import GPT  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -52,15 +53,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def seconds_generating(model: GPT, n_tokens: int, device: torch.device, samples: int = 1, decoding=None,
-                       **kwargs) -> float:
+def seconds_generating(
+    model: GPT, n_tokens: int, device: torch.device, samples: int = 1, decoding=None, **kwargs
+) -> float:
     """Seconds to generate n_tokens per sample with mingpt.decoding.generate, or with
     the generate of `decoding` (another version's module, --baseline)."""
     idx = torch.zeros(samples, 1, dtype=torch.long, device=device)
     generators = [torch.Generator(device).manual_seed(i) for i in range(samples)]
     started = time.perf_counter()
-    for tokens in (decoding.generate if decoding else generate)(model, idx, n_tokens, generator=generators, **kwargs):
-        tokens[0, -1].item()  # wait for the device, as a streaming caller does (once per chunk, or per token)
+    for tokens in (decoding.generate if decoding else generate)(
+        model, idx, n_tokens, generator=generators, **kwargs
+    ):
+        # wait for the device, as a streaming caller does (once per chunk, or per token)
+        tokens[0, -1].item()
     return time.perf_counter() - started
 
 
@@ -128,7 +133,9 @@ def seconds_streaming(device: torch.device, nbytes: int) -> float:
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
@@ -136,14 +143,21 @@ def cpu_name() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=500)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled step")
-    parser.add_argument("--no-uncached", action="store_true", help="skip the two recomputing baselines (slow)")
-    parser.add_argument("--baseline", metavar="DECODING_PY",
-                        help="also time the generate of this file, another version's mingpt/decoding.py "
-                             "(git show REV:mingpt/decoding.py > old.py), in the same rounds: rows 'baseline: ...'")
+    parser.add_argument(
+        "--no-uncached", action="store_true", help="skip the two recomputing baselines (slow)"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="DECODING_PY",
+        help="also time the generate of this file, another version's mingpt/decoding.py "
+        "(git show REV:mingpt/decoding.py > old.py), in the same rounds: rows 'baseline: ...'",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,8 +176,14 @@ def main() -> None:
     }
     old = load_baseline(args.baseline) if args.baseline else None
     if old:
-        rows["baseline: cached, eager"] = (1, lambda k: seconds_generating(model, k, device, decoding=old))
-        rows["baseline: 16 samples"] = (16, lambda k: seconds_generating(model, k, device, 16, decoding=old))
+        rows["baseline: cached, eager"] = (
+            1,
+            lambda k: seconds_generating(model, k, device, decoding=old),
+        )
+        rows["baseline: 16 samples"] = (
+            16,
+            lambda k: seconds_generating(model, k, device, 16, decoding=old),
+        )
     compile_seconds = None
     if not args.no_compile:
         started = time.perf_counter()
@@ -171,14 +191,24 @@ def main() -> None:
         compile_seconds = time.perf_counter() - started - seconds_generating(model, 8, device)
         rows["floor, compiled matmuls"] = (1, floor(model, device, compiled=True))
         rows["cached, compiled"] = (1, lambda k: seconds_generating(model, k, device, compile=True))
-        rows["compiled, 16 samples"] = (16, lambda k: seconds_generating(model, k, device, 16, compile=True))
+        rows["compiled, 16 samples"] = (
+            16,
+            lambda k: seconds_generating(model, k, device, 16, compile=True),
+        )
         if old:
-            rows["baseline: compiled"] = (1, lambda k: seconds_generating(model, k, device, decoding=old,
-                                                                          compile=True))
+            rows["baseline: compiled"] = (
+                1,
+                lambda k: seconds_generating(model, k, device, decoding=old, compile=True),
+            )
             rows["baseline: compiled, 16 samples"] = (
-                16, lambda k: seconds_generating(model, k, device, 16, decoding=old, compile=True))
+                16,
+                lambda k: seconds_generating(model, k, device, 16, decoding=old, compile=True),
+            )
     if not args.no_uncached:
-        rows["uncached (restarting window)"] = (1, lambda k: seconds_generating(model, k, device, use_cache=False))
+        rows["uncached (restarting window)"] = (
+            1,
+            lambda k: seconds_generating(model, k, device, use_cache=False),
+        )
         rows["sliding window, no cache"] = (1, lambda k: seconds_sliding(model, k, device))
     for _, run in rows.values():  # warm up every path
         run(8)
@@ -191,42 +221,87 @@ def main() -> None:
 
     print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"command: python {' '.join(sys.argv)}")
-    where = f"{cpu_name()}, {os.cpu_count()} cores" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    where = (
+        f"{cpu_name()}, {os.cpu_count()} cores"
+        if device.type == "cpu"
+        else torch.cuda.get_device_name(device)
+    )
     print(f"torch {torch.__version__} on {device} ({where}), {torch.get_num_threads()} threads")
     print(f"load average: {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "")
-    print(f"model: 6 layers, 6 heads, 384 dim, block 256, vocab 65, {model.num_params() / 1e6:.1f}M parameters; "
-          f"{n} new tokens per sample, medians of {args.rounds} alternating rounds")
+    print(
+        f"model: 6 layers, 6 heads, 384 dim, block 256, vocab 65, {model.num_params() / 1e6:.1f}M parameters; "
+        f"{n} new tokens per sample, medians of {args.rounds} alternating rounds"
+    )
     print()
-    print(f"| {'decoding':<30} | {'samples':>7} | {'seconds':>8} | {'tokens/s':>9} | {'ms/step':>8} | {'of floor':>8} |")
+    print(
+        f"| {'decoding':<30} | {'samples':>7} | {'seconds':>8} | {'tokens/s':>9} | {'ms/step':>8} | {'of floor':>8} |"
+    )
     print(f"|{'-' * 32}|{'-' * 9}|{'-' * 10}|{'-' * 11}|{'-' * 10}|{'-' * 10}|")
     floors = {1: seconds["floor (matmuls only)"], 16: seconds["floor, 16 samples"]}
     for name, (samples, _) in rows.items():
         s = seconds[name]
-        base = seconds["floor, compiled matmuls"] if name == "cached, compiled" else floors.get(samples)
-        of_floor = f"{base / s:.0%}" if base is not None and name.startswith(("cached", "compiled")) else ""
-        print(f"| {name:<30} | {samples:>7} | {s:>8.2f} | {samples * n / s:>9.1f} | {s / n * 1e3:>8.2f} | {of_floor:>8} |")
-    weights = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
-                  for m in model.modules() if isinstance(m, nn.Linear)) * 4
+        base = (
+            seconds["floor, compiled matmuls"]
+            if name == "cached, compiled"
+            else floors.get(samples)
+        )
+        of_floor = (
+            f"{base / s:.0%}"
+            if base is not None and name.startswith(("cached", "compiled"))
+            else ""
+        )
+        print(
+            f"| {name:<30} | {samples:>7} | {s:>8.2f} | {samples * n / s:>9.1f} | {s / n * 1e3:>8.2f} | {of_floor:>8} |"
+        )
+    weights = (
+        sum(
+            m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+            for m in model.modules()
+            if isinstance(m, nn.Linear)
+        )
+        * 4
+    )
     streaming = seconds_streaming(device, weights)
-    print(f"\nmemory speed: the step's {weights / 1e6:.1f} MB of matmul weights read once in {streaming * 1e3:.2f} ms "
-          f"({weights / streaming / 1e9:.1f} GB/s, a sum over a tensor of that size); the eager one-row matmuls "
-          f"stream them at {weights / (seconds['floor (matmuls only)'] / n) / 1e9:.1f} GB/s"
-          + (f", the compiled ones at {weights / (seconds['floor, compiled matmuls'] / n) / 1e9:.1f} GB/s"
-             if compile_seconds is not None else ""))
+    print(
+        f"\nmemory speed: the step's {weights / 1e6:.1f} MB of matmul weights read once in {streaming * 1e3:.2f} ms "
+        f"({weights / streaming / 1e9:.1f} GB/s, a sum over a tensor of that size); the eager one-row matmuls "
+        f"stream them at {weights / (seconds['floor (matmuls only)'] / n) / 1e9:.1f} GB/s"
+        + (
+            f", the compiled ones at {weights / (seconds['floor, compiled matmuls'] / n) / 1e9:.1f} GB/s"
+            if compile_seconds is not None
+            else ""
+        )
+    )
     print()
     one = seconds["cached, eager"]
-    print(f"16 samples in {seconds['cached, 16 samples'] / one:.2f}x the time of one (eager), "
-          f"4 samples in {seconds['cached, 4 samples'] / one:.2f}x")
+    print(
+        f"16 samples in {seconds['cached, 16 samples'] / one:.2f}x the time of one (eager), "
+        f"4 samples in {seconds['cached, 4 samples'] / one:.2f}x"
+    )
     if compile_seconds is not None:
         saved = one - seconds["cached, compiled"]
-        print(f"compile: {compile_seconds:.1f} s (first call, this process; the inductor cache may be warm); "
-              f"saves {saved / n * 1e3:.2f} ms/token, {saved:.2f} s per {n} tokens: "
-              + (f"pays off after {compile_seconds / saved * n:,.0f} tokens" if saved > 0 else "never pays off"))
+        print(
+            f"compile: {compile_seconds:.1f} s (first call, this process; the inductor cache may be warm); "
+            f"saves {saved / n * 1e3:.2f} ms/token, {saved:.2f} s per {n} tokens: "
+            + (
+                f"pays off after {compile_seconds / saved * n:,.0f} tokens"
+                if saved > 0
+                else "never pays off"
+            )
+        )
     if not args.no_uncached:
         base = seconds["sliding window, no cache"]
-        print(f"one sample, cached eager vs sliding window without cache: {base / one:.1f}x"
-              + (f", compiled: {base / seconds['cached, compiled']:.1f}x" if compile_seconds is not None else ""))
-        print(f"cached eager vs uncached restarting window: {seconds['uncached (restarting window)'] / one:.1f}x")
+        print(
+            f"one sample, cached eager vs sliding window without cache: {base / one:.1f}x"
+            + (
+                f", compiled: {base / seconds['cached, compiled']:.1f}x"
+                if compile_seconds is not None
+                else ""
+            )
+        )
+        print(
+            f"cached eager vs uncached restarting window: {seconds['uncached (restarting window)'] / one:.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _cli import help_or_go_on, with_defaults  # noqa: E402
 
-DEFAULTS = ["gpt_config=gpt2-medium", "data_config.block_size=1024", "trainer_config.batch_size=1",
-            "trainer_config.eval_every=0", "trainer_config.sample_chars=0"]
+DEFAULTS = [
+    "gpt_config=gpt2-medium",
+    "data_config.block_size=1024",
+    "trainer_config.batch_size=1",
+    "trainer_config.eval_every=0",
+    "trainer_config.sample_chars=0",
+]
 
 
 def one_variant(overrides: list[str], steps: int) -> dict:
@@ -53,7 +58,9 @@ def one_variant(overrides: list[str], steps: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     times = []
     for i in range(steps + 1):
-        indices = torch.randint(len(data.train), (config.trainer_config.batch_size,), generator=generator)
+        indices = torch.randint(
+            len(data.train), (config.trainer_config.batch_size,), generator=generator
+        )
         start = time.perf_counter()
         trainer.train_step(indices)
         if device.type == "cuda":
@@ -77,11 +84,20 @@ def main() -> None:
     overrides = with_defaults(DEFAULTS, args)
     rows = {}
     for checkpointing in ("false", "true"):
-        child = [sys.executable, os.path.abspath(__file__), "--steps", str(steps), "--variant", *overrides,
-                 f"trainer_config.activation_checkpointing={checkpointing}"]
+        child = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--steps",
+            str(steps),
+            "--variant",
+            *overrides,
+            f"trainer_config.activation_checkpointing={checkpointing}",
+        ]
         proc = subprocess.run(child, capture_output=True, text=True)
         if proc.returncode != 0:
-            sys.exit(f"error: the variant activation_checkpointing={checkpointing} failed:\n{proc.stderr[-3000:]}")
+            sys.exit(
+                f"error: the variant activation_checkpointing={checkpointing} failed:\n{proc.stderr[-3000:]}"
+            )
         rows[checkpointing] = json.loads(proc.stdout.strip().splitlines()[-1])
     off, on = rows["false"], rows["true"]
     print(f"overrides: {' '.join(overrides)}; median of {steps} steps")
@@ -89,7 +105,9 @@ def main() -> None:
     print("|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['step_s'] * 1e3:,.0f} ms | {row['peak_mib']:,.0f} MiB |")
-    print(f"with/without: step time {on['step_s'] / off['step_s']:.2f}x, peak memory {on['peak_mib'] / off['peak_mib']:.2f}x")
+    print(
+        f"with/without: step time {on['step_s'] / off['step_s']:.2f}x, peak memory {on['peak_mib'] / off['peak_mib']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

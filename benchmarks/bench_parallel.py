@@ -30,8 +30,15 @@ sys.path.insert(0, REPO)
 
 from _cli import with_defaults  # noqa: E402
 
-DEFAULTS = ["gpt_config=gpt2", "trainer_config.batch_size=2", "data_config.block_size=64", "trainer_config.device=cpu",
-            "trainer_config.sample_chars=0", "gpt_config.dropout=0.0", "trainer_config.save_every_minutes=null"]
+DEFAULTS = [
+    "gpt_config=gpt2",
+    "trainer_config.batch_size=2",
+    "data_config.block_size=64",
+    "trainer_config.device=cpu",
+    "trainer_config.sample_chars=0",
+    "gpt_config.dropout=0.0",
+    "trainer_config.save_every_minutes=null",
+]
 MIB = 2**20
 # glibc serves large blocks with mmap and unmaps them when freed, but raises that
 # threshold (up to 32 MiB) each time such a block is freed; from then on, freed
@@ -49,9 +56,9 @@ def worker(overrides: list[str], steps: int) -> None:
     from omegaconf import OmegaConf
     from torch.distributed.tensor import DTensor
 
+    from mingpt.cli import CONF_DIR
     from mingpt.config import register_configs
     from mingpt.distributed import distributed, setup_logging
-    from mingpt.cli import CONF_DIR
     from mingpt.train import build
 
     def local_bytes(t: torch.Tensor) -> int:
@@ -61,18 +68,27 @@ def worker(overrides: list[str], steps: int) -> None:
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         config = OmegaConf.to_object(compose("config", overrides=overrides))
-    with distributed(config.trainer_config.device) as info, tempfile.TemporaryDirectory() as run_dir:
+    with (
+        distributed(config.trainer_config.device) as info,
+        tempfile.TemporaryDirectory() as run_dir,
+    ):
         setup_logging(info.rank)
         import logging
 
         logging.getLogger().setLevel(logging.WARNING)
         trainer = build(config, info, run_dir)
         per_step = trainer.samples_per_step
-        order = torch.randperm(len(trainer.data.train), generator=torch.Generator().manual_seed(info.rank))
+        order = torch.randperm(
+            len(trainer.data.train), generator=torch.Generator().manual_seed(info.rank)
+        )
         times = []
         for step in range(steps):
             t0 = time.perf_counter()
-            trainer.train_step(order[step * per_step:(step + 1) * per_step].to(trainer.train_windows.tokens.device))
+            trainer.train_step(
+                order[step * per_step : (step + 1) * per_step].to(
+                    trainer.train_windows.tokens.device
+                )
+            )
             if info.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -80,9 +96,15 @@ def worker(overrides: list[str], steps: int) -> None:
         x, y = trainer.train_windows.batch(order[:per_step].to(trainer.train_windows.tokens.device))
         trainer.model(x, y)[1].backward()  # gradients as a step holds them
         params = sum(local_bytes(p) for p in trainer.raw_model.parameters())
-        grads = sum(local_bytes(p.grad) for p in trainer.raw_model.parameters() if p.grad is not None)
-        optim = sum(local_bytes(v) for s in trainer.optimizer.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor))
+        grads = sum(
+            local_bytes(p.grad) for p in trainer.raw_model.parameters() if p.grad is not None
+        )
+        optim = sum(
+            local_bytes(v)
+            for s in trainer.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
         if info.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated()
         else:
@@ -92,42 +114,82 @@ def worker(overrides: list[str], steps: int) -> None:
             dist.all_reduce(row, op=dist.ReduceOp.MAX)
         trainer.metrics.close()
         if info.is_main_process:
-            print("RESULT " + json.dumps({"params": row[0].item(), "grads": row[1].item(), "optim": row[2].item(),
-                                          "peak": row[3].item(), "step_s": statistics.median(times[1:]),
-                                          "n_params": trainer.raw_model.num_params(non_embedding=False)}),
-                  flush=True)
+            print(
+                "RESULT "
+                + json.dumps(
+                    {
+                        "params": row[0].item(),
+                        "grads": row[1].item(),
+                        "optim": row[2].item(),
+                        "peak": row[3].item(),
+                        "step_s": statistics.median(times[1:]),
+                        "n_params": trainer.raw_model.num_params(non_embedding=False),
+                    }
+                ),
+                flush=True,
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--parallelism", nargs="+", default=["ddp", "fsdp"])
     args, overrides = parser.parse_known_args()
     overrides = with_defaults(DEFAULTS, overrides)
     print(f"{' '.join(overrides)}; {args.steps} steps; figures per rank (the largest rank)")
-    print("| world | parallelism | parameters | gradients | AdamW state | sum | peak memory | step time |")
+    print(
+        "| world | parallelism | parameters | gradients | AdamW state | sum | peak memory | step time |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for world in args.world:
         for parallelism in args.parallelism:
             if world == 1 and parallelism == "fsdp":
                 continue  # one process never shards
-            launcher = [sys.executable] if world == 1 else [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": REPO,
-                   "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))}
-            cmd = [*launcher, __file__, "--worker", str(args.steps), *overrides,
-                   f"trainer_config.parallelism={parallelism}"]
+            launcher = (
+                [sys.executable]
+                if world == 1
+                else [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc_per_node={world}",
+                ]
+            )
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "PYTHONPATH": REPO,
+                "MALLOC_MMAP_THRESHOLD_": os.environ.get(
+                    "MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)
+                ),
+            }
+            cmd = [
+                *launcher,
+                __file__,
+                "--worker",
+                str(args.steps),
+                *overrides,
+                f"trainer_config.parallelism={parallelism}",
+            ]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:
-                print(f"| {world} | {parallelism} | failed: {proc.stderr.strip().splitlines()[-1:]} |")
+                print(
+                    f"| {world} | {parallelism} | failed: {proc.stderr.strip().splitlines()[-1:]} |"
+                )
                 continue
-            r = json.loads(lines[0][len("RESULT "):])
+            r = json.loads(lines[0][len("RESULT ") :])
             total = r["params"] + r["grads"] + r["optim"]
-            print(f"| {world} | {parallelism} | {r['params'] / MIB:,.0f} MiB | {r['grads'] / MIB:,.0f} MiB | "
-                  f"{r['optim'] / MIB:,.0f} MiB | {total / MIB:,.0f} MiB | {r['peak'] / MIB:,.0f} MiB | "
-                  f"{r['step_s'] * 1e3:,.0f} ms |", flush=True)
+            print(
+                f"| {world} | {parallelism} | {r['params'] / MIB:,.0f} MiB | {r['grads'] / MIB:,.0f} MiB | "
+                f"{r['optim'] / MIB:,.0f} MiB | {total / MIB:,.0f} MiB | {r['peak'] / MIB:,.0f} MiB | "
+                f"{r['step_s'] * 1e3:,.0f} ms |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

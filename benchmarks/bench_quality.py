@@ -63,7 +63,9 @@ VARIANTS = {"adamw": [], "muon": ["optimizer_config=muon"]}
 
 
 def nanogpt_module(directory: str):
-    spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(directory, "model.py"))
+    spec = importlib.util.spec_from_file_location(
+        "nanogpt_model", os.path.join(directory, "model.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -82,7 +84,9 @@ class FullLogits(torch.nn.Module):
 
 
 def heldout_loss(model: torch.nn.Module, data) -> float:
-    one_process = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    one_process = DistInfo(
+        rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")
+    )
     return evaluate(model, data.heldout, one_process, eval_tokens=0, batch_size=64).loss
 
 
@@ -107,14 +111,14 @@ def nanogpt_run(directory: str, seed: int, out: Path) -> list[tuple[int, float]]
     model = nano.GPT(config)
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
     start, length = data.train.segments[0]
-    tokens, T = data.train.tokens[start:start + length].long(), SHAPE["block_size"]
+    tokens, T = data.train.tokens[start : start + length].long(), SHAPE["block_size"]
     evals = []
     for step in range(NANOGPT_STEPS):
         for group in optimizer.param_groups:
             group["lr"] = recipe_lr(step)
         starts = torch.randint(len(tokens) - T, (BATCH,))
-        x = torch.stack([tokens[s:s + T] for s in starts])
-        y = torch.stack([tokens[s + 1:s + 1 + T] for s in starts])
+        x = torch.stack([tokens[s : s + T] for s in starts])
+        y = torch.stack([tokens[s + 1 : s + 1 + T] for s in starts])
         _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -129,9 +133,16 @@ def nanogpt_run(directory: str, seed: int, out: Path) -> list[tuple[int, float]]
 def mingpt_run(name: str, overrides: list[str], seed: int, out: Path) -> list[tuple[int, float]]:
     """python main.py with `overrides`, evaluated every EVAL_EVERY steps: [(step, held-out loss)]."""
     run_dir = out / f"{name}-{seed}"
-    args = [sys.executable, str(REPO / "main.py"), *overrides, f"data_config.path={CORPUS}",
-            f"trainer_config.seed={seed}", f"trainer_config.eval_every={EVAL_EVERY}",
-            "trainer_config.sample_chars=0", f"hydra.run.dir={run_dir}"]
+    args = [
+        sys.executable,
+        str(REPO / "main.py"),
+        *overrides,
+        f"data_config.path={CORPUS}",
+        f"trainer_config.seed={seed}",
+        f"trainer_config.eval_every={EVAL_EVERY}",
+        "trainer_config.sample_chars=0",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     log = run_dir / "train.log"
     if not (log.exists() and " INFO done at step " in log.read_text()):  # not run to its end yet
@@ -148,13 +159,19 @@ def optimizer_config(overrides: list[str]) -> OptimizerConfig:
     for override in overrides:
         key, _, value = override.partition("=")
         if key == "optimizer_config":
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(REPO / "conf" / "optimizer_config" / f"{value}.yaml"))
+            cfg = OmegaConf.merge(
+                cfg, OmegaConf.load(REPO / "conf" / "optimizer_config" / f"{value}.yaml")
+            )
         elif key.startswith("optimizer_config."):
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key.removeprefix('optimizer_config.')}={value}"]))
+            cfg = OmegaConf.merge(
+                cfg, OmegaConf.from_dotlist([f"{key.removeprefix('optimizer_config.')}={value}"])
+            )
     return OmegaConf.to_object(cfg)
 
 
-def step_times(directory: str, algorithms: set[str], rounds: int, threads: int, steps: int = 5) -> dict[str, float]:
+def step_times(
+    directory: str, algorithms: set[str], rounds: int, threads: int, steps: int = 5
+) -> dict[str, float]:
     """Median ms of a training step (forward, backward, clip, optimizer step) of nanoGPT's
     and of mingpt's with each optimizer algorithm (the rest of a variant does not change
     the step's work), `steps` of each in turn, `rounds` times."""
@@ -190,21 +207,32 @@ def report(nano: dict[int, list], runs: dict[str, list[list]], ms: dict[str, flo
     time, the wall time against nanoGPT's, and the held-out loss at the run's end. nanoGPT's
     seeds that end above the target (the mean of their best) count their 2,000 steps."""
     target = statistics.mean(min(loss for _, loss in e) for e in nano.values())
-    print(f"target: {target:.4f}, nanoGPT's best held-out loss (mean of "
-          + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values()) + ")")
-    nano_time = statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values()) * ms["nanogpt"]
-    print("| run | steps to target (per seed) | ms/step | time | vs nanoGPT | held-out loss at the end (per seed) |")
+    print(
+        f"target: {target:.4f}, nanoGPT's best held-out loss (mean of "
+        + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values())
+        + ")"
+    )
+    nano_time = (
+        statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values()) * ms["nanogpt"]
+    )
+    print(
+        "| run | steps to target (per seed) | ms/step | time | vs nanoGPT | held-out loss at the end (per seed) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, evals in {"nanogpt": list(nano.values()), **runs}.items():
-        reached = [first_at(e, target) or (NANOGPT_STEPS if name == "nanogpt" else None) for e in evals]
+        reached = [
+            first_at(e, target) or (NANOGPT_STEPS if name == "nanogpt" else None) for e in evals
+        ]
         ends = ", ".join(f"{e[-1][1]:.3f}" for e in evals)
         end = f"{statistics.mean(e[-1][1] for e in evals):.3f} at step {evals[0][-1][0]} ({ends})"
         if None in reached:
             print(f"| {name} | not reached: {reached} | {ms[name]:.1f} | | | {end} |")
             continue
         steps = statistics.mean(reached)
-        print(f"| {name} | {steps:.0f} ({', '.join(map(str, reached))}) | {ms[name]:.1f} | "
-              f"{steps * ms[name] / 1000:.1f} s | {steps * ms[name] / nano_time:.2f}x | {end} |")
+        print(
+            f"| {name} | {steps:.0f} ({', '.join(map(str, reached))}) | {ms[name]:.1f} | "
+            f"{steps * ms[name] / 1000:.1f} s | {steps * ms[name] / nano_time:.2f}x | {end} |"
+        )
 
 
 def main() -> None:
@@ -225,18 +253,33 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-quality-"))
     out.mkdir(parents=True, exist_ok=True)
     seeds = range(1, args.seeds + 1)
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        args.jobs, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
         nano = {s: pool.submit(nanogpt_run, args.nanogpt, s, out) for s in seeds}
-        runs = {(name, s): pool.submit(mingpt_run, name, o, s, out) for name, o in variants.items() for s in seeds}
+        runs = {
+            (name, s): pool.submit(mingpt_run, name, o, s, out)
+            for name, o in variants.items()
+            for s in seeds
+        }
         nano = {s: f.result() for s, f in nano.items()}
         runs = {key: f.result() for key, f in runs.items()}
-    (out / "evals.json").write_text(json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}}))
-    algorithm = {name: optimizer_config(overrides).algorithm for name, overrides in variants.items()}
+    (out / "evals.json").write_text(
+        json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}})
+    )
+    algorithm = {
+        name: optimizer_config(overrides).algorithm for name, overrides in variants.items()
+    }
     ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds, args.threads)
-    print(f"step time ({args.threads} threads), median of {args.rounds} alternating rounds of 5 steps: "
-          + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
-    report(nano, {name: [runs[name, s] for s in seeds] for name in variants},
-           {"nanogpt": ms["nanogpt"], **{name: ms[a] for name, a in algorithm.items()}})
+    print(
+        f"step time ({args.threads} threads), median of {args.rounds} alternating rounds of 5 steps: "
+        + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items())
+    )
+    report(
+        nano,
+        {name: [runs[name, s] for s in seeds] for name in variants},
+        {"nanogpt": ms["nanogpt"], **{name: ms[a] for name, a in algorithm.items()}},
+    )
     print(f"runs and their evaluations: {out}")
 
 

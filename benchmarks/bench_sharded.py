@@ -73,15 +73,25 @@ VOCAB = 50257  # GPT-2's; --vocab sets another (the tests' smoke run: a tiny one
 def one(mode: str, preset: str, directory: str) -> dict:
     """Build the state, save it once with `mode`; the figures as a dict."""
     import torch
+    from bench_snapshot import preset_with_moments
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from bench_snapshot import preset_with_moments
     from mingpt.snapshot import sharded, single_file
 
     config, model, optimizer = preset_with_moments(preset, vocab_size=VOCAB, grad=1e-3)
-    meta = {"gpt_config": vars(config), "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0, "step": 1}
+    meta = {
+        "gpt_config": vars(config),
+        "vocab": "x" * 65,
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 1,
+    }
     if mode.startswith("file"):
-        state = {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict(), **meta}
+        state = {
+            "model_state": model.state_dict(),
+            "optimizer_state": optimizer.state_dict(),
+            **meta,
+        }
     else:
         msd, osd = get_state_dict(model, optimizer)
         tensors = {"model": msd, "optim": osd}
@@ -90,10 +100,14 @@ def one(mode: str, preset: str, directory: str) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     figures: dict = {"mode": mode, "params": params, "rss": rss, "stall": [], "published": []}
-    for step in (1, 2):  # the first save, and a later one (a step apart: the state changed in place)
+    # the first save, and a later one (a step apart: the state changed in place)
+    for step in (1, 2):
         if step == 2:
             with torch.no_grad():
-                for tensor in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values())]:
+                for tensor in [
+                    *model.parameters(),
+                    *(v for s in optimizer.state.values() for v in s.values()),
+                ]:
                     tensor.add_(1e-3)
         start = time.perf_counter()
         if mode == "file-buffered":
@@ -101,14 +115,22 @@ def one(mode: str, preset: str, directory: str) -> dict:
         elif mode == "file-streamed":
             single_file.save(state, os.path.join(directory, "snapshot.pt"))
         else:
-            handle = sharded.save(tensors, {**meta, "step": step}, os.path.join(directory, "sharded"), step,
-                                  keep=1, async_save=mode == "sharded-async")
+            handle = sharded.save(
+                tensors,
+                {**meta, "step": step},
+                os.path.join(directory, "sharded"),
+                step,
+                keep=1,
+                async_save=mode == "sharded-async",
+            )
         figures["stall"].append(time.perf_counter() - start)
         if mode == "sharded-async":
             handle.wait()
             figures["published"].append(time.perf_counter() - start)
     figures["extra_ram"] = memory("VmHWM") - rss
-    figures["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+    figures["bytes"] = sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files
+    )
     return figures
 
 
@@ -123,15 +145,20 @@ def fsdp(preset: str, rounds: int, directory: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from mingpt.snapshot import sharded
     from mingpt.config import GPTConfig
     from mingpt.model import GPT
+    from mingpt.snapshot import sharded
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config")
-    shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GPTConfig),
-                                                OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))))
+    conf = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config"
+    )
+    shape = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(GPTConfig), OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))
+        )
+    )
     config = GPTConfig(**{**vars(shape), "vocab_size": VOCAB, "block_size": 1024})
     model = GPT(config)
     mesh = init_device_mesh("cpu", (world,))
@@ -155,7 +182,9 @@ def fsdp(preset: str, rounds: int, directory: str) -> None:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             start = time.perf_counter()
-            handle = sharded.save(tensors, {"step": step}, directory, step, keep=1, async_save=mode == "async")
+            handle = sharded.save(
+                tensors, {"step": step}, directory, step, keep=1, async_save=mode == "async"
+            )
             stall = time.perf_counter() - start
             handle.wait()
             published = time.perf_counter() - start
@@ -163,16 +192,24 @@ def fsdp(preset: str, rounds: int, directory: str) -> None:
             dist.all_gather_object(figures, (stall, published, memory("VmHWM") - rss))
             results[mode].append(figures)
             if rank == 0:
-                print(f"round {r + 1} {mode:>5}: stall {max(f[0] for f in figures):6.2f} s (slowest rank), "
-                      f"published after {max(f[1] for f in figures):6.2f} s, extra RAM per rank "
-                      + " ".join(f"{f[2] / 1e9:.2f}" for f in figures) + " GB", flush=True)
+                print(
+                    f"round {r + 1} {mode:>5}: stall {max(f[0] for f in figures):6.2f} s (slowest rank), "
+                    f"published after {max(f[1] for f in figures):6.2f} s, extra RAM per rank "
+                    + " ".join(f"{f[2] / 1e9:.2f}" for f in figures)
+                    + " GB",
+                    flush=True,
+                )
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"\n{preset}: {params / 1e6:.0f}M parameters over {world} FSDP2 ranks; medians of {rounds}:")
+        print(
+            f"\n{preset}: {params / 1e6:.0f}M parameters over {world} FSDP2 ranks; medians of {rounds}:"
+        )
         for mode, rows in results.items():
             stalls = [max(f[0] for f in row) for row in rows]
-            print(f"{mode:>5}: stall first {stalls[0]:.2f} s, later median {statistics.median(stalls[1:] or stalls):.2f} s, "
-                  f"published after median {statistics.median(max(f[1] for f in row) for row in rows):.2f} s")
+            print(
+                f"{mode:>5}: stall first {stalls[0]:.2f} s, later median {statistics.median(stalls[1:] or stalls):.2f} s, "
+                f"published after median {statistics.median(max(f[1] for f in row) for row in rows):.2f} s"
+            )
     dist.destroy_process_group()
 
 
@@ -194,12 +231,25 @@ def main() -> None:
     base = sys.argv[3] if len(sys.argv) > 3 else tempfile.mkdtemp()
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for r in range(rounds):
-        for mode in MODES if r % 2 == 0 else reversed(MODES):  # alternate the order: drifting load hits all alike
+        # alternate the order: drifting load hits all alike
+        for mode in MODES if r % 2 == 0 else reversed(MODES):
             directory = os.path.join(base, f"{mode}-{r}")
             os.makedirs(directory)
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--vocab", str(VOCAB), "--one", mode, preset,
-                                  directory],
-                                 capture_output=True, text=True, check=False)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--vocab",
+                    str(VOCAB),
+                    "--one",
+                    mode,
+                    preset,
+                    directory,
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if out.returncode != 0:
                 sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -207,24 +257,33 @@ def main() -> None:
             shutil.rmtree(directory)
             stalls = " then ".join(f"{t:5.2f}" for t in result["stall"])
             published = " then ".join(f"{t:5.2f}" for t in result["published"])
-            print(f"round {r + 1} {mode:>14}: stall {stalls} s" + (f", published after {published} s" if published else "")
-                  + f", extra RAM {result['extra_ram'] / 1e9:5.2f} GB, {result['bytes'] / 1e9:.2f} GB on disk",
-                  flush=True)
+            print(
+                f"round {r + 1} {mode:>14}: stall {stalls} s"
+                + (f", published after {published} s" if published else "")
+                + f", extra RAM {result['extra_ram'] / 1e9:5.2f} GB, {result['bytes'] / 1e9:.2f} GB on disk",
+                flush=True,
+            )
     first = results[MODES[0]][0]
-    print(f"\n{preset}: {first['params'] / 1e6:.0f}M parameters, model + AdamW state in RAM before the save "
-          f"{first['rss'] / 1e9:.2f} GB (process RSS); medians of {rounds}, first save / later save:")
+    print(
+        f"\n{preset}: {first['params'] / 1e6:.0f}M parameters, model + AdamW state in RAM before the save "
+        f"{first['rss'] / 1e9:.2f} GB (process RSS); medians of {rounds}, first save / later save:"
+    )
 
     def median(mode: str, key: str, i: int) -> float:
         return statistics.median(r[key][i] for r in results[mode])
 
     for mode in MODES:
         extra = statistics.median(r["extra_ram"] for r in results[mode])
-        line = (f"{mode:>14}: stall {median(mode, 'stall', 0):6.2f} / {median(mode, 'stall', 1):6.2f} s, "
-                f"extra RAM {extra / 1e9:5.2f} GB")
+        line = (
+            f"{mode:>14}: stall {median(mode, 'stall', 0):6.2f} / {median(mode, 'stall', 1):6.2f} s, "
+            f"extra RAM {extra / 1e9:5.2f} GB"
+        )
         if mode == "sharded-async":
-            line += (f", published after {median(mode, 'published', 0):.2f} / {median(mode, 'published', 1):.2f} s; "
-                     f"stall {median(mode, 'stall', 0) / median('sharded-sync', 'stall', 0):.1%} / "
-                     f"{median(mode, 'stall', 1) / median('sharded-sync', 'stall', 1):.1%} of sharded-sync's")
+            line += (
+                f", published after {median(mode, 'published', 0):.2f} / {median(mode, 'published', 1):.2f} s; "
+                f"stall {median(mode, 'stall', 0) / median('sharded-sync', 'stall', 0):.1%} / "
+                f"{median(mode, 'stall', 1) / median('sharded-sync', 'stall', 1):.1%} of sharded-sync's"
+            )
         print(line)
     if len(sys.argv) <= 3:
         shutil.rmtree(base, ignore_errors=True)

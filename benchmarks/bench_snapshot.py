@@ -35,23 +35,27 @@ import tempfile
 import time
 
 import torch
+from _cli import help_or_go_on
 from omegaconf import OmegaConf
 
 from mingpt.comm_hooks import CommHook
-from mingpt.snapshot import sharded, single_file
-from mingpt.snapshot.manager import all_finite
 from mingpt.config import GPTConfig
 from mingpt.model import GPT
-
-from _cli import help_or_go_on
+from mingpt.snapshot import sharded, single_file
+from mingpt.snapshot.manager import all_finite
 
 
 def preset_with_moments(preset: str, vocab_size: int, grad: float = 0.0, device: str = "cpu"):
     """(config, model, AdamW) of a preset's shape, block 1024, on `device`, after one step
     with gradients `grad`: the optimizer holds both moments, as in a real snapshot."""
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config")
-    shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GPTConfig),
-                                                OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))))
+    conf = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config"
+    )
+    shape = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(GPTConfig), OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))
+        )
+    )
     config = GPTConfig(**{**vars(shape), "vocab_size": vocab_size, "block_size": 1024})
     model = GPT(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -64,13 +68,22 @@ def preset_with_moments(preset: str, vocab_size: int, grad: float = 0.0, device:
 
 def verify_part(preset: str, directory: str, rounds: int) -> None:
     config, model, optimizer = preset_with_moments(preset, vocab_size=65)
-    state = {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict(), "gpt_config": vars(config),
-             "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0, "step": 1}
+    state = {
+        "model_state": model.state_dict(),
+        "optimizer_state": optimizer.state_dict(),
+        "gpt_config": vars(config),
+        "vocab": "x" * 65,
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 1,
+    }
     path = os.path.join(directory, "bench-snapshot.pt")
     single_file.save(state, path)
     size = os.path.getsize(path)
     del state, optimizer, model
-    print(f"{preset}: {config.n_layer}/{config.n_head}/{config.n_embd}, snapshot {size / 1e9:.2f} GB at {path}")
+    print(
+        f"{preset}: {config.n_layer}/{config.n_head}/{config.n_embd}, snapshot {size / 1e9:.2f} GB at {path}"
+    )
 
     times: dict[str, list[float]] = {"read": [], "verify": [], "torch.load": []}
     for _ in range(rounds):
@@ -87,8 +100,10 @@ def verify_part(preset: str, directory: str, rounds: int) -> None:
         del data
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"{name:>10}: {median:.2f} s median of {len(values)} ({size / 1e9 / median:.2f} GB/s), "
-              f"all: {', '.join(f'{v:.2f}' for v in values)}")
+        print(
+            f"{name:>10}: {median:.2f} s median of {len(values)} ({size / 1e9 / median:.2f} GB/s), "
+            f"all: {', '.join(f'{v:.2f}' for v in values)}"
+        )
     os.remove(path)
 
 
@@ -103,8 +118,12 @@ def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
     scaler = torch.amp.GradScaler(device, enabled=False)
     path = os.path.join(directory, "bench-stall")
     meta = {"gpt_config": vars(config), "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0}
-    formats = {mode: sharded.ShardedFormat(path, model, optimizer, scaler, CommHook(), keep=1,
-                                           async_save=mode == "async") for mode in ("sync", "async")}
+    formats = {
+        mode: sharded.ShardedFormat(
+            path, model, optimizer, scaler, CommHook(), keep=1, async_save=mode == "async"
+        )
+        for mode in ("sync", "async")
+    }
     tokens = torch.zeros(1, 64, dtype=torch.long, device=device)
 
     def sync() -> None:
@@ -137,10 +156,25 @@ def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
         formats[mode].wait()
         return stall, time.perf_counter() - start, during
 
-    size_gb = sum(t.numel() * t.element_size() for t in [*model.state_dict().values(),
-                  *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]) / 1e9
-    print(f"{preset}: {config.n_layer}/{config.n_head}/{config.n_embd}, a {size_gb:.2f} GB state on {device}, "
-          f"saved to {path}; {rounds} rounds")
+    size_gb = (
+        sum(
+            t.numel() * t.element_size()
+            for t in [
+                *model.state_dict().values(),
+                *(
+                    v
+                    for s in optimizer.state.values()
+                    for v in s.values()
+                    if isinstance(v, torch.Tensor)
+                ),
+            ]
+        )
+        / 1e9
+    )
+    print(
+        f"{preset}: {config.n_layer}/{config.n_head}/{config.n_embd}, a {size_gb:.2f} GB state on {device}, "
+        f"saved to {path}; {rounds} rounds"
+    )
     idle = [train_step() for _ in range(3)]
     first = save("async", 1)
     results: dict[str, list[tuple[float, float, list[float]]]] = {"sync": [], "async": []}
@@ -153,17 +187,25 @@ def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
     start = time.perf_counter()  # a part of every save's stall
     check_finite(model.state_dict().values())
     print(f"the finiteness check, timed once: {time.perf_counter() - start:.2f} s")
-    print(f"first background save: stall {first[0]:.2f} s (allocates the copy), published after {first[1]:.2f} s")
+    print(
+        f"first background save: stall {first[0]:.2f} s (allocates the copy), published after {first[1]:.2f} s"
+    )
     medians = {}
     for mode, runs in results.items():
         medians[mode] = statistics.median(r[0] for r in runs)
-        print(f"{mode:>6}: stall {medians[mode]:.2f} s median (all: {', '.join(f'{r[0]:.2f}' for r in runs)}), "
-              f"published after {statistics.median(r[1] for r in runs):.2f} s median")
+        print(
+            f"{mode:>6}: stall {medians[mode]:.2f} s median (all: {', '.join(f'{r[0]:.2f}' for r in runs)}), "
+            f"published after {statistics.median(r[1] for r in runs):.2f} s median"
+        )
     during = [t for r in results["async"] for t in r[2]]
-    print(f"stall of a background save: {100 * medians['async'] / medians['sync']:.1f}% of a synchronous one's")
-    print(f"training step (batch 1, 64 tokens): {statistics.median(idle):.3f} s median without a save, "
-          f"{statistics.median(during) if during else math.nan:.3f} s median of {len(during)} "
-          "during background writes")
+    print(
+        f"stall of a background save: {100 * medians['async'] / medians['sync']:.1f}% of a synchronous one's"
+    )
+    print(
+        f"training step (batch 1, 64 tokens): {statistics.median(idle):.3f} s median without a save, "
+        f"{statistics.median(during) if during else math.nan:.3f} s median of {len(during)} "
+        "during background writes"
+    )
     shutil.rmtree(path)
 
 

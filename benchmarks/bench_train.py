@@ -35,21 +35,25 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _cli import help_or_go_on, with_defaults  # noqa: E402
+
 from mingpt import flops  # noqa: E402
+from mingpt.cli import CONF_DIR  # noqa: E402
 from mingpt.config import register_configs  # noqa: E402
 from mingpt.data import load_data  # noqa: E402
 from mingpt.distributed import distributed, setup_logging  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
 from mingpt.optim import create_optimizer  # noqa: E402
 from mingpt.snapshot import sharded  # noqa: E402
-from mingpt.cli import CONF_DIR  # noqa: E402
 from mingpt.train import build, fit_to_data  # noqa: E402
 
-from _cli import help_or_go_on, with_defaults  # noqa: E402
-
 BENCH_DEFAULTS = [
-    "gpt_config.n_layer=4", "gpt_config.n_head=4", "gpt_config.n_embd=128", "gpt_config.dropout=0.0",
-    "data_config.block_size=64", "trainer_config.batch_size=12",
+    "gpt_config.n_layer=4",
+    "gpt_config.n_head=4",
+    "gpt_config.n_embd=128",
+    "gpt_config.dropout=0.0",
+    "data_config.block_size=64",
+    "trainer_config.batch_size=12",
 ]
 ROUNDS, STEPS = 30, 10
 
@@ -68,7 +72,9 @@ def build_bare(config, data, info):
     ddp = None
     if info.is_distributed:
         ddp = nn.parallel.DistributedDataParallel(
-            model, gradient_as_bucket_view=True, device_ids=[info.device.index] if info.device.type == "cuda" else None
+            model,
+            gradient_as_bucket_view=True,
+            device_ids=[info.device.index] if info.device.type == "cuda" else None,
         )
     forward = ddp or model
     if config.trainer_config.compile:
@@ -81,7 +87,9 @@ def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
     synchronised seconds of each phase to it."""
     tc = config.trainer_config
     model, ddp, forward, optimizer, windows = built
-    amp = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=tc.use_amp and info.device.type == "cuda")
+    amp = torch.autocast(
+        info.device.type, dtype=torch.bfloat16, enabled=tc.use_amp and info.device.type == "cuda"
+    )
     for _ in range(steps):
         marks = [time.perf_counter()]
 
@@ -103,7 +111,9 @@ def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
             grads = [p.grad for p in model.parameters()]
             flat = torch.cat([g.flatten() for g in grads])  # one buffer, as DDP's buckets
             dist.all_reduce(flat)
-            for g, reduced in zip(grads, flat.div_(info.world_size).split([g.numel() for g in grads])):
+            for g, reduced in zip(
+                grads, flat.div_(info.world_size).split([g.numel() for g in grads])
+            ):
                 g.copy_(reduced.view_as(g))
             mark()
         else:
@@ -119,14 +129,17 @@ def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
                 phases[k] += b - a
 
 
-def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) -> tuple[float, float, int]:
+def stop_check_and_save(
+    config, data, info, checks: int = 2000, saves: int = 5
+) -> tuple[float, float, int]:
     """Seconds per stop check (the trainer's per-step decision: one small all-reduce
     under torchrun, none in one process), seconds per snapshot save until it is
     published (every rank writes its part, rank 0 publishes; bench_snapshot.py --stall
     measures a background save's stall), and the snapshot's bytes."""
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = build(copy.deepcopy(config), info, run_dir, data)
-        trainer.train_step(torch.arange(trainer.samples_per_step))  # AdamW's moments exist: a full snapshot
+        # AdamW's moments exist: a full snapshot
+        trainer.train_step(torch.arange(trainer.samples_per_step))
         for _ in range(10):
             trainer.saver.agree()
         t0 = time.perf_counter()
@@ -138,10 +151,15 @@ def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) 
             trainer.progress.step = step  # another position: save() writes again
             t0 = time.perf_counter()
             trainer.saver.save(trainer.progress)
-            trainer.snapshot.wait()  # written (a background save included): the whole save, not its stall
+            # written (a background save included): the whole save, not its stall
+            trainer.snapshot.wait()
             times.append(time.perf_counter() - t0)
         newest = sharded.latest(trainer.snapshot_path)
-        size = sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest)) if info.is_main_process else 0
+        size = (
+            sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest))
+            if info.is_main_process
+            else 0
+        )
         trainer.metrics.close()
     return check, statistics.median(times[1:]), size
 
@@ -220,9 +238,13 @@ def main() -> None:
 
         logging.getLogger().setLevel(logging.WARNING)
         data = load_data(config.data_config)
-        config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+        config.gpt_config = fit_to_data(
+            config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size
+        )
         device = info.device
-        tokens_per_step = config.trainer_config.batch_size * info.world_size * config.data_config.block_size
+        tokens_per_step = (
+            config.trainer_config.batch_size * info.world_size * config.data_config.block_size
+        )
         # Every process at once: the machine's share each gets (the trainer's MFU: rank 0 alone).
         peak_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         peak = flops.peak_rate(device, peak_dtype) * info.world_size
@@ -239,8 +261,10 @@ def main() -> None:
         bare_steps(config, info, built, generator, 10)
         bare_steps(config, info, built, generator, 100, phases)
         phases = {k: v / 100 for k, v in phases.items()}
-        peak_mem = (f"{flops.peak_memory_mib(device):.0f} MiB "
-                    f"({'CUDA allocated' if device.type == 'cuda' else 'process max RSS'})")
+        peak_mem = (
+            f"{flops.peak_memory_mib(device):.0f} MiB "
+            f"({'CUDA allocated' if device.type == 'cuda' else 'process max RSS'})"
+        )
         data_rate = data_pipeline(data, config.trainer_config.batch_size)
 
         if not info.is_main_process:
@@ -249,22 +273,60 @@ def main() -> None:
         rows = [
             ("date", time.strftime("%Y-%m-%d")),
             ("torch", torch.__version__),
-            ("device", f"{device} x{info.world_size}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({torch.get_num_threads()} threads)")),
+            (
+                "device",
+                f"{device} x{info.world_size}"
+                + (
+                    f" ({torch.cuda.get_device_name(device)})"
+                    if device.type == "cuda"
+                    else f" ({torch.get_num_threads()} threads)"
+                ),
+            ),
             ("command", " ".join(["python"] + sys.argv)),
-            ("model", f"{config.gpt_config.n_layer} layers, {config.gpt_config.n_head} heads, {config.gpt_config.n_embd} dims, block {config.data_config.block_size}, batch {config.trainer_config.batch_size}/process, compile={config.trainer_config.compile}, amp={config.trainer_config.use_amp}"),
+            (
+                "model",
+                f"{config.gpt_config.n_layer} layers, {config.gpt_config.n_head} heads, {config.gpt_config.n_embd} dims, block {config.data_config.block_size}, batch {config.trainer_config.batch_size}/process, compile={config.trainer_config.compile}, amp={config.trainer_config.use_amp}",
+            ),
             ("FLOPs per token", f"{fpt / 1e6:.2f} M (6N + 12*L*d*T)"),
-            ("measured peak", f"{peak / 1e9:.1f} GFLOP/s ({peak_what}, summed over {info.world_size} process(es))"),
-            ("bare loop", f"{tokens_per_step / b:,.0f} tokens/s, {b * 1e3:.2f} ms/step, MFU {tokens_per_step / b * fpt / peak:.1%}"),
-            ("trainer", f"{tokens_per_step / t:,.0f} tokens/s, {t * 1e3:.2f} ms/step, MFU {tokens_per_step / t * fpt / peak:.1%}"),
-            ("trainer overhead", f"{t / b - 1:+.1%} per step (medians of {ROUNDS} alternating rounds of {STEPS} steps)"),
-            ("trainer loop", f"{loop_tokens_per_s:,.0f} tokens/s in Trainer.train() over 100 steps (its own tokens_per_s)"),
-            ("stop check", f"{check_s * 1e6:.0f} us per step ({check_s / t:.2%} of a trainer step; "
-                           + ("one all-reduce MAX of 2 int64)" if info.is_distributed else "no collective)")),
-            ("snapshot save", f"{save_s * 1e3:.1f} ms ({snapshot_bytes / 1e6:.1f} MB, median of 5 saves; "
-                              f"{save_s / t:.1f} trainer steps)"),
+            (
+                "measured peak",
+                f"{peak / 1e9:.1f} GFLOP/s ({peak_what}, summed over {info.world_size} process(es))",
+            ),
+            (
+                "bare loop",
+                f"{tokens_per_step / b:,.0f} tokens/s, {b * 1e3:.2f} ms/step, MFU {tokens_per_step / b * fpt / peak:.1%}",
+            ),
+            (
+                "trainer",
+                f"{tokens_per_step / t:,.0f} tokens/s, {t * 1e3:.2f} ms/step, MFU {tokens_per_step / t * fpt / peak:.1%}",
+            ),
+            (
+                "trainer overhead",
+                f"{t / b - 1:+.1%} per step (medians of {ROUNDS} alternating rounds of {STEPS} steps)",
+            ),
+            (
+                "trainer loop",
+                f"{loop_tokens_per_s:,.0f} tokens/s in Trainer.train() over 100 steps (its own tokens_per_s)",
+            ),
+            (
+                "stop check",
+                f"{check_s * 1e6:.0f} us per step ({check_s / t:.2%} of a trainer step; "
+                + ("one all-reduce MAX of 2 int64)" if info.is_distributed else "no collective)"),
+            ),
+            (
+                "snapshot save",
+                f"{save_s * 1e3:.1f} ms ({snapshot_bytes / 1e6:.1f} MB, median of 5 saves; "
+                f"{save_s / t:.1f} trainer steps)",
+            ),
             ("peak memory", peak_mem),
-            ("step breakdown", ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in phases.items())),
-            ("data pipeline", f"{data_rate:,.0f} samples/s, {config.trainer_config.batch_size / data_rate / t:.2%} of a trainer step"),
+            (
+                "step breakdown",
+                ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in phases.items()),
+            ),
+            (
+                "data pipeline",
+                f"{data_rate:,.0f} samples/s, {config.trainer_config.batch_size / data_rate / t:.2%} of a trainer step",
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         for k, v in rows:

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch.profiler import profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone without installing
+# run from a clone without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mingpt.config import GPTConfig, OptimizerConfig  # noqa: E402
 from mingpt.model import GPT  # noqa: E402
@@ -70,8 +71,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    batch = torch.randint(0, CONFIG.vocab_size, (12, CONFIG.block_size + 1), generator=torch.Generator().manual_seed(0))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, 4/4/128, block 64, batch 12, fp32")
+    batch = torch.randint(
+        0,
+        CONFIG.vocab_size,
+        (12, CONFIG.block_size + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, 4/4/128, block 64, batch 12, fp32"
+    )
 
     eager = build("eager")
     steps(eager, batch, 5)
@@ -103,7 +111,9 @@ def main() -> None:
     base = statistics.median(times["eager"])
     print(f"\nmedian of {args.rounds} alternating rounds of 10 steps:")
     for variant, t in times.items():
-        print(f"  {variant:<16} {statistics.median(t) * 1e3:7.1f} ms/step  {base / statistics.median(t):.2f}x eager")
+        print(
+            f"  {variant:<16} {statistics.median(t) * 1e3:7.1f} ms/step  {base / statistics.median(t):.2f}x eager"
+        )
 
 
 if __name__ == "__main__":

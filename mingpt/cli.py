@@ -3,7 +3,7 @@
 import os
 import re
 import sys
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 import hydra
 import yaml
@@ -66,15 +66,23 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
     if mark is None:
         return f"a config file is not valid YAML: {error}"
     context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
-    since = f" from line {start.line + 1}, column {start.column + 1}" if start and start.line != mark.line else ""
-    return (f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {error.problem}"
-            + (f" ({context}{since})" if context else ""))
+    since = (
+        f" from line {start.line + 1}, column {start.column + 1}"
+        if start and start.line != mark.line
+        else ""
+    )
+    return (
+        f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {error.problem}"
+        + (f" ({context}{since})" if context else "")
+    )
 
 
 def override_error_line(override: str) -> str:
     key, _, value = override.partition("=")
     if not re.fullmatch(r"[~+]{0,2}[A-Za-z_][\w.@/-]*", key, re.ASCII):
-        return f"cannot parse the override {override!r}: a key is ASCII letters, digits, '_' and '.'"
+        return (
+            f"cannot parse the override {override!r}: a key is ASCII letters, digits, '_' and '.'"
+        )
     if not value.isprintable():
         return f"cannot parse the override {override!r}: it holds a control character (a newline, a tab)"
     quoted = f"'{key}=\"{value}\"'" if '"' not in value else f"\"{key}='{value}'\""
@@ -88,7 +96,9 @@ def check_group_overrides(overrides: list[str]) -> None:
     for item in overrides:
         key, sep, _ = item.lstrip("+").partition("=")
         if sep and not item.startswith("~") and key in dropped:
-            raise ConfigError(f"{item}: ~{key} drops the {key} group and with it this choice; give one of them")
+            raise ConfigError(
+                f"{item}: ~{key} drops the {key} group and with it this choice; give one of them"
+            )
 
 
 register_configs()
@@ -103,7 +113,8 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
     check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
     with open_dict(cfg):
         notices = drop_ignored_keys(cfg)
-    check_known_keys(cfg)  # and a user's own file need not build on base_config: the schema goes under it
+    # and a user's own file need not build on base_config: the schema goes under it
+    check_known_keys(cfg)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg)), notices
 
 
@@ -112,14 +123,22 @@ def check_composed(cfg: DictConfig) -> None:
     checked_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), cfg.hydra)
 
 
-def compose_checked(self: Hydra, config_name: Optional[str], overrides: list[str], run_mode: RunMode,
-                    *args: Any, **kwargs: Any) -> DictConfig:
+def compose_checked(
+    self: Hydra,
+    config_name: str | None,
+    overrides: list[str],
+    run_mode: RunMode,
+    *args: Any,
+    **kwargs: Any,
+) -> DictConfig:
     """Hydra.compose_config while main runs: each config (each job of a sweep) is checked once composed, before
     Hydra creates a run directory (a refused config leaves none), and for --cfg, which runs no task."""
     cfg = COMPOSE(self, config_name, overrides, run_mode, *args, **kwargs)
     check_composed(cfg)
     if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
-        for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None):
+        for batch in BasicSweeper.split_arguments(
+            OverridesParser.create().parse_overrides(overrides), None
+        ):
             for job in batch:
                 check_composed(self.config_loader.load_sweep_config(cfg, list(job)))
         HydraConfig.instance().set_config(cfg)
@@ -135,9 +154,15 @@ def _hydra_main(cfg: DictConfig) -> None:
         config, notices = checked_config(cfg, hydra_cfg)
         stopping.install(config.trainer_config.stop_signals)
         # Hydra's .hydra/ is off (written before any check); ours: the values used, vocab_size and block_size as given
-        given = {key: OmegaConf.select(cfg, f"gpt_config.{key}") for key in ("vocab_size", "block_size")}
-        files = {".hydra/config.yaml": lambda: OmegaConf.to_yaml(OmegaConf.merge(config, {"gpt_config": given})),
-                 ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task))}
+        given = {
+            key: OmegaConf.select(cfg, f"gpt_config.{key}") for key in ("vocab_size", "block_size")
+        }
+        files = {
+            ".hydra/config.yaml": lambda: OmegaConf.to_yaml(
+                OmegaConf.merge(config, {"gpt_config": given})
+            ),
+            ".hydra/overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task)),
+        }
         run(config, hydra_cfg.runtime.output_dir, files, notices)
     except USER_ERRORS as e:
         fail(str(e))
@@ -145,7 +170,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         fail(config_error_line(e))
     except stopping.Stopped as e:
         fail(str(e), status=e.status)
-    except BaseException:  # Hydra would print "Error executing job with overrides: ..." on the way out
+    # Hydra would print "Error executing job with overrides: ..." on the way out
+    except BaseException:
         stopping.park_if_exiting()
         raise
     _in_task = False  # an OSError from inside a task keeps its traceback: a bug
@@ -166,7 +192,9 @@ def take_local_rank_argument(argv: list[str]) -> list[str]:
             fail(f"{name}: expects a local rank (a number >= 0), got {value!r}")
         env = os.environ.setdefault("LOCAL_RANK", value)
         if env != value:
-            fail(f"--local-rank={value} contradicts LOCAL_RANK={env} from the launcher's environment")
+            fail(
+                f"--local-rank={value} contradicts LOCAL_RANK={env} from the launcher's environment"
+            )
     return rest
 
 
@@ -177,8 +205,10 @@ def check_arguments(argv: list[str]) -> None:
     _, apart = parser.parse_known_args(argv)
     overrides = [arg for arg in apart if "=" in arg and not arg.startswith("-")]
     if overrides:
-        fail(f"{' '.join(overrides)}: the key=value overrides go together, all before or all after the options "
-             "(--config-dir, --config-name, --cfg, ...)")
+        fail(
+            f"{' '.join(overrides)}: the key=value overrides go together, all before or all after the options "
+            "(--config-dir, --config-name, --cfg, ...)"
+        )
     if apart:
         fail(f"unrecognized arguments: {' '.join(apart)} (see --help)")
 
@@ -186,7 +216,8 @@ def check_arguments(argv: list[str]) -> None:
 def main() -> None:
     sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
     check_arguments(sys.argv[1:])
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us, not Hydra's multi-line report
+    # composition errors reach us, not Hydra's multi-line report
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     stopping.install()  # main.py did it already, before its imports
     Hydra.compose_config = compose_checked  # type: ignore[method-assign]
     try:

@@ -3,11 +3,16 @@ LocalSGD's model averaging, and each rank's own state of them in the snapshot.""
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    post_localSGD_hook,
+    powerSGD_hook,
+)
 from torch.distributed.algorithms.model_averaging import averagers
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -22,38 +27,70 @@ log = logging.getLogger(__name__)
 def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
     """Refuse, before any work, a hook this run cannot use."""
     if cfg.ddp_comm_hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
-        raise ConfigError(f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
-                          f"this run uses {dist_info.backend}: use fp16, powersgd or none")
-    if (cfg.ddp_comm_hook == "post_local_sgd" and cfg.localsgd_group == "node" and dist_info.is_distributed
-            and dist_info.world_size % dist_info.local_world_size):
-        raise ConfigError(f"trainer_config.localsgd_group: node needs the same number of processes on every node "
-                          f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)")
+        raise ConfigError(
+            f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
+            f"this run uses {dist_info.backend}: use fp16, powersgd or none"
+        )
+    if (
+        cfg.ddp_comm_hook == "post_local_sgd"
+        and cfg.localsgd_group == "node"
+        and dist_info.is_distributed
+        and dist_info.world_size % dist_info.local_world_size
+    ):
+        raise ConfigError(
+            f"trainer_config.localsgd_group: node needs the same number of processes on every node "
+            f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
+        )
 
 
 class CommHook:
     """The hook `name` (none, fp16, bf16: nothing kept); a subclass keeps each rank's `own_state` for a resume."""
 
     ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
-    replicas_differ = False  # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
+    # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
+    replicas_differ = False
 
     def __init__(self, dist_info: DistInfo | None = None, name: str = "none"):
         self.dist = dist_info or DistInfo(0, 0, 1, 1, torch.device("cpu"))
         self.name = name
 
-    def start(self, ddp: DDP | None, saved: dict[str, Any] | None, step: int, model: torch.nn.Module, optimizer,
-              scaler, warm_up: Callable[[], None]) -> None:
+    def start(
+        self,
+        ddp: DDP | None,
+        saved: dict[str, Any] | None,
+        step: int,
+        model: torch.nn.Module,
+        optimizer,
+        scaler,
+        warm_up: Callable[[], None],
+    ) -> None:
         """Restore the state `saved` and register the hook on `ddp` (None in one process), to go on at `step`.
         `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
-        if (saved and saved.get("name") == self.name and saved.get("world_size") == self.dist.world_size
-                and saved.get("state") is not None):
+        if (
+            saved
+            and saved.get("name") == self.name
+            and saved.get("world_size") == self.dist.world_size
+            and saved.get("state") is not None
+        ):
             self.load_own_state(saved["state"], model, optimizer, scaler, warm_up)
         elif saved and self.dist.is_main_process:  # another number of processes or another hook
             world = self.dist.world_size
-            this = f"{world} ranks with ddp_comm_hook={self.name}" if world > 1 else "1 process (no comm hook)"
-            log.warning("the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts "
-                        "afresh at step %d, from the snapshot's weights%s", saved.get("name"), saved.get("world_size"),
-                        this, step, " (the replicas' mean) and rank 0's optimizer state"
-                        if saved.get("name") == "post_local_sgd" else "")
+            this = (
+                f"{world} ranks with ddp_comm_hook={self.name}"
+                if world > 1
+                else "1 process (no comm hook)"
+            )
+            log.warning(
+                "the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts "
+                "afresh at step %d, from the snapshot's weights%s",
+                saved.get("name"),
+                saved.get("world_size"),
+                this,
+                step,
+                " (the replicas' mean) and rank 0's optimizer state"
+                if saved.get("name") == "post_local_sgd"
+                else "",
+            )
         self.register(ddp, step)
 
     def register(self, ddp: DDP | None, step: int) -> None:
@@ -79,28 +116,47 @@ class CommHook:
     def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
         """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's own}, or None."""
         own = self.own_state(model, optimizer, scaler)
-        return own and {"about": {"name": self.name, "world_size": self.dist.world_size}, "state": own}
+        return own and {
+            "about": {"name": self.name, "world_size": self.dist.world_size},
+            "state": own,
+        }
 
 
 class PowerSGD(CommHook):
     def __init__(self, name: str, cfg: TrainerConfig, dist_info: DistInfo):
         super().__init__(dist_info, name)
-        self.state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-                                                 start_powerSGD_iter=cfg.powersgd_start_step)
-        self.hook = torch_fixes.powersgd_hook(name == "batched_powersgd", dist_info.device.type == "cuda")
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_start_step,
+        )
+        self.hook = torch_fixes.powersgd_hook(
+            name == "batched_powersgd", dist_info.device.type == "cuda"
+        )
         if dist_info.backend == "gloo":
             # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces wrongly (docs/training.md).
             self.ddp_options = {"bucket_cap_mb": 2**20}
 
     def own_state(self, model, optimizer, scaler):
         s = self.state
-        _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()  # numpy's Mersenne Twister: Q's random starts
-        return {"iter": s.iter, "error": dict(s.error_dict), "p": dict(s.p_memory_dict), "q": dict(s.q_memory_dict),
-                "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
-                        "cached_gaussian": float(cached_gaussian)}}
+        # numpy's Mersenne Twister: Q's random starts
+        _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()
+        return {
+            "iter": s.iter,
+            "error": dict(s.error_dict),
+            "p": dict(s.p_memory_dict),
+            "q": dict(s.q_memory_dict),
+            "rng": {
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached_gaussian),
+            },
+        }
 
     def register(self, ddp, step):
-        ddp.register_comm_hook(self.state, self.hook)  # from its first step: powersgd_start_step plain steps
+        # from its first step: powersgd_start_step plain steps
+        ddp.register_comm_hook(self.state, self.hook)
 
     def load_own_state(self, own, model, optimizer, scaler, warm_up):
         s = self.state
@@ -110,10 +166,19 @@ class PowerSGD(CommHook):
             warm_up()
         s.iter = own["iter"]
         rng = own["rng"]
-        s.rng.set_state(("MT19937", rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
-                         rng["cached_gaussian"]))
+        s.rng.set_state(
+            (
+                "MT19937",
+                rng["keys"].numpy().astype("uint32"),
+                rng["pos"],
+                rng["has_gauss"],
+                rng["cached_gaussian"],
+            )
+        )
         s.error_dict, s.p_memory_dict, s.q_memory_dict = (
-            {k: v.to(self.dist.device) for k, v in own[name].items()} for name in ("error", "p", "q"))
+            {k: v.to(self.dist.device) for k, v in own[name].items()}
+            for name in ("error", "p", "q")
+        )
 
 
 class PostLocalSGD(CommHook):
@@ -126,11 +191,19 @@ class PostLocalSGD(CommHook):
             # The ranks of a node all-reduce their gradients every step; torchrun numbers them contiguously.
             subgroup, _ = dist.new_subgroups(group_size=dist_info.local_world_size)
             if dist_info.local_world_size == dist_info.world_size and dist_info.is_main_process:
-                log.warning("trainer_config.localsgd_group=node on one node: every rank still all-reduces every "
-                            "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)")
-        self.state = post_localSGD_hook.PostLocalSGDState(None, subgroup, cfg.localsgd_start_step,
-                                                          post_local_gradient_allreduce=subgroup is not None)
-        self.averager = averagers.PeriodicModelAverager(cfg.localsgd_period, warmup_steps=cfg.localsgd_start_step)
+                log.warning(
+                    "trainer_config.localsgd_group=node on one node: every rank still all-reduces every "
+                    "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)"
+                )
+        self.state = post_localSGD_hook.PostLocalSGDState(
+            None,
+            subgroup,
+            cfg.localsgd_start_step,
+            post_local_gradient_allreduce=subgroup is not None,
+        )
+        self.averager = averagers.PeriodicModelAverager(
+            cfg.localsgd_period, warmup_steps=cfg.localsgd_start_step
+        )
 
     def after_optimizer_step(self, model: torch.nn.Module) -> None:
         # Before the gradients are cleared: the averager skips parameters without one.
@@ -138,8 +211,11 @@ class PostLocalSGD(CommHook):
 
     def _mean(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """{name: mean over the ranks} of each parameter, computed aside: the replicas stay as they are."""
-        mean = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
-        averaging_utils.average_parameters(iter(mean.values()), dist.group.WORLD)  # the averager's own arithmetic
+        mean = {
+            name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)
+        }
+        # the averager's own arithmetic
+        averaging_utils.average_parameters(iter(mean.values()), dist.group.WORLD)
         return mean
 
     @contextlib.contextmanager
@@ -158,8 +234,11 @@ class PostLocalSGD(CommHook):
         return {**state, **self._mean(model)}
 
     def own_state(self, model, optimizer, scaler):
-        return {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()["state"],
-                "scaler_state": scaler.state_dict()}
+        return {
+            "model_state": model.state_dict(),
+            "optimizer_state": optimizer.state_dict()["state"],
+            "scaler_state": scaler.state_dict(),
+        }
 
     def register(self, ddp, step):
         # Both count optimizer steps: the hook all-reduces before localsgd_start_step, the averager after.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -18,7 +18,9 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     parsed as YAML (`prompt=ROMEO:` would be a mapping, `prompt=O, Romeo!` or `${...}` would not survive)."""
     for arg in argv:
         check("=" in arg, arg, "expected key=value")
-    text = {key: value for key, _, value in (arg.partition("=") for arg in argv) if key in text_keys}
+    text = {
+        key: value for key, _, value in (arg.partition("=") for arg in argv) if key in text_keys
+    }
     rest = [arg for arg in argv if arg.partition("=")[0] not in text_keys]
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
@@ -30,8 +32,14 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     return schema(**{**values, **text})
 
 
-def command(usage: str, schema: type, doc: str, body: Callable[[list[str]], None],
-            errors: tuple[type[BaseException], ...], argv: Optional[list[str]] = None) -> None:
+def command(
+    usage: str,
+    schema: type,
+    doc: str,
+    body: Callable[[list[str]], None],
+    errors: tuple[type[BaseException], ...],
+    argv: list[str] | None = None,
+) -> None:
     """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first paragraph, the keys of
     `schema`, then the rest of `doc`; one of `errors` ends the run with one line on stderr and exit status 2,
     Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
@@ -49,5 +57,6 @@ def command(usage: str, schema: type, doc: str, body: Callable[[list[str]], None
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
+        # the exit's flush would fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)

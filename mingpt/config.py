@@ -11,7 +11,7 @@ import sys
 import textwrap
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import ListConfig, OmegaConf
@@ -40,11 +40,16 @@ def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
 def at_least(bound: int, section: Any, prefix: str, *names: str, null: bool = False) -> None:
     for name in names:
         value = getattr(section, name)
-        check(null and value is None or value >= bound, f"{prefix}.{name}",
-              f"must be >= {bound}{' or null' if null else ''}, got {value}")
+        check(
+            null and value is None or value >= bound,
+            f"{prefix}.{name}",
+            f"must be >= {bound}{' or null' if null else ''}, got {value}",
+        )
 
 
-def key(default: Any = dataclasses.MISSING, help: str = "", operational: bool = False, **factory: Any) -> Any:
+def key(
+    default: Any = dataclasses.MISSING, help: str = "", operational: bool = False, **factory: Any
+) -> Any:
     """A config key: its default (or default_factory), its one-line help (docs/configuration.md, --help), and whether
     it is operational: it changes how a run is carried out, logged or saved, never what it computes."""
     return field(default=default, **factory, metadata={"help": help, "operational": operational})
@@ -58,51 +63,90 @@ class GPTConfig:
     n_head: int = key(4, "attention heads; must divide `n_embd`")
     n_embd: int = key(128, "embedding width")
     dropout: float = key(0.0, "dropout on embeddings, attention and residual branches, in [0, 1)")
-    vocab_size: Optional[int] = key(None, "the vocabulary's size, set from the data; leave unset")
-    block_size: Optional[int] = key(None, "the context length, set from `data_config.block_size`; leave unset")
+    vocab_size: int | None = key(None, "the vocabulary's size, set from the data; leave unset")
+    block_size: int | None = key(
+        None, "the context length, set from `data_config.block_size`; leave unset"
+    )
 
     def __post_init__(self) -> None:
         at_least(1, self, "gpt_config", "n_layer", "n_head", "n_embd")
-        check(self.n_embd % self.n_head == 0, "gpt_config.n_embd",
-              f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}")
-        check(0.0 <= self.dropout < 1.0, "gpt_config.dropout", f"must be in [0, 1), got {self.dropout}")
+        check(
+            self.n_embd % self.n_head == 0,
+            "gpt_config.n_embd",
+            f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}",
+        )
+        check(
+            0.0 <= self.dropout < 1.0,
+            "gpt_config.dropout",
+            f"must be in [0, 1), got {self.dropout}",
+        )
         at_least(1, self, "gpt_config", "vocab_size", "block_size", null=True)
 
 
 @dataclass
 class OptimizerConfig:
     learning_rate: float = key(3e-3, "peak learning rate, > 0")
-    weight_decay: float = key(0.1, "on the weights of Linear layers only; none on biases, LayerNorms, embeddings")
+    weight_decay: float = key(
+        0.1, "on the weights of Linear layers only; none on biases, LayerNorms, embeddings"
+    )
     betas: tuple[float, float] = key((0.9, 0.99), "AdamW betas")
     eps: float = key(1e-8, "AdamW epsilon")
-    lr_schedule: str = key("cosine", "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` "
-                           "at the last step; `constant`: warmup, then flat")
+    lr_schedule: str = key(
+        "cosine",
+        "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` "
+        "at the last step; `constant`: warmup, then flat",
+    )
     warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)")
     min_lr_ratio: float = key(0.1, "floor of the cosine decay, as a fraction of `learning_rate`")
-    algorithm: str = key("adamw", "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer "
-                         "blocks, AdamW for the embeddings, head, biases and LayerNorms; not with "
-                         "`trainer_config.parallelism=fsdp`")
-    muon_learning_rate: float = key(0.01, "Muon's peak learning rate (`algorithm=muon`), on the same schedule "
-                                    "([measured](../BENCHMARKS.md#time-to-quality))")
+    algorithm: str = key(
+        "adamw",
+        "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer "
+        "blocks, AdamW for the embeddings, head, biases and LayerNorms; not with "
+        "`trainer_config.parallelism=fsdp`",
+    )
+    muon_learning_rate: float = key(
+        0.01,
+        "Muon's peak learning rate (`algorithm=muon`), on the same schedule "
+        "([measured](../BENCHMARKS.md#time-to-quality))",
+    )
     muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1)")
 
     def __post_init__(self) -> None:
         for name in ("learning_rate", "muon_learning_rate"):
             value = getattr(self, name)
-            check(math.isfinite(value) and value > 0, f"optimizer_config.{name}", f"must be > 0, got {value}")
-        check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optimizer_config.weight_decay",
-              f"must be a finite number >= 0, got {self.weight_decay}")
-        check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer_config.betas",
-              f"must be two numbers in [0, 1), got {list(self.betas)}")
-        check(math.isfinite(self.eps) and self.eps > 0, "optimizer_config.eps",
-              f"must be a finite number > 0, got {self.eps}")
+            check(
+                math.isfinite(value) and value > 0,
+                f"optimizer_config.{name}",
+                f"must be > 0, got {value}",
+            )
+        check(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "optimizer_config.weight_decay",
+            f"must be a finite number >= 0, got {self.weight_decay}",
+        )
+        check(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "optimizer_config.betas",
+            f"must be two numbers in [0, 1), got {list(self.betas)}",
+        )
+        check(
+            math.isfinite(self.eps) and self.eps > 0,
+            "optimizer_config.eps",
+            f"must be a finite number > 0, got {self.eps}",
+        )
         one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
         at_least(0, self, "optimizer_config", "warmup_steps")
         one_of(self.algorithm, "optimizer_config.algorithm", ("adamw", "muon"))
-        check(0.0 <= self.muon_momentum < 1.0, "optimizer_config.muon_momentum",
-              f"must be in [0, 1), got {self.muon_momentum}")
-        check(0.0 <= self.min_lr_ratio <= 1.0, "optimizer_config.min_lr_ratio",
-              f"must be in [0, 1], got {self.min_lr_ratio}")
+        check(
+            0.0 <= self.muon_momentum < 1.0,
+            "optimizer_config.muon_momentum",
+            f"must be in [0, 1), got {self.muon_momentum}",
+        )
+        check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            "optimizer_config.min_lr_ratio",
+            f"must be in [0, 1], got {self.min_lr_ratio}",
+        )
 
 
 DEFAULT_DATA_PATH = "data/input.txt"
@@ -110,152 +154,331 @@ DEFAULT_DATA_PATH = "data/input.txt"
 
 @dataclass
 class DataConfig:
-    path: Any = key(DEFAULT_DATA_PATH, "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or "
-                    "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one "
-                    "corpus; the default is downloaded when missing ([The corpus](data.md))")
+    path: Any = key(
+        DEFAULT_DATA_PATH,
+        "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or "
+        "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one "
+        "corpus; the default is downloaded when missing ([The corpus](data.md))",
+    )
     block_size: int = key(64, "context length in characters")
-    train_split: float = key(0.9, "the first `train_split` of each file trains, the rest of it is held out; in (0, 1)")
+    train_split: float = key(
+        0.9, "the first `train_split` of each file trains, the rest of it is held out; in (0, 1)"
+    )
     truncate: float = key(1.0, "use only this leading fraction of each file; in (0, 1]")
-    stride: int = key(64, "a training window starts every `stride` characters (1: at every character); held-out "
-                      "windows never overlap")
-    cache_dir: Optional[str] = key(None, "directory of the token cache; null: `.mingpt-cache/` beside a local corpus "
-                                   "if writable, else `$XDG_CACHE_HOME/mingpt`", operational=True)
-    placement: str = key("auto", "where batches are gathered: `device` (the whole corpus in the device's memory), "
-                         "`host` (each batch read from the token cache file), `auto` (on a GPU `device` when the "
-                         "corpus takes at most 1/8 of its memory; else `host`)", operational=True)
+    stride: int = key(
+        64,
+        "a training window starts every `stride` characters (1: at every character); held-out "
+        "windows never overlap",
+    )
+    cache_dir: str | None = key(
+        None,
+        "directory of the token cache; null: `.mingpt-cache/` beside a local corpus "
+        "if writable, else `$XDG_CACHE_HOME/mingpt`",
+        operational=True,
+    )
+    placement: str = key(
+        "auto",
+        "where batches are gathered: `device` (the whole corpus in the device's memory), "
+        "`host` (each batch read from the token cache file), `auto` (on a GPU `device` when the "
+        "corpus takes at most 1/8 of its memory; else `host`)",
+        operational=True,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.path, (tuple, ListConfig)):
             self.path = list(self.path)
         paths = [self.path] if isinstance(self.path, str) else self.path
-        check(isinstance(paths, list) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
-              "data_config.path", f"must be a non-empty path, glob or list of them, got {self.path!r}")
+        check(
+            isinstance(paths, list)
+            and len(paths) > 0
+            and all(isinstance(p, str) and p for p in paths),
+            "data_config.path",
+            f"must be a non-empty path, glob or list of them, got {self.path!r}",
+        )
         at_least(1, self, "data_config", "block_size", "stride")
-        check(0.0 < self.train_split < 1.0, "data_config.train_split", f"must be in (0, 1), got {self.train_split}")
-        check(0.0 < self.truncate <= 1.0, "data_config.truncate", f"must be in (0, 1], got {self.truncate}")
-        check(self.cache_dir is None or (bool(self.cache_dir) and "://" not in self.cache_dir), "data_config.cache_dir",
-              f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}")
+        check(
+            0.0 < self.train_split < 1.0,
+            "data_config.train_split",
+            f"must be in (0, 1), got {self.train_split}",
+        )
+        check(
+            0.0 < self.truncate <= 1.0,
+            "data_config.truncate",
+            f"must be in (0, 1], got {self.truncate}",
+        )
+        check(
+            self.cache_dir is None or (bool(self.cache_dir) and "://" not in self.cache_dir),
+            "data_config.cache_dir",
+            f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}",
+        )
         one_of(self.placement, "data_config.placement", ("auto", "device", "host"))
 
 
 @dataclass
 class TrainerConfig:
-    run_name: str = key("default", "the run directory is `runs/<run_name>`, plus the changed values and their hash "
-                        "for any other config (see [Run directory](run-directory.md))", operational=True)
+    run_name: str = key(
+        "default",
+        "the run directory is `runs/<run_name>`, plus the changed values and their hash "
+        "for any other config (see [Run directory](run-directory.md))",
+        operational=True,
+    )
     max_epochs: int = key(2, "epochs over the training windows")
-    max_steps: Optional[int] = key(None, "stop earlier, after this many optimizer steps")
-    batch_size: int = key(12, "windows per process per micro-step; global batch = `batch_size * grad_accum_steps * "
-                          "world size`")
+    max_steps: int | None = key(None, "stop earlier, after this many optimizer steps")
+    batch_size: int = key(
+        12,
+        "windows per process per micro-step; global batch = `batch_size * grad_accum_steps * "
+        "world size`",
+    )
     grad_accum_steps: int = key(1, "micro-steps per optimizer step")
     grad_norm_clip: float = key(1.0, "clip the global gradient norm to this")
     seed: int = key(1337, "the same seed and config give the same run")
-    device: str = key("auto", "`auto` (CUDA if available, else CPU), `cpu` or `cuda`", operational=True)
-    eval_every: int = key(500, "evaluate every this many optimizer steps (0: at the end of each epoch); always at "
-                          "the end of the run", operational=True)
-    eval_tokens: int = key(131_072, "evaluate on at most this many held-out tokens, whole windows spread evenly over "
-                           "the split, for any number of processes (0: all)")
-    early_stop_patience: Optional[int] = key(None, "stop the run, as finished, after this many evaluations in a row "
-                                             "without the best held-out loss dropping by `early_stop_min_delta` "
-                                             "(null: never)")
-    early_stop_min_delta: float = key(0.0, "the least drop of the held-out loss that counts as an improvement for "
-                                      "`early_stop_patience` (>= 0; the best weights are kept at any drop)")
+    device: str = key(
+        "auto", "`auto` (CUDA if available, else CPU), `cpu` or `cuda`", operational=True
+    )
+    eval_every: int = key(
+        500,
+        "evaluate every this many optimizer steps (0: at the end of each epoch); always at "
+        "the end of the run",
+        operational=True,
+    )
+    eval_tokens: int = key(
+        131_072,
+        "evaluate on at most this many held-out tokens, whole windows spread evenly over "
+        "the split, for any number of processes (0: all)",
+    )
+    early_stop_patience: int | None = key(
+        None,
+        "stop the run, as finished, after this many evaluations in a row "
+        "without the best held-out loss dropping by `early_stop_min_delta` "
+        "(null: never)",
+    )
+    early_stop_min_delta: float = key(
+        0.0,
+        "the least drop of the held-out loss that counts as an improvement for "
+        "`early_stop_patience` (>= 0; the best weights are kept at any drop)",
+    )
     log_every: int = key(50, "log a train event every this many optimizer steps", operational=True)
-    sample_chars: int = key(200, "characters sampled at each evaluation and at the end (0: none)", operational=True)
-    snapshot_path: Optional[str] = key(None, "the snapshots' root directory: local path or fsspec URL, relative to "
-                                       "the run directory; null: `snapshots`", operational=True)
-    save_every: int = key(1, "save a snapshot every this many epochs, and always at the end", operational=True)
-    save_every_steps: Optional[int] = key(None, "also save every this many optimizer steps", operational=True)
-    save_every_minutes: Optional[float] = key(5.0, "also save when this many minutes have passed since the last save "
-                                              "(null: never by time), a bound on the work a crash can lose",
-                                              operational=True)
-    keep_snapshots: int = key(2, "snapshots kept (the newest), the older removed once a new one is published",
-                              operational=True)
-    async_save: bool = key(True, "save in the background: training waits only for the copy of the state to CPU "
-                           "memory; the next save, a stop and the end wait for it, and its failure stops the run on "
-                           "every rank", operational=True)
-    stop_signals: list[str] = key(help="signals that stop the run at the next step boundary after a snapshot, exit "
-                                  "status 128 + the signal ([Fault tolerance](fault-tolerance.md#stopping-a-run-"
-                                  "signals-and-exit-statuses))", operational=True,
-                                  default_factory=lambda: list(DEFAULT_SIGNALS))
-    init_from: Optional[str] = key(None, "fine-tune from a snapshot file, a sharded snapshot or a run directory (its "
-                                   "best weights): its shape, vocabulary and weights, with a fresh optimizer and "
-                                   "schedule on this run's corpus ([Fine-tuning](training.md#fine-tuning))")
+    sample_chars: int = key(
+        200, "characters sampled at each evaluation and at the end (0: none)", operational=True
+    )
+    snapshot_path: str | None = key(
+        None,
+        "the snapshots' root directory: local path or fsspec URL, relative to "
+        "the run directory; null: `snapshots`",
+        operational=True,
+    )
+    save_every: int = key(
+        1, "save a snapshot every this many epochs, and always at the end", operational=True
+    )
+    save_every_steps: int | None = key(
+        None, "also save every this many optimizer steps", operational=True
+    )
+    save_every_minutes: float | None = key(
+        5.0,
+        "also save when this many minutes have passed since the last save "
+        "(null: never by time), a bound on the work a crash can lose",
+        operational=True,
+    )
+    keep_snapshots: int = key(
+        2,
+        "snapshots kept (the newest), the older removed once a new one is published",
+        operational=True,
+    )
+    async_save: bool = key(
+        True,
+        "save in the background: training waits only for the copy of the state to CPU "
+        "memory; the next save, a stop and the end wait for it, and its failure stops the run on "
+        "every rank",
+        operational=True,
+    )
+    stop_signals: list[str] = key(
+        help="signals that stop the run at the next step boundary after a snapshot, exit "
+        "status 128 + the signal ([Fault tolerance](fault-tolerance.md#stopping-a-run-"
+        "signals-and-exit-statuses))",
+        operational=True,
+        default_factory=lambda: list(DEFAULT_SIGNALS),
+    )
+    init_from: str | None = key(
+        None,
+        "fine-tune from a snapshot file, a sharded snapshot or a run directory (its "
+        "best weights): its shape, vocabulary and weights, with a fresh optimizer and "
+        "schedule on this run's corpus ([Fine-tuning](training.md#fine-tuning))",
+    )
     use_amp: bool = key(False, "mixed precision on CUDA")
     amp_dtype: str = key("bf16", "`bf16`, or `fp16` (with a gradient scaler)")
-    amp_on_cpu: bool = key(False, "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)")
+    amp_on_cpu: bool = key(
+        False, "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)"
+    )
     compile: bool = key(False, "`torch.compile` the model", operational=True)
-    activation_checkpointing: bool = key(False, "recompute each transformer block's activations in backward instead "
-                                         "of keeping them: less memory for more compute, the same gradients "
-                                         "(`benchmarks/bench_memory.py` measures both)", operational=True)
-    parallelism: str = key("ddp", "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and "
-                           "AdamW state sharded over the ranks; see [Distributed training]"
-                           "(training.md#distributed-training))")
-    ddp_comm_hook: str = key("none", "DDP gradient communication: `none`, `fp16`, `bf16` (NCCL only), `powersgd`, "
-                             "`batched_powersgd`, `post_local_sgd` (see [Distributed training]"
-                             "(training.md#distributed-training))")
-    powersgd_rank: int = key(8, "PowerSGD's matrix rank; with `powersgd_start_step`'s default it keeps `powersgd` "
-                             "within about 2% of DDP's held-out loss ([measured](../BENCHMARKS.md#powersgds-defaults-"
-                             "what-the-compression-costs-in-loss))")
+    activation_checkpointing: bool = key(
+        False,
+        "recompute each transformer block's activations in backward instead "
+        "of keeping them: less memory for more compute, the same gradients "
+        "(`benchmarks/bench_memory.py` measures both)",
+        operational=True,
+    )
+    parallelism: str = key(
+        "ddp",
+        "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and "
+        "AdamW state sharded over the ranks; see [Distributed training]"
+        "(training.md#distributed-training))",
+    )
+    ddp_comm_hook: str = key(
+        "none",
+        "DDP gradient communication: `none`, `fp16`, `bf16` (NCCL only), `powersgd`, "
+        "`batched_powersgd`, `post_local_sgd` (see [Distributed training]"
+        "(training.md#distributed-training))",
+    )
+    powersgd_rank: int = key(
+        8,
+        "PowerSGD's matrix rank; with `powersgd_start_step`'s default it keeps `powersgd` "
+        "within about 2% of DDP's held-out loss ([measured](../BENCHMARKS.md#powersgds-defaults-"
+        "what-the-compression-costs-in-loss))",
+    )
     powersgd_start_step: int = key(100, "the step PowerSGD starts compressing at (>= 2)")
-    allow_config_change: bool = key(False, "resume a snapshot written with other values (see [Fault tolerance]"
-                                    "(fault-tolerance.md))", operational=True)
+    allow_config_change: bool = key(
+        False,
+        "resume a snapshot written with other values (see [Fault tolerance](fault-tolerance.md))",
+        operational=True,
+    )
     localsgd_start_step: int = key(100, "LocalSGD: plain DDP steps before it starts (>= 0)")
     localsgd_period: int = key(4, "LocalSGD: steps between averagings (>= 2)")
-    localsgd_group: str = key("rank", "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients "
-                              "every step)")
-    tracker: Optional[str] = key(None, "`mlflow` (needs the `mlflow` extra) or null: rank 0 also logs the config, "
-                                 "scalars and samples there, and a resumed run continues the same tracker run "
-                                 "([Experiment tracking](tracking.md))", operational=True)
-    tracker_uri: Optional[str] = key(None, "the tracker's store: an MLflow tracking URI (`http://host:5000`, "
-                                     "`sqlite:///mlflow.db`, `file:./mlruns` or a directory); null: MLflow's default "
-                                     "(`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the working directory)",
-                                     operational=True)
+    localsgd_group: str = key(
+        "rank",
+        "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients every step)",
+    )
+    tracker: str | None = key(
+        None,
+        "`mlflow` (needs the `mlflow` extra) or null: rank 0 also logs the config, "
+        "scalars and samples there, and a resumed run continues the same tracker run "
+        "([Experiment tracking](tracking.md))",
+        operational=True,
+    )
+    tracker_uri: str | None = key(
+        None,
+        "the tracker's store: an MLflow tracking URI (`http://host:5000`, "
+        "`sqlite:///mlflow.db`, `file:./mlruns` or a directory); null: MLflow's default "
+        "(`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the working directory)",
+        operational=True,
+    )
 
     def __post_init__(self) -> None:
-        check(self.run_name not in ("", ".", "..") and "/" not in self.run_name and self.run_name.isprintable(),
-              "trainer_config.run_name", "must be one directory name (not empty, '.' or '..', without '/' or "
-              f"control characters such as a newline), got {self.run_name!r}")
-        at_least(1, self, "trainer_config", "max_epochs", "batch_size", "grad_accum_steps", "log_every", "save_every",
-                 "powersgd_rank", "keep_snapshots")
+        check(
+            self.run_name not in ("", ".", "..")
+            and "/" not in self.run_name
+            and self.run_name.isprintable(),
+            "trainer_config.run_name",
+            "must be one directory name (not empty, '.' or '..', without '/' or "
+            f"control characters such as a newline), got {self.run_name!r}",
+        )
+        at_least(
+            1,
+            self,
+            "trainer_config",
+            "max_epochs",
+            "batch_size",
+            "grad_accum_steps",
+            "log_every",
+            "save_every",
+            "powersgd_rank",
+            "keep_snapshots",
+        )
         per_step = self.batch_size * self.grad_accum_steps
-        check(per_step < 2**31, "trainer_config.grad_accum_steps",
-              f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}")
+        check(
+            per_step < 2**31,
+            "trainer_config.grad_accum_steps",
+            f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}",
+        )
         check_seed(self.seed, "trainer_config.seed")
-        at_least(1, self, "trainer_config", "max_steps", "save_every_steps", "early_stop_patience", null=True)
-        at_least(0, self, "trainer_config", "eval_every", "sample_chars", "eval_tokens", "localsgd_start_step")
-        check(math.isfinite(self.early_stop_min_delta) and self.early_stop_min_delta >= 0,
-              "trainer_config.early_stop_min_delta", f"must be a finite number >= 0, got {self.early_stop_min_delta}")
-        check(self.powersgd_start_step >= 2, "trainer_config.powersgd_start_step",
-              f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}")
-        check(self.save_every_minutes is None or self.save_every_minutes > 0, "trainer_config.save_every_minutes",
-              f"must be > 0 or null, got {self.save_every_minutes}")
+        at_least(
+            1,
+            self,
+            "trainer_config",
+            "max_steps",
+            "save_every_steps",
+            "early_stop_patience",
+            null=True,
+        )
+        at_least(
+            0,
+            self,
+            "trainer_config",
+            "eval_every",
+            "sample_chars",
+            "eval_tokens",
+            "localsgd_start_step",
+        )
+        check(
+            math.isfinite(self.early_stop_min_delta) and self.early_stop_min_delta >= 0,
+            "trainer_config.early_stop_min_delta",
+            f"must be a finite number >= 0, got {self.early_stop_min_delta}",
+        )
+        check(
+            self.powersgd_start_step >= 2,
+            "trainer_config.powersgd_start_step",
+            f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}",
+        )
+        check(
+            self.save_every_minutes is None or self.save_every_minutes > 0,
+            "trainer_config.save_every_minutes",
+            f"must be > 0 or null, got {self.save_every_minutes}",
+        )
         try:
             signals = {parse_signal(name) for name in self.stop_signals}
         except ValueError as e:
             raise ConfigError(f"trainer_config.stop_signals: {e}") from None
-        check(len(signals) == len(self.stop_signals),
-              "trainer_config.stop_signals", f"lists a signal twice: {list(self.stop_signals)}")
-        check(self.grad_norm_clip > 0, "trainer_config.grad_norm_clip", f"must be > 0, got {self.grad_norm_clip}")
+        check(
+            len(signals) == len(self.stop_signals),
+            "trainer_config.stop_signals",
+            f"lists a signal twice: {list(self.stop_signals)}",
+        )
+        check(
+            self.grad_norm_clip > 0,
+            "trainer_config.grad_norm_clip",
+            f"must be > 0, got {self.grad_norm_clip}",
+        )
         check(self.snapshot_path != "", "trainer_config.snapshot_path", "must not be empty")
-        check(self.init_from != "", "trainer_config.init_from",
-              "must be a snapshot file, a sharded snapshot or a run directory (null: train from scratch), got ''")
+        check(
+            self.init_from != "",
+            "trainer_config.init_from",
+            "must be a snapshot file, a sharded snapshot or a run directory (null: train from scratch), got ''",
+        )
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
-        one_of(self.ddp_comm_hook, "trainer_config.ddp_comm_hook",
-               ("none", "fp16", "bf16", "powersgd", "batched_powersgd", "post_local_sgd"))
+        one_of(
+            self.ddp_comm_hook,
+            "trainer_config.ddp_comm_hook",
+            ("none", "fp16", "bf16", "powersgd", "batched_powersgd", "post_local_sgd"),
+        )
         one_of(self.parallelism, "trainer_config.parallelism", ("ddp", "fsdp"))
         if self.parallelism == "fsdp":
-            check(self.ddp_comm_hook == "none", "trainer_config.ddp_comm_hook",
-                  f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none (use none, or parallelism=ddp)")
-            check(not (self.use_amp and self.amp_dtype == "fp16"), "trainer_config.amp_dtype",
-                  "fp16 needs a gradient scaler over the shards; with parallelism=fsdp use bf16")
-        check(self.localsgd_period >= 2, "trainer_config.localsgd_period", "must be >= 2 (1 averages every step: "
-              f"that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}")
+            check(
+                self.ddp_comm_hook == "none",
+                "trainer_config.ddp_comm_hook",
+                f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none (use none, or parallelism=ddp)",
+            )
+            check(
+                not (self.use_amp and self.amp_dtype == "fp16"),
+                "trainer_config.amp_dtype",
+                "fp16 needs a gradient scaler over the shards; with parallelism=fsdp use bf16",
+            )
+        check(
+            self.localsgd_period >= 2,
+            "trainer_config.localsgd_period",
+            "must be >= 2 (1 averages every step: "
+            f"that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}",
+        )
         one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
-        check(self.tracker in (None, "mlflow"), "trainer_config.tracker",
-              f"{self.tracker!r} is not a tracker mingpt has: mlflow, or null (none)")
-        check(self.tracker_uri is None or bool(self.tracker_uri.strip()), "trainer_config.tracker_uri",
-              "must not be empty (null: MLflow's default)")
+        check(
+            self.tracker in (None, "mlflow"),
+            "trainer_config.tracker",
+            f"{self.tracker!r} is not a tracker mingpt has: mlflow, or null (none)",
+        )
+        check(
+            self.tracker_uri is None or bool(self.tracker_uri.strip()),
+            "trainer_config.tracker_uri",
+            "must not be empty (null: MLflow's default)",
+        )
 
 
 @dataclass
@@ -266,22 +489,33 @@ class Config:
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
-        check(self.optimizer_config.algorithm != "muon" or self.trainer_config.parallelism != "fsdp",
-              "optimizer_config.algorithm", "muon orthogonalises whole matrices, which parallelism=fsdp shards "
-              "(torch.optim.Muon takes no sharded parameters): use adamw, or parallelism=ddp")
+        check(
+            self.optimizer_config.algorithm != "muon" or self.trainer_config.parallelism != "fsdp",
+            "optimizer_config.algorithm",
+            "muon orthogonalises whole matrices, which parallelism=fsdp shards "
+            "(torch.optim.Muon takes no sharded parameters): use adamw, or parallelism=ddp",
+        )
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 # Every key not operational is result-affecting: the run directory's name and the check on resume compare those.
-OPERATIONAL_KEYS = frozenset(f"{name}.{f.name}" for name, section in SECTIONS.items()
-                             for f in dataclasses.fields(section) if f.metadata["operational"])
+OPERATIONAL_KEYS = frozenset(
+    f"{name}.{f.name}"
+    for name, section in SECTIONS.items()
+    for f in dataclasses.fields(section)
+    if f.metadata["operational"]
+)
 
 
 def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
     """The result-affecting values of {section: {key: value}} (a composed config, a snapshot's saved configs),
     flat as {"section.key": value}, in JSON's types, so a tuple and a list of the same numbers compare equal."""
-    flat = {f"{name}.{key}": value for name in SECTIONS if isinstance(sections.get(name), Mapping)
-            for key, value in sections[name].items()}
+    flat = {
+        f"{name}.{key}": value
+        for name in SECTIONS
+        if isinstance(sections.get(name), Mapping)
+        for key, value in sections[name].items()
+    }
     return json.loads(json.dumps({k: v for k, v in flat.items() if k not in OPERATIONAL_KEYS}))
 
 
@@ -291,7 +525,11 @@ def check_known_keys(cfg: Mapping) -> None:
         check(name in SECTIONS, name, "unknown key")
         fields = {f.name for f in dataclasses.fields(SECTIONS[name])}
         for key in section:
-            check(key in fields, f"{name}.{key}", f"unknown key (not a field of {SECTIONS[name].__name__})")
+            check(
+                key in fields,
+                f"{name}.{key}",
+                f"unknown key (not a field of {SECTIONS[name].__name__})",
+            )
 
 
 def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
@@ -300,8 +538,10 @@ def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
     if not isinstance(trainer, MutableMapping) or "data_loader_workers" not in trainer:
         return []
     del trainer["data_loader_workers"]
-    return ["trainer_config.data_loader_workers ignored: each process reads its own batches from the token cache (or "
-            "gathers them on the GPU), so there is no DataLoader to give worker processes"]
+    return [
+        "trainer_config.data_loader_workers ignored: each process reads its own batches from the token cache (or "
+        "gathers them on the GPU), so there is no DataLoader to give worker processes"
+    ]
 
 
 def register_configs() -> None:
@@ -311,15 +551,21 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
     cs.store(group="gpt_config", name="default", node=GPTConfig)
     cs.store(group="optimizer_config", name="default", node=OptimizerConfig)
-    OmegaConf.register_new_resolver("mingpt.keys", lambda _root_: "\n".join(
-        key_lines(section, _root_[name], f"{name}.") for name, section in SECTIONS.items()
-    ).replace("$", "$$"), replace=True)  # Hydra fills in the help template with string.Template
+    OmegaConf.register_new_resolver(
+        "mingpt.keys",
+        lambda _root_: "\n".join(
+            key_lines(section, _root_[name], f"{name}.") for name, section in SECTIONS.items()
+        ).replace("$", "$$"),
+        replace=True,
+    )  # Hydra fills in the help template with string.Template
 
 
 def _text(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_text(v) for v in value) + "]"
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -335,14 +581,21 @@ def key_table(section: type) -> str:
     return "\n".join(rows)
 
 
-def key_lines(section: type, values: Optional[Mapping] = None, prefix: str = "") -> str:
+def key_lines(section: type, values: Mapping | None = None, prefix: str = "") -> str:
     """A config dataclass's keys for a --help: `key=value` (the default, or the value in `values`), its meaning."""
-    rows = [(f"{prefix}{f.name}={_text(_default(f) if values is None else values[f.name])}", f.metadata["help"])
-            for f in dataclasses.fields(section)]
+    rows = [
+        (
+            f"{prefix}{f.name}={_text(_default(f) if values is None else values[f.name])}",
+            f.metadata["help"],
+        )
+        for f in dataclasses.fields(section)
+    ]
     width = min(max(len(k) for k, _ in rows), 28) + 4
-    return "\n".join((f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
-                     + ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
-                     for k, help in rows)
+    return "\n".join(
+        (f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
+        + ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
+        for k, help in rows
+    )
 
 
 def markdown(doc: str) -> str:
@@ -354,7 +607,8 @@ def markdown(doc: str) -> str:
     return doc
 
 
-if __name__ == "__main__":  # python -m mingpt.config --markdown docs/configuration.md: the key tables made anew
+# python -m mingpt.config --markdown docs/configuration.md: the key tables made anew
+if __name__ == "__main__":
     if sys.argv[1:2] != ["--markdown"] or len(sys.argv) != 3:
         sys.exit("usage: python -m mingpt.config --markdown docs/configuration.md")
     path = pathlib.Path(sys.argv[2])

@@ -7,7 +7,8 @@ import glob
 import logging
 import os
 import urllib.request
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import fsspec
 import numpy as np
@@ -21,7 +22,9 @@ from mingpt.token_cache import DataError
 
 log = logging.getLogger(__name__)
 
-CORPUS_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+CORPUS_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
 
 
 def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> None:
@@ -32,8 +35,10 @@ def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> Non
         with urllib.request.urlopen(url, timeout=30) as response, storage.atomic_open(path) as f:
             f.write(response.read())
     except OSError as e:
-        raise DataError(f"{path} is missing and could not be downloaded from {url} ({e}); "
-                        f"put the tiny-shakespeare text at {path} or set data_config.path") from None
+        raise DataError(
+            f"{path} is missing and could not be downloaded from {url} ({e}); "
+            f"put the tiny-shakespeare text at {path} or set data_config.path"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -47,10 +52,14 @@ def open_source(path: str) -> Iterator[BinaryIO]:
     except (DataError, storage.StorageError) as e:  # the body's own, or check_regular's
         raise DataError(str(e)) from None
     except FileNotFoundError as e:
-        if e.__cause__ is not None:  # fsspec's HTTP file system says "not found" for a failed connection too
-            raise DataError(f"cannot fetch data file {path}: {storage.reason(e.__cause__)}") from None
+        # fsspec's HTTP file system says "not found" for a failed connection too
+        if e.__cause__ is not None:
+            raise DataError(
+                f"cannot fetch data file {path}: {storage.reason(e.__cause__)}"
+            ) from None
         raise DataError(f"data file not found: {path}") from None
-    except (*storage.storage_errors(), ValueError, ImportError) as e:  # an unreachable object store included
+    # an unreachable object store included
+    except (*storage.storage_errors(), ValueError, ImportError) as e:
         raise DataError(f"cannot read data file {path}: {storage.reason(e)}") from None
 
 
@@ -68,14 +77,19 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     for pattern in [cfg.path] if isinstance(cfg.path, str) else cfg.path:
         try:
             fs, stripped = fsspec.core.url_to_fs(pattern)
-            matches = [m for m in sorted(fs.glob(stripped)) if not token_cache.is_own(m)] \
-                if glob.has_magic(pattern) else [stripped]
+            matches = (
+                [m for m in sorted(fs.glob(stripped)) if not token_cache.is_own(m)]
+                if glob.has_magic(pattern)
+                else [stripped]
+            )
         except (OSError, ValueError, ImportError) as e:
             raise DataError(f"cannot read data file {pattern}: {e}") from None
         if not matches:
             raise DataError(f"no data file matches {pattern}")
         local = isinstance(fs, LocalFileSystem)
-        sources += [pattern if m == stripped else m if local else fs.unstrip_protocol(m) for m in matches]
+        sources += [
+            pattern if m == stripped else m if local else fs.unstrip_protocol(m) for m in matches
+        ]
         local_dirs.append(os.path.dirname(os.path.abspath(matches[0])) if local else None)
     keys = [s if "://" in s else os.path.abspath(s) for s in sources]
     return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dirs[0])
@@ -96,10 +110,12 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    def line_start(self) -> str:  # what starts the model at the beginning of a line (an empty prompt)
+    # what starts the model at the beginning of a line (an empty prompt)
+    def line_start(self) -> str:
         return "\n" if "\n" in self.chars else self.chars[0]
 
-    def unknown(self, text: str) -> str:  # the distinct characters of `text` outside the vocabulary, sorted
+    # the distinct characters of `text` outside the vocabulary, sorted
+    def unknown(self, text: str) -> str:
         return "".join(sorted(set(text) - set(self.chars)))
 
     def encode(self, text: str) -> torch.Tensor:
@@ -120,14 +136,23 @@ class TokenWindows:
     `tokens` (a file's split): input the first block_size, target the last; a window never crosses a segment's end.
     `ids`, if given, maps the stored ids to the model's (CharData.in_vocabulary)."""
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int,
-                 segments: list[tuple[int, int]] | None = None, ids: torch.Tensor | None = None):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        block_size: int,
+        stride: int,
+        segments: list[tuple[int, int]] | None = None,
+        ids: torch.Tensor | None = None,
+    ):
         self.tokens, self.block_size, self.stride = tokens, block_size, stride
         self.ids = None if ids is None else ids.to(tokens.device)
         self.segments = [(0, len(tokens))] if segments is None else segments
-        counts = torch.tensor([max(0, (n - block_size - 1) // stride + 1) for _, n in self.segments])
+        counts = torch.tensor(
+            [max(0, (n - block_size - 1) // stride + 1) for _, n in self.segments]
+        )
         self._len = int(counts.sum())
-        self._first = (counts.cumsum(0) - counts).to(tokens.device)  # each segment's first window index
+        # each segment's first window index
+        self._first = (counts.cumsum(0) - counts).to(tokens.device)
         self._seg_start = torch.tensor([s for s, _ in self.segments], device=tokens.device)
         self._offsets = torch.arange(block_size + 1, device=tokens.device)
 
@@ -136,16 +161,20 @@ class TokenWindows:
 
     def with_tokens(self, tokens: torch.Tensor, ids: torch.Tensor | None = None) -> "TokenWindows":
         """The same windows over `tokens` (the same, on a device), their stored id i read as ids[i] if given."""
-        return TokenWindows(tokens, self.block_size, self.stride, self.segments, self.ids if ids is None else ids)
+        return TokenWindows(
+            tokens, self.block_size, self.stride, self.segments, self.ids if ids is None else ids
+        )
 
-    def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:  # where windows `indices` start in `tokens`
+    # where windows `indices` start in `tokens`
+    def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.tokens.device)
         if len(self.segments) == 1:  # without a search: a batch's cost, for the common case
             return idx * self.stride + self.segments[0][0]
         seg = torch.searchsorted(self._first, idx, right=True) - 1
         return self._seg_start[seg] + (idx - self._first[seg]) * self.stride
 
-    def _gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:  # the windows, as stored, on the device
+    # the windows, as stored, on the device
+    def _gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
         return self.tokens[self.starts(indices)[:, None] + self._offsets]
 
     def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,14 +193,20 @@ class HostBatches(TokenWindows):
     while the current one runs; `batch` then hands out slices of it."""
 
     def __init__(self, windows: TokenWindows, cache: token_cache.TokenCache, device: torch.device):
-        super().__init__(windows.tokens, windows.block_size, windows.stride, windows.segments)  # indices: on the host
+        # indices: on the host
+        super().__init__(windows.tokens, windows.block_size, windows.stride, windows.segments)
         self.cache, self.device = cache, device
         self.ids = None if windows.ids is None else windows.ids.to(device)
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # indices prefetched, their windows
+        # indices prefetched, their windows
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _read(self, indices: torch.Tensor) -> torch.Tensor:
-        buffer = torch.empty(len(indices), self.block_size + 1, dtype=self.tokens.dtype,
-                             pin_memory=self.device.type == "cuda")
+        buffer = torch.empty(
+            len(indices),
+            self.block_size + 1,
+            dtype=self.tokens.dtype,
+            pin_memory=self.device.type == "cuda",
+        )
         self.cache.read_windows(self.starts(indices), buffer)
         return buffer.to(self.device, non_blocking=True)
 
@@ -180,7 +215,8 @@ class HostBatches(TokenWindows):
 
     def _gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
         indices, n = torch.as_tensor(indices, dtype=torch.long).cpu(), len(indices)
-        if self._pending is None or not torch.equal(self._pending[0][:n], indices):  # not the next prefetched
+        # not the next prefetched
+        if self._pending is None or not torch.equal(self._pending[0][:n], indices):
             self._pending = (indices, self._read(indices))
         chunk = self._pending[1][:n]
         self._pending = (self._pending[0][n:], self._pending[1][n:])
@@ -197,7 +233,9 @@ class CharData:
 
     def fingerprint(self) -> list[dict]:
         """The corpus's identity, as snapshots record it: each file's name, size in bytes and SHA-256, in order."""
-        return [{**key, "source": source} for (source, _), key in zip(self.files, self.cache.sources)]
+        return [
+            {**key, "source": source} for (source, _), key in zip(self.files, self.cache.sources)
+        ]
 
     def in_vocabulary(self, chars: str) -> "CharData":
         """The same corpus with the vocabulary `chars` (a snapshot's), which the caller checked holds every
@@ -206,17 +244,28 @@ class CharData:
             return self
         tokenizer = CharTokenizer(chars)
         ids = tokenizer.encode(self.tokenizer.chars).long()
-        return dataclasses.replace(self, tokenizer=tokenizer, train=self.train.with_tokens(self.train.tokens, ids),
-                                   heldout=self.heldout.with_tokens(self.heldout.tokens, ids))
+        return dataclasses.replace(
+            self,
+            tokenizer=tokenizer,
+            train=self.train.with_tokens(self.train.tokens, ids),
+            heldout=self.heldout.with_tokens(self.heldout.tokens, ids),
+        )
 
-    def place(self, device: torch.device, placement: str = "auto") -> tuple[TokenWindows | HostBatches, ...]:
+    def place(
+        self, device: torch.device, placement: str = "auto"
+    ) -> tuple[TokenWindows | HostBatches, ...]:
         """Training and held-out windows for `device`, per data_config.placement (on a CPU `auto` is `host`:
         a copy in memory would cost every process the corpus)."""
         nbytes = self.train.tokens.nbytes
-        fits = device.type == "cuda" and nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
+        fits = (
+            device.type == "cuda"
+            and nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
+        )
         if placement == "host" or placement == "auto" and not fits:
             log.info("batches are read on the host from the %.1f MB token cache", nbytes / 1e6)
-            return HostBatches(self.train, self.cache, device), HostBatches(self.heldout, self.cache, device)
+            return HostBatches(self.train, self.cache, device), HostBatches(
+                self.heldout, self.cache, device
+            )
         tokens = self.cache.load(device)  # once for both
         return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
 
@@ -244,26 +293,38 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         n_train = int(n * cfg.train_split)
         for name, part in (("training", n_train), ("held-out", n - n_train)):
             if part < cfg.block_size + 1:
-                message = (f"{source}: the {name} split has {part} characters, fewer than data_config.block_size + 1"
-                           f" = {cfg.block_size + 1} (check data_config.truncate and train_split)")
+                message = (
+                    f"{source}: the {name} split has {part} characters, fewer than data_config.block_size + 1"
+                    f" = {cfg.block_size + 1} (check data_config.truncate and train_split)"
+                )
                 if len(files) == 1:
                     raise DataError(message)
                 log.warning("%s; the file adds no %s windows", message, name)
         train.append((offset, n_train))
         heldout.append((offset + n_train, n - n_train))
         offset += n
-    data = CharData(CharTokenizer(cache.vocab), TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
-                    TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout), cache, files)
+    data = CharData(
+        CharTokenizer(cache.vocab),
+        TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
+        TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout),
+        cache,
+        files,
+    )
     for name, windows in (("training", data.train), ("held-out", data.heldout)):
         if len(windows) == 0:
-            raise DataError(f"{cfg.path}: no file has a {name} split of data_config.block_size + 1 characters")
+            raise DataError(
+                f"{cfg.path}: no file has a {name} split of data_config.block_size + 1 characters"
+            )
     if len(cache.vocab) < 2:
-        raise DataError(f"{sources[0]}: the corpus has a single distinct character ({cache.vocab!r}): "
-                        "there is nothing to learn")
+        raise DataError(
+            f"{sources[0]}: the corpus has a single distinct character ({cache.vocab!r}): "
+            "there is nothing to learn"
+        )
     return data
 
 
-def spread(n: int, k: int) -> torch.Tensor:  # min(n, k) indices spread evenly over range(n) (k <= 0: all of them)
+# min(n, k) indices spread evenly over range(n) (k <= 0: all of them)
+def spread(n: int, k: int) -> torch.Tensor:
     return torch.arange(n) if k <= 0 or k >= n else torch.arange(k) * n // k
 
 
@@ -275,7 +336,9 @@ class ResumableSampler(DistributedSampler):
     sample, whatever the world size now is."""
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
-        super().__init__(range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        super().__init__(
+            range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
+        )
         self.start_index = 0
 
     def indices(self) -> torch.Tensor:
@@ -283,13 +346,20 @@ class ResumableSampler(DistributedSampler):
         # int32 halves the memory of a large epoch; randperm draws the same permutation for either dtype.
         n, dtype = len(self.dataset), torch.int32 if len(self.dataset) < 2**31 else torch.int64
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(n, generator=g, dtype=dtype) if self.shuffle else torch.arange(n, dtype=dtype)
+        order = (
+            torch.randperm(n, generator=g, dtype=dtype)
+            if self.shuffle
+            else torch.arange(n, dtype=dtype)
+        )
         rest = order[self.start_index :]
         mine = rest[self.rank :: self.num_replicas]  # a view: no copy of the epoch's order
         pad = (-len(rest)) % self.num_replicas
-        if pad:  # the order's first entries, cycled, at positions len(rest) + j: this rank's of them
+        # the order's first entries, cycled, at positions len(rest) + j: this rank's of them
+        if pad:
             j = torch.arange(pad)
-            mine = torch.cat([mine, order[j % len(order)][(len(rest) + j) % self.num_replicas == self.rank]])
+            mine = torch.cat(
+                [mine, order[j % len(order)][(len(rest) + j) % self.num_replicas == self.rank]]
+            )
         return mine
 
     def __iter__(self) -> Iterator[int]:

@@ -3,14 +3,15 @@ way (docs/generation.md); on the device, never waiting for it per token: the exp
 
 import contextlib
 import time
-from typing import Callable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Union
 
 import torch
 
 from mingpt.model import GPT, KVCache
 
-
-MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # the smallest normal float32: logits / it is no nan
+# the smallest normal float32: logits / it is no nan
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 # Token i of a generation takes noise row i % rows of the block drawn for tokens i - i % rows onward, whatever the
 # path or chunk size; a block holds NOISE_ROWS tokens' worth per sample, fewer for a large vocabulary (noise_rows).
 NOISE_ROWS = 128
@@ -30,14 +31,21 @@ def noise_rows(vocab_size: int) -> int:
 def draw_noise(noise: torch.Tensor, generator: Generators = None) -> torch.Tensor:
     """Fill `noise` (B, rows, vocab) in place with standard Gumbel noise, -log(E) with E ~ Exp(1), from one
     generator for the batch, or one per row (row b then holds what a batch of one draws with its generator)."""
-    for part, g in zip(noise, generator) if isinstance(generator, (list, tuple)) else [(noise, generator)]:
+    for part, g in (
+        zip(noise, generator) if isinstance(generator, (list, tuple)) else [(noise, generator)]
+    ):
         part.uniform_(generator=g)
     # U in [0, 1): E = -log(1 - U) is in [0, 16.6]; clamped away from 0, its log is finite.
     return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
 
 
-def pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-         top_p: Optional[float] = None) -> torch.Tensor:
+def pick(
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
     """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise (B, vocab): argmax(log probs -
     log E), token k with probability probs[k]. temperature 0 is greedy (the noise is not read); top_k keeps the k
     most likely tokens; top_p the fewest most likely whose probability reaches top_p (at least one)."""
@@ -51,16 +59,28 @@ def pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float = 1.0, to
         logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # the tokens before it already reach top_p
+        # the tokens before it already reach top_p
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return (logits + noise).argmax(dim=-1, keepdim=True)
 
 
-def next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-               top_p: Optional[float] = None, generator: Generators = None) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: Generators = None,
+) -> torch.Tensor:
     """pick, with one row of noise drawn now (generate draws it ahead, in blocks)."""
     noise = torch.empty(logits.size(0), logits.size(-1), device=logits.device)
-    return pick(logits, draw_noise(noise, generator) if temperature != 0 else None, temperature, top_k, top_p)
+    return pick(
+        logits,
+        draw_noise(noise, generator) if temperature != 0 else None,
+        temperature,
+        top_k,
+        top_p,
+    )
 
 
 # On CPU, one-row matrix products as inductor reductions: BLAS streams the weights at a quarter to a third of the
@@ -70,12 +90,23 @@ CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
     """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs, memory-speed reductions on CPU."""
-    how = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": CPU_DECODING_OPTIONS}
+    how = (
+        {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": CPU_DECODING_OPTIONS}
+    )
     return torch.compile(fn, fullgraph=True, dynamic=False, **how)
 
 
-def decode_step(model: GPT, token: torch.Tensor, pos: torch.Tensor, cache: KVCache, noise: torch.Tensor,
-                row: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+def decode_step(
+    model: GPT,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    cache: KVCache,
+    noise: torch.Tensor,
+    row: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+) -> None:
     """One cached step on the device: the token (B, 1) at pos is replaced by the next, sampled with noise row `row`,
     and pos and row move on. Nothing is read back and no shape changes, so it compiles to one graph."""
     logits = model.step(token, pos, cache)
@@ -85,10 +116,19 @@ def decode_step(model: GPT, token: torch.Tensor, pos: torch.Tensor, cache: KVCac
 
 
 @torch.inference_mode()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Generators = None,
-             use_cache: bool = True, compile: bool = False, chunk_tokens: int = CHUNK_TOKENS,
-             chunk_seconds: Optional[float] = CHUNK_SECONDS) -> Iterator[torch.Tensor]:
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: Generators = None,
+    use_cache: bool = True,
+    compile: bool = False,
+    chunk_tokens: int = CHUNK_TOKENS,
+    chunk_seconds: float | None = CHUNK_SECONDS,
+) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens tokens continuing idx (B, T), T >= 1, in chunks (B, n), views of one tensor: the first
     token alone, then up to chunk_tokens, fewer once chunk_seconds (None: no limit) have passed since the last.
 
@@ -101,9 +141,12 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     noise = torch.empty(B, rows, model.config.vocab_size, device=idx.device)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=idx.device)
     cache = None
-    if use_cache:  # the cache, the newest token, its position and noise row: decode_step's state, on the device
+    # the cache, the newest token, its position and noise row: decode_step's state, on the device
+    if use_cache:
         cache = KVCache(model.config, B, idx.device, next(model.parameters()).dtype)
-        token, pos, row = (torch.zeros(shape, dtype=torch.long, device=idx.device) for shape in ((B, 1), 1, 1))
+        token, pos, row = (
+            torch.zeros(shape, dtype=torch.long, device=idx.device) for shape in ((B, 1), 1, 1)
+        )
         step = compile_for_decoding(decode_step, idx.device) if compile else decode_step
         if compile and idx.device.type == "cuda":  # CUDA graphs update these in place
             for t in [*cache.k, *cache.v, token, pos, row, noise]:
@@ -120,7 +163,11 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
                 draw_noise(noise, generator)
             if cache is None or refill:
                 # The window: the last n tokens of the prompt followed by the first i new ones.
-                window = out[:, i - n : i] if n <= i else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
+                window = (
+                    out[:, i - n : i]
+                    if n <= i
+                    else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
+                )
                 logits = model(window, cache=cache)[0][:, -1]
                 out[:, i : i + 1] = new = pick(logits, noise[:, r], *sampling)
                 if cache is not None:
@@ -136,22 +183,39 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             refill = n > block_size
             if refill:
                 n = max(1, block_size // 2)  # tokens kept when the window restarts
-            if (start == 0 or i + 1 - start >= chunk_tokens or i + 1 == max_new_tokens
-                    or (chunk_seconds is not None and time.perf_counter() - last_chunk >= chunk_seconds)):
+            if (
+                start == 0
+                or i + 1 - start >= chunk_tokens
+                or i + 1 == max_new_tokens
+                or (chunk_seconds is not None and time.perf_counter() - last_chunk >= chunk_seconds)
+            ):
                 yield out[:, start : i + 1]
                 start, last_chunk = i + 1, time.perf_counter()
     finally:
         model.train(was_training)
 
 
-def sample_line(model: GPT, tokenizer, seed: int, n_chars: int,
-                stop_requested: Optional[Callable[[], int]] = None) -> Optional[str]:
+def sample_line(
+    model: GPT,
+    tokenizer,
+    seed: int,
+    n_chars: int,
+    stop_requested: Callable[[], int] | None = None,
+) -> str | None:
     """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`, asked every
     STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""
     device, prompt, tokens = next(model.parameters()).device, tokenizer.line_start(), []
     idx = tokenizer.encode(prompt).long()[None].to(device)
-    with contextlib.closing(generate(model, idx, n_chars, generator=torch.Generator(device).manual_seed(seed),
-                                     chunk_tokens=STOP_CHECK_EVERY, chunk_seconds=None)) as new:
+    with contextlib.closing(
+        generate(
+            model,
+            idx,
+            n_chars,
+            generator=torch.Generator(device).manual_seed(seed),
+            chunk_tokens=STOP_CHECK_EVERY,
+            chunk_seconds=None,
+        )
+    ) as new:
         for chunk in new:
             if stop_requested is not None and stop_requested():
                 return None

@@ -5,8 +5,8 @@ import gc
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,28 +43,37 @@ class DistInfo:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
 
-def pick_device(preference: str, local_rank: int = 0, key: str = "trainer_config.device") -> torch.device:
+def pick_device(
+    preference: str, local_rank: int = 0, key: str = "trainer_config.device"
+) -> torch.device:
     """`auto` (CUDA if available), `cpu` or `cuda`: the GPU of this local rank."""
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}: cuda, but CUDA is not available")
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
-                              f"(start at most that many processes per node)")
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
+                f"(start at most that many processes per node)"
+            )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
 def _own_info(record: logging.LogRecord) -> bool:
     """mingpt's own INFO lines (and `python -m mingpt.X`'s, logged as __main__); other libraries' from WARNING up."""
-    return record.levelno >= logging.WARNING or record.name.partition(".")[0] in ("mingpt", "__main__")
+    return record.levelno >= logging.WARNING or record.name.partition(".")[0] in (
+        "mingpt",
+        "__main__",
+    )
 
 
 def setup_logging(rank: int) -> None:
     """Rank 0 logs mingpt's INFO to stderr; other ranks log warnings and errors, prefixed with their rank."""
     prefix = "" if rank == 0 else f"[rank {rank}] "
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
     handler.addFilter(_own_info)
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -76,18 +85,29 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
     """Join the process group torchrun describes (if any) and leave it at exit, also when the body raises."""
     global _control_group
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    info = DistInfo(int(os.environ.get("RANK", 0)), local_rank, int(os.environ.get("WORLD_SIZE", 1)),
-                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), pick_device(device_preference, local_rank))
+    info = DistInfo(
+        int(os.environ.get("RANK", 0)),
+        local_rank,
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        pick_device(device_preference, local_rank),
+    )
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.is_distributed:
         with torch_fixes.restart_store(info.world_size) as store:
-            dist.init_process_group(info.backend, rank=info.rank, world_size=info.world_size,
-                                    device_id=info.device if info.device.type == "cuda" else None, store=store)
+            dist.init_process_group(
+                info.backend,
+                rank=info.rank,
+                world_size=info.world_size,
+                device_id=info.device if info.device.type == "cuda" else None,
+                store=store,
+            )
         _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
     try:
         yield info
-        barrier(info)  # leave together: a rank that tears down gloo while rank 0 still saves can abort at exit
+        # leave together: a rank that tears down gloo while rank 0 still saves can abort at exit
+        barrier(info)
     finally:
         _control_group = None
         if dist.is_initialized():

@@ -4,8 +4,9 @@ chosen window and the sums are gathered. When to evaluate, the best loss, early 
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,16 @@ def chosen_windows(n_windows: int, block_size: int, eval_tokens: int) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, batch_size: int,
-             autocast: Callable[[], ContextManager] = contextlib.nullcontext, lockstep: bool = False,
-             stop_requested: Callable[[], int] = lambda: 0) -> EvalResult:
+def evaluate(
+    model: nn.Module,
+    windows,
+    dist_info: DistInfo,
+    eval_tokens: int,
+    batch_size: int,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    lockstep: bool = False,
+    stop_requested: Callable[[], int] = lambda: 0,
+) -> EvalResult:
     """`model` on `windows` (TokenWindows or HostBatches) in chunks of `batch_size` windows. With `lockstep` (a
     sharded model: every forward is a collective) every rank runs as many forwards, and a stop request waits."""
     chosen = chosen_windows(len(windows), windows.block_size, eval_tokens).to(windows.tokens.device)
@@ -45,7 +53,8 @@ def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, b
     counted = len(chunks)  # the chunks after these are repeats
     if lockstep:  # a rank with fewer windows than rank 0 repeats one and does not count it
         chunks += [chosen[:1]] * (len(chosen[::W].split(batch_size)) - counted)
-    sums = torch.zeros(W, 3, dtype=torch.float64, device=dist_info.device)  # per rank: loss sum, tokens, interrupted
+    # per rank: loss sum, tokens, interrupted
+    sums = torch.zeros(W, 3, dtype=torch.float64, device=dist_info.device)
     was_training = model.training
     model.eval()
     for k, chunk in enumerate(chunks):
@@ -56,11 +65,16 @@ def evaluate(model: nn.Module, windows, dist_info: DistInfo, eval_tokens: int, b
         with autocast():
             logits, _ = model(x)
         if k < counted:
-            sums[rank, 0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().sum()
+            sums[rank, 0] += (
+                F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+                .double()
+                .sum()
+            )
             sums[rank, 1] += y.numel()
     model.train(was_training)  # an error on the way ends the process
     if dist_info.is_distributed:
-        dist.all_reduce(sums)  # each row was filled by its own rank alone: the sum gathers them exactly
+        # each row was filled by its own rank alone: the sum gathers them exactly
+        dist.all_reduce(sums)
     if sums[:, 2].any():  # the same on every rank: the gathered flags are
         return EvalResult(float("nan"), [], 0, True)
     loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
@@ -72,7 +86,9 @@ class Evaluator:
     """When the run evaluates, its best held-out loss, and early stopping. Its losses are the same on every rank,
     so every rank decides alike; a new best writes the best weights (`save_best`, every rank taking part)."""
 
-    def __init__(self, cfg: TrainerConfig, progress: Progress, save_best: Callable[[Progress], None]):
+    def __init__(
+        self, cfg: TrainerConfig, progress: Progress, save_best: Callable[[Progress], None]
+    ):
         self.cfg, self.progress, self.save_best = cfg, progress, save_best
         self.last = math.nan  # the held-out loss of the last evaluation recorded
 
@@ -91,7 +107,8 @@ class Evaluator:
         """A completed evaluation's loss: a new best is saved; early stopping counts the evaluations in a row that
         did not lower the best by early_stop_min_delta."""
         cfg, p = self.cfg, self.progress
-        self.last, p.stopped_early = loss, False  # evaluating: not stopped (a larger patience trains on)
+        # evaluating: not stopped (a larger patience trains on)
+        self.last, p.stopped_early = loss, False
         improved = loss < p.best_eval_loss
         enough = improved and p.best_eval_loss - loss >= cfg.early_stop_min_delta
         p.evals_without_improvement = 0 if enough else p.evals_without_improvement + 1
@@ -101,7 +118,13 @@ class Evaluator:
         patience = cfg.early_stop_patience
         if patience is not None and p.evals_without_improvement >= patience and not finished:
             p.stopped_early = True
-            log.info("stopping early at step %d: %d evaluations in a row without lowering the held-out loss by at "
-                     "least %g (trainer_config.early_stop_patience=%d, early_stop_min_delta); best %.4f at step %d",
-                     p.step, p.evals_without_improvement, cfg.early_stop_min_delta, patience,
-                     p.best_eval_loss, p.best_step)
+            log.info(
+                "stopping early at step %d: %d evaluations in a row without lowering the held-out loss by at "
+                "least %g (trainer_config.early_stop_patience=%d, early_stop_min_delta); best %.4f at step %d",
+                p.step,
+                p.evals_without_improvement,
+                cfg.early_stop_min_delta,
+                patience,
+                p.best_eval_loss,
+                p.best_step,
+            )

@@ -14,7 +14,6 @@ import stat
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from safetensors.torch import save as safetensors_bytes
@@ -29,7 +28,8 @@ from mingpt.storage import StorageError, fsync_dir
 
 FORMATS = ("safetensors", "hf", "snapshot")
 WEIGHTS, CONFIG, VOCAB = "model.safetensors", "config.json", "vocab.json"
-CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # GPT-2 keeps their weights as (in, out)
+# GPT-2 keeps their weights as (in, out)
+CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class ExportError(ValueError):
@@ -39,8 +39,11 @@ class ExportError(ValueError):
 @dataclass
 class ExportConfig:
     src: str = key("", f"the snapshot: {SNAPSHOT_HELP}")
-    dst: str = key("", "where the export goes: absent, or of the kind the format writes (an earlier export's "
-                       "directory, or a regular file); never a device")
+    dst: str = key(
+        "",
+        "where the export goes: absent, or of the kind the format writes (an earlier export's "
+        "directory, or a regular file); never a device",
+    )
     format: str = key("safetensors", f"{', '.join(FORMATS)}: see below")
 
     def __post_init__(self) -> None:
@@ -54,13 +57,29 @@ def hf_config(model: GPT) -> dict:
     by 1/sqrt(head size), a 4x MLP), its activation and LayerNorm epsilon, and an untied head."""
     c, mlp = model.config, model.h[0].mlp
     return dict(
-        architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size, n_positions=c.block_size,
-        n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, n_inner=mlp.c_fc.out_features,
+        architectures=["GPT2LMHeadModel"],
+        model_type="gpt2",
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=mlp.c_fc.out_features,
         activation_function={"none": "gelu", "tanh": "gelu_pytorch_tanh"}[mlp.gelu.approximate],
-        layer_norm_epsilon=model.ln_f.eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
-        scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,  # a character model has no special tokens
-        torch_dtype="float32", use_cache=True)
+        layer_norm_epsilon=model.ln_f.eps,
+        resid_pdrop=c.dropout,
+        embd_pdrop=c.dropout,
+        attn_pdrop=c.dropout,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        reorder_and_upcast_attn=False,
+        # a character model has no special tokens
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        torch_dtype="float32",
+        use_cache=True,
+    )
 
 
 def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[str, bytes]:
@@ -70,7 +89,8 @@ def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[s
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().float().cpu()
         if hf and name != "lm_head.weight":
-            if name.removesuffix(".weight").split(".", 2)[-1] in CONV1D:  # h.<i>.attn.c_attn(.weight)
+            # h.<i>.attn.c_attn(.weight)
+            if name.removesuffix(".weight").split(".", 2)[-1] in CONV1D:
                 tensor = tensor.t()
             name = f"transformer.{name}"
         weights[name] = tensor.contiguous()
@@ -78,11 +98,13 @@ def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[s
     return {
         WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt", "mingpt_step": str(step)}),
         CONFIG: json.dumps(config, indent=1).encode(),
-        VOCAB: json.dumps({c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1).encode(),
+        VOCAB: json.dumps(
+            {c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1
+        ).encode(),
     }
 
 
-def check_destination(dst: str, directory: bool) -> Optional[str]:
+def check_destination(dst: str, directory: bool) -> str | None:
     """DST's local path (symbolic links followed; None for a URL of another file system), once it is known to be
     absent or of the kind the export replaces: a regular file (snapshot format), or a directory of nothing but an
     earlier export's files. A device, pipe or socket is never replaced."""
@@ -99,11 +121,15 @@ def check_destination(dst: str, directory: bool) -> Optional[str]:
         if not directory:
             raise ExportError(f"{dst} is a directory: the snapshot format writes one file")
         if others := sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB}):
-            raise ExportError(f"{dst} is a directory with other files ({', '.join(others[:3])}): "
-                              "give a new or an earlier export's directory")
+            raise ExportError(
+                f"{dst} is a directory with other files ({', '.join(others[:3])}): "
+                "give a new or an earlier export's directory"
+            )
     elif not stat.S_ISREG(info.st_mode):
-        raise ExportError(f"{dst} is not a regular file or directory (a device, pipe or socket): "
-                          "refusing to replace it")
+        raise ExportError(
+            f"{dst} is not a regular file or directory (a device, pipe or socket): "
+            "refusing to replace it"
+        )
     elif directory:
         raise ExportError(f"{dst} is a file: this format writes a directory")
     return path
@@ -146,13 +172,17 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
 
 def export(config: ExportConfig) -> dict:
     """Write the export; return the snapshot's state."""
-    check_destination(config.dst, directory=config.format != "snapshot")  # before any work; again when writing
+    # before any work; again when writing
+    check_destination(config.dst, directory=config.format != "snapshot")
     model, tokenizer, state = load_model(config.src, torch.device("cpu"))
     if config.format == "snapshot":
         check_destination(config.dst, directory=False)
         single_file.save(state, config.dst)  # streamed to a temporary file, then renamed
     else:
-        write_directory(config.dst, export_files(model, tokenizer, state.get("step", "?"), config.format == "hf"))
+        write_directory(
+            config.dst,
+            export_files(model, tokenizer, state.get("step", "?"), config.format == "hf"),
+        )
     return state
 
 
@@ -164,7 +194,8 @@ def overrides(argv: list[str]) -> list[str]:
             arg = f"format={next(args, 'null')}"
         elif arg.startswith("--format="):
             arg = arg[2:]
-        (out if arg.partition("=")[0].isidentifier() and "=" in arg else paths).append(arg)  # a path may hold '='
+        # a path may hold '='
+        (out if arg.partition("=")[0].isidentifier() and "=" in arg else paths).append(arg)
     if len(paths) > 2:
         raise ConfigError(f"{' '.join(paths[2:])}: expected key=value (SRC and DST are given)")
     return [f"{name}={path}" for name, path in zip(("src", "dst"), paths)] + out
@@ -173,12 +204,20 @@ def overrides(argv: list[str]) -> list[str]:
 def run(argv: list[str]) -> None:
     config = parse_args(overrides(argv), ExportConfig, ("src", "dst"))
     state = export(config)
-    print(f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to {config.dst}")
+    print(
+        f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to {config.dst}"
+    )
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    command("python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]", ExportConfig, __doc__, run,
-            (ConfigError, SnapshotError, StorageError, ExportError), argv)
+def main(argv: list[str] | None = None) -> None:
+    command(
+        "python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]",
+        ExportConfig,
+        __doc__,
+        run,
+        (ConfigError, SnapshotError, StorageError, ExportError),
+        argv,
+    )
 
 
 if __name__ == "__main__":

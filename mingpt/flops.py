@@ -18,8 +18,12 @@ def flops_per_token(model: nn.Module, n_layer: int, n_embd: int, block_size: int
     return 6 * linear + 12 * n_layer * n_embd * block_size
 
 
-def matmul_rate(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32, n: int = 512,
-                seconds: float = 0.05) -> float:
+def matmul_rate(
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype = torch.float32,
+    n: int = 512,
+    seconds: float = 0.05,
+) -> float:
     """FLOP/s of n x n matmuls timed for about `seconds` on all of torch's threads: as fast as the device is now."""
     from torch.utils import benchmark  # imported here: only large runs measure
 
@@ -63,7 +67,9 @@ def slow_on_cpu(flops_per_step: float, total_steps: int, rate: float | None = No
     seconds = flops_per_step / rate
     if seconds <= SLOW_STEP_SECONDS:
         return None
-    return (f"this run is sized for a GPU: expect about {seconds:,.0f} s per step on this CPU, "
-            f"{_duration(seconds * total_steps)} for {total_steps:,} steps ({flops_per_step / 1e9:,.0f} GFLOP "
-            f"per step and process at the {rate / 1e9:,.0f} GFLOP/s this CPU measured in fp32 matmuls); "
-            f"train it on a GPU, or here with a smaller model or batch")
+    return (
+        f"this run is sized for a GPU: expect about {seconds:,.0f} s per step on this CPU, "
+        f"{_duration(seconds * total_steps)} for {total_steps:,} steps ({flops_per_step / 1e9:,.0f} GFLOP "
+        f"per step and process at the {rate / 1e9:,.0f} GFLOP/s this CPU measured in fp32 matmuls); "
+        f"train it on a GPU, or here with a smaller model or batch"
+    )

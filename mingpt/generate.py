@@ -8,7 +8,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import fsspec
 import torch
@@ -28,8 +27,10 @@ log = logging.getLogger(__name__)
 
 EXPECTED = "expected a snapshot directory, a snapshot file (export --format snapshot writes one) or a run directory"
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")  # free text, taken verbatim
-SNAPSHOT_HELP = ("a snapshot file, a sharded snapshot's directory (its newest published snapshot, or one step-... "
-                 "directory) or a run directory (its best weights, else its snapshot); local path or fsspec URL")
+SNAPSHOT_HELP = (
+    "a snapshot file, a sharded snapshot's directory (its newest published snapshot, or one step-... "
+    "directory) or a run directory (its best weights, else its snapshot); local path or fsspec URL"
+)
 # compile=auto compiles the step from this many new characters per sample, where compiling (caches warm) costs less
 # than it saves. cpu: measured, one sample (a batch gains too little: never); cuda: estimated (BENCHMARKS.md).
 COMPILE_PAYS_AFTER = {"cpu": 1500, "cuda": 6000}
@@ -49,31 +50,60 @@ class GenerateConfig:
     prompt: str = key("", "text to continue, taken verbatim (empty: start of a new line)")
     prompt_file: str = key("", "read the prompt from this file instead (local path or fsspec URL)")
     max_new_tokens: int = key(500, "characters to generate per sample, >= 0")
-    temperature: float = key(1.0, f"0 is greedy decoding; higher is more random (0, or >= {MIN_TEMPERATURE:.3g})")
-    top_k: Optional[int] = key(None, "sample only from the k most likely characters, >= 1")
-    top_p: float = key(1.0, "sample only from the most likely characters whose probability reaches top_p, in (0, 1]")
-    num_samples: int = key(1, "samples, decoded as one batch, each headed by a separator line; sample 1 streams, "
-                              "the others follow when it ends")
+    temperature: float = key(
+        1.0, f"0 is greedy decoding; higher is more random (0, or >= {MIN_TEMPERATURE:.3g})"
+    )
+    top_k: int | None = key(None, "sample only from the k most likely characters, >= 1")
+    top_p: float = key(
+        1.0,
+        "sample only from the most likely characters whose probability reaches top_p, in (0, 1]",
+    )
+    num_samples: int = key(
+        1,
+        "samples, decoded as one batch, each headed by a separator line; sample 1 streams, "
+        "the others follow when it ends",
+    )
     seed: int = key(1337, "the same seed (and device) gives the same text; sample i uses seed+i-1")
     device: str = key("auto", "auto (CUDA if available), cpu or cuda")
     use_cache: bool = key(True, "key/value cache: one position's work per new character")
-    compile: str = key("auto", "torch.compile the decoding step: faster per character, but compiling takes seconds; "
-                               "auto: when max_new_tokens is long enough for it to pay on this device type; "
-                               "true or false")
+    compile: str = key(
+        "auto",
+        "torch.compile the decoding step: faster per character, but compiling takes seconds; "
+        "auto: when max_new_tokens is long enough for it to pay on this device type; "
+        "true or false",
+    )
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
-        check(not (self.prompt and self.prompt_file), "prompt_file", "give prompt or prompt_file, not both")
-        check(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
-        check(math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
-              "temperature", f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}")
-        check(self.top_k is None or self.top_k >= 1, "top_k", f"must be >= 1 or null, got {self.top_k}")
+        check(
+            not (self.prompt and self.prompt_file),
+            "prompt_file",
+            "give prompt or prompt_file, not both",
+        )
+        check(
+            self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}"
+        )
+        check(
+            math.isfinite(self.temperature)
+            and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+            "temperature",
+            f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}",
+        )
+        check(
+            self.top_k is None or self.top_k >= 1,
+            "top_k",
+            f"must be >= 1 or null, got {self.top_k}",
+        )
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
         check_seed(self.seed, "seed")
         self.compile = str(self.compile).lower()  # `compile=true` arrives as the boolean True
         one_of(self.compile, "compile", ("auto", "true", "false"))
-        check(self.use_cache or self.compile != "true", "compile", "compiles the cached step: needs use_cache=true")
+        check(
+            self.use_cache or self.compile != "true",
+            "compile",
+            "compiles the cached step: needs use_cache=true",
+        )
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
@@ -84,26 +114,39 @@ def find_snapshot(path: str) -> str:
     config_file = os.path.join(path, ".hydra", "config.yaml")
     if "://" in path or not os.path.isfile(config_file):
         from mingpt.export import WEIGHTS  # imported here: mingpt.export imports this module
+
         names = os.listdir(path) if "://" not in path and os.path.isdir(path) else None
         if names == []:
             raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
         if names and WEIGHTS in names:
-            raise SnapshotError(f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}")
+            raise SnapshotError(
+                f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}"
+            )
         return path
     try:
         saved = OmegaConf.load(config_file).get("trainer_config") or {}
-        trainer_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved))
+        trainer_config = OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved)
+        )
     except (OmegaConfBaseException, ConfigError, OSError, ValueError) as e:
-        raise SnapshotError(f"run directory {path}: {config_file} cannot be read ({reason(e)})") from None
+        raise SnapshotError(
+            f"run directory {path}: {config_file} cannot be read ({reason(e)})"
+        ) from None
     found = manager.resolve_path(trainer_config, path)
     if best := manager.find_best(found):
-        log.info("run directory %s: its best weights, %s (the lowest held-out loss; the latest snapshot is %s)",
-                 path, best, found)
+        log.info(
+            "run directory %s: its best weights, %s (the lowest held-out loss; the latest snapshot is %s)",
+            path,
+            best,
+            found,
+        )
         return best
     if not manager.has_snapshot(found):
         old = os.path.join(path, manager.OLD_DEFAULT_PATH)  # an older ddp run's single file
         if trainer_config.snapshot_path or not os.path.isfile(old):
-            raise SnapshotError(f"{path} is a run directory with no snapshot yet (it saves to {found})")
+            raise SnapshotError(
+                f"{path} is a run directory with no snapshot yet (it saves to {found})"
+            )
         found = old
     log.info("run directory %s: its snapshot is %s (no best weights written yet)", path, found)
     return found
@@ -116,10 +159,14 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
     try:
         config = GPTConfig(**state["gpt_config"])
         if not isinstance(vocab, str) or len(vocab) != config.vocab_size:
-            raise ValueError(f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}")
+            raise ValueError(
+                f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}"
+            )
         with torch.device("meta"):  # no time spent initialising weights about to be replaced
             model = GPT(config)
-        model.load_state_dict({name: t.float() for name, t in state["model_state"].items()}, assign=True)
+        model.load_state_dict(
+            {name: t.float() for name, t in state["model_state"].items()}, assign=True
+        )
     except (TypeError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"snapshot {path} cannot be used: {reason(e)}") from None
     return model.to(device).eval(), CharTokenizer(vocab), state
@@ -152,13 +199,17 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
             free = torch.cuda.mem_get_info(device)[0]
         else:
             with open("/proc/meminfo") as f:
-                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+                free = next(
+                    int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")
+                )
     except (OSError, StopIteration, ValueError):
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need * config.num_samples > free:
         total = need * config.num_samples / 2**30
-        raise ConfigError(f"num_samples: {config.num_samples:,} samples need about {total:,.1f} GiB on {device}, "
-                          f"more than the {free / 2**30:,.1f} GiB available; at most {free // need:,} fit")
+        raise ConfigError(
+            f"num_samples: {config.num_samples:,} samples need about {total:,.1f} GiB on {device}, "
+            f"more than the {free / 2**30:,.1f} GiB available; at most {free // need:,} fit"
+        )
 
 
 def write(text: str) -> None:
@@ -170,15 +221,19 @@ def write(text: str) -> None:
     except OSError as e:  # e.g. `>/dev/full`; BrokenPipeError (`| head`) is not an error of ours
         if isinstance(e, BrokenPipeError):
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
+        # the exit's flush would fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
 def should_compile(config: GenerateConfig, device: torch.device) -> bool:
     if config.compile != "auto":
         return config.compile == "true"
-    return (config.use_cache and not (device.type == "cpu" and config.num_samples > 1)
-            and config.max_new_tokens >= COMPILE_PAYS_AFTER.get(device.type, math.inf))
+    return (
+        config.use_cache
+        and not (device.type == "cpu" and config.num_samples > 1)
+        and config.max_new_tokens >= COMPILE_PAYS_AFTER.get(device.type, math.inf)
+    )
 
 
 def run(config: GenerateConfig) -> None:
@@ -190,29 +245,55 @@ def run(config: GenerateConfig) -> None:
     idx = tokenizer.encode(prompt or tokenizer.line_start()).long()[None].to(device)
     check_fits(model, config, device)
     compile = should_compile(config, device)
-    log.info("%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s", config.snapshot_path,
-             state.get("step", "?"), model.num_params() / 1e6, model.config.block_size, device,
-             "with" if config.use_cache else "without", ", compiled step" if compile else "")
+    log.info(
+        "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s",
+        config.snapshot_path,
+        state.get("step", "?"),
+        model.num_params() / 1e6,
+        model.config.block_size,
+        device,
+        "with" if config.use_cache else "without",
+        ", compiled step" if compile else "",
+    )
     # One random stream per sample, so sample i is the text of a one-sample run with seed + i - 1.
-    generators = [torch.Generator(device).manual_seed(config.seed + i) for i in range(config.num_samples)]
+    generators = [
+        torch.Generator(device).manual_seed(config.seed + i) for i in range(config.num_samples)
+    ]
     header = "--- sample {} of %d ---\n" % config.num_samples if config.num_samples > 1 else ""
     write(header.format(1) + prompt)
     started, chunks = time.perf_counter(), [idx[:, :0].expand(config.num_samples, -1)]
-    for chunk in generate(model, idx.expand(config.num_samples, -1), config.max_new_tokens, config.temperature,
-                          config.top_k, config.top_p, generators, config.use_cache, compile):
+    for chunk in generate(
+        model,
+        idx.expand(config.num_samples, -1),
+        config.max_new_tokens,
+        config.temperature,
+        config.top_k,
+        config.top_p,
+        generators,
+        config.use_cache,
+        compile,
+    ):
         write(tokenizer.decode(chunk[0].tolist()))  # the first character alone, then chunks
         chunks.append(chunk)
     for i, new in enumerate(torch.cat(chunks, dim=1).tolist()):  # sample 1 was written as it came
         text = prompt + tokenizer.decode(new)
-        write(("\n" + header.format(i + 1) + text if i else "") + ("" if text.endswith("\n") else "\n"))
+        write(
+            ("\n" + header.format(i + 1) + text if i else "")
+            + ("" if text.endswith("\n") else "\n")
+        )
     seconds, chars = time.perf_counter() - started, config.max_new_tokens * config.num_samples
     log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    command("python -m mingpt.generate [key=value ...]", GenerateConfig, __doc__,
-            lambda argv: run(parse_args(argv, GenerateConfig, TEXT_KEYS)),
-            (ConfigError, SnapshotError, StorageError, PromptError, OutputError), argv)
+def main(argv: list[str] | None = None) -> None:
+    command(
+        "python -m mingpt.generate [key=value ...]",
+        GenerateConfig,
+        __doc__,
+        lambda argv: run(parse_args(argv, GenerateConfig, TEXT_KEYS)),
+        (ConfigError, SnapshotError, StorageError, PromptError, OutputError),
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from mingpt.tracking import OFF, Tracker
 
@@ -30,17 +31,34 @@ class SlowNotice:
 def duration(seconds: float) -> str:
     """1h02m, 3m05s, 42s."""
     s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    return (
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+        if s >= 60
+        else f"{s}s"
+    )
 
 
 class Pace:
     """For the train events: tokens/s since the last, evaluations and saves excluded (`paused`); MFU; elapsed; ETA."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: Callable[[], float], step: int):
-        self.tokens_per_step, self.flops_per_token, self._peak_flops = tokens_per_step, flops_per_token, peak_flops
+    def __init__(
+        self,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: Callable[[], float],
+        step: int,
+    ):
+        self.tokens_per_step, self.flops_per_token, self._peak_flops = (
+            tokens_per_step,
+            flops_per_token,
+            peak_flops,
+        )
         self.started = self._window_start = time.perf_counter()
         self._window_step = step  # the step the window started at
-        self._pace_from: tuple[float, int] | None = None  # (time, step) of the first event, which measures the peak
+        # (time, step) of the first event, which measures the peak
+        self._pace_from: tuple[float, int] | None = None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -52,7 +70,9 @@ class Pace:
         """(tokens/s, MFU, the log line's note) since the last event. The ETA is at this session's pace since its
         first event: the first window holds the start-up and compilation, so it gives none."""
         now = time.perf_counter()
-        tokens_per_s = (step - self._window_step) * self.tokens_per_step / (now - self._window_start)
+        tokens_per_s = (
+            (step - self._window_step) * self.tokens_per_step / (now - self._window_start)
+        )
         note = f"elapsed {duration(now - self.started)}"
         if self._pace_from is None:
             self._peak, self._pace_from = self._peak_flops(), (time.perf_counter(), step)
@@ -72,7 +92,8 @@ class Metrics:
         self._terminal = contextlib.ExitStack()  # the bar and the redirection of log lines above it
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and only rank 0 needs it
+        # imported here: slow, and only rank 0 needs it
+        from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
@@ -89,7 +110,9 @@ class Metrics:
         if not self.enabled:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
-        log.info("%s step %d epoch %d | %s%s", split, step, epoch, text, f" | {note}" if note else "")
+        log.info(
+            "%s step %d epoch %d | %s%s", split, step, epoch, text, f" | {note}" if note else ""
+        )
         self.tracker.log(split, step, values)
         record = {"step": step, "epoch": epoch, "split": split, **values}
         self._write(lambda: self._append_line(json.dumps(record) + "\n"))
@@ -119,13 +142,21 @@ class Metrics:
             return
         try:
             write()
-        except (OSError, ValueError) as e:  # ValueError: TensorBoard's writer on a file it could not reopen
-            log.warning("cannot write the metrics in %s (%s): training goes on without recording them",
-                        self.run_dir, getattr(e, "strerror", None) or e)
+        # ValueError: TensorBoard's writer on a file it could not reopen
+        except (OSError, ValueError) as e:
+            log.warning(
+                "cannot write the metrics in %s (%s): training goes on without recording them",
+                self.run_dir,
+                getattr(e, "strerror", None) or e,
+            )
             self._close_record()
 
     def _close_record(self) -> None:
-        handles, self._writer, self._jsonl = [h for h in (self._writer, self._jsonl) if h is not None], None, None
+        handles, self._writer, self._jsonl = (
+            [h for h in (self._writer, self._jsonl) if h is not None],
+            None,
+            None,
+        )
         for handle in handles:
             with contextlib.suppress(OSError, ValueError):
                 handle.close()
@@ -137,8 +168,16 @@ class Metrics:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self._bar = self._terminal.enter_context(tqdm(total=total, initial=step - 1, unit="step",
-                                                          dynamic_ncols=True, leave=False, file=sys.stderr))
+            self._bar = self._terminal.enter_context(
+                tqdm(
+                    total=total,
+                    initial=step - 1,
+                    unit="step",
+                    dynamic_ncols=True,
+                    leave=False,
+                    file=sys.stderr,
+                )
+            )
             self._terminal.enter_context(logging_redirect_tqdm())
         self._bar.update(step - self._bar.n)
 
@@ -156,7 +195,9 @@ _excepthook = threading.excepthook
 def _quiet_tensorboard_thread(args: threading.ExceptHookArgs) -> None:
     """TensorBoard's writer thread ends with a traceback on a storage error; the writer raises it again at the next
     write, where Metrics._write turns it into one warning."""
-    if type(args.thread).__name__ != "_AsyncWriterThread" or not isinstance(args.exc_value, OSError):
+    if type(args.thread).__name__ != "_AsyncWriterThread" or not isinstance(
+        args.exc_value, OSError
+    ):
         _excepthook(args)
 
 
@@ -182,5 +223,7 @@ def events(path: str) -> Iterator[tuple[bytes, dict]]:
 
 def last_step(run_dir: str) -> int | None:
     """The last step the run directory's metrics.jsonl records (None: no event)."""
-    return max((record["step"] for _, record in events(os.path.join(run_dir, "metrics.jsonl"))), default=None)
-
+    return max(
+        (record["step"] for _, record in events(os.path.join(run_dir, "metrics.jsonl"))),
+        default=None,
+    )

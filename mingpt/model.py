@@ -2,7 +2,6 @@
 self-attention (scaled_dot_product_attention) and a GELU MLP, and the KV cache that decoding steps through."""
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -22,13 +21,15 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.positions = torch.arange(config.block_size, device=device)[None]
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: Optional[torch.Tensor]):
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None):
         """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys, values and mask the new queries
         attend to. pos None: a prompt at positions 0..T-1, causal over itself. pos a one-element tensor: one token
         there, attending to the cache up to its own position."""
         self.k[layer].index_copy_(2, self.positions[0, : k.size(2)] if pos is None else pos, k)
         self.v[layer].index_copy_(2, self.positions[0, : v.size(2)] if pos is None else pos, v)
-        return (k, v, None) if pos is None else (self.k[layer], self.v[layer], self.positions <= pos)
+        return (
+            (k, v, None) if pos is None else (self.k[layer], self.v[layer], self.positions <= pos)
+        )
 
 
 class CausalSelfAttention(nn.Module):
@@ -40,14 +41,26 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0,
-                pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         k, v, mask = (k, v, None) if cache is None else cache.store(layer, k, v, pos)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=mask is None and T > 1)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None and T > 1,
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -72,8 +85,13 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0,
-                pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer, pos)
         return x + self.mlp(self.ln_2(x))
 
@@ -92,7 +110,12 @@ class GPT(nn.Module):
         # GPT-2's initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 * n_layer).
         for name, p in self.named_parameters():
             if p.dim() == 2:  # Linear and Embedding weights
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02)
+                nn.init.normal_(
+                    p,
+                    std=0.02 / math.sqrt(2 * config.n_layer)
+                    if name.endswith("c_proj.weight")
+                    else 0.02,
+                )
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
@@ -101,19 +124,27 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() - self.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, vocab) and, with targets, the mean cross-entropy. With a cache, idx is a
         prompt whose keys and values fill it from position 0, for `step` to continue."""
         T = idx.size(1)
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
+        if self.config.block_size < T:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than block_size {self.config.block_size}"
+            )
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
         checkpointing = self.checkpoint_blocks and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
             x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x, cache, i)
         logits = self.lm_head(self.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
+        loss = (
+            None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
+        )
         return logits, loss
 
     def step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:

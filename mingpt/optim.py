@@ -16,8 +16,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
-    assert len(decay) + len(no_decay) == len(list(model.parameters())), "a parameter is shared or missed"
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    assert len(decay) + len(no_decay) == len(list(model.parameters())), (
+        "a parameter is shared or missed"
+    )
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer | Combined, cfg: OptimizerConfig) -> None:
@@ -26,8 +31,13 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer | Combined, cfg: Optimi
     adamw = {"betas": tuple(cfg.betas), "eps": cfg.eps, "peak_lr": cfg.learning_rate}
     groups = [{**adamw, "weight_decay": cfg.weight_decay}, {**adamw, "weight_decay": 0.0}]
     if cfg.algorithm == "muon":
-        groups.append({"weight_decay": cfg.weight_decay, "momentum": cfg.muon_momentum,
-                       "peak_lr": cfg.muon_learning_rate})
+        groups.append(
+            {
+                "weight_decay": cfg.weight_decay,
+                "momentum": cfg.muon_momentum,
+                "peak_lr": cfg.muon_learning_rate,
+            }
+        )
     for group, values in zip(optimizer.param_groups, groups, strict=True):
         group.update(values)
 
@@ -53,10 +63,15 @@ class Combined:
 
     def state_dict(self) -> dict:
         states = [o.state_dict() for o in self.optimizers]
-        return {"state": [s["state"] for s in states], "param_groups": [s["param_groups"] for s in states]}
+        return {
+            "state": [s["state"] for s in states],
+            "param_groups": [s["param_groups"] for s in states],
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        for o, own, groups in zip(self.optimizers, state["state"], state["param_groups"], strict=True):
+        for o, own, groups in zip(
+            self.optimizers, state["state"], state["param_groups"], strict=True
+        ):
             o.load_state_dict({"state": own, "param_groups": groups})
 
 
@@ -69,13 +84,21 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
     groups = param_groups(model, cfg.weight_decay)
     for group in groups:
         group["params"] = [p for p in group["params"] if id(p) not in muon]
-    adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
-    optimizer = Combined(adamw, torch.optim.Muon(list(muon.values()), lr=cfg.muon_learning_rate)) if muon else adamw
+    adamw = torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused
+    )
+    optimizer = (
+        Combined(adamw, torch.optim.Muon(list(muon.values()), lr=cfg.muon_learning_rate))
+        if muon
+        else adamw
+    )
     set_hyperparameters(optimizer, cfg)
     return optimizer
 
 
-def set_lr(optimizer: torch.optim.Optimizer | Combined, step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+def set_lr(
+    optimizer: torch.optim.Optimizer | Combined, step: int, cfg: OptimizerConfig, total_steps: int
+) -> float:
     """Each group's learning rate for optimizer step `step`, lr_at's schedule to its peak_lr; returns AdamW's."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg, total_steps, group["peak_lr"])

@@ -2,12 +2,18 @@
 shards of every block and the root; one process is plain. `torch.compile` goes around either."""
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,16 +31,23 @@ def uses_fsdp(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
 def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) -> None:
     """FSDP2 in place, before the optimizer is built: each block, then the root, is sharded over all ranks."""
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None)
+    policy = MixedPrecisionPolicy(
+        param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None
+    )
     for unit in [*model.h, model]:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
-    register_fsdp_forward_method(model, "step")  # generation calls `step`: it gathers the root's parameters too
+    # generation calls `step`: it gathers the root's parameters too
+    register_fsdp_forward_method(model, "step")
 
 
 def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
     """DDP around the model (which copies rank 0's weights to every rank), with the options of its comm hook."""
-    return DDP(model, device_ids=[dist_info.device.index] if dist_info.device.type == "cuda" else None,
-               gradient_as_bucket_view=True, **comm.ddp_options)
+    return DDP(
+        model,
+        device_ids=[dist_info.device.index] if dist_info.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        **comm.ddp_options,
+    )
 
 
 def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
@@ -48,7 +61,8 @@ def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iter
         if not enabled and isinstance(raw_model, FSDPModule):
             raw_model.set_requires_gradient_sync(False)
             stack.callback(raw_model.set_requires_gradient_sync, True)
-        elif not enabled and hasattr(model, "no_sync"):  # DDP, or a compiled DDP (which passes the attribute on)
+        # DDP, or a compiled DDP (which passes the attribute on)
+        elif not enabled and hasattr(model, "no_sync"):
             stack.enter_context(model.no_sync())
         yield
 

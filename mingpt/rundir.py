@@ -13,7 +13,8 @@ import re
 import socket
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -36,7 +37,9 @@ class RunDirError(ValueError):
 def _short_key(key: str) -> str:
     """The field alone (`learning_rate`), unless another section has a field of that name (block_size)."""
     field = key.partition(".")[2]
-    sections = [{g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(Config)]
+    sections = [
+        {g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(Config)
+    ]
     return key if sum(field in names for names in sections) > 1 else field
 
 
@@ -54,7 +57,11 @@ def _value_text(key: str, value: Any) -> str:
 def config_tag(sections: Mapping[str, Any]) -> str:
     """`<changes>-<hash>` of a config given as {section: {key: value}}, as docs/run-directory.md describes."""
     values, defaults = result_items(sections), result_items(dataclasses.asdict(Config()))
-    changed = {_short_key(k): _value_text(k, v) for k, v in values.items() if k not in defaults or defaults[k] != v}
+    changed = {
+        _short_key(k): _value_text(k, v)
+        for k, v in values.items()
+        if k not in defaults or defaults[k] != v
+    }
     label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
     if len(label) > LABEL_MAX_CHARS and "init_from" in changed:
         label = f"init_from={changed['init_from']}"
@@ -70,19 +77,24 @@ def run_dir_name(sections: Mapping[str, Any]) -> str:
 
 def _sections(root: DictConfig) -> dict[str, Any]:
     names = [f.name for f in dataclasses.fields(Config)]
-    return {name: OmegaConf.to_container(root[name], resolve=True) for name in names if name in root}
+    return {
+        name: OmegaConf.to_container(root[name], resolve=True) for name in names if name in root
+    }
 
 
 def register_resolvers() -> None:
     """`${mingpt.run_dir_name:}` and `${mingpt.config_tag:}` for conf/config.yaml."""
     for fn in (run_dir_name, config_tag):
-        OmegaConf.register_new_resolver(f"mingpt.{fn.__name__}", lambda _root_, fn=fn: fn(_sections(_root_)),
-                                        replace=True)
+        OmegaConf.register_new_resolver(
+            f"mingpt.{fn.__name__}", lambda _root_, fn=fn: fn(_sections(_root_)), replace=True
+        )
 
 
 def check_run_dir_setting(run_dir_setting: str) -> None:
     if not str(run_dir_setting).strip():
-        raise RunDirError("hydra.run.dir: must not be empty (it would put the run into the current directory)")
+        raise RunDirError(
+            "hydra.run.dir: must not be empty (it would put the run into the current directory)"
+        )
 
 
 def _agree(dist_info: DistInfo, refusal: str | None) -> None:
@@ -119,12 +131,16 @@ def _lock(path: str, what: str) -> list[int]:
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise RunDirError(f"{what} is in use by {holder}; wait for that job to end or stop it, "
-                          f"or run this one in another directory (hydra.run.dir=...)") from None
+        raise RunDirError(
+            f"{what} is in use by {holder}; wait for that job to end or stop it, "
+            f"or run this one in another directory (hydra.run.dir=...)"
+        ) from None
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-            log.warning("cannot lock %s (%s): a second job on it would not be detected", path, e.strerror)
+            log.warning(
+                "cannot lock %s (%s): a second job on it would not be detected", path, e.strerror
+            )
             return []
         raise RunDirError(f"cannot lock {path}: {e.strerror}") from None
     return [fd]
@@ -154,7 +170,11 @@ class _LogFile(logging.FileHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         logging.getLogger().removeHandler(self)
-        log.warning("cannot write %s (%s): the log goes on on stderr only", self.baseFilename, sys.exc_info()[1])
+        log.warning(
+            "cannot write %s (%s): the log goes on on stderr only",
+            self.baseFilename,
+            sys.exc_info()[1],
+        )
 
 
 @dataclasses.dataclass
@@ -173,8 +193,13 @@ class Claim:
         and write `files` ({path in the run directory: text, or what makes it})."""
         if self.rank != 0:
             return
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "snapshot": _comparable(self.snapshot_path)}
+        info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "snapshot": _comparable(self.snapshot_path),
+        }
         for fd in self.fds:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
@@ -196,15 +221,20 @@ class Claim:
         root = logging.getLogger()
         for handler in filter(None, (self.log_buffer, self.log_file)):
             root.removeHandler(handler)
-            with contextlib.suppress(OSError):  # the last lines, to a full disk: said on stderr already
+            # the last lines, to a full disk: said on stderr already
+            with contextlib.suppress(OSError):
                 handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
 
 
 @contextlib.contextmanager
-def claim(run_dir: str, snapshot_path: str, dist_info: DistInfo,
-          log_buffer: logging.handlers.MemoryHandler | None) -> Iterator[Claim]:
+def claim(
+    run_dir: str,
+    snapshot_path: str,
+    dist_info: DistInfo,
+    log_buffer: logging.handlers.MemoryHandler | None,
+) -> Iterator[Claim]:
     """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
     the locks, so every rank of a refused job raises the same RunDirError before anything is written."""
     owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
@@ -232,17 +262,26 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         if os.path.lexists(path) and os.path.isdir(path) != (kind == "a directory"):
             return f"run directory {run_dir}: {path} must be {kind}; move it away"
     last, previous = last_step(run_dir), None  # previous: the snapshot the lock file names
-    with contextlib.suppress(OSError, ValueError, AttributeError), open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
+    with (
+        contextlib.suppress(OSError, ValueError, AttributeError),
+        open(os.path.join(run_dir, LOCK_FILE), "rb") as f,
+    ):
         previous = json.loads(f.read()).get("snapshot")
     if last is None or last <= step or previous in (None, _comparable(snapshot_path)):
-        return None  # nothing to cut back, or a killed attempt of this run: its events after the snapshot are dropped
-    return (f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot {previous}; "
-            f"this one starts from step {step} with the snapshot {snapshot_path} and would overwrite that record: "
-            "give trainer_config.snapshot_path as that run had it, or start this run in "
-            "another directory (hydra.run.dir=...)")
+        # nothing to cut back, or a killed attempt of this run: its events after the snapshot are dropped
+        return None
+    return (
+        f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot {previous}; "
+        f"this one starts from step {step} with the snapshot {snapshot_path} and would overwrite that record: "
+        "give trainer_config.snapshot_path as that run had it, or start this run in "
+        "another directory (hydra.run.dir=...)"
+    )
 
 
 def check_record(run_dir: str, snapshot_path: str, step: int, dist_info: DistInfo) -> None:
     """Refuse, on every rank, a start from `step` that would cut back the record of another run
     in `run_dir` (the run whose snapshot its lock file names), or a record file of the wrong kind."""
-    _agree(dist_info, _record_problem(run_dir, snapshot_path, step) if dist_info.is_main_process else None)
+    _agree(
+        dist_info,
+        _record_problem(run_dir, snapshot_path, step) if dist_info.is_main_process else None,
+    )

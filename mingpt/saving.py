@@ -3,7 +3,7 @@
 import dataclasses
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from mingpt import stopping
 from mingpt.config import TrainerConfig
@@ -23,16 +23,32 @@ class Saver:
     """Every rank calls every method at the same step; what depends on a rank (a stop signal, rank 0's clock) is
     agreed on first (`agree`). `check_diverged(step)` stops the run before non-finite weights are written."""
 
-    def __init__(self, cfg: TrainerConfig, dist_info: DistInfo, snapshot: Snapshot,
-                 check_diverged: Callable[[int], None]):
-        self.cfg, self.dist, self.snapshot, self.check_diverged = cfg, dist_info, snapshot, check_diverged
-        self.saved, self.last_save = snapshot.restore(), time.monotonic()  # saved: the last write's position, or None
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        dist_info: DistInfo,
+        snapshot: Snapshot,
+        check_diverged: Callable[[int], None],
+    ):
+        self.cfg, self.dist, self.snapshot, self.check_diverged = (
+            cfg,
+            dist_info,
+            snapshot,
+            check_diverged,
+        )
+        # saved: the last write's position, or None
+        self.saved, self.last_save = snapshot.restore(), time.monotonic()
 
     def agree(self) -> list[int]:
         """This step's StepFlags, the same on every rank; rank 0's clock decides for all whether a save is due."""
         minutes = self.cfg.save_every_minutes
-        due = minutes is not None and self.dist.is_main_process and time.monotonic() - self.last_save >= 60 * minutes
-        return all_max(self.dist, [stopping.stop_requested(), int(due)])  # StepFlags.STOP, StepFlags.SAVE_DUE
+        due = (
+            minutes is not None
+            and self.dist.is_main_process
+            and time.monotonic() - self.last_save >= 60 * minutes
+        )
+        # StepFlags.STOP, StepFlags.SAVE_DUE
+        return all_max(self.dist, [stopping.stop_requested(), int(due)])
 
     def after_step(self, progress: Progress) -> None:
         flags = self.agree()
@@ -58,9 +74,12 @@ class Saver:
         self.save(progress)
         self.snapshot.wait()
         barrier(self.dist)  # the save is complete before any rank leaves
-        raise stopping.Stopped(signum, f"{stopping.describe(signum)} at step {progress.step}; the snapshot "
-                               f"{self.snapshot.path} resumes the run ({stopping.signal_name(signum)}, exit status "
-                               f"{stopping.exit_status(signum)})")
+        raise stopping.Stopped(
+            signum,
+            f"{stopping.describe(signum)} at step {progress.step}; the snapshot "
+            f"{self.snapshot.path} resumes the run ({stopping.signal_name(signum)}, exit status "
+            f"{stopping.exit_status(signum)})",
+        )
 
     def save(self, progress: Progress) -> None:
         """Save at `progress`, never non-finite weights; a second call at the same position does nothing."""
@@ -70,14 +89,18 @@ class Saver:
         try:
             self.snapshot.save(progress)
         except NotFinite:
-            raise TrainingError(f"weights are not finite at step {progress.step}, not saving; {self.kept()}") from None
+            raise TrainingError(
+                f"weights are not finite at step {progress.step}, not saving; {self.kept()}"
+            ) from None
         self.saved, self.last_save = dataclasses.replace(progress), time.monotonic()
 
     def save_best(self, progress: Progress) -> None:
         try:
             self.snapshot.save_best(progress)
         except NotFinite:
-            raise TrainingError(f"weights are not finite at step {progress.step}, not saving; {self.kept()}") from None
+            raise TrainingError(
+                f"weights are not finite at step {progress.step}, not saving; {self.kept()}"
+            ) from None
 
     def finish_in_flight(self) -> None:
         """On the way out with an error: a save still being written completes; its own error is only logged."""

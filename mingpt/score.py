@@ -6,15 +6,14 @@ predicted from its own start, in float32 (docs/generation.md)."""
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from mingpt import evaluation
+from mingpt.command import command, parse_args
 from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, key, one_of
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
-from mingpt.command import command, parse_args
 from mingpt.generate import SNAPSHOT_HELP, GenerateConfig, load_model
 from mingpt.snapshot import SnapshotError, fit
 from mingpt.storage import StorageError
@@ -25,11 +24,17 @@ log = logging.getLogger(__name__)
 @dataclass
 class ScoreConfig:
     snapshot_path: str = key(GenerateConfig.snapshot_path, f"the model: {SNAPSHOT_HELP}")
-    path: str = key("", "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of the "
-                        "run's own corpus, as the run evaluates it")
+    path: str = key(
+        "",
+        "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of the "
+        "run's own corpus, as the run evaluates it",
+    )
     device: str = key("auto", "auto (CUDA if available), cpu or cuda")
-    allow_corpus_change: bool = key(False, "score the held-out split of a corpus changed since the snapshot was "
-                                           "written (with a warning: that split moved)")
+    allow_corpus_change: bool = key(
+        False,
+        "score the held-out split of a corpus changed since the snapshot was "
+        "written (with a warning: that split moved)",
+    )
 
     def __post_init__(self) -> None:
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
@@ -59,28 +64,42 @@ class Score:
         return math.exp(self.loss)
 
 
-def heldout_windows(state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool = False):
+def heldout_windows(
+    state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool = False
+):
     """The held-out windows of the snapshot's run, from its data_config; refused when the corpus changed since,
     unless `allow_corpus_change` (then a warning)."""
     if "data_config" not in state:
-        raise SnapshotError("the snapshot holds no data_config: give the text to score with path=...")
+        raise SnapshotError(
+            "the snapshot holds no data_config: give the text to score with path=..."
+        )
     try:
         data_config = DataConfig(**state["data_config"])
     except TypeError as e:  # a key this version does not know
-        raise SnapshotError(f"the snapshot's data_config cannot be used ({e}): give the text with path=...") from None
+        raise SnapshotError(
+            f"the snapshot's data_config cannot be used ({e}): give the text with path=..."
+        ) from None
     data = load_data(data_config)
     if tokenizer.unknown(data.tokenizer.chars):
-        raise TextError(f"the corpus {data_config.path} no longer has the snapshot's vocabulary "
-                        "(it changed since the run): give the text with path=...")
-    data = data.in_vocabulary(tokenizer.chars)  # a fine-tuned model's corpus may use fewer characters
+        raise TextError(
+            f"the corpus {data_config.path} no longer has the snapshot's vocabulary "
+            "(it changed since the run): give the text with path=..."
+        )
+    # a fine-tuned model's corpus may use fewer characters
+    data = data.in_vocabulary(tokenizer.chars)
     moved = fit.corpus_changes(state.get("corpus"), data.fingerprint())
     if moved and not allow_corpus_change:
-        raise TextError(f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its held-out "
-                        "split is not the run's: give the text with path=..., or score the new split with "
-                        "allow_corpus_change=true")
+        raise TextError(
+            f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its held-out "
+            "split is not the run's: give the text with path=..., or score the new split with "
+            "allow_corpus_change=true"
+        )
     if moved:
-        log.warning("the corpus changed since the snapshot was written (%s): scoring its new held-out split, "
-                    "which is not the one the run evaluated", "; ".join(moved))
+        log.warning(
+            "the corpus changed since the snapshot was written (%s): scoring its new held-out split, "
+            "which is not the one the run evaluated",
+            "; ".join(moved),
+        )
     _, heldout = data.place(device, data_config.placement)
     return heldout, f"the held-out split of {data_config.path}"
 
@@ -92,17 +111,21 @@ def score(config: ScoreConfig) -> Score:
     if config.path:
         text = read_text(config.path)
         if unknown := tokenizer.unknown(text):
-            raise TextError(f"{config.path} has characters outside the snapshot's vocabulary: "
-                            f"{' '.join(repr(c) for c in unknown[:20])}")
+            raise TextError(
+                f"{config.path} has characters outside the snapshot's vocabulary: "
+                f"{' '.join(repr(c) for c in unknown[:20])}"
+            )
         tokens = tokenizer.encode(text).to(device)
         if len(tokens) < 2:
             raise TextError(f"{config.path} has {len(tokens)} character: nothing to predict")
         block = min(model.config.block_size, len(tokens) - 1)  # a shorter text is one window
-        windows, source, eval_tokens = TokenWindows(tokens, block, block), config.path, 0  # 0: all of it
+        # 0: all of it
+        windows, source, eval_tokens = TokenWindows(tokens, block, block), config.path, 0
     else:
         windows, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
-    batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)  # as the run's evaluation
+    # as the run's evaluation
+    batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
     one_process = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
     result = evaluation.evaluate(model, windows, one_process, eval_tokens, batch_size)
     return Score(result.loss, result.tokens, source, state.get("step", "?"))
@@ -111,15 +134,23 @@ def score(config: ScoreConfig) -> Score:
 def run(argv: list[str]) -> None:
     config = parse_args(argv, ScoreConfig, TEXT_KEYS)
     result = score(config)
-    print(f"{config.snapshot_path} (step {result.step}) on {result.source}: {result.tokens:,} characters scored")
+    print(
+        f"{config.snapshot_path} (step {result.step}) on {result.source}: {result.tokens:,} characters scored"
+    )
     print(f"loss        {result.loss:.6f} nats per character")
     print(f"bpc         {result.bpc:.6f}")
     print(f"perplexity  {result.perplexity:.6f}")
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    command("python -m mingpt.score [key=value ...]", ScoreConfig, __doc__, run,
-            (ConfigError, SnapshotError, StorageError, DataError, TextError), argv)
+def main(argv: list[str] | None = None) -> None:
+    command(
+        "python -m mingpt.score [key=value ...]",
+        ScoreConfig,
+        __doc__,
+        run,
+        (ConfigError, SnapshotError, StorageError, DataError, TextError),
+        argv,
+    )
 
 
 if __name__ == "__main__":

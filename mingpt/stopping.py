@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import types
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ def parse_signal(name: str) -> int:
     return int(signum)
 
 
-_state = types.SimpleNamespace(signals=set(), previous={}, graceful=False, requested=0, watching=False, exiting=False)
+_state = types.SimpleNamespace(
+    signals=set(), previous={}, graceful=False, requested=0, watching=False, exiting=False
+)
 
 
 def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
@@ -85,8 +87,11 @@ def _watch(read_fd: int) -> None:
             if not _state.requested:
                 _state.requested = signum
                 hint = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-                log.warning("%s received: stopping at the end of this step, after saving a snapshot%s",
-                            signal_name(signum), hint)
+                log.warning(
+                    "%s received: stopping at the end of this step, after saving a snapshot%s",
+                    signal_name(signum),
+                    hint,
+                )
 
 
 def stop_requested() -> int:
@@ -124,6 +129,14 @@ def park_if_exiting() -> None:
 def tell_launcher(line: str) -> None:
     """Under torchrun (which sets TORCHELASTIC_ERROR_FILE), the worker's one error line into that file, in the JSON
     of torch.distributed.elastic's ErrorHandler, so that torchrun's failure summary shows it."""
-    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    with contextlib.suppress(KeyError, OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+    record = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+        }
+    }
+    with (
+        contextlib.suppress(KeyError, OSError),
+        open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f,
+    ):
         json.dump(record, f)

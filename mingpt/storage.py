@@ -9,7 +9,8 @@ import socket
 import stat
 import sys
 import uuid
-from typing import Any, BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -24,7 +25,10 @@ class StorageError(ValueError):
 def storage_errors() -> tuple[type[BaseException], ...]:
     """What failing storage raises through fsspec: OSError, and the client libraries' errors once imported."""
     errors: list[type[BaseException]] = [OSError]
-    for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")), ("aiohttp", ("ClientError",))):
+    for module, names in (
+        ("botocore.exceptions", ("BotoCoreError", "ClientError")),
+        ("aiohttp", ("ClientError",)),
+    ):
         if module.split(".")[0] in sys.modules:
             errors += [getattr(importlib.import_module(module), name) for name in names]
     return tuple(errors)
@@ -58,8 +62,10 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     try:
         return fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # s3fs or gcsfs not installed, unknown protocol
-        raise StorageError(f"cannot use snapshot path {path}: {e} "
-                           "(s3:// and gs:// need pip install -e \".[s3]\" or \".[gcs]\")") from None
+        raise StorageError(
+            f"cannot use snapshot path {path}: {e} "
+            '(s3:// and gs:// need pip install -e ".[s3]" or ".[gcs]")'
+        ) from None
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -84,8 +90,9 @@ def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
     try:
         fs.info(name)  # not exists(): s3fs answers False for a bucket it cannot reach
     except FileNotFoundError:
-        raise StorageError(f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)"
-                           ) from None
+        raise StorageError(
+            f"cannot use snapshot path {path}: bucket {name!r} does not exist (create it first)"
+        ) from None
 
 
 def check_writable(run_dir: str, snapshot_path: str) -> None:
@@ -93,11 +100,15 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
     fs, p = filesystem(snapshot_path)
     with contextlib.suppress(*storage_errors()):  # the write probe names the storage's fault
         if fs.isfile(p):
-            raise StorageError(f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
-                               "kept in a directory there")
+            raise StorageError(
+                f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
+                "kept in a directory there"
+            )
     tag = uuid.uuid4().hex[:8]
-    for label, path, probe in (("run directory", run_dir, os.path.join(run_dir, f".write-probe-{tag}")),
-                               ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{tag}")):
+    for label, path, probe in (
+        ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{tag}")),
+        ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{tag}"),
+    ):
         fs, p = filesystem(probe)
         try:
             prepare_parent(fs, p, path)
@@ -129,7 +140,8 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
                 os.fsync(f.fileno())
         fs.mv(tmp, path)  # a rename on local disks; object stores publish whole objects
     finally:
-        with contextlib.suppress(*storage_errors()):  # renamed already, or the write's own error says more
+        # renamed already, or the write's own error says more
+        with contextlib.suppress(*storage_errors()):
             fs.rm(tmp)
     if is_local(fs):
         fsync_dir(fs._parent(path))
@@ -140,11 +152,14 @@ def remove_stale_temporaries(path: str) -> list[str]:
     here = re.escape(socket.gethostname())
     removed = []
     for name in os.listdir(os.path.dirname(path) or "."):
-        found = re.fullmatch(re.escape(os.path.basename(path) + TMP_MARK) + rf"(\d+)-{here}-[0-9a-f]{{8}}", name)
+        found = re.fullmatch(
+            re.escape(os.path.basename(path) + TMP_MARK) + rf"(\d+)-{here}-[0-9a-f]{{8}}", name
+        )
         if not found:
             continue
         try:
-            os.kill(int(found.group(1)), 0)  # signal 0: nothing is sent, the process is only looked up
+            # signal 0: nothing is sent, the process is only looked up
+            os.kill(int(found.group(1)), 0)
         except ProcessLookupError:  # its writer is gone
             stale = os.path.join(os.path.dirname(path), name)
             with contextlib.suppress(FileNotFoundError):  # another process removed it first
@@ -160,7 +175,13 @@ def check_regular(path: str, label: str) -> None:
     fs, p = filesystem(path)
     with contextlib.suppress(OSError):
         if is_local(fs) and not stat.S_ISREG(mode := os.stat(p).st_mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a device or socket"
+            )
             raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 

@@ -9,8 +9,8 @@ import mmap
 import os
 import re
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -25,7 +25,9 @@ PAGE = 4096
 CHUNK = 4 << 20  # bytes read and decoded at a time (bounds the memory an encode needs)
 N_CODE_POINTS = 0x110000
 DEFAULT_DIR = ".mingpt-cache"  # beside a local corpus
-OWN_NAME = re.compile(rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?")
+OWN_NAME = re.compile(
+    rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?"
+)
 
 
 class DataError(ValueError):
@@ -35,10 +37,12 @@ class DataError(ValueError):
 @dataclass
 class TokenCache:
     path: str
-    tokens: torch.Tensor  # every file's ids, file after file (memory-mapped, read-only by convention)
+    # every file's ids, file after file (memory-mapped, read-only by convention)
+    tokens: torch.Tensor
     vocab: str  # the sorted distinct characters
     files: list[tuple[str, int]]  # (source, number of tokens) in order
-    fd: int  # the cache, open for reads (batches are read from it, not through the map); closed with this object
+    # the cache, open for reads (batches are read from it, not through the map); closed with this object
+    fd: int
     offset: int  # where the token ids start in the file, in bytes
     sources: list[dict]  # each source's {"source", "size", "sha256"}, from the header
 
@@ -49,10 +53,14 @@ class TokenCache:
         item, width = out.element_size(), out.shape[1] * out.element_size()
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
         for i, start in enumerate(starts.tolist()):
-            if os.preadv(self.fd, [view[i * width : (i + 1) * width]], self.offset + start * item) != width:
+            if (
+                os.preadv(self.fd, [view[i * width : (i + 1) * width]], self.offset + start * item)
+                != width
+            ):
                 raise DataError(f"token cache {self.path} was truncated while in use")
 
-    def load(self, device: torch.device) -> torch.Tensor:  # every token id, read into `device`'s memory by chunks
+    # every token id, read into `device`'s memory by chunks
+    def load(self, device: torch.device) -> torch.Tensor:
         out = torch.empty(len(self.tokens), dtype=self.tokens.dtype, device=device)
         for start in range(0, len(out), CHUNK):
             host = torch.empty(1, min(CHUNK, len(out) - start), dtype=out.dtype)
@@ -69,7 +77,8 @@ def code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
 
 
-def count(cps: np.ndarray) -> torch.Tensor:  # how often each code point occurs (torch's bincount: ~20x numpy's)
+# how often each code point occurs (torch's bincount: ~20x numpy's)
+def count(cps: np.ndarray) -> torch.Tensor:
     return torch.bincount(torch.from_numpy(cps.astype(np.int32)), minlength=N_CODE_POINTS)
 
 
@@ -84,7 +93,9 @@ def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
             try:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as e:
-                raise DataError(f"data file is not UTF-8 text: {source} (byte {offset - pending + e.start})") from None
+                raise DataError(
+                    f"data file is not UTF-8 text: {source} (byte {offset - pending + e.start})"
+                ) from None
             offset += len(raw)
             yield raw, text
             if not raw:
@@ -137,7 +148,10 @@ def _why_rebuild(path: str, sources: list[str], truncate: float, open_source) ->
             with open(path, "rb") as f:
                 header, offset, _ = read_header(f)
                 f.seek(offset)
-                if keys != [(h["size"], h["sha256"]) for h in header["sources"]] or header["truncate"] != truncate:
+                if (
+                    keys != [(h["size"], h["sha256"]) for h in header["sources"]]
+                    or header["truncate"] != truncate
+                ):
                     why = "the corpus changed"
                 elif storage.sha256(f)[1] != header["digest"]:
                     why = "damaged (its checksum does not match)"
@@ -155,7 +169,9 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
     if why is None:
         log.info("token cache %s is up to date", path)
         return
-    (log.warning if why.startswith("damaged") else log.info)("token cache %s: %s; encoding the corpus", path, why)
+    (log.warning if why.startswith("damaged") else log.info)(
+        "token cache %s: %s; encoding the corpus", path, why
+    )
     scans = []
     for source in sources:
         digest, size, n_chars, counts = hashlib.sha256(), 0, 0, 0
@@ -166,19 +182,36 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
             counts += count(code_points(text))
         if not n_chars:
             raise DataError(f"data file is empty: {source}")
-        scans.append(({"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts))
+        scans.append(
+            ({"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts)
+        )
     kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
-    counts = sum((c for *_, c in scans) if truncate == 1.0 else
-                 (count(cps) for source, keep in zip(sources, kept) for cps in kept_chunks(source, open_source, keep)))
+    counts = sum(
+        (c for *_, c in scans)
+        if truncate == 1.0
+        else (
+            count(cps)
+            for source, keep in zip(sources, kept)
+            for cps in kept_chunks(source, open_source, keep)
+        )
+    )
     vocab_cps = np.flatnonzero(counts.numpy())
     dtype = dtype_for(len(vocab_cps))
     lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
     lookup[vocab_cps] = np.arange(len(vocab_cps), dtype=dtype)
-    header = {"version": VERSION, "sources": [key for key, _, _ in scans], "truncate": truncate,
-              "vocab": "".join(map(chr, vocab_cps.tolist())), "dtype": dtype, "counts": kept, "digest": "0" * 64}
+    header = {
+        "version": VERSION,
+        "sources": [key for key, _, _ in scans],
+        "truncate": truncate,
+        "vocab": "".join(map(chr, vocab_cps.tolist())),
+        "dtype": dtype,
+        "counts": kept,
+        "digest": "0" * 64,
+    }
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        for stale in storage.remove_stale_temporaries(path):  # builds whose process died left their temporaries
+        # builds whose process died left their temporaries
+        for stale in storage.remove_stale_temporaries(path):
             log.info("removed %s, left by a build that was stopped", stale)
         with storage.atomic_open(path) as f:
             f.write(_header_bytes(header))
@@ -192,16 +225,22 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
             f.seek(0)
             f.write(_header_bytes(header))
     except OSError as e:
-        raise DataError(f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)") from None
+        raise DataError(
+            f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)"
+        ) from None
 
 
-def open_cache(path: str) -> TokenCache:  # memory-mapped; its header and size are checked, not its checksum
+# memory-mapped; its header and size are checked, not its checksum
+def open_cache(path: str) -> TokenCache:
     with open(path, "rb") as f:
         header, offset, dtype = read_header(f)
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, copy-on-write: nothing writes to it
-        fd = os.dup(f.fileno())  # the file whose header was read, even if the path is replaced since
+        # private, copy-on-write: nothing writes to it
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # the file whose header was read, even if the path is replaced since
+        fd = os.dup(f.fileno())
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
-    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))  # keeps `mapped` alive
+    # keeps `mapped` alive
+    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))
     files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
     cache = TokenCache(path, tokens, header["vocab"], files, fd, offset, header["sources"])
     weakref.finalize(cache, os.close, fd)
@@ -212,14 +251,18 @@ def is_own(path: str) -> bool:  # a cache file, a temporary of one, or the defau
     return OWN_NAME.fullmatch(os.path.basename(path.rstrip("/"))) is not None
 
 
-def default_cache_path(sources: list[str], truncate: float, cache_dir: str | None, local_dir: str | None) -> str:
+def default_cache_path(
+    sources: list[str], truncate: float, cache_dir: str | None, local_dir: str | None
+) -> str:
     """data_config.cache_dir if set, else .mingpt-cache/ beside a local corpus when that directory is writable,
     else the user's cache directory. The name depends on the sources and truncate, not their contents:
     a changed corpus replaces its cache instead of adding one."""
     if cache_dir is None and local_dir is not None and os.access(local_dir, os.W_OK):
         cache_dir = os.path.join(local_dir, DEFAULT_DIR)
     elif cache_dir is None:
-        cache_dir = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mingpt")
+        cache_dir = os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mingpt"
+        )
     name = hashlib.sha256(json.dumps([sources, truncate, VERSION]).encode()).hexdigest()[:16]
     stem = os.path.basename(sources[0].rstrip("/")) or "corpus"
     return os.path.join(cache_dir, f"{stem}-{name}.tokens")

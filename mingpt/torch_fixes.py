@@ -7,7 +7,8 @@ import os
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,9 @@ def _orthogonalize_takes_only_batches() -> bool:
 
 def _orthogonalize_matrix_or_batch(matrices: torch.Tensor, epsilon: float = 0) -> None:
     """A 2-D matrix as a batch of one: a view, so the result lands in the hook's own tensor."""
-    powerSGD_hook._orthogonalize(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+    powerSGD_hook._orthogonalize(
+        matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon
+    )
 
 
 def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
@@ -46,13 +49,20 @@ def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
     hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
     replaced: dict[str, Any] = {}
     if not on_cuda and torch.cuda.is_available():
-        replaced["torch"] = _View(_target=torch, cuda=_View(_target=torch.cuda, is_available=lambda: False))
+        replaced["torch"] = _View(
+            _target=torch, cuda=_View(_target=torch.cuda, is_available=lambda: False)
+        )
     if batched and _orthogonalize_takes_only_batches():
         replaced["_orthogonalize"] = _orthogonalize_matrix_or_batch
     if not replaced:
         return hook
-    copy = types.FunctionType(hook.__code__, {**hook.__globals__, **replaced}, hook.__name__, hook.__defaults__,
-                              hook.__closure__)
+    copy = types.FunctionType(
+        hook.__code__,
+        {**hook.__globals__, **replaced},
+        hook.__name__,
+        hook.__defaults__,
+        hook.__closure__,
+    )
     copy.__kwdefaults__ = hook.__kwdefaults__
     return functools.update_wrapper(copy, hook)
 
@@ -91,12 +101,18 @@ def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=default_pg_timeout)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=False,
+            timeout=default_pg_timeout,
+        )
         yield dist.PrefixStore(f"mingpt/attempt-{restart}", store)
     elif not (shared and restart):
         yield None
     else:
+
         def give_up() -> None:
             line = f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
             os.write(sys.stderr.fileno(), f"{line}{RESTART_FIX}\n".encode())

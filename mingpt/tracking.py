@@ -9,24 +9,33 @@ import logging
 import os
 import re
 import time
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 # MLflow retries a request 7 times and waits 120 s for each by default: minutes in which training would stand
 # still. Its calls here run with these (an environment that sets them wins); the first, no retry.
-HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-PROBE_LIMITS = {**HTTP_LIMITS, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+HTTP_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+PROBE_LIMITS = {
+    **HTTP_LIMITS,
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+}
 DEFAULT_EXPERIMENT = "mingpt"
 INSTALL_HINT = "pip install -e .[mlflow]"
-DATABASE_MODULES = ("sqlalchemy", "alembic")  # what MLflow's database stores import; mlflow-skinny lacks them
+# what MLflow's database stores import; mlflow-skinny lacks them
+DATABASE_MODULES = ("sqlalchemy", "alembic")
 
 
 class Tracker:
     """Rank 0's link to the tracker; on other ranks, and once it has failed, every call does nothing."""
 
-    run_id: Optional[str] = None
+    run_id: str | None = None
 
     def log(self, split: str, step: int, values: Mapping[str, Any]) -> None:
         pass
@@ -41,7 +50,7 @@ class Tracker:
 OFF = Tracker()
 
 
-def start(config: Any, run_dir: str, run_id: Optional[str], step: int, enabled: bool) -> Tracker:
+def start(config: Any, run_dir: str, run_id: str | None, step: int, enabled: bool) -> Tracker:
     """The tracker `config.trainer_config.tracker` names, continuing the tracker run `run_id` (saved in the
     snapshot; None: a new run) at `step`. OFF where none is asked for, off rank 0, or where it cannot start."""
     cfg = config.trainer_config
@@ -82,22 +91,28 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 class MlflowTracker(Tracker):
     """The run's record in MLflow, through its client (no global active run)."""
 
-    def __init__(self, config: Any, run_dir: str, run_id: Optional[str], step: int):
+    def __init__(self, config: Any, run_dir: str, run_id: str | None, step: int):
         try:
             import mlflow
             from mlflow.tracking import MlflowClient
         except ImportError as e:
-            raise TrackerUnavailable(f"mlflow is not installed ({INSTALL_HINT}): {_first_line(e)}") from None
+            raise TrackerUnavailable(
+                f"mlflow is not installed ({INSTALL_HINT}): {_first_line(e)}"
+            ) from None
         except Exception as e:  # an installation that is broken
             raise TrackerUnavailable(f"mlflow cannot be imported ({_first_line(e)})") from None
         self.uri = config.trainer_config.tracker_uri or mlflow.get_tracking_uri()
         scheme = self.uri.split(":", 1)[0].split("+", 1)[0]
         missing = [m for m in DATABASE_MODULES if importlib.util.find_spec(m) is None]
-        if scheme in ("sqlite", "postgresql", "mysql", "mssql") and missing:  # else "unsupported model registry URI"
-            raise TrackerUnavailable(f"the MLflow store {self.uri} is a database, which needs {' and '.join(missing)} "
-                                     f"({INSTALL_HINT})")
+        # else "unsupported model registry URI"
+        if scheme in ("sqlite", "postgresql", "mysql", "mssql") and missing:
+            raise TrackerUnavailable(
+                f"the MLflow store {self.uri} is a database, which needs {' and '.join(missing)} "
+                f"({INSTALL_HINT})"
+            )
         path = "://" not in self.uri and not self.uri.startswith(("sqlite:", "databricks", "uc:"))
-        directory = path or self.uri.startswith("file:")  # MLflow 3 refuses one unless MLFLOW_ALLOW_FILE_STORE=true
+        # MLflow 3 refuses one unless MLFLOW_ALLOW_FILE_STORE=true
+        directory = path or self.uri.startswith("file:")
         self._env = dict(HTTP_LIMITS, **({"MLFLOW_ALLOW_FILE_STORE": "true"} if directory else {}))
         try:
             with _environment({**self._env, **PROBE_LIMITS}):
@@ -105,13 +120,19 @@ class MlflowTracker(Tracker):
                 name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
                 experiment = self.client.get_experiment_by_name(name)
         except Exception as e:  # MLflow raises many types for a store it cannot use
-            raise TrackerUnavailable(f"cannot reach the MLflow tracking store {self.uri} ({_first_line(e)})") from None
+            raise TrackerUnavailable(
+                f"cannot reach the MLflow tracking store {self.uri} ({_first_line(e)})"
+            ) from None
         try:
             with _environment(self._env):
-                experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+                experiment_id = (
+                    experiment.experiment_id if experiment else self.client.create_experiment(name)
+                )
                 self.run_id = (run_id and self._continue(run_id, step)) or self.client.create_run(
-                    experiment_id, run_name=os.path.basename(os.path.normpath(run_dir)),
-                    tags={"mingpt.run_dir": os.path.abspath(run_dir)}).info.run_id
+                    experiment_id,
+                    run_name=os.path.basename(os.path.normpath(run_dir)),
+                    tags={"mingpt.run_dir": os.path.abspath(run_dir)},
+                ).info.run_id
                 self._log_params(config, step)
         except Exception as e:
             if self.run_id is not None:  # left RUNNING otherwise
@@ -119,18 +140,26 @@ class MlflowTracker(Tracker):
                     self.client.set_terminated(self.run_id, "FAILED")
             raise TrackerUnavailable(f"MLflow at {self.uri} failed ({_first_line(e)})") from None
         self.failed = False
-        log.info("tracking in MLflow at %s: experiment %s, run %s%s", self.uri, name, self.run_id,
-                 f" (continued at step {step})" if run_id == self.run_id else "")
+        log.info(
+            "tracking in MLflow at %s: experiment %s, run %s%s",
+            self.uri,
+            name,
+            self.run_id,
+            f" (continued at step {step})" if run_id == self.run_id else "",
+        )
 
-    def _continue(self, run_id: str, step: int) -> Optional[str]:
+    def _continue(self, run_id: str, step: int) -> str | None:
         """The snapshot's tracker run, running again; None if this store has no such run."""
         from mlflow.exceptions import MlflowException
 
         try:
             self.client.get_run(run_id)
         except MlflowException:
-            log.warning("MLflow run %s (saved in the snapshot) is not in %s: starting a new MLflow run",
-                        run_id, self.uri)
+            log.warning(
+                "MLflow run %s (saved in the snapshot) is not in %s: starting a new MLflow run",
+                run_id,
+                self.uri,
+            )
             return None
         self.client.update_run(run_id, status="RUNNING")
         self.client.set_tag(run_id, "mingpt.resumed_at_step", str(step))
@@ -144,12 +173,16 @@ class MlflowTracker(Tracker):
         logged, new = self.client.get_run(self.run_id).data.params, []
         for section in dataclasses.fields(config):
             for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-                key, value = f"{section.name}.{key}", (value if isinstance(value, str) else json.dumps(value))[:6000]
+                key, value = (
+                    f"{section.name}.{key}",
+                    (value if isinstance(value, str) else json.dumps(value))[:6000],
+                )
                 if key not in logged:
                     new.append(Param(key, value))
                 elif logged[key] != value:
                     new.append(Param(f"{key}:step{step}", value))
-        for i in range(0, len(new), 100):  # MLflow takes at most 100 params a batch, values of 6000 characters
+        # MLflow takes at most 100 params a batch, values of 6000 characters
+        for i in range(0, len(new), 100):
             self.client.log_batch(self.run_id, params=new[i : i + 100])
 
     def _call(self, what: str, call: Any) -> None:
@@ -161,22 +194,33 @@ class MlflowTracker(Tracker):
                 call()
         except Exception as e:
             self.failed = True
-            log.warning("MLflow at %s failed %s (%s): training goes on without the tracker", self.uri, what,
-                        _first_line(e))
+            log.warning(
+                "MLflow at %s failed %s (%s): training goes on without the tracker",
+                self.uri,
+                what,
+                _first_line(e),
+            )
 
     def log(self, split: str, step: int, values: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(f"{split}/{key}", float(value), now, step) for key, value in values.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)]
+        metrics = [
+            Metric(f"{split}/{key}", float(value), now, step)
+            for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
         if metrics:
-            self._call(f"logging the {split} metrics at step {step}",
-                       lambda: self.client.log_batch(self.run_id, metrics=metrics))
+            self._call(
+                f"logging the {split} metrics at step {step}",
+                lambda: self.client.log_batch(self.run_id, metrics=metrics),
+            )
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self._call(f"logging the {tag} at step {step}",
-                   lambda: self.client.log_text(self.run_id, text, f"{tag}s/step_{step:07d}.txt"))
+        self._call(
+            f"logging the {tag} at step {step}",
+            lambda: self.client.log_text(self.run_id, text, f"{tag}s/step_{step:07d}.txt"),
+        )
 
     def close(self, status: str = "FINISHED") -> None:
         self._call("ending the run", lambda: self.client.set_terminated(self.run_id, status))

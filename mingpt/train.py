@@ -8,7 +8,8 @@ import os
 import re
 import shlex
 import traceback
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -30,7 +31,9 @@ def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTC
     for key, value in (("vocab_size", vocab_size), ("block_size", block_size)):
         given = getattr(gpt_config, key)
         if given is not None and given != value:
-            raise ConfigError(f"gpt_config.{key}: {given} given, but the data sets it to {value}; leave it unset")
+            raise ConfigError(
+                f"gpt_config.{key}: {given} given, but the data sets it to {value}; leave it unset"
+            )
     return dataclasses.replace(gpt_config, vocab_size=vocab_size, block_size=block_size)
 
 
@@ -39,14 +42,19 @@ def build_model(gpt_config: GPTConfig) -> GPT:
     try:
         return GPT(gpt_config)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        asked = re.search(r"allocate ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))  # CPU and CUDA wordings
-        if not isinstance(e, MemoryError) and not re.search(r"can't allocate memory|out of memory", str(e)):
+        # CPU and CUDA wordings
+        asked = re.search(r"allocate ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))
+        if not isinstance(e, MemoryError) and not re.search(
+            r"can't allocate memory|out of memory", str(e)
+        ):
             raise
         d, v, b = gpt_config.n_embd, gpt_config.vocab_size, gpt_config.block_size
         params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
-        raise ConfigError(f"gpt_config: the model does not fit in memory: {params:,} parameters "
-                          f"({params * 4 / 1e9:,.0f} GB of float32 weights, about 4x that to train with AdamW); "
-                          f"allocating {asked.group(1) if asked else 'them'} failed") from None
+        raise ConfigError(
+            f"gpt_config: the model does not fit in memory: {params:,} parameters "
+            f"({params * 4 / 1e9:,.0f} GB of float32 weights, about 4x that to train with AdamW); "
+            f"allocating {asked.group(1) if asked else 'them'} failed"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +73,9 @@ def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Ru
 
 
 @contextlib.contextmanager
-def settle(config: Config, run_dir: str, dist_info: DistInfo,
-           log_buffer: logging.Handler) -> Iterator[tuple[Run, Claim]]:
+def settle(
+    config: Config, run_dir: str, dist_info: DistInfo, log_buffer: logging.Handler
+) -> Iterator[tuple[Run, Claim]]:
     """Start-up, in order, before anything is written in the run directory: the run directory (writable), the
     snapshot location, the fine-tuning source, the corpus (downloaded and encoded once per node), the directory's
     owner (a lock, for the body's duration) and its record (not another run's)."""
@@ -85,14 +94,18 @@ def settle(config: Config, run_dir: str, dist_info: DistInfo,
         yield run, owned
 
 
-def build(config: Config, dist_info: DistInfo, run: Run | str, data: CharData | None = None) -> Trainer:
+def build(
+    config: Config, dist_info: DistInfo, run: Run | str, data: CharData | None = None
+) -> Trainer:
     """config -> data, model, trainer for `run` (or a run directory: the tests and benchmarks); the initial
     weights are drawn from the run's seed, or a fine-tuning run's taken from its source."""
     run = locate(config, run) if isinstance(run, str) else run
     data = load_data(config.data_config) if data is None else data
     if run.start is not None:
         data = finetune.fit_data(data, run.start, config.data_config.path)
-    config.gpt_config = fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
+    config.gpt_config = fit_to_data(
+        config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size
+    )
     torch.manual_seed(config.trainer_config.seed)
     model = build_model(config.gpt_config)
     if run.start is not None and not run.start.resuming:
@@ -105,15 +118,29 @@ def build(config: Config, dist_info: DistInfo, run: Run | str, data: CharData | 
 def announce(t: Trainer) -> None:
     """The run's size in one line; on a CPU, how long a run sized for a GPU would take."""
     cfg, W, plan = t.cfg, t.dist.world_size, t.plan
-    log.info("model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per rank x %d accum x "
-             "%d ranks) | %d steps per epoch, %d in all | device %s%s%s", t.raw_model.num_params() / 1e6,
-             len(t.data.train), len(t.data.heldout), t.samples_per_step * W, cfg.batch_size, cfg.grad_accum_steps, W,
-             plan.steps_per_epoch, t.total_steps, t.device, f" amp {cfg.amp_dtype}" if t.amp.enabled else "",
-             f" | fsdp: 1/{W} of the model on each rank" if t.fsdp else "")
+    log.info(
+        "model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per rank x %d accum x "
+        "%d ranks) | %d steps per epoch, %d in all | device %s%s%s",
+        t.raw_model.num_params() / 1e6,
+        len(t.data.train),
+        len(t.data.heldout),
+        t.samples_per_step * W,
+        cfg.batch_size,
+        cfg.grad_accum_steps,
+        W,
+        plan.steps_per_epoch,
+        t.total_steps,
+        t.device,
+        f" amp {cfg.amp_dtype}" if t.amp.enabled else "",
+        f" | fsdp: 1/{W} of the model on each rank" if t.fsdp else "",
+    )
     if t.device.type == "cpu" and t.dist.is_main_process and not t.finished():
-        samples = min(t.samples_per_step, math.ceil(len(t.data.train) / W))  # a step takes at most an epoch's share
-        warning = flops.slow_on_cpu(t.pace.flops_per_token * samples * t.train_windows.block_size,
-                                    t.total_steps - t.progress.step)
+        # a step takes at most an epoch's share
+        samples = min(t.samples_per_step, math.ceil(len(t.data.train) / W))
+        warning = flops.slow_on_cpu(
+            t.pace.flops_per_token * samples * t.train_windows.block_size,
+            t.total_steps - t.progress.step,
+        )
         if warning:
             log.warning(warning)
 
@@ -128,7 +155,9 @@ def train(trainer: Trainer) -> None:
 
 def shown(path: str) -> str:
     """`path` as typed from the directory the run started in, where it is inside."""
-    return path if "://" in path or os.path.relpath(path).startswith("..") else os.path.relpath(path)
+    return (
+        path if "://" in path or os.path.relpath(path).startswith("..") else os.path.relpath(path)
+    )
 
 
 def summary(t: Trainer, final: float | None) -> str:
@@ -137,11 +166,16 @@ def summary(t: Trainer, final: float | None) -> str:
     losses = [f"held-out loss {final:.4f}"] if final is not None and math.isfinite(final) else []
     best = find_best(t.snapshot_path) if math.isfinite(p.best_eval_loss) else None
     if math.isfinite(p.best_eval_loss):
-        losses.append(f"best {p.best_eval_loss:.4f} at step {p.best_step}" + (f" ({shown(best)})" if best else ""))
+        losses.append(
+            f"best {p.best_eval_loss:.4f} at step {p.best_step}"
+            + (f" ({shown(best)})" if best else "")
+        )
     stopped = " (stopped early)" if t.evaluator.stopped_early() else ""
-    return (f"done at step {p.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
-            f"{shown(t.snapshot_path)} | sample from {'the best' if best else 'it'}: "
-            f"python -m mingpt.generate snapshot_path={shlex.quote(shown(best or t.snapshot_path))}")
+    return (
+        f"done at step {p.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
+        f"{shown(t.snapshot_path)} | sample from {'the best' if best else 'it'}: "
+        f"python -m mingpt.generate snapshot_path={shlex.quote(shown(best or t.snapshot_path))}"
+    )
 
 
 def already_complete(t: Trainer) -> str:
@@ -155,14 +189,26 @@ def already_complete(t: Trainer) -> str:
         further = f"trainer_config.max_epochs={p.epoch + 1}"
     # hydra.run.dir=PATH names the directory itself: there a new run needs another path.
     named = os.path.basename(os.path.normpath(t.run_dir)).startswith(cfg.run_name)
-    new = "trainer_config.run_name=NAME (a name not used yet)" if named else "hydra.run.dir=ANOTHER_DIRECTORY"
-    stopped = f", stopped early (best held-out loss {p.best_eval_loss:.4f} at step {p.best_step})" if early else ""
-    return (f"run already complete at step {p.step}{stopped} (snapshot {shown(t.snapshot_path)}), whatever the "
-            f"number of processes: nothing to train. For a new run add {new}; "
-            f"to train this one further add {further} trainer_config.allow_config_change=true")
+    new = (
+        "trainer_config.run_name=NAME (a name not used yet)"
+        if named
+        else "hydra.run.dir=ANOTHER_DIRECTORY"
+    )
+    stopped = (
+        f", stopped early (best held-out loss {p.best_eval_loss:.4f} at step {p.best_step})"
+        if early
+        else ""
+    )
+    return (
+        f"run already complete at step {p.step}{stopped} (snapshot {shown(t.snapshot_path)}), whatever the "
+        f"number of processes: nothing to train. For a new run add {new}; "
+        f"to train this one further add {further} trainer_config.allow_config_change=true"
+    )
 
 
-def run(config: Config, run_dir: str, files: dict[str, str] | None = None, notices: Sequence[str] = ()) -> None:
+def run(
+    config: Config, run_dir: str, files: dict[str, str] | None = None, notices: Sequence[str] = ()
+) -> None:
     """Train in `run_dir`, in the process group torchrun describes (if any). Everything that can refuse the run
     comes before the first write in `run_dir`; then train.log and `files` ({path in run_dir: text}) are written."""
     with distributed(config.trainer_config.device) as dist_info:

@@ -62,14 +62,21 @@ def small_corpus(tmp_path, corpus) -> Path:
 def corpus_file(tmp_path_factory, corpus, request) -> Path:
     """The first CORPUS_CHARS characters of the corpus (a constant of the test module), as a file."""
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(corpus.read_text(encoding="utf-8")[: request.module.CORPUS_CHARS], encoding="utf-8")
+    path.write_text(
+        corpus.read_text(encoding="utf-8")[: request.module.CORPUS_CHARS], encoding="utf-8"
+    )
     return path
 
 
 # A tiny run that evaluates (every 20 steps, and at its end): the snapshot and metrics of a real run.
-TINY_RUN = TINY + ["data_config.path=small.txt", "trainer_config.run_name=tiny", "trainer_config.max_steps=60",
-                   "trainer_config.eval_every=20", "optimizer_config.learning_rate=1e-2",
-                   "optimizer_config.warmup_steps=10"]
+TINY_RUN = TINY + [
+    "data_config.path=small.txt",
+    "trainer_config.run_name=tiny",
+    "trainer_config.max_steps=60",
+    "trainer_config.eval_every=20",
+    "optimizer_config.learning_rate=1e-2",
+    "optimizer_config.warmup_steps=10",
+]
 
 
 @pytest.fixture(scope="session")
@@ -109,8 +116,12 @@ def small_disk(tmp_path) -> Path:
     is skipped where it cannot be mounted (not root)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
@@ -140,7 +151,9 @@ def tree_bytes(path) -> dict[str, bytes]:
     path = Path(path)
     if path.is_file():
         return {"": path.read_bytes()}
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 def free_port() -> int:
@@ -158,8 +171,19 @@ def child_env() -> dict[str, str]:
 
 
 # Hydra's options that take a value: main.py's overrides must stay together around them.
-VALUE_OPTIONS = {"--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp", "--cfg", "-c", "--package",
-                 "-p", "--experimental-rerun"}
+VALUE_OPTIONS = {
+    "--config-dir",
+    "-cd",
+    "--config-name",
+    "-cn",
+    "--config-path",
+    "-cp",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--experimental-rerun",
+}
 
 
 def on_cpu(args: list[str]) -> list[str]:
@@ -177,7 +201,11 @@ def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Com
     the CPU unless ARGS name another device."""
     return subprocess.run(
         [sys.executable, str(REPO / "main.py"), *on_cpu(args)],
-        cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -200,8 +228,13 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
 def run_torchrun(nproc: int, args: list[str], cwd: Path, torchrun_args=(), timeout: float = 180):
     """`torchrun --standalone --nproc_per_node=N main.py ARGS` in `cwd`, on the CPU
     (gloo) unless ARGS name another device."""
-    cmd = torchrun_cmd(nproc, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *on_cpu(args)]
-    return subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    cmd = torchrun_cmd(nproc, "--standalone", *torchrun_args) + [
+        str(REPO / "main.py"),
+        *on_cpu(args),
+    ]
+    return subprocess.run(
+        cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 FAKE_CUDA_DIR = REPO / "tests" / "fake_cuda"
@@ -219,23 +252,38 @@ def fake_cuda_env(gpus: int = 1, env: dict[str, str] | None = None) -> dict[str,
 
 def real_cuda() -> bool:
     """A GPU this process can use (not one simulated by tests/fake_cuda)."""
-    return not os.environ.get("MINGPT_TEST_FAKE_CUDA") and torch.cuda.is_available() and torch.cuda.device_count() > 0
+    return (
+        not os.environ.get("MINGPT_TEST_FAKE_CUDA")
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() > 0
+    )
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it installed, never called
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one test worker per core this process may use, at most 8 (a
     worker's test can start four training processes of a few hundred MB each)."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(
+        1,
+        min(
+            8,
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1,
+        ),
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` run only where a GPU is; elsewhere they are skipped, saying so."""
     if real_cuda():
         return
-    why = ("CUDA is simulated (MINGPT_TEST_FAKE_CUDA)" if os.environ.get("MINGPT_TEST_FAKE_CUDA")
-           else f"needs a CUDA GPU; this host has none (torch {torch.__version__}, "
-                f"built {'with' if torch.backends.cuda.is_built() else 'without'} CUDA)")
+    why = (
+        "CUDA is simulated (MINGPT_TEST_FAKE_CUDA)"
+        if os.environ.get("MINGPT_TEST_FAKE_CUDA")
+        else f"needs a CUDA GPU; this host has none (torch {torch.__version__}, "
+        f"built {'with' if torch.backends.cuda.is_built() else 'without'} CUDA)"
+    )
     skip = pytest.mark.skip(reason=why)
     for item in items:
         if "cuda" in item.keywords:
@@ -265,4 +313,18 @@ def environment_unchanged(request):
         pytest.fail(f"the test left os.environ changed: {', '.join(changed)}", pytrace=False)
 
 
-__all__ = ["CPU", "REPO", "TINY", "TINY_RUN", "fake_cuda_env", "real_cuda", "free_port", "run_dir_of", "run_main", "run_torchrun", "torchrun_cmd", "child_env", "shutil"]
+__all__ = [
+    "CPU",
+    "REPO",
+    "TINY",
+    "TINY_RUN",
+    "fake_cuda_env",
+    "real_cuda",
+    "free_port",
+    "run_dir_of",
+    "run_main",
+    "run_torchrun",
+    "torchrun_cmd",
+    "child_env",
+    "shutil",
+]

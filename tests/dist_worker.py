@@ -25,8 +25,8 @@ import os
 import sys
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mingpt.config import Config
 from mingpt.distributed import distributed, setup_logging
@@ -40,7 +40,9 @@ def full_weights(trainer) -> dict:
 
 
 def run_job(dist_info, out_dir: str, name: str, overrides: list[str], train: bool) -> None:
-    config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
+    config: Config = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
+    )
     run_dir = os.path.join(out_dir, name)
     trainer = build(config, dist_info, run_dir)
     result = {"init": full_weights(trainer), "eval_init": trainer.evaluate()}

@@ -17,8 +17,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mingpt import trainer  # noqa: E402
-from mingpt.snapshot import sharded  # noqa: E402
 from mingpt.cli import main  # noqa: E402
+from mingpt.snapshot import sharded  # noqa: E402
 
 RECORD_DIR = os.environ["FT_RECORD_DIR"]
 RANK = int(os.environ.get("RANK", 0))
@@ -34,17 +34,22 @@ _save = sharded.save
 
 
 def recording_train_step(self, indices):
-    _append("samples", f"{self.progress.epoch} {self.progress.step} " + " ".join(map(str, indices.tolist())))
+    _append(
+        "samples",
+        f"{self.progress.epoch} {self.progress.step} " + " ".join(map(str, indices.tolist())),
+    )
     return _train_step(self, indices)
 
 
 def recording_save(tensors, meta, root, step, *args, **kwargs):
-    _append("best-saves" if root.rstrip("/").endswith("-best") else "saves", str(step))  # the best weights apart
+    # the best weights apart
+    _append("best-saves" if root.rstrip("/").endswith("-best") else "saves", str(step))
     return _save(tensors, meta, root, step, *args, **kwargs)
 
 
 trainer.Trainer.train_step = recording_train_step
-sharded.save = recording_save  # ShardedFormat's saves (the run's snapshots and its best weights) call it
+# ShardedFormat's saves (the run's snapshots and its best weights) call it
+sharded.save = recording_save
 
 if __name__ == "__main__":
     os.makedirs(RECORD_DIR, exist_ok=True)

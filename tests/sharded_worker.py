@@ -36,8 +36,14 @@ VOCAB = "\n" + "".join(chr(c) for c in range(32, 96))  # 65 characters
 
 def meta_at(step: int) -> dict:
     """What the trainer keeps beside the tensors (the single-file format's other fields)."""
-    return {"gpt_config": dataclasses.asdict(CONFIG), "vocab": VOCAB, "epoch": 0, "samples_in_epoch": 8 * step,
-            "step": step, "world_size": dist.get_world_size()}
+    return {
+        "gpt_config": dataclasses.asdict(CONFIG),
+        "vocab": VOCAB,
+        "epoch": 0,
+        "samples_in_epoch": 8 * step,
+        "step": step,
+        "world_size": dist.get_world_size(),
+    }
 
 
 def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -61,7 +67,9 @@ def train_step(model, optimizer, step: int) -> None:
 
 def full_state(model, optimizer) -> dict:
     """Every rank takes part; rank 0 gets the whole model and optimizer state as plain CPU tensors."""
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    msd, osd = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return {"model": msd, "optim": osd}
 
 
@@ -80,7 +88,9 @@ def save(out: str, root: str) -> None:
         if step == 4:
             reference = full_state(model, optimizer)
         msd, osd = get_state_dict(model, optimizer)
-        handle = sharded.save({"model": msd, "optim": osd}, meta_at(step), root, step, keep=2, async_save=step > 1)
+        handle = sharded.save(
+            {"model": msd, "optim": osd}, meta_at(step), root, step, keep=2, async_save=step > 1
+        )
         if step > 1:
             report.setdefault("done_at_return", []).append(handle.done())
             if step == 4:  # training goes on while the write runs: the save holds its own copy
@@ -123,10 +133,14 @@ def load(out: str, root: str) -> None:
     msd, osd = get_state_dict(model, optimizer)
     tensors = {"model": msd, "optim": osd}
     meta = sharded.load(tensors, root)
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"]
+    )
     state = full_state(model, optimizer)
     if dist.get_rank() == 0:
-        torch.save({"state": state, "meta": meta}, os.path.join(out, f"load-{dist.get_world_size()}.pt"))
+        torch.save(
+            {"state": state, "meta": meta}, os.path.join(out, f"load-{dist.get_world_size()}.pt")
+        )
 
 
 def main() -> None:

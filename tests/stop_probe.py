@@ -85,7 +85,11 @@ if MOMENT == "race":
     def held_exit(status: int) -> None:
         exit_begun.set()
         deadline = time.monotonic() + 600
-        while not parked.is_set() and threading.main_thread().is_alive() and time.monotonic() < deadline:
+        while (
+            not parked.is_set()
+            and threading.main_thread().is_alive()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         real_exit(status)
 

@@ -10,8 +10,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import TINY, run_torchrun
+
 from mingpt.comm_hooks import CommHook
 from mingpt.snapshot import sharded
 from mingpt.snapshot.manager import all_finite
@@ -30,8 +30,15 @@ def trained(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def run_format(root: str, width: int) -> sharded.ShardedFormat:
     model, optimizer = trained(width)
-    return sharded.ShardedFormat(root, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), CommHook(),
-                                 keep=2, async_save=True)
+    return sharded.ShardedFormat(
+        root,
+        model,
+        optimizer,
+        torch.amp.GradScaler("cpu", enabled=False),
+        CommHook(),
+        keep=2,
+        async_save=True,
+    )
 
 
 META = {"gpt_config": {}, "vocab": "ab", "epoch": 0, "samples_in_epoch": 0}
@@ -59,44 +66,72 @@ def test_a_full_disk_in_the_background_is_raised_at_the_next_wait(small_disk):
     small, big = run_format(root, 8), run_format(root, 300)
     small.save({**META, "step": 1}, 1, lambda tensors: None)
     small.wait()
-    big.save({**META, "step": 2}, 2, lambda tensors: None)  # returns: the write goes on in the background
+    # returns: the write goes on in the background
+    big.save({**META, "step": 2}, 2, lambda tensors: None)
     with pytest.raises(StorageError) as failed:
         big.wait()
-    assert str(failed.value) == (f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
-                                 "device (rank 0); the previous snapshots are unchanged")
+    assert str(failed.value) == (
+        f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
+        "device (rank 0); the previous snapshots are unchanged"
+    )
     assert sharded.latest(root) == f"{root}/step-00000001" and sharded.read_meta(root)["step"] == 1
     assert sharded.wait_pending() is None  # given once
     small.save({**META, "step": 3}, 3, lambda tensors: None)  # the next save goes on
     small.wait()
     assert sharded.read_meta(root)["step"] == 3
-    assert sorted(p.name for p in (small_disk / "snapshots").iterdir()) == ["step-00000001", "step-00000003"]
+    assert sorted(p.name for p in (small_disk / "snapshots").iterdir()) == [
+        "step-00000001",
+        "step-00000003",
+    ]
 
 
-def test_a_failed_background_save_stops_every_rank_with_one_line(tmp_path, small_corpus, small_disk):
+def test_a_failed_background_save_stops_every_rank_with_one_line(
+    tmp_path, small_corpus, small_disk
+):
     """Two DDP ranks save at step 5 to a 256 KB tmpfs, too small for the tiny model's
     snapshot: the write fails in the background, and the next wait (the end of
     the run) stops both ranks with the same line and a non-zero exit."""
     root = small_disk / "snapshots"
-    args = [*TINY, "trainer_config.sample_chars=0", f"data_config.path={small_corpus}",
-            f"trainer_config.snapshot_path={root}", "trainer_config.save_every_steps=5",
-            "trainer_config.max_steps=8", "trainer_config.log_every=100"]
+    args = [
+        *TINY,
+        "trainer_config.sample_chars=0",
+        f"data_config.path={small_corpus}",
+        f"trainer_config.snapshot_path={root}",
+        "trainer_config.save_every_steps=5",
+        "trainer_config.max_steps=8",
+        "trainer_config.log_every=100",
+    ]
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    assert re.search(r"saved snapshot \S+ at step 5 in [\d.]+ s \(writing on in the background\)", proc.stderr)
+    assert re.search(
+        r"saved snapshot \S+ at step 5 in [\d.]+ s \(writing on in the background\)", proc.stderr
+    )
     # (Where the write fails at the file's close, DCP's report of it says where: `, at local.py:N in __exit__`.)
-    line = (rf"error: cannot save sharded snapshot {re.escape(str(root))}/step-00000005: (?:OSError: )?\[Errno 28\] "
-            r"No space left on device(?:, at \S+ in \S+)? \(rank [01]\); the previous snapshots are unchanged")
+    line = (
+        rf"error: cannot save sharded snapshot {re.escape(str(root))}/step-00000005: (?:OSError: )?\[Errno 28\] "
+        r"No space left on device(?:, at \S+ in \S+)? \(rank [01]\); the previous snapshots are unchanged"
+    )
     # Printed by each rank, or (torchrun may stop a rank once the other exited) in its summary.
     printed = re.findall(rf"^{line}$", proc.stderr, re.M)
     reported = re.findall(rf"^  traceback : ({line})$", proc.stderr, re.M)
-    assert len(set(printed + reported)) == 1 and max(len(printed), len(reported)) == 2, proc.stderr[-3000:]
+    assert len(set(printed + reported)) == 1 and max(len(printed), len(reported)) == 2, proc.stderr[
+        -3000:
+    ]
     assert sharded.latest(str(root)) is None
 
 
 def test_the_finiteness_check_before_a_save_is_exact():
     """A sum that overflows is not taken for a non-finite weight; a nan or an inf anywhere is found."""
     big = torch.full((4,), 3e38)  # finite, but its sum overflows float32
-    assert all_finite([torch.ones(3, dtype=torch.float16), big, torch.arange(3), torch.ones(0), torch.ones(2).double()])
+    assert all_finite(
+        [
+            torch.ones(3, dtype=torch.float16),
+            big,
+            torch.arange(3),
+            torch.ones(0),
+            torch.ones(2).double(),
+        ]
+    )
     for bad in (math.nan, math.inf, -math.inf):
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
             weights = torch.ones(1000, dtype=dtype)

@@ -14,16 +14,21 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun, tree_bytes
+from test_snapshot import make_trainer, same_tensors
+
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.snapshot import manager, sharded
 from mingpt.train import summary, train
-from test_snapshot import make_trainer, same_tensors
 
-BUMPY = ["trainer_config.eval_every=4", "trainer_config.eval_tokens=2048", "optimizer_config.learning_rate=0.03",
-         "optimizer_config.lr_schedule=constant", "optimizer_config.warmup_steps=0"]
+BUMPY = [
+    "trainer_config.eval_every=4",
+    "trainer_config.eval_tokens=2048",
+    "optimizer_config.learning_rate=0.03",
+    "optimizer_config.lr_schedule=constant",
+    "optimizer_config.warmup_steps=0",
+]
 
 
 def eval_losses(run_dir) -> dict[int, float]:
@@ -31,7 +36,9 @@ def eval_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["split"] == "eval"}
 
 
-def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypatch, caplog, one_thread):
+def test_best_weights_survive_a_stop_and_resume(
+    tmp_path, small_corpus, monkeypatch, caplog, one_thread
+):
     """The best file holds, bitwise, the weights of the evaluation with the lowest
     loss, written only when an evaluation improves; a run stopped after its best
     and resumed keeps that best (it is not replaced by a later, worse evaluation)."""
@@ -40,24 +47,39 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     evaluated = {}  # step -> the weights that evaluation saw
     record = reference.evaluator.record
     weights = lambda: {k: v.clone() for k, v in reference.raw_model.state_dict().items()}  # noqa: E731
-    monkeypatch.setattr(reference.evaluator, "record", lambda loss, finished: (
-        evaluated.__setitem__(reference.progress.step, weights()), record(loss, finished)))
+    monkeypatch.setattr(
+        reference.evaluator,
+        "record",
+        lambda loss, finished: (
+            evaluated.__setitem__(reference.progress.step, weights()),
+            record(loss, finished),
+        ),
+    )
     reference.train()
     losses = eval_losses(tmp_path / "ref")
     best_step = min(losses, key=losses.get)
-    assert best_step != max(losses), losses  # the test means something: the last evaluation is not the best
+    # the test means something: the last evaluation is not the best
+    assert best_step != max(losses), losses
     best = read_snapshot(tmp_path / "ref" / "snapshots-best")
-    assert best["best_step"] == best["step"] == best_step and best["best_eval_loss"] == losses[best_step]
+    assert (
+        best["best_step"] == best["step"] == best_step
+        and best["best_eval_loss"] == losses[best_step]
+    )
     assert same_tensors(best["model_state"], evaluated[best_step])
-    assert best["optimizer_state"] == {"state": {}, "param_groups": []}  # weights only: resume uses the latest
+    # weights only: resume uses the latest
+    assert best["optimizer_state"] == {"state": {}, "param_groups": []}
     latest = read_snapshot(tmp_path / "ref" / "snapshots")
-    assert latest["best_step"] == best_step and not same_tensors(latest["model_state"], best["model_state"])
+    assert latest["best_step"] == best_step and not same_tensors(
+        latest["model_state"], best["model_state"]
+    )
     assert f"best {losses[best_step]:.4f} at step {best_step} (" in summary(reference, losses[40])
 
     # Stopped by a signal after the best evaluation, before the last: the resumed run keeps the same best.
     stop_at = best_step + 2
     first = make_trainer(tmp_path / "resumed", small_corpus, *args)
-    monkeypatch.setattr(stopping, "stop_requested", lambda: signal.SIGTERM if first.progress.step >= stop_at else 0)
+    monkeypatch.setattr(
+        stopping, "stop_requested", lambda: signal.SIGTERM if first.progress.step >= stop_at else 0
+    )
     with pytest.raises(stopping.Stopped):
         first.train()
     monkeypatch.undo()
@@ -66,16 +88,23 @@ def test_best_weights_survive_a_stop_and_resume(tmp_path, small_corpus, monkeypa
     resumed = make_trainer(tmp_path / "resumed", small_corpus, *args)
     assert resumed.progress.step == stop_at and resumed.progress.best_step == best_step
     resumed.train()
-    assert resumed.progress.best_step == best_step and resumed.progress.best_eval_loss == losses[best_step]
+    assert (
+        resumed.progress.best_step == best_step
+        and resumed.progress.best_eval_loss == losses[best_step]
+    )
     assert not [r for r in caplog.records if r.getMessage().startswith("saved the best weights")]
     assert tree_bytes(tmp_path / "resumed" / "snapshots-best") == kept  # not rewritten
     again = read_snapshot(tmp_path / "resumed" / "snapshots-best")
     assert again["step"] == best_step and same_tensors(again["model_state"], evaluated[best_step])
 
 
-def test_an_evaluation_cut_by_a_stop_writes_no_best(tmp_path, small_corpus, monkeypatch, one_thread):
+def test_an_evaluation_cut_by_a_stop_writes_no_best(
+    tmp_path, small_corpus, monkeypatch, one_thread
+):
     trainer = make_trainer(tmp_path, small_corpus, *BUMPY, "trainer_config.max_steps=40")
-    monkeypatch.setattr(stopping, "stop_requested", lambda: signal.SIGTERM if trainer.progress.step >= 4 else 0)
+    monkeypatch.setattr(
+        stopping, "stop_requested", lambda: signal.SIGTERM if trainer.progress.step >= 4 else 0
+    )
     with pytest.raises(stopping.Stopped):
         trainer.train()
     assert trainer.progress.step == 4 and trainer.progress.best_step == 0
@@ -86,35 +115,55 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
     """No evaluation after the first lowers the loss by 10: with a patience of 2
     the run stops at the third evaluation, saves there, and counts as finished."""
     caplog.set_level(logging.INFO, logger="mingpt")
-    args = [*BUMPY, "trainer_config.max_steps=40", "trainer_config.early_stop_patience=2",
-            "trainer_config.early_stop_min_delta=10"]
+    args = [
+        *BUMPY,
+        "trainer_config.max_steps=40",
+        "trainer_config.early_stop_patience=2",
+        "trainer_config.early_stop_min_delta=10",
+    ]
     trainer = make_trainer(tmp_path, small_corpus, *args)
     trainer.train()
     assert trainer.progress.step == 12 and trainer.progress.stopped_early
-    assert "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss by at least 10" \
+    assert (
+        "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss by at least 10"
         in caplog.text
+    )
     saved = read_snapshot(tmp_path / "snapshots")
-    assert saved["step"] == 12 and saved["stopped_early"] and saved["evals_without_improvement"] == 2
+    assert (
+        saved["step"] == 12 and saved["stopped_early"] and saved["evals_without_improvement"] == 2
+    )
     assert sorted(eval_losses(tmp_path)) == [4, 8, 12]  # no second evaluation at the end
     caplog.clear()
     again = make_trainer(tmp_path, small_corpus, *args)
     train(again)
     assert again.progress.step == 12
     assert "run already complete at step 12, stopped early (best " in caplog.text
-    assert "add trainer_config.early_stop_patience=null trainer_config.allow_config_change=true" in caplog.text
+    assert (
+        "add trainer_config.early_stop_patience=null trainer_config.allow_config_change=true"
+        in caplog.text
+    )
     # A larger patience trains on from there (and would stop again after 5 evaluations without improvement).
-    more = make_trainer(tmp_path, small_corpus, *args, "trainer_config.early_stop_patience=5",
-                        "trainer_config.allow_config_change=true")
+    more = make_trainer(
+        tmp_path,
+        small_corpus,
+        *args,
+        "trainer_config.early_stop_patience=5",
+        "trainer_config.allow_config_change=true",
+    )
     more.train()
     assert more.progress.step == 24 and more.progress.stopped_early
 
 
 def test_early_stopping_keys_are_validated():
     assert TrainerConfig(early_stop_patience=3, early_stop_min_delta=0.01).early_stop_patience == 3
-    with pytest.raises(ConfigError, match="trainer_config.early_stop_patience: must be >= 1 or null, got 0"):
+    with pytest.raises(
+        ConfigError, match="trainer_config.early_stop_patience: must be >= 1 or null, got 0"
+    ):
         TrainerConfig(early_stop_patience=0)
     for bad in (-0.1, float("nan"), float("inf")):
-        with pytest.raises(ConfigError, match="trainer_config.early_stop_min_delta: must be a finite number >= 0"):
+        with pytest.raises(
+            ConfigError, match="trainer_config.early_stop_min_delta: must be a finite number >= 0"
+        ):
             TrainerConfig(early_stop_min_delta=bad)
 
 
@@ -127,35 +176,74 @@ def test_best_path_is_beside_the_snapshot():
 def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, small_corpus):
     """Through `python main.py`: exit status 0, the same command again finds the run
     complete; `python -m mingpt.generate` with the run directory samples the best weights."""
-    args = [*TINY, *BUMPY, f"data_config.path={small_corpus}", "trainer_config.max_steps=40",
-            "trainer_config.early_stop_patience=1", "trainer_config.early_stop_min_delta=10"]
+    args = [
+        *TINY,
+        *BUMPY,
+        f"data_config.path={small_corpus}",
+        "trainer_config.max_steps=40",
+        "trainer_config.early_stop_patience=1",
+        "trainer_config.early_stop_min_delta=10",
+    ]
     first = run_main(args, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "stopping early at step 8" in first.stderr
     run_dir = run_dir_of(tmp_path, args)
     closing = first.stderr.rstrip().splitlines()[-1]
-    assert "done at step 8 (stopped early): held-out loss" in closing and "best " in closing, closing
-    assert closing.endswith(f"sample from the best: python -m mingpt.generate snapshot_path="
-                            f"{(run_dir / 'snapshots-best').relative_to(tmp_path)}"), closing
+    assert "done at step 8 (stopped early): held-out loss" in closing and "best " in closing, (
+        closing
+    )
+    assert closing.endswith(
+        f"sample from the best: python -m mingpt.generate snapshot_path="
+        f"{(run_dir / 'snapshots-best').relative_to(tmp_path)}"
+    ), closing
     again = run_main(args, tmp_path)
-    assert again.returncode == 0 and "run already complete at step 8, stopped early" in again.stderr, again.stderr
+    assert (
+        again.returncode == 0 and "run already complete at step 8, stopped early" in again.stderr
+    ), again.stderr
     assert "train step" not in again.stderr
 
-    sampled = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={run_dir}", "max_new_tokens=5"],
-                             cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    sampled = subprocess.run(
+        [sys.executable, "-m", "mingpt.generate", f"snapshot_path={run_dir}", "max_new_tokens=5"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr
-    assert f"run directory {run_dir}: its best weights, {run_dir / 'snapshots-best'}" in sampled.stderr
+    assert (
+        f"run directory {run_dir}: its best weights, {run_dir / 'snapshots-best'}" in sampled.stderr
+    )
     assert f"{run_dir}: step 4," in sampled.stderr  # the first evaluation was the best
-    explicit = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={run_dir / 'snapshots'}",
-                               "max_new_tokens=5"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                              timeout=120)
-    assert explicit.returncode == 0 and f"{run_dir / 'snapshots'}: step 8," in explicit.stderr, explicit.stderr
+    explicit = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mingpt.generate",
+            f"snapshot_path={run_dir / 'snapshots'}",
+            "max_new_tokens=5",
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert explicit.returncode == 0 and f"{run_dir / 'snapshots'}: step 8," in explicit.stderr, (
+        explicit.stderr
+    )
 
 
 def test_fsdp_ranks_early_stop_together_and_keep_a_sharded_best(tmp_path, small_corpus):
-    args = [*TINY, *BUMPY, f"data_config.path={small_corpus}", "trainer_config.parallelism=fsdp",
-            "trainer_config.max_steps=40", "trainer_config.early_stop_patience=1",
-            "trainer_config.early_stop_min_delta=10"]
+    args = [
+        *TINY,
+        *BUMPY,
+        f"data_config.path={small_corpus}",
+        "trainer_config.parallelism=fsdp",
+        "trainer_config.max_steps=40",
+        "trainer_config.early_stop_patience=1",
+        "trainer_config.early_stop_min_delta=10",
+    ]
     result = run_torchrun(2, args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = run_dir_of(tmp_path, args)

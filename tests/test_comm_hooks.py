@@ -14,25 +14,35 @@ import shutil
 import subprocess
 
 import pytest
+import test_distributed
 import torch
 from conftest import REPO, TINY, child_env, fake_cuda_env, read_snapshot, run_dir_of, torchrun_cmd
 from omegaconf import OmegaConf
+from test_distributed import FAST, run_worker
 
 from mingpt.config import Config
 from mingpt.distributed import DistInfo
 from mingpt.train import build
-import test_distributed
-from test_distributed import FAST, run_worker
 
 CORPUS_CHARS = test_distributed.CORPUS_CHARS  # the corpus_file fixture reads it
 # A constant learning rate: a run cut short (max_steps) takes the same steps as a longer one.
-COMMON = [*FAST, "optimizer_config.lr_schedule=constant", "gpt_config.dropout=0.1", "trainer_config.batch_size=4"]
+COMMON = [
+    *FAST,
+    "optimizer_config.lr_schedule=constant",
+    "gpt_config.dropout=0.1",
+    "trainer_config.batch_size=4",
+]
 # LocalSGD from step 5 on (4 plain steps), averaging after steps 5, 9, 13, ..., 37 (every 4).
-LOCALSGD = ["trainer_config.ddp_comm_hook=post_local_sgd", "trainer_config.localsgd_start_step=4",
-            "trainer_config.localsgd_period=4"]
+LOCALSGD = [
+    "trainer_config.ddp_comm_hook=post_local_sgd",
+    "trainer_config.localsgd_start_step=4",
+    "trainer_config.localsgd_period=4",
+]
 POWERSGD_STEPS = 25
-POWERSGD = {hook: [f"trainer_config.ddp_comm_hook={hook}", "trainer_config.powersgd_start_step=2"]
-            for hook in ("powersgd", "batched_powersgd")}
+POWERSGD = {
+    hook: [f"trainer_config.ddp_comm_hook={hook}", "trainer_config.powersgd_start_step=2"]
+    for hook in ("powersgd", "batched_powersgd")
+}
 
 
 def job(name: str, *overrides: str) -> dict:
@@ -44,15 +54,27 @@ def runs(tmp_path_factory, corpus_file):
     tmp = tmp_path_factory.mktemp("hooks")
     resumed = tmp / "resumed"
     # The interrupted LocalSGD run saves and evaluates often; the reference never in between.
-    busy = ["trainer_config.save_every_steps=3", "trainer_config.eval_every=5", f"trainer_config.snapshot_path={resumed}"]
+    busy = [
+        "trainer_config.save_every_steps=3",
+        "trainer_config.eval_every=5",
+        f"trainer_config.snapshot_path={resumed}",
+    ]
     jobs = [
         job("ddp", "trainer_config.max_steps=40"),
         job("localsgd", *LOCALSGD, "trainer_config.max_steps=40"),
         job("localsgd_at_37", *LOCALSGD, "trainer_config.max_steps=37"),
         job("localsgd_to_38", *LOCALSGD, *busy, "trainer_config.max_steps=38"),  # mid-period
-        job("localsgd_from_38", *LOCALSGD, *busy, "trainer_config.max_steps=40",
-            "trainer_config.allow_config_change=true"),
-        *(job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}") for hook, keys in POWERSGD.items()),
+        job(
+            "localsgd_from_38",
+            *LOCALSGD,
+            *busy,
+            "trainer_config.max_steps=40",
+            "trainer_config.allow_config_change=true",
+        ),
+        *(
+            job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}")
+            for hook, keys in POWERSGD.items()
+        ),
     ]
     return tmp, run_worker(tmp, corpus_file, 2, jobs)
 
@@ -72,7 +94,9 @@ def last_eval(tmp, name: str) -> dict:
 
 def test_localsgd_replicas_are_equal_right_after_averaging_and_differ_between(runs):
     _, results = runs
-    at_37, at_38, at_40 = (states(results[name]) for name in ("localsgd_at_37", "localsgd_to_38", "localsgd"))
+    at_37, at_38, at_40 = (
+        states(results[name]) for name in ("localsgd_at_37", "localsgd_to_38", "localsgd")
+    )
     assert same(*at_37)  # step 37 averaged
     assert not same(*at_38) and not same(*at_40)  # one and three local steps later
     assert same(*states(results["ddp"]))
@@ -92,9 +116,13 @@ def test_localsgd_resumes_bitwise_and_saving_or_evaluating_changes_nothing(runs)
     own = hook["ranks"][0]["optimizer_state"]
     assert snapshot["optimizer_state"]["state"].keys() == own.keys()
     assert all(same(snapshot["optimizer_state"]["state"][k], own[k]) for k in own)
-    assert not all(same(own[k], hook["ranks"][1]["optimizer_state"][k]) for k in own)  # they do differ
+    # they do differ
+    assert not all(same(own[k], hook["ranks"][1]["optimizer_state"][k]) for k in own)
     # The snapshot's model is the replicas' mean.
-    mean = {k: (v + hook["ranks"][1]["model_state"][k]) / 2 for k, v in hook["ranks"][0]["model_state"].items()}
+    mean = {
+        k: (v + hook["ranks"][1]["model_state"][k]) / 2
+        for k, v in hook["ranks"][0]["model_state"].items()
+    }
     torch.testing.assert_close(snapshot["model_state"], mean, rtol=0, atol=1e-6)
 
 
@@ -102,7 +130,9 @@ def test_localsgd_evaluates_the_mean_and_converges_like_ddp(runs, corpus_file):
     tmp, _ = runs
     snapshot = read_snapshot(tmp / "resumed")
     overrides = [*TINY, *COMMON, f"data_config.path={corpus_file}"]
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
+    config = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
+    )
     one = build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp / "one"))
     one.raw_model.load_state_dict(snapshot["model_state"])
     logged = last_eval(tmp, "localsgd")
@@ -116,17 +146,26 @@ def test_localsgd_evaluates_the_mean_and_converges_like_ddp(runs, corpus_file):
 
 
 @pytest.mark.parametrize("name", ["localsgd", "powersgd"])
-def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(runs, corpus_file, tmp_path, caplog,
-                                                                              name):
+def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(
+    runs, corpus_file, tmp_path, caplog, name
+):
     """docs/training.md: resumed with another number of ranks, the hook's per-rank state starts
     afresh, with a warning; one process (which has no hook) included."""
     tmp, _ = runs
     snapshot = tmp_path / "snapshots"
     shutil.copytree(tmp / "world2" / name / "snapshots", snapshot)
     keys = LOCALSGD if name == "localsgd" else POWERSGD[name]
-    overrides = [*TINY, *COMMON, *keys, f"data_config.path={corpus_file}", f"trainer_config.snapshot_path={snapshot}",
-                 "trainer_config.allow_config_change=true"]
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides)))
+    overrides = [
+        *TINY,
+        *COMMON,
+        *keys,
+        f"data_config.path={corpus_file}",
+        f"trainer_config.snapshot_path={snapshot}",
+        "trainer_config.allow_config_change=true",
+    ]
+    config = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
+    )
     with caplog.at_level(logging.WARNING, logger="mingpt.comm_hooks"):
         trainer = build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path / "run"))
     step = trainer.progress.step
@@ -134,7 +173,8 @@ def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(run
     tail = " (the replicas' mean) and rank 0's optimizer state" if name == "localsgd" else ""
     assert [r.getMessage() for r in caplog.records if r.name == "mingpt.comm_hooks"] == [
         f"the snapshot's {hook} state is per rank, for 2 ranks; this run has 1 process (no comm hook): "
-        f"that state starts afresh at step {step}, from the snapshot's weights{tail}"]
+        f"that state starts afresh at step {step}, from the snapshot's weights{tail}"
+    ]
     assert step > 0
 
 
@@ -152,12 +192,15 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
     saved = {"name": "powersgd", "world_size": 4, "ranks": [{}] * 4}
     with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
         for rank in (0, 1):
-            hook = PowerSGD("powersgd", TrainerConfig(), DistInfo(rank, rank, 2, 2, torch.device("cpu")))
+            hook = PowerSGD(
+                "powersgd", TrainerConfig(), DistInfo(rank, rank, 2, 2, torch.device("cpu"))
+            )
             hook.start(FakeDDP(), saved, 7, None, None, None, lambda: None)
             assert registered[-1] is hook.state and hook.state.iter == 0  # compression starts over
     assert [r.getMessage() for r in caplog.records] == [
         "the snapshot's powersgd state is per rank, for 4 ranks; this run has 2 ranks with ddp_comm_hook=powersgd: "
-        "that state starts afresh at step 7, from the snapshot's weights"]
+        "that state starts afresh at step 7, from the snapshot's weights"
+    ]
 
 
 @pytest.mark.parametrize("hook", list(POWERSGD))
@@ -178,21 +221,39 @@ def test_sigkilled_compressed_run_resumes_bitwise(runs, corpus_file, tmp_path, h
     both; they resume from the save at step 10 (or 5) with each rank's error feedback and
     the warm-start P and Q, and end bitwise where the uninterrupted run ended."""
     _, results = runs
-    args = [*TINY, *COMMON, *POWERSGD[hook], f"data_config.path={corpus_file}", "trainer_config.save_every_steps=5",
-            f"trainer_config.max_steps={POWERSGD_STEPS}"]
-    env = {**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FT_KILL_RANK": "1", "FT_KILL_STEP": "13"}
-    cmd = torchrun_cmd(2, "--standalone", "--max-restarts=1") + [str(REPO / "tests" / "ft_kill.py"), *args]
+    args = [
+        *TINY,
+        *COMMON,
+        *POWERSGD[hook],
+        f"data_config.path={corpus_file}",
+        "trainer_config.save_every_steps=5",
+        f"trainer_config.max_steps={POWERSGD_STEPS}",
+    ]
+    env = {
+        **child_env(),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "FT_KILL_RANK": "1",
+        "FT_KILL_STEP": "13",
+    }
+    cmd = torchrun_cmd(2, "--standalone", "--max-restarts=1") + [
+        str(REPO / "tests" / "ft_kill.py"),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = run_dir_of(tmp_path, args)
     log = (run_dir / "train.log").read_text()
     assert "resumed from" in log and log.rstrip().count("resumed from") == 1, log[-3000:]
     # From the save at step 10, or at step 5 when 10's was still being written in the background.
-    assert "epoch 0, 80 samples into it, step 10" in log or "epoch 0, 40 samples into it, step 5" in log
+    assert (
+        "epoch 0, 80 samples into it, step 10" in log
+        or "epoch 0, 40 samples into it, step 5" in log
+    )
     snapshot = read_snapshot(run_dir / "snapshots")
     assert snapshot["step"] == POWERSGD_STEPS and snapshot["comm_hook"]["name"] == hook
     assert len(snapshot["comm_hook"]["ranks"][1]["error"]) >= 1  # error feedback was saved...
-    assert same(snapshot["model_state"], results[hook][0]["state"])  # ...and the run ended where it would have
+    # ...and the run ended where it would have
+    assert same(snapshot["model_state"], results[hook][0]["state"])
 
 
 def test_torch_fixes_change_nothing_in_torch(monkeypatch):
@@ -201,12 +262,27 @@ def test_torch_fixes_change_nothing_in_torch(monkeypatch):
 
     from mingpt import torch_fixes
 
-    originals = (powerSGD_hook._orthogonalize, powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook)
+    originals = (
+        powerSGD_hook._orthogonalize,
+        powerSGD_hook.powerSGD_hook,
+        powerSGD_hook.batched_powerSGD_hook,
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CPU job on a GPU host
-    plain, batched = torch_fixes.powersgd_hook(False, on_cuda=False), torch_fixes.powersgd_hook(True, on_cuda=False)
-    assert (powerSGD_hook._orthogonalize, powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook) == originals
-    assert plain.__globals__["torch"].cuda.is_available() is False and torch.cuda.is_available() is True
-    assert torch_fixes.powersgd_hook(False, on_cuda=True) is powerSGD_hook.powerSGD_hook  # nothing to fix on CUDA
+    plain, batched = (
+        torch_fixes.powersgd_hook(False, on_cuda=False),
+        torch_fixes.powersgd_hook(True, on_cuda=False),
+    )
+    assert (
+        powerSGD_hook._orthogonalize,
+        powerSGD_hook.powerSGD_hook,
+        powerSGD_hook.batched_powerSGD_hook,
+    ) == originals
+    assert (
+        plain.__globals__["torch"].cuda.is_available() is False
+        and torch.cuda.is_available() is True
+    )
+    # nothing to fix on CUDA
+    assert torch_fixes.powersgd_hook(False, on_cuda=True) is powerSGD_hook.powerSGD_hook
     matrix = torch.randn(6, 2)
     batched.__globals__["_orthogonalize"](matrix)  # 2-D, as the batched hook passes it: in place
     assert torch.allclose(matrix.T @ matrix, torch.eye(2), atol=1e-5)

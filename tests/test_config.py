@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from mingpt.config import OPERATIONAL_KEYS, Config, ConfigError
 from mingpt.cli import CONF_DIR
+from mingpt.config import OPERATIONAL_KEYS, Config, ConfigError
 from mingpt.rundir import config_tag
 
 
@@ -34,7 +34,11 @@ def test_the_dataclasses_are_the_defaults():
 
 
 def test_overrides_are_applied_and_typed():
-    cfg = config("trainer_config.max_epochs=5", "optimizer_config.learning_rate=1e-3", "data_config.truncate=0.5")
+    cfg = config(
+        "trainer_config.max_epochs=5",
+        "optimizer_config.learning_rate=1e-3",
+        "data_config.truncate=0.5",
+    )
     assert cfg.trainer_config.max_epochs == 5
     assert cfg.optimizer_config.learning_rate == 1e-3
     assert cfg.data_config.truncate == 0.5
@@ -50,7 +54,14 @@ def test_overrides_are_applied_and_typed():
         ("trainer_config.use_amp=maybe", "trainer_config.use_amp"),
         ("trainer_config.allow_config_change=maybe", "trainer_config.allow_config_change"),
     ],
-    ids=["unknown-key", "unknown-model-key", "str-for-int", "str-for-float", "str-for-bool", "str-for-allow"],
+    ids=[
+        "unknown-key",
+        "unknown-model-key",
+        "str-for-int",
+        "str-for-float",
+        "str-for-bool",
+        "str-for-allow",
+    ],
 )
 def test_unknown_keys_and_wrong_types_are_rejected(override, key):
     with pytest.raises(ConfigCompositionException) as e:
@@ -75,7 +86,10 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["optimizer_config.algorithm=sgd"], "optimizer_config.algorithm"),
         (["optimizer_config.muon_learning_rate=0"], "optimizer_config.muon_learning_rate"),
         (["optimizer_config.muon_momentum=1.0"], "optimizer_config.muon_momentum"),
-        (["optimizer_config=muon", "trainer_config.parallelism=fsdp"], "optimizer_config.algorithm"),
+        (
+            ["optimizer_config=muon", "trainer_config.parallelism=fsdp"],
+            "optimizer_config.algorithm",
+        ),
         (["trainer_config.device=tpu"], "trainer_config.device"),
         (["trainer_config.amp_dtype=fp8"], "trainer_config.amp_dtype"),
         (["trainer_config.ddp_comm_hook=int8"], "trainer_config.ddp_comm_hook"),
@@ -87,9 +101,18 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["trainer_config.localsgd_start_step=-1"], "trainer_config.localsgd_start_step"),
         (["trainer_config.localsgd_group=world"], "trainer_config.localsgd_group"),
         (["trainer_config.parallelism=zero3"], "trainer_config.parallelism"),
-        (["trainer_config.parallelism=fsdp", "trainer_config.ddp_comm_hook=powersgd"], "trainer_config.ddp_comm_hook"),
-        (["trainer_config.parallelism=fsdp", "trainer_config.use_amp=true", "trainer_config.amp_dtype=fp16"],
-         "trainer_config.amp_dtype"),
+        (
+            ["trainer_config.parallelism=fsdp", "trainer_config.ddp_comm_hook=powersgd"],
+            "trainer_config.ddp_comm_hook",
+        ),
+        (
+            [
+                "trainer_config.parallelism=fsdp",
+                "trainer_config.use_amp=true",
+                "trainer_config.amp_dtype=fp16",
+            ],
+            "trainer_config.amp_dtype",
+        ),
     ],
 )
 def test_invalid_values_raise_config_error_naming_the_key(overrides, key):
@@ -154,13 +177,18 @@ def test_experiment_can_be_overridden_on_the_command_line():
 
 
 @pytest.mark.parametrize("order", ["experiment-first", "model-first"])
-@pytest.mark.parametrize("experiment, dropout, block_size", [("ddp-tutorial", 0.1, 128), ("gpu-quick", 0.2, 256)])
-def test_a_model_preset_on_the_command_line_wins_over_the_experiments(order, experiment, dropout, block_size):
+@pytest.mark.parametrize(
+    "experiment, dropout, block_size", [("ddp-tutorial", 0.1, 128), ("gpu-quick", 0.2, 256)]
+)
+def test_a_model_preset_on_the_command_line_wins_over_the_experiments(
+    order, experiment, dropout, block_size
+):
     overrides = [f"experiment={experiment}", "gpt_config=gpt-nano"]
     cfg = config(*(overrides if order == "experiment-first" else reversed(overrides)))
     g = cfg.gpt_config
     assert (g.n_layer, g.n_head, g.n_embd) == (3, 3, 48)  # the chosen model...
-    assert g.dropout == dropout and cfg.data_config.block_size == block_size  # ...in the rest of the recipe
+    # ...in the rest of the recipe
+    assert g.dropout == dropout and cfg.data_config.block_size == block_size
 
 
 def run_dir(*overrides: str) -> str:
@@ -188,7 +216,9 @@ def test_another_result_affecting_config_gets_its_own_run_directory():
     }
     assert changed["lr"] == "runs/default-learning_rate=0.001-" + changed["lr"][-8:]
     assert changed["epochs"] == "runs/default-max_epochs=5-" + changed["epochs"][-8:]
-    assert changed["preset"] == "runs/default-n_embd=192,n_head=6,n_layer=6-" + changed["preset"][-8:]
+    assert (
+        changed["preset"] == "runs/default-n_embd=192,n_head=6,n_layer=6-" + changed["preset"][-8:]
+    )
     assert changed["data"] == "runs/default-path=other.txt-" + changed["data"][-8:]
     assert all(re.fullmatch(r"[0-9a-f]{8}", d[-8:]) for d in changed.values())
     # An experiment changes too many values to read: the hash alone.
@@ -197,14 +227,23 @@ def test_another_result_affecting_config_gets_its_own_run_directory():
     assert len(set(changed.values())) == len(changed)
     # The same values however they are written, in any order: the same directory.
     assert run_dir("optimizer_config.learning_rate=0.001") == changed["lr"]
-    assert run_dir("gpt_config.n_layer=6", "gpt_config.n_head=6", "gpt_config.n_embd=192") == changed["preset"]
+    assert (
+        run_dir("gpt_config.n_layer=6", "gpt_config.n_head=6", "gpt_config.n_embd=192")
+        == changed["preset"]
+    )
     both = run_dir("trainer_config.max_epochs=5", "optimizer_config.learning_rate=1e-3")
     assert both == run_dir("optimizer_config.learning_rate=1e-3", "trainer_config.max_epochs=5")
-    assert run_dir("trainer_config.run_name=x", "trainer_config.max_epochs=5") == "runs/x" + changed["epochs"][12:]
+    assert (
+        run_dir("trainer_config.run_name=x", "trainer_config.max_epochs=5")
+        == "runs/x" + changed["epochs"][12:]
+    )
 
 
 def test_the_run_directory_names_the_changed_values_readably_and_safely():
-    lr, epochs = run_dir("optimizer_config.learning_rate=1e-3"), run_dir("trainer_config.max_epochs=5")
+    lr, epochs = (
+        run_dir("optimizer_config.learning_rate=1e-3"),
+        run_dir("trainer_config.max_epochs=5"),
+    )
     both = run_dir("trainer_config.max_epochs=5", "optimizer_config.learning_rate=1e-3")
     # Sorted by key, whatever the order on the command line; the hash of all values last.
     assert re.fullmatch(r"runs/default-learning_rate=0\.001,max_epochs=5-[0-9a-f]{8}", both)
@@ -216,23 +255,36 @@ def test_the_run_directory_names_the_changed_values_readably_and_safely():
     assert "-path=_data_a_b.txt-" in name and name.count("/") == 1  # only runs/
     # A long list of changes (over LABEL_MAX_CHARS): the hash alone.
     many = [f"trainer_config.{k}=3" for k in ("max_epochs", "batch_size", "grad_accum_steps")] + [
-        "optimizer_config.learning_rate=0.0005", "optimizer_config.warmup_steps=7", "gpt_config.n_layer=3",
-        "optimizer_config.min_lr_ratio=0.5"]
+        "optimizer_config.learning_rate=0.0005",
+        "optimizer_config.warmup_steps=7",
+        "gpt_config.n_layer=3",
+        "optimizer_config.min_lr_ratio=0.5",
+    ]
     assert re.fullmatch(r"runs/default-[0-9a-f]{8}", run_dir(*many))
     # A sweep's jobs are named the same way, after their number.
     cfg = composed("optimizer_config.learning_rate=1e-3", hydra_config=True)
     job = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"]
     assert job == "${hydra.job.num}-${mingpt.config_tag:}"
-    sections = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in Config.__dataclass_fields__}
+    sections = {
+        name: OmegaConf.to_container(cfg[name], resolve=True)
+        for name in Config.__dataclass_fields__
+    }
     assert config_tag(sections) == lr.removeprefix("runs/default-")
 
 
 @pytest.mark.parametrize("key", sorted(OPERATIONAL_KEYS - {"trainer_config.run_name"}))
 def test_operational_keys_keep_the_run_directory(key):
     field = key.split(".")[1]
-    value = {"device": "cpu", "snapshot_path": "/tmp/s.pt", "compile": "true", "allow_config_change": "true",
-             "async_save": "false", "stop_signals": "[SIGTERM]", "placement": "host",
-             "activation_checkpointing": "true"}.get(field, "7")
+    value = {
+        "device": "cpu",
+        "snapshot_path": "/tmp/s.pt",
+        "compile": "true",
+        "allow_config_change": "true",
+        "async_save": "false",
+        "stop_signals": "[SIGTERM]",
+        "placement": "host",
+        "activation_checkpointing": "true",
+    }.get(field, "7")
     assert run_dir(f"{key}={value}") == "runs/default"
 
 
@@ -240,25 +292,62 @@ def test_operational_keys_keep_the_run_directory(key):
 # mingpt/config.py or added here: a key that neither lists fails the test below.
 RESULT_AFFECTING = {
     "gpt_config": {"n_layer", "n_head", "n_embd", "dropout", "vocab_size", "block_size"},
-    "optimizer_config": {"learning_rate", "weight_decay", "betas", "eps", "lr_schedule", "warmup_steps",
-                         "min_lr_ratio", "algorithm", "muon_learning_rate", "muon_momentum"},
+    "optimizer_config": {
+        "learning_rate",
+        "weight_decay",
+        "betas",
+        "eps",
+        "lr_schedule",
+        "warmup_steps",
+        "min_lr_ratio",
+        "algorithm",
+        "muon_learning_rate",
+        "muon_momentum",
+    },
     "data_config": {"path", "block_size", "train_split", "truncate", "stride"},
-    "trainer_config": {"max_epochs", "max_steps", "batch_size", "grad_accum_steps", "grad_norm_clip", "seed",
-                       "eval_tokens", "use_amp", "amp_dtype", "amp_on_cpu", "parallelism", "ddp_comm_hook",
-                       "powersgd_rank", "powersgd_start_step", "localsgd_start_step", "localsgd_period",
-                       "localsgd_group", "early_stop_patience", "early_stop_min_delta", "init_from"},
+    "trainer_config": {
+        "max_epochs",
+        "max_steps",
+        "batch_size",
+        "grad_accum_steps",
+        "grad_norm_clip",
+        "seed",
+        "eval_tokens",
+        "use_amp",
+        "amp_dtype",
+        "amp_on_cpu",
+        "parallelism",
+        "ddp_comm_hook",
+        "powersgd_rank",
+        "powersgd_start_step",
+        "localsgd_start_step",
+        "localsgd_period",
+        "localsgd_group",
+        "early_stop_patience",
+        "early_stop_min_delta",
+        "init_from",
+    },
 }
 
 
 def test_every_field_is_classified_as_operational_or_result_affecting():
     result = {f"{section}.{key}" for section, keys in RESULT_AFFECTING.items() for key in keys}
-    every = {f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
-             for f in dataclasses.fields(section.default_factory)}
+    every = {
+        f"{section.name}.{f.name}"
+        for section in dataclasses.fields(Config)
+        for f in dataclasses.fields(section.default_factory)
+    }
     assert not OPERATIONAL_KEYS & result
-    assert every == OPERATIONAL_KEYS | result, f"not classified: {sorted(every - OPERATIONAL_KEYS - result)}"
+    assert every == OPERATIONAL_KEYS | result, (
+        f"not classified: {sorted(every - OPERATIONAL_KEYS - result)}"
+    )
     # Found drifting from the hand-kept list (issue 21): none changes what a run computes.
-    assert {"trainer_config.save_every_minutes", "trainer_config.stop_signals", "data_config.placement",
-            "data_config.cache_dir"} <= OPERATIONAL_KEYS
+    assert {
+        "trainer_config.save_every_minutes",
+        "trainer_config.stop_signals",
+        "data_config.placement",
+        "data_config.cache_dir",
+    } <= OPERATIONAL_KEYS
 
 
 def test_readme_commands_each_get_their_own_run_directory():
@@ -267,8 +356,13 @@ def test_readme_commands_each_get_their_own_run_directory():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     lines = re.findall(r"^(?:.*&& )?python main\.py(.*)$", readme, re.M)
     commands = [shlex.split(line.split("#")[0]) for line in lines]
-    runs = [args for args in commands if not {"-m", "--cfg"} & set(args)
-            and not any(arg.startswith("hydra.run.dir=") for arg in args)]  # those name an existing run
+    runs = [
+        args
+        for args in commands
+        if not {"-m", "--cfg"} & set(args)
+        # those name an existing run
+        and not any(arg.startswith("hydra.run.dir=") for arg in args)
+    ]
     assert runs[0] == [] and run_dir() == "runs/default" and "`runs/default`" in readme
     dirs = [run_dir(*args) for args in runs]
     assert len(runs) >= 4 and len(set(dirs)) == len(dirs), list(zip(runs, dirs))
@@ -278,9 +372,14 @@ def test_every_config_folder_is_a_declared_package_with_its_yaml_files():
     """pip/setuptools warn for each folder of conf/ that pyproject.toml leaves out
     of `packages`, and a non-editable install needs their YAML files."""
     tomllib = pytest.importorskip("tomllib")
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"][
+        "setuptools"
+    ]
     assert setuptools["package-dir"] == {"mingpt.conf": "conf"}
-    folders = {"mingpt.conf"} | {f"mingpt.conf.{p.name}" for p in (REPO / "conf").iterdir()
-                                 if p.is_dir() and p.name != "__pycache__"}
+    folders = {"mingpt.conf"} | {
+        f"mingpt.conf.{p.name}"
+        for p in (REPO / "conf").iterdir()
+        if p.is_dir() and p.name != "__pycache__"
+    }
     assert folders <= set(setuptools["packages"])
     assert all(setuptools["package-data"][name] == ["*.yaml"] for name in folders)

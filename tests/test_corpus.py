@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
+from conftest import TINY, run_main
 from omegaconf import OmegaConf
 
-from conftest import TINY, run_main
 from mingpt.config import Config, DataConfig
 from mingpt.data import DataError, HostBatches, TokenWindows, load_data, spread
 from mingpt.distributed import DistInfo
@@ -92,12 +92,17 @@ def test_several_files_form_one_corpus_split_per_file(tmp_path):
     texts = {"a.txt": "abc " * 300, "b.txt": "xyz!" * 200, "c.txt": "ab\n" * 150}
     for name, text in texts.items():
         (tmp_path / "d" / name).write_text(text, encoding="utf-8")
-    cfg_glob = DataConfig(path=str(tmp_path / "d" / "*.txt"), block_size=8, stride=3, train_split=0.8)
+    cfg_glob = DataConfig(
+        path=str(tmp_path / "d" / "*.txt"), block_size=8, stride=3, train_split=0.8
+    )
     data = load_data(cfg_glob)
     assert data.tokenizer.chars == "".join(sorted(set("".join(texts.values()))))
-    assert [os.path.basename(s) for s, _ in data.files] == ["a.txt", "b.txt", "c.txt"]  # glob: sorted
+    # glob: sorted
+    assert [os.path.basename(s) for s, _ in data.files] == ["a.txt", "b.txt", "c.txt"]
     bounds, offset = [], 0
-    for (name, text), train, heldout in zip(texts.items(), data.train.segments, data.heldout.segments):
+    for (name, text), train, heldout in zip(
+        texts.items(), data.train.segments, data.heldout.segments
+    ):
         n_train = int(len(text) * 0.8)
         assert text_of(data, train) == text[:n_train] and text_of(data, heldout) == text[n_train:]
         bounds.append((offset, offset + len(text)))
@@ -105,16 +110,27 @@ def test_several_files_form_one_corpus_split_per_file(tmp_path):
     for windows in (data.train, data.heldout):
         for start in windows.starts(range(len(windows))).tolist():
             end = start + windows.block_size + 1
-            assert any(lo <= start and end <= hi for lo, hi in bounds), (start, end)  # inside one file
-    train_pos = {p for s in data.train.starts(range(len(data.train))).tolist() for p in range(s, s + 9)}
-    heldout_pos = {p for s in data.heldout.starts(range(len(data.heldout))).tolist() for p in range(s, s + 9)}
+            # inside one file
+            assert any(lo <= start and end <= hi for lo, hi in bounds), (start, end)
+    train_pos = {
+        p for s in data.train.starts(range(len(data.train))).tolist() for p in range(s, s + 9)
+    }
+    heldout_pos = {
+        p for s in data.heldout.starts(range(len(data.heldout))).tolist() for p in range(s, s + 9)
+    }
     assert not train_pos & heldout_pos
     assert len(data.train) == sum((int(len(t) * 0.8) - 9) // 3 + 1 for t in texts.values())
     x, y = data.train.batch(torch.arange(len(data.train)))
     assert torch.equal(x[:, 1:], y[:, :-1])
     # A list of files (a glob among them) gives the same corpus, in the order given.
-    listed = load_data(DataConfig(path=[str(tmp_path / "d" / "b.txt"), str(tmp_path / "d" / "[ac].txt")],
-                                  block_size=8, stride=3, train_split=0.8))
+    listed = load_data(
+        DataConfig(
+            path=[str(tmp_path / "d" / "b.txt"), str(tmp_path / "d" / "[ac].txt")],
+            block_size=8,
+            stride=3,
+            train_split=0.8,
+        )
+    )
     assert [os.path.basename(s) for s, _ in listed.files] == ["b.txt", "a.txt", "c.txt"]
 
 
@@ -134,7 +150,9 @@ def test_wide_vocabulary_and_byte_order_mark(tmp_path):
 def test_unusable_corpora_are_refused_in_one_line(tmp_path):
     one = tmp_path / "one.txt"
     one.write_text("a" * 500, encoding="utf-8")
-    with pytest.raises(DataError, match=r"one.txt: the corpus has a single distinct character \('a'\)"):
+    with pytest.raises(
+        DataError, match=r"one.txt: the corpus has a single distinct character \('a'\)"
+    ):
         load_data(DataConfig(path=str(one), block_size=8))
     with pytest.raises(DataError, match=r"^data file is not a regular file: /dev/zero is a device"):
         load_data(DataConfig(path="/dev/zero", block_size=8))
@@ -153,7 +171,9 @@ def test_fifo_corpus_exits_promptly_with_one_line(tmp_path):
     proc = run_main([*TINY, f"data_config.path={fifo}"], tmp_path, timeout=120)  # a hang fails here
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: data file is not a regular file: {fifo} is a FIFO"], proc.stderr[-3000:]
+    assert errors == [f"error: data file is not a regular file: {fifo} is a FIFO"], proc.stderr[
+        -3000:
+    ]
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - start < 120
 
@@ -195,10 +215,15 @@ def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path):
     window gathered through the map makes about 1 MB of page cache resident
     on this kernel, so RSS grew with every window sampled)."""
     gen = torch.Generator().manual_seed(0)
-    texts = ["".join(chr(0x4E00 + int(c)) for c in torch.randint(0, 300, (n,), generator=gen)) for n in (3001, 2203)]
+    texts = [
+        "".join(chr(0x4E00 + int(c)) for c in torch.randint(0, 300, (n,), generator=gen))
+        for n in (3001, 2203)
+    ]
     for k, text in enumerate(texts):
         (tmp_path / f"{k}.txt").write_text(text, encoding="utf-8")
-    data = load_data(DataConfig(path=str(tmp_path / "*.txt"), block_size=16, stride=3, cache_dir=str(tmp_path)))
+    data = load_data(
+        DataConfig(path=str(tmp_path / "*.txt"), block_size=16, stride=3, cache_dir=str(tmp_path))
+    )
     assert data.train.tokens.dtype == torch.int16
     expected = torch.cat([data.tokenizer.encode(text) for text in texts])  # not read from the cache
     train, heldout = data.place(torch.device("cpu"))
@@ -245,20 +270,33 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
     for k, (lo, hi) in enumerate(((0, 1800), (1800, 3000))):
         paths.append(str(tmp_path / f"part{k}.txt"))
         (tmp_path / f"part{k}.txt").write_text(text[lo:hi], encoding="utf-8")
-    common = ["data_config.placement=host", "gpt_config.dropout=0.1", "trainer_config.max_epochs=1",
-              "trainer_config.batch_size=4", "trainer_config.grad_accum_steps=2", "trainer_config.eval_tokens=160",
-              "optimizer_config.lr_schedule=constant", "optimizer_config.warmup_steps=2"]
+    common = [
+        "data_config.placement=host",
+        "gpt_config.dropout=0.1",
+        "trainer_config.max_epochs=1",
+        "trainer_config.batch_size=4",
+        "trainer_config.grad_accum_steps=2",
+        "trainer_config.eval_tokens=160",
+        "optimizer_config.lr_schedule=constant",
+        "optimizer_config.warmup_steps=2",
+    ]
     reference = make_trainer(tmp_path / "ref", paths, *common)
     assert isinstance(reference.train_windows, HostBatches)
     reference.train()
     make_trainer(tmp_path / "resumed", paths, *common, "trainer_config.max_steps=7").train()
-    resumed = make_trainer(tmp_path / "resumed", paths, *common, "trainer_config.allow_config_change=true")
-    assert resumed.progress.step == 7 and 0 < resumed.progress.samples_in_epoch < len(resumed.data.train)
+    resumed = make_trainer(
+        tmp_path / "resumed", paths, *common, "trainer_config.allow_config_change=true"
+    )
+    assert resumed.progress.step == 7 and 0 < resumed.progress.samples_in_epoch < len(
+        resumed.data.train
+    )
     resumed.train()
     assert resumed.progress.step == reference.progress.step > 7
     for key, value in reference.raw_model.state_dict().items():
         assert torch.equal(value, resumed.raw_model.state_dict()[key]), key
-    records = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+    ]
     final = [r for r in records if r["split"] == "eval"][-1]
     assert final["tokens"] == 160
     assert final["bpc"] == pytest.approx(final["loss"] / math.log(2), rel=1e-12)
@@ -274,9 +312,14 @@ def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
         cfg = DataConfig(path=str(corpus / "*"), block_size=8, stride=8, cache_dir=cache_dir)
         first = load_data(cfg)
         [cache] = cache_files(corpus if cache_dir else corpus / ".mingpt-cache")
-        (cache.parent / f"{cache.name}.tmp-1-otherhost-0123abcd").write_bytes(b"\xff")  # another node's build
+        # another node's build
+        (cache.parent / f"{cache.name}.tmp-1-otherhost-0123abcd").write_bytes(b"\xff")
         second = load_data(cfg)
-        assert [f for f, _ in second.cache.files] == [f for f, _ in first.cache.files] == [str(corpus / "a.txt")]
+        assert (
+            [f for f, _ in second.cache.files]
+            == [f for f, _ in first.cache.files]
+            == [str(corpus / "a.txt")]
+        )
         assert second.tokenizer.chars == "abcdefgh"
 
 
@@ -288,6 +331,7 @@ def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path)
     import sys
 
     from conftest import REPO, child_env
+
     from mingpt.data import cache_location
 
     corpus = tmp_path / "c.txt"
@@ -295,9 +339,13 @@ def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path)
     cfg = DataConfig(path=str(corpus), block_size=8, stride=8, cache_dir=str(tmp_path / "cache"))
     _, path = cache_location(cfg)
     os.makedirs(tmp_path / "cache")
-    stopped = ("import os, sys\nfrom mingpt import storage\n"
-               "with storage.atomic_open(sys.argv[1]) as f:\n    f.write(b'half')\n    os._exit(130)\n")
-    subprocess.run([sys.executable, "-c", stopped, path], cwd=REPO, env=child_env(), check=False, timeout=120)
+    stopped = (
+        "import os, sys\nfrom mingpt import storage\n"
+        "with storage.atomic_open(sys.argv[1]) as f:\n    f.write(b'half')\n    os._exit(130)\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", stopped, path], cwd=REPO, env=child_env(), check=False, timeout=120
+    )
     [dead] = [p for p in (tmp_path / "cache").iterdir()]
     assert dead.name.startswith(os.path.basename(path) + ".tmp-"), dead.name
     live = f"{path}.tmp-{os.getpid()}-{socket.gethostname()}-0123abcd"
@@ -306,18 +354,25 @@ def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path)
         open(name, "wb").close()
     data = load_data(cfg)
     assert data.tokenizer.chars == "abcdefgh"
-    assert sorted(os.listdir(tmp_path / "cache")) == sorted(os.path.basename(p) for p in (path, live, elsewhere))
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
+        os.path.basename(p) for p in (path, live, elsewhere)
+    )
 
 
-def test_a_glob_that_gains_a_character_is_refused_naming_the_corpus_change(tmp_path, corpus, one_thread):
+def test_a_glob_that_gains_a_character_is_refused_naming_the_corpus_change(
+    tmp_path, corpus, one_thread
+):
     """A new file with a new character changes the vocabulary: the refusal names the
     corpus change, not only the model's vocabulary size."""
     (tmp_path / "texts").mkdir()
-    (tmp_path / "texts" / "a.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    (tmp_path / "texts" / "a.txt").write_text(
+        corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8"
+    )
     pattern = str(tmp_path / "texts" / "*.txt")
     run = ("trainer_config.async_save=false", "trainer_config.max_steps=2")
     make_trainer(tmp_path / "run", pattern, *run).train()
-    (tmp_path / "texts" / "b.txt").write_text("\u00a7" * 2_000, encoding="utf-8")  # a character a.txt lacks
+    # a character a.txt lacks
+    (tmp_path / "texts" / "b.txt").write_text("\u00a7" * 2_000, encoding="utf-8")
     with pytest.raises(SnapshotError) as refused:
         make_trainer(tmp_path / "run", pattern, *run)
     message = str(refused.value)

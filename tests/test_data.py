@@ -65,12 +65,16 @@ def test_split_is_contiguous_and_disjoint(small_corpus):
 
 def test_truncate_keeps_the_leading_fraction(small_corpus):
     text = small_corpus.read_text(encoding="utf-8")
-    data = load_data(DataConfig(path=str(small_corpus), block_size=8, train_split=0.5, truncate=0.25, stride=8))
+    data = load_data(
+        DataConfig(path=str(small_corpus), block_size=8, train_split=0.5, truncate=0.25, stride=8)
+    )
     kept = text[: int(len(text) * 0.25)]
     assert len(data.train.tokens) == len(kept)
     assert data.tokenizer.chars == "".join(sorted(set(kept)))
     start, length = data.heldout.segments[0]
-    assert data.tokenizer.decode(data.heldout.tokens[start : start + length]) == kept[len(kept) // 2 :]
+    assert (
+        data.tokenizer.decode(data.heldout.tokens[start : start + length]) == kept[len(kept) // 2 :]
+    )
 
 
 def test_batch_targets_are_inputs_shifted_by_one():
@@ -114,11 +118,15 @@ def test_an_unreachable_url_says_why(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/x.txt"
-    with pytest.raises(DataError, match=rf"^cannot fetch data file {url}: Cannot connect to host 127.0.0.1:{port}"):
+    with pytest.raises(
+        DataError, match=rf"^cannot fetch data file {url}: Cannot connect to host 127.0.0.1:{port}"
+    ):
         load_data(DataConfig(path=url, block_size=8, cache_dir=str(tmp_path)))
 
 
-def consumed_and_rest(n: int, world: int, start: int, epoch: int = 3) -> tuple[list[int], list[list[int]]]:
+def consumed_and_rest(
+    n: int, world: int, start: int, epoch: int = 3
+) -> tuple[list[int], list[list[int]]]:
     """The epoch's global order from index 0, and each rank's share after `start`."""
     full = ResumableSampler(n, 1, 0, shuffle=True, seed=7)
     full.set_epoch(epoch)
@@ -148,12 +156,14 @@ def test_sampler_resumes_exactly(world, start):
     take exactly the rest of the epoch, in order, plus padding to a multiple of the world size."""
     n = 23
     order, shares = consumed_and_rest(n, world, start)
-    merged = [shares[r][k] for k in range(len(shares[0])) for r in range(world)]  # rank r takes r, r+W, ...
+    # rank r takes r, r+W, ...
+    merged = [shares[r][k] for k in range(len(shares[0])) for r in range(world)]
     rest = n - start
     assert merged[:rest] == order[start:]
     assert sorted(order[:start] + merged[:rest]) == list(range(n))  # no duplicate, none missing
     assert len(merged) - rest == (-rest) % world  # the remainder is padding only
-    assert merged[rest:] == order[: len(merged) - rest]  # the epoch's first entries, as DistributedSampler pads
+    # the epoch's first entries, as DistributedSampler pads
+    assert merged[rest:] == order[: len(merged) - rest]
     assert all(len(share) == -(-rest // world) for share in shares)
 
 

@@ -13,7 +13,17 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, free_port, read_snapshot, run_dir_of, run_torchrun, torchrun_cmd
+from conftest import (
+    REPO,
+    TINY,
+    child_env,
+    free_port,
+    read_snapshot,
+    run_dir_of,
+    run_torchrun,
+    torchrun_cmd,
+)
+
 from mingpt.snapshot import sharded
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
@@ -25,8 +35,13 @@ HELDOUT_TOKENS = 125 * 16
 # so a run that saw other samples ends far from the reference. Adam's eps is
 # raised so that parameters whose gradient is only rounding noise (the key
 # biases: softmax ignores them) do not turn that noise into lr-sized steps.
-FAST = ["optimizer_config.warmup_steps=0", "optimizer_config.learning_rate=1e-2",
-        "optimizer_config.eps=1e-6", "trainer_config.sample_chars=0", "trainer_config.max_steps=6"]
+FAST = [
+    "optimizer_config.warmup_steps=0",
+    "optimizer_config.learning_rate=1e-2",
+    "optimizer_config.eps=1e-6",
+    "trainer_config.sample_chars=0",
+    "trainer_config.max_steps=6",
+]
 
 
 # Evaluation capped at 50 of the 125 held-out windows (800 tokens).
@@ -44,10 +59,17 @@ def run_worker(tmp_path, corpus_file, nproc: int, jobs: list[dict], env=None) ->
     jobs = [{**j, "overrides": [*j["overrides"], f"data_config.path={corpus_file}"]} for j in jobs]
     out = tmp_path / f"world{nproc}"
     launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
-    proc = subprocess.run([*launcher, WORKER, str(out), json.dumps(jobs)], env=env or child_env(),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [*launcher, WORKER, str(out), json.dumps(jobs)],
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {j["name"]: [torch.load(out / j["name"] / f"rank{r}.pt") for r in range(nproc)] for j in jobs}
+    return {
+        j["name"]: [torch.load(out / j["name"] / f"rank{r}.pt") for r in range(nproc)] for j in jobs
+    }
 
 
 def first_eval(tmp_path, nproc: int, name: str) -> dict:
@@ -61,26 +83,51 @@ def runs(tmp_path_factory, corpus_file):
     The global batch is 8 samples per step in every training job."""
     tmp = tmp_path_factory.mktemp("runs")
     results = {
-        1: run_worker(tmp, corpus_file, 1, [
-            job("batch8", "trainer_config.batch_size=8"),
-            job("accum4x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=4"),
-            job("capped", CAPPED, train=False),
-        ]),
-        2: run_worker(tmp, corpus_file, 2, [
-            job("batch4", "trainer_config.batch_size=4"),
-            job("accum2x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=2"),
-            job("fp16", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=fp16"),
-            job("powersgd", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=powersgd",
-                "trainer_config.powersgd_start_step=2"),
-            job("capped", CAPPED, train=False),
-            job("fsdp", "trainer_config.batch_size=4", FSDP),
-            job("fsdp_accum2x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=2", FSDP),
-        ]),
-        3: run_worker(tmp, corpus_file, 3, [
-            job("eval", train=False), job("capped", CAPPED, train=False),
-            # 50 windows in chunks of 16: 17, 17 and 16 per rank, so 2, 2 and 1 chunks.
-            job("fsdp_capped", CAPPED, "trainer_config.batch_size=4", FSDP, train=False),
-        ]),
+        1: run_worker(
+            tmp,
+            corpus_file,
+            1,
+            [
+                job("batch8", "trainer_config.batch_size=8"),
+                job("accum4x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=4"),
+                job("capped", CAPPED, train=False),
+            ],
+        ),
+        2: run_worker(
+            tmp,
+            corpus_file,
+            2,
+            [
+                job("batch4", "trainer_config.batch_size=4"),
+                job("accum2x2", "trainer_config.batch_size=2", "trainer_config.grad_accum_steps=2"),
+                job("fp16", "trainer_config.batch_size=4", "trainer_config.ddp_comm_hook=fp16"),
+                job(
+                    "powersgd",
+                    "trainer_config.batch_size=4",
+                    "trainer_config.ddp_comm_hook=powersgd",
+                    "trainer_config.powersgd_start_step=2",
+                ),
+                job("capped", CAPPED, train=False),
+                job("fsdp", "trainer_config.batch_size=4", FSDP),
+                job(
+                    "fsdp_accum2x2",
+                    "trainer_config.batch_size=2",
+                    "trainer_config.grad_accum_steps=2",
+                    FSDP,
+                ),
+            ],
+        ),
+        3: run_worker(
+            tmp,
+            corpus_file,
+            3,
+            [
+                job("eval", train=False),
+                job("capped", CAPPED, train=False),
+                # 50 windows in chunks of 16: 17, 17 and 16 per rank, so 2, 2 and 1 chunks.
+                job("fsdp_capped", CAPPED, "trainer_config.batch_size=4", FSDP, train=False),
+            ],
+        ),
     }
     return tmp, results
 
@@ -100,7 +147,9 @@ def test_ranks_end_with_identical_weights(runs):
     for name, per_rank in results[2].items():
         for other in per_rank[1:]:
             for key, tensor in per_rank[0]["state"].items():
-                assert torch.equal(tensor, other["state"][key]), f"{name}: {key} differs between ranks"
+                assert torch.equal(tensor, other["state"][key]), (
+                    f"{name}: {key} differs between ranks"
+                )
 
 
 def test_two_ranks_match_one_process_with_double_batch(runs):
@@ -114,8 +163,10 @@ def test_two_ranks_match_one_process_with_double_batch(runs):
 def test_grad_accumulation_matches_one_big_batch(runs):
     _, results = runs
     reference = results[1]["batch8"][0]["state"]
-    assert_same_weights(results[1]["accum4x2"][0]["state"], reference)  # 4 micro-steps of 2 == 1 step of 8
-    assert_same_weights(results[2]["accum2x2"][0]["state"], reference)  # 2 ranks x 2 micro-steps of 2
+    # 4 micro-steps of 2 == 1 step of 8
+    assert_same_weights(results[1]["accum4x2"][0]["state"], reference)
+    # 2 ranks x 2 micro-steps of 2
+    assert_same_weights(results[2]["accum2x2"][0]["state"], reference)
 
 
 def test_eval_loss_is_exact_for_world_sizes_1_2_3(runs):
@@ -156,10 +207,14 @@ def test_comm_hook_runs_on_gloo(runs, hook):
 
 
 def test_bf16_hook_is_refused_on_gloo(tmp_path, corpus_file):
-    proc = run_torchrun(2, [*TINY, f"data_config.path={corpus_file}", "trainer_config.ddp_comm_hook=bf16"], tmp_path)
+    proc = run_torchrun(
+        2, [*TINY, f"data_config.path={corpus_file}", "trainer_config.ddp_comm_hook=bf16"], tmp_path
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert errors and all("trainer_config.ddp_comm_hook: bf16" in line and "NCCL" in line for line in errors), proc.stderr
+    assert errors and all(
+        "trainer_config.ddp_comm_hook: bf16" in line and "NCCL" in line for line in errors
+    ), proc.stderr
     assert f'File "{REPO / "mingpt"}' not in proc.stderr  # no stack trace from our code
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
@@ -168,13 +223,27 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
     """Two torchrun agents ("nodes" 0 and 1, one process each) meet at
     127.0.0.1 and train to the end; only rank 0 logs INFO and writes."""
     port = free_port()
-    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_epochs=1",
-            "trainer_config.use_amp=true"]  # ignored on CPU, with a warning from every rank
+    args = [
+        *TINY,
+        f"data_config.path={corpus_file}",
+        "trainer_config.max_epochs=1",
+        "trainer_config.use_amp=true",
+    ]  # ignored on CPU, with a warning from every rank
     agents = [
         subprocess.Popen(
-            torchrun_cmd(1, "--nnodes=2", f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}")
+            torchrun_cmd(
+                1,
+                "--nnodes=2",
+                f"--node_rank={node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+            )
             + [str(REPO / "main.py"), *args],
-            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=tmp_path,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for node in (0, 1)
     ]
@@ -193,9 +262,12 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
     assert snapshot["world_size"] == 2 and snapshot["epoch"] == 1
     # Rank 1 logs its warnings, prefixed; its INFO lines stay quiet.
     rank1 = [line for line in stderr.splitlines() if line.startswith("[rank 1] ")]
-    assert len(rank1) == 1 and "WARNING trainer_config.use_amp ignored on CPU" in rank1[0], stderr[-3000:]
+    assert len(rank1) == 1 and "WARNING trainer_config.use_amp ignored on CPU" in rank1[0], stderr[
+        -3000:
+    ]
     assert sum("train step" in line for line in stderr.splitlines()) == len(
-        [r for r in records if r["split"] == "train"])
+        [r for r in records if r["split"] == "train"]
+    )
 
 
 def test_fsdp_trains_like_ddp_and_one_process(runs):
@@ -223,6 +295,10 @@ def test_fsdp_eval_is_exact_when_ranks_have_unequal_shares(runs):
 def test_fsdp_run_leaves_a_sharded_snapshot_of_its_weights(runs):
     tmp, results = runs
     tensors, meta = sharded.load_full(str(tmp / "world2" / "fsdp" / "snapshots"))
-    assert meta["step"] == 6 and meta["world_size"] == 2 and meta["trainer_config"]["parallelism"] == "fsdp"
+    assert (
+        meta["step"] == 6
+        and meta["world_size"] == 2
+        and meta["trainer_config"]["parallelism"] == "fsdp"
+    )
     for key, value in results[2]["fsdp"][0]["state"].items():
         assert torch.equal(tensors["model"][key], value), key

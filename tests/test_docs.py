@@ -15,11 +15,24 @@ import pytest
 from conftest import REPO, child_env
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from mingpt.config import Config, DataConfig, GPTConfig, OptimizerConfig, TrainerConfig, key_lines, key_table, markdown
+from mingpt.config import (
+    Config,
+    DataConfig,
+    GPTConfig,
+    OptimizerConfig,
+    TrainerConfig,
+    key_lines,
+    key_table,
+    markdown,
+)
 from mingpt.optim import lr_at
 
-SECTIONS = {"gpt_config": GPTConfig, "optimizer_config": OptimizerConfig, "data_config": DataConfig,
-            "trainer_config": TrainerConfig}
+SECTIONS = {
+    "gpt_config": GPTConfig,
+    "optimizer_config": OptimizerConfig,
+    "data_config": DataConfig,
+    "trainer_config": TrainerConfig,
+}
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 
@@ -33,11 +46,17 @@ def test_the_key_tables_are_made_from_the_fields():
 def test_each_default_cell_is_the_default_as_typed(section):
     """A table's default, typed on the command line, is the field's default."""
     parser = OverridesParser.create()
-    for f, row in zip(dataclasses.fields(SECTIONS[section]), key_table(SECTIONS[section]).splitlines()[2:]):
+    for f, row in zip(
+        dataclasses.fields(SECTIONS[section]), key_table(SECTIONS[section]).splitlines()[2:]
+    ):
         cell = row.split(" | ")[2]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         written = parser.parse_override(f"{section}.{f.name}={cell}").value()
-        assert written == (list(default) if isinstance(default, tuple) else default), (section, f.name, cell)
+        assert written == (list(default) if isinstance(default, tuple) else default), (
+            section,
+            f.name,
+            cell,
+        )
 
 
 def slug(heading: str) -> str:
@@ -49,7 +68,9 @@ def slug(heading: str) -> str:
 def anchors(path: Path) -> set[str]:
     seen: dict[str, int] = {}
     found = set()
-    for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", path.read_text(encoding="utf-8")), re.M):
+    for heading in re.findall(
+        r"^#{1,6} (.+)$", FENCE.sub("", path.read_text(encoding="utf-8")), re.M
+    ):
         base = slug(heading)
         n = seen.get(base, 0)
         seen[base] = n + 1
@@ -91,15 +112,25 @@ def test_example_log_lines_have_the_default_runs_learning_rate():
     from an older schedule once said 0.0021 at step 2050, where the run has
     0.0006244."""
     total = 2 * 1308  # the default run's steps (its first log line says so)
-    shown = [(int(step), lr) for doc in documents()
-             for step, lr in re.findall(r"INFO train step (\d+) epoch \d+ \| loss \S+ lr (\S+)", doc.read_text("utf-8"))]
+    shown = [
+        (int(step), lr)
+        for doc in documents()
+        for step, lr in re.findall(
+            r"INFO train step (\d+) epoch \d+ \| loss \S+ lr (\S+)", doc.read_text("utf-8")
+        )
+    ]
     assert shown
     for step, lr in shown:
-        assert float(lr) == pytest.approx(lr_at(step - 1, OptimizerConfig(), total), rel=1e-3), (step, lr)
+        assert float(lr) == pytest.approx(lr_at(step - 1, OptimizerConfig(), total), rel=1e-3), (
+            step,
+            lr,
+        )
 
 
-@pytest.mark.parametrize("tool,schema", [("generate", "GenerateConfig"), ("score", "ScoreConfig"),
-                                         ("export", "ExportConfig")])
+@pytest.mark.parametrize(
+    "tool,schema",
+    [("generate", "GenerateConfig"), ("score", "ScoreConfig"), ("export", "ExportConfig")],
+)
 def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys):
     module = importlib.import_module(f"mingpt.{tool}")
     module.main(["--help"])
@@ -109,8 +140,14 @@ def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys)
 
 
 def test_the_training_help_lists_every_key_with_this_invocations_value():
-    result = subprocess.run([sys.executable, "main.py", "--help", "trainer_config.max_epochs=7"], cwd=REPO,
-                            env=child_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "main.py", "--help", "trainer_config.max_epochs=7"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0 and not result.stderr, result.stderr
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.default_factory):
@@ -128,5 +165,7 @@ def test_the_layout_names_every_module_of_mingpt_once():
             named += [match.group(1) + match.group(2)] if match.group(2) else []
         elif folder and (match := re.match(r"  (\w+\.py)\s", line)):
             named.append(folder + match.group(1))
-    modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "mingpt").rglob("*.py") if p.name != "__init__.py")
+    modules = sorted(
+        str(p.relative_to(REPO)) for p in (REPO / "mingpt").rglob("*.py") if p.name != "__init__.py"
+    )
     assert sorted(named) == modules

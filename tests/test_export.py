@@ -52,8 +52,13 @@ def sharded_root(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("sharded") / "snapshots"
     model = random_model()
-    meta = {"gpt_config": dataclasses.asdict(model.config), "vocab": VOCAB, "epoch": 0, "samples_in_epoch": 0,
-            "step": 3}
+    meta = {
+        "gpt_config": dataclasses.asdict(model.config),
+        "vocab": VOCAB,
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 3,
+    }
     sharded.save({"model": model.state_dict()}, meta, str(root), 3, async_save=False)
     return root
 
@@ -62,8 +67,9 @@ def sharded_root(tmp_path_factory) -> Path:
 def source(request, tiny_run, tiny_file, sharded_root) -> str:
     """A snapshot of each kind: a single file, a sharded snapshot, a run's directory."""
     _, run_dir = tiny_run
-    return {"file": str(tiny_file), "sharded": str(sharded_root),
-            "run directory": str(run_dir)}[request.param]
+    return {"file": str(tiny_file), "sharded": str(sharded_root), "run directory": str(run_dir)}[
+        request.param
+    ]
 
 
 def export(src, dst, *options) -> None:
@@ -72,7 +78,9 @@ def export(src, dst, *options) -> None:
 
 def max_difference(model: GPT, hf_model, seed: int = 0) -> float:
     c = model.config
-    idx = torch.randint(0, c.vocab_size, (4, c.block_size), generator=torch.Generator().manual_seed(seed))
+    idx = torch.randint(
+        0, c.vocab_size, (4, c.block_size), generator=torch.Generator().manual_seed(seed)
+    )
     with torch.no_grad():
         ours, _ = model(idx)
         theirs = hf_model(input_ids=idx).logits
@@ -88,13 +96,16 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(source, tmp_path, 
     assert capsys.readouterr().out.startswith(f"exported {source} (step ")
     assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors", "vocab.json"]
     hf_model, info = GPT2LMHeadModel.from_pretrained(dst, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info  # every weight is ours, none drawn
+    # every weight is ours, none drawn
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     hf_model.eval()
     model, tokenizer, _ = load_model(source, torch.device("cpu"))
     assert hf_model.config.tie_word_embeddings is False
     assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
     assert max_difference(model, hf_model) <= TOLERANCE
-    assert json.loads((dst / "vocab.json").read_text(encoding="utf-8")) == {c: i for i, c in enumerate(tokenizer.chars)}
+    assert json.loads((dst / "vocab.json").read_text(encoding="utf-8")) == {
+        c: i for i, c in enumerate(tokenizer.chars)
+    }
 
 
 def test_the_logit_check_detects_a_wrong_activation(sharded_root, tmp_path):
@@ -119,11 +130,15 @@ def test_safetensors_export_rebuilds_the_model(source, tmp_path):
     model, tokenizer, _ = load_model(source, torch.device("cpu"))
     assert dataclasses.asdict(model.config) == config
     assert sorted(vocab, key=vocab.get) == list(tokenizer.chars)
-    for (name, ours), (name2, theirs) in zip(model.state_dict().items(), rebuilt.state_dict().items()):
+    for (name, ours), (name2, theirs) in zip(
+        model.state_dict().items(), rebuilt.state_dict().items()
+    ):
         assert name == name2 and torch.equal(ours, theirs), name
 
 
-def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_run, tmp_path, capsys):
+def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(
+    tiny_run, tmp_path, capsys
+):
     from mingpt.snapshot import single_file
 
     _, run_dir = tiny_run
@@ -131,9 +146,14 @@ def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(tiny_ru
     dst.write_bytes(b"an earlier file")  # a regular file is replaced
     export(run_dir, dst, "--format", "snapshot")  # a run directory: its best weights
     exported, original = single_file.load(str(dst)), read_snapshot(run_dir / "snapshots-best")
-    assert capsys.readouterr().out == f"exported {run_dir} (step {original['step']}) as snapshot to {dst}\n"
+    assert (
+        capsys.readouterr().out
+        == f"exported {run_dir} (step {original['step']}) as snapshot to {dst}\n"
+    )
     assert exported.keys() == original.keys() and exported["step"] == original["best_step"]
-    assert all(torch.equal(exported["model_state"][k], v) for k, v in original["model_state"].items())
+    assert all(
+        torch.equal(exported["model_state"][k], v) for k, v in original["model_state"].items()
+    )
     # A directory export over an earlier one replaces it whole, leaving nothing else beside it
     # (a killed export's temporary directory included).
     export(run_dir, tmp_path / "st")
@@ -157,14 +177,20 @@ def refused(capsys, argv: list[str]) -> str:
 def test_a_device_node_is_never_replaced(sharded_root, tmp_path, capsys, device, form):
     before = os.stat(device)
     line = refused(capsys, [sharded_root, device, "--format", form])
-    assert line == (f"error: {device} is not a regular file or directory (a device, pipe or socket): "
-                    "refusing to replace it")
+    assert line == (
+        f"error: {device} is not a regular file or directory (a device, pipe or socket): "
+        "refusing to replace it"
+    )
     link = tmp_path / "link"  # nor through a symbolic link
     link.symlink_to(device)
-    assert "is not a regular file or directory" in refused(capsys, [sharded_root, link, "--format", form])
+    assert "is not a regular file or directory" in refused(
+        capsys, [sharded_root, link, "--format", form]
+    )
     after = os.stat(device)
     assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev and link.is_symlink()
-    assert os.listdir("/dev").count(os.path.basename(device)) == 1 and not list(Path("/dev").glob("*.tmp-*"))
+    assert os.listdir("/dev").count(os.path.basename(device)) == 1 and not list(
+        Path("/dev").glob("*.tmp-*")
+    )
 
 
 def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
@@ -173,39 +199,68 @@ def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
     assert refused(capsys, [missing, tmp_path / "out"]) == f"error: snapshot not found: {missing}"
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(snapshot.read_bytes()[:-100])
-    assert refused(capsys, [damaged, tmp_path / "out"]).startswith(f"error: snapshot {damaged} is truncated")
+    assert refused(capsys, [damaged, tmp_path / "out"]).startswith(
+        f"error: snapshot {damaged} is truncated"
+    )
     assert refused(capsys, [snapshot, tmp_path / "out", "--format", "onnx"]) == (
-        "error: format: 'onnx' is not one of safetensors, hf, snapshot")
+        "error: format: 'onnx' is not one of safetensors, hf, snapshot"
+    )
     assert refused(capsys, [snapshot]) == "error: dst: must be given"
     assert refused(capsys, [snapshot, tmp_path / "out", "--level=3"]) == (
-        "error: --level=3: expected key=value (SRC and DST are given)")
-    assert refused(capsys, [f"src={snapshot}", "level=3"]) == "error: Key 'level' not in 'ExportConfig'"
+        "error: --level=3: expected key=value (SRC and DST are given)"
+    )
+    assert (
+        refused(capsys, [f"src={snapshot}", "level=3"])
+        == "error: Key 'level' not in 'ExportConfig'"
+    )
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    for form in ("safetensors", "snapshot"):  # a parent that is a file: nothing can be written there
+    # a parent that is a file: nothing can be written there
+    for form in ("safetensors", "snapshot"):
         assert refused(capsys, [snapshot, blocker / "out", "--format", form]).startswith(
-            f"error: cannot write {blocker / 'out'}: Not a directory")
+            f"error: cannot write {blocker / 'out'}: Not a directory"
+        )
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     assert refused(capsys, [snapshot, mine]) == (
-        f"error: {mine} is a directory with other files (notes.txt): give a new or an earlier export's directory")
+        f"error: {mine} is a directory with other files (notes.txt): give a new or an earlier export's directory"
+    )
     assert refused(capsys, [snapshot, mine, "--format", "snapshot"]) == (
-        f"error: {mine} is a directory: the snapshot format writes one file")
-    assert refused(capsys, [snapshot, blocker]) == f"error: {blocker} is a file: this format writes a directory"
+        f"error: {mine} is a directory: the snapshot format writes one file"
+    )
+    assert (
+        refused(capsys, [snapshot, blocker])
+        == f"error: {blocker} is a file: this format writes a directory"
+    )
     assert (mine / "notes.txt").read_text() == "keep me" and blocker.read_text() == "x"
-    assert sorted(os.listdir(tmp_path)) == ["a-file", "damaged.pt", "mine"]  # no temporary left behind
+    # no temporary left behind
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "damaged.pt", "mine"]
 
 
 def test_help_and_the_command_line(tiny_run, tmp_path):
     cwd, run_dir = tiny_run
-    result = subprocess.run([sys.executable, "-m", "mingpt.export", "--help"], env=child_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.startswith("usage: python -m mingpt.export src=SRC dst=DST")
+    result = subprocess.run(
+        [sys.executable, "-m", "mingpt.export", "--help"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and result.stdout.startswith(
+        "usage: python -m mingpt.export src=SRC dst=DST"
+    )
     assert "\n  format=safetensors" in result.stdout and not result.stderr
-    result = subprocess.run([sys.executable, "-m", "mingpt.export", str(run_dir), "/dev/full"], env=child_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "mingpt.export", str(run_dir), "/dev/full"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, (
+        result.stderr
+    )
     assert result.stderr.startswith("error: /dev/full is not a regular file or directory")
 
 
@@ -217,11 +272,17 @@ def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
     (run / ".hydra").mkdir(parents=True)
     config = run / ".hydra" / "config.yaml"
     elsewhere = tmp_path / "elsewhere" / "s"
-    for made in (run / "snapshots" / "step-00000001" / "manifest.json", elsewhere / "step-00000001" / "manifest.json"):
+    for made in (
+        run / "snapshots" / "step-00000001" / "manifest.json",
+        elsewhere / "step-00000001" / "manifest.json",
+    ):
         made.parent.mkdir(parents=True, exist_ok=True)
         made.touch()  # what find_snapshot looks for (a published snapshot: its manifest); not read
-    for trainer_config, found in (("{}", run / "snapshots"), ("{parallelism: fsdp}", run / "snapshots"),
-                                  (f"{{snapshot_path: {elsewhere}}}", elsewhere)):
+    for trainer_config, found in (
+        ("{}", run / "snapshots"),
+        ("{parallelism: fsdp}", run / "snapshots"),
+        (f"{{snapshot_path: {elsewhere}}}", elsewhere),
+    ):
         config.write_text(f"trainer_config: {trainer_config}\n")
         assert find_snapshot(str(run)) == str(found)
     # A run directory of the single-file training format before: its snapshot.pt.
@@ -234,4 +295,5 @@ def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
     config.write_text("trainer_config: {batch_size: many}\n")
     assert refused(capsys, [run, tmp_path / "out"]) == (
         f"error: run directory {run}: {config} cannot be read "
-        "(Value 'many' of type 'str' could not be converted to Integer)")
+        "(Value 'many' of type 'str' could not be converted to Integer)"
+    )

@@ -25,23 +25,23 @@ import sys
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
 import pytest
 import torch
+from conftest import REPO, TINY, child_env, run_main
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, child_env, run_main
-from mingpt import storage
-from mingpt.config import Config, ConfigError
-from mingpt.distributed import DistInfo
-from mingpt.decoding import generate
+from mingpt import cli, storage
+from mingpt.cli import CONF_DIR
 from mingpt.command import parse_args
+from mingpt.config import Config, ConfigError
+from mingpt.decoding import generate
+from mingpt.distributed import DistInfo
 from mingpt.export import ExportConfig, export
 from mingpt.generate import GenerateConfig, load_model
 from mingpt.snapshot import SnapshotError, sharded, single_file
-from mingpt import cli
-from mingpt.cli import CONF_DIR
 from mingpt.train import build
 from mingpt.trainer import Trainer, TrainingError
 
@@ -49,8 +49,13 @@ from mingpt.trainer import Trainer, TrainingError
 def overrides(corpus: Path, *extra: str) -> list[str]:
     """TINY on CPU without samples on `corpus`, then `extra` (a later key replaces an earlier one)."""
     merged = {}
-    for item in [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", f"data_config.path={corpus}",
-                 *extra]:
+    for item in [
+        *TINY,
+        "trainer_config.device=cpu",
+        "trainer_config.sample_chars=0",
+        f"data_config.path={corpus}",
+        *extra,
+    ]:
         key, value = item.split("=", 1)
         merged[key] = value
     return [f"{k}={v}" for k, v in merged.items()]
@@ -59,7 +64,9 @@ def overrides(corpus: Path, *extra: str) -> list[str]:
 def make_trainer(run_dir: Path, corpus: Path, *extra: str) -> Trainer:
     """A single-process Trainer built as main.py builds it."""
     dotlist = overrides(corpus, *extra)
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist)))
+    config = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    )
     return build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
@@ -77,8 +84,10 @@ def flip_byte(data: bytes, record: str, offset: int = 5) -> bytes:
     """`data` (a torch.save zip) with one bit flipped inside the bytes of `record`."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith(record))
-    name_len, extra_len = int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"), \
-        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+    name_len, extra_len = (
+        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )
     start = info.header_offset + 30 + name_len + extra_len
     damaged = bytearray(data)
     damaged[start + offset] ^= 0x01
@@ -87,12 +96,14 @@ def flip_byte(data: bytes, record: str, offset: int = 5) -> bytes:
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file under `root`, by its path relative to it: a snapshot root compared byte for byte."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def flip_shard_byte(root: Path) -> Path:
     """Flip one bit in the middle of the newest snapshot's shard under `root`; the shard's path."""
-    shard, = Path(sharded.latest(str(root))).glob("*.distcp")
+    (shard,) = Path(sharded.latest(str(root))).glob("*.distcp")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
@@ -165,30 +176,56 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
     # A run that resumes the good snapshot at step 3 and saves at step 6 into a
     # file-size limit of half its shard: the write fails part-way through.
     shutil.copytree(good, work / "full" / "snapshots")
-    shard, = Path(sharded.latest(str(good))).glob("*.distcp")
+    (shard,) = Path(sharded.latest(str(good))).glob("*.distcp")
     env = child_env()
 
     def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
         kwargs.setdefault("stdout", subprocess.PIPE)
-        return subprocess.run(args, cwd=work, env=env, stderr=subprocess.PIPE, text=True, timeout=180, **kwargs)
+        return subprocess.run(
+            args, cwd=work, env=env, stderr=subprocess.PIPE, text=True, timeout=180, **kwargs
+        )
 
     cases = {
-        "resume_damaged": lambda: run_main(overrides(small, "trainer_config.max_steps=3",
-                                                     f"trainer_config.snapshot_path={work / 'resume' / 'snapshots'}"),
-                                           work),
+        "resume_damaged": lambda: run_main(
+            overrides(
+                small,
+                "trainer_config.max_steps=3",
+                f"trainer_config.snapshot_path={work / 'resume' / 'snapshots'}",
+            ),
+            work,
+        ),
         "interpolation": lambda: run_main(overrides(small, "data_config.path=${nope}"), work),
-        "unwritable": lambda: run_main(overrides(small, "trainer_config.run_name=unwritable",
-                                                 f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}"),
-                                       work),
-        "save_fails": lambda: run([sys.executable, str(REPO / "main.py"), *overrides(
-            small, "trainer_config.max_steps=6", "trainer_config.allow_config_change=true",
-            f"hydra.run.dir={work / 'full'}")],
-            preexec_fn=limit_file_size(shard.stat().st_size // 2)),
-        "stdout_closed": lambda: run(generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"),
-                                     stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1)),
+        "unwritable": lambda: run_main(
+            overrides(
+                small,
+                "trainer_config.run_name=unwritable",
+                f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}",
+            ),
+            work,
+        ),
+        "save_fails": lambda: run(
+            [
+                sys.executable,
+                str(REPO / "main.py"),
+                *overrides(
+                    small,
+                    "trainer_config.max_steps=6",
+                    "trainer_config.allow_config_change=true",
+                    f"hydra.run.dir={work / 'full'}",
+                ),
+            ],
+            preexec_fn=limit_file_size(shard.stat().st_size // 2),
+        ),
+        "stdout_closed": lambda: run(
+            generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"),
+            stdout=subprocess.DEVNULL,
+            preexec_fn=lambda: os.close(1),
+        ),
     }
     with open("/dev/full", "w") as full:
-        cases["dev_full"] = lambda: run(generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"), stdout=full)
+        cases["dev_full"] = lambda: run(
+            generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"), stdout=full
+        )
         with ThreadPoolExecutor(2) as pool:
             return dict(zip(cases, pool.map(lambda case: case(), cases.values())))
 
@@ -201,8 +238,11 @@ def test_torch_records_carry_real_checksums(snap_file):
     data = snap_file.read_bytes()
     single_file.verify(data, "good")
     for record in ("data.pkl", "data/0", "data/3"):
-        with pytest.raises(SnapshotError, match=rf"snapshot x is damaged: the checksum of its record "
-                                                             rf"\S*{record} does not match"):
+        with pytest.raises(
+            SnapshotError,
+            match=rf"snapshot x is damaged: the checksum of its record "
+            rf"\S*{record} does not match",
+        ):
             single_file.verify(flip_byte(data, record), "x")
 
 
@@ -211,17 +251,23 @@ def test_resume_from_a_damaged_snapshot_stops_and_keeps_it(snap, runs, tmp_path)
     work, good = snap
     root = work / "resume" / "snapshots"
     directory = sharded.latest(str(root))
-    one_error_line(runs["resume_damaged"], f"snapshot {directory} is damaged: __0_0.distcp does not match its size "
-                   "and sha256 in manifest.json")
+    one_error_line(
+        runs["resume_damaged"],
+        f"snapshot {directory} is damaged: __0_0.distcp does not match its size "
+        "and sha256 in manifest.json",
+    )
     shutil.copytree(good, tmp_path / "damaged")  # the same damage to a copy of the good snapshot...
     flip_shard_byte(tmp_path / "damaged")
-    assert tree_bytes(root) == tree_bytes(tmp_path / "damaged")  # ...is all there is: left for inspection
+    # ...is all there is: left for inspection
+    assert tree_bytes(root) == tree_bytes(tmp_path / "damaged")
 
 
 def test_generate_refuses_a_damaged_snapshot(snap_file, tmp_path):
     """(test_generate checks that a SnapshotError is one line of the command.)"""
     (tmp_path / "damaged.pt").write_bytes(flip_byte(snap_file.read_bytes(), "data/0"))
-    with pytest.raises(SnapshotError, match=f"snapshot {tmp_path / 'damaged.pt'} is damaged: the checksum"):
+    with pytest.raises(
+        SnapshotError, match=f"snapshot {tmp_path / 'damaged.pt'} is damaged: the checksum"
+    ):
         load_model(str(tmp_path / "damaged.pt"), torch.device("cpu"))
 
 
@@ -242,13 +288,18 @@ def test_damaged_pickle_is_reported_as_damage(snap_file, tmp_path):
     (tmp_path / "rewritten.pt").write_bytes(rewritten.getvalue())
     with pytest.raises(SnapshotError) as e:
         single_file.load(str(tmp_path / "rewritten.pt"))
-    assert "is damaged (its pickle cannot be read" in str(e.value) and "()" not in str(e.value), str(e.value)
+    assert "is damaged (its pickle cannot be read" in str(e.value) and "()" not in str(e.value), (
+        str(e.value)
+    )
 
 
 WRONG_FIELDS = {
     "gpt_config": ([1, 2], "gpt_config must be a mapping, got list"),
     "vocab": (65, "vocab must be a string, got int"),
-    "model_state": ([torch.zeros(2)], "model_state must be a mapping of names to tensors, got list"),
+    "model_state": (
+        [torch.zeros(2)],
+        "model_state must be a mapping of names to tensors, got list",
+    ),
     "epoch": ("0", "epoch must be a whole number >= 0, got str"),
     "step": (-1, "step must be a whole number >= 0, got -1"),
 }
@@ -263,8 +314,11 @@ def test_snapshot_fields_of_the_wrong_type_are_refused(snap_file, field):
 
 
 def test_snapshot_weights_that_are_not_floats_are_refused(snap_file):
-    path = save_variant(snap_file, "int-weights.pt",
-                        lambda s: s["model_state"].update({"wte.weight": torch.zeros(2, dtype=torch.long)}))
+    path = save_variant(
+        snap_file,
+        "int-weights.pt",
+        lambda s: s["model_state"].update({"wte.weight": torch.zeros(2, dtype=torch.long)}),
+    )
     not_float = r"model_state\['wte.weight'\] is torch.int64, not a float tensor"
     with pytest.raises(SnapshotError, match=not_float):
         single_file.load(str(path))
@@ -272,17 +326,28 @@ def test_snapshot_weights_that_are_not_floats_are_refused(snap_file):
 
 def test_generate_samples_from_float64_weights(snap_file, one_thread):
     """Weights saved in float64 are used as float32 (a 'mixed dtype' traceback before)."""
-    path = save_variant(snap_file, "float64.pt", lambda s: s.update(
-        model_state={k: v.double() for k, v in s["model_state"].items()}))
+    path = save_variant(
+        snap_file,
+        "float64.pt",
+        lambda s: s.update(model_state={k: v.double() for k, v in s["model_state"].items()}),
+    )
     model, tokenizer, _ = load_model(str(path), torch.device("cpu"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert sum(chunk.size(1) for chunk in generate(model, tokenizer.encode("\n").long()[None], 5)) == 5
+    assert (
+        sum(chunk.size(1) for chunk in generate(model, tokenizer.encode("\n").long()[None], 5)) == 5
+    )
 
 
 def test_generate_refuses_non_finite_weights(snap_file):
-    path = save_variant(snap_file, "nonfinite.pt", lambda s: s["model_state"]["h.0.attn.c_attn.weight"][0].fill_(math.nan))
-    with pytest.raises(SnapshotError,
-                       match=f"snapshot {path} has non-finite weights .nan or inf in h.0.attn.c_attn.weight."):
+    path = save_variant(
+        snap_file,
+        "nonfinite.pt",
+        lambda s: s["model_state"]["h.0.attn.c_attn.weight"][0].fill_(math.nan),
+    )
+    with pytest.raises(
+        SnapshotError,
+        match=f"snapshot {path} has non-finite weights .nan or inf in h.0.attn.c_attn.weight.",
+    ):
         load_model(str(path), torch.device("cpu"))
 
 
@@ -292,13 +357,23 @@ def test_generate_refuses_non_finite_weights(snap_file):
 def test_divergence_with_evaluation_before_logging(tmp_path, small_corpus, one_thread):
     """eval_every < log_every, no snapshot yet: the run stops with a truthful
     line (it used to crash in sampling), and the logs hold only finite numbers."""
-    trainer = make_trainer(tmp_path, small_corpus, "optimizer_config.learning_rate=1e6", "trainer_config.eval_every=1",
-                           "trainer_config.log_every=1000", "trainer_config.sample_chars=20",
-                           "trainer_config.max_steps=50", "optimizer_config.warmup_steps=0")
-    with pytest.raises(TrainingError, match=r"^training diverged: .* at step \d; no snapshot was written yet "):
+    trainer = make_trainer(
+        tmp_path,
+        small_corpus,
+        "optimizer_config.learning_rate=1e6",
+        "trainer_config.eval_every=1",
+        "trainer_config.log_every=1000",
+        "trainer_config.sample_chars=20",
+        "trainer_config.max_steps=50",
+        "optimizer_config.warmup_steps=0",
+    )
+    with pytest.raises(
+        TrainingError, match=r"^training diverged: .* at step \d; no snapshot was written yet "
+    ):
         trainer.train()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert all(strict_json(line)["split"] == "eval" for line in lines)  # finite, or not written at all
+    # finite, or not written at all
+    assert all(strict_json(line)["split"] == "eval" for line in lines)
     assert not (tmp_path / "snapshots").exists()
 
 
@@ -315,9 +390,13 @@ def test_unwritable_snapshot_location_stops_before_training(snap, runs):
 
 def test_storage_that_cannot_be_written_is_one_error(tmp_path):
     for snapshot in ("/proc/nope/snapshot.pt", "/sys/snapshot.pt"):
-        with pytest.raises(storage.StorageError, match=f"cannot write to the snapshot path {snapshot}: "):
+        with pytest.raises(
+            storage.StorageError, match=f"cannot write to the snapshot path {snapshot}: "
+        ):
             storage.check_writable(str(tmp_path), snapshot)
-    with pytest.raises(storage.StorageError, match=r"cannot save snapshot /sys/snapshot.pt: .*; the file there"):
+    with pytest.raises(
+        storage.StorageError, match=r"cannot save snapshot /sys/snapshot.pt: .*; the file there"
+    ):
         single_file.save({"step": 1}, "/sys/snapshot.pt")
 
 
@@ -325,13 +404,20 @@ def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
     """The file-size limit stops the shard's write part-way (EFBIG), as a full disk would."""
     work, good = snap
     root = work / "full" / "snapshots"
-    one_error_line(runs["save_fails"], f"cannot save sharded snapshot {root / 'step-00000006'}: [Errno 27] File too "
-                   "large (rank 0); the previous snapshots are unchanged")
+    one_error_line(
+        runs["save_fails"],
+        f"cannot save sharded snapshot {root / 'step-00000006'}: [Errno 27] File too "
+        "large (rank 0); the previous snapshots are unchanged",
+    )
     # The snapshot of step 3 is still the one published, byte for byte; step 6's directory is not published.
     assert sharded.latest(str(root)) == str(root / "step-00000003")
-    assert {k: v for k, v in tree_bytes(root).items() if k.startswith("step-00000003/")} == tree_bytes(good)
+    assert {
+        k: v for k, v in tree_bytes(root).items() if k.startswith("step-00000003/")
+    } == tree_bytes(good)
     assert not (root / "step-00000006" / "manifest.json").exists()
-    events = [strict_json(line) for line in (root.parent / "metrics.jsonl").read_text().splitlines()]
+    events = [
+        strict_json(line) for line in (root.parent / "metrics.jsonl").read_text().splitlines()
+    ]
     # Resumed at step 3: logged at 5 and at the last step, evaluated, then the save failed.
     assert [(e["split"], e["step"]) for e in events] == [("train", 5), ("train", 6), ("eval", 6)]
 
@@ -344,12 +430,18 @@ def composed(*items: str):
         return compose("config", overrides=list(items))
 
 
-@pytest.mark.parametrize("override, key", [
-    ("trainer_config.seed=99999999999999999999999", "trainer_config.seed"),
-    ("trainer_config.grad_accum_steps=100000000000000000000", "trainer_config.grad_accum_steps"),
-    ("optimizer_config.eps=inf", "optimizer_config.eps"),
-    ("optimizer_config.weight_decay=inf", "optimizer_config.weight_decay"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer_config.seed=99999999999999999999999", "trainer_config.seed"),
+        (
+            "trainer_config.grad_accum_steps=100000000000000000000",
+            "trainer_config.grad_accum_steps",
+        ),
+        ("optimizer_config.eps=inf", "optimizer_config.eps"),
+        ("optimizer_config.weight_decay=inf", "optimizer_config.weight_decay"),
+    ],
+)
 def test_values_torch_cannot_take_are_refused(override, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
         OmegaConf.to_object(composed(override))
@@ -377,13 +469,23 @@ except ConfigError as e:
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc to cap the address space")
+@pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="needs Linux's /proc to cap the address space"
+)
 def test_a_model_too_large_for_memory_is_one_line():
-    proc = subprocess.run([sys.executable, "-c", TOO_LARGE], env=child_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", TOO_LARGE],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert re.match(r"gpt_config: the model does not fit in memory: 108,000,0\d\d,000,00\d "
-                    r"parameters .* allocating 108000000000000 bytes failed", proc.stdout), proc.stdout
+    assert re.match(
+        r"gpt_config: the model does not fit in memory: 108,000,0\d\d,000,00\d "
+        r"parameters .* allocating 108000000000000 bytes failed",
+        proc.stdout,
+    ), proc.stdout
     assert proc.stdout.count("\n") == 1 and not proc.stderr
 
 
@@ -392,15 +494,23 @@ def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
     one_error_line(runs["dev_full"], "cannot write the text to stdout: No space left on device")
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("data_config.path=~/x.txt", """quote the value, as in 'data_config.path="~/x.txt"' (~ is not expanded"""),
-    ("data_config.path=a=b", """quote the value, as in 'data_config.path="a=b"'"""),
-    ("trainer_config.ké=1", "a key is ASCII letters, digits, '_' and '.'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "data_config.path=~/x.txt",
+            """quote the value, as in 'data_config.path="~/x.txt"' (~ is not expanded""",
+        ),
+        ("data_config.path=a=b", """quote the value, as in 'data_config.path="a=b"'"""),
+        ("trainer_config.ké=1", "a key is ASCII letters, digits, '_' and '.'"),
+    ],
+)
 def test_unparseable_override_names_it_and_how_to_quote(override, expected):
     with pytest.raises(HydraException) as e:
         composed(override)
-    assert cli.config_error_line(e.value).startswith(f"cannot parse the override {override!r}: {expected}")
+    assert cli.config_error_line(e.value).startswith(
+        f"cannot parse the override {override!r}: {expected}"
+    )
     if "quote" in expected:  # the advice works
         quoted = expected.split("'")[1]
         assert composed(quoted).data_config.path == override.split("=", 1)[1]
@@ -408,7 +518,9 @@ def test_unparseable_override_names_it_and_how_to_quote(override, expected):
 
 def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer_config:\n  nope: 1\n")
+    (tmp_path / "experiment" / "typo.yaml").write_text(
+        "# @package _global_\ntrainer_config:\n  nope: 1\n"
+    )
     with pytest.raises(HydraException) as e:
         composed(f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo")
     line = cli.config_error_line(e.value)
@@ -416,12 +528,17 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
 
 
 def test_interpolation_error_is_one_line(runs):
-    assert one_error_line(runs["interpolation"]) == "error: data_config.path: Interpolation key 'nope' not found"
+    assert (
+        one_error_line(runs["interpolation"])
+        == "error: data_config.path: Interpolation key 'nope' not found"
+    )
     assert runs["interpolation"].stderr.count("\n") == 1
 
 
 def test_dropping_a_group_and_choosing_from_it_is_refused():
-    with pytest.raises(ConfigError, match=r"^gpt_config=gpt2: ~gpt_config drops the gpt_config group"):
+    with pytest.raises(
+        ConfigError, match=r"^gpt_config=gpt2: ~gpt_config drops the gpt_config group"
+    ):
         cli.check_group_overrides(["trainer_config.seed=1", "~gpt_config", "gpt_config=gpt2"])
     cli.check_group_overrides(["~gpt_config", "gpt_config.n_layer=2"])
     cli.check_group_overrides(["gpt_config=gpt2"])
@@ -447,39 +564,81 @@ for argv in json.loads(sys.argv[1]):
 def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
     conf = tmp_path / "conf"
     (conf / "experiment").mkdir(parents=True)
-    (conf / "experiment" / "broken.yaml").write_text("# @package _global_\ntrainer_config: [\n  bad\n")
-    (conf / "experiment" / "tabs.yaml").write_text("# @package _global_\ntrainer_config:\n\tmax_epochs: 1\n")
+    (conf / "experiment" / "broken.yaml").write_text(
+        "# @package _global_\ntrainer_config: [\n  bad\n"
+    )
+    (conf / "experiment" / "tabs.yaml").write_text(
+        "# @package _global_\ntrainer_config:\n\tmax_epochs: 1\n"
+    )
     (conf / "mine.yaml").write_text("trainer_config:\n  max_epochs: [\n")
     work = tmp_path / "work"
     work.mkdir()
     cases = {  # argv: what its one line says
-        ("--config-dir", str(conf), "experiment=broken"):
-            f"{conf}/experiment/broken.yaml: line 4, column 1: not valid YAML: expected ',' or ']', "
-            "but got '<stream end>' (while parsing a flow sequence from line 2, column 17)",
-        ("--config-dir", str(conf), "experiment=tabs"):
-            f"{conf}/experiment/tabs.yaml: line 3, column 1: not valid YAML: found character '\\t' "
-            "that cannot start any token (while scanning for the next token)",
-        ("--config-dir", str(conf), "--config-name", "mine"): f"{conf}/mine.yaml: line 3, column 1: not valid YAML",
-        ("trainer_config.run_name=../escape",): "trainer_config.run_name: must be one directory name",
+        (
+            "--config-dir",
+            str(conf),
+            "experiment=broken",
+        ): f"{conf}/experiment/broken.yaml: line 4, column 1: not valid YAML: expected ',' or ']', "
+        "but got '<stream end>' (while parsing a flow sequence from line 2, column 17)",
+        (
+            "--config-dir",
+            str(conf),
+            "experiment=tabs",
+        ): f"{conf}/experiment/tabs.yaml: line 3, column 1: not valid YAML: found character '\\t' "
+        "that cannot start any token (while scanning for the next token)",
+        (
+            "--config-dir",
+            str(conf),
+            "--config-name",
+            "mine",
+        ): f"{conf}/mine.yaml: line 3, column 1: not valid YAML",
+        (
+            "trainer_config.run_name=../escape",
+        ): "trainer_config.run_name: must be one directory name",
         ("trainer_config.run_name=a/b",): "trainer_config.run_name: must be one directory name",
         ("trainer_config.run_name=''",): "trainer_config.run_name: must be one directory name",
-        ('trainer_config.run_name="a\nb"',): r"trainer_config.run_name: must be one directory name (not empty, "
-            r"'.' or '..', without '/' or control characters such as a newline), got 'a\nb'",
-        ("trainer_config.run_name=a\nb",): "cannot parse the override 'trainer_config.run_name=a\\nb': "
-            "it holds a control character",
-        ("trainer_config.batch_size=0", "hydra.run.dir=elsewhere"): "trainer_config.batch_size: must be >= 1, got 0",
-        ("trainer_config.batch_size=0", "--cfg", "job"): "trainer_config.batch_size: must be >= 1, got 0",
-        ("-m", "trainer_config.batch_size=1,0"): "trainer_config.batch_size: must be >= 1, got 0",  # before job 0 runs
-        ("trainer_config.seed=1", "--config-dir", str(conf), "trainer_config.max_epochs=1"):
-            "trainer_config.max_epochs=1: the key=value overrides go together, all before or all after the options",
+        (
+            'trainer_config.run_name="a\nb"',
+        ): r"trainer_config.run_name: must be one directory name (not empty, "
+        r"'.' or '..', without '/' or control characters such as a newline), got 'a\nb'",
+        (
+            "trainer_config.run_name=a\nb",
+        ): "cannot parse the override 'trainer_config.run_name=a\\nb': "
+        "it holds a control character",
+        (
+            "trainer_config.batch_size=0",
+            "hydra.run.dir=elsewhere",
+        ): "trainer_config.batch_size: must be >= 1, got 0",
+        (
+            "trainer_config.batch_size=0",
+            "--cfg",
+            "job",
+        ): "trainer_config.batch_size: must be >= 1, got 0",
+        # before job 0 runs
+        ("-m", "trainer_config.batch_size=1,0"): "trainer_config.batch_size: must be >= 1, got 0",
+        (
+            "trainer_config.seed=1",
+            "--config-dir",
+            str(conf),
+            "trainer_config.max_epochs=1",
+        ): "trainer_config.max_epochs=1: the key=value overrides go together, all before or all after the options",
         ("--cfg",): "argument --cfg/-c: expected one argument",
     }
-    proc = subprocess.run([sys.executable, "-c", REFUSALS, json.dumps(list(cases))], cwd=work, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", REFUSALS, json.dumps(list(cases))],
+        cwd=work,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     outputs = re.split(r"^exit status (\d+)\n", proc.stderr, flags=re.M)
     assert len(outputs) == 2 * len(cases) + 1 and outputs[-1] == "", proc.stderr[-5000:]
     for argv, says, stderr, status in zip(cases, cases.values(), outputs[0::2], outputs[1::2]):
-        assert status == "2" and stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (argv, stderr)
+        assert status == "2" and stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (
+            argv,
+            stderr,
+        )
     assert not proc.stdout  # --cfg job printed nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf", "work"]
     assert list(work.iterdir()) == []  # no runs/, no run directory, nothing outside either
@@ -493,19 +652,28 @@ def not_snapshots(snap, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     cases = {"empty": (work / "empty", "is an empty directory; expected a snapshot directory")}
     for fmt in ("safetensors", "hf"):
         export(ExportConfig(str(snap[1]), str(work / fmt), fmt))
-        cases[fmt] = (work / fmt, "is an export in safetensors/transformers format, not a snapshot; expected")
+        cases[fmt] = (
+            work / fmt,
+            "is an export in safetensors/transformers format, not a snapshot; expected",
+        )
     for parallelism in ("ddp", "fsdp"):  # both save under `snapshots`
         run_dir = work / f"run-{parallelism}"
         (run_dir / ".hydra").mkdir(parents=True)
-        (run_dir / ".hydra" / "config.yaml").write_text(f"trainer_config:\n  parallelism: {parallelism}\n")
-        cases[f"run-{parallelism}"] = (run_dir, f"is a run directory with no snapshot yet (it saves to "
-                                                f"{run_dir / 'snapshots'})")
+        (run_dir / ".hydra" / "config.yaml").write_text(
+            f"trainer_config:\n  parallelism: {parallelism}\n"
+        )
+        cases[f"run-{parallelism}"] = (
+            run_dir,
+            f"is a run directory with no snapshot yet (it saves to {run_dir / 'snapshots'})",
+        )
     return cases
 
 
 @pytest.mark.parametrize("tool", ["generate", "score", "export", "init_from"])
 @pytest.mark.parametrize("case", ["empty", "safetensors", "hf", "run-ddp", "run-fsdp"])
-def test_a_directory_without_a_snapshot_says_what_it_is(not_snapshots, tool, case, capsys, monkeypatch, tmp_path):
+def test_a_directory_without_a_snapshot_says_what_it_is(
+    not_snapshots, tool, case, capsys, monkeypatch, tmp_path
+):
     """Not `no published sharded snapshot in ...` for each of them alike."""
     path, says = not_snapshots[case]
     if tool == "init_from":
@@ -515,9 +683,12 @@ def test_a_directory_without_a_snapshot_says_what_it_is(not_snapshots, tool, cas
         config.trainer_config.init_from = str(path)
         with pytest.raises(SnapshotError) as refused:
             prepare(config, str(tmp_path / "snapshot.pt"), None)
-        assert str(refused.value).startswith(f"trainer_config.init_from: {path} {says}"), str(refused.value)
+        assert str(refused.value).startswith(f"trainer_config.init_from: {path} {says}"), str(
+            refused.value
+        )
         return
-    root_logger = logging.getLogger()  # the commands set up logging to the captured stderr: put it back after
+    # the commands set up logging to the captured stderr: put it back after
+    root_logger = logging.getLogger()
     monkeypatch.setattr(root_logger, "handlers", root_logger.handlers[:])
     monkeypatch.setattr(root_logger, "level", root_logger.level)
     main = {"generate": "mingpt.generate", "score": "mingpt.score", "export": "mingpt.export"}[tool]
@@ -525,5 +696,9 @@ def test_a_directory_without_a_snapshot_says_what_it_is(not_snapshots, tool, cas
     with pytest.raises(SystemExit) as exit_status:
         __import__(main, fromlist=["main"]).main(argv)
     err = capsys.readouterr().err
-    assert exit_status.value.code == 2 and err.startswith(f"error: {path} {says}") and err.count("\n") == 1, err
+    assert (
+        exit_status.value.code == 2
+        and err.startswith(f"error: {path} {says}")
+        and err.count("\n") == 1
+    ), err
     assert not (tmp_path / "out").exists()

@@ -16,21 +16,33 @@ import signal
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-
 from conftest import TINY, read_snapshot, run_dir_of, run_main, run_torchrun
+from omegaconf import OmegaConf
+from test_snapshot import assert_one_error, make_trainer, same_tensors
+
 from mingpt import stopping
 from mingpt.config import Config, ConfigError
 from mingpt.rundir import run_dir_name
 from mingpt.score import ScoreConfig, score
 from mingpt.snapshot import manager, sharded
-from test_snapshot import assert_one_error, make_trainer, same_tensors
 
 # Batch 32 at a constant 0.03: the tiny model gets past the unigram plateau in few steps.
-FAST = ["trainer_config.batch_size=32", "optimizer_config.learning_rate=0.03", "optimizer_config.lr_schedule=constant",
-        "optimizer_config.warmup_steps=0", "trainer_config.eval_tokens=2048"]
-PRETRAIN = [*TINY, *FAST, "data_config.path=a.txt", "trainer_config.run_name=pre", "trainer_config.max_steps=80",
-            "trainer_config.eval_every=20", "trainer_config.sample_chars=0"]
+FAST = [
+    "trainer_config.batch_size=32",
+    "optimizer_config.learning_rate=0.03",
+    "optimizer_config.lr_schedule=constant",
+    "optimizer_config.warmup_steps=0",
+    "trainer_config.eval_tokens=2048",
+]
+PRETRAIN = [
+    *TINY,
+    *FAST,
+    "data_config.path=a.txt",
+    "trainer_config.run_name=pre",
+    "trainer_config.max_steps=80",
+    "trainer_config.eval_every=20",
+    "trainer_config.sample_chars=0",
+]
 
 
 @dataclasses.dataclass
@@ -65,17 +77,25 @@ def weights(trainer) -> dict:
     return {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
 
 
-def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(tmp_path, pretrained, caplog,
-                                                                              one_thread):
+def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(
+    tmp_path, pretrained, caplog, one_thread
+):
     """The issue's test: 20 steps on B from A's weights reach a lower held-out loss on
     B's own held-out split than 20 steps from scratch; fresh optimizer, step from 0."""
     caplog.set_level(logging.INFO, logger="mingpt")
     steps = [*FAST, "trainer_config.max_steps=20"]
-    finetuned = make_trainer(tmp_path / "ft", pretrained.b, *steps, f"trainer_config.init_from={pretrained.run_dir}")
+    finetuned = make_trainer(
+        tmp_path / "ft", pretrained.b, *steps, f"trainer_config.init_from={pretrained.run_dir}"
+    )
     assert finetuned.progress.step == 0 and not finetuned.optimizer.state  # fresh: no moments yet
-    assert finetuned.data.tokenizer.chars == read_snapshot(pretrained.run_dir / "snapshots")["vocab"]
+    assert (
+        finetuned.data.tokenizer.chars == read_snapshot(pretrained.run_dir / "snapshots")["vocab"]
+    )
     x, _ = finetuned.train_windows.batch([0])  # B's ids, read as the snapshot's: the same text
-    assert finetuned.data.tokenizer.decode(x[0].tolist()) == pretrained.b.read_text(encoding="utf-8")[:16]
+    assert (
+        finetuned.data.tokenizer.decode(x[0].tolist())
+        == pretrained.b.read_text(encoding="utf-8")[:16]
+    )
     finetuned.train()
     scratch = make_trainer(tmp_path / "scratch", pretrained.b, *steps)
     scratch.train()
@@ -91,13 +111,23 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(tm
 
 
 def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pretrained, tmp_path):
-    (tmp_path / "c.txt").write_text(pretrained.b.read_text(encoding="utf-8") + "café ~\n", encoding="utf-8")
-    args = [*TINY, "data_config.path=c.txt", "trainer_config.max_steps=2",
-            f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}"]
+    (tmp_path / "c.txt").write_text(
+        pretrained.b.read_text(encoding="utf-8") + "café ~\n", encoding="utf-8"
+    )
+    args = [
+        *TINY,
+        "data_config.path=c.txt",
+        "trainer_config.max_steps=2",
+        f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}",
+    ]
     result = run_main(args, cwd=tmp_path)
     assert result.returncode == 2
-    assert_one_error(result, "2 characters outside the vocabulary of", str(pretrained.run_dir / "snapshots"),
-                     "'~' 'é'")
+    assert_one_error(
+        result,
+        "2 characters outside the vocabulary of",
+        str(pretrained.run_dir / "snapshots"),
+        "'~' 'é'",
+    )
     run_dir = run_dir_of(tmp_path, args)
     assert not (run_dir / "train.log").exists()  # refused before writing anything
     # The run directory names its source, also among many other values (the hash keeps the whole path).
@@ -116,13 +146,22 @@ def test_the_run_directory_shows_the_source_readably():
 def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tmp_path, one_thread):
     source = f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}"
     # Left at their defaults (4 layers, 128 dims, windows of 64): the snapshot's shape.
-    trainer = make_trainer(tmp_path / "a", pretrained.b, source, "gpt_config.n_layer=4", "gpt_config.n_embd=128",
-                           "data_config.block_size=64")
+    trainer = make_trainer(
+        tmp_path / "a",
+        pretrained.b,
+        source,
+        "gpt_config.n_layer=4",
+        "gpt_config.n_embd=128",
+        "data_config.block_size=64",
+    )
     shape = trainer.config.gpt_config
     assert (shape.n_layer, shape.n_head, shape.n_embd, shape.block_size) == (2, 2, 32, 16)
     assert trainer.train_windows.block_size == 16
-    with pytest.raises(ConfigError, match=r"^gpt_config\.n_embd: 64 given, but the model of .*snapshots "
-                                          r"\(trainer_config\.init_from\) has 32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^gpt_config\.n_embd: 64 given, but the model of .*snapshots "
+        r"\(trainer_config\.init_from\) has 32",
+    ):
         make_trainer(tmp_path / "b", pretrained.b, source, "gpt_config.n_embd=64")
     with pytest.raises(ConfigError, match=r"^data_config\.block_size: 32 given"):
         make_trainer(tmp_path / "c", pretrained.b, source, "data_config.block_size=32")
@@ -130,27 +169,39 @@ def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tm
 
 def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretrained, tmp_path):
     """data_config.block_size=64 given (the default): replaced by the snapshot's 16, said, and recorded."""
-    args = [*TINY, f"data_config.path={pretrained.b}", "trainer_config.max_steps=1", "trainer_config.sample_chars=0",
-            "data_config.block_size=64", f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}"]
+    args = [
+        *TINY,
+        f"data_config.path={pretrained.b}",
+        "trainer_config.max_steps=1",
+        "trainer_config.sample_chars=0",
+        "data_config.block_size=64",
+        f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}",
+    ]
     result = run_main(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"the model's shape from {pretrained.run_dir / 'snapshots'} (trainer_config.init_from): "
-            "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, data_config.block_size=16 "
-            "(replacing 64)") in result.stderr
+    assert (
+        f"the model's shape from {pretrained.run_dir / 'snapshots'} (trainer_config.init_from): "
+        "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, data_config.block_size=16 "
+        "(replacing 64)"
+    ) in result.stderr
     recorded = OmegaConf.load(run_dir_of(tmp_path, args) / ".hydra" / "config.yaml")
     assert recorded.data_config.block_size == 16 and recorded.gpt_config.n_layer == 2
     assert recorded.gpt_config.vocab_size is None  # set by the data, as before
 
 
-def test_a_run_directory_gives_its_best_weights_else_its_snapshot(pretrained, tmp_path, caplog, one_thread):
+def test_a_run_directory_gives_its_best_weights_else_its_snapshot(
+    pretrained, tmp_path, caplog, one_thread
+):
     caplog.set_level(logging.INFO, logger="mingpt")
     run_dir = tmp_path / "pre"
     shutil.copytree(pretrained.run_dir, run_dir)
     best = read_snapshot(run_dir / "snapshots-best")
     trainer = make_trainer(tmp_path / "ft", pretrained.b, f"trainer_config.init_from={run_dir}")
     assert same_tensors(weights(trainer), best["model_state"])
-    assert (f"initialised from {run_dir / 'snapshots-best'} (step {best['best_step']}, "
-            f"held-out loss {best['best_eval_loss']:.4f})") in caplog.text
+    assert (
+        f"initialised from {run_dir / 'snapshots-best'} (step {best['best_step']}, "
+        f"held-out loss {best['best_eval_loss']:.4f})"
+    ) in caplog.text
     shutil.rmtree(run_dir / "snapshots-best")  # none written yet: the run's snapshot
     latest = read_snapshot(run_dir / "snapshots")
     trainer = make_trainer(tmp_path / "ft2", pretrained.b, f"trainer_config.init_from={run_dir}")
@@ -158,10 +209,17 @@ def test_a_run_directory_gives_its_best_weights_else_its_snapshot(pretrained, tm
     assert f"initialised from {run_dir / 'snapshots'} (step 80" in caplog.text
 
 
-def test_a_sharded_snapshot_is_a_source_for_either_parallelism(pretrained, tmp_path, caplog, one_thread):
+def test_a_sharded_snapshot_is_a_source_for_either_parallelism(
+    pretrained, tmp_path, caplog, one_thread
+):
     caplog.set_level(logging.INFO, logger="mingpt")
-    make_trainer(tmp_path / "sharded", pretrained.a, "trainer_config.parallelism=fsdp", "trainer_config.max_steps=6",
-                 f"trainer_config.init_from={pretrained.run_dir}").train()
+    make_trainer(
+        tmp_path / "sharded",
+        pretrained.a,
+        "trainer_config.parallelism=fsdp",
+        "trainer_config.max_steps=6",
+        f"trainer_config.init_from={pretrained.run_dir}",
+    ).train()
     root = tmp_path / "sharded" / "snapshots"
     assert sharded.latest(str(root))
     source = manager.read(str(root))
@@ -170,8 +228,14 @@ def test_a_sharded_snapshot_is_a_source_for_either_parallelism(pretrained, tmp_p
     assert same_tensors(weights(plain), source["model_state"])
     assert f"initialised from {root} (step 6, held-out loss " in caplog.text
     # Sharded over two ranks.
-    args = [*TINY, f"data_config.path={pretrained.b}", "trainer_config.parallelism=fsdp", "trainer_config.max_steps=2",
-            "trainer_config.eval_tokens=512", f"trainer_config.init_from={root}"]
+    args = [
+        *TINY,
+        f"data_config.path={pretrained.b}",
+        "trainer_config.parallelism=fsdp",
+        "trainer_config.max_steps=2",
+        "trainer_config.eval_tokens=512",
+        f"trainer_config.init_from={root}",
+    ]
     result = run_torchrun(2, args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"initialised from {root} (step 6, held-out loss " in result.stderr
@@ -180,19 +244,28 @@ def test_a_sharded_snapshot_is_a_source_for_either_parallelism(pretrained, tmp_p
     assert meta["step"] == 2 and meta["world_size"] == 2 and meta["vocab"] == source["vocab"]
 
 
-def test_a_stopped_finetuning_run_resumes_its_own_snapshot(pretrained, tmp_path, monkeypatch, caplog, one_thread):
+def test_a_stopped_finetuning_run_resumes_its_own_snapshot(
+    pretrained, tmp_path, monkeypatch, caplog, one_thread
+):
     """Stopped at step 6 and restarted, the run resumes its own snapshot (its source is
     gone by then, and not needed) and ends with the uninterrupted run's exact weights."""
     caplog.set_level(logging.INFO, logger="mingpt")
     source = tmp_path / "source"
     shutil.copytree(pretrained.run_dir / "snapshots", source)
     # The corpus whole in memory (placement=device): its ids are mapped there, as they are per batch read on the host.
-    args = [*FAST, "trainer_config.max_steps=12", "gpt_config.dropout=0.1", "data_config.placement=device",
-            f"trainer_config.init_from={source}"]
+    args = [
+        *FAST,
+        "trainer_config.max_steps=12",
+        "gpt_config.dropout=0.1",
+        "data_config.placement=device",
+        f"trainer_config.init_from={source}",
+    ]
     reference = make_trainer(tmp_path / "ref", pretrained.b, *args)
     reference.train()
     first = make_trainer(tmp_path / "run", pretrained.b, *args)
-    monkeypatch.setattr(stopping, "stop_requested", lambda: signal.SIGTERM if first.progress.step >= 6 else 0)
+    monkeypatch.setattr(
+        stopping, "stop_requested", lambda: signal.SIGTERM if first.progress.step >= 6 else 0
+    )
     with pytest.raises(stopping.Stopped):
         first.train()
     monkeypatch.undo()
@@ -201,7 +274,10 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(pretrained, tmp_path,
     resumed = make_trainer(tmp_path / "run", pretrained.b, *args)
     assert resumed.progress.step == 6
     x, _ = resumed.train_windows.batch([1])
-    assert resumed.data.tokenizer.decode(x[0].tolist()) == pretrained.b.read_text(encoding="utf-8")[16:32]
+    assert (
+        resumed.data.tokenizer.decode(x[0].tolist())
+        == pretrained.b.read_text(encoding="utf-8")[16:32]
+    )
     assert "resumed from" in caplog.text and "initialised from" not in caplog.text
     resumed.train()
     assert resumed.progress.step == 12 and same_tensors(weights(resumed), weights(reference))

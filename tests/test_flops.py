@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from mingpt import flops
+from mingpt.cli import CONF_DIR
 from mingpt.data import load_data
 from mingpt.distributed import DistInfo
 from mingpt.model import GPT
-from mingpt.cli import CONF_DIR
 from mingpt.train import build, fit_to_data
 
 QUIET_2_CORES = 170e9  # FLOP/s of fp32 matmuls on the 2-core machine of BENCHMARKS.md
@@ -25,7 +25,9 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml
 
 def config(*overrides: str):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=["trainer_config.device=cpu", *overrides]))
+        return OmegaConf.to_object(
+            compose("config", overrides=["trainer_config.device=cpu", *overrides])
+        )
 
 
 def step_flops(cfg) -> float:
@@ -40,12 +42,16 @@ def step_flops(cfg) -> float:
 def test_the_default_run_is_not_measured_and_every_experiment_warns(monkeypatch):
     measured = []
     monkeypatch.setattr(flops, "matmul_rate", lambda: measured.append(1) or QUIET_2_CORES)
-    assert flops.slow_on_cpu(step_flops(config()), 2616) is None and not measured  # 4 GFLOP: no measurement
+    # 4 GFLOP: no measurement
+    assert flops.slow_on_cpu(step_flops(config()), 2616) is None and not measured
     assert EXPERIMENTS  # derived from conf/experiment/, not a list kept here
     for name in EXPERIMENTS:
         warning = flops.slow_on_cpu(step_flops(config(f"experiment={name}")), 1000)
         seconds = re.search(r"expect about ([\d,]+) s per step on this CPU", warning or "")
-        assert seconds and int(seconds.group(1).replace(",", "")) > flops.SLOW_STEP_SECONDS, (name, warning)
+        assert seconds and int(seconds.group(1).replace(",", "")) > flops.SLOW_STEP_SECONDS, (
+            name,
+            warning,
+        )
         assert "\n" not in warning and "170 GFLOP/s" in warning
 
 
@@ -53,16 +59,21 @@ def test_the_rule_is_the_expected_seconds_per_step():
     rate = 100e9
     assert flops.slow_on_cpu(90e9, 10, rate) is None  # 0.9 s
     warning = flops.slow_on_cpu(120e9, 7200, rate)  # 1.2 s
-    assert warning.startswith("this run is sized for a GPU: expect about 1 s per step on this CPU, "
-                              "2.4 h for 7,200 steps")
+    assert warning.startswith(
+        "this run is sized for a GPU: expect about 1 s per step on this CPU, 2.4 h for 7,200 steps"
+    )
 
 
 def test_a_gpu_preset_on_a_cpu_warns_before_training(small_corpus, monkeypatch, caplog):
     monkeypatch.setattr(flops, "matmul_rate", lambda: QUIET_2_CORES)
-    cfg = config("experiment=gpu-quick", f"data_config.path={small_corpus}", "trainer_config.compile=false")
+    cfg = config(
+        "experiment=gpu-quick", f"data_config.path={small_corpus}", "trainer_config.compile=false"
+    )
     data = load_data(cfg.data_config)
     with caplog.at_level(logging.WARNING, logger="mingpt"):
-        trainer = build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(small_corpus.parent / "run"), data)
+        trainer = build(
+            cfg, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(small_corpus.parent / "run"), data
+        )
     warnings = [r.getMessage() for r in caplog.records if "sized for a GPU" in r.getMessage()]
     assert len(warnings) == 1 and f"for {trainer.total_steps:,} steps" in warnings[0]
     # The same model on the GPU it is meant for: no warning (only CPUs are checked).
@@ -90,16 +101,25 @@ def test_train_events_carry_mfu_and_peak_memory(small_corpus, monkeypatch, one_t
     import json
 
     peaks = []
-    monkeypatch.setattr(flops, "peak_rate", lambda device, dtype: peaks.append(dtype) or QUIET_2_CORES)
-    cfg = config(f"data_config.path={small_corpus}", "trainer_config.max_steps=2", "trainer_config.log_every=1",
-                 "trainer_config.eval_every=0", "trainer_config.sample_chars=0")
+    monkeypatch.setattr(
+        flops, "peak_rate", lambda device, dtype: peaks.append(dtype) or QUIET_2_CORES
+    )
+    cfg = config(
+        f"data_config.path={small_corpus}",
+        "trainer_config.max_steps=2",
+        "trainer_config.log_every=1",
+        "trainer_config.eval_every=0",
+        "trainer_config.sample_chars=0",
+    )
     run_dir = small_corpus.parent / "mfu"
     trainer = build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
     trainer.train()
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [e for e in events if e["split"] == "train"]
     g = cfg.gpt_config
-    per_token = flops.flops_per_token(trainer.raw_model, g.n_layer, g.n_embd, cfg.data_config.block_size)
+    per_token = flops.flops_per_token(
+        trainer.raw_model, g.n_layer, g.n_embd, cfg.data_config.block_size
+    )
     assert peaks == [torch.float32]  # measured once, in the step's precision
     assert [e["step"] for e in train] == [1, 2]
     for e in train:

@@ -15,16 +15,20 @@ import pytest
 import torch
 from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main
 
+from mingpt.command import parse_args
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
-from mingpt.model import GPT
-from mingpt.command import parse_args
-from mingpt.snapshot import single_file
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, load_model, should_compile
+from mingpt.model import GPT
+from mingpt.snapshot import single_file
 
-
-TRAIN_ARGS = TINY + ["data_config.path=small.txt", "trainer_config.run_name=gen", "trainer_config.max_steps=150",
-                     "optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=10"]
+TRAIN_ARGS = TINY + [
+    "data_config.path=small.txt",
+    "trainer_config.run_name=gen",
+    "trainer_config.max_steps=150",
+    "optimizer_config.learning_rate=1e-2",
+    "optimizer_config.warmup_steps=10",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +51,22 @@ def generate_cmd(args: list[str]) -> list[str]:
 
 
 def run_generate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(generate_cmd(args), cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        generate_cmd(args), cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 # ------------------------------------------------------------------ the command
 
 
 def test_samples_stream_separated_and_repeat_with_the_seed(workdir, snapshot):
-    args = [f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=60", "num_samples=2", "seed=7"]
+    args = [
+        f"snapshot_path={snapshot}",
+        "prompt=ROMEO:",
+        "max_new_tokens=60",
+        "num_samples=2",
+        "seed=7",
+    ]
     first, second = run_generate(args, workdir), run_generate(args, workdir)
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout  # same seed, same text
@@ -81,8 +93,13 @@ def test_text_streams_while_it_is_generated(workdir, snapshot):
     env = child_env()
     env.pop("PYTHONUNBUFFERED", None)
     proc = subprocess.Popen(
-        generate_cmd([f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=6000", "compile=false"]),
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        generate_cmd(
+            [f"snapshot_path={snapshot}", "prompt=ROMEO:", "max_new_tokens=6000", "compile=false"]
+        ),
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     try:
         received = b""
@@ -99,7 +116,9 @@ def test_text_streams_while_it_is_generated(workdir, snapshot):
 
 def tokens(model, idx, n, seed=None, **kwargs) -> list[int]:
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return torch.cat(list(generate(model, idx, n, generator=generator, **kwargs)), dim=1)[0].tolist()
+    return torch.cat(list(generate(model, idx, n, generator=generator, **kwargs)), dim=1)[
+        0
+    ].tolist()
 
 
 def test_cache_gives_the_tokens_of_full_recomputation_past_block_size(snapshot, corpus, one_thread):
@@ -110,7 +129,8 @@ def test_cache_gives_the_tokens_of_full_recomputation_past_block_size(snapshot, 
         idx = tokenizer.encode(prompt).long()[None]
         greedy = tokens(model, idx, 100, temperature=0.0, use_cache=True)
         assert greedy == tokens(model, idx, 100, temperature=0.0, use_cache=False)
-        assert greedy == tokens(model, idx, 100, seed=1, top_k=1, use_cache=True)  # top_k=1 is greedy
+        # top_k=1 is greedy
+        assert greedy == tokens(model, idx, 100, seed=1, top_k=1, use_cache=True)
         sampled = tokens(model, idx, 100, seed=3, use_cache=True)
         assert sampled == tokens(model, idx, 100, seed=3, use_cache=False)
         assert sampled != greedy
@@ -122,7 +142,8 @@ def test_cache_gives_the_tokens_of_full_recomputation_past_block_size(snapshot, 
 def test_compiled_step_gives_the_tokens_of_full_recomputation(snapshot, corpus, one_thread):
     model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
     idx = tokenizer.encode(corpus.read_text(encoding="utf-8")[1000:1040]).long()[None]
-    compiled = tokens(model, idx, 60, seed=5, use_cache=True, compile=True)  # past block_size: refills
+    # past block_size: refills
+    compiled = tokens(model, idx, 60, seed=5, use_cache=True, compile=True)
     assert compiled == tokens(model, idx, 60, seed=5, use_cache=False)
 
 
@@ -134,7 +155,10 @@ def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread):
     idx = tokenizer.encode("ROMEO:").long()[None]
     for use_cache in (True, False):
         generators = [torch.Generator().manual_seed(seed) for seed in (11, 12, 13)]
-        batch = torch.cat(list(generate(model, idx.expand(3, -1), 40, generator=generators, use_cache=use_cache)), 1)
+        batch = torch.cat(
+            list(generate(model, idx.expand(3, -1), 40, generator=generators, use_cache=use_cache)),
+            1,
+        )
         alone = [tokens(model, idx, 40, seed=seed, use_cache=use_cache) for seed in (11, 12, 13)]
         assert batch.tolist() == alone
         assert len({tuple(row) for row in alone}) == 3
@@ -147,7 +171,9 @@ def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread):
 def random_model() -> GPT:
     """An untrained model: near-uniform logits, so sampled texts differ from seed to seed."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16, dropout=0.0)).eval()
+    return GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16, dropout=0.0)
+    ).eval()
 
 
 def chunks(model, n, seed, idx=None, **kwargs) -> list[torch.Tensor]:
@@ -161,13 +187,23 @@ def test_a_seed_fixes_the_tokens_whatever_the_path_and_the_chunks(random_model, 
     n = noise_rows(65) + 40  # a second block of noise, several window restarts
     reference = torch.cat(chunks(random_model, n, 5), dim=1)
     assert reference.shape == (1, n)
-    for kwargs in ({"use_cache": False}, {"chunk_tokens": 1}, {"chunk_tokens": 7, "chunk_seconds": None},
-                   {"chunk_seconds": 0.0}, {"use_cache": False, "chunk_tokens": 1000, "chunk_seconds": None}):
-        assert torch.equal(torch.cat(chunks(random_model, n, 5, **kwargs), dim=1), reference), kwargs
+    for kwargs in (
+        {"use_cache": False},
+        {"chunk_tokens": 1},
+        {"chunk_tokens": 7, "chunk_seconds": None},
+        {"chunk_seconds": 0.0},
+        {"use_cache": False, "chunk_tokens": 1000, "chunk_seconds": None},
+    ):
+        assert torch.equal(torch.cat(chunks(random_model, n, 5, **kwargs), dim=1), reference), (
+            kwargs
+        )
     # A shorter generation is the start of the longer one.
     assert torch.equal(torch.cat(chunks(random_model, 30, 5), dim=1), reference[:, :30])
-    others = {tuple(torch.cat(chunks(random_model, 40, seed), dim=1)[0].tolist()) for seed in (6, 7, 8)}
-    assert len(others | {tuple(reference[0, :40].tolist())}) == 4  # different seeds, different texts
+    others = {
+        tuple(torch.cat(chunks(random_model, 40, seed), dim=1)[0].tolist()) for seed in (6, 7, 8)
+    }
+    # different seeds, different texts
+    assert len(others | {tuple(reference[0, :40].tolist())}) == 4
 
 
 def test_the_first_token_comes_alone_then_chunks(random_model, one_thread):
@@ -176,8 +212,14 @@ def test_the_first_token_comes_alone_then_chunks(random_model, one_thread):
     calls = []
     hook = random_model.lm_head.register_forward_hook(lambda *_: calls.append(1))
     try:
-        tokens = generate(random_model, torch.zeros(2, 3, dtype=torch.long), 50,
-                          generator=torch.Generator().manual_seed(0), chunk_tokens=16, chunk_seconds=None)
+        tokens = generate(
+            random_model,
+            torch.zeros(2, 3, dtype=torch.long),
+            50,
+            generator=torch.Generator().manual_seed(0),
+            chunk_tokens=16,
+            chunk_seconds=None,
+        )
         first = next(tokens)
         assert first.shape == (2, 1) and len(calls) == 1
         rest = list(tokens)
@@ -200,7 +242,8 @@ def test_top_k_holds_at_every_generated_token(random_model, one_thread):
             logits = random_model(text[:, :-1])[0][0]
         allowed = logits.topk(top_k, dim=-1).indices
         assert all(token in allowed[i] for i, token in enumerate(new[0].tolist())), top_k
-    assert len(set(new[0].tolist())) > 1  # at temperature 3, top 3 of near-uniform logits: not one token
+    # at temperature 3, top 3 of near-uniform logits: not one token
+    assert len(set(new[0].tolist())) > 1
 
 
 def frequencies(logits: list[float], n: int = 40_000, seed: int = 1, **kwargs) -> torch.Tensor:
@@ -226,8 +269,10 @@ def test_the_exponential_race_samples_the_softmax():
         (): probs,
         (("temperature", 2.0),): probs.sqrt() / probs.sqrt().sum(),
         (("temperature", 0.5),): probs**2 / (probs**2).sum(),
-        (("top_k", 3),): torch.cat([probs[:3], torch.zeros(3, dtype=torch.float64)]) / probs[:3].sum(),
-        (("top_p", 0.7),): torch.cat([probs[:3], torch.zeros(3, dtype=torch.float64)]) / probs[:3].sum(),
+        (("top_k", 3),): torch.cat([probs[:3], torch.zeros(3, dtype=torch.float64)])
+        / probs[:3].sum(),
+        (("top_p", 0.7),): torch.cat([probs[:3], torch.zeros(3, dtype=torch.float64)])
+        / probs[:3].sum(),
     }
     for settings, expected in cases.items():
         freq = frequencies(logits, **dict(settings))
@@ -250,8 +295,11 @@ def test_compile_auto_compiles_where_it_pays():
         shorter = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type] - 1}"
         assert compiles(device, long_enough) and not compiles(device, shorter)
         assert not compiles(device, long_enough, "use_cache=false")
-        assert compiles(device, shorter, "compile=true") and not compiles(device, long_enough, "compile=false")
-    assert not compiles(cpu, "max_new_tokens=100000", "num_samples=2")  # a batch on CPU gains too little
+        assert compiles(device, shorter, "compile=true") and not compiles(
+            device, long_enough, "compile=false"
+        )
+    # a batch on CPU gains too little
+    assert not compiles(cpu, "max_new_tokens=100000", "num_samples=2")
     assert compiles(cuda, "max_new_tokens=100000", "num_samples=2")
     assert parse_args(["compile=True"], GenerateConfig).compile == "true"
 
@@ -261,11 +309,15 @@ def test_compile_auto_compiles_where_it_pays():
 
 def draws(logits: list[float], n: int = 400, **kwargs) -> set[int]:
     batch = torch.tensor([logits]).repeat(n, 1)
-    return set(next_token(batch, generator=torch.Generator().manual_seed(0), **kwargs)[:, 0].tolist())
+    return set(
+        next_token(batch, generator=torch.Generator().manual_seed(0), **kwargs)[:, 0].tolist()
+    )
 
 
 def test_temperature_zero_is_greedy():
-    assert next_token(torch.tensor([[0.1, 2.0, 1.9], [3.0, 0.0, 2.9]]), temperature=0.0).tolist() == [[1], [0]]
+    assert next_token(
+        torch.tensor([[0.1, 2.0, 1.9], [3.0, 0.0, 2.9]]), temperature=0.0
+    ).tolist() == [[1], [0]]
 
 
 def test_top_k_keeps_exactly_k_tokens_even_with_ties():
@@ -296,7 +348,8 @@ BAD_SETTINGS = {  # override -> the key the error must name
     "top_k=many": "top_k",  # wrong type
     "temprature=0.5": "temprature",  # unknown key
     "temperature=1e-42": "temperature",  # logits / 1e-42 would be inf, their softmax nan
-    "num_samples=100000000": "num_samples",  # would end in MemoryError: refused before, naming how many fit
+    # would end in MemoryError: refused before, naming how many fit
+    "num_samples=100000000": "num_samples",
 }
 BAD_SNAPSHOTS = {  # kind -> file name in the work directory
     "missing": "missing.pt",
@@ -317,17 +370,27 @@ def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
     os.mkfifo(workdir / "snapshot.fifo")
     os.symlink("/dev/zero", workdir / "zero.pt")
-    cases = {kind: [f"snapshot_path={workdir / name}", "prompt=ROMEO:"] for kind, name in BAD_SNAPSHOTS.items()}
-    cases.update({override: [f"snapshot_path={snapshot}", *override.split()] for override in BAD_SETTINGS})
+    cases = {
+        kind: [f"snapshot_path={workdir / name}", "prompt=ROMEO:"]
+        for kind, name in BAD_SNAPSHOTS.items()
+    }
+    cases.update(
+        {override: [f"snapshot_path={snapshot}", *override.split()] for override in BAD_SETTINGS}
+    )
     cases["prompt"] = [f"snapshot_path={snapshot}", "prompt=ROMEO: é€"]
     for kind, name in (("fifo", "snapshot.fifo"), ("device", "zero.pt")):
-        cases[f"prompt_file-{kind}"] = [f"snapshot_path={snapshot}", f"prompt_file={workdir / name}"]
+        cases[f"prompt_file-{kind}"] = [
+            f"snapshot_path={snapshot}",
+            f"prompt_file={workdir / name}",
+        ]
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(cases, pool.map(lambda args: run_generate(args, workdir), cases.values())))
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode != 0 and "Traceback" not in result.stderr and result.stdout == "", result.stderr
+    assert result.returncode != 0 and "Traceback" not in result.stderr and result.stdout == "", (
+        result.stderr
+    )
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
@@ -342,7 +405,10 @@ def test_unusable_snapshot_is_one_line_naming_the_path(bad_runs, workdir, kind):
 def test_prompt_file_not_a_regular_file_is_one_line(bad_runs, workdir, kind):
     what = {"fifo": "a FIFO", "device": "a device or socket"}[kind]
     line = one_error_line(bad_runs[f"prompt_file-{kind}"])
-    assert line == f"error: prompt_file is not a regular file: {workdir / BAD_SNAPSHOTS[kind]} is {what}", line
+    assert (
+        line
+        == f"error: prompt_file is not a regular file: {workdir / BAD_SNAPSHOTS[kind]} is {what}"
+    ), line
 
 
 def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_runs):

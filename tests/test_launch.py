@@ -12,8 +12,15 @@ from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of
 from mingpt.cli import take_local_rank_argument
 
 
-@pytest.mark.parametrize("argv", [["--local-rank=1", "a=1"], ["a=1", "--local_rank=1"], ["--local_rank", "1", "a=1"],
-                                  ["--local-rank", "1", "a=1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--local-rank=1", "a=1"],
+        ["a=1", "--local_rank=1"],
+        ["--local_rank", "1", "a=1"],
+        ["--local-rank", "1", "a=1"],
+    ],
+)
 def test_local_rank_argument_is_taken_out_of_the_overrides(argv, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert take_local_rank_argument(argv) == ["a=1"]
@@ -28,9 +35,14 @@ def test_local_rank_argument_fills_in_a_missing_environment(monkeypatch):
     assert os.environ["LOCAL_RANK"] == "3"
 
 
-@pytest.mark.parametrize("argv, says", [(["--local-rank=1"], "contradicts LOCAL_RANK=0"),
-                                        (["--local_rank"], "--local_rank: expects a local rank"),
-                                        (["--local-rank=x"], "--local-rank: expects a local rank")])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--local-rank=1"], "contradicts LOCAL_RANK=0"),
+        (["--local_rank"], "--local_rank: expects a local rank"),
+        (["--local-rank=x"], "--local-rank: expects a local rank"),
+    ],
+)
 def test_bad_local_rank_argument_is_one_line(argv, says, monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit) as e:
@@ -44,9 +56,19 @@ def test_legacy_launcher_trains_with_two_processes(tmp_path, corpus):
     data = tmp_path / "small.txt"
     data.write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
     args = [*TINY, f"data_config.path={data}", "trainer_config.max_steps=4"]
-    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--standalone",
-           str(REPO / "main.py"), *args]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.launch",
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        str(REPO / "main.py"),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unrecognized arguments" not in proc.stderr
     snapshot = read_snapshot(run_dir_of(tmp_path, args) / "snapshots")

@@ -36,6 +36,10 @@ def test_third_party_info_stays_out_of_stderr_and_train_log(tmp_path, capsys, ro
     log_file = (tmp_path / "train.log").read_text(encoding="utf-8")
     for shown in (err, log_file):
         assert "Found credentials" not in shown
-        for line in ("run directory here", "WARNING a third-party warning", "a line of ours",
-                     "a line of python -m mingpt.generate"):
+        for line in (
+            "run directory here",
+            "WARNING a third-party warning",
+            "a line of ours",
+            "a line of python -m mingpt.generate",
+        ):
             assert line in shown, shown

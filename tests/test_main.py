@@ -30,7 +30,12 @@ def workdir(tmp_path_factory, corpus) -> Path:
 
 
 def args(workdir: Path, *extra: str) -> list[str]:
-    return [*TINY, f"data_config.path={workdir / 'corpus.txt'}", "trainer_config.max_epochs=2", *extra]
+    return [
+        *TINY,
+        f"data_config.path={workdir / 'corpus.txt'}",
+        "trainer_config.max_epochs=2",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,10 @@ def test_run_writes_metrics(first_run):
     # The tiny model's steps are too small for MFU to mean anything; its peak memory is the process's.
     assert all(e["mfu"] is None and e["peak_mem_mib"] > 0 for e in train)
     # eval_every=0: at the end of each epoch, and always at the end of the run.
-    assert [(e["step"], e["epoch"]) for e in evals] == [(STEPS_PER_EPOCH, 1), (2 * STEPS_PER_EPOCH, 2)]
+    assert [(e["step"], e["epoch"]) for e in evals] == [
+        (STEPS_PER_EPOCH, 1),
+        (2 * STEPS_PER_EPOCH, 2),
+    ]
     assert all(math.isfinite(e["loss"]) for e in events)
     assert evals[-1]["loss"] < train[0]["loss"]  # it learned something
     assert (run_dir / "train.log").read_text().count("eval step") == 2
@@ -77,21 +85,38 @@ def test_run_writes_tensorboard_events(first_run):
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
     tags = acc.Tags()
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= set(tags["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= set(
+        tags["scalars"]
+    )
     assert [s.step for s in acc.Scalars("eval/loss")] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
-    assert any(tag.startswith("sample") for tag in tags["tensors"])  # a text sample at each evaluation
+    # a text sample at each evaluation
+    assert any(tag.startswith("sample") for tag in tags["tensors"])
 
 
 def test_run_writes_a_loadable_snapshot_and_prints_a_sample(first_run, workdir):
     proc, run_dir = first_run
     state = read_snapshot(run_dir / "snapshots")
-    assert {"model_state", "optimizer_state", "epoch", "gpt_config", "optimizer_config",
-            "data_config", "trainer_config", "vocab"} <= state.keys()
+    assert {
+        "model_state",
+        "optimizer_state",
+        "epoch",
+        "gpt_config",
+        "optimizer_config",
+        "data_config",
+        "trainer_config",
+        "vocab",
+    } <= state.keys()
     assert state["epoch"] == 2
     text = (workdir / "corpus.txt").read_text(encoding="utf-8")
     assert state["vocab"] == "".join(sorted(set(text)))
     g = state["gpt_config"]
-    assert (g["n_layer"], g["n_head"], g["n_embd"], g["vocab_size"], g["block_size"]) == (2, 2, 32, len(set(text)), 16)
+    assert (g["n_layer"], g["n_head"], g["n_embd"], g["vocab_size"], g["block_size"]) == (
+        2,
+        2,
+        32,
+        len(set(text)),
+        16,
+    )
     GPT(GPTConfig(**g)).load_state_dict(state["model_state"])  # strict: every weight, right shapes
     assert state["trainer_config"]["max_epochs"] == 2
     assert state["data_config"]["path"] == str(workdir / "corpus.txt")
@@ -121,13 +146,18 @@ def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, 
     shutil.copytree(run_dir, copy)
     longer = args(workdir, "trainer_config.max_epochs=3", f"hydra.run.dir={copy}")
     refused = run_main(longer, workdir)  # without the flag: one line naming the change
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("error: snapshot ")
-    assert "(trainer_config.max_epochs: 2 -> 3)" in refused.stderr and "allow_config_change=true" in refused.stderr
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "error: snapshot "
+    )
+    assert (
+        "(trainer_config.max_epochs: 2 -> 3)" in refused.stderr
+        and "allow_config_change=true" in refused.stderr
+    )
     proc = run_main([*longer, "trainer_config.allow_config_change=true"], workdir)
     assert proc.returncode == 0, proc.stderr
     assert f"run directory {copy}" in proc.stderr  # hydra.run.dir is respected
     assert "continuing" in proc.stderr and "trainer_config.max_epochs: 2 -> 3" in proc.stderr
-    new = records(copy)[len(records(run_dir)):]
+    new = records(copy)[len(records(run_dir)) :]
     assert new and new[0]["step"] > 2 * STEPS_PER_EPOCH  # no step of the first two epochs repeated
     assert new[-1] == {**new[-1], "split": "eval", "step": 3 * STEPS_PER_EPOCH, "epoch": 3}
     assert read_snapshot(copy / "snapshots")["epoch"] == 3
@@ -142,9 +172,13 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     jobs = sorted((workdir / "runs" / "sweep-multirun").glob("[01]-*"))
     assert [job.name[:2] for job in jobs] == ["0-", "1-"], jobs
     for job_dir, lr in zip(jobs, (default_lr, 3e-4)):
-        assert f"optimizer_config.learning_rate={lr:g}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
+        assert (
+            f"optimizer_config.learning_rate={lr:g}"
+            in (job_dir / ".hydra" / "overrides.yaml").read_text()
+        )
         first = records(job_dir)[0]
-        assert first["step"] == 5 and first["lr"] == pytest.approx(lr * 5 / 100)  # warmup of 100 steps
+        # warmup of 100 steps
+        assert first["step"] == 5 and first["lr"] == pytest.approx(lr * 5 / 100)
         assert read_snapshot(job_dir / "snapshots")["optimizer_config"]["learning_rate"] == lr
     # Job 0 has the first run's config (the default rate): another process, the same seed, the same run.
     assert without_timing(records(jobs[0])) == without_timing(records(run_dir))
@@ -160,7 +194,10 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     new = sorted(set((workdir / "runs" / "sweep-multirun").glob("[01]-*")) - set(jobs))
     assert [job.name[:2] for job in new] == ["1-"]
     assert records(new[0])[0]["lr"] == pytest.approx(1e-3 * 5 / 100)
-    assert f"optimizer_config.learning_rate={1e-3:g}" in (new[0] / ".hydra" / "overrides.yaml").read_text()
+    assert (
+        f"optimizer_config.learning_rate={1e-3:g}"
+        in (new[0] / ".hydra" / "overrides.yaml").read_text()
+    )
     assert {path: path.read_bytes() for path in jobs[1].rglob("*") if path.is_file()} == old
 
 
@@ -170,14 +207,23 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
         ("trainer_config.epochs=3", "trainer_config.epochs"),
         ("trainer_config.batch_size=0", "trainer_config.batch_size"),
         ("gpt_config=gpt-huge", "gpt_config/gpt-huge"),
-        ("+trainer_config.max_epoch=5", "trainer_config.max_epoch"),  # Hydra's `+` adds keys past OmegaConf
+        # Hydra's `+` adds keys past OmegaConf
+        ("+trainer_config.max_epoch=5", "trainer_config.max_epoch"),
         ("trainer_config.powersgd_start_step=1", "trainer_config.powersgd_start_step"),
         ("hydra.run.dir=", "hydra.run.dir: must not be empty"),
         ("trainer_config.run_name=..", "trainer_config.run_name"),
         ("hydra.run.dir=/proc/nope/run", "cannot create the run directory: /proc/nope"),
     ],
-    ids=["unknown-key", "bad-value", "unknown-preset", "added-key", "powersgd-start", "empty-run-dir",
-         "run-name-dotdot", "run-dir-not-creatable"],
+    ids=[
+        "unknown-key",
+        "bad-value",
+        "unknown-preset",
+        "added-key",
+        "powersgd-start",
+        "empty-run-dir",
+        "run-name-dotdot",
+        "run-dir-not-creatable",
+    ],
 )
 def test_bad_override_is_one_line(override, says, tmp_path):
     proc = run_main([override], tmp_path)
@@ -185,7 +231,8 @@ def test_bad_override_is_one_line(override, says, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
     assert not list(tmp_path.rglob("snapshots"))
-    assert [p.name for p in tmp_path.iterdir() if p.name != "runs"] == []  # nothing in the current directory
+    # nothing in the current directory
+    assert [p.name for p in tmp_path.iterdir() if p.name != "runs"] == []
 
 
 def test_missing_data_file_is_one_line(tmp_path):
@@ -199,16 +246,22 @@ def test_missing_data_file_is_one_line(tmp_path):
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, corpus):
     """Ctrl-C while training: a snapshot at the step reached, one line, status 130.
     Deadlines are generous (a loaded machine); the waits end on events."""
-    (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:50_000], encoding="utf-8")
+    (tmp_path / "corpus.txt").write_text(
+        corpus.read_text(encoding="utf-8")[:50_000], encoding="utf-8"
+    )
     cmd = [sys.executable, str(REPO / "main.py"), *args(tmp_path, "trainer_config.max_epochs=1000")]
     with open(tmp_path / "stderr.txt", "w") as err:  # a file: a full pipe cannot stall the run
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=err
+        )
     try:
         run_dir = run_dir_of(tmp_path, cmd[2:])
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while not (metrics.exists() and metrics.stat().st_size):  # wait until it trains
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "stderr.txt"
+            ).read_text()
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=300)

@@ -50,7 +50,10 @@ def user_dir(tmp_path, corpus):
 
 
 def user_run(user_dir, *overrides: str):
-    return run_main(["--config-dir", str(user_dir / "conf"), "--config-name", "gpt2_train_cfg", *overrides], user_dir)
+    return run_main(
+        ["--config-dir", str(user_dir / "conf"), "--config-name", "gpt2_train_cfg", *overrides],
+        user_dir,
+    )
 
 
 def test_tutorial_config_file_trains_with_its_values(user_dir):
@@ -58,20 +61,33 @@ def test_tutorial_config_file_trains_with_its_values(user_dir):
     proc = user_run(user_dir, "+trainer_config.max_steps=3", "trainer_config.batch_size=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if "data_loader_workers" in line]
-    assert len(notices) == 1 and "WARNING trainer_config.data_loader_workers ignored: " in notices[0]
+    assert (
+        len(notices) == 1 and "WARNING trainer_config.data_loader_workers ignored: " in notices[0]
+    )
     # hydra.run.dir ./ is the run directory; gpt_snapshot.pt is the snapshots' root directory
     snapshot = read_snapshot(user_dir / "gpt_snapshot.pt")
     assert snapshot["step"] == 3
     assert (snapshot["gpt_config"]["n_layer"], snapshot["gpt_config"]["n_embd"]) == (2, 32)
     t, o = snapshot["trainer_config"], snapshot["optimizer_config"]
-    assert (t["batch_size"], t["save_every"], o["learning_rate"]) == (4, 3, 3e-4)  # the file's values and the override's
-    assert o["betas"] == [0.9, 0.99] and t["amp_dtype"] == "bf16"  # the rest: this project's defaults
+    # the file's values and the override's
+    assert (t["batch_size"], t["save_every"], o["learning_rate"]) == (4, 3, 3e-4)
+    # the rest: this project's defaults
+    assert o["betas"] == [0.9, 0.99] and t["amp_dtype"] == "bf16"
 
 
-@pytest.mark.parametrize("edit, says", [
-    (("n_embd: 32", "n_embd: wide"), "error: gpt_config.n_embd: Value 'wide' of type 'str' could not be converted"),
-    (("use_amp: True", "use_amp: True\n  epochs: 3"), "error: trainer_config.epochs: unknown key"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (
+            ("n_embd: 32", "n_embd: wide"),
+            "error: gpt_config.n_embd: Value 'wide' of type 'str' could not be converted",
+        ),
+        (
+            ("use_amp: True", "use_amp: True\n  epochs: 3"),
+            "error: trainer_config.epochs: unknown key",
+        ),
+    ],
+)
 def test_tutorial_config_file_is_checked_against_the_schema(user_dir, edit, says):
     path = user_dir / "conf" / "gpt2_train_cfg.yaml"
     path.write_text(path.read_text().replace(*edit))
@@ -83,7 +99,9 @@ def test_tutorial_config_file_is_checked_against_the_schema(user_dir, edit, says
 
 
 @pytest.mark.parametrize("named", [False, True])
-def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_sampled(tmp_path, tiny_file, named):
+def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_sampled(
+    tmp_path, tiny_file, named
+):
     """Its snapshot.pt is not resumed (nor silently ignored by a run that would start afresh
     beside it): one line naming init_from; generate still reads it."""
     run = tmp_path / "old"
@@ -94,9 +112,24 @@ def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_samp
     named_path = [f"trainer_config.snapshot_path={run / 'snapshot.pt'}"] if named else []
     proc = run_main([*TINY, f"hydra.run.dir={run}", *named_path], tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith(f"error: {run / 'snapshot.pt'} is a single-file snapshot, the ddp training format")
+    assert proc.stderr.startswith(
+        f"error: {run / 'snapshot.pt'} is a single-file snapshot, the ddp training format"
+    )
     assert f"trainer_config.init_from={run / 'snapshot.pt'}" in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == before
-    sampled = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={run}", "max_new_tokens=5",
-                              "device=cpu"], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    sampled = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mingpt.generate",
+            f"snapshot_path={run}",
+            "max_new_tokens=5",
+            "device=cpu",
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sampled.returncode == 0 and len(sampled.stdout) >= 5, sampled.stderr

@@ -33,7 +33,9 @@ def test_changing_a_token_changes_no_earlier_logit(mode):
         changed = idx.clone()
         changed[:, t] = (changed[:, t] + 1 + torch.arange(3)) % 50
         logits, _ = model(changed)
-        assert torch.allclose(logits[:, :t], base[:, :t], rtol=0, atol=1e-5), f"position {t} leaked backwards"
+        assert torch.allclose(logits[:, :t], base[:, :t], rtol=0, atol=1e-5), (
+            f"position {t} leaked backwards"
+        )
         assert (logits[:, t:] - base[:, t:]).abs().amax() > 1e-2  # and it does change position t on
 
 
@@ -78,12 +80,17 @@ def test_gpt2_initialisation_scales_residual_projections():
     for name, p in params.items():
         if name.endswith("c_proj.weight"):
             assert p.std().item() == pytest.approx(scaled, rel=0.1), name
-        elif name.endswith(("c_attn.weight", "c_fc.weight")) or name in ("wte.weight", "wpe.weight", "lm_head.weight"):
+        elif name.endswith(("c_attn.weight", "c_fc.weight")) or name in (
+            "wte.weight",
+            "wpe.weight",
+            "lm_head.weight",
+        ):
             assert p.std().item() == pytest.approx(0.02, rel=0.1), name
         elif name.endswith("bias") or ".ln_" in name or name.startswith("ln_f"):
             expected = 1.0 if name.endswith("weight") else 0.0
             assert torch.all(p == expected), name
-    assert sum(name.endswith("c_proj.weight") for name in params) == 2 * n_layer  # attention and MLP
+    # attention and MLP
+    assert sum(name.endswith("c_proj.weight") for name in params) == 2 * n_layer
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
@@ -96,7 +103,9 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         model.checkpoint_blocks = checkpointed
         torch.manual_seed(3)  # dropout's stream
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel()) or t, lambda t: t
+        ):
             _, loss = model(idx, idx)
         kept.append(sum(saved))
         loss.backward()
@@ -104,4 +113,6 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     (loss, grads), (loss_ac, grads_ac) = results
     assert kept[1] < kept[0] / 2  # the blocks' activations were not kept
     assert torch.equal(loss, loss_ac)
-    assert grads.keys() == grads_ac.keys() and all(torch.equal(grads[n], grads_ac[n]) for n in grads)
+    assert grads.keys() == grads_ac.keys() and all(
+        torch.equal(grads[n], grads_ac[n]) for n in grads
+    )

@@ -30,7 +30,7 @@ def readme_command(pattern: str) -> list[str]:
 
 def main_args(words: list[str]) -> list[str]:
     """The words after main.py."""
-    return words[words.index("main.py") + 1:]
+    return words[words.index("main.py") + 1 :]
 
 
 def train_steps(run_dir) -> list[int]:
@@ -41,8 +41,9 @@ def train_steps(run_dir) -> list[int]:
 def run_on_terminal(cmd: list[str], cwd, timeout: float = 240) -> tuple[int, str]:
     """Run `cmd` with stdout and stderr on a pseudo-terminal; its exit status and all it showed."""
     leader, follower = pty.openpty()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=follower,
-                            stderr=follower)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=follower, stderr=follower
+    )
     os.close(follower)
     chunks, deadline = [], time.monotonic() + timeout
     try:
@@ -68,15 +69,21 @@ def run_on_terminal(cmd: list[str], cwd, timeout: float = 240) -> tuple[int, str
 
 def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "input.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    (tmp_path / "data" / "input.txt").write_text(
+        corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8"
+    )
 
     quick = readme_command(r"&& python main\.py")  # `pip install -e . && python main.py`
-    quick = main_args(quick[quick.index("&&") + 1:])
+    quick = main_args(quick[quick.index("&&") + 1 :])
     # On a terminal, as a newcomer runs it: the progress bar is on.
-    status, shown = run_on_terminal([sys.executable, str(REPO / "main.py"), *quick, *EXTRA], tmp_path)
+    status, shown = run_on_terminal(
+        [sys.executable, str(REPO / "main.py"), *quick, *EXTRA], tmp_path
+    )
     assert status == 0, shown[-3000:]
     # The bar's line is cleared before the sample header, which starts a line of its own.
-    assert re.search(r"[\r\n]--- sample after step 6 ---", shown) and "]--- sample" not in shown, shown[-3000:]
+    assert re.search(r"[\r\n]--- sample after step 6 ---", shown) and "]--- sample" not in shown, (
+        shown[-3000:]
+    )
     # The first log line's window holds the start-up: no ETA; the next one has it.
     logs = re.findall(r"train step (\d+) .*\| (elapsed \S+(?: eta \S+)?)\r?$", shown, re.M)
     assert [(step, "eta" in note) for step, note in logs] == [("5", False), ("6", True)], logs
@@ -86,19 +93,30 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     best = read_snapshot(snapshot)["best_eval_loss"]
     best_file = snapshot.with_name("snapshots-best")  # the best weights, beside the snapshots
     best_shown = re.escape(str(best_file.relative_to(tmp_path)))
-    assert re.search(rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) \| snapshot ",
-                     closing), closing
+    assert re.search(
+        rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) \| snapshot ",
+        closing,
+    ), closing
     command = closing.split("sample from the best: ")[1].strip()
     assert shlex.split(command)[:3] == ["python", "-m", "mingpt.generate"]
-    sampled = subprocess.run([sys.executable, *shlex.split(command)[1:], "max_new_tokens=5"], cwd=tmp_path,
-                             env=child_env(), capture_output=True, text=True, timeout=120)
+    sampled = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:], "max_new_tokens=5"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-3000:]
-    assert shlex.split(command)[3] == f"snapshot_path={best_file.relative_to(tmp_path)}"  # where it was started
+    # where it was started
+    assert shlex.split(command)[3] == f"snapshot_path={best_file.relative_to(tmp_path)}"
 
     # The same command again finds its run complete and says what to type instead.
     again = run_main([*quick, *EXTRA], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    line = next(line for line in again.stderr.splitlines() if "run already complete at step 6" in line)
+    line = next(
+        line for line in again.stderr.splitlines() if "run already complete at step 6" in line
+    )
     assert "nothing to train" in line and "add trainer_config.run_name=NAME" in line
     assert line.endswith("add trainer_config.max_steps=12 trainer_config.allow_config_change=true")
 
@@ -108,7 +126,7 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
         key, _, value = scale.pop(0).partition("=")
         env[key] = value
     assert scale[0] == "torchrun"
-    launcher = scale[1:scale.index("main.py")]
+    launcher = scale[1 : scale.index("main.py")]
     args = [*main_args(scale), *EXTRA]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(REPO / "main.py"), *args]
     second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

@@ -50,8 +50,13 @@ def contains(path: Path, text: str):
 
 def launch(cwd: Path, argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as stderr:  # a file, not a pipe: a full pipe would stall the job
-        return subprocess.Popen([sys.executable, str(REPO / "main.py"), *argv], cwd=cwd, env=child_env(),
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+        return subprocess.Popen(
+            [sys.executable, str(REPO / "main.py"), *argv],
+            cwd=cwd,
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
 
 
 def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
@@ -66,11 +71,14 @@ def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
         holder = f"is in use by pid {first.pid} on host {socket.gethostname()} since "
         second = run_main(argv, workdir)
         assert second.returncode == 2, second.stderr
-        assert second.stderr.splitlines()[-1].startswith(f"error: run directory {run_dir} {holder}"), second.stderr
+        assert second.stderr.splitlines()[-1].startswith(
+            f"error: run directory {run_dir} {holder}"
+        ), second.stderr
         assert "Traceback" not in second.stderr
         pair = run_torchrun(2, argv, workdir)
         errors = [line for line in pair.stderr.splitlines() if line.startswith("error: ")]
-        assert pair.returncode != 0 and len(errors) == 2, pair.stderr[-3000:]  # every rank stops, with the line
+        # every rank stops, with the line
+        assert pair.returncode != 0 and len(errors) == 2, pair.stderr[-3000:]
         assert all(holder in line for line in errors)
         assert first.poll() is None  # A never noticed
         before = steps(run_dir, "train")[-1]
@@ -79,12 +87,19 @@ def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
         first.kill()
         first.wait()
     train, evals = steps(run_dir, "train"), steps(run_dir, "eval")
-    assert train == sorted(set(train)) and evals == sorted(set(evals))  # strictly increasing: one writer
+    # strictly increasing: one writer
+    assert train == sorted(set(train)) and evals == sorted(set(evals))
 
     third = launch(workdir, argv, workdir / "c.err")
     try:
         wait_for(contains(workdir / "c.err", "resumed from"), "resume", third)
-        resumed = int((workdir / "c.err").read_text().split("resumed from", 1)[1].split("step ", 1)[1].split()[0])
+        resumed = int(
+            (workdir / "c.err")
+            .read_text()
+            .split("resumed from", 1)[1]
+            .split("step ", 1)[1]
+            .split()[0]
+        )
         assert resumed > 0
         wait_for(lambda: steps(run_dir, "train")[-1] > resumed, "training after the resume", third)
     finally:
@@ -103,8 +118,11 @@ def finished_run(workdir) -> Path:
 
 
 def contents(run_dir: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(run_dir)): path.read_bytes() for path in sorted(run_dir.rglob("*"))
-            if path.is_file()}
+    return {
+        str(path.relative_to(run_dir)): path.read_bytes()
+        for path in sorted(run_dir.rglob("*"))
+        if path.is_file()
+    }
 
 
 def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_run):
@@ -113,21 +131,37 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
     assert any(name.startswith("snapshots/step-") for name in before)
     same_dir = ["trainer_config.run_name=done", f"hydra.run.dir={finished_run}"]
     refusals = {
-        "bad value": (["trainer_config.batch_size=0"], "error: trainer_config.batch_size: must be >= 1"),
+        "bad value": (
+            ["trainer_config.batch_size=0"],
+            "error: trainer_config.batch_size: must be >= 1",
+        ),
         "bad corpus": (["data_config.path=missing.txt"], "error: data file not found: missing.txt"),
-        "changed config": (["trainer_config.max_epochs=2", "optimizer_config.learning_rate=1e-3"],
-                           "(optimizer_config.learning_rate: 0.003 -> 0.001; trainer_config.max_epochs: 1 -> 2)"),
+        "changed config": (
+            ["trainer_config.max_epochs=2", "optimizer_config.learning_rate=1e-3"],
+            "(optimizer_config.learning_rate: 0.003 -> 0.001; trainer_config.max_epochs: 1 -> 2)",
+        ),
         "other shape": (["gpt_config.n_layer=3"], "gpt_config.n_layer: snapshot 2, config 3"),
         "in use": ([], f"error: run directory {finished_run} is in use by another job"),
         # Operational keys that would start another snapshot from step 0 under the finished run's record.
-        "other snapshot": ([f"trainer_config.snapshot_path={workdir / 'elsewhere.pt'}"],
-                           f"error: run directory {finished_run} holds the record of a run up to step"),
+        "other snapshot": (
+            [f"trainer_config.snapshot_path={workdir / 'elsewhere.pt'}"],
+            f"error: run directory {finished_run} holds the record of a run up to step",
+        ),
     }
 
     def start(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(REPO / "main.py"), *args("trainer_config.max_epochs=1", *same_dir,
-                                                                                *extra)],
-                                cwd=workdir, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "main.py"),
+                *args("trainer_config.max_epochs=1", *same_dir, *extra),
+            ],
+            cwd=workdir,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     # Refused before they take the directory: together, while another job holds it
     # (this process, with the lock a job takes).
@@ -145,7 +179,10 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
     for name, (_, says) in refusals.items():
         stderr = results[name][1]
         errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert procs[name].returncode == 2 and len(errors) == 1 and says in errors[0], (name, stderr)
+        assert procs[name].returncode == 2 and len(errors) == 1 and says in errors[0], (
+            name,
+            stderr,
+        )
     assert contents(finished_run) == before
 
 
@@ -153,12 +190,18 @@ def test_another_command_starts_its_own_run(workdir, finished_run):
     """The README's first example of other settings: other values, its own
     run from step 0; the first run stays as it was."""
     before = contents(finished_run)
-    argv = args("trainer_config.max_epochs=1", "trainer_config.run_name=done", "optimizer_config.learning_rate=1e-3",
-                "trainer_config.max_steps=5")
+    argv = args(
+        "trainer_config.max_epochs=1",
+        "trainer_config.run_name=done",
+        "optimizer_config.learning_rate=1e-3",
+        "trainer_config.max_steps=5",
+    )
     proc = run_main(argv, workdir)
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" not in proc.stderr and "already complete" not in proc.stderr
-    assert run_dir_of(workdir, argv) != finished_run and steps(run_dir_of(workdir, argv), "train") == [5]
+    assert run_dir_of(workdir, argv) != finished_run and steps(
+        run_dir_of(workdir, argv), "train"
+    ) == [5]
     assert contents(finished_run) == before
 
 
@@ -168,13 +211,17 @@ def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(workdir, tmp_p
     lock = os.open(f"{snapshot}.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        proc = run_main(args(f"trainer_config.snapshot_path={snapshot}", f"hydra.run.dir={tmp_path / 'b'}"), workdir)
+        proc = run_main(
+            args(f"trainer_config.snapshot_path={snapshot}", f"hydra.run.dir={tmp_path / 'b'}"),
+            workdir,
+        )
     finally:
         os.close(lock)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1].startswith(f"error: snapshot {snapshot} is in use by"), proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"error: snapshot {snapshot} is in use by"), (
+        proc.stderr
+    )
     assert not snapshot.exists()
-
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "train.log", "tb"])
@@ -185,8 +232,15 @@ def test_a_record_file_of_the_wrong_kind_is_one_line(tmp_path, name):
     path = tmp_path / name
     path.mkdir() if name != "tb" else path.write_text("")
     kind = "a directory" if name == "tb" else "a file"
-    with pytest.raises(RunDirError, match=f"^run directory {tmp_path}: {path} must be {kind}; move it away$"):
-        check_record(str(tmp_path), str(tmp_path / "snapshot.pt"), 0, DistInfo(0, 0, 1, 1, torch.device("cpu")))
+    with pytest.raises(
+        RunDirError, match=f"^run directory {tmp_path}: {path} must be {kind}; move it away$"
+    ):
+        check_record(
+            str(tmp_path),
+            str(tmp_path / "snapshot.pt"),
+            0,
+            DistInfo(0, 0, 1, 1, torch.device("cpu")),
+        )
 
 
 def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(tmp_path):
@@ -197,10 +251,16 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
     from mingpt.rundir import LOCK_FILE, check_record
 
     (tmp_path / LOCK_FILE).write_text(json.dumps({"snapshot": str(tmp_path / "snapshot.pt")}))
-    lines = [b'{"step": 5, "epoch": 0, "split": "train"}\n', b"\xff\xfe not UTF-8\n",
-             b'{"step": 9, "epoch": 0, "split": "train"}\n', b'{"step": 10, "epo']
+    lines = [
+        b'{"step": 5, "epoch": 0, "split": "train"}\n',
+        b"\xff\xfe not UTF-8\n",
+        b'{"step": 9, "epoch": 0, "split": "train"}\n',
+        b'{"step": 10, "epo',
+    ]
     (tmp_path / "metrics.jsonl").write_bytes(b"".join(lines))
-    check_record(str(tmp_path), str(tmp_path / "snapshot.pt"), 5, DistInfo(0, 0, 1, 1, torch.device("cpu")))
+    check_record(
+        str(tmp_path), str(tmp_path / "snapshot.pt"), 5, DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    )
     Metrics(str(tmp_path), True, resume_step=5).close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == lines[0]
 
@@ -210,15 +270,23 @@ def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir, sma
     the metrics and train.log, no traceback, no cut line; the run trains to the
     end and saves its snapshot, kept on another file system."""
     snapshot = tmp_path / "snapshots"
-    argv = args("trainer_config.max_steps=60", "trainer_config.log_every=1", f"hydra.run.dir={small_disk / 'run'}",
-                f"trainer_config.snapshot_path={snapshot}")
+    argv = args(
+        "trainer_config.max_steps=60",
+        "trainer_config.log_every=1",
+        f"hydra.run.dir={small_disk / 'run'}",
+        f"trainer_config.snapshot_path={snapshot}",
+    )
     # Leave room for the start (config, the first lines), not for the whole run.
     filler = small_disk / "filler"
     with open(filler, "wb") as f:
-        f.write(b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - 24 * 1024))
+        f.write(
+            b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - 24 * 1024)
+        )
     proc = run_main(argv, workdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[
+        -3000:
+    ]
     assert proc.stderr.count("cannot write the metrics in") == 1, proc.stderr[-3000:]
     assert "train step 60 " in proc.stderr  # the log on stderr went on
     text = (small_disk / "run" / "metrics.jsonl").read_bytes()

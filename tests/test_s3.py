@@ -18,12 +18,17 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 from conftest import REPO, TINY, child_env, free_port  # noqa: E402
+
 from mingpt import storage  # noqa: E402
 from mingpt.data import DataError, read_text  # noqa: E402
 from mingpt.generate import GenerateConfig, PromptError, read_prompt  # noqa: E402
 from mingpt.snapshot import manager, single_file  # noqa: E402
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "test",
+    "AWS_SECRET_ACCESS_KEY": "test",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +56,22 @@ def s3(endpoint, monkeypatch):
 def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     s3.pipe("runs/small.txt", corpus.read_bytes()[:20_000])
     env = {**child_env(), **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}  # as docs/training.md says
-    args = [*TINY, "trainer_config.device=cpu", "trainer_config.sample_chars=0", "trainer_config.max_steps=2",
-            "data_config.path=s3://runs/small.txt", "trainer_config.snapshot_path=s3://runs/run1/snapshots"]
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+    args = [
+        *TINY,
+        "trainer_config.device=cpu",
+        "trainer_config.sample_chars=0",
+        "trainer_config.max_steps=2",
+        "data_config.path=s3://runs/small.txt",
+        "trainer_config.snapshot_path=s3://runs/run1/snapshots",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert manager.read("s3://runs/run1/snapshots")["step"] == 2
     # The best weights beside the snapshots (through s3:// too); no probe or temporary file left.
@@ -62,7 +79,9 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     assert manager.read("s3://runs/run1/snapshots-best")["step"] == 2
     # botocore's INFO `Found credentials in environment variables` is not ours to log.
     assert "Found credentials" not in proc.stderr
-    assert not [p for p in tmp_path.glob("runs/*/train.log") if "Found credentials" in p.read_text()]
+    assert not [
+        p for p in tmp_path.glob("runs/*/train.log") if "Found credentials" in p.read_text()
+    ]
 
 
 def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):
@@ -80,17 +99,28 @@ def test_an_unreachable_endpoint_is_one_line(monkeypatch, tmp_path):
     """Nothing listens on the port: botocore's EndpointConnectionError (not an OSError) becomes one line."""
     for key, value in {**CREDENTIALS, "AWS_MAX_ATTEMPTS": "1"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{free_port()}",
-                                                   "skip_instance_cache": True})
+    monkeypatch.setitem(
+        fsspec.config.conf,
+        "s3",
+        {"endpoint_url": f"http://127.0.0.1:{free_port()}", "skip_instance_cache": True},
+    )
     cant_connect = "Could not connect to the endpoint URL"
-    with pytest.raises(DataError, match=f"^cannot read data file s3://runs/small.txt: {cant_connect}"):
+    with pytest.raises(
+        DataError, match=f"^cannot read data file s3://runs/small.txt: {cant_connect}"
+    ):
         read_text("s3://runs/small.txt")
-    with pytest.raises(storage.StorageError, match=f"^cannot reach snapshot path s3://runs/s.pt: {cant_connect}"):
+    with pytest.raises(
+        storage.StorageError, match=f"^cannot reach snapshot path s3://runs/s.pt: {cant_connect}"
+    ):
         storage.exists("s3://runs/s.pt")
-    with pytest.raises(storage.StorageError,
-                       match=f"^cannot write to the snapshot path s3://runs/s.pt: {cant_connect}"):
+    with pytest.raises(
+        storage.StorageError,
+        match=f"^cannot write to the snapshot path s3://runs/s.pt: {cant_connect}",
+    ):
         storage.check_writable(str(tmp_path), "s3://runs/s.pt")
-    with pytest.raises(PromptError, match=f"^prompt_file s3://runs/prompt.txt cannot be read: {cant_connect}"):
+    with pytest.raises(
+        PromptError, match=f"^prompt_file s3://runs/prompt.txt cannot be read: {cant_connect}"
+    ):
         read_prompt(GenerateConfig(prompt_file="s3://runs/prompt.txt"))
 
 
@@ -102,7 +132,9 @@ def test_sharded_snapshots_publish_and_load_through_s3(s3):
     model = torch.nn.Linear(4, 3)
     tensors = {"model": model.state_dict(), "extra": {"lr": 0.5, "betas": (0.9, 0.99)}}
     for step, asynchronous in ((1, False), (2, True), (3, True)):
-        sharded.save(tensors, {"step": step}, "s3://runs/sharded", step, keep=2, async_save=asynchronous)
+        sharded.save(
+            tensors, {"step": step}, "s3://runs/sharded", step, keep=2, async_save=asynchronous
+        )
     assert sharded.wait_pending() == "s3://runs/sharded/step-00000003"
     s3.invalidate_cache()
     assert s3.ls("runs/sharded") == ["runs/sharded/step-00000002", "runs/sharded/step-00000003"]

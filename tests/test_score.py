@@ -33,11 +33,15 @@ def last_eval(run_dir) -> dict:
     return [e for e in events if e["split"] == "eval"][-1]
 
 
-def test_held_out_split_scores_as_the_runs_last_evaluation(tiny_run, monkeypatch, capsys, one_thread):
+def test_held_out_split_scores_as_the_runs_last_evaluation(
+    tiny_run, monkeypatch, capsys, one_thread
+):
     cwd, run_dir = tiny_run
     monkeypatch.chdir(cwd)  # the run's data_config.path is relative to where it ran
     final = last_eval(run_dir)
-    assert final["step"] == 60 and final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=1e-12)
+    assert final["step"] == 60 and final["perplexity"] == pytest.approx(
+        math.exp(final["loss"]), rel=1e-12
+    )
     for snapshot in (run_dir, run_dir / "snapshots"):
         result = score(ScoreConfig(snapshot_path=str(snapshot), device="cpu"))
         assert result.loss == pytest.approx(final["loss"], rel=1e-6, abs=0)
@@ -45,9 +49,14 @@ def test_held_out_split_scores_as_the_runs_last_evaluation(tiny_run, monkeypatch
         assert result.bpc == pytest.approx(final["bpc"], rel=1e-6)
     main([f"snapshot_path={run_dir}", "device=cpu"])
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"{run_dir} (step 60) on the held-out split of small.txt: {final['tokens']:,} characters scored"
+    assert (
+        out[0]
+        == f"{run_dir} (step 60) on the held-out split of small.txt: {final['tokens']:,} characters scored"
+    )
     loss, bpc, perplexity = (float(line.split()[1]) for line in out[1:])
-    assert loss == pytest.approx(final["loss"], abs=1e-6) and bpc == pytest.approx(final["bpc"], abs=1e-6)
+    assert loss == pytest.approx(final["loss"], abs=1e-6) and bpc == pytest.approx(
+        final["bpc"], abs=1e-6
+    )
     assert perplexity == pytest.approx(final["perplexity"], abs=1e-5)
 
 
@@ -64,9 +73,13 @@ def test_a_text_file_is_scored_window_by_window(tiny_run, tmp_path, one_thread):
     windows = torch.stack([tokens[i * block : (i + 1) * block + 1] for i in range(2)])
     with torch.no_grad():
         logits, _ = model(windows[:, :-1])
-    expected = F.cross_entropy(logits.reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1)).item()
+    expected = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1)
+    ).item()
     assert result.tokens == 2 * block and result.loss == pytest.approx(expected, rel=1e-6)
-    assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-6) and result.source == str(path)
+    assert result.perplexity == pytest.approx(
+        math.exp(expected), rel=1e-6
+    ) and result.source == str(path)
     # A text shorter than one window is one window of its whole length.
     path.write_text("ROMEO:", encoding="utf-8")
     short = score(ScoreConfig(snapshot_path=str(run_dir), path=str(path), device="cpu"))
@@ -89,31 +102,58 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     foreign = tmp_path / "foreign.txt"
     foreign.write_text("Romeo é~ Romeo\n", encoding="utf-8")
     assert refused(capsys, [snapshot, f"path={foreign}"]) == (
-        f"error: {foreign} has characters outside the snapshot's vocabulary: '~' 'é'")
+        f"error: {foreign} has characters outside the snapshot's vocabulary: '~' 'é'"
+    )
     fifo = tmp_path / "text.fifo"
     os.mkfifo(fifo)  # a read would wait for a writer forever; /dev/zero's would never end
-    assert refused(capsys, [snapshot, f"path={fifo}"]) == f"error: data file is not a regular file: {fifo} is a FIFO"
+    assert (
+        refused(capsys, [snapshot, f"path={fifo}"])
+        == f"error: data file is not a regular file: {fifo} is a FIFO"
+    )
     assert refused(capsys, [snapshot, "path=/dev/zero"]) == (
-        "error: data file is not a regular file: /dev/zero is a device or socket")
-    assert refused(capsys, [f"snapshot_path={fifo}"]) == f"error: snapshot is not a regular file: {fifo} is a FIFO"
+        "error: data file is not a regular file: /dev/zero is a device or socket"
+    )
+    assert (
+        refused(capsys, [f"snapshot_path={fifo}"])
+        == f"error: snapshot is not a regular file: {fifo} is a FIFO"
+    )
     missing = tmp_path / "missing.txt"
-    assert refused(capsys, [snapshot, f"path={missing}"]) == f"error: data file not found: {missing}"
+    assert (
+        refused(capsys, [snapshot, f"path={missing}"]) == f"error: data file not found: {missing}"
+    )
     assert refused(capsys, [f"snapshot_path={tmp_path / 'none.pt'}"]) == (
-        f"error: snapshot not found: {tmp_path / 'none.pt'}")
+        f"error: snapshot not found: {tmp_path / 'none.pt'}"
+    )
     assert refused(capsys, [snapshot, "batch=3"]) == "error: Key 'batch' not in 'ScoreConfig'"
-    assert refused(capsys, [snapshot, "device=tpu"]) == "error: device: 'tpu' is not one of auto, cpu, cuda"
+    assert (
+        refused(capsys, [snapshot, "device=tpu"])
+        == "error: device: 'tpu' is not one of auto, cpu, cuda"
+    )
     if not torch.cuda.is_available():
-        assert refused(capsys, [snapshot, "device=cuda"]) == "error: device: cuda, but CUDA is not available"
+        assert (
+            refused(capsys, [snapshot, "device=cuda"])
+            == "error: device: cuda, but CUDA is not available"
+        )
 
 
 def test_help():
-    result = subprocess.run([sys.executable, "-m", "mingpt.score", "--help"], env=child_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.startswith("usage: python -m mingpt.score") and not result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "mingpt.score", "--help"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        result.returncode == 0
+        and result.stdout.startswith("usage: python -m mingpt.score")
+        and not result.stderr
+    )
 
 
-def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(tiny_run, tmp_path, monkeypatch, capsys,
-                                                                     one_thread):
+def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(
+    tiny_run, tmp_path, monkeypatch, capsys, one_thread
+):
     """The held-out split is rebuilt from the snapshot's data_config: on a corpus that grew
     since, it is another split, refused naming the file, or scored with a warning."""
     cwd, run_dir = tiny_run
@@ -123,13 +163,18 @@ def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(tiny_run,
     monkeypatch.chdir(tmp_path)
     before, after = len(text.encode()), (tmp_path / "small.txt").stat().st_size
     with pytest.raises(SystemExit) as exit_status:
-        main(["snapshot_path=snapshots", "device=cpu"])  # builds the new corpus's token cache (an INFO line)
+        # builds the new corpus's token cache (an INFO line)
+        main(["snapshot_path=snapshots", "device=cpu"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert exit_status.value.code == 2 and errors == [
         f"error: the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes), so its "
         "held-out split is not the run's: give the text with path=..., or score the new split with "
-        "allow_corpus_change=true"]
+        "allow_corpus_change=true"
+    ]
     main(["snapshot_path=snapshots", "device=cpu", "allow_corpus_change=true"])
     out, err = capsys.readouterr()
     assert out.startswith("snapshots (step 60) on the held-out split of small.txt")
-    assert f"WARNING the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes)" in err
+    assert (
+        f"WARNING the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes)"
+        in err
+    )

@@ -56,8 +56,14 @@ def assert_same_state(got: dict, reference: dict) -> None:
 def test_publication_pruning_and_async_saves(saved):
     out, root, report, _ = saved
     # Each save is published under its step (the crashed step-1 directory's number is not reused).
-    assert report["published"] == ["step-00000001-8", "step-00000002", "step-00000003", "step-00000004"]
-    assert report["latest"] == report["published"]  # latest() follows publication, never the unpublished step 99
+    assert report["published"] == [
+        "step-00000001-8",
+        "step-00000002",
+        "step-00000003",
+        "step-00000004",
+    ]
+    # latest() follows publication, never the unpublished step 99
+    assert report["latest"] == report["published"]
     # keep=2: the two newest remain; the crashed directory older than them is gone, the newer one is left alone.
     assert report["listing"] == ["step-00000003", "step-00000004", "step-00000099"]
     assert sharded.latest(str(root)) == f"{root}/step-00000004"
@@ -80,7 +86,8 @@ def test_reshards_to_two_ranks_and_one_process(saved, tmp_path):
     out, root, _, reference = saved
     two = torch.load(out / "load-2.pt", weights_only=True)
     assert two["meta"]["step"] == 4 and two["meta"]["world_size"] == 2
-    assert_same_state(two["state"], reference)  # also: the write kept the state of the call, not the zeroed one
+    # also: the write kept the state of the call, not the zeroed one
+    assert_same_state(two["state"], reference)
 
     # One process, no process group: a plain model and optimizer, loaded as the trainer would.
     sys.path.insert(0, str(REPO / "tests"))
@@ -93,7 +100,9 @@ def test_reshards_to_two_ranks_and_one_process(saved, tmp_path):
     msd, osd = get_state_dict(model, optimizer)
     tensors = {"model": msd, "optim": osd}
     meta = sharded.load(tensors, str(root))
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"]
+    )
     assert meta["step"] == 4
     msd, osd = get_state_dict(model, optimizer)
     assert_same_state({"model": msd, "optim": osd}, reference)
@@ -143,8 +152,10 @@ def test_damaged_shard_is_refused_naming_it(saved, tmp_path):
     for load in (sharded.load_full, load_one_process):
         with pytest.raises(SnapshotError) as refused:
             load(str(directory.parent))
-        assert str(refused.value) == (f"snapshot {directory} is damaged: __1_0.distcp does not match its size and "
-                                      "sha256 in manifest.json (changed after it was written)")
+        assert str(refused.value) == (
+            f"snapshot {directory} is damaged: __1_0.distcp does not match its size and "
+            "sha256 in manifest.json (changed after it was written)"
+        )
     shard.unlink()
     with pytest.raises(SnapshotError, match=r"__1_0.distcp is missing$"):
         sharded.load_full(str(directory))
@@ -176,17 +187,25 @@ def test_pickled_payload_in_dcp_metadata_is_refused_and_not_run(saved, tmp_path)
         with pytest.raises(SnapshotError) as refused:
             load(str(directory))
         line = str(refused.value)
-        assert line.startswith(f"refusing to load {directory}/.metadata: it holds pickled objects other than DCP's "
-                               "metadata, and none of it was run") and "posix.system" in line and "\n" not in line
+        assert (
+            line.startswith(
+                f"refusing to load {directory}/.metadata: it holds pickled objects other than DCP's "
+                "metadata, and none of it was run"
+            )
+            and "posix.system" in line
+            and "\n" not in line
+        )
         assert not marker.exists()
-    pickle.loads((directory / ".metadata").read_bytes())  # the payload is live: plain unpickling runs it
+    # the payload is live: plain unpickling runs it
+    pickle.loads((directory / ".metadata").read_bytes())
     assert marker.exists()
 
 
 def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, monkeypatch):
     _, root, _, reference = saved
     exported = tmp_path / "exported.pt"
-    root_logger = logging.getLogger()  # the CLIs set up logging to the captured stderr: put it back after
+    # the CLIs set up logging to the captured stderr: put it back after
+    root_logger = logging.getLogger()
     monkeypatch.setattr(root_logger, "handlers", root_logger.handlers[:])
     monkeypatch.setattr(root_logger, "level", root_logger.level)
     from mingpt.export import main as export_main
@@ -197,11 +216,13 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
     with pytest.raises(SystemExit) as exit_status:
         export_main([str(tmp_path / "nothing"), str(tmp_path / "other.pt"), "--format=snapshot"])
     assert exit_status.value.code == 2 and not (tmp_path / "other.pt").exists()
-    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nothing'} is an empty directory; expected")
+    assert capsys.readouterr().err.startswith(
+        f"error: {tmp_path / 'nothing'} is an empty directory; expected"
+    )
 
-    from mingpt.snapshot import single_file
     from mingpt.generate import load_model
     from mingpt.generate import main as generate_main
+    from mingpt.snapshot import single_file
 
     state = single_file.load(str(exported))
     assert state["step"] == 4 and state["samples_in_epoch"] == 32
@@ -211,12 +232,20 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
     order = reference["optim"]["param_groups"][0]["params"]
     assert state["optimizer_state"]["param_groups"][0]["params"] == list(range(len(order)))
     for i, fqn in enumerate(order):
-        assert torch.equal(state["optimizer_state"]["state"][i]["exp_avg"], reference["optim"]["state"][fqn]["exp_avg"])
+        assert torch.equal(
+            state["optimizer_state"]["state"][i]["exp_avg"],
+            reference["optim"]["state"][fqn]["exp_avg"],
+        )
 
     from_file, _, _ = load_model(str(exported), torch.device("cpu"))
     from_dir, _, _ = load_model(str(root), torch.device("cpu"))
-    assert all(torch.equal(a, b) for a, b in zip(from_file.state_dict().values(), from_dir.state_dict().values()))
-    generate_main([f"snapshot_path={root}", "max_new_tokens=30", "temperature=0", "device=cpu", "prompt=AB"])
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(from_file.state_dict().values(), from_dir.state_dict().values())
+    )
+    generate_main(
+        [f"snapshot_path={root}", "max_new_tokens=30", "temperature=0", "device=cpu", "prompt=AB"]
+    )
     text = capsys.readouterr()
     assert text.out.startswith("AB") and len(text.out) >= 32
     assert f"INFO {root}: step 4, " in text.err  # the newest published snapshot of the root
@@ -235,9 +264,11 @@ def test_a_model_of_another_shape_is_refused_in_one_line(saved):
 
     from mingpt.model import GPT
 
-    for change, expected in (({"n_layer": 1}, "does not fit: it holds a tensor model/h.1."),
-                             ({"n_layer": 3}, "does not fit: it holds no tensor model/h.2."),
-                             ({"n_embd": 64}, "cannot be loaded: ")):
+    for change, expected in (
+        ({"n_layer": 1}, "does not fit: it holds a tensor model/h.1."),
+        ({"n_layer": 3}, "does not fit: it holds no tensor model/h.2."),
+        ({"n_embd": 64}, "cannot be loaded: "),
+    ):
         model = GPT(dataclasses.replace(CONFIG, **change))
         msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
         with pytest.raises(SnapshotError) as refused:
@@ -257,8 +288,13 @@ def test_async_save_of_a_cpu_state_on_a_gpu_host(tmp_path):
     """A CPU job's asynchronous save on a host where torch.cuda.is_available() (simulated):
     the stager pinned its copy because the host had CUDA, and the save failed there."""
     root = tmp_path / "root"
-    proc = subprocess.run([sys.executable, "-c", ONE_ASYNC_SAVE, str(root)], env=fake_cuda_env(gpus=1),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_ASYNC_SAVE, str(root)],
+        env=fake_cuda_env(gpus=1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(root / "step-00000003")
     loaded, _ = sharded.load_full(str(root))
@@ -297,8 +333,10 @@ def test_a_rank_failure_is_reported_with_its_type_and_place():
     line = sharded._dcp_reason(CheckpointException("async_save", {1: failure}))
     assert line.startswith("KeyError: <class 'type'>") and "(rank 1)" in line, line
     assert "test_sharded.py:" in line and "in stage" in line and "\n" not in line, line
-    assert sharded._dcp_reason(CheckpointException("save", {0: _wrap_exception(OSError("disk full"))})) == \
-        "OSError: disk full (rank 0)"
+    assert (
+        sharded._dcp_reason(CheckpointException("save", {0: _wrap_exception(OSError("disk full"))}))
+        == "OSError: disk full (rank 0)"
+    )
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -310,13 +348,17 @@ def test_a_full_disk_says_so(small_disk, async_save):
     sharded.save({"w": torch.ones(1000)}, {"step": 1}, root, 1, async_save=async_save).wait()
     with pytest.raises(sharded.StorageError) as failed:
         sharded.save({"w": torch.ones(100_000)}, {"step": 2}, root, 2, async_save=async_save).wait()
-    assert str(failed.value) == (f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
-                                 "device (rank 0); the previous snapshots are unchanged")
+    assert str(failed.value) == (
+        f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
+        "device (rank 0); the previous snapshots are unchanged"
+    )
     assert sharded.latest(root) == f"{root}/step-00000001"
 
 
 @pytest.mark.parametrize("moment", ["_read_manifest", "_verify", "_dcp_load"])
-def test_a_snapshot_rotated_away_while_being_read_gives_way_to_the_newest(tmp_path, monkeypatch, moment):
+def test_a_snapshot_rotated_away_while_being_read_gives_way_to_the_newest(
+    tmp_path, monkeypatch, moment
+):
     """A run saving with keep_snapshots=1 removes the snapshot a reader (generate, export,
     score, init_from) chose, at any moment of its read: the manifest, the shards' checksums
     or DCP's read. The reader takes the newest; a snapshot named directly says it was replaced."""
@@ -326,9 +368,17 @@ def test_a_snapshot_rotated_away_while_being_read_gives_way_to_the_newest(tmp_pa
     original, saves = getattr(sharded, moment), iter([2, 3])
 
     def rotate_then(*args, **kwargs):
-        if chosen in args and sharded.latest(root) == chosen:  # the run publishes a newer one, keep=1
+        # the run publishes a newer one, keep=1
+        if chosen in args and sharded.latest(root) == chosen:
             step = next(saves)
-            sharded.save({"w": torch.full((4,), float(step))}, {"step": step}, root, step, keep=1, async_save=False)
+            sharded.save(
+                {"w": torch.full((4,), float(step))},
+                {"step": step},
+                root,
+                step,
+                keep=1,
+                async_save=False,
+            )
         return original(*args, **kwargs)
 
     monkeypatch.setattr(sharded, moment, rotate_then)
@@ -339,7 +389,9 @@ def test_a_snapshot_rotated_away_while_being_read_gives_way_to_the_newest(tmp_pa
     chosen = sharded.latest(root)  # named directly: no newer one to take its place
     with pytest.raises(SnapshotError) as replaced:
         sharded.load_full(chosen)
-    assert str(replaced.value).startswith(f"snapshot {chosen} was removed while being read (its run replaced it")
+    assert str(replaced.value).startswith(
+        f"snapshot {chosen} was removed while being read (its run replaced it"
+    )
     if moment == "_read_manifest":
         monkeypatch.setattr(sharded, "_read_manifest", original)
         assert sharded.read_meta(root) == {"step": 3}

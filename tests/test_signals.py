@@ -16,14 +16,17 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, child_env, free_port, read_snapshot, torchrun_cmd
 from test_snapshot import overrides, same_tensors, train_events
 
 # 141 steps per epoch in one process (batch 8), 71 with two; 2 epochs. The
 # uninterrupted references never save by time.
-RUN_ARGS = ["gpt_config.dropout=0.1", "trainer_config.max_epochs=2", "trainer_config.log_every=1",
-            "trainer_config.save_every_minutes=null"]
+RUN_ARGS = [
+    "gpt_config.dropout=0.1",
+    "trainer_config.max_epochs=2",
+    "trainer_config.log_every=1",
+    "trainer_config.save_every_minutes=null",
+]
 TORCHRUN_SIGNALS = "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1"
 DEADLINE = 600  # seconds for all the runs together: generous, for a loaded machine
 
@@ -35,16 +38,34 @@ def data(tmp_path_factory, corpus):
     return path
 
 
-def launch(cwd, nproc: int, name: str, data, *extra: str, env=None, script=REPO / "main.py") -> subprocess.Popen:
+def launch(
+    cwd, nproc: int, name: str, data, *extra: str, env=None, script=REPO / "main.py"
+) -> subprocess.Popen:
     """The run `name` in the background, its stderr to cwd/<name>-<n>.err (n: 1, 2, ... per launch)."""
-    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone", TORCHRUN_SIGNALS)
+    launcher = (
+        [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone", TORCHRUN_SIGNALS)
+    )
     # Pinned to runs/<name>: a resume must find the stopped run whatever its overrides hash to.
-    args = overrides(f"data_config.path={data}", *RUN_ARGS, f"trainer_config.run_name={name}",
-                     f"hydra.run.dir=runs/{name}", *extra)
-    err = next(cwd / f"{name}-{n}.err" for n in range(1, 100) if not (cwd / f"{name}-{n}.err").exists())
+    args = overrides(
+        f"data_config.path={data}",
+        *RUN_ARGS,
+        f"trainer_config.run_name={name}",
+        f"hydra.run.dir=runs/{name}",
+        *extra,
+    )
+    err = next(
+        cwd / f"{name}-{n}.err" for n in range(1, 100) if not (cwd / f"{name}-{n}.err").exists()
+    )
     with open(err, "w") as stderr:
-        proc = subprocess.Popen([*launcher, str(script), *args], cwd=cwd, env={**child_env(), **(env or {})},
-                                stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [*launcher, str(script), *args],
+            cwd=cwd,
+            env={**child_env(), **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
     proc.stderr_path = err
     return proc
 
@@ -54,8 +75,12 @@ def train_lines(proc_dir) -> int:
     return path.read_text().count('"split": "train"') if path.exists() else 0
 
 
-PROBE_ARGS = ["trainer_config.eval_every=5", "trainer_config.save_every_steps=5", "trainer_config.max_steps=8",
-              "trainer_config.sample_chars=10"]
+PROBE_ARGS = [
+    "trainer_config.eval_every=5",
+    "trainer_config.save_every_steps=5",
+    "trainer_config.max_steps=8",
+    "trainer_config.sample_chars=10",
+]
 
 
 class Job:
@@ -76,27 +101,46 @@ def runs(tmp_path_factory, data):
     cwd = tmp_path_factory.mktemp("runs")
     sigterm = lambda job: os.kill(job.proc.pid, signal.SIGTERM)  # noqa: E731
     sigint = lambda job: os.kill(job.proc.pid, signal.SIGINT)  # noqa: E731
-    time_saves = "trainer_config.save_every_minutes=0.002"  # every 0.12 s: at machine-dependent steps
+    # every 0.12 s: at machine-dependent steps
+    time_saves = "trainer_config.save_every_minutes=0.002"
     jobs: dict[str, Job] = {}
     for nproc, optimizer in ((1, "adamw"), (2, "muon")):  # Muon's state too resumes bitwise
         algorithm = f"optimizer_config.algorithm={optimizer}"
         jobs[f"reference-{nproc}"] = Job(launch(cwd, nproc, f"reference-{nproc}", data, algorithm))
         run_dir = cwd / "runs" / f"stopped-{nproc}"
         resume = lambda job, nproc=nproc, algorithm=algorithm: Job(  # noqa: E731
-            launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm))
-        jobs[f"stopped-{nproc}"] = Job(launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm), [
-            (lambda run_dir=run_dir: train_lines(run_dir) >= 10, sigterm),
-            (None, lambda job, nproc=nproc, resume=resume: jobs.setdefault(f"resumed-{nproc}", resume(job))),
-        ])
+            launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm)
+        )
+        jobs[f"stopped-{nproc}"] = Job(
+            launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm),
+            [
+                (lambda run_dir=run_dir: train_lines(run_dir) >= 10, sigterm),
+                (
+                    None,
+                    lambda job, nproc=nproc, resume=resume: jobs.setdefault(
+                        f"resumed-{nproc}", resume(job)
+                    ),
+                ),
+            ],
+        )
     for moment in ("import", "init", "load", "eval", "save", "sample", "save-hang", "generating"):
         marker = cwd / f"at-{moment}"
         env = {"STOP_PROBE": moment, "STOP_PROBE_FILE": str(marker)}
         if moment == "init":  # rank 0 of 2, alone: it waits for rank 1 in C++ code
-            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(free_port()))
+            env.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
+            )
         args = PROBE_ARGS
-        if moment == "generating":  # a sample that takes a minute or more: the signal comes during it
-            args = [a for a in PROBE_ARGS if "sample_chars" not in a] + ["trainer_config.sample_chars=300000"]
+        # a sample that takes a minute or more: the signal comes during it
+        if moment == "generating":
+            args = [a for a in PROBE_ARGS if "sample_chars" not in a] + [
+                "trainer_config.sample_chars=300000"
+            ]
         proc = launch(cwd, 1, moment, data, *args, env=env, script=REPO / "tests" / "stop_probe.py")
         steps = [(marker.exists, sigint)]
         if moment == "save-hang":
@@ -104,8 +148,15 @@ def runs(tmp_path_factory, data):
         jobs[moment] = Job(proc, steps)
     # An ssh session that goes away sends SIGHUP: a stop like SIGTERM's, at the evaluation of step 5.
     marker = cwd / "at-hangup"
-    proc = launch(cwd, 1, "hangup", data, *PROBE_ARGS, env={"STOP_PROBE": "eval", "STOP_PROBE_FILE": str(marker)},
-                  script=REPO / "tests" / "stop_probe.py")
+    proc = launch(
+        cwd,
+        1,
+        "hangup",
+        data,
+        *PROBE_ARGS,
+        env={"STOP_PROBE": "eval", "STOP_PROBE_FILE": str(marker)},
+        script=REPO / "tests" / "stop_probe.py",
+    )
     jobs["hangup"] = Job(proc, [(marker.exists, lambda job: os.kill(job.proc.pid, signal.SIGHUP))])
     deadline = time.monotonic() + DEADLINE
     try:
@@ -116,7 +167,12 @@ def runs(tmp_path_factory, data):
                     job.stderr = job.proc.stderr_path.read_text()
                 if job.steps:
                     condition, action = job.steps[0]
-                    if condition is None and job.stderr is not None or condition is not None and condition():
+                    if (
+                        condition is None
+                        and job.stderr is not None
+                        or condition is not None
+                        and condition()
+                    ):
                         job.steps.pop(0)
                         action(job)
                     elif job.stderr is not None and condition is not None:
@@ -126,8 +182,10 @@ def runs(tmp_path_factory, data):
         for job in jobs.values():
             if job.proc.poll() is None:
                 os.killpg(job.proc.pid, signal.SIGKILL)
-    return {name: (job.proc.returncode, job.stderr, cwd / "runs" / name.replace("resumed", "stopped"))
-            for name, job in jobs.items()}
+    return {
+        name: (job.proc.returncode, job.stderr, cwd / "runs" / name.replace("resumed", "stopped"))
+        for name, job in jobs.items()
+    }
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2"])
@@ -140,16 +198,29 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     assert stderr.count("Traceback") == nproc - 1, stderr[-3000:]
     stop_line = next(line for line in stderr.splitlines() if line.startswith("error: "))
     step = int(stop_line.split("at step ")[1].split(";")[0])
-    assert stderr.count(f"error: stopped by SIGTERM at step {step}; the snapshot {run_dir / 'snapshots'} "
-                        "resumes the run (SIGTERM, exit status 143)\n") == nproc, stderr[-3000:]
+    assert (
+        stderr.count(
+            f"error: stopped by SIGTERM at step {step}; the snapshot {run_dir / 'snapshots'} "
+            "resumes the run (SIGTERM, exit status 143)\n"
+        )
+        == nproc
+    ), stderr[-3000:]
     # Saved at the step reached, in the middle of epoch 0: the last step trained and logged.
     assert f"saved snapshot {run_dir / 'snapshots'} at step {step} " in stderr
-    assert 10 <= step < steps_per_epoch and f"train step {step} " in stderr and f"train step {step + 1} " not in stderr
-    assert stderr.count("saved snapshot") >= 2, stderr[-3000:]  # also by time, at machine-dependent steps
+    assert (
+        10 <= step < steps_per_epoch
+        and f"train step {step} " in stderr
+        and f"train step {step + 1} " not in stderr
+    )
+    # also by time, at machine-dependent steps
+    assert stderr.count("saved snapshot") >= 2, stderr[-3000:]
 
     status, resumed_err, _ = runs[f"resumed-{nproc}"]
     assert status == 0, resumed_err[-3000:]
-    assert f"resumed from {run_dir / 'snapshots'}: epoch 0, " in resumed_err and f"step {step}\n" in resumed_err
+    assert (
+        f"resumed from {run_dir / 'snapshots'}: epoch 0, " in resumed_err
+        and f"step {step}\n" in resumed_err
+    )
     final = read_snapshot(run_dir / "snapshots")
     reference_dir = runs[f"reference-{nproc}"][2]
     expected = read_snapshot(reference_dir / "snapshots")
@@ -183,7 +254,9 @@ def test_ctrl_c_during_training_saves_and_stops(runs, moment):
     status, stderr, run_dir = runs[moment]
     step = 5 if moment == "eval" else 6
     assert status == 130, stderr[-3000:]
-    assert stderr.splitlines()[-1].startswith(f"error: interrupted at step {step}; the snapshot"), stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith(f"error: interrupted at step {step}; the snapshot"), (
+        stderr[-3000:]
+    )
     assert "Traceback" not in stderr and f"train step {step + 1} " not in stderr  # it did not go on
     assert read_snapshot(run_dir / "snapshots")["step"] == step
     if moment == "eval":
@@ -196,7 +269,9 @@ def test_ctrl_c_during_an_evaluations_sample_stops_at_once(runs):
     the evaluation: the run saves at step 5 and stops without sampling on."""
     status, stderr, run_dir = runs["generating"]
     assert status == 130, stderr[-3000:]
-    assert stderr.splitlines()[-1].startswith("error: interrupted at step 5; the snapshot"), stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith("error: interrupted at step 5; the snapshot"), stderr[
+        -3000:
+    ]
     assert "sample at step 5 interrupted by a stop signal: not recorded" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr and "train step 6 " not in stderr
     assert read_snapshot(run_dir / "snapshots")["step"] == 5
@@ -206,8 +281,10 @@ def test_sighup_saves_and_stops_like_sigterm(runs):
     """A hang-up (the terminal or ssh session closed) is a stop signal by default, not a silent death."""
     status, stderr, run_dir = runs["hangup"]
     assert status == 129, stderr[-3000:]
-    assert stderr.splitlines()[-1] == (f"error: stopped by SIGHUP at step 5; the snapshot {run_dir / 'snapshots'} "
-                                       "resumes the run (SIGHUP, exit status 129)"), stderr[-3000:]
+    assert stderr.splitlines()[-1] == (
+        f"error: stopped by SIGHUP at step 5; the snapshot {run_dir / 'snapshots'} "
+        "resumes the run (SIGHUP, exit status 129)"
+    ), stderr[-3000:]
     assert read_snapshot(run_dir / "snapshots")["step"] == 5
 
 
@@ -217,7 +294,10 @@ def test_second_ctrl_c_exits_at_once(runs):
     assert status == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1] == "error: interrupted again, exiting at once", stderr[-3000:]
-    assert "SIGINT received: stopping at the end of this step, after saving a snapshot (Ctrl-C again" in stderr
+    assert (
+        "SIGINT received: stopping at the end of this step, after saving a snapshot (Ctrl-C again"
+        in stderr
+    )
     assert not (run_dir / "snapshots").exists()
 
 
@@ -229,12 +309,20 @@ def test_a_signal_while_an_error_rises_gives_its_one_line_only(tmp_path, data):
     collectives fail: the main thread's error must not add Hydra's "Error
     executing job with overrides" (or a traceback) to the signal's one line."""
     marker = tmp_path / "at-race"
-    proc = launch(tmp_path, 1, "race", data, env={"STOP_PROBE": "race", "STOP_PROBE_FILE": str(marker)},
-                  script=REPO / "tests" / "stop_probe.py")
+    proc = launch(
+        tmp_path,
+        1,
+        "race",
+        data,
+        env={"STOP_PROBE": "race", "STOP_PROBE_FILE": str(marker)},
+        script=REPO / "tests" / "stop_probe.py",
+    )
     deadline = time.monotonic() + DEADLINE / 2
     try:
         while not marker.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr_path.read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr_path.read_text()[-3000:]
+            )
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=max(1, deadline - time.monotonic()))
@@ -257,7 +345,8 @@ def test_torchruns_failure_summary_carries_the_workers_line(tmp_path):
     assert result.returncode == 1, result.stderr[-3000:]
     line = f"error: data file not found: {missing}"
     root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
-    assert f"traceback : {line}\n" in root_cause, result.stderr[-3000:]  # not "To enable traceback see: ..."
+    # not "To enable traceback see: ..."
+    assert f"traceback : {line}\n" in root_cause, result.stderr[-3000:]
 
 
 # ------------------------------------------------------- torchrun restarts
@@ -274,9 +363,14 @@ def test_restarted_workers_join_with_and_without_a_fresh_store(tmp_path):
     for variable in ("0", "1"):
         env = {**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": variable}
         err = open(tmp_path / f"fresh-store-{variable}.err", "w")
-        procs[variable] = subprocess.Popen(torchrun_cmd(2, "--standalone", "--max-restarts=1") + [worker, "1"],
-                                           cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                           start_new_session=True)
+        procs[variable] = subprocess.Popen(
+            torchrun_cmd(2, "--standalone", "--max-restarts=1") + [worker, "1"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
         err.close()
     deadline = time.monotonic() + DEADLINE / 2
     try:
@@ -290,7 +384,9 @@ def test_restarted_workers_join_with_and_without_a_fresh_store(tmp_path):
         stderr = (tmp_path / f"fresh-store-{variable}.err").read_text()
         assert proc.returncode == 0, stderr[-3000:]
         for attempt in range(2):
-            assert all(f"rank {r} of attempt {attempt} joined" in stderr for r in (0, 1)), stderr[-3000:]
+            assert all(f"rank {r} of attempt {attempt} joined" in stderr for r in (0, 1)), stderr[
+                -3000:
+            ]
 
 
 # ----------------------------------------------------------- config, display
@@ -300,11 +396,16 @@ def test_stop_signals_and_save_every_minutes_are_checked():
     from mingpt.config import ConfigError, TrainerConfig
 
     assert TrainerConfig().stop_signals == ["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"]
-    assert TrainerConfig(stop_signals=["TERM", "SIGUSR2"], save_every_minutes=None).save_every_minutes is None
-    for kwargs, says in [({"stop_signals": ["SIGKILL"]}, "'SIGKILL' is not a signal that can be handled"),
-                         ({"stop_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal"),
-                         ({"stop_signals": ["SIGTERM", "TERM"]}, "lists a signal twice"),
-                         ({"save_every_minutes": 0.0}, "save_every_minutes: must be > 0 or null")]:
+    assert (
+        TrainerConfig(stop_signals=["TERM", "SIGUSR2"], save_every_minutes=None).save_every_minutes
+        is None
+    )
+    for kwargs, says in [
+        ({"stop_signals": ["SIGKILL"]}, "'SIGKILL' is not a signal that can be handled"),
+        ({"stop_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal"),
+        ({"stop_signals": ["SIGTERM", "TERM"]}, "lists a signal twice"),
+        ({"save_every_minutes": 0.0}, "save_every_minutes: must be > 0 or null"),
+    ]:
         with pytest.raises(ConfigError, match=says):
             TrainerConfig(**kwargs)
 

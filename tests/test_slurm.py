@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY, child_env, free_port
 
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -45,9 +44,19 @@ CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
 CORPUS_CHARS = 20_000  # 1,124 windows of 16 tokens: 141 steps per epoch (batch 8, one process)
 EPOCHS = 3
 TOTAL_STEPS = EPOCHS * 141
-DEADLINE = 300  # seconds for any one event (a job starting, stopping, completing): generous, for a loaded machine
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-            "BOOT_FAIL", "DEADLINE"}
+# seconds for any one event (a job starting, stopping, completing): generous, for a loaded machine
+DEADLINE = 300
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 SLURM_CONF = """\
 ClusterName=mingpttest
@@ -105,22 +114,33 @@ class Cluster:
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of the SLURM commands and of the jobs (sbatch passes it on)."""
         env = child_env()
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), SBIN])  # torchrun of this venv
+        # torchrun of this venv
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), SBIN])
         env["SLURM_CONF"] = str(self.conf)
-        for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"]:
+        for key in [
+            k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"
+        ]:
             del env[key]
         return {**env, **extra}
 
     def cmd(self, *args: str, check: bool = True) -> str:
-        proc = subprocess.run(list(args), env=self.env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            list(args), env=self.env(), capture_output=True, text=True, timeout=300
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()}")
         return proc.stdout
 
     def daemon(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.out", "w")
-        proc = subprocess.Popen([which(name), *args], env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [which(name), *args],
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         proc.name = name
         self.procs.append(proc)
@@ -135,16 +155,33 @@ class Cluster:
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
         socket_path = munge_dir / "munge.socket"
-        self.conf.write_text(SLURM_CONF.format(
-            host=self.host, ctld_port=free_port(), slurmd_port=free_port(), munge_socket=socket_path,
-            dir=self.root))
+        self.conf.write_text(
+            SLURM_CONF.format(
+                host=self.host,
+                ctld_port=free_port(),
+                slurmd_port=free_port(),
+                munge_socket=socket_path,
+                dir=self.root,
+            )
+        )
         # -f: munged wants a socket directory everyone can enter; this one is private to the test.
-        self.daemon("munged", "-F", "-f", f"--key-file={key}", f"--socket={socket_path}",
-                    f"--pid-file={munge_dir}/munged.pid", f"--log-file={munge_dir}/munged.log",
-                    f"--seed-file={munge_dir}/munged.seed")
+        self.daemon(
+            "munged",
+            "-F",
+            "-f",
+            f"--key-file={key}",
+            f"--socket={socket_path}",
+            f"--pid-file={munge_dir}/munged.pid",
+            f"--log-file={munge_dir}/munged.log",
+            f"--seed-file={munge_dir}/munged.seed",
+        )
         self.wait("munged to listen", lambda: socket_path.exists(), deadline=30)
         self.daemon("slurmctld", "-D", "-i")
-        self.wait("slurmctld to answer", lambda: "is UP" in self.cmd("scontrol", "ping", check=False), deadline=60)
+        self.wait(
+            "slurmctld to answer",
+            lambda: "is UP" in self.cmd("scontrol", "ping", check=False),
+            deadline=60,
+        )
         self.daemon("slurmd", "-D", "-N", self.host)
         self.wait("the node to be idle", self.idle, deadline=60)
 
@@ -158,7 +195,11 @@ class Cluster:
             dead = [p for p in self.procs if p.poll() is not None]
             if dead or time.monotonic() > end:
                 proc = dead[0] if dead else self.procs[-1]
-                why = f"{proc.name} exited with {proc.returncode}" if dead else f"no {what} in {deadline} s"
+                why = (
+                    f"{proc.name} exited with {proc.returncode}"
+                    if dead
+                    else f"no {what} in {deadline} s"
+                )
                 raise DaemonError(f"{why}: {tail(self.root / f'{proc.name}.out', 1500)}")
             time.sleep(0.2)
 
@@ -171,7 +212,11 @@ class Cluster:
             if self.jobs():
                 self.cmd("scancel", *self.jobs(), check=False)
                 end = time.monotonic() + 120
-                while self.jobs() and time.monotonic() < end and all(p.poll() is None for p in self.procs):
+                while (
+                    self.jobs()
+                    and time.monotonic() < end
+                    and all(p.poll() is None for p in self.procs)
+                ):
                     time.sleep(0.2)
         finally:
             for proc in reversed(self.procs):
@@ -192,10 +237,14 @@ class DaemonError(Exception):
 def cluster(tmp_path_factory):
     missing = [name for name in DAEMONS + CLIENTS if not which(name)]
     if missing:
-        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing: apt-get install slurmctld slurmd "
-                    "slurm-client munge)")
+        pytest.skip(
+            f"SLURM is not installed ({', '.join(missing)} missing: apt-get install slurmctld slurmd "
+            "slurm-client munge)"
+        )
     if os.geteuid() != 0:
-        pytest.skip("the SLURM daemons of this test must run as root (slurmd starts jobs as their user)")
+        pytest.skip(
+            "the SLURM daemons of this test must run as root (slurmd starts jobs as their user)"
+        )
     cluster = Cluster(tmp_path_factory.mktemp("slurm"))
     try:
         try:
@@ -231,8 +280,10 @@ class Job:
                 return info
             state = info["JobState"]
             if state in TERMINAL or time.monotonic() > end:
-                pytest.fail(f"job {self.id}: {state} (exit {info.get('ExitCode')}) while waiting for {what}\n"
-                            f"{tail(self.out)}")
+                pytest.fail(
+                    f"job {self.id}: {state} (exit {info.get('ExitCode')}) while waiting for {what}\n"
+                    f"{tail(self.out)}"
+                )
             time.sleep(0.2)
 
     def trained_steps(self) -> list[int]:
@@ -247,16 +298,22 @@ class Job:
 
     def resume_requeued(self) -> dict[str, str]:
         """The job requeued (same id, pending again): let it start now rather than in two minutes, until done."""
-        self.until("the requeue", lambda info: info["Restarts"] == "1" and info["JobState"] == "PENDING")
+        self.until(
+            "the requeue", lambda info: info["Restarts"] == "1" and info["JobState"] == "PENDING"
+        )
         # slurmd revokes the first attempt's credential when it ends that attempt, and refuses any
         # credential of the same job issued in the same second ("Job credential revoked": the job
         # FAILS). SLURM's two-minute hold avoids this; the test waits for the node to have ended
         # the attempt (idle again), then for the clock's next second, and only then lets it start.
         self.cluster.wait("the node to be idle after the first attempt", self.cluster.idle)
         ended = time.time()
-        self.cluster.wait("the second after the first attempt ended", lambda: time.time() >= int(ended) + 1.1)
+        self.cluster.wait(
+            "the second after the first attempt ended", lambda: time.time() >= int(ended) + 1.1
+        )
         self.cluster.cmd("scontrol", "update", f"JobId={self.id}", "StartTime=now")
-        return self.until("the resumed job to complete", lambda info: info["JobState"] == "COMPLETED")
+        return self.until(
+            "the resumed job to complete", lambda info: info["JobState"] == "COMPLETED"
+        )
 
 
 def submit(cluster: Cluster, corpus_path: Path, name: str) -> Job:
@@ -264,15 +321,36 @@ def submit(cluster: Cluster, corpus_path: Path, name: str) -> Job:
     root = cluster.root / name
     run_dir, out = root / "run", root / "mingpt.out"
     root.mkdir()  # for the .out file: slurmstepd creates no directory
-    overrides = {**dict(item.split("=", 1) for item in TINY), "trainer_config.device": "cpu",
-                 "trainer_config.sample_chars": "0", "trainer_config.log_every": "1",
-                 "trainer_config.max_epochs": str(EPOCHS), "trainer_config.save_every_minutes": "null",
-                 "data_config.path": str(corpus_path), "hydra.run.dir": str(run_dir)}
-    env = cluster.env(NPROC_PER_NODE="1", RUN_NAME=name, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    overrides = {
+        **dict(item.split("=", 1) for item in TINY),
+        "trainer_config.device": "cpu",
+        "trainer_config.sample_chars": "0",
+        "trainer_config.log_every": "1",
+        "trainer_config.max_epochs": str(EPOCHS),
+        "trainer_config.save_every_minutes": "null",
+        "data_config.path": str(corpus_path),
+        "hydra.run.dir": str(run_dir),
+    }
+    env = cluster.env(
+        NPROC_PER_NODE="1", RUN_NAME=name, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1"
+    )
     proc = subprocess.run(
-        ["sbatch", "--parsable", "--partition=low", "--nodes=1", "--gres=none", "--cpus-per-task=2",
-         f"--output={out}", str(REPO / "scripts" / "slurm.sbatch"), *(f"{k}={v}" for k, v in overrides.items())],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            "sbatch",
+            "--parsable",
+            "--partition=low",
+            "--nodes=1",
+            "--gres=none",
+            "--cpus-per-task=2",
+            f"--output={out}",
+            str(REPO / "scripts" / "slurm.sbatch"),
+            *(f"{k}={v}" for k, v in overrides.items()),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     return Job(cluster, proc.stdout.strip().split(";")[0], out, run_dir)
@@ -289,7 +367,8 @@ def check_resumed_once(job: Job, signal_name: str, info: dict[str, str]) -> None
     assert out.count("INFO run directory ") == 2, out[-3000:]  # the first attempt's lines are kept
     log = (job.run_dir / "train.log").read_text()
     assert re.findall(r"resumed from .*, step (\d+)$", log, re.M) == [str(step)], log[-3000:]
-    assert job.trained_steps() == list(range(1, TOTAL_STEPS + 1))  # nothing skipped, nothing trained twice
+    # nothing skipped, nothing trained twice
+    assert job.trained_steps() == list(range(1, TOTAL_STEPS + 1))
 
 
 def test_sigusr1_requeues_and_resumes(cluster, corpus_path):
@@ -306,8 +385,19 @@ def test_preemption_with_grace_time_requeues_and_resumes(cluster, corpus_path):
     job.until_training()
     # A one-CPU job in the high-priority partition: the node has two, all the low job's.
     urgent_out = cluster.root / "urgent.out"
-    urgent = cluster.cmd("sbatch", "--parsable", "--partition=high", "--ntasks=1", "--cpus-per-task=1",
-                         f"--output={urgent_out}", "--wrap=true").strip().split(";")[0]
+    urgent = (
+        cluster.cmd(
+            "sbatch",
+            "--parsable",
+            "--partition=high",
+            "--ntasks=1",
+            "--cpus-per-task=1",
+            f"--output={urgent_out}",
+            "--wrap=true",
+        )
+        .strip()
+        .split(";")[0]
+    )
     info = job.resume_requeued()
     check_resumed_once(job, "SIGTERM", info)
     assert f"job {job.id} was preempted: requeueing it" in job.out.read_text()

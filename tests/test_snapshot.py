@@ -25,9 +25,18 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from conftest import (
+    REPO,
+    TINY,
+    child_env,
+    read_snapshot,
+    run_dir_of,
+    run_main,
+    run_torchrun,
+    torchrun_cmd,
+)
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun, torchrun_cmd
 from mingpt import storage
 from mingpt.config import Config
 from mingpt.data import ResumableSampler
@@ -71,7 +80,9 @@ def same_tensors(a: dict, b: dict) -> bool:
 def make_trainer(run_dir, corpus_path, *extra: str) -> Trainer:
     """A single-process Trainer built like main.py builds it, from override strings."""
     dotlist = overrides(f"data_config.path={corpus_path}", *extra)
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist)))
+    config = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    )
     return build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
@@ -83,7 +94,7 @@ def tree_bytes(url) -> dict[str, bytes]:
     """Every file under a snapshot root (a local path or URL) by its path relative to it: compared byte for byte."""
     fs, root = storage.filesystem(str(url))
     root = root.rstrip("/")
-    return {path[len(root):]: fs.cat_file(path) for path in sorted(fs.find(root))}
+    return {path[len(root) :]: fs.cat_file(path) for path in sorted(fs.find(root))}
 
 
 def train_steps(run_dir) -> list[int]:
@@ -91,32 +102,50 @@ def train_steps(run_dir) -> list[int]:
     return [r["step"] for r in records if r["split"] == "train"]
 
 
-def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus, caplog, one_thread):
+def test_memory_url_saves_on_schedule_and_resumes_exactly(
+    tmp_path, small_corpus, caplog, one_thread
+):
     """memory:// snapshots through the library: saved every save_every epochs,
     every save_every_steps steps and at the end; a run stopped at step 30 and
     resumed (dropout on) ends with the uninterrupted run's exact weights; a
     diverging run stops and leaves the last good snapshot as it was."""
     # Batch 32: 36 steps per epoch (35 full, then 4 samples), epochs end at steps 36, 72, 108.
     # A constant learning rate after warmup does not depend on the run's length (max_steps).
-    common = ["trainer_config.batch_size=32", "trainer_config.max_epochs=3", "trainer_config.save_every=2",
-              "trainer_config.save_every_steps=25", "gpt_config.dropout=0.1", "optimizer_config.lr_schedule=constant",
-              "optimizer_config.warmup_steps=10"]
+    common = [
+        "trainer_config.batch_size=32",
+        "trainer_config.max_epochs=3",
+        "trainer_config.save_every=2",
+        "trainer_config.save_every_steps=25",
+        "gpt_config.dropout=0.1",
+        "optimizer_config.lr_schedule=constant",
+        "optimizer_config.warmup_steps=10",
+    ]
     caplog.set_level(logging.INFO, logger="mingpt")
     reference_url, resumed_url = memory_url(), memory_url()
     # An attempt killed before its first save left an event; the fresh start drops it.
     (tmp_path / "ref").mkdir()
-    (tmp_path / "ref" / "metrics.jsonl").write_text('{"step": 7, "epoch": 0, "split": "train", "loss": 9.0}\n')
-    make_trainer(tmp_path / "ref", small_corpus, *common, f"trainer_config.snapshot_path={reference_url}").train()
+    (tmp_path / "ref" / "metrics.jsonl").write_text(
+        '{"step": 7, "epoch": 0, "split": "train", "loss": 9.0}\n'
+    )
+    make_trainer(
+        tmp_path / "ref", small_corpus, *common, f"trainer_config.snapshot_path={reference_url}"
+    ).train()
     saved = [r.args[1] for r in caplog.records if r.msg.startswith("saved snapshot")]
     assert saved == [25, 50, 72, 75, 100, 108]
     assert train_steps(tmp_path / "ref") == list(range(5, 106, 5)) + [108]
 
     resumed = [*common, f"trainer_config.snapshot_path={resumed_url}"]
-    make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_steps=30").train()
+    make_trainer(
+        tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_steps=30"
+    ).train()
     caplog.clear()
-    make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.allow_config_change=true").train()
-    assert any(r.getMessage() == f"resumed from {resumed_url}: epoch 0, 960 samples into it, step 30"
-               for r in caplog.records)
+    make_trainer(
+        tmp_path / "resumed", small_corpus, *resumed, "trainer_config.allow_config_change=true"
+    ).train()
+    assert any(
+        r.getMessage() == f"resumed from {resumed_url}: epoch 0, 960 samples into it, step 30"
+        for r in caplog.records
+    )
     reference, final = read_snapshot(reference_url), read_snapshot(resumed_url)
     assert final["step"] == reference["step"] == 108 and final["epoch"] == 3
     assert same_tensors(final["model_state"], reference["model_state"])
@@ -125,22 +154,40 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(tmp_path, small_corpus
     # A learning rate of 1e6 turns the loss into NaN within three steps: the
     # check after each step (free on a CPU) stops the run before the epoch's save.
     good = tree_bytes(resumed_url)
-    diverging = make_trainer(tmp_path / "resumed", small_corpus, *resumed, "trainer_config.max_epochs=4",
-                             "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=null",
-                             "trainer_config.log_every=1", "trainer_config.allow_config_change=true")
+    diverging = make_trainer(
+        tmp_path / "resumed",
+        small_corpus,
+        *resumed,
+        "trainer_config.max_epochs=4",
+        "optimizer_config.learning_rate=1e6",
+        "trainer_config.save_every_steps=null",
+        "trainer_config.log_every=1",
+        "trainer_config.allow_config_change=true",
+    )
     kept = rf"the last good snapshot is kept at {resumed_url}, step 108$"
-    with pytest.raises(TrainingError, match=r"training diverged: the loss is not finite at step 1\d\d; " + kept):
+    with pytest.raises(
+        TrainingError, match=r"training diverged: the loss is not finite at step 1\d\d; " + kept
+    ):
         diverging.train()
     assert tree_bytes(resumed_url) == good
-    fsspec.filesystem("memory").rm([reference_url.split("://")[1], resumed_url.split("://")[1]], recursive=True)
+    fsspec.filesystem("memory").rm(
+        [reference_url.split("://")[1], resumed_url.split("://")[1]], recursive=True
+    )
 
 
 # ------------------------------------------------------------ loading safely
 
 
 def test_unreadable_snapshots_are_refused_naming_the_file(tmp_path):
-    good = {"model_state": {"w": torch.randn(256, 256)}, "optimizer_state": {}, "gpt_config": {"n_layer": 2},
-            "vocab": "abc", "epoch": 0, "samples_in_epoch": 0, "step": 3}
+    good = {
+        "model_state": {"w": torch.randn(256, 256)},
+        "optimizer_state": {},
+        "gpt_config": {"n_layer": 2},
+        "vocab": "abc",
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 3,
+    }
     path = str(tmp_path / "good.pt")
     single_file.save(good, path)
     assert single_file.load(path)["step"] == 3
@@ -155,10 +202,14 @@ def test_unreadable_snapshots_are_refused_naming_the_file(tmp_path):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(SnapshotError) as e:
             single_file.load(str(tmp_path / name))
-        assert str(tmp_path / name) in str(e.value) and "truncated or not a torch snapshot" in str(e.value)
+        assert str(tmp_path / name) in str(e.value) and "truncated or not a torch snapshot" in str(
+            e.value
+        )
         assert "\n" not in str(e.value)
     torch.save({"model_state": {}}, tmp_path / "other.pt")  # a torch file, but not ours
-    with pytest.raises(SnapshotError, match="is not a mingpt snapshot .no optimizer_state, gpt_config"):
+    with pytest.raises(
+        SnapshotError, match="is not a mingpt snapshot .no optimizer_state, gpt_config"
+    ):
         single_file.load(str(tmp_path / "other.pt"))
     with pytest.raises(SnapshotError, match="snapshot not found"):
         single_file.load(str(tmp_path / "missing.pt"))
@@ -184,14 +235,27 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path):
     Distributed Checkpoints: tests/test_sharded.py refuses a payload in their index.)"""
     marker = tmp_path / "code-ran"
     snapshot = tmp_path / "evil.pt"
-    state = {"model_state": {"w": _CreatesFile(str(marker))}, "optimizer_state": {}, "gpt_config": {},
-             "vocab": "", "epoch": 0, "samples_in_epoch": 0, "step": 0}
+    state = {
+        "model_state": {"w": _CreatesFile(str(marker))},
+        "optimizer_state": {},
+        "gpt_config": {},
+        "vocab": "",
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 0,
+    }
     torch.save(state, snapshot)
     torch.load(snapshot, weights_only=False)  # the file really would create the marker...
     assert marker.exists()
     marker.unlink()
-    proc = subprocess.run([sys.executable, "-m", "mingpt.generate", f"snapshot_path={snapshot}", "device=cpu"],
-                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mingpt.generate", f"snapshot_path={snapshot}", "device=cpu"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = assert_one_error(proc, f"refusing to load {snapshot}", "none of it was run")
     assert re.search(r"GLOBAL _?io\.open", line), line  # Python 3.12 names it _io.open
     assert not marker.exists()  # ...but nothing in it ran
@@ -212,19 +276,32 @@ def good_snapshot(tmp_path_factory, corpus):
 def test_snapshot_of_another_shape_is_refused(good_snapshot):
     tmp, snapshot = good_snapshot
     before = tree_bytes(snapshot)
-    proc = run_main(overrides(f"data_config.path={tmp / 'small.txt'}", "gpt_config.n_layer=3",
-                              f"hydra.run.dir={snapshot.parent}"), tmp)
-    assert_one_error(proc, f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3")
+    proc = run_main(
+        overrides(
+            f"data_config.path={tmp / 'small.txt'}",
+            "gpt_config.n_layer=3",
+            f"hydra.run.dir={snapshot.parent}",
+        ),
+        tmp,
+    )
+    assert_one_error(
+        proc, f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3"
+    )
     assert tree_bytes(snapshot) == before
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(tmp_path, small_corpus, caplog, one_thread,
-                                                                    parallelism):
+def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(
+    tmp_path, small_corpus, caplog, one_thread, parallelism
+):
     """Text appended (no new characters) moves every file's held-out split: the snapshot
     records the corpus (each file's size and SHA-256) and a resume on another one is
     refused, naming the file and its sizes, unless allow_config_change (a warning)."""
-    run = (f"trainer_config.parallelism={parallelism}", "trainer_config.async_save=false", "trainer_config.max_steps=2")
+    run = (
+        f"trainer_config.parallelism={parallelism}",
+        "trainer_config.async_save=false",
+        "trainer_config.max_steps=2",
+    )
     make_trainer(tmp_path / "run", small_corpus, *run).train()
     before = small_corpus.stat().st_size
     text = small_corpus.read_text(encoding="utf-8")
@@ -232,21 +309,35 @@ def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(tmp_path, sm
     after = small_corpus.stat().st_size
     with pytest.raises(SnapshotError) as refused:
         make_trainer(tmp_path / "run", small_corpus, *run)
-    assert f"was written for another corpus ({small_corpus}: {before} -> {after} bytes)" in str(refused.value)
+    assert f"was written for another corpus ({small_corpus}: {before} -> {after} bytes)" in str(
+        refused.value
+    )
     assert "allow_config_change=true" in str(refused.value) and "\n" not in str(refused.value)
     with caplog.at_level(logging.WARNING, logger="mingpt"):
-        resumed = make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.allow_config_change=true")
+        resumed = make_trainer(
+            tmp_path / "run", small_corpus, *run, "trainer_config.allow_config_change=true"
+        )
     assert resumed.progress.step == 2
     assert "the held-out split moved" in caplog.text and f"{before} -> {after} bytes" in caplog.text
 
 
 def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_corpus, one_thread):
     """Snapshots written before the corpus was recorded resume without the check."""
-    make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2", "trainer_config.async_save=false").train()
+    make_trainer(
+        tmp_path / "run",
+        small_corpus,
+        "trainer_config.max_steps=2",
+        "trainer_config.async_save=false",
+    ).train()
     directory = Path(sharded.latest(str(tmp_path / "run" / "snapshots")))
     document = json.loads((directory / sharded.META).read_text())
-    assert document["meta"]["corpus"] == [{"source": str(small_corpus), "size": small_corpus.stat().st_size,
-                                           "sha256": hashlib.sha256(small_corpus.read_bytes()).hexdigest()}]
+    assert document["meta"]["corpus"] == [
+        {
+            "source": str(small_corpus),
+            "size": small_corpus.stat().st_size,
+            "sha256": hashlib.sha256(small_corpus.read_bytes()).hexdigest(),
+        }
+    ]
     del document["meta"]["corpus"]  # as written before the corpus was recorded, and published so
     data = json.dumps(document).encode()
     (directory / sharded.META).write_bytes(data)
@@ -254,15 +345,25 @@ def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_cor
     manifest["files"][sharded.META] = [len(data), hashlib.sha256(data).hexdigest()]
     (directory / sharded.MANIFEST).write_text(json.dumps(manifest))
     small_corpus.write_text(small_corpus.read_text(encoding="utf-8") * 2, encoding="utf-8")
-    assert make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").progress.step == 2
+    assert (
+        make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").progress.step
+        == 2
+    )
 
 
-def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(tmp_path, small_corpus, caplog, one_thread):
+def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(
+    tmp_path, small_corpus, caplog, one_thread
+):
     """A valid older sharded snapshot copied to step-99999999 would be the newest by
     name: it is skipped with one warning naming it, the run resumes from its true
     newest, and keep_snapshots prunes by the true steps, never the stray."""
-    run = ("trainer_config.parallelism=fsdp", "trainer_config.async_save=false", "trainer_config.save_every_steps=1",
-           "trainer_config.keep_snapshots=2", "trainer_config.allow_config_change=true")
+    run = (
+        "trainer_config.parallelism=fsdp",
+        "trainer_config.async_save=false",
+        "trainer_config.save_every_steps=1",
+        "trainer_config.keep_snapshots=2",
+        "trainer_config.allow_config_change=true",
+    )
     make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=2").train()
     root = tmp_path / "run" / "snapshots"
     stray = root / "step-99999999"
@@ -271,20 +372,34 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(tmp_path
         trainer = make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=4")
         assert trainer.progress.step == 2
         trainer.train()
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000003", "step-00000004", "step-99999999"]
-    warnings = [r.getMessage() for r in caplog.records if "ignoring sharded snapshot" in r.getMessage()]
-    assert warnings == [f"ignoring sharded snapshot {stray}: its name says step 99999999 but it holds step 1 "
-                        "(a stray copy or a renamed directory?); it is neither resumed nor removed"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step-00000003",
+        "step-00000004",
+        "step-99999999",
+    ]
+    warnings = [
+        r.getMessage() for r in caplog.records if "ignoring sharded snapshot" in r.getMessage()
+    ]
+    assert warnings == [
+        f"ignoring sharded snapshot {stray}: its name says step 99999999 but it holds step 1 "
+        "(a stray copy or a renamed directory?); it is neither resumed nor removed"
+    ]
 
 
 @pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
-def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(tmp_path, small_corpus, parallelism):
+def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(
+    tmp_path, small_corpus, parallelism
+):
     """A regular file where the snapshots' root directory goes (every parallelism):
     one line at start, before any training, not at the first save."""
     path = tmp_path / "taken"
     path.write_text("not a snapshot")
-    args = overrides(f"data_config.path={small_corpus}", f"trainer_config.parallelism={parallelism}",
-                     f"trainer_config.snapshot_path={path}", "trainer_config.max_steps=2")
+    args = overrides(
+        f"data_config.path={small_corpus}",
+        f"trainer_config.parallelism={parallelism}",
+        f"trainer_config.snapshot_path={path}",
+        "trainer_config.max_steps=2",
+    )
     proc = run_main(args, tmp_path)
     assert_one_error(proc, f"cannot write to the snapshot path {path}: it is a file")
     assert "train step" not in proc.stderr and not list(tmp_path.glob("runs/*/metrics.jsonl"))
@@ -294,26 +409,47 @@ def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
     from mingpt.config import OptimizerConfig, TrainerConfig
 
     saved = Config()
-    state = {name: dataclasses.asdict(getattr(saved, name)) for name in ("optimizer_config", "trainer_config")}
-    muon = Config(optimizer_config=OptimizerConfig(algorithm="muon"), trainer_config=TrainerConfig(
-        allow_config_change=True, max_epochs=3))
-    with pytest.raises(SnapshotError, match=re.escape(
-            """snapshot s.pt holds another optimizer's state (optimizer_config.algorithm: "adamw" -> "muon"): keep""")):
+    state = {
+        name: dataclasses.asdict(getattr(saved, name))
+        for name in ("optimizer_config", "trainer_config")
+    }
+    muon = Config(
+        optimizer_config=OptimizerConfig(algorithm="muon"),
+        trainer_config=TrainerConfig(allow_config_change=True, max_epochs=3),
+    )
+    with pytest.raises(
+        SnapshotError,
+        match=re.escape(
+            """snapshot s.pt holds another optimizer's state (optimizer_config.algorithm: "adamw" -> "muon"): keep"""
+        ),
+    ):
         fit.check_same_config(state, muon, "s.pt")
     more = Config(trainer_config=TrainerConfig(allow_config_change=True, max_epochs=3))
     assert fit.check_same_config(state, more, "s.pt") == ["trainer_config.max_epochs: 2 -> 3"]
 
 
 def test_corpus_changes_name_each_file():
-    old = [{"source": "a.txt", "size": 10, "sha256": "x"}, {"source": "b.txt", "size": 5, "sha256": "y"}]
+    old = [
+        {"source": "a.txt", "size": 10, "sha256": "x"},
+        {"source": "b.txt", "size": 5, "sha256": "y"},
+    ]
     assert fit.corpus_changes(None, old) == []
     assert fit.corpus_changes(old, old) == []
-    new = [{"source": "a.txt", "size": 10, "sha256": "z"}, {"source": "b.txt", "size": 7, "sha256": "y"},
-           {"source": "c.txt", "size": 1, "sha256": "w"}]
-    assert fit.corpus_changes(old, new) == ["a.txt: other content (same size, 10 bytes)", "b.txt: 5 -> 7 bytes",
-                                            "c.txt added"]
-    assert fit.corpus_changes(new, old[:1]) == ["a.txt: other content (same size, 10 bytes)", "b.txt removed",
-                                                "c.txt removed"]
+    new = [
+        {"source": "a.txt", "size": 10, "sha256": "z"},
+        {"source": "b.txt", "size": 7, "sha256": "y"},
+        {"source": "c.txt", "size": 1, "sha256": "w"},
+    ]
+    assert fit.corpus_changes(old, new) == [
+        "a.txt: other content (same size, 10 bytes)",
+        "b.txt: 5 -> 7 bytes",
+        "c.txt added",
+    ]
+    assert fit.corpus_changes(new, old[:1]) == [
+        "a.txt: other content (same size, 10 bytes)",
+        "b.txt removed",
+        "c.txt removed",
+    ]
 
 
 # ------------------------------------------------------------- saving safely
@@ -322,8 +458,15 @@ def test_corpus_changes_name_each_file():
 def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
     """The single file (export's write): a save killed part-way leaves the file before it, byte for byte."""
     path = tmp_path / "snapshot.pt"
-    previous = {"model_state": {"w": torch.arange(10.0)}, "optimizer_state": {}, "gpt_config": {}, "vocab": "ab",
-                "epoch": 0, "samples_in_epoch": 0, "step": 1}
+    previous = {
+        "model_state": {"w": torch.arange(10.0)},
+        "optimizer_state": {},
+        "gpt_config": {},
+        "vocab": "ab",
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 1,
+    }
     single_file.save(previous, str(path))
     before = path.read_bytes()
     # The writer saves 200 MB over and over; it is killed as soon as a temporary file appears.
@@ -345,7 +488,7 @@ def test_killed_background_save_leaves_previous_snapshot_published(tmp_path):
     before = tree_bytes(root)
     # The writer saves 200 MB over and over; it is killed as soon as its first save's shard appears.
     kill_writer(tmp_path, root, lambda: list(root.glob("step-00000002*/*.distcp")), "snapshots")
-    killed, = [p for p in root.iterdir() if p.name.startswith("step-00000002")]
+    (killed,) = [p for p in root.iterdir() if p.name.startswith("step-00000002")]
     assert not (killed / sharded.MANIFEST).exists(), "the kill did not land during the save"
     assert sharded.latest(str(root)) == str(root / "step-00000001")
     assert {k: v for k, v in tree_bytes(root).items() if k.startswith("/step-00000001/")} == before
@@ -357,8 +500,11 @@ def test_killed_background_save_leaves_previous_snapshot_published(tmp_path):
 
 def kill_writer(tmp_path, path, started, *mode: str) -> None:
     """Run tests/ft_writer.py on `path`; SIGKILL it as soon as `started()` finds its save under way."""
-    writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200", *mode],
-                              env=child_env(), stderr=subprocess.PIPE)
+    writer = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200", *mode],
+        env=child_env(),
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 60
         while not started():
@@ -379,8 +525,15 @@ def test_a_file_replaced_while_being_read_is_read_whole(tmp_path, monkeypatch, m
     read: a save replaces the file by a rename, so a reader gets the file it opened, whole,
     or the new one; never a missing or damaged one."""
     path = str(tmp_path / "snapshot.pt")
-    state = {"model_state": {"w": torch.zeros(3)}, "optimizer_state": {}, "gpt_config": {}, "vocab": "ab",
-             "epoch": 0, "samples_in_epoch": 0, "step": 1}
+    state = {
+        "model_state": {"w": torch.zeros(3)},
+        "optimizer_state": {},
+        "gpt_config": {},
+        "vocab": "ab",
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 1,
+    }
     single_file.save(state, path)
     fs_class = type(storage.filesystem(path)[0])
     original, saves = (storage.check_regular if moment == "checked" else fs_class.open), [2]
@@ -391,7 +544,9 @@ def test_a_file_replaced_while_being_read_is_read_whole(tmp_path, monkeypatch, m
             single_file.save({**state, "step": saves.pop()}, path)
         return result
 
-    monkeypatch.setattr(*((storage, "check_regular") if moment == "checked" else (fs_class, "open")), replace_after)
+    monkeypatch.setattr(
+        *((storage, "check_regular") if moment == "checked" else (fs_class, "open")), replace_after
+    )
     assert single_file.load(path)["step"] == (2 if moment == "checked" else 1)
 
 
@@ -402,10 +557,15 @@ def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_
     tmp, good = good_snapshot
     snapshot = tmp_path / "snapshots"
     shutil.copytree(good, snapshot)
-    args = overrides(f"data_config.path={tmp / 'small.txt'}", f"trainer_config.snapshot_path={snapshot}",
-                     "optimizer_config.learning_rate=1e6", "trainer_config.save_every_steps=5",
-                     "trainer_config.log_every=1000", "trainer_config.max_steps=40",
-                     "trainer_config.allow_config_change=true")
+    args = overrides(
+        f"data_config.path={tmp / 'small.txt'}",
+        f"trainer_config.snapshot_path={snapshot}",
+        "optimizer_config.learning_rate=1e6",
+        "trainer_config.save_every_steps=5",
+        "trainer_config.log_every=1000",
+        "trainer_config.max_steps=40",
+        "trainer_config.allow_config_change=true",
+    )
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0
     # Each rank stops with the same line: printed, and in torchrun's summary from each
@@ -414,7 +574,9 @@ def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_
     line = r"error: training diverged: the loss is not finite at step [789] " + re.escape(kept)
     printed = re.findall(rf"^{line}$", proc.stderr, re.M)
     reported = re.findall(rf"^  traceback : ({line})$", proc.stderr, re.M)
-    assert len(set(printed + reported)) == 1 and max(len(printed), len(reported)) == 2, proc.stderr[-3000:]
+    assert len(set(printed + reported)) == 1 and max(len(printed), len(reported)) == 2, proc.stderr[
+        -3000:
+    ]
     assert tree_bytes(snapshot) == tree_bytes(good)
 
 
@@ -422,15 +584,20 @@ def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
     """A node-local snapshot path: rank 0 finds the snapshot, rank 1 does not."""
     tmp, good = good_snapshot
     shutil.copytree(good, tmp_path / "snapshots-0")
-    args = overrides(f"data_config.path={tmp / 'small.txt'}",
-                     f"trainer_config.snapshot_path={tmp_path}/snapshots-${{oc.env:RANK}}",
-                     "trainer_config.allow_config_change=true")  # the good snapshot stopped at max_steps=6
+    args = overrides(
+        f"data_config.path={tmp / 'small.txt'}",
+        f"trainer_config.snapshot_path={tmp_path}/snapshots-${{oc.env:RANK}}",
+        # the good snapshot stopped at max_steps=6
+        "trainer_config.allow_config_change=true",
+    )
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0
     # Both ranks stop, each naming its own path.
     for rank in (0, 1):
-        line = (f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/snapshots-{rank}): "
-                "keep the snapshot where every node sees it")
+        line = (
+            f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/snapshots-{rank}): "
+            "keep the snapshot where every node sees it"
+        )
         assert line in proc.stderr, proc.stderr[-3000:]
     assert sharded.latest(str(tmp_path / "snapshots-1")) is None
     assert tree_bytes(tmp_path / "snapshots-0") == tree_bytes(good)
@@ -445,7 +612,9 @@ def test_sampler_resumes_with_any_world_size():
     except the 2 that pad the last 124 to a multiple of 3."""
     seen, start = [], 0
     for world, per_rank, stop in ((2, 8, 320), (1, 8, 808), (2, 4, 1000), (3, 8, N_TRAIN)):
-        samplers = [ResumableSampler(N_TRAIN, world, r, shuffle=True, seed=1337) for r in range(world)]
+        samplers = [
+            ResumableSampler(N_TRAIN, world, r, shuffle=True, seed=1337) for r in range(world)
+        ]
         orders = []
         for s in samplers:
             s.set_epoch(3)
@@ -474,12 +643,22 @@ def read_samples(record_dir) -> Counter:
 def recorded_part(tmp_path, record, nproc: int, *extra: str) -> str:
     """One part of an epoch through main.py (tests/ft_record.py records each rank's
     samples and saves in `record`); returns its log."""
-    args = overrides("trainer_config.max_epochs=1", "trainer_config.save_every_steps=7",
-                     "trainer_config.allow_config_change=true", *extra)  # each part has its own max_steps
+    args = overrides(
+        "trainer_config.max_epochs=1",
+        "trainer_config.save_every_steps=7",
+        # each part has its own max_steps
+        "trainer_config.allow_config_change=true",
+        *extra,
+    )
     launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
-    proc = subprocess.run([*launcher, str(REPO / "tests" / "ft_record.py"), *args], cwd=tmp_path,
-                          env={**child_env(), "FT_RECORD_DIR": str(record)}, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [*launcher, str(REPO / "tests" / "ft_record.py"), *args],
+        cwd=tmp_path,
+        env={**child_env(), "FT_RECORD_DIR": str(record)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 
@@ -493,17 +672,31 @@ def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus
     record = tmp_path / "record"
 
     def part(nproc: int, max_steps: str) -> str:
-        return recorded_part(tmp_path, record, nproc, f"data_config.path={small_corpus}",
-                             f"trainer_config.snapshot_path={url}", f"trainer_config.max_steps={max_steps}")
+        return recorded_part(
+            tmp_path,
+            record,
+            nproc,
+            f"data_config.path={small_corpus}",
+            f"trainer_config.snapshot_path={url}",
+            f"trainer_config.max_steps={max_steps}",
+        )
 
     part(2, "10")  # 10 steps of 16 samples: 160
     assert "resumed from file://" in part(1, "70")  # 60 steps of 8: 640
     log = part(2, "null")  # 484 left: 30 steps of 16 and one of 4
     assert f"resumed from {url}: epoch 0, 640 samples into it, step 70" in log
     final = read_snapshot(url)
-    assert (final["step"], final["epoch"], final["samples_in_epoch"], final["world_size"]) == (101, 1, 0, 2)
+    assert (final["step"], final["epoch"], final["samples_in_epoch"], final["world_size"]) == (
+        101,
+        1,
+        0,
+        2,
+    )
     assert read_samples(record) == Counter(range(N_TRAIN))
-    saves = {rank: [int(s) for s in (record / f"saves-rank{rank}.txt").read_text().split()] for rank in (0, 1)}
+    saves = {
+        rank: [int(s) for s in (record / f"saves-rank{rank}.txt").read_text().split()]
+        for rank in (0, 1)
+    }
     assert saves[0] == [7, 10, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 101]
     assert saves[1] == [7, 10, 77, 84, 91, 98, 101]  # the parts on 2 processes
 
@@ -515,16 +708,27 @@ def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_c
     record = tmp_path / "record"
 
     def part(nproc: int, max_steps: str) -> str:
-        return recorded_part(tmp_path, record, nproc, f"data_config.path={small_corpus}",
-                             f"trainer_config.snapshot_path={root}", f"trainer_config.max_steps={max_steps}",
-                             "trainer_config.parallelism=fsdp")
+        return recorded_part(
+            tmp_path,
+            record,
+            nproc,
+            f"data_config.path={small_corpus}",
+            f"trainer_config.snapshot_path={root}",
+            f"trainer_config.max_steps={max_steps}",
+            "trainer_config.parallelism=fsdp",
+        )
 
     part(2, "10")  # 10 steps of 16 samples: 160
     assert "resumed from" in part(1, "70")  # 60 steps of 8: 640
     log = part(4, "null")  # 484 left: 15 steps of 32 and one of 4
     assert f"resumed from {root}: epoch 0, 640 samples into it, step 70" in log
     _, meta = sharded.load_full(str(root))
-    assert (meta["step"], meta["epoch"], meta["samples_in_epoch"], meta["world_size"]) == (86, 1, 0, 4)
+    assert (meta["step"], meta["epoch"], meta["samples_in_epoch"], meta["world_size"]) == (
+        86,
+        1,
+        0,
+        4,
+    )
     assert read_samples(record) == Counter(range(N_TRAIN))
 
 
@@ -532,7 +736,11 @@ def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_c
 # torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can
 # read the dead ones' addresses from it (pytorch#135712); this opts out, as docs/fault-tolerance.md says.
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-KILL_ARGS = ["gpt_config.dropout=0.1", "trainer_config.log_every=1", "trainer_config.save_every_steps=10"]
+KILL_ARGS = [
+    "gpt_config.dropout=0.1",
+    "trainer_config.log_every=1",
+    "trainer_config.save_every_steps=10",
+]
 STEPS_PER_EPOCH = 71  # with 2 ranks
 
 
@@ -587,25 +795,43 @@ def tensorboard_losses(run_dir) -> list[tuple[int, float]]:
 def final_state(run_dir) -> tuple[int, dict, dict]:
     """(step, weights, AdamW's state as {"param.key": tensor}) of the run's last snapshot."""
     tensors, meta = sharded.load_full(str(run_dir / "snapshots"))
-    moments = {f"{p}.{k}": v for p, state in tensors["optim"]["state"].items() for k, v in state.items()}
+    moments = {
+        f"{p}.{k}": v for p, state in tensors["optim"]["state"].items() for k, v in state.items()
+    }
     return meta["step"], tensors["model"], moments
 
 
 @pytest.mark.parametrize("parallelism, epochs", [("ddp", 2), ("fsdp", 1)])
-def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_corpus, parallelism, epochs):
+def test_sigkilled_worker_restarts_and_ends_bitwise_identical(
+    tmp_path, small_corpus, parallelism, epochs
+):
     """Every rank writes its part of each snapshot (asynchronously) and a restart resumes
     from the last published one: a save in flight at the kill is not published, and the
     restart comes from the one before. (ddp goes on into a second epoch.)"""
-    args = overrides(f"data_config.path={small_corpus}", *KILL_ARGS, f"trainer_config.parallelism={parallelism}",
-                     f"trainer_config.max_epochs={epochs}")
+    args = overrides(
+        f"data_config.path={small_corpus}",
+        *KILL_ARGS,
+        f"trainer_config.parallelism={parallelism}",
+        f"trainer_config.max_epochs={epochs}",
+    )
     total = STEPS_PER_EPOCH * epochs
 
     def launch(name: str, *torchrun_args: str) -> subprocess.Popen:
-        cmd = torchrun_cmd(2, "--standalone", *torchrun_args) + [str(REPO / "main.py"), *args,
-                                                                   f"trainer_config.run_name={name}"]
+        cmd = torchrun_cmd(2, "--standalone", *torchrun_args) + [
+            str(REPO / "main.py"),
+            *args,
+            f"trainer_config.run_name={name}",
+        ]
         run_dirs[name] = run_dir_of(tmp_path, [*args, f"trainer_config.run_name={name}"])
-        return subprocess.Popen(cmd, cwd=tmp_path, env={**child_env(), **RESTART_ENV}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            env={**child_env(), **RESTART_ENV},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
     run_dirs = {}
     reference = launch("reference")
@@ -623,7 +849,9 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
                 victim = (pid, step)
             time.sleep(0.005)
         assert victim is not None, "the run ended before a worker could be killed"
-        assert victim[1] < STEPS_PER_EPOCH, f"killed at step {victim[1]}, not in the middle of epoch 0"
+        assert victim[1] < STEPS_PER_EPOCH, (
+            f"killed at step {victim[1]}, not in the middle of epoch 0"
+        )
         _, killed_err = killed.communicate(timeout=150)
         _, reference_err = reference.communicate(timeout=150)
     finally:
@@ -636,7 +864,9 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(tmp_path, small_co
     resumed = [line for line in log.splitlines() if "resumed from" in line]
     assert len(resumed) == 1, log[-3000:]  # the restart really resumed, from a mid-epoch save
     resumed_step = int(resumed[0].rsplit("step ", 1)[1])
-    assert resumed_step % 10 == 0 and 10 <= resumed_step < STEPS_PER_EPOCH and "epoch 0," in resumed[0]
+    assert (
+        resumed_step % 10 == 0 and 10 <= resumed_step < STEPS_PER_EPOCH and "epoch 0," in resumed[0]
+    )
 
     final, expected = final_state(run_dir), final_state(run_dirs["reference"])
     assert final[0] == expected[0] == total

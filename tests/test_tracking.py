@@ -17,19 +17,26 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY, child_env, on_cpu, run_main, run_torchrun
 
-mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install -e .[mlflow], or .[test])")
+mlflow = pytest.importorskip(
+    "mlflow", reason="mlflow is not installed (pip install -e .[mlflow], or .[test])"
+)
 
 from mingpt import tracking  # noqa: E402
 from mingpt.config import Config, ConfigError, TrainerConfig  # noqa: E402
 from mingpt.metrics import events  # noqa: E402
 from mingpt.snapshot.manager import read  # noqa: E402
 
-DEADLINE = 300  # seconds for one event (a run reaching its stop point, a stopped run exiting): generous, for a loaded machine
-ARGS = [*TINY, "data_config.path=small.txt", "trainer_config.tracker=mlflow", "trainer_config.eval_every=10",
-        "trainer_config.save_every_minutes=null"]
+# seconds for one event (a run reaching its stop point, a stopped run exiting): generous, for a loaded machine
+DEADLINE = 300
+ARGS = [
+    *TINY,
+    "data_config.path=small.txt",
+    "trainer_config.tracker=mlflow",
+    "trainer_config.eval_every=10",
+    "trainer_config.save_every_minutes=null",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +47,9 @@ def no_telemetry(monkeypatch):
 
 @pytest.fixture
 def cwd(tmp_path, corpus) -> Path:
-    (tmp_path / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    (tmp_path / "small.txt").write_text(
+        corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8"
+    )
     return tmp_path
 
 
@@ -63,10 +72,21 @@ class Store:
             client = mlflow.tracking.MlflowClient(uri or store_uri(cwd))
             experiment = client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT)
             self.runs = client.search_runs([experiment.experiment_id]) if experiment else []
-            self.history = {run.info.run_id: {key: [(m.step, m.value) for m in client.get_metric_history(
-                run.info.run_id, key)] for key in run.data.metrics} for run in self.runs}
-            self.samples = {run.info.run_id: sorted(f.path for f in client.list_artifacts(run.info.run_id, "samples"))
-                            for run in self.runs}
+            self.history = {
+                run.info.run_id: {
+                    key: [
+                        (m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)
+                    ]
+                    for key in run.data.metrics
+                }
+                for run in self.runs
+            }
+            self.samples = {
+                run.info.run_id: sorted(
+                    f.path for f in client.list_artifacts(run.info.run_id, "samples")
+                )
+                for run in self.runs
+            }
 
     def only_run(self):
         assert len(self.runs) == 1, [r.info.run_id for r in self.runs]
@@ -79,11 +99,17 @@ def steps_of(history: list[tuple[int, float]]) -> list[int]:
 
 def same(logged: list[tuple[int, float]], expected: list[tuple[int, float]]) -> bool:
     """The same steps, and the same values up to MLflow's float64."""
-    return steps_of(logged) == steps_of(expected) and [v for _, v in logged] == pytest.approx([v for _, v in expected])
+    return steps_of(logged) == steps_of(expected) and [v for _, v in logged] == pytest.approx(
+        [v for _, v in expected]
+    )
 
 
 def recorded(run_dir: Path, split: str, key: str = "loss") -> list[tuple[int, float]]:
-    return [(r["step"], r[key]) for _, r in events(str(run_dir / "metrics.jsonl")) if r["split"] == split]
+    return [
+        (r["step"], r[key])
+        for _, r in events(str(run_dir / "metrics.jsonl"))
+        if r["split"] == split
+    ]
 
 
 def test_params_metrics_and_samples_reach_mlflow(cwd, monkeypatch):
@@ -95,15 +121,29 @@ def test_params_metrics_and_samples_reach_mlflow(cwd, monkeypatch):
     run_id = run.info.run_id
     assert run.info.status == "FINISHED" and run.info.run_name == "t"
     params = run.data.params
-    assert params["trainer_config.max_steps"] == "20" and params["trainer_config.tracker"] == "mlflow"
-    assert params["gpt_config.n_embd"] == "32" and params["gpt_config.vocab_size"] != "null"  # set from the data
-    assert params["data_config.path"] == "small.txt" and params["optimizer_config.betas"] == "[0.9, 0.99]"
+    assert (
+        params["trainer_config.max_steps"] == "20" and params["trainer_config.tracker"] == "mlflow"
+    )
+    # set from the data
+    assert params["gpt_config.n_embd"] == "32" and params["gpt_config.vocab_size"] != "null"
+    assert (
+        params["data_config.path"] == "small.txt"
+        and params["optimizer_config.betas"] == "[0.9, 0.99]"
+    )
     # The same events as metrics.jsonl, at the same steps.
     history, run_dir = store.history[run_id], cwd / "runs" / "t"
     assert same(history["train/loss"], recorded(run_dir, "train"))
     assert steps_of(history["train/loss"]) == [5, 10, 15, 20]
-    assert same(history["eval/loss"], recorded(run_dir, "eval")) and steps_of(history["eval/loss"]) == [10, 20]
-    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "eval/bpc", "eval/perplexity"} <= set(history)
+    assert same(history["eval/loss"], recorded(run_dir, "eval")) and steps_of(
+        history["eval/loss"]
+    ) == [10, 20]
+    assert {
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "eval/bpc",
+        "eval/perplexity",
+    } <= set(history)
     assert store.samples[run_id] == ["samples/step_0000010.txt", "samples/step_0000020.txt"]
     assert read(str(run_dir / "snapshots"))["tracker_run_id"] == run_id
 
@@ -112,7 +152,9 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
     """A snapshot without a tracker run id (written without a tracker, as before trackers
     existed) starts an MLflow run; a SIGTERM stop and its resume (with another
     max_steps) continue it, each step logged once."""
-    first = run_main([*args_for(cwd, "trainer_config.max_steps=10"), "trainer_config.tracker=null"], cwd)
+    first = run_main(
+        [*args_for(cwd, "trainer_config.max_steps=10"), "trainer_config.tracker=null"], cwd
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = cwd / "runs" / "t"
     assert "tracker_run_id" not in read(str(run_dir / "snapshots"))
@@ -120,18 +162,25 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
 
     # Steps 11 to 20, stopped by SIGTERM at the start of the evaluation at step 20 (tests/stop_probe.py).
     marker = cwd / "at-eval"
-    more = ["trainer_config.max_steps=30", "trainer_config.allow_config_change=true"]  # the first stopped at 10
+    # the first stopped at 10
+    more = ["trainer_config.max_steps=30", "trainer_config.allow_config_change=true"]
     with open(cwd / "stopped.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "stop_probe.py"), *on_cpu(args_for(cwd, *more))],
-                                cwd=cwd, env={**child_env(), "STOP_PROBE": "eval", "STOP_PROBE_FILE": str(marker)},
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "stop_probe.py"), *on_cpu(args_for(cwd, *more))],
+            cwd=cwd,
+            env={**child_env(), "STOP_PROBE": "eval", "STOP_PROBE_FILE": str(marker)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         deadline = time.monotonic() + DEADLINE
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)  # waiting for the probe's marker, not for a fixed time
         assert marker.exists(), (cwd / "stopped.err").read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=DEADLINE) == 128 + signal.SIGTERM, (cwd / "stopped.err").read_text()[-3000:]
+        assert proc.wait(timeout=DEADLINE) == 128 + signal.SIGTERM, (
+            cwd / "stopped.err"
+        ).read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -142,7 +191,9 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
     assert read(str(run_dir / "snapshots"))["tracker_run_id"] == run_id
 
     # Resumed with another max_steps: steps 21 to 40.
-    resumed = run_main(args_for(cwd, "trainer_config.max_steps=40", "trainer_config.allow_config_change=true"), cwd)
+    resumed = run_main(
+        args_for(cwd, "trainer_config.max_steps=40", "trainer_config.allow_config_change=true"), cwd
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"run {run_id} (continued at step 20)" in resumed.stderr
     assert "WARNING" not in resumed.stderr.replace("WARNING continuing", ""), resumed.stderr[-3000:]
@@ -158,32 +209,51 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
     assert same(history["train/loss"], recorded(run_dir, "train")[2:])
     # MLflow's params cannot change: the new max_steps is logged beside the first.
     params = run.data.params
-    assert params["trainer_config.max_steps"] == "30" and params["trainer_config.max_steps:step20"] == "40"
+    assert (
+        params["trainer_config.max_steps"] == "30"
+        and params["trainer_config.max_steps:step20"] == "40"
+    )
     assert run.data.tags["mingpt.resumed_at_step"] == "20"
     assert store.samples[run_id] == [f"samples/step_{step:07d}.txt" for step in (30, 40)]
 
 
 def test_only_rank_0_logs_under_torchrun(cwd, monkeypatch):
     """With FSDP, where every rank generates the samples too, and the id goes into the sharded snapshot."""
-    result = run_torchrun(2, args_for(cwd, "trainer_config.max_steps=20", "trainer_config.parallelism=fsdp"), cwd)
+    result = run_torchrun(
+        2, args_for(cwd, "trainer_config.max_steps=20", "trainer_config.parallelism=fsdp"), cwd
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     store = Store(cwd, monkeypatch)
     run = store.only_run()
     assert read(str(cwd / "runs" / "t" / "snapshots"))["tracker_run_id"] == run.info.run_id
     history = store.history[run.info.run_id]
-    assert steps_of(history["train/loss"]) == [5, 10, 15, 20] and steps_of(history["eval/loss"]) == [10, 20]
+    assert steps_of(history["train/loss"]) == [5, 10, 15, 20] and steps_of(
+        history["eval/loss"]
+    ) == [10, 20]
     assert same(history["eval/loss"], recorded(cwd / "runs" / "t", "eval"))
-    assert store.samples[run.info.run_id] == ["samples/step_0000010.txt", "samples/step_0000020.txt"]
+    assert store.samples[run.info.run_id] == [
+        "samples/step_0000010.txt",
+        "samples/step_0000020.txt",
+    ]
 
 
 def test_unreachable_tracker_costs_one_warning(cwd):
     """Nothing listens on port 1: one warning at the start, and the run trains and records as ever."""
     started = time.monotonic()
-    result = run_main([*args_for(cwd, "trainer_config.max_steps=10"), "trainer_config.tracker_uri=http://127.0.0.1:1"],
-                      cwd)
+    result = run_main(
+        [
+            *args_for(cwd, "trainer_config.max_steps=10"),
+            "trainer_config.tracker_uri=http://127.0.0.1:1",
+        ],
+        cwd,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
-    assert len(warnings) == 1 and "http://127.0.0.1:1" in warnings[0] and "training goes on" in warnings[0], warnings
+    assert (
+        len(warnings) == 1
+        and "http://127.0.0.1:1" in warnings[0]
+        and "training goes on" in warnings[0]
+    ), warnings
     assert steps_of(recorded(cwd / "runs" / "t", "train")) == [5, 10]
     assert "tracker_run_id" not in read(str(cwd / "runs" / "t" / "snapshots"))
     assert time.monotonic() - started < 100  # MLflow's default retries would take minutes
@@ -205,7 +275,9 @@ def test_the_documented_stores_track_after_the_documented_install(cwd, monkeypat
         assert uri.startswith("sqlite:"), uri  # what the documented default is
     tracked = Store(cwd, monkeypatch, uri)
     run = tracked.only_run()
-    assert run.info.status == "FINISHED" and steps_of(tracked.history[run.info.run_id]["train/loss"]) == [5, 10]
+    assert run.info.status == "FINISHED" and steps_of(
+        tracked.history[run.info.run_id]["train/loss"]
+    ) == [5, 10]
 
 
 def test_a_database_store_without_its_packages_names_them(tmp_path, caplog, monkeypatch):
@@ -213,11 +285,20 @@ def test_a_database_store_without_its_packages_names_them(tmp_path, caplog, monk
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "sqlalchemy" else find_spec(name, *a),
+    )
     with caplog.at_level(logging.INFO, logger="mingpt"):
-        tracker = tracking.start(config(tracker_uri=f"sqlite:///{tmp_path / 'x.db'}"), str(tmp_path), None, 0, True)
+        tracker = tracking.start(
+            config(tracker_uri=f"sqlite:///{tmp_path / 'x.db'}"), str(tmp_path), None, 0, True
+        )
     assert tracker is tracking.OFF and [r.levelname for r in caplog.records] == ["WARNING"]
-    assert "is a database, which needs sqlalchemy (pip install -e .[mlflow])" in caplog.records[0].getMessage()
+    assert (
+        "is a database, which needs sqlalchemy (pip install -e .[mlflow])"
+        in caplog.records[0].getMessage()
+    )
 
 
 def config(**trainer) -> Config:
@@ -226,13 +307,17 @@ def config(**trainer) -> Config:
 
 def test_start_without_a_store_or_without_mlflow_is_one_warning(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="mingpt"):
-        tracker = tracking.start(config(tracker_uri="http://127.0.0.1:1"), str(tmp_path), None, 0, enabled=True)
+        tracker = tracking.start(
+            config(tracker_uri="http://127.0.0.1:1"), str(tmp_path), None, 0, enabled=True
+        )
     assert tracker is tracking.OFF
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "Connection refused" in caplog.records[0].getMessage()
     # mlflow not importable (a module that refuses to import, first on the path): one warning too.
     (tmp_path / "hidden" / "mlflow").mkdir(parents=True)
-    (tmp_path / "hidden" / "mlflow" / "__init__.py").write_text("raise ImportError('no mlflow here')\n")
+    (tmp_path / "hidden" / "mlflow" / "__init__.py").write_text(
+        "raise ImportError('no mlflow here')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path / "hidden"))
     for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -246,7 +331,9 @@ def test_start_without_a_store_or_without_mlflow_is_one_warning(tmp_path, caplog
 def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog):
     uri = (tmp_path / "mlruns").as_uri()
     with caplog.at_level(logging.WARNING, logger="mingpt"):
-        tracker = tracking.start(config(tracker_uri=uri), str(tmp_path / "run"), None, 0, enabled=True)
+        tracker = tracking.start(
+            config(tracker_uri=uri), str(tmp_path / "run"), None, 0, enabled=True
+        )
         assert tracker.run_id and not caplog.records
         tracker.log("train", 1, {"loss": 4.0, "rank_losses": [4.0], "mfu": None})
         shutil.rmtree(tmp_path / "mlruns")  # the store goes away
@@ -254,11 +341,17 @@ def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog):
             tracker.log("train", step, {"loss": 3.9})
             tracker.text("sample", "text", step)
         tracker.close()
-    assert len(caplog.records) == 1 and "training goes on without the tracker" in caplog.records[0].getMessage()
+    assert (
+        len(caplog.records) == 1
+        and "training goes on without the tracker" in caplog.records[0].getMessage()
+    )
 
 
 def test_tracker_keys_are_checked():
-    with pytest.raises(ConfigError, match="trainer_config.tracker: 'wandb' is not a tracker mingpt has: mlflow, or null"):
+    with pytest.raises(
+        ConfigError,
+        match="trainer_config.tracker: 'wandb' is not a tracker mingpt has: mlflow, or null",
+    ):
         TrainerConfig(tracker="wandb")
     with pytest.raises(ConfigError, match="trainer_config.tracker_uri"):
         TrainerConfig(tracker_uri=" ")
@@ -270,7 +363,9 @@ def test_a_run_id_the_store_lacks_starts_a_new_run(tmp_path, caplog):
     """The snapshot's MLflow run is in another store (tracker_uri changed): one warning, a new run."""
     uri = (tmp_path / "mlruns").as_uri()
     with caplog.at_level(logging.WARNING, logger="mingpt"):
-        tracker = tracking.start(config(tracker_uri=uri), str(tmp_path / "run"), "0123456789abcdef", 7, enabled=True)
+        tracker = tracking.start(
+            config(tracker_uri=uri), str(tmp_path / "run"), "0123456789abcdef", 7, enabled=True
+        )
     assert tracker.run_id and tracker.run_id != "0123456789abcdef"
     assert len(caplog.records) == 1 and "0123456789abcdef" in caplog.records[0].getMessage()
     tracker.close()

@@ -28,7 +28,9 @@ def test_fp16_takes_a_gradient_scaler_and_bf16_needs_a_gpu_that_has_it():
 
 
 def test_step_plan_of_a_fresh_run():
-    plan = step_plan(TrainerConfig(batch_size=4, grad_accum_steps=2, max_epochs=3), 100, 2, Progress())
+    plan = step_plan(
+        TrainerConfig(batch_size=4, grad_accum_steps=2, max_epochs=3), 100, 2, Progress()
+    )
     assert plan.samples_per_step == 8  # per rank
     assert plan.steps_per_epoch == 7  # ceil(100 / 16)
     assert plan.total_steps == 21
@@ -41,4 +43,7 @@ def test_step_plan_of_a_resume_with_another_world_size_finishes_the_epochs():
     assert plan.steps_per_epoch == 13
     assert plan.total_steps == 10 + 5 + 13  # done, the rest of epoch 1 (40 samples), epoch 2
     assert step_plan(TrainerConfig(max_epochs=3, max_steps=12), 100, 1, resumed).total_steps == 12
-    assert step_plan(TrainerConfig(max_epochs=1), 100, 1, Progress(epoch=1, step=9)).total_steps == 9  # complete
+    # complete
+    assert (
+        step_plan(TrainerConfig(max_epochs=1), 100, 1, Progress(epoch=1, step=9)).total_steps == 9
+    )

@@ -65,10 +65,12 @@ def check_not_old(cfg: TrainerConfig, run_dir: str, path: str) -> None:
     if "://" not in old and os.path.isfile(old) and not has_snapshot(path):
         with open(old, "rb") as f:
             if f.read(4) == b"PK\x03\x04":  # as torch.save's zip archive starts
-                raise SnapshotError(f"{old} is a single-file snapshot, the ddp training format of mingpt before its "
-                                    "snapshots became Distributed Checkpoints: it is not resumed. Fine-tune from its "
-                                    f"weights in a new run (trainer_config.init_from={old} "
-                                    "trainer_config.run_name=NAME), or finish it with the earlier mingpt")
+                raise SnapshotError(
+                    f"{old} is a single-file snapshot, the ddp training format of mingpt before its "
+                    "snapshots became Distributed Checkpoints: it is not resumed. Fine-tune from its "
+                    f"weights in a new run (trainer_config.init_from={old} "
+                    "trainer_config.run_name=NAME), or finish it with the earlier mingpt"
+                )
 
 
 def read(path: str) -> dict[str, Any]:
@@ -77,10 +79,22 @@ def read(path: str) -> dict[str, Any]:
         return single_file.load(path)
     tensors, meta = sharded.load_full(path)
     optim = tensors.get("optim") or {"state": {}, "param_groups": []}
-    index = {fqn: i for i, fqn in enumerate(fqn for group in optim["param_groups"] for fqn in group["params"])}
-    groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in optim["param_groups"]]
-    state = {**meta, "model_state": dict(tensors.get("model", {})), "optimizer_state": {
-        "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index}, "param_groups": groups}}
+    index = {
+        fqn: i
+        for i, fqn in enumerate(fqn for group in optim["param_groups"] for fqn in group["params"])
+    }
+    groups = [
+        {**group, "params": [index[fqn] for fqn in group["params"]]}
+        for group in optim["param_groups"]
+    ]
+    state = {
+        **meta,
+        "model_state": dict(tensors.get("model", {})),
+        "optimizer_state": {
+            "state": {index[fqn]: value for fqn, value in optim["state"].items() if fqn in index},
+            "param_groups": groups,
+        },
+    }
     single_file.check_structure(state, path)
     return state
 
@@ -95,21 +109,36 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         if t.is_floating_point() and t.numel():
             sums.setdefault(t.device, []).append(t.sum(dtype=torch.float32))
-    return (all(bool(torch.stack(found).isfinite().all()) for found in sums.values())
-            or all(bool(torch.isfinite(t).all()) for t in tensors))
+    return all(bool(torch.stack(found).isfinite().all()) for found in sums.values()) or all(
+        bool(torch.isfinite(t).all()) for t in tensors
+    )
 
 
 class Snapshot:
-    def __init__(self, config: Config, dist_info: DistInfo, path: str, vocab: str, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, comm: CommHook,
-                 corpus: list[dict] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        dist_info: DistInfo,
+        path: str,
+        vocab: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        comm: CommHook,
+        corpus: list[dict] | None = None,
+    ):
         self.config, self.dist, self.path, self.vocab = config, dist_info, path, vocab
-        self.corpus = corpus  # the corpus's fingerprint (data.CharData.fingerprint): saved, and checked on restore
+        # the corpus's fingerprint (data.CharData.fingerprint): saved, and checked on restore
+        self.corpus = corpus
         self.optimizer, self.scaler, self.notice = optimizer, scaler, SlowNotice()
-        self.tracker_run_id: str | None = None  # the experiment tracker's run: saved, so a resume continues it
-        self.comm_state: dict[str, Any] | None = None  # the comm hook's, from restore: {name, world_size, state: own}
+        # the experiment tracker's run: saved, so a resume continues it
+        self.tracker_run_id: str | None = None
+        # the comm hook's, from restore: {name, world_size, state: own}
+        self.comm_state: dict[str, Any] | None = None
         cfg = config.trainer_config
-        self.format = sharded.ShardedFormat(path, model, optimizer, scaler, comm, cfg.keep_snapshots, cfg.async_save)
+        self.format = sharded.ShardedFormat(
+            path, model, optimizer, scaler, comm, cfg.keep_snapshots, cfg.async_save
+        )
 
     def save(self, progress: Progress) -> None:
         """Every rank calls it; raises NotFinite, on every rank alike, if the weights are not finite."""
@@ -119,27 +148,44 @@ class Snapshot:
         self.format.save(self._meta(progress), progress.step, self._check_finite)
         self.notice.took(seconds := time.monotonic() - start)
         if self.dist.is_main_process:
-            log.info("saved snapshot %s at step %d in %.2f s%s", self.path, progress.step, seconds,
-                     " (writing on in the background)" if self.format.background else "")
+            log.info(
+                "saved snapshot %s at step %d in %.2f s%s",
+                self.path,
+                progress.step,
+                seconds,
+                " (writing on in the background)" if self.format.background else "",
+            )
 
     def _meta(self, progress: Progress) -> dict[str, Any]:
-        return {**dataclasses.asdict(progress), **dataclasses.asdict(self.config), "world_size": self.dist.world_size,
-                "vocab": self.vocab, **({"corpus": self.corpus} if self.corpus is not None else {}),
-                **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {})}
+        return {
+            **dataclasses.asdict(progress),
+            **dataclasses.asdict(self.config),
+            "world_size": self.dist.world_size,
+            "vocab": self.vocab,
+            **({"corpus": self.corpus} if self.corpus is not None else {}),
+            **({"tracker_run_id": self.tracker_run_id} if self.tracker_run_id is not None else {}),
+        }
 
     def save_best(self, progress: Progress) -> None:
         """The weights (LocalSGD: the replicas' mean) and meta, no optimizer state, at best_path; synchronous."""
-        self.format.save_best(self._meta(progress), best_path(self.path), progress.step, self._check_finite)
+        self.format.save_best(
+            self._meta(progress), best_path(self.path), progress.step, self._check_finite
+        )
         if self.dist.is_main_process:
-            log.info("saved the best weights so far (held-out loss %.4f at step %d) to %s",
-                     progress.best_eval_loss, progress.step, best_path(self.path))
+            log.info(
+                "saved the best weights so far (held-out loss %.4f at step %d) to %s",
+                progress.best_eval_loss,
+                progress.step,
+                best_path(self.path),
+            )
 
     def _check_finite(self, tensors) -> None:  # all ranks agree: with FSDP each holds other shards
         bad = int(not all_finite([t.to_local() if hasattr(t, "to_local") else t for t in tensors]))
         if all_max(self.dist, [bad])[0]:
             raise NotFinite("the weights are not finite")
 
-    def wait(self) -> None:  # for the save in flight (async_save); raises its StorageError on every rank
+    # for the save in flight (async_save); raises its StorageError on every rank
+    def wait(self) -> None:
         self.format.wait()
 
     def restore(self) -> Progress | None:
@@ -150,12 +196,25 @@ class Snapshot:
         if newest is None:
             return None
         state, self.comm_state = self.format.load(
-            lambda meta: fit.check_fits(meta, self.config, self.vocab, self.path, self.dist, self.corpus))
+            lambda meta: fit.check_fits(
+                meta, self.config, self.vocab, self.path, self.dist, self.corpus
+            )
+        )
         if self.scaler.is_enabled() and state.get("scaler_state"):
             self.scaler.load_state_dict(state["scaler_state"])
-        set_hyperparameters(self.optimizer, self.config.optimizer_config)  # the current config's, not the snapshot's
-        self.tracker_run_id = run_id if isinstance(run_id := state.get("tracker_run_id"), str) and run_id else None
-        progress = Progress(**{f.name: state[f.name] for f in dataclasses.fields(Progress) if f.name in state})
-        log.info("resumed from %s: epoch %d, %d samples into it, step %d",
-                 self.path, progress.epoch, progress.samples_in_epoch, progress.step)
+        # the current config's, not the snapshot's
+        set_hyperparameters(self.optimizer, self.config.optimizer_config)
+        self.tracker_run_id = (
+            run_id if isinstance(run_id := state.get("tracker_run_id"), str) and run_id else None
+        )
+        progress = Progress(
+            **{f.name: state[f.name] for f in dataclasses.fields(Progress) if f.name in state}
+        )
+        log.info(
+            "resumed from %s: epoch %d, %d samples into it, step %d",
+            self.path,
+            progress.epoch,
+            progress.samples_in_epoch,
+            progress.step,
+        )
         return progress

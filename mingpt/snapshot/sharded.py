@@ -10,8 +10,9 @@ import os
 import pickle
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from mingpt import storage, torch_fixes
 from mingpt.snapshot import SnapshotError
@@ -53,20 +58,24 @@ def _flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(node, dict):
             for k in node:
                 if not isinstance(k, (str, int)) or isinstance(k, bool) or "/" in str(k):
-                    raise ValueError(f"cannot save key {k!r} under {key or 'the top level'}: "
-                                     "keys must be strings without '/' or integers")
+                    raise ValueError(
+                        f"cannot save key {k!r} under {key or 'the top level'}: "
+                        "keys must be strings without '/' or integers"
+                    )
             return {"dict": [[k, encode(v, [*path, str(k)])] for k, v in node.items()]}
         if isinstance(node, (list, tuple)):
             return {type(node).__name__: [encode(v, [*path, str(i)]) for i, v in enumerate(node)]}
         if node is None or isinstance(node, (str, int, float, bool)):
             return {"value": node}
-        raise TypeError(f"cannot save {type(node).__name__} at {key}: only tensors and plain values")
+        raise TypeError(
+            f"cannot save {type(node).__name__} at {key}: only tensors and plain values"
+        )
 
     return flat, encode(tree, [])
 
 
 def _unflatten(structure: Any, flat: dict[str, torch.Tensor]) -> Any:
-    (kind, body), = structure.items()
+    ((kind, body),) = structure.items()
     if kind == "tensor":
         return flat[body]
     if kind == "dict":
@@ -77,14 +86,14 @@ def _unflatten(structure: Any, flat: dict[str, torch.Tensor]) -> Any:
 
 
 def _tensor_keys(structure: Any) -> list[str]:
-    (kind, body), = structure.items()
+    ((kind, body),) = structure.items()
     if kind == "tensor":
         return [body]
     children = [v for _, v in body] if kind == "dict" else body if kind in ("list", "tuple") else []
     return [key for child in children for key in _tensor_keys(child)]
 
 
-def _order(name: str) -> Optional[tuple[int, int]]:
+def _order(name: str) -> tuple[int, int] | None:
     """(step, number) of a snapshot directory's name, or None for other names."""
     found = NAME.fullmatch(name)
     return (int(found.group(1)), int(found.group(2) or 0)) if found else None
@@ -98,9 +107,15 @@ def _listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]
         fs.invalidate_cache(p)  # an object store's cached listing misses what other processes wrote
         if not fs.isdir(p):
             return [], []
-        names = [n for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)) if _order(n)]
+        names = [
+            n
+            for n in (os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False))
+            if _order(n)
+        ]
         manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
-        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests} & set(names)
+        published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests} & set(
+            names
+        )
         lying = set() if every_name else {n for n in published if _name_lies(fs, p, root, n)}
     except storage_errors() as e:
         raise StorageError(f"cannot list the sharded snapshots in {root}: {reason(e)}") from None
@@ -108,7 +123,8 @@ def _listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]
     return names, [n for n in names if n in published]
 
 
-@functools.cache  # a published directory does not change: its meta.json is read, and a lie warned about, once
+# a published directory does not change: its meta.json is read, and a lie warned about, once
+@functools.cache
 def _name_lies(fs, p: str, root: str, name: str) -> bool:
     """Whether a published directory's name says another step than its meta.json."""
     try:
@@ -117,9 +133,13 @@ def _name_lies(fs, p: str, root: str, name: str) -> bool:
         return False  # left for loading to report
     lies = inside != _order(name)[0]
     if lies and (not dist.is_initialized() or dist.get_rank() == 0):
-        log.warning("ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
-                    "a renamed directory?); it is neither resumed nor removed", f"{root.rstrip('/')}/{name}",
-                    _order(name)[0], inside)
+        log.warning(
+            "ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
+            "a renamed directory?); it is neither resumed nor removed",
+            f"{root.rstrip('/')}/{name}",
+            _order(name)[0],
+            inside,
+        )
     return lies
 
 
@@ -127,7 +147,7 @@ def step_of(directory: str) -> int:
     return _order(os.path.basename(directory.rstrip("/")))[0]
 
 
-def latest(root: str) -> Optional[str]:
+def latest(root: str) -> str | None:
     """The newest published snapshot directory under `root` (a URL), or None."""
     published = _listing(root)[1]
     return f"{root.rstrip('/')}/{published[-1]}" if published else None
@@ -138,7 +158,9 @@ def _resolve(root_or_dir: str) -> str:
     if storage.exists(f"{root_or_dir.rstrip('/')}/{MANIFEST}"):
         return root_or_dir
     if _order(os.path.basename(root_or_dir.rstrip("/"))):
-        raise SnapshotError(f"snapshot {root_or_dir} is not published (no {MANIFEST}: its save did not complete)")
+        raise SnapshotError(
+            f"snapshot {root_or_dir} is not published (no {MANIFEST}: its save did not complete)"
+        )
     if (found := latest(root_or_dir)) is None:
         raise SnapshotError(f"no published sharded snapshot in {root_or_dir}")
     return found
@@ -147,7 +169,7 @@ def _resolve(root_or_dir: str) -> str:
 class SaveHandle:
     """A save in progress or done: `wait()` returns its directory or raises its StorageError, on every rank alike."""
 
-    def __init__(self, target: str, future: Optional[Future] = None, error: Optional[str] = None):
+    def __init__(self, target: str, future: Future | None = None, error: str | None = None):
         self.target, self._future, self._error = target, future, error
 
     def done(self) -> bool:
@@ -162,17 +184,20 @@ class SaveHandle:
         return self.target
 
 
-_pending: Optional[SaveHandle] = None  # the one asynchronous save in flight: every save, load and exit waits for it
-_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")  # its thread starts at a submit
-_groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id -> (the default group, kept so its id is not reused; gloo)
+# the one asynchronous save in flight: every save, load and exit waits for it
+_pending: SaveHandle | None = None
+# its thread starts at a submit
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
+# id -> (the default group, kept so its id is not reused; gloo)
+_groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}
 
 
-def wait_pending() -> Optional[str]:
+def wait_pending() -> str | None:
     """Wait for the save in flight, if any: its target, or its StorageError (given once)."""
     return _pending.wait() if _pending is not None else None
 
 
-def _checkpoint_group() -> Optional[dist.ProcessGroup]:
+def _checkpoint_group() -> dist.ProcessGroup | None:
     """A gloo group of all ranks, made once per default group, for the collectives of the snapshot thread."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -221,7 +246,7 @@ def _dcp_reason(error: BaseException) -> str:
 class _Streams(FileSystem):
     """DCP's file system keeping the first storage error a write met: torch.save reports it as "unexpected pos"."""
 
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -267,8 +292,17 @@ def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
     return outcome
 
 
-def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *, keep: int = 2,
-         async_save: bool = True, own: Any = None, lowest_rank: bool = False) -> SaveHandle:
+def save(
+    tensors: dict[str, Any],
+    meta: dict[str, Any],
+    root: str,
+    step: int,
+    *,
+    keep: int = 2,
+    async_save: bool = True,
+    own: Any = None,
+    lowest_rank: bool = False,
+) -> SaveHandle:
     """Save `tensors` (each rank its shards), `meta` and `own` (each rank's own state) as a new snapshot of `root`,
     keeping `keep`; asynchronously, return once copied. `lowest_rank`: each plain tensor written by its first holder."""
     wait_pending()  # one save at a time; the previous one's error surfaces here
@@ -279,29 +313,49 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
         own_flat, own_structure = _flatten({f"{OWN}{_rank(pg)}": own})
         flat.update(own_flat)
         ranks = _gather(own_structure, pg)
-    document = json.dumps({"format": FORMAT, "step": step, "world_size": _world(pg), "meta": meta,
-                           "structure": structure, "ranks": ranks}).encode()
+    document = json.dumps(
+        {
+            "format": FORMAT,
+            "step": step,
+            "world_size": _world(pg),
+            "meta": meta,
+            "structure": structure,
+            "ranks": ranks,
+        }
+    ).encode()
 
-    def new_name() -> str:  # step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused
+    # step-<step>, or step-<step>-<n> after a crashed save's, whose directory is never reused
+    def new_name() -> str:
         taken = [_order(n)[1] for n in _listing(root, every_name=True)[0] if _order(n)[0] == step]
         return f"step-{step:08d}" + (f"-{max(taken) + 1}" if taken else "")
 
     directory = f"{root.rstrip('/')}/{_by_rank0(pg, new_name)}"
     on_gpu = any(v.device.type == "cuda" for v in flat.values())
     # A CPU state is written by the plain loader: DCP's overlapping one takes CUDA streams whenever the host has CUDA.
-    writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]),
-                          **({} if on_gpu else {"per_thread_copy_ahead": 0}))
+    writer = FsspecWriter(
+        directory,
+        sync_files=storage.is_local(storage.filesystem(root)[0]),
+        **({} if on_gpu else {"per_thread_copy_ahead": 0}),
+    )
     streams = _Streams()
     streams.fs, writer.fs = writer.fs.fs, streams
-    options = {"storage_writer": writer, "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
-               "process_group": pg, "no_dist": pg is None}
+    options = {
+        "storage_writer": writer,
+        "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
+        "process_group": pg,
+        "no_dist": pg is None,
+    }
 
-    def complete() -> Optional[str]:  # returns the error, the same on every rank, or None
+    def complete() -> str | None:  # returns the error, the same on every rank, or None
         try:
             upload.result() if async_save else dcp.save(flat, **options)
             error = None
         except (Exception, CheckpointException) as e:
-            error = _dcp_reason(e) if streams.error is None else f"{reason(streams.error)} (rank {_rank(pg)})"
+            error = (
+                _dcp_reason(e)
+                if streams.error is None
+                else f"{reason(streams.error)} (rank {_rank(pg)})"
+            )
         try:
             return _publish(directory, root, document, keep, pg, error, streams.error is not None)
         except Exception as e:  # one line on this rank too, never lost
@@ -320,47 +374,71 @@ def save(tensors: dict[str, Any], meta: dict[str, Any], root: str, step: int, *,
     return _pending
 
 
-def _publish(directory: str, root: str, document: bytes, keep: int, pg, error: Optional[str],
-             storage_cause: bool) -> Optional[str]:
+def _publish(
+    directory: str,
+    root: str,
+    document: bytes,
+    keep: int,
+    pg,
+    error: str | None,
+    storage_cause: bool,
+) -> str | None:
     """Each rank hashes its shards; rank 0 publishes and prunes. The error (storage causes first), or None."""
     fs, p = storage.filesystem(directory)
     files: dict[str, list] = {}
     if error is None:
-        try:  # DCP names each rank's files __<rank>_<n>.distcp, or __<n>.distcp without a process group
-            for path in fs.glob(f"{p}/__{_rank(pg)}_*.distcp" if pg is not None else f"{p}/__*.distcp"):
+        # DCP names each rank's files __<rank>_<n>.distcp, or __<n>.distcp without a process group
+        try:
+            for path in fs.glob(
+                f"{p}/__{_rank(pg)}_*.distcp" if pg is not None else f"{p}/__*.distcp"
+            ):
                 with fs.open(path, "rb") as f:
                     files[os.path.basename(path)] = list(storage.sha256(f))
         except storage_errors() as e:
             error = f"rank {_rank(pg)}: {reason(e)}"
     gathered = _gather((files, error, storage_cause), pg)
 
-    def publish() -> Optional[str]:  # rank 0's part: raises nothing, so that no rank is left waiting
+    # rank 0's part: raises nothing, so that no rank is left waiting
+    def publish() -> str | None:
         if errors := [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]:
             return errors[0]
         try:
-            manifest = {name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()}
+            manifest = {
+                name: entry for shard_files, *_ in gathered for name, entry in shard_files.items()
+            }
             with storage.atomic_open(f"{p}/{META}", fs) as f:
                 f.write(document)
             for name in (DCP_METADATA, META):
                 with fs.open(f"{p}/{name}", "rb") as f:
                     manifest[name] = list(storage.sha256(f))
             with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:  # the publication
-                f.write(json.dumps({"format": FORMAT, "files": manifest}, indent=1, sort_keys=True).encode())
+                f.write(
+                    json.dumps(
+                        {"format": FORMAT, "files": manifest}, indent=1, sort_keys=True
+                    ).encode()
+                )
         except Exception as e:
-            return reason(e) if isinstance(e, storage_errors()) else f"{type(e).__name__}: {reason(e)}"
+            return (
+                reason(e) if isinstance(e, storage_errors()) else f"{type(e).__name__}: {reason(e)}"
+            )
         _prune(root, os.path.basename(directory.rstrip("/")), keep)
         log.info("published sharded snapshot %s (%d files)", directory, len(manifest))
         return None
 
     error = _by_rank0(pg, publish)
-    return error and f"cannot save sharded snapshot {directory}: {error}; the previous snapshots are unchanged"
+    return (
+        error
+        and f"cannot save sharded snapshot {directory}: {error}; the previous snapshots are unchanged"
+    )
 
 
 def _prune(root: str, newest: str, keep: int) -> None:
     """Remove all but the newest `keep` published snapshots and unpublished ones older than `newest`; only warns."""
     try:
         names, published = _listing(root)
-        doomed = published[:-keep] + [n for n in names if n not in published and _order(n) < _order(newest)]
+        doomed = published[:-keep] + [
+            n for n in names if n not in published and _order(n) < _order(newest)
+        ]
         fs, p = storage.filesystem(root)
         for name in doomed:
             if name in published:  # the manifest first: cut short, this leaves no damaged snapshot
@@ -370,14 +448,24 @@ def _prune(root: str, newest: str, keep: int) -> None:
         log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
 
 
-_ALLOWED = {"torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
-                                                       "ChunkStorageMetadata", "StorageMeta", "MetadataIndex",
-                                                       "_MEM_FORMAT_ENCODING"},
-            "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
-            "torch": {"Size"}}
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+}
 
 
-class _MetadataUnpickler(pickle.Unpickler):  # a pickled payload never runs, even one with a rewritten manifest
+# a pickled payload never runs, even one with a rewritten manifest
+class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
@@ -406,10 +494,14 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
     try:
         manifest = json.loads(data)
         files = manifest["files"]
-        if manifest.get("format") != FORMAT or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
+        if manifest.get("format") != FORMAT or not all(
+            isinstance(v, list) and len(v) == 2 for v in files.values()
+        ):
             raise ValueError(f"format {manifest.get('format')!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SnapshotError(f"snapshot {directory} is damaged: {MANIFEST} cannot be read ({reason(e)})") from None
+        raise SnapshotError(
+            f"snapshot {directory} is damaged: {MANIFEST} cannot be read ({reason(e)})"
+        ) from None
     blobs = {name: _checked(directory, name, files) for name in (META, DCP_METADATA)}
     try:
         meta = json.loads(blobs[META])
@@ -418,28 +510,41 @@ def _read_manifest(directory: str) -> tuple[dict[str, list], dict[str, Any], Met
         for structure in [meta["structure"], *(meta.get("ranks") or [])]:
             _unflatten(structure, {key: None for key in _tensor_keys(structure)})
     except (ValueError, AttributeError, KeyError, TypeError) as e:
-        raise SnapshotError(f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})") from None
+        raise SnapshotError(
+            f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})"
+        ) from None
     name = f"{directory}/{DCP_METADATA}"
     try:
         metadata = _MetadataUnpickler(io.BytesIO(blobs[DCP_METADATA])).load()
     except pickle.UnpicklingError as e:
-        raise SnapshotError(f"refusing to load {name}: it holds pickled objects other than DCP's metadata, "
-                            f"and none of it was run ({reason(e)})") from None
+        raise SnapshotError(
+            f"refusing to load {name}: it holds pickled objects other than DCP's metadata, "
+            f"and none of it was run ({reason(e)})"
+        ) from None
     except Exception as e:  # damaged bytes raise many types
-        raise SnapshotError(f"snapshot {name} is damaged ({type(e).__name__}: {reason(e)})") from None
+        raise SnapshotError(
+            f"snapshot {name} is damaged ({type(e).__name__}: {reason(e)})"
+        ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise SnapshotError(f"snapshot {name} is damaged (not DCP metadata)")
     for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):  # bytes entries are read with torch.load(weights_only=False)
-            raise SnapshotError(f"refusing to load {name}: entry {key!r} is not a tensor, and none of it was run")
+        # bytes entries are read with torch.load(weights_only=False)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise SnapshotError(
+                f"refusing to load {name}: entry {key!r} is not a tensor, and none of it was run"
+            )
     for info in (metadata.storage_data or {}).values():  # DCP reads only files that were verified
         if getattr(info, "relative_path", None) not in files:
-            raise SnapshotError(f"snapshot {directory} is damaged: its index names a file that {MANIFEST} "
-                                f"does not list ({getattr(info, 'relative_path', info)!r})")
+            raise SnapshotError(
+                f"snapshot {directory} is damaged: its index names a file that {MANIFEST} "
+                f"does not list ({getattr(info, 'relative_path', info)!r})"
+            )
     return files, meta, metadata
 
 
-def _checked(directory: str, name: str, files: Optional[dict[str, list]] = None, whole: bool = True) -> bytes:
+def _checked(
+    directory: str, name: str, files: dict[str, list] | None = None, whole: bool = True
+) -> bytes:
     """A file of the snapshot (its bytes if `whole`), checked against the size and sha256 that `files` lists."""
     fs, p = storage.filesystem(directory)
     try:
@@ -451,28 +556,40 @@ def _checked(directory: str, name: str, files: Optional[dict[str, list]] = None,
     except storage_errors() as e:
         raise StorageError(f"cannot read snapshot {directory}/{name}: {reason(e)}") from None
     if files is not None and [size, digest] != files.get(name):
-        raise SnapshotError(f"snapshot {directory} is damaged: {name} does not match its size and sha256 in "
-                            f"{MANIFEST} (changed after it was written)")
+        raise SnapshotError(
+            f"snapshot {directory} is damaged: {name} does not match its size and sha256 in "
+            f"{MANIFEST} (changed after it was written)"
+        )
     return data
 
 
-def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> None:  # a share of the shards
+# a share of the shards
+def _verify(directory: str, files: dict[str, list], share: slice = slice(None)) -> None:
     for name in sorted(n for n in files if n not in (META, DCP_METADATA))[share]:
         _checked(directory, name, files, whole=False)
 
 
 def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
-    if missing := [key for key in expected if key not in saved or key not in metadata.state_dict_metadata]:
+    if missing := [
+        key for key in expected if key not in saved or key not in metadata.state_dict_metadata
+    ]:
         raise SnapshotError(f"snapshot {directory} does not fit: it holds no tensor {missing[0]}")
     if extra := [key for key in saved if key not in expected]:
-        raise SnapshotError(f"snapshot {directory} does not fit: it holds a tensor {extra[0]} that this run has not")
+        raise SnapshotError(
+            f"snapshot {directory} does not fit: it holds a tensor {extra[0]} that this run has not"
+        )
 
 
 def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
     """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
     _check_keys(directory, keys, keys, metadata)
-    return {key: torch.empty(metadata.state_dict_metadata[key].size,
-                             dtype=metadata.state_dict_metadata[key].properties.dtype) for key in keys}
+    return {
+        key: torch.empty(
+            metadata.state_dict_metadata[key].size,
+            dtype=metadata.state_dict_metadata[key].properties.dtype,
+        )
+        for key in keys
+    }
 
 
 def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **options: Any) -> None:
@@ -482,8 +599,12 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
         raise SnapshotError(f"snapshot {directory} cannot be loaded: {_dcp_reason(e)}") from None
 
 
-def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
-         check: Optional[Callable[[dict[str, Any]], None]] = None) -> Any:
+def load(
+    tensors: dict[str, Any],
+    root_or_dir: str,
+    own: bool = False,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> Any:
     """Verify the newest published snapshot of a root (or that directory), which `check(meta)` may refuse, and load it
     into `tensors` in place, resharded; its meta, or with `own` (meta, this rank's own state if as many ranks saved)."""
     wait_pending()  # a save in flight uses the same collectives
@@ -495,9 +616,11 @@ def load(tensors: dict[str, Any], root_or_dir: str, own: bool = False,
         _verify(directory, files, slice(_rank(pg), None, _world(pg)))
     except (SnapshotError, StorageError) as e:
         problem = str(e)
-    if errors := [e for e in _gather(problem, pg) if e]:  # so that all ranks stop together, with the same line
+    # so that all ranks stop together, with the same line
+    if errors := [e for e in _gather(problem, pg) if e]:
         raise SnapshotError(errors[0])
-    if check is not None:  # the snapshot's own account of what it holds (its shapes, its optimizer) comes first
+    # the snapshot's own account of what it holds (its shapes, its optimizer) comes first
+    if check is not None:
         check(document["meta"])
     flat, _ = _flatten(tensors)
     _check_keys(directory, sorted(flat), _tensor_keys(document["structure"]), metadata)
@@ -526,11 +649,18 @@ def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
             if published:
                 raise
         if directory == root_or_dir:
-            raise SnapshotError(f"snapshot {directory} was removed while being read (its run replaced it with a "
-                                "newer one: keep_snapshots); read the run's snapshot root for its newest")
-        log.info("snapshot %s was replaced by a newer one while being read; reading the newest", directory)
-    raise SnapshotError(f"the snapshots in {root_or_dir} were replaced {REREADS} times while being read "
-                        "(its run saves faster than they can be read): try again, or export one while it is kept")
+            raise SnapshotError(
+                f"snapshot {directory} was removed while being read (its run replaced it with a "
+                "newer one: keep_snapshots); read the run's snapshot root for its newest"
+            )
+        log.info(
+            "snapshot %s was replaced by a newer one while being read; reading the newest",
+            directory,
+        )
+    raise SnapshotError(
+        f"the snapshots in {root_or_dir} were replaced {REREADS} times while being read "
+        "(its run saves faster than they can be read): try again, or export one while it is kept"
+    )
 
 
 def read_meta(root_or_dir: str) -> dict[str, Any]:
@@ -554,10 +684,25 @@ def load_full(root_or_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
 class ShardedFormat:
     """The run's snapshot (manager.py): each rank's shards of the model and optimizer, and its own comm hook state."""
 
-    def __init__(self, root: str, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,
-                 comm: Any, keep: int, async_save: bool):
-        self.root, self.model, self.optimizer, self.scaler, self.comm = root, model, optimizer, scaler, comm
-        self.optimizers = getattr(optimizer, "optimizers", optimizer)  # mingpt.optim.Combined: AdamW and Muon
+    def __init__(
+        self,
+        root: str,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scaler: torch.amp.GradScaler,
+        comm: Any,
+        keep: int,
+        async_save: bool,
+    ):
+        self.root, self.model, self.optimizer, self.scaler, self.comm = (
+            root,
+            model,
+            optimizer,
+            scaler,
+            comm,
+        )
+        # mingpt.optim.Combined: AdamW and Muon
+        self.optimizers = getattr(optimizer, "optimizers", optimizer)
         self.keep, self.background = keep, async_save
 
     def save(self, meta: dict[str, Any], step: int, check_finite: Callable) -> SaveHandle:
@@ -566,19 +711,34 @@ class ShardedFormat:
         check_finite(model_state.values())
         own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
         meta = {**meta, "scaler_state": self.scaler.state_dict(), "comm_hook": own and own["about"]}
-        return save({"model": model_state, "optim": optim_state}, meta, self.root, step, keep=self.keep,
-                    async_save=self.background, own=own and own["state"], lowest_rank=self.comm.replicas_differ)
+        return save(
+            {"model": model_state, "optim": optim_state},
+            meta,
+            self.root,
+            step,
+            keep=self.keep,
+            async_save=self.background,
+            own=own and own["state"],
+            lowest_rank=self.comm.replicas_differ,
+        )
 
     def save_best(self, meta: dict[str, Any], root: str, step: int, check_finite: Callable) -> None:
         model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
         check_finite(model_state.values())
         save({"model": model_state}, meta, root, step, keep=1, async_save=False)
 
-    def load(self, check_fits: Callable) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:  # meta, comm hook's
-        model_state, optim_state = get_state_dict(self.model, self.optimizers)  # the layout to load into
+    # meta, comm hook's
+    def load(self, check_fits: Callable) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        # the layout to load into
+        model_state, optim_state = get_state_dict(self.model, self.optimizers)
         state = {"model": model_state, "optim": optim_state}
         meta, own = load(state, self.root, own=True, check=check_fits)
-        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
         about = meta.get("comm_hook")
         return meta, ({**about, "state": own} if isinstance(about, dict) else None)
 

@@ -31,7 +31,9 @@ def save(state: dict[str, Any], path: str) -> None:
                 if sink.error is not None:
                     raise sink.error
     except storage_errors() as e:
-        raise StorageError(f"cannot save snapshot {path}: {reason(e)}; the file there before is unchanged") from None
+        raise StorageError(
+            f"cannot save snapshot {path}: {reason(e)}; the file there before is unchanged"
+        ) from None
 
 
 def verify(data: bytes, name: str) -> None:
@@ -43,15 +45,21 @@ def verify(data: bytes, name: str) -> None:
     except (zipfile.BadZipFile, ValueError, EOFError) as e:
         raise SnapshotError(f"snapshot {name} is damaged ({reason(e)})") from None
     if bad is not None:
-        raise SnapshotError(f"snapshot {name} is damaged: the checksum of its record {bad} does not match its bytes "
-                            "(changed after it was written)")
+        raise SnapshotError(
+            f"snapshot {name} is damaged: the checksum of its record {bad} does not match its bytes "
+            "(changed after it was written)"
+        )
 
 
-FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # what each field must be: (accepted types, in words)
-    "model_state": ((dict,), "a mapping of names to tensors"), "optimizer_state": ((dict,), "a mapping"),
-    "gpt_config": ((dict,), "a mapping"), "vocab": ((str,), "a string"),
+# what each field must be: (accepted types, in words)
+FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model_state": ((dict,), "a mapping of names to tensors"),
+    "optimizer_state": ((dict,), "a mapping"),
+    "gpt_config": ((dict,), "a mapping"),
+    "vocab": ((str,), "a string"),
     **{key: ((int,), "a whole number >= 0") for key in COUNTS},
-    "scaler_state": ((dict,), "a mapping"), "best_eval_loss": ((float, int), "a number"),
+    "scaler_state": ((dict,), "a mapping"),
+    "best_eval_loss": ((float, int), "a number"),
 }
 
 
@@ -62,15 +70,25 @@ def check_structure(state: Any, path: str) -> None:
     for key, (types, what) in FIELD_TYPES.items():
         value = state.get(key)
         if key in state and (not isinstance(value, types) or isinstance(value, bool)):
-            raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}")
+            raise SnapshotError(
+                f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}"
+            )
         if key in COUNTS and value < 0:
             raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {value}")
     for name, tensor in state["model_state"].items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        if (
+            not isinstance(name, str)
+            or not isinstance(tensor, torch.Tensor)
+            or not tensor.is_floating_point()
+        ):
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise SnapshotError(f"snapshot {path} is not usable: model_state[{name!r}] is {kind}, not a float tensor")
+            raise SnapshotError(
+                f"snapshot {path} is not usable: model_state[{name!r}] is {kind}, not a float tensor"
+            )
         if not torch.isfinite(tensor).all():
-            raise SnapshotError(f"snapshot {path} has non-finite weights (nan or inf in {name}): it cannot be used")
+            raise SnapshotError(
+                f"snapshot {path} has non-finite weights (nan or inf in {name}): it cannot be used"
+            )
 
 
 def load(path: str) -> dict[str, Any]:
@@ -83,18 +101,32 @@ def load(path: str) -> dict[str, Any]:
         raise SnapshotError(f"snapshot not found: {path}") from None
     except storage_errors() as e:
         raise StorageError(f"cannot read snapshot {path}: {reason(e)}") from None
-    if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.save writes a zip archive; its index is at the end
-        raise SnapshotError(f"snapshot {path} is truncated or not a torch snapshot ({len(data)} bytes)")
+    # torch.save writes a zip archive; its index is at the end
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise SnapshotError(
+            f"snapshot {path} is truncated or not a torch snapshot ({len(data)} bytes)"
+        )
     verify(data, path)
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|\n|$)", str(e))
-        if not found or not found.group(1).strip() or found.group(1).startswith("Unsupported operand"):  # malformed
-            raise SnapshotError(f"snapshot {path} is damaged (its pickle cannot be read: {reason(e)})") from None
-        raise SnapshotError(f"refusing to load {path}: it holds pickled objects other than tensors and plain data, "
-                            f"and none of it was run ({found.group(1)})") from None
+        # malformed
+        if (
+            not found
+            or not found.group(1).strip()
+            or found.group(1).startswith("Unsupported operand")
+        ):
+            raise SnapshotError(
+                f"snapshot {path} is damaged (its pickle cannot be read: {reason(e)})"
+            ) from None
+        raise SnapshotError(
+            f"refusing to load {path}: it holds pickled objects other than tensors and plain data, "
+            f"and none of it was run ({found.group(1)})"
+        ) from None
     except Exception as e:  # torch.load on damaged bytes raises many types
-        raise SnapshotError(f"snapshot {path} is damaged ({type(e).__name__}: {reason(e)})") from None
+        raise SnapshotError(
+            f"snapshot {path} is damaged ({type(e).__name__}: {reason(e)})"
+        ) from None
     check_structure(state, path)
     return state
