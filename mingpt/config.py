@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import re
 import sys
 import textwrap
 from collections.abc import Mapping, MutableMapping
@@ -575,7 +574,7 @@ def _default(f: dataclasses.Field) -> Any:
 def key_table(section: type) -> str:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(section):
-        kind = re.sub(r"Optional\[(.*)\]", r"\1 or null", str(f.type)).replace("Any", "str or list")
+        kind = str(f.type).replace(" | None", " or null").replace("Any", "str or list")
         note = " (operational)" if f.metadata["operational"] else ""
         rows.append(f"| `{f.name}` | {kind} | {_text(_default(f))} | {f.metadata['help']}{note} |")
     return "\n".join(rows)
