@@ -1,4 +1,4 @@
-"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes, train.py runs."""
+"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes, run.py runs."""
 
 import os
 import re
@@ -23,7 +23,7 @@ from mingpt.data import DataError
 from mingpt.rundir import RunDirError, check_run_dir_setting, register_resolvers
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError
-from mingpt.train import run
+from mingpt.run import run
 from mingpt.trainer import TrainingError
 
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.

@@ -1,9 +1,11 @@
 """Export a snapshot for other tools (also: mingpt-export).
 
-`python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`. safetensors: DST a
-directory of model.safetensors (the float32 weights under the model's own names), config.json (the GPTConfig) and
-vocab.json (each character's token id); hf: a directory that transformers' GPT2LMHeadModel.from_pretrained(DST)
-loads; snapshot: one snapshot file (local path or fsspec URL). DST only ever holds a complete export."""
+`python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`.
+safetensors: DST a directory of model.safetensors (the float32 weights under the model's own names),
+config.json (the GPTConfig) and vocab.json (each character's token id); hf: a directory that
+transformers' GPT2LMHeadModel.from_pretrained(DST) loads; snapshot: one snapshot file (local path or
+fsspec URL) of the weights and the run's record (its configs, vocabulary and step) without optimizer
+state, which init_from, generate and score read. DST only ever holds a complete export."""
 
 import dataclasses
 import glob
@@ -21,13 +23,12 @@ from safetensors.torch import save as safetensors_bytes
 from mingpt.command import command, parse_args
 from mingpt.config import ConfigError, check, key, one_of
 from mingpt.data import CharTokenizer
-from mingpt.generate import SNAPSHOT_HELP, load_model
 from mingpt.model import GPT
-from mingpt.snapshot import SnapshotError, single_file
+from mingpt.snapshot import SnapshotError, reader, single_file
 from mingpt.storage import StorageError, fsync_dir
 
 FORMATS = ("safetensors", "hf", "snapshot")
-WEIGHTS, CONFIG, VOCAB = "model.safetensors", "config.json", "vocab.json"
+WEIGHTS, CONFIG, VOCAB = reader.EXPORT_FILES
 # GPT-2 keeps their weights as (in, out)
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
@@ -38,7 +39,7 @@ class ExportError(ValueError):
 
 @dataclass
 class ExportConfig:
-    src: str = key("", f"the snapshot: {SNAPSHOT_HELP}")
+    src: str = key("", f"the snapshot: {reader.HELP}")
     dst: str = key(
         "",
         "where the export goes: absent, or of the kind the format writes (an earlier export's "
@@ -53,8 +54,9 @@ class ExportConfig:
 
 
 def hf_config(model: GPT) -> dict:
-    """GPT2Config's fields for this model: the same arithmetic (pre-LayerNorm blocks with biases, attention scaled
-    by 1/sqrt(head size), a 4x MLP), its activation and LayerNorm epsilon, and an untied head."""
+    """GPT2Config's fields for this model: the same arithmetic (pre-LayerNorm blocks with biases,
+    attention scaled by 1/sqrt(head size), a 4x MLP), its activation and LayerNorm epsilon, and an
+    untied head."""
     c, mlp = model.config, model.h[0].mlp
     return dict(
         architectures=["GPT2LMHeadModel"],
@@ -83,8 +85,9 @@ def hf_config(model: GPT) -> dict:
 
 
 def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[str, bytes]:
-    """The files of a safetensors export (`GPT(GPTConfig(**config.json))` loads its weights as they are), or of
-    an hf one: the weights under GPT2LMHeadModel's names, the body under `transformer.`, Conv1D's transposed."""
+    """The files of a safetensors export (`GPT(GPTConfig(**config.json))` loads its weights as they
+    are), or of an hf one: the weights under GPT2LMHeadModel's names, the body under `transformer.`,
+    Conv1D's transposed."""
     weights = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().float().cpu()
@@ -105,9 +108,10 @@ def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[s
 
 
 def check_destination(dst: str, directory: bool) -> str | None:
-    """DST's local path (symbolic links followed; None for a URL of another file system), once it is known to be
-    absent or of the kind the export replaces: a regular file (snapshot format), or a directory of nothing but an
-    earlier export's files. A device, pipe or socket is never replaced."""
+    """DST's local path (symbolic links followed; None for a URL of another file system), once it is
+    known to be absent or of the kind the export replaces: a regular file (snapshot format), or a
+    directory of nothing but an earlier export's files. A device, pipe or socket is never replaced.
+    """
     if "://" in dst and not dst.startswith("file://"):
         return None
     path = os.path.realpath(dst.removeprefix("file://"))
@@ -122,13 +126,13 @@ def check_destination(dst: str, directory: bool) -> str | None:
             raise ExportError(f"{dst} is a directory: the snapshot format writes one file")
         if others := sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB}):
             raise ExportError(
-                f"{dst} is a directory with other files ({', '.join(others[:3])}): "
-                "give a new or an earlier export's directory"
+                f"{dst} is a directory with other files ({', '.join(others[:3])}): give a new or "
+                "an earlier export's directory"
             )
     elif not stat.S_ISREG(info.st_mode):
         raise ExportError(
-            f"{dst} is not a regular file or directory (a device, pipe or socket): "
-            "refusing to replace it"
+            f"{dst} is not a regular file or directory (a device, pipe or socket): refusing to "
+            "replace it"
         )
     elif directory:
         raise ExportError(f"{dst} is a file: this format writes a directory")
@@ -136,8 +140,8 @@ def check_destination(dst: str, directory: bool) -> str | None:
 
 
 def write_directory(dst: str, files: dict[str, bytes]) -> None:
-    """Write `files` into a temporary directory beside DST, then rename it to DST (an earlier export there is
-    moved aside first, then removed)."""
+    """Write `files` into a temporary directory beside DST, then rename it to DST (an earlier export
+    there is moved aside first, then removed)."""
     path = check_destination(dst, directory=True)
     if path is None:
         raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
@@ -171,34 +175,40 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
 
 
 def export(config: ExportConfig) -> dict:
-    """Write the export; return the snapshot's state."""
-    # before any work; again when writing
+    """Write the export; return the snapshot's record."""
+    # Before any work; again when writing.
     check_destination(config.dst, directory=config.format != "snapshot")
-    model, tokenizer, state = load_model(config.src, torch.device("cpu"))
     if config.format == "snapshot":
+        weights, meta = reader.read(config.src)
         check_destination(config.dst, directory=False)
-        single_file.save(state, config.dst)  # streamed to a temporary file, then renamed
-    else:
-        write_directory(
-            config.dst,
-            export_files(model, tokenizer, state.get("step", "?"), config.format == "hf"),
-        )
-    return state
+        # Streamed to a temporary file, then renamed.
+        single_file.save({"model_state": weights, **meta}, config.dst)
+        return meta
+    model, tokenizer, meta = reader.load_model(config.src, torch.device("cpu"))
+    files = export_files(model, tokenizer, meta.get("step", "?"), config.format == "hf")
+    write_directory(config.dst, files)
+    return meta
 
 
 def overrides(argv: list[str]) -> list[str]:
     """The short forms as key=value: `SRC DST` for src= and dst=, `--format F` for format=F."""
-    out, paths, args = [], [], iter(argv)
+    out = []
+    paths = []
+    args = iter(argv)
     for arg in args:
         if arg == "--format":
             arg = f"format={next(args, 'null')}"
         elif arg.startswith("--format="):
             arg = arg[2:]
-        # a path may hold '='
-        (out if arg.partition("=")[0].isidentifier() and "=" in arg else paths).append(arg)
+        # A path may hold '=' too: a key=value starts with a name.
+        if "=" in arg and arg.partition("=")[0].isidentifier():
+            out.append(arg)
+        else:
+            paths.append(arg)
     if len(paths) > 2:
         raise ConfigError(f"{' '.join(paths[2:])}: expected key=value (SRC and DST are given)")
-    return [f"{name}={path}" for name, path in zip(("src", "dst"), paths)] + out
+    named = [f"{name}={path}" for name, path in zip(("src", "dst"), paths, strict=False)]
+    return named + out
 
 
 def run(argv: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Rank 0's metrics to log lines (a terminal's progress bar), TensorBoard, metrics.jsonl, the tracker; their pace."""
+"""Rank 0's metrics to log lines (a terminal's progress bar), TensorBoard, metrics.jsonl, the
+tracker; their pace."""
 
 import contextlib
 import json
@@ -19,7 +20,8 @@ MACHINE_KEYS = ("tokens_per_s", "mfu", "peak_mem_mib")
 
 
 class SlowNotice:
-    """Whether to announce work (an evaluation, a save) before it starts: the first time, and after it took 1 s+."""
+    """Whether to announce work (an evaluation, a save) before it starts: the first time, and after
+    it took 1 s+."""
 
     slow = True
 
@@ -31,17 +33,16 @@ class SlowNotice:
 def duration(seconds: float) -> str:
     """1h02m, 3m05s, 42s."""
     s = int(seconds)
-    return (
-        f"{s // 3600}h{s % 3600 // 60:02d}m"
-        if s >= 3600
-        else f"{s // 60}m{s % 60:02d}s"
-        if s >= 60
-        else f"{s}s"
-    )
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
 
 
 class Pace:
-    """For the train events: tokens/s since the last, evaluations and saves excluded (`paused`); MFU; elapsed; ETA."""
+    """For the train events: tokens/s since the last event, evaluations and saves excluded
+    (`paused`); MFU against a peak measured at the first event; the time elapsed and the ETA."""
 
     def __init__(
         self,
@@ -50,75 +51,94 @@ class Pace:
         peak_flops: Callable[[], float],
         step: int,
     ):
-        self.tokens_per_step, self.flops_per_token, self._peak_flops = (
-            tokens_per_step,
-            flops_per_token,
-            peak_flops,
-        )
-        self.started = self._window_start = time.perf_counter()
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self._peak_flops = peak_flops
+        self._peak = 0.0
+        self.started = time.perf_counter()
+        self._window_start = self.started
         self._window_step = step  # the step the window started at
-        # (time, step) of the first event, which measures the peak
+        # (time, step) of the first event, whose window holds the start-up and compilation.
         self._pace_from: tuple[float, int] | None = None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         start = time.perf_counter()
-        yield  # an error out of it ends the run: no pace to keep
+        # An error out of the body ends the run: no pace to keep then.
+        yield
         self._window_start += time.perf_counter() - start
 
     def event(self, step: int, total_steps: int) -> tuple[float, float | None, str]:
-        """(tokens/s, MFU, the log line's note) since the last event. The ETA is at this session's pace since its
-        first event: the first window holds the start-up and compilation, so it gives none."""
+        """(tokens/s, MFU, the log line's note) since the last event. The ETA is at this session's
+        pace since its first event: the first window holds the start-up and compilation, so it gives
+        none."""
         now = time.perf_counter()
-        tokens_per_s = (
-            (step - self._window_step) * self.tokens_per_step / (now - self._window_start)
-        )
+        tokens = (step - self._window_step) * self.tokens_per_step
+        tokens_per_s = tokens / (now - self._window_start)
         note = f"elapsed {duration(now - self.started)}"
         if self._pace_from is None:
-            self._peak, self._pace_from = self._peak_flops(), (time.perf_counter(), step)
+            self._peak = self._peak_flops()
+            self._pace_from = (time.perf_counter(), step)
         else:
             since, first = self._pace_from
-            note += f" eta {duration((now - since) / max(1, step - first) * (total_steps - step))}"
-        self._window_start, self._window_step = time.perf_counter(), step
-        mfu = tokens_per_s * self.flops_per_token / self._peak if self._peak else None
+            left = (now - since) / max(1, step - first) * (total_steps - step)
+            note += f" eta {duration(left)}"
+        self._window_start = time.perf_counter()
+        self._window_step = step
+        mfu = None
+        if self._peak:
+            mfu = tokens_per_s * self.flops_per_token / self._peak
         return tokens_per_s, mfu, note
 
 
 class Metrics:
     def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, tracker: Tracker = OFF):
-        self.enabled, self.tracker, self.run_dir = enabled, tracker, run_dir
+        self.enabled = enabled
+        self.tracker = tracker
+        self.run_dir = run_dir
         self.progress = enabled and sys.stderr.isatty()
-        self._bar = self._writer = self._jsonl = None
-        self._terminal = contextlib.ExitStack()  # the bar and the redirection of log lines above it
+        self._bar = None
+        self._writer = None
+        self._jsonl = None
+        # The progress bar, and the redirection of log lines above it.
+        self._terminal = contextlib.ExitStack()
         if not enabled:
             return
-        # imported here: slow, and only rank 0 needs it
+        # Imported here: slow, and only rank 0 needs it.
         from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        # The events a killed run logged after the snapshot resumed from go; TensorBoard hides them (purge_step).
+        # The events a killed run logged after the snapshot it resumes from go; TensorBoard hides
+        # its own (purge_step).
         keep = [line for line, record in events(path) if record["step"] <= resume_step]
         with open(path, "wb") as f:
             f.writelines(keep)
         threading.excepthook = _quiet_tensorboard_thread
         self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1)
-        self._jsonl = open(path, "ab")
+        # Open for the run's whole length, closed by close().
+        self._jsonl = open(path, "ab")  # noqa: SIM115
 
     def log(self, split: str, step: int, epoch: int, note: str = "", **values: Any) -> None:
-        """One event: a line in metrics.jsonl, scalars in TensorBoard, a log line (and `note`, not recorded)."""
+        """One event: a line in metrics.jsonl, scalars in TensorBoard and the tracker, a log line
+        (and `note`, which is not recorded). A value of None (no MFU for a tiny model) is left out
+        of the log line."""
         if not self.enabled:
             return
-        text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
-        log.info(
-            "%s step %d epoch %d | %s%s", split, step, epoch, text, f" | {note}" if note else ""
-        )
+        text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items() if v is not None)
+        if note:
+            text += f" | {note}"
+        log.info("%s step %d epoch %d | %s", split, step, epoch, text)
         self.tracker.log(split, step, values)
         record = {"step": step, "epoch": epoch, "split": split, **values}
         self._write(lambda: self._append_line(json.dumps(record) + "\n"))
-        for key, value in values.items():
-            if isinstance(value, (int, float)):
-                self._write(lambda: self._writer.add_scalar(f"{split}/{key}", value, step))
+
+        def add_scalars() -> None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    self._writer.add_scalar(f"{split}/{key}", value, step)
+
+        self._write(add_scalars)
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.tracker.text(tag, text, step)
@@ -137,7 +157,8 @@ class Metrics:
             raise
 
     def _write(self, write: Callable[[], None]) -> None:
-        """Not worth the run: a storage error (a full disk, a removed directory) costs one warning; training goes on."""
+        """Not worth the run: a storage error (a full disk, a removed directory) costs one warning;
+        training goes on."""
         if self._jsonl is None:
             return
         try:
@@ -152,11 +173,9 @@ class Metrics:
             self._close_record()
 
     def _close_record(self) -> None:
-        handles, self._writer, self._jsonl = (
-            [h for h in (self._writer, self._jsonl) if h is not None],
-            None,
-            None,
-        )
+        handles = [h for h in (self._writer, self._jsonl) if h is not None]
+        self._writer = None
+        self._jsonl = None
         for handle in handles:
             with contextlib.suppress(OSError, ValueError):
                 handle.close()
@@ -182,7 +201,7 @@ class Metrics:
         self._bar.update(step - self._bar.n)
 
     def close(self, status: str = "FINISHED") -> None:
-        """`status`: how the run ended, for the tracker (FINISHED, KILLED by a stop signal, FAILED)."""
+        """`status`: how the run ended, for the tracker (FINISHED, KILLED by a signal, FAILED)."""
         self._terminal.close()
         self.tracker.close(status)
         self._write(lambda: self._writer.flush())
@@ -193,22 +212,24 @@ _excepthook = threading.excepthook
 
 
 def _quiet_tensorboard_thread(args: threading.ExceptHookArgs) -> None:
-    """TensorBoard's writer thread ends with a traceback on a storage error; the writer raises it again at the next
-    write, where Metrics._write turns it into one warning."""
-    if type(args.thread).__name__ != "_AsyncWriterThread" or not isinstance(
-        args.exc_value, OSError
-    ):
+    """TensorBoard's writer thread ends with a traceback on a storage error; the writer raises it
+    again at the next write, where Metrics._write turns it into one warning."""
+    writer_thread = type(args.thread).__name__ == "_AsyncWriterThread"
+    if not writer_thread or not isinstance(args.exc_value, OSError):
         _excepthook(args)
 
 
 def _fmt(value: Any) -> str:
     if isinstance(value, list):
         return "[" + " ".join(_fmt(v) for v in value) + "]"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 def events(path: str) -> Iterator[tuple[bytes, dict]]:
-    """The events of a metrics.jsonl as (line, record); a line that is not one (cut short, not JSON) is left out."""
+    """The events of a metrics.jsonl as (line, record); a line that is not one (cut short, not JSON)
+    is left out."""
     if not os.path.isfile(path):
         return
     with open(path, "rb") as f:
@@ -218,7 +239,9 @@ def events(path: str) -> Iterator[tuple[bytes, dict]]:
                 int(record["step"])
             except (ValueError, KeyError, TypeError):
                 continue
-            yield line if line.endswith(b"\n") else line + b"\n", record
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            yield line, record
 
 
 def last_step(run_dir: str) -> int | None:

@@ -1,7 +1,7 @@
 """Score a text under a snapshot: loss, bits per character, perplexity (also: mingpt-score).
 
-A file, or the run's held-out split exactly as the run evaluated it, in non-overlapping windows of block_size, each
-predicted from its own start, in float32 (docs/generation.md)."""
+A file, or the run's held-out split exactly as the run evaluated it, in non-overlapping windows of
+block_size, each predicted from its own start, in float32 (docs/generation.md)."""
 
 import logging
 import math
@@ -14,8 +14,8 @@ from mingpt.command import command, parse_args
 from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, key, one_of
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
-from mingpt.generate import SNAPSHOT_HELP, GenerateConfig, load_model
-from mingpt.snapshot import SnapshotError, fit
+from mingpt.generate import GenerateConfig
+from mingpt.snapshot import SnapshotError, compat, reader
 from mingpt.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ScoreConfig:
-    snapshot_path: str = key(GenerateConfig.snapshot_path, f"the model: {SNAPSHOT_HELP}")
+    snapshot_path: str = key(GenerateConfig.snapshot_path, f"the model: {reader.HELP}")
     path: str = key(
         "",
         "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of the "
@@ -32,8 +32,8 @@ class ScoreConfig:
     device: str = key("auto", "auto (CUDA if available), cpu or cuda")
     allow_corpus_change: bool = key(
         False,
-        "score the held-out split of a corpus changed since the snapshot was "
-        "written (with a warning: that split moved)",
+        "score the held-out split of a corpus changed since the snapshot was written (with a "
+        "warning: that split moved)",
     )
 
     def __post_init__(self) -> None:
@@ -41,7 +41,8 @@ class ScoreConfig:
         one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
-TEXT_KEYS = ("snapshot_path", "path", "device")  # free text, taken verbatim
+# Free text, taken verbatim.
+TEXT_KEYS = ("snapshot_path", "path", "device")
 
 
 class TextError(ValueError):
@@ -67,64 +68,72 @@ class Score:
 def heldout_windows(
     state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool = False
 ):
-    """The held-out windows of the snapshot's run, from its data_config; refused when the corpus changed since,
-    unless `allow_corpus_change` (then a warning)."""
+    """The held-out windows of the snapshot's run, from its data_config; refused when the corpus
+    changed since, unless `allow_corpus_change` (then a warning)."""
     if "data_config" not in state:
         raise SnapshotError(
             "the snapshot holds no data_config: give the text to score with path=..."
         )
     try:
         data_config = DataConfig(**state["data_config"])
-    except TypeError as e:  # a key this version does not know
+    # A key this version does not know.
+    except TypeError as e:
         raise SnapshotError(
             f"the snapshot's data_config cannot be used ({e}): give the text with path=..."
         ) from None
     data = load_data(data_config)
     if tokenizer.unknown(data.tokenizer.chars):
         raise TextError(
-            f"the corpus {data_config.path} no longer has the snapshot's vocabulary "
-            "(it changed since the run): give the text with path=..."
+            f"the corpus {data_config.path} no longer has the snapshot's vocabulary (it changed "
+            "since the run): give the text with path=..."
         )
-    # a fine-tuned model's corpus may use fewer characters
+    # A fine-tuned model's corpus may use fewer characters.
     data = data.in_vocabulary(tokenizer.chars)
-    moved = fit.corpus_changes(state.get("corpus"), data.fingerprint())
+    moved = compat.corpus_changes(state.get("corpus"), data.fingerprint())
     if moved and not allow_corpus_change:
         raise TextError(
-            f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its held-out "
-            "split is not the run's: give the text with path=..., or score the new split with "
-            "allow_corpus_change=true"
+            f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its "
+            "held-out split is not the run's: give the text with path=..., or score the new split "
+            "with allow_corpus_change=true"
         )
     if moved:
         log.warning(
-            "the corpus changed since the snapshot was written (%s): scoring its new held-out split, "
-            "which is not the one the run evaluated",
+            "the corpus changed since the snapshot was written (%s): scoring its new held-out "
+            "split, which is not the one the run evaluated",
             "; ".join(moved),
         )
     _, heldout = data.place(device, data_config.placement)
     return heldout, f"the held-out split of {data_config.path}"
 
 
+def _text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: torch.device):
+    """The text at `path` in windows of `block_size` that do not overlap; one if it is shorter."""
+    text = read_text(path)
+    unknown = tokenizer.unknown(text)
+    if unknown:
+        raise TextError(
+            f"{path} has characters outside the snapshot's vocabulary: "
+            f"{' '.join(repr(c) for c in unknown[:20])}"
+        )
+    tokens = tokenizer.encode(text).to(device)
+    if len(tokens) < 2:
+        raise TextError(f"{path} has {len(tokens)} character: nothing to predict")
+    block = min(block_size, len(tokens) - 1)
+    return TokenWindows(tokens, block, block)
+
+
 def score(config: ScoreConfig) -> Score:
     device = pick_device(config.device, key="device")
-    model, tokenizer, state = load_model(config.snapshot_path, device)
+    model, tokenizer, state = reader.load_model(config.snapshot_path, device)
     trainer_config = state.get("trainer_config") or {}
     if config.path:
-        text = read_text(config.path)
-        if unknown := tokenizer.unknown(text):
-            raise TextError(
-                f"{config.path} has characters outside the snapshot's vocabulary: "
-                f"{' '.join(repr(c) for c in unknown[:20])}"
-            )
-        tokens = tokenizer.encode(text).to(device)
-        if len(tokens) < 2:
-            raise TextError(f"{config.path} has {len(tokens)} character: nothing to predict")
-        block = min(model.config.block_size, len(tokens) - 1)  # a shorter text is one window
-        # 0: all of it
-        windows, source, eval_tokens = TokenWindows(tokens, block, block), config.path, 0
+        windows = _text_windows(config.path, tokenizer, model.config.block_size, device)
+        source = config.path
+        eval_tokens = 0  # all of it
     else:
         windows, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
-    # as the run's evaluation
+    # In batches as the run's evaluation.
     batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
     one_process = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
     result = evaluation.evaluate(model, windows, one_process, eval_tokens, batch_size)
@@ -134,9 +143,8 @@ def score(config: ScoreConfig) -> Score:
 def run(argv: list[str]) -> None:
     config = parse_args(argv, ScoreConfig, TEXT_KEYS)
     result = score(config)
-    print(
-        f"{config.snapshot_path} (step {result.step}) on {result.source}: {result.tokens:,} characters scored"
-    )
+    scored = f"{result.tokens:,} characters scored"
+    print(f"{config.snapshot_path} (step {result.step}) on {result.source}: {scored}")
     print(f"loss        {result.loss:.6f} nats per character")
     print(f"bpc         {result.bpc:.6f}")
     print(f"perplexity  {result.perplexity:.6f}")

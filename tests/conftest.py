@@ -128,13 +128,24 @@ def small_disk(tmp_path) -> Path:
 
 
 def read_snapshot(path) -> dict:
-    """A snapshot (a root: its newest; or one step directory) read whole in this process as the
-    single-file dict, with the comm hook's per-rank states as {name, world_size, ranks: [...]}."""
-    from mingpt.snapshot import manager, sharded
+    """A snapshot (a root: its newest; or one step directory) read whole in this process, in the single
+    file's layout: its record, `model_state`, and `optimizer_state` keyed by parameter index as
+    torch.optim keeps it; the comm hook's per-rank states as {name, world_size, ranks: [...]}."""
+    from mingpt.snapshot import manifest, sharded
 
-    state = manager.read(str(path))
-    directory = sharded._resolve(str(path))
-    _, document, metadata = sharded._read_manifest(directory)
+    tensors, meta = sharded.load_full(str(path))
+    optim = tensors.get("optim") or {"state": {}, "param_groups": []}
+    names = [name for group in optim["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    groups = [{**g, "params": [index[name] for name in g["params"]]} for g in optim["param_groups"]]
+    by_index = {index[name]: value for name, value in optim["state"].items() if name in index}
+    state = {
+        **meta,
+        "model_state": dict(tensors.get("model", {})),
+        "optimizer_state": {"state": by_index, "param_groups": groups},
+    }
+    directory = manifest.resolve(str(path))
+    _, document, metadata = sharded._read(directory)
     own = []
     for rank, structure in enumerate(document.get("ranks") or []):
         flat = sharded._empty(directory, sharded._tensor_keys(structure), metadata)

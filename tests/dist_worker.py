@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from mingpt.config import Config
 from mingpt.distributed import distributed, setup_logging
-from mingpt.train import build
+from mingpt.run import build
 
 
 def full_weights(trainer) -> dict:

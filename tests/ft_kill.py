@@ -23,7 +23,7 @@ def train_step_or_die(self, indices):
     if (
         os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
         and self.dist.rank == int(os.environ["FT_KILL_RANK"])
-        and self.progress.step == int(os.environ["FT_KILL_STEP"])
+        and self.state.step == int(os.environ["FT_KILL_STEP"])
     ):
         os.kill(os.getpid(), signal.SIGKILL)
     return _train_step(self, indices)

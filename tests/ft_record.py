@@ -36,7 +36,7 @@ _save = sharded.save
 def recording_train_step(self, indices):
     _append(
         "samples",
-        f"{self.progress.epoch} {self.progress.step} " + " ".join(map(str, indices.tolist())),
+        f"{self.state.epoch} {self.state.step} " + " ".join(map(str, indices.tolist())),
     )
     return _train_step(self, indices)
 

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from mingpt.config import GPTConfig
 from mingpt.model import GPT
-from mingpt.snapshot import sharded
+from mingpt.snapshot import manifest, sharded
 from mingpt.storage import StorageError
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16)
@@ -101,7 +101,7 @@ def save(out: str, root: str) -> None:
         else:
             published = handle.wait()
         report["published"].append(os.path.basename(published))
-        report.setdefault("latest", []).append(os.path.basename(sharded.latest(root)))
+        report.setdefault("latest", []).append(os.path.basename(manifest.latest(root)))
     report["listing"] = sorted(os.listdir(root))
     # A location that cannot be written (a file where the directory should be): the
     # asynchronous save returns, and its error comes at the wait, on every rank.

@@ -67,15 +67,14 @@ pause("import")
 
 import torch.distributed  # noqa: E402
 
-from mingpt import cli, train, trainer  # noqa: E402
-from mingpt.snapshot import sharded  # noqa: E402
+from mingpt import checkpointer, cli, run, trainer  # noqa: E402
 
 before(torch.distributed, "init_process_group", "init")
 
-before(train, "load_data", "load")
+before(run, "load_data", "load")
 before(trainer.Trainer, "evaluate", "eval")
-before(sharded.ShardedFormat, "save", "save")  # the run's snapshot, not the best weights
-before(trainer.Trainer, "print_sample", "sample")
+before(checkpointer.Checkpointer, "_save", "save")  # the run's snapshot, not the best weights
+before(trainer.Trainer, "sample_for_all", "sample")
 before(trainer.Trainer, "sample", "generating")
 
 if MOMENT == "race":
@@ -104,7 +103,7 @@ if MOMENT == "race":
 
     os._exit = held_exit
     stopping.park_if_exiting = park
-    train.load_data = failing_load
+    run.load_data = failing_load
 
 if __name__ == "__main__":
     cli.main()

@@ -1,5 +1,5 @@
-"""A run's snapshots written in the background (trainer_config.async_save, through
-ShardedFormat as training saves with ddp): the snapshot holds the state at the call,
+"""A run's snapshots written in the background (trainer_config.async_save, as the
+checkpointer saves with ddp): the snapshot holds the state at the call,
 whatever training does after it; a failed write is raised at the next wait, on every
 rank, as one line. (sharded.save's own async path, on FSDP ranks: tests/test_sharded.py.)"""
 
@@ -11,10 +11,10 @@ import re
 import pytest
 import torch
 from conftest import TINY, run_torchrun
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from mingpt.comm_hooks import CommHook
-from mingpt.snapshot import sharded
-from mingpt.snapshot.manager import all_finite
+from mingpt.checkpointer import all_finite
+from mingpt.snapshot import manifest, sharded
 from mingpt.storage import StorageError
 
 
@@ -28,17 +28,21 @@ def trained(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def run_format(root: str, width: int) -> sharded.ShardedFormat:
-    model, optimizer = trained(width)
-    return sharded.ShardedFormat(
-        root,
-        model,
-        optimizer,
-        torch.amp.GradScaler("cpu", enabled=False),
-        CommHook(),
-        keep=2,
-        async_save=True,
-    )
+class RunSaves:
+    """What the checkpointer writes for a run: the model's and the optimizer's state, through
+    DCP, in the background."""
+
+    def __init__(self, root: str, width: int):
+        self.root = root
+        self.model, self.optimizer = trained(width)
+
+    def save(self, step: int) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        tensors = {"model": model_state, "optim": optim_state}
+        sharded.save(tensors, {**META, "step": step}, self.root, step, keep=2, async_save=True)
+
+    def wait(self) -> None:
+        sharded.wait_pending()
 
 
 META = {"gpt_config": {}, "vocab": "ab", "epoch": 0, "samples_in_epoch": 0}
@@ -46,10 +50,10 @@ META = {"gpt_config": {}, "vocab": "ab", "epoch": 0, "samples_in_epoch": 0}
 
 def test_the_snapshot_holds_the_state_at_the_call_not_what_training_did_next(tmp_path):
     root = str(tmp_path / "snapshots")
-    fmt = run_format(root, 64)
+    fmt = RunSaves(root, 64)
     weight = fmt.model.weight.detach().clone()
     moment = fmt.optimizer.state[fmt.model.weight]["exp_avg"].clone()
-    fmt.save({**META, "step": 1}, 1, lambda tensors: None)
+    fmt.save(1)
     with torch.no_grad():  # training goes on in place while the snapshot is written
         fmt.model.weight.add_(1.0)
         fmt.optimizer.state[fmt.model.weight]["exp_avg"].mul_(0.0)
@@ -63,20 +67,20 @@ def test_a_full_disk_in_the_background_is_raised_at_the_next_wait(small_disk):
     """A 256 KB tmpfs: the first snapshot fits; the second (a 300x300 layer and its
     moments, 1 MB) does not. Its error comes at the wait, once, and the snapshot before is kept."""
     root = str(small_disk / "snapshots")
-    small, big = run_format(root, 8), run_format(root, 300)
-    small.save({**META, "step": 1}, 1, lambda tensors: None)
+    small, big = RunSaves(root, 8), RunSaves(root, 300)
+    small.save(1)
     small.wait()
     # returns: the write goes on in the background
-    big.save({**META, "step": 2}, 2, lambda tensors: None)
+    big.save(2)
     with pytest.raises(StorageError) as failed:
         big.wait()
     assert str(failed.value) == (
         f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
         "device (rank 0); the previous snapshots are unchanged"
     )
-    assert sharded.latest(root) == f"{root}/step-00000001" and sharded.read_meta(root)["step"] == 1
+    assert manifest.latest(root) == f"{root}/step-00000001" and sharded.read_meta(root)["step"] == 1
     assert sharded.wait_pending() is None  # given once
-    small.save({**META, "step": 3}, 3, lambda tensors: None)  # the next save goes on
+    small.save(3)  # the next save goes on
     small.wait()
     assert sharded.read_meta(root)["step"] == 3
     assert sorted(p.name for p in (small_disk / "snapshots").iterdir()) == [
@@ -117,7 +121,7 @@ def test_a_failed_background_save_stops_every_rank_with_one_line(
     assert len(set(printed + reported)) == 1 and max(len(printed), len(reported)) == 2, proc.stderr[
         -3000:
     ]
-    assert sharded.latest(str(root)) is None
+    assert manifest.latest(str(root)) is None
 
 
 def test_the_finiteness_check_before_a_save_is_exact():

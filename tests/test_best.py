@@ -19,8 +19,8 @@ from test_snapshot import make_trainer, same_tensors
 
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
-from mingpt.snapshot import manager, sharded
-from mingpt.train import summary, train
+from mingpt.snapshot import manifest, reader
+from mingpt.run import summary, train
 
 BUMPY = [
     "trainer_config.eval_every=4",
@@ -46,15 +46,12 @@ def test_best_weights_survive_a_stop_and_resume(
     reference = make_trainer(tmp_path / "ref", small_corpus, *args)
     evaluated = {}  # step -> the weights that evaluation saw
     record = reference.evaluator.record
-    weights = lambda: {k: v.clone() for k, v in reference.raw_model.state_dict().items()}  # noqa: E731
-    monkeypatch.setattr(
-        reference.evaluator,
-        "record",
-        lambda loss, finished: (
-            evaluated.__setitem__(reference.progress.step, weights()),
-            record(loss, finished),
-        ),
-    )
+
+    def recording(state, loss, last_step):
+        evaluated[state.step] = {k: v.clone() for k, v in reference.raw_model.state_dict().items()}
+        return record(state, loss, last_step)
+
+    monkeypatch.setattr(reference.evaluator, "record", recording)
     reference.train()
     losses = eval_losses(tmp_path / "ref")
     best_step = min(losses, key=losses.get)
@@ -78,7 +75,7 @@ def test_best_weights_survive_a_stop_and_resume(
     stop_at = best_step + 2
     first = make_trainer(tmp_path / "resumed", small_corpus, *args)
     monkeypatch.setattr(
-        stopping, "stop_requested", lambda: signal.SIGTERM if first.progress.step >= stop_at else 0
+        stopping, "stop_requested", lambda: signal.SIGTERM if first.state.step >= stop_at else 0
     )
     with pytest.raises(stopping.Stopped):
         first.train()
@@ -86,11 +83,10 @@ def test_best_weights_survive_a_stop_and_resume(
     kept = tree_bytes(tmp_path / "resumed" / "snapshots-best")
     caplog.set_level(logging.INFO, logger="mingpt")
     resumed = make_trainer(tmp_path / "resumed", small_corpus, *args)
-    assert resumed.progress.step == stop_at and resumed.progress.best_step == best_step
+    assert resumed.state.step == stop_at and resumed.state.best_step == best_step
     resumed.train()
     assert (
-        resumed.progress.best_step == best_step
-        and resumed.progress.best_eval_loss == losses[best_step]
+        resumed.state.best_step == best_step and resumed.state.best_eval_loss == losses[best_step]
     )
     assert not [r for r in caplog.records if r.getMessage().startswith("saved the best weights")]
     assert tree_bytes(tmp_path / "resumed" / "snapshots-best") == kept  # not rewritten
@@ -103,11 +99,11 @@ def test_an_evaluation_cut_by_a_stop_writes_no_best(
 ):
     trainer = make_trainer(tmp_path, small_corpus, *BUMPY, "trainer_config.max_steps=40")
     monkeypatch.setattr(
-        stopping, "stop_requested", lambda: signal.SIGTERM if trainer.progress.step >= 4 else 0
+        stopping, "stop_requested", lambda: signal.SIGTERM if trainer.state.step >= 4 else 0
     )
     with pytest.raises(stopping.Stopped):
         trainer.train()
-    assert trainer.progress.step == 4 and trainer.progress.best_step == 0
+    assert trainer.state.step == 4 and trainer.state.best_step == 0
     assert not (tmp_path / "snapshots-best").exists()
 
 
@@ -123,7 +119,7 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
     ]
     trainer = make_trainer(tmp_path, small_corpus, *args)
     trainer.train()
-    assert trainer.progress.step == 12 and trainer.progress.stopped_early
+    assert trainer.state.step == 12 and trainer.state.stopped_early
     assert (
         "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss by at least 10"
         in caplog.text
@@ -136,7 +132,7 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
     caplog.clear()
     again = make_trainer(tmp_path, small_corpus, *args)
     train(again)
-    assert again.progress.step == 12
+    assert again.state.step == 12
     assert "run already complete at step 12, stopped early (best " in caplog.text
     assert (
         "add trainer_config.early_stop_patience=null trainer_config.allow_config_change=true"
@@ -151,7 +147,7 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
         "trainer_config.allow_config_change=true",
     )
     more.train()
-    assert more.progress.step == 24 and more.progress.stopped_early
+    assert more.state.step == 24 and more.state.stopped_early
 
 
 def test_early_stopping_keys_are_validated():
@@ -168,9 +164,9 @@ def test_early_stopping_keys_are_validated():
 
 
 def test_best_path_is_beside_the_snapshot():
-    assert manager.best_path("runs/a/snapshot.pt") == "runs/a/snapshot-best.pt"
-    assert manager.best_path("runs/a/snapshots/") == "runs/a/snapshots-best"
-    assert manager.best_path("s3://bucket/x.y/run1.pt") == "s3://bucket/x.y/run1-best.pt"
+    assert reader.best_path("runs/a/snapshot.pt") == "runs/a/snapshot-best.pt"
+    assert reader.best_path("runs/a/snapshots/") == "runs/a/snapshots-best"
+    assert reader.best_path("s3://bucket/x.y/run1.pt") == "s3://bucket/x.y/run1-best.pt"
 
 
 def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, small_corpus):
@@ -247,7 +243,7 @@ def test_fsdp_ranks_early_stop_together_and_keep_a_sharded_best(tmp_path, small_
     result = run_torchrun(2, args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = run_dir_of(tmp_path, args)
-    assert sharded.latest(str(run_dir / "snapshots")).endswith("step-00000008")
-    best = manager.read(str(run_dir / "snapshots-best"))
+    assert manifest.latest(str(run_dir / "snapshots")).endswith("step-00000008")
+    best = read_snapshot(run_dir / "snapshots-best")
     assert best["step"] == 4 and best["stopped_early"] is False and best["world_size"] == 2
-    assert sharded.latest(str(run_dir / "snapshots-best")).endswith("step-00000004")
+    assert manifest.latest(str(run_dir / "snapshots-best")).endswith("step-00000004")

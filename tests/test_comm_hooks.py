@@ -22,7 +22,7 @@ from test_distributed import FAST, run_worker
 
 from mingpt.config import Config
 from mingpt.distributed import DistInfo
-from mingpt.train import build
+from mingpt.run import build
 
 CORPUS_CHARS = test_distributed.CORPUS_CHARS  # the corpus_file fixture reads it
 # A constant learning rate: a run cut short (max_steps) takes the same steps as a longer one.
@@ -168,7 +168,7 @@ def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(
     )
     with caplog.at_level(logging.WARNING, logger="mingpt.comm_hooks"):
         trainer = build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path / "run"))
-    step = trainer.progress.step
+    step = trainer.state.step
     hook = "post_local_sgd" if name == "localsgd" else name
     tail = " (the replicas' mean) and rank 0's optimizer state" if name == "localsgd" else ""
     assert [r.getMessage() for r in caplog.records if r.name == "mingpt.comm_hooks"] == [

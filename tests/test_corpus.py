@@ -21,7 +21,7 @@ from mingpt.config import Config, DataConfig
 from mingpt.data import DataError, HostBatches, TokenWindows, load_data, spread
 from mingpt.distributed import DistInfo
 from mingpt.snapshot import SnapshotError
-from mingpt.train import build
+from mingpt.run import build
 from mingpt.trainer import Trainer
 
 
@@ -287,11 +287,9 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
     resumed = make_trainer(
         tmp_path / "resumed", paths, *common, "trainer_config.allow_config_change=true"
     )
-    assert resumed.progress.step == 7 and 0 < resumed.progress.samples_in_epoch < len(
-        resumed.data.train
-    )
+    assert resumed.state.step == 7 and 0 < resumed.state.samples_in_epoch < len(resumed.data.train)
     resumed.train()
-    assert resumed.progress.step == reference.progress.step > 7
+    assert resumed.state.step == reference.state.step > 7
     for key, value in reference.raw_model.state_dict().items():
         assert torch.equal(value, resumed.raw_model.state_dict()[key]), key
     records = [

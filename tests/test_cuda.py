@@ -29,7 +29,7 @@ from conftest import (
 from mingpt.config import DataConfig, GPTConfig
 from mingpt.data import HostBatches, TokenWindows, load_data
 from mingpt.decoding import generate
-from mingpt.generate import load_model
+from mingpt.snapshot.reader import load_model
 from mingpt.model import GPT
 from mingpt.snapshot import sharded
 

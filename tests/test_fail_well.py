@@ -40,9 +40,10 @@ from mingpt.config import Config, ConfigError
 from mingpt.decoding import generate
 from mingpt.distributed import DistInfo
 from mingpt.export import ExportConfig, export
-from mingpt.generate import GenerateConfig, load_model
-from mingpt.snapshot import SnapshotError, sharded, single_file
-from mingpt.train import build
+from mingpt.generate import GenerateConfig
+from mingpt.snapshot.reader import load_model
+from mingpt.snapshot import SnapshotError, manifest, single_file
+from mingpt.run import build
 from mingpt.trainer import Trainer, TrainingError
 
 
@@ -103,7 +104,7 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 def flip_shard_byte(root: Path) -> Path:
     """Flip one bit in the middle of the newest snapshot's shard under `root`; the shard's path."""
-    (shard,) = Path(sharded.latest(str(root))).glob("*.distcp")
+    (shard,) = Path(manifest.latest(str(root))).glob("*.distcp")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
@@ -176,7 +177,7 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
     # A run that resumes the good snapshot at step 3 and saves at step 6 into a
     # file-size limit of half its shard: the write fails part-way through.
     shutil.copytree(good, work / "full" / "snapshots")
-    (shard,) = Path(sharded.latest(str(good))).glob("*.distcp")
+    (shard,) = Path(manifest.latest(str(good))).glob("*.distcp")
     env = child_env()
 
     def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -250,7 +251,7 @@ def test_resume_from_a_damaged_snapshot_stops_and_keeps_it(snap, runs, tmp_path)
     """One flipped bit in a shard: resume stops (it used to say 'run already complete', exit 0)."""
     work, good = snap
     root = work / "resume" / "snapshots"
-    directory = sharded.latest(str(root))
+    directory = manifest.latest(str(root))
     one_error_line(
         runs["resume_damaged"],
         f"snapshot {directory} is damaged: __0_0.distcp does not match its size "
@@ -410,7 +411,7 @@ def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
         "large (rank 0); the previous snapshots are unchanged",
     )
     # The snapshot of step 3 is still the one published, byte for byte; step 6's directory is not published.
-    assert sharded.latest(str(root)) == str(root / "step-00000003")
+    assert manifest.latest(str(root)) == str(root / "step-00000003")
     assert {
         k: v for k, v in tree_bytes(root).items() if k.startswith("step-00000003/")
     } == tree_bytes(good)

@@ -24,7 +24,7 @@ from mingpt import stopping
 from mingpt.config import Config, ConfigError
 from mingpt.rundir import run_dir_name
 from mingpt.score import ScoreConfig, score
-from mingpt.snapshot import manager, sharded
+from mingpt.snapshot import manifest, sharded
 
 # Batch 32 at a constant 0.03: the tiny model gets past the unigram plateau in few steps.
 FAST = [
@@ -87,7 +87,7 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(
     finetuned = make_trainer(
         tmp_path / "ft", pretrained.b, *steps, f"trainer_config.init_from={pretrained.run_dir}"
     )
-    assert finetuned.progress.step == 0 and not finetuned.optimizer.state  # fresh: no moments yet
+    assert finetuned.state.step == 0 and not finetuned.optimizer.state  # fresh: no moments yet
     assert (
         finetuned.data.tokenizer.chars == read_snapshot(pretrained.run_dir / "snapshots")["vocab"]
     )
@@ -101,7 +101,7 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(
     scratch.train()
     ft_loss, scratch_loss = final_eval(tmp_path / "ft"), final_eval(tmp_path / "scratch")
     assert ft_loss < scratch_loss - 0.1, (ft_loss, scratch_loss)
-    assert finetuned.progress.step == 20
+    assert finetuned.state.step == 20
     saved = read_snapshot(tmp_path / "ft" / "snapshots")
     assert saved["step"] == 20 and saved["trainer_config"]["init_from"] == str(pretrained.run_dir)
     assert saved["corpus"][0]["source"] == str(pretrained.b)  # the held-out split is B's
@@ -221,8 +221,8 @@ def test_a_sharded_snapshot_is_a_source_for_either_parallelism(
         f"trainer_config.init_from={pretrained.run_dir}",
     ).train()
     root = tmp_path / "sharded" / "snapshots"
-    assert sharded.latest(str(root))
-    source = manager.read(str(root))
+    assert manifest.latest(str(root))
+    source = read_snapshot(root)
     # In one process (parallelism=ddp).
     plain = make_trainer(tmp_path / "plain", pretrained.b, f"trainer_config.init_from={root}")
     assert same_tensors(weights(plain), source["model_state"])
@@ -264,7 +264,7 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(
     reference.train()
     first = make_trainer(tmp_path / "run", pretrained.b, *args)
     monkeypatch.setattr(
-        stopping, "stop_requested", lambda: signal.SIGTERM if first.progress.step >= 6 else 0
+        stopping, "stop_requested", lambda: signal.SIGTERM if first.state.step >= 6 else 0
     )
     with pytest.raises(stopping.Stopped):
         first.train()
@@ -272,7 +272,7 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(
     shutil.rmtree(source)
     caplog.clear()
     resumed = make_trainer(tmp_path / "run", pretrained.b, *args)
-    assert resumed.progress.step == 6
+    assert resumed.state.step == 6
     x, _ = resumed.train_windows.batch([1])
     assert (
         resumed.data.tokenizer.decode(x[0].tolist())
@@ -280,4 +280,4 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(
     )
     assert "resumed from" in caplog.text and "initialised from" not in caplog.text
     resumed.train()
-    assert resumed.progress.step == 12 and same_tensors(weights(resumed), weights(reference))
+    assert resumed.state.step == 12 and same_tensors(weights(resumed), weights(reference))

@@ -16,7 +16,7 @@ from mingpt.cli import CONF_DIR
 from mingpt.data import load_data
 from mingpt.distributed import DistInfo
 from mingpt.model import GPT
-from mingpt.train import build, fit_to_data
+from mingpt.run import build, fit_to_data
 
 QUIET_2_CORES = 170e9  # FLOP/s of fp32 matmuls on the 2-core machine of BENCHMARKS.md
 

@@ -18,7 +18,8 @@ from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main
 from mingpt.command import parse_args
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
-from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, load_model, should_compile
+from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
+from mingpt.snapshot.reader import load_model
 from mingpt.model import GPT
 from mingpt.snapshot import single_file
 

@@ -24,7 +24,7 @@ def test_third_party_info_stays_out_of_stderr_and_train_log(tmp_path, capsys, ro
     setup_logging(rank=0)
     buffer = hold_log_lines(0)  # as mingpt.train does: lines before the run is accepted are kept
     logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
-    logging.getLogger("mingpt.train").info("run directory here")
+    logging.getLogger("mingpt.run").info("run directory here")
     claim = Claim(str(tmp_path), str(tmp_path / "snapshot.pt"), [], 0, buffer)
     claim.accept()
     logging.getLogger("botocore.credentials").info("Found credentials again")

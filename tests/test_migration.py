@@ -113,7 +113,8 @@ def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_samp
     proc = run_main([*TINY, f"hydra.run.dir={run}", *named_path], tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(
-        f"error: {run / 'snapshot.pt'} is a single-file snapshot, the ddp training format"
+        f"error: {run / 'snapshot.pt'} is a single snapshot file (an export, or a run of an older "
+        "mingpt): a run resumes only from its snapshot directory"
     )
     assert f"trainer_config.init_from={run / 'snapshot.pt'}" in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == before

@@ -22,7 +22,7 @@ from conftest import REPO, TINY, child_env, free_port  # noqa: E402
 from mingpt import storage  # noqa: E402
 from mingpt.data import DataError, read_text  # noqa: E402
 from mingpt.generate import GenerateConfig, PromptError, read_prompt  # noqa: E402
-from mingpt.snapshot import manager, single_file  # noqa: E402
+from mingpt.snapshot import manifest, reader, single_file  # noqa: E402
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "test",
@@ -73,10 +73,10 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert manager.read("s3://runs/run1/snapshots")["step"] == 2
+    assert reader.read("s3://runs/run1/snapshots")[1]["step"] == 2
     # The best weights beside the snapshots (through s3:// too); no probe or temporary file left.
     assert sorted(s3.ls("runs/run1")) == ["runs/run1/snapshots", "runs/run1/snapshots-best"]
-    assert manager.read("s3://runs/run1/snapshots-best")["step"] == 2
+    assert reader.read("s3://runs/run1/snapshots-best")[1]["step"] == 2
     # botocore's INFO `Found credentials in environment variables` is not ours to log.
     assert "Found credentials" not in proc.stderr
     assert not [
@@ -138,7 +138,7 @@ def test_sharded_snapshots_publish_and_load_through_s3(s3):
     assert sharded.wait_pending() == "s3://runs/sharded/step-00000003"
     s3.invalidate_cache()
     assert s3.ls("runs/sharded") == ["runs/sharded/step-00000002", "runs/sharded/step-00000003"]
-    assert sharded.latest("s3://runs/sharded") == "s3://runs/sharded/step-00000003"
+    assert manifest.latest("s3://runs/sharded") == "s3://runs/sharded/step-00000003"
     loaded, meta = sharded.load_full("s3://runs/sharded")
     assert meta == {"step": 3} and loaded["extra"] == {"lr": 0.5, "betas": (0.9, 0.99)}
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import child_env
 
-from mingpt.generate import load_model
+from mingpt.snapshot.reader import load_model
 from mingpt.score import ScoreConfig, main, score
 
 

@@ -41,8 +41,8 @@ from mingpt import storage
 from mingpt.config import Config
 from mingpt.data import ResumableSampler
 from mingpt.distributed import DistInfo
-from mingpt.snapshot import SnapshotError, fit, sharded, single_file
-from mingpt.train import build
+from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
+from mingpt.run import build
 from mingpt.trainer import Trainer, TrainingError
 
 N_TRAIN = 1124  # training windows of the small corpus
@@ -207,16 +207,14 @@ def test_unreadable_snapshots_are_refused_naming_the_file(tmp_path):
         )
         assert "\n" not in str(e.value)
     torch.save({"model_state": {}}, tmp_path / "other.pt")  # a torch file, but not ours
-    with pytest.raises(
-        SnapshotError, match="is not a mingpt snapshot .no optimizer_state, gpt_config"
-    ):
+    with pytest.raises(SnapshotError, match="is not a mingpt snapshot .no gpt_config, vocab"):
         single_file.load(str(tmp_path / "other.pt"))
     with pytest.raises(SnapshotError, match="snapshot not found"):
         single_file.load(str(tmp_path / "missing.pt"))
     # Same vocabulary size, other characters: the shapes fit, the vocabulary does not.
     mismatch = r"vocabulary of 3 characters in the snapshot, 3 in the data \(differs: 'cd'\)"
     with pytest.raises(SnapshotError, match=mismatch):
-        fit.check_compatible(good, {"n_layer": 2}, "abd", path)
+        compat.check_compatible(good, {"n_layer": 2}, "abd", path)
 
 
 class _CreatesFile:
@@ -317,7 +315,7 @@ def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(
         resumed = make_trainer(
             tmp_path / "run", small_corpus, *run, "trainer_config.allow_config_change=true"
         )
-    assert resumed.progress.step == 2
+    assert resumed.state.step == 2
     assert "the held-out split moved" in caplog.text and f"{before} -> {after} bytes" in caplog.text
 
 
@@ -329,8 +327,8 @@ def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_cor
         "trainer_config.max_steps=2",
         "trainer_config.async_save=false",
     ).train()
-    directory = Path(sharded.latest(str(tmp_path / "run" / "snapshots")))
-    document = json.loads((directory / sharded.META).read_text())
+    directory = Path(manifest.latest(str(tmp_path / "run" / "snapshots")))
+    document = json.loads((directory / manifest.META).read_text())
     assert document["meta"]["corpus"] == [
         {
             "source": str(small_corpus),
@@ -340,14 +338,13 @@ def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_cor
     ]
     del document["meta"]["corpus"]  # as written before the corpus was recorded, and published so
     data = json.dumps(document).encode()
-    (directory / sharded.META).write_bytes(data)
-    manifest = json.loads((directory / sharded.MANIFEST).read_text())
-    manifest["files"][sharded.META] = [len(data), hashlib.sha256(data).hexdigest()]
-    (directory / sharded.MANIFEST).write_text(json.dumps(manifest))
+    (directory / manifest.META).write_bytes(data)
+    listed = json.loads((directory / manifest.MANIFEST).read_text())
+    listed["files"][manifest.META] = [len(data), hashlib.sha256(data).hexdigest()]
+    (directory / manifest.MANIFEST).write_text(json.dumps(listed))
     small_corpus.write_text(small_corpus.read_text(encoding="utf-8") * 2, encoding="utf-8")
     assert (
-        make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").progress.step
-        == 2
+        make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").state.step == 2
     )
 
 
@@ -370,7 +367,7 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(
     shutil.copytree(root / "step-00000001", stray)
     with caplog.at_level(logging.WARNING, logger="mingpt"):
         trainer = make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=4")
-        assert trainer.progress.step == 2
+        assert trainer.state.step == 2
         trainer.train()
     assert sorted(p.name for p in root.iterdir()) == [
         "step-00000003",
@@ -423,9 +420,9 @@ def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
             """snapshot s.pt holds another optimizer's state (optimizer_config.algorithm: "adamw" -> "muon"): keep"""
         ),
     ):
-        fit.check_same_config(state, muon, "s.pt")
+        compat.check_same_config(state, muon, "s.pt")
     more = Config(trainer_config=TrainerConfig(allow_config_change=True, max_epochs=3))
-    assert fit.check_same_config(state, more, "s.pt") == ["trainer_config.max_epochs: 2 -> 3"]
+    assert compat.check_same_config(state, more, "s.pt") == ["trainer_config.max_epochs: 2 -> 3"]
 
 
 def test_corpus_changes_name_each_file():
@@ -433,19 +430,19 @@ def test_corpus_changes_name_each_file():
         {"source": "a.txt", "size": 10, "sha256": "x"},
         {"source": "b.txt", "size": 5, "sha256": "y"},
     ]
-    assert fit.corpus_changes(None, old) == []
-    assert fit.corpus_changes(old, old) == []
+    assert compat.corpus_changes(None, old) == []
+    assert compat.corpus_changes(old, old) == []
     new = [
         {"source": "a.txt", "size": 10, "sha256": "z"},
         {"source": "b.txt", "size": 7, "sha256": "y"},
         {"source": "c.txt", "size": 1, "sha256": "w"},
     ]
-    assert fit.corpus_changes(old, new) == [
+    assert compat.corpus_changes(old, new) == [
         "a.txt: other content (same size, 10 bytes)",
         "b.txt: 5 -> 7 bytes",
         "c.txt added",
     ]
-    assert fit.corpus_changes(new, old[:1]) == [
+    assert compat.corpus_changes(new, old[:1]) == [
         "a.txt: other content (same size, 10 bytes)",
         "b.txt removed",
         "c.txt removed",
@@ -489,8 +486,8 @@ def test_killed_background_save_leaves_previous_snapshot_published(tmp_path):
     # The writer saves 200 MB over and over; it is killed as soon as its first save's shard appears.
     kill_writer(tmp_path, root, lambda: list(root.glob("step-00000002*/*.distcp")), "snapshots")
     (killed,) = [p for p in root.iterdir() if p.name.startswith("step-00000002")]
-    assert not (killed / sharded.MANIFEST).exists(), "the kill did not land during the save"
-    assert sharded.latest(str(root)) == str(root / "step-00000001")
+    assert not (killed / manifest.MANIFEST).exists(), "the kill did not land during the save"
+    assert manifest.latest(str(root)) == str(root / "step-00000001")
     assert {k: v for k, v in tree_bytes(root).items() if k.startswith("/step-00000001/")} == before
     tensors, meta = sharded.load_full(str(root))
     assert meta == {"step": 1} and torch.equal(tensors["w"], torch.arange(10.0))
@@ -599,7 +596,7 @@ def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
             "keep the snapshot where every node sees it"
         )
         assert line in proc.stderr, proc.stderr[-3000:]
-    assert sharded.latest(str(tmp_path / "snapshots-1")) is None
+    assert manifest.latest(str(tmp_path / "snapshots-1")) is None
     assert tree_bytes(tmp_path / "snapshots-0") == tree_bytes(good)
 
 
@@ -844,7 +841,7 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(
             step = last_train_step(run_dir / "metrics.jsonl")
             pid = worker_pids(killed.pid).get(0)  # rank 0: it may be writing a snapshot
             # Past the save at step 10 and its publication, in the middle of epoch 0 (steps 1-71).
-            if step >= 15 and pid and sharded.latest(str(run_dir / "snapshots")):
+            if step >= 15 and pid and manifest.latest(str(run_dir / "snapshots")):
                 os.kill(pid, signal.SIGKILL)
                 victim = (pid, step)
             time.sleep(0.005)

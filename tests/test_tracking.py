@@ -26,7 +26,7 @@ mlflow = pytest.importorskip(
 from mingpt import tracking  # noqa: E402
 from mingpt.config import Config, ConfigError, TrainerConfig  # noqa: E402
 from mingpt.metrics import events  # noqa: E402
-from mingpt.snapshot.manager import read  # noqa: E402
+from mingpt.snapshot.sharded import read_meta as read  # noqa: E402
 
 # seconds for one event (a run reaching its stop point, a stopped run exiting): generous, for a loaded machine
 DEADLINE = 300

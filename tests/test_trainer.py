@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mingpt.config import ConfigError, TrainerConfig
-from mingpt.snapshot.manager import Progress
+from mingpt.trainer import TrainState
 from mingpt.trainer import amp_policy, step_plan
 
 
@@ -29,7 +29,7 @@ def test_fp16_takes_a_gradient_scaler_and_bf16_needs_a_gpu_that_has_it():
 
 def test_step_plan_of_a_fresh_run():
     plan = step_plan(
-        TrainerConfig(batch_size=4, grad_accum_steps=2, max_epochs=3), 100, 2, Progress()
+        TrainerConfig(batch_size=4, grad_accum_steps=2, max_epochs=3), 100, 2, TrainState()
     )
     assert plan.samples_per_step == 8  # per rank
     assert plan.steps_per_epoch == 7  # ceil(100 / 16)
@@ -38,12 +38,12 @@ def test_step_plan_of_a_fresh_run():
 
 def test_step_plan_of_a_resume_with_another_world_size_finishes_the_epochs():
     # 10 steps done at world size 2 (160 of 100 + 60 samples: epoch 1, 60 in); now 1 rank of 8 per step.
-    resumed = Progress(epoch=1, samples_in_epoch=60, step=10)
+    resumed = TrainState(epoch=1, samples_in_epoch=60, step=10)
     plan = step_plan(TrainerConfig(batch_size=4, grad_accum_steps=2, max_epochs=3), 100, 1, resumed)
     assert plan.steps_per_epoch == 13
     assert plan.total_steps == 10 + 5 + 13  # done, the rest of epoch 1 (40 samples), epoch 2
     assert step_plan(TrainerConfig(max_epochs=3, max_steps=12), 100, 1, resumed).total_steps == 12
     # complete
     assert (
-        step_plan(TrainerConfig(max_epochs=1), 100, 1, Progress(epoch=1, step=9)).total_steps == 9
+        step_plan(TrainerConfig(max_epochs=1), 100, 1, TrainState(epoch=1, step=9)).total_steps == 9
     )

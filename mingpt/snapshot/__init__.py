@@ -1,4 +1,5 @@
-"""Snapshots: the state a run resumes from, and what generation reads (docs/layout.md says which module does what)."""
+"""Snapshots: the state a run resumes from, and what generation reads (docs/layout.md says which
+module does what)."""
 
 
 class SnapshotError(ValueError):

@@ -1,4 +1,7 @@
-"""The single-file snapshot (export's format): one torch.save file at any fsspec URL, its CRC-32s checked on read."""
+"""The single snapshot file: export's format (`export format=snapshot`), and what runs of an older
+mingpt wrote. One torch.save file at any fsspec URL: the weights as `model_state` beside the run's
+record (its configs, vocabulary, step). Read with its CRC-32s checked and only tensors and plain
+data unpickled."""
 
 import io
 import pickle
@@ -13,18 +16,31 @@ from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
 COUNTS = ("epoch", "samples_in_epoch", "step")
-REQUIRED_KEYS = ("model_state", "optimizer_state", "gpt_config", "vocab", *COUNTS)
+REQUIRED_KEYS = ("model_state", "gpt_config", "vocab", *COUNTS)
+# What each field must be: (accepted types, in words).
+FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model_state": ((dict,), "a mapping of names to tensors"),
+    "optimizer_state": ((dict,), "a mapping"),
+    "gpt_config": ((dict,), "a mapping"),
+    "vocab": ((str,), "a string"),
+    **{key: ((int,), "a whole number >= 0") for key in COUNTS},
+    "scaler_state": ((dict,), "a mapping"),
+    "best_eval_loss": ((float, int), "a number"),
+}
 
 
 def save(state: dict[str, Any], path: str) -> None:
-    """Write `state` to `path` atomically, streamed; StorageError if storage fails, the previous file intact."""
+    """Write `state` to `path` atomically, streamed; StorageError if storage fails, the file before
+    intact."""
     fs, p = storage.filesystem(path)
     try:
         storage.prepare_parent(fs, p, path)
-        for stale in fs.glob(f"{p}{storage.TMP_MARK}*"):  # left by a save that was killed
+        # Left by a save that was killed.
+        for stale in fs.glob(f"{p}{storage.TMP_MARK}*"):
             fs.rm(stale)
         with storage.atomic_open(p, fs) as f:
-            sink = storage.Sink(f)  # torch.save hides a failed write's cause
+            # torch.save hides a failed write's cause.
+            sink = storage.Sink(f)
             try:
                 torch.save(state, sink)
             finally:
@@ -37,8 +53,9 @@ def save(state: dict[str, Any], path: str) -> None:
 
 
 def verify(data: bytes, name: str) -> None:
-    """Check a snapshot file's bytes against the CRC-32 that torch.save stored with each record of its zip archive
-    (the pickle, every tensor's storage); SnapshotError naming the file otherwise."""
+    """Check a snapshot file's bytes against the CRC-32 that torch.save stored with each record of
+    its zip archive (the pickle, every tensor's storage); SnapshotError naming the file otherwise.
+    """
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             bad = archive.testzip()
@@ -46,44 +63,34 @@ def verify(data: bytes, name: str) -> None:
         raise SnapshotError(f"snapshot {name} is damaged ({reason(e)})") from None
     if bad is not None:
         raise SnapshotError(
-            f"snapshot {name} is damaged: the checksum of its record {bad} does not match its bytes "
-            "(changed after it was written)"
+            f"snapshot {name} is damaged: the checksum of its record {bad} does not match its "
+            "bytes (changed after it was written)"
         )
 
 
-# what each field must be: (accepted types, in words)
-FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "model_state": ((dict,), "a mapping of names to tensors"),
-    "optimizer_state": ((dict,), "a mapping"),
-    "gpt_config": ((dict,), "a mapping"),
-    "vocab": ((str,), "a string"),
-    **{key: ((int,), "a whole number >= 0") for key in COUNTS},
-    "scaler_state": ((dict,), "a mapping"),
-    "best_eval_loss": ((float, int), "a number"),
-}
-
-
 def check_structure(state: Any, path: str) -> None:
-    """SnapshotError naming the first field missing, of another type, or (of the weights) not finite and float."""
-    if missing := [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]:
+    """SnapshotError naming the first field missing or of another type, or a weight that is not a
+    finite float tensor."""
+    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
         raise SnapshotError(f"{path} is not a mingpt snapshot (no {', '.join(missing)})")
     for key, (types, what) in FIELD_TYPES.items():
-        value = state.get(key)
-        if key in state and (not isinstance(value, types) or isinstance(value, bool)):
+        if key not in state:
+            continue
+        value = state[key]
+        if not isinstance(value, types) or isinstance(value, bool):
             raise SnapshotError(
                 f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}"
             )
         if key in COUNTS and value < 0:
             raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {value}")
     for name, tensor in state["model_state"].items():
-        if (
-            not isinstance(name, str)
-            or not isinstance(tensor, torch.Tensor)
-            or not tensor.is_floating_point()
-        ):
+        is_float = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+        if not is_float or not isinstance(name, str):
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise SnapshotError(
-                f"snapshot {path} is not usable: model_state[{name!r}] is {kind}, not a float tensor"
+                f"snapshot {path} is not usable: model_state[{name!r}] is {kind}, not a float "
+                "tensor"
             )
         if not torch.isfinite(tensor).all():
             raise SnapshotError(
@@ -91,8 +98,26 @@ def check_structure(state: Any, path: str) -> None:
             )
 
 
+def _unpickling_error(error: pickle.UnpicklingError, path: str) -> SnapshotError:
+    """torch's weights-only unpickler refuses a global it does not allow (code that would run) and
+    fails on damaged bytes alike: its message tells them apart."""
+    found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|\n|$)", str(error))
+    refused = (
+        found and found.group(1).strip() and not found.group(1).startswith("Unsupported operand")
+    )
+    if not refused:
+        return SnapshotError(
+            f"snapshot {path} is damaged (its pickle cannot be read: {reason(error)})"
+        )
+    return SnapshotError(
+        f"refusing to load {path}: it holds pickled objects other than tensors and plain data, and "
+        f"none of it was run ({found.group(1)})"
+    )
+
+
 def load(path: str) -> dict[str, Any]:
-    """A snapshot read to CPU, its checksums, pickle and structure checked; SnapshotError naming the file otherwise."""
+    """A snapshot file read to CPU, its checksums, pickle and structure checked; SnapshotError
+    naming the file otherwise."""
     storage.check_regular(path, "snapshot")
     fs, p = storage.filesystem(path)
     try:
@@ -101,7 +126,7 @@ def load(path: str) -> dict[str, Any]:
         raise SnapshotError(f"snapshot not found: {path}") from None
     except storage_errors() as e:
         raise StorageError(f"cannot read snapshot {path}: {reason(e)}") from None
-    # torch.save writes a zip archive; its index is at the end
+    # torch.save writes a zip archive, whose index is at its end.
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise SnapshotError(
             f"snapshot {path} is truncated or not a torch snapshot ({len(data)} bytes)"
@@ -110,21 +135,9 @@ def load(path: str) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|\n|$)", str(e))
-        # malformed
-        if (
-            not found
-            or not found.group(1).strip()
-            or found.group(1).startswith("Unsupported operand")
-        ):
-            raise SnapshotError(
-                f"snapshot {path} is damaged (its pickle cannot be read: {reason(e)})"
-            ) from None
-        raise SnapshotError(
-            f"refusing to load {path}: it holds pickled objects other than tensors and plain data, "
-            f"and none of it was run ({found.group(1)})"
-        ) from None
-    except Exception as e:  # torch.load on damaged bytes raises many types
+        raise _unpickling_error(e, path) from None
+    # torch.load on damaged bytes raises many types.
+    except Exception as e:
         raise SnapshotError(
             f"snapshot {path} is damaged ({type(e).__name__}: {reason(e)})"
         ) from None

@@ -1,4 +1,6 @@
-"""The training recipe: start-up, config -> data, model, trainer; train in the run directory, close with one line."""
+"""One training run, from start-up to its closing line: the run directory settled (writable, the
+snapshot root, the fine-tuning source, the corpus, its one owner), then config -> data, model and
+trainer; train; the sample and the closing line."""
 
 import contextlib
 import dataclasses
@@ -19,7 +21,7 @@ from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.rundir import Claim, check_record, claim, hold_log_lines
-from mingpt.snapshot.manager import check_not_old, find_best, has_snapshot, resolve_path
+from mingpt.snapshot import compat, reader
 from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
 from mingpt.trainer import Trainer
@@ -66,9 +68,12 @@ class Run:  # what start-up settled
 
 
 def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Run:
-    """The fine-tuning source gives `config` the model's shape."""
-    snapshot_path = snapshot_path or resolve_path(config.trainer_config, run_dir)
-    saved = read_meta(snapshot_path) if has_snapshot(snapshot_path) else None
+    """What the run starts from; a fine-tuning source gives `config` the model's shape."""
+    if snapshot_path is None:
+        snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
+    saved = None
+    if reader.has_snapshot(snapshot_path):
+        saved = read_meta(snapshot_path)
     return Run(run_dir, snapshot_path, saved, finetune.prepare(config, snapshot_path, saved))
 
 
@@ -76,31 +81,38 @@ def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Ru
 def settle(
     config: Config, run_dir: str, dist_info: DistInfo, log_buffer: logging.Handler
 ) -> Iterator[tuple[Run, Claim]]:
-    """Start-up, in order, before anything is written in the run directory: the run directory (writable), the
-    snapshot location, the fine-tuning source, the corpus (downloaded and encoded once per node), the directory's
-    owner (a lock, for the body's duration) and its record (not another run's)."""
-    snapshot_path = resolve_path(config.trainer_config, run_dir)
-    check_not_old(config.trainer_config, run_dir, snapshot_path)
+    """Start-up, in order, before anything is written in the run directory: the run directory
+    (writable), the snapshot location, the fine-tuning source, the corpus (downloaded and encoded
+    once per node), the directory's owner (a lock, for the body's duration) and its record (not
+    another run's)."""
+    snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
+    compat.check_not_a_file(config.trainer_config.snapshot_path, run_dir, snapshot_path)
     check_writable(run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir, snapshot_path)
-    if dist_info.is_local_main_process:  # once per node; the others wait
+    # The corpus is downloaded and encoded once per node; the other processes wait.
+    if dist_info.is_local_main_process:
         if config.data_config.path == DEFAULT_DATA_PATH and not os.path.exists(DEFAULT_DATA_PATH):
             download_corpus(DEFAULT_DATA_PATH)
         build_cache(config.data_config)
     barrier(dist_info)
+    start = 0
+    if run.saved:
+        start = run.saved["step"]
     with claim(run.dir, run.snapshot_path, dist_info, log_buffer) as owned:
-        check_record(run.dir, run.snapshot_path, run.saved["step"] if run.saved else 0, dist_info)
+        check_record(run.dir, run.snapshot_path, start, dist_info)
         yield run, owned
 
 
 def build(
     config: Config, dist_info: DistInfo, run: Run | str, data: CharData | None = None
 ) -> Trainer:
-    """config -> data, model, trainer for `run` (or a run directory: the tests and benchmarks); the initial
-    weights are drawn from the run's seed, or a fine-tuning run's taken from its source."""
-    run = locate(config, run) if isinstance(run, str) else run
-    data = load_data(config.data_config) if data is None else data
+    """config -> data, model, trainer for `run` (or a run directory: the tests and benchmarks); the
+    initial weights are drawn from the run's seed, or a fine-tuning run's taken from its source."""
+    if isinstance(run, str):
+        run = locate(config, run)
+    if data is None:
+        data = load_data(config.data_config)
     if run.start is not None:
         data = finetune.fit_data(data, run.start, config.data_config.path)
     config.gpt_config = fit_to_data(
@@ -117,10 +129,17 @@ def build(
 
 def announce(t: Trainer) -> None:
     """The run's size in one line; on a CPU, how long a run sized for a GPU would take."""
-    cfg, W, plan = t.cfg, t.dist.world_size, t.plan
+    cfg = t.cfg
+    W = t.dist.world_size
+    amp = ""
+    if t.amp.enabled:
+        amp = f" amp {cfg.amp_dtype}"
+    fsdp = ""
+    if t.fsdp:
+        fsdp = f" | fsdp: 1/{W} of the model on each rank"
     log.info(
-        "model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per rank x %d accum x "
-        "%d ranks) | %d steps per epoch, %d in all | device %s%s%s",
+        "model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per "
+        "rank x %d accum x %d ranks) | %d steps per epoch, %d in all | device %s%s%s",
         t.raw_model.num_params() / 1e6,
         len(t.data.train),
         len(t.data.heldout),
@@ -128,100 +147,115 @@ def announce(t: Trainer) -> None:
         cfg.batch_size,
         cfg.grad_accum_steps,
         W,
-        plan.steps_per_epoch,
+        t.plan.steps_per_epoch,
         t.total_steps,
         t.device,
-        f" amp {cfg.amp_dtype}" if t.amp.enabled else "",
-        f" | fsdp: 1/{W} of the model on each rank" if t.fsdp else "",
+        amp,
+        fsdp,
     )
-    if t.device.type == "cpu" and t.dist.is_main_process and not t.finished():
-        # a step takes at most an epoch's share
-        samples = min(t.samples_per_step, math.ceil(len(t.data.train) / W))
-        warning = flops.slow_on_cpu(
-            t.pace.flops_per_token * samples * t.train_windows.block_size,
-            t.total_steps - t.progress.step,
-        )
-        if warning:
-            log.warning(warning)
+    if t.device.type != "cpu" or not t.dist.is_main_process or t.finished():
+        return
+    # A step takes at most an epoch's share of the windows.
+    samples = min(t.samples_per_step, math.ceil(len(t.data.train) / W))
+    step_flops = t.pace.flops_per_token * samples * t.train_windows.block_size
+    warning = flops.slow_on_cpu(step_flops, t.total_steps - t.state.step)
+    if warning:
+        log.warning(warning)
 
 
 def train(trainer: Trainer) -> None:
+    """Train the run to its end, or say that it is complete; print a sample and the closing line."""
+    final = None
     if trainer.finished():
         log.info("%s", already_complete(trainer))
-    final = None if trainer.finished() else trainer.train()
-    trainer.print_sample()
+    else:
+        final = trainer.train()
+    sample = trainer.sample_for_all()
+    if sample is not None:
+        print(f"--- sample after step {trainer.state.step} ---\n{sample}", flush=True)
     log.info("%s", summary(trainer, final))
 
 
 def shown(path: str) -> str:
-    """`path` as typed from the directory the run started in, where it is inside."""
-    return (
-        path if "://" in path or os.path.relpath(path).startswith("..") else os.path.relpath(path)
-    )
+    """`path` as typed from the directory the run started in, when it is inside that directory."""
+    if "://" in path or os.path.relpath(path).startswith(".."):
+        return path
+    return os.path.relpath(path)
 
 
 def summary(t: Trainer, final: float | None) -> str:
-    """The closing line: losses, snapshot, and the command that samples from the best weights (else the snapshot)."""
-    p = t.progress
-    losses = [f"held-out loss {final:.4f}"] if final is not None and math.isfinite(final) else []
-    best = find_best(t.snapshot_path) if math.isfinite(p.best_eval_loss) else None
-    if math.isfinite(p.best_eval_loss):
-        losses.append(
-            f"best {p.best_eval_loss:.4f} at step {p.best_step}"
-            + (f" ({shown(best)})" if best else "")
-        )
-    stopped = " (stopped early)" if t.evaluator.stopped_early() else ""
-    return (
-        f"done at step {p.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
-        f"{shown(t.snapshot_path)} | sample from {'the best' if best else 'it'}: "
+    """The closing line: the losses, the snapshot, and the command that samples from the best
+    weights (else from the snapshot)."""
+    state = t.state
+    losses = []
+    if final is not None and math.isfinite(final):
+        losses.append(f"held-out loss {final:.4f}")
+    best = None
+    if math.isfinite(state.best_eval_loss):
+        best = reader.find_best(t.snapshot_path)
+        where = ""
+        if best:
+            where = f" ({shown(best)})"
+        losses.append(f"best {state.best_eval_loss:.4f} at step {state.best_step}{where}")
+    stopped = ""
+    if t.evaluator.stopped_early(state):
+        stopped = " (stopped early)"
+    source = "the best" if best else "it"
+    command = (
         f"python -m mingpt.generate snapshot_path={shlex.quote(shown(best or t.snapshot_path))}"
+    )
+    return (
+        f"done at step {state.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
+        f"{shown(t.snapshot_path)} | sample from {source}: {command}"
     )
 
 
 def already_complete(t: Trainer) -> str:
-    """What to type instead, when a command finds its run complete (whatever the number of processes)."""
-    cfg, p, early = t.cfg, t.progress, t.evaluator.stopped_early()
-    if early:
+    """What to type instead, when a command finds its run complete (whatever the number of
+    processes): the same command with more steps continues this run, in this directory."""
+    cfg = t.cfg
+    state = t.state
+    stopped = ""
+    if t.evaluator.stopped_early(state):
         further = "trainer_config.early_stop_patience=null"
-    elif cfg.max_steps is not None and p.step >= cfg.max_steps:
+        stopped = (
+            f", stopped early (best held-out loss {state.best_eval_loss:.4f} at step "
+            f"{state.best_step})"
+        )
+    elif cfg.max_steps is not None and state.step >= cfg.max_steps:
         further = f"trainer_config.max_steps={2 * cfg.max_steps}"
     else:
-        further = f"trainer_config.max_epochs={p.epoch + 1}"
+        further = f"trainer_config.max_epochs={state.epoch + 1}"
     # hydra.run.dir=PATH names the directory itself: there a new run needs another path.
-    named = os.path.basename(os.path.normpath(t.run_dir)).startswith(cfg.run_name)
-    new = (
-        "trainer_config.run_name=NAME (a name not used yet)"
-        if named
-        else "hydra.run.dir=ANOTHER_DIRECTORY"
-    )
-    stopped = (
-        f", stopped early (best held-out loss {p.best_eval_loss:.4f} at step {p.best_step})"
-        if early
-        else ""
-    )
+    new = "trainer_config.run_name=NAME (a name not used yet)"
+    if os.path.basename(os.path.normpath(t.run_dir)) != cfg.run_name:
+        new = "hydra.run.dir=ANOTHER_DIRECTORY"
     return (
-        f"run already complete at step {p.step}{stopped} (snapshot {shown(t.snapshot_path)}), whatever the "
-        f"number of processes: nothing to train. For a new run add {new}; "
-        f"to train this one further add {further} trainer_config.allow_config_change=true"
+        f"run already complete at step {state.step}{stopped} (snapshot {shown(t.snapshot_path)}), "
+        f"whatever the number of processes: nothing to train. To train it further, add {further} "
+        f"trainer_config.allow_config_change=true to the same command; for a new run, add {new}"
     )
 
 
 def run(
     config: Config, run_dir: str, files: dict[str, str] | None = None, notices: Sequence[str] = ()
 ) -> None:
-    """Train in `run_dir`, in the process group torchrun describes (if any). Everything that can refuse the run
-    comes before the first write in `run_dir`; then train.log and `files` ({path in run_dir: text}) are written."""
+    """Train in `run_dir`, in the process group torchrun describes (if any). Everything that can
+    refuse the run comes before the first write in `run_dir`; then train.log and `files` ({path in
+    run_dir: text}) are written."""
     with distributed(config.trainer_config.device) as dist_info:
         try:
             setup_logging(dist_info.rank)
             log_buffer = hold_log_lines(dist_info.rank)
-            for notice in notices if dist_info.is_main_process else ():
-                log.warning(notice)
+            if dist_info.is_main_process:
+                for notice in notices:
+                    log.warning(notice)
             with settle(config, run_dir, dist_info, log_buffer) as (run, owned):
                 trainer = build(config, dist_info, run, load_data(config.data_config, build=False))
                 owned.accept(files)
                 train(trainer)
         except BaseException as e:
-            # What the run built (DDP's reducer holds the process group) is freed here, while the group is whole.
+            # What the run built (DDP's reducer holds the process group) is freed here, while the
+            # group is whole.
             traceback.clear_frames(e.__traceback__)
             raise

@@ -1,0 +1,258 @@
+"""The run's checkpointer (docs/fault-tolerance.md): what a snapshot holds, loading it at the start,
+and saving.
+
+After every step the trainer calls `save`, and the checkpointer decides whether a snapshot is due:
+at the last step, every `save_every_steps` steps, at the end of every `save_every`-th epoch,
+`save_every_minutes` after the last save, and on a stop signal, after which it stops the run. The
+best weights are saved when the trainer says the held-out loss improved. Every rank calls every
+method at the same step; what depends on a rank (a stop signal, rank 0's clock) is agreed on first,
+so every rank decides alike."""
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from mingpt import stopping
+from mingpt.comm_hooks import CommHook
+from mingpt.config import Config
+from mingpt.distributed import DistInfo, all_max, barrier
+from mingpt.metrics import SlowNotice
+from mingpt.optim import set_hyperparameters
+from mingpt.snapshot import compat, manifest, sharded
+from mingpt.snapshot.reader import best_path
+from mingpt.storage import StorageError
+
+log = logging.getLogger(__name__)
+
+
+class NotFinite(ValueError):
+    """The weights to save are not finite; nothing was written. The message says what is kept."""
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element is finite: one host sync per device and no copy, unless a sum is not
+    finite (nan, inf, or an overflow of finite values, which the element-wise check then tells
+    apart)."""
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            sums.setdefault(t.device, []).append(t.sum(dtype=torch.float32))
+    if all(bool(torch.stack(found).isfinite().all()) for found in sums.values()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        config: Config,
+        dist_info: DistInfo,
+        root: str,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scaler: torch.amp.GradScaler,
+        comm: CommHook,
+        vocab: str,
+        corpus: list[dict],
+    ):
+        self.config = config
+        self.cfg = config.trainer_config
+        self.dist = dist_info
+        self.root = root  # the snapshots' root; the best weights go beside it
+        self.model = model
+        self.optimizer = optimizer
+        # torch's state-dict helpers take the optimizers of mingpt.optim.Combined (AdamW and Muon)
+        # as a list.
+        self.optimizers = getattr(optimizer, "optimizers", optimizer)
+        self.scaler = scaler
+        self.comm = comm
+        self.vocab = vocab
+        self.corpus = corpus  # data.CharData.fingerprint: saved, and checked on load
+        # The experiment tracker's run: saved, so that a resumed run continues it.
+        self.tracker_run_id: str | None = None
+        # The comm hook's state from load: {name, world_size, state: this rank's own}.
+        self.comm_state: dict[str, Any] | None = None
+        self.saved_step: int | None = None  # of the last snapshot written or loaded
+        self.last_save = time.monotonic()
+        self.notice = SlowNotice()
+
+    def load(self) -> dict[str, Any] | None:
+        """Load the newest snapshot into the model, optimizer and scaler, once it is found to fit
+        this run, and return its record (the run's position among it); None if there is none yet.
+        Every rank calls it, from the same step: with ddp before DDP wraps the model, with fsdp
+        after the model is sharded."""
+        newest = manifest.latest(self.root)
+        start = 0
+        if newest is not None:
+            start = manifest.step_of(newest)
+        compat.check_same_start(self.dist, start, self.root)
+        if newest is None:
+            return None
+        # The layout to load into: this run's shards and parameter names.
+        model_state, optim_state = get_state_dict(self.model, self.optimizers)
+        state = {"model": model_state, "optim": optim_state}
+        meta, own = sharded.load(state, self.root, own=True, check=self._check_fits)
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        if self.scaler.is_enabled() and meta.get("scaler_state"):
+            self.scaler.load_state_dict(meta["scaler_state"])
+        # The current config's hyperparameters, not the snapshot's.
+        set_hyperparameters(self.optimizer, self.config.optimizer_config)
+        about = meta.get("comm_hook")
+        if isinstance(about, dict):
+            self.comm_state = {**about, "state": own}
+        run_id = meta.get("tracker_run_id")
+        if isinstance(run_id, str) and run_id:
+            self.tracker_run_id = run_id
+        self.saved_step = meta["step"]
+        log.info(
+            "resumed from %s: epoch %d, %d samples into it, step %d",
+            self.root,
+            meta["epoch"],
+            meta["samples_in_epoch"],
+            meta["step"],
+        )
+        return meta
+
+    def _check_fits(self, meta: dict[str, Any]) -> None:
+        compat.check_fits(meta, self.config, self.vocab, self.root, self.dist, self.corpus)
+
+    def save(self, state: Any, last_step: bool = False, epoch_ended: bool = False) -> None:
+        """After every step, on every rank: save `state` (the trainer's TrainState) if a snapshot is
+        due; at the last step and on a stop signal, wait until it is written. On a stop signal, stop
+        the run (Stopped)."""
+        stop, on_time = self._agree()
+        every_steps = self.cfg.save_every_steps
+        on_step = every_steps is not None and state.step % every_steps == 0
+        on_epoch = epoch_ended and state.epoch % self.cfg.save_every == 0
+        if last_step or stop or on_time or on_step or on_epoch:
+            self._save(state)
+        if last_step or stop:
+            self.wait()
+        # A stop signal that came while the last snapshot was written still stops the run.
+        if last_step and not stop:
+            stop = self._agree()[0]
+        if not stop:
+            return
+        # The snapshot is complete on every rank before any rank leaves.
+        barrier(self.dist)
+        raise stopping.Stopped(
+            stop,
+            f"{stopping.describe(stop)} at step {state.step}: the run is saved in {self.root}, "
+            f"and the same command resumes it ({stopping.signal_name(stop)}, exit status "
+            f"{stopping.exit_status(stop)})",
+        )
+
+    def _agree(self) -> list[int]:
+        """[a stop signal some rank received (0: none), whether save_every_minutes passed by rank
+        0's clock]: one all-reduce of two integers, the same on every rank."""
+        minutes = self.cfg.save_every_minutes
+        on_time = 0
+        if minutes is not None and self.dist.is_main_process:
+            on_time = int(time.monotonic() - self.last_save >= 60 * minutes)
+        return all_max(self.dist, [stopping.stop_requested(), on_time])
+
+    def _save(self, state: Any) -> None:
+        """A snapshot at `state`'s step (once per step), never of non-finite weights."""
+        if self.saved_step == state.step:
+            return
+        start = time.monotonic()
+        if self.notice.slow and self.dist.is_main_process:
+            log.info("saving snapshot %s at step %d", self.root, state.step)
+        model_state, optim_state = get_state_dict(self.model, self.optimizers)
+        model_state = self.comm.model_state(self.model, model_state)
+        self._check_finite(model_state.values(), state.step)
+        meta = self._meta(state)
+        meta["scaler_state"] = self.scaler.state_dict()
+        own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
+        meta["comm_hook"] = own["about"] if own else None
+        sharded.save(
+            {"model": model_state, "optim": optim_state},
+            meta,
+            self.root,
+            state.step,
+            keep=self.cfg.keep_snapshots,
+            async_save=self.cfg.async_save,
+            own=own["state"] if own else None,
+            lowest_rank=self.comm.replicas_differ,
+        )
+        self.saved_step = state.step
+        self.last_save = time.monotonic()
+        seconds = self.last_save - start
+        self.notice.took(seconds)
+        if self.dist.is_main_process:
+            background = ""
+            if self.cfg.async_save:
+                background = " (writing on in the background)"
+            log.info(
+                "saved snapshot %s at step %d in %.2f s%s",
+                self.root,
+                state.step,
+                seconds,
+                background,
+            )
+
+    def save_best(self, state: Any) -> None:
+        """The weights (with LocalSGD, the replicas' mean) and the record, without optimizer state,
+        as the best weights so far; written before this returns."""
+        model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
+        self._check_finite(model_state.values(), state.step)
+        best = best_path(self.root)
+        sharded.save(
+            {"model": model_state}, self._meta(state), best, state.step, keep=1, async_save=False
+        )
+        if self.dist.is_main_process:
+            log.info(
+                "saved the best weights so far (held-out loss %.4f at step %d) to %s",
+                state.best_eval_loss,
+                state.step,
+                best,
+            )
+
+    def _meta(self, state: Any) -> dict[str, Any]:
+        """A snapshot's record beside its tensors: the run's position, its configs, its vocabulary
+        and corpus."""
+        meta = dataclasses.asdict(state)
+        meta.update(dataclasses.asdict(self.config))
+        meta["world_size"] = self.dist.world_size
+        meta["vocab"] = self.vocab
+        meta["corpus"] = self.corpus
+        if self.tracker_run_id is not None:
+            meta["tracker_run_id"] = self.tracker_run_id
+        return meta
+
+    def _check_finite(self, tensors, step: int) -> None:
+        """Every rank agrees: with FSDP each holds other shards."""
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        if all_max(self.dist, [int(not all_finite(local))])[0]:
+            raise NotFinite(f"weights are not finite at step {step}, not saving; {self.kept()}")
+
+    def wait(self) -> None:
+        """Wait for the save in flight (async_save); its StorageError is raised on every rank."""
+        sharded.wait_pending()
+
+    def finish_in_flight(self) -> None:
+        """On the way out with an error: a save still being written completes; its own error is only
+        logged."""
+        try:
+            sharded.wait_pending()
+        except StorageError as e:
+            log.warning("%s", e)
+
+    def kept(self) -> str:
+        """What is left to resume from, truthfully."""
+        if self.saved_step is None:
+            return f"no snapshot was written yet ({self.root})"
+        return f"the last good snapshot is kept at {self.root}, step {self.saved_step}"

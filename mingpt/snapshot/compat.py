@@ -1,0 +1,166 @@
+"""Whether a snapshot can be this run's: its model's shape and vocabulary, its corpus and
+result-affecting config, the same step on every rank; a single snapshot file where the run's
+snapshots should be is refused."""
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from mingpt.config import Config, result_items
+from mingpt.distributed import DistInfo
+from mingpt.snapshot import SnapshotError, manifest
+
+log = logging.getLogger(__name__)
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+# The single file that a run of mingpt wrote before its snapshots became Distributed Checkpoints.
+OLD_DEFAULT_PATH = "snapshot.pt"
+
+
+def _differing(saved: str, current: str) -> str:
+    """The characters in one vocabulary and not the other, for a message."""
+    return repr("".join(sorted(set(saved) ^ set(current))))
+
+
+def check_compatible(
+    state: dict[str, Any], gpt_config: dict[str, Any], vocab: str, path: str
+) -> None:
+    """Stop with one line naming the first difference between a snapshot's model and this run's."""
+    for key in SHAPE_KEYS:
+        saved = state["gpt_config"].get(key)
+        current = gpt_config.get(key)
+        if saved != current:
+            raise SnapshotError(
+                f"snapshot {path} does not match: gpt_config.{key}: snapshot {saved}, config "
+                f"{current}"
+            )
+    saved = state["vocab"]
+    if saved != vocab:
+        raise SnapshotError(
+            f"snapshot {path} does not match: vocabulary of {len(saved)} characters in the "
+            f"snapshot, {len(vocab)} in the data (differs: {_differing(saved, vocab)})"
+        )
+
+
+def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
+    """Refuse a snapshot written with other values of result-affecting keys (those both configs
+    have), naming each, unless allow_config_change; never another optimizer, whose state would not
+    load. Returns the changes as `key: old -> new`."""
+    saved = result_items(state)
+    current = result_items(dataclasses.asdict(config))
+    changes = []
+    for key in sorted(saved.keys() & current.keys()):
+        if saved[key] != current[key]:
+            changes.append(f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}")
+    algorithm = [c for c in changes if c.startswith("optimizer_config.algorithm:")]
+    if algorithm:
+        raise SnapshotError(
+            f"snapshot {path} holds another optimizer's state ({algorithm[0]}): keep its "
+            "optimizer_config.algorithm, or fine-tune from it in a new run "
+            "(trainer_config.init_from)"
+        )
+    if changes and not config.trainer_config.allow_config_change:
+        raise SnapshotError(
+            f"snapshot {path} was written with another config ({'; '.join(changes)}): give this "
+            "run a name of its own (trainer_config.run_name=NAME), or continue that run with the "
+            "new values (add trainer_config.allow_config_change=true)"
+        )
+    return changes
+
+
+def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
+    """One line per file that differs between a snapshot's corpus (data.CharData.fingerprint, or
+    None) and `current`."""
+    if not isinstance(saved, list):
+        return []
+    changes = []
+    for old, new in zip(saved, current, strict=False):
+        if old.get("size") != new["size"]:
+            changes.append(f"{new['source']}: {old.get('size')} -> {new['size']} bytes")
+        elif old.get("sha256") != new["sha256"]:
+            changes.append(f"{new['source']}: other content (same size, {new['size']} bytes)")
+    changes += [f"{new['source']} added" for new in current[len(saved) :]]
+    changes += [f"{old.get('source')} removed" for old in saved[len(current) :]]
+    return changes
+
+
+def check_fits(
+    state: dict[str, Any],
+    config: Config,
+    vocab: str,
+    path: str,
+    dist_info: DistInfo,
+    corpus: list[dict] | None = None,
+) -> None:
+    """The snapshot's shapes, vocabulary, corpus (with `corpus`) and config are this run's, or
+    allowed to differ; rank 0 warns of what changed."""
+    moved = []
+    if corpus is not None:
+        moved = corpus_changes(state.get("corpus"), corpus)
+    saved_vocab = state.get("vocab") or ""
+    if moved and saved_vocab != vocab:
+        raise SnapshotError(
+            f"snapshot {path} was written for another corpus ({'; '.join(moved)}) whose vocabulary "
+            f"differs ({len(saved_vocab)} characters in the snapshot, {len(vocab)} now; differs: "
+            f"{_differing(saved_vocab, vocab)}), and a model keeps its vocabulary: start a new run "
+            "in another directory, or fine-tune this one (trainer_config.init_from)"
+        )
+    check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
+    if moved and not config.trainer_config.allow_config_change:
+        raise SnapshotError(
+            f"snapshot {path} was written for another corpus ({'; '.join(moved)}): its held-out "
+            "split is no longer this corpus's; start a new run in another directory, or continue "
+            "this one on the new corpus by adding trainer_config.allow_config_change=true"
+        )
+    changes = check_same_config(state, config, path)
+    if not dist_info.is_main_process:
+        return
+    if moved:
+        log.warning(
+            "continuing %s on a changed corpus (%s): the held-out split moved, so evaluation "
+            "losses before and after differ in text, and text held out before may now be trained "
+            "on",
+            path,
+            "; ".join(moved),
+        )
+    if changes:
+        log.warning("continuing %s with a changed config: %s", path, "; ".join(changes))
+
+
+def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
+    """All ranks start from the same step: a snapshot that only some of them see (a node-local path)
+    would split the run."""
+    if not dist_info.is_distributed:
+        return
+    steps: list[Any] = [None] * dist_info.world_size
+    dist.all_gather_object(steps, step)
+    if len(set(steps)) > 1:
+        raise SnapshotError(
+            f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "
+            "where every node sees it (a shared file system, s3://, gs://)"
+        )
+
+
+def check_not_a_file(snapshot_path: str | None, run_dir: str, root: str) -> None:
+    """A run's snapshots are directories under its snapshot root. A single snapshot file where they
+    should be (the root given as `snapshot_path`, or the run directory's snapshot.pt of an older
+    mingpt) is refused: neither resumed nor left beside a run that would start afresh."""
+    if snapshot_path:
+        path = root
+    else:
+        path = os.path.join(run_dir, OLD_DEFAULT_PATH)
+    if "://" in path or not os.path.isfile(path) or manifest.latest(root):
+        return
+    with open(path, "rb") as f:
+        # torch.save's zip archive starts so.
+        if f.read(4) != b"PK\x03\x04":
+            return
+    raise SnapshotError(
+        f"{path} is a single snapshot file (an export, or a run of an older mingpt): a run resumes "
+        "only from its snapshot directory. Fine-tune from its weights in a new run: "
+        f"trainer_config.init_from={path} trainer_config.run_name=NAME"
+    )

@@ -1,0 +1,152 @@
+"""Finding and reading a snapshot in one process: the one way generate, score, export and init_from
+read a model.
+
+A path given to them is a run directory (its best weights, else its latest snapshot), a snapshot
+root (its newest published snapshot), one snapshot directory, or a single snapshot file (export's
+format, or a run of an older mingpt). What is read is the model's weights under their names and the
+run's record (its configs, vocabulary, step), never the optimizer state."""
+
+import logging
+import os
+import posixpath
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mingpt import storage
+from mingpt.config import ConfigError, GPTConfig, TrainerConfig
+from mingpt.data import CharTokenizer
+from mingpt.model import GPT
+from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
+from mingpt.storage import reason
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "snapshots"
+# The files of a safetensors or transformers export (mingpt/export.py): a directory that is not a
+# snapshot.
+EXPORT_FILES = ("model.safetensors", "config.json", "vocab.json")
+EXPECTED = (
+    "expected a snapshot directory, a snapshot file (export format=snapshot writes one) or a run "
+    "directory"
+)
+HELP = (
+    "a run directory (its best weights, else its latest snapshot), a snapshot root (its newest), "
+    "one step-... snapshot directory or a snapshot file; local path or fsspec URL"
+)
+
+
+def resolve_path(snapshot_path: str | None, run_dir: str) -> str:
+    """A run's snapshot root: a relative local path lives in the run directory; URLs and absolute
+    paths are kept."""
+    path = snapshot_path or DEFAULT_PATH
+    if "://" in path or os.path.isabs(path):
+        return path
+    return os.path.join(run_dir, path)
+
+
+def best_path(root: str) -> str:
+    """The root of the best weights of a run whose snapshot root is `root`: snapshots ->
+    snapshots-best."""
+    head, ext = posixpath.splitext(root.rstrip("/"))
+    return f"{head}-best{ext}"
+
+
+def find_best(root: str) -> str | None:
+    """The best weights of the run whose snapshot root is `root`, if it has written them."""
+    best = best_path(root)
+    if manifest.latest(best) is None:
+        return None
+    return best
+
+
+def has_snapshot(root: str) -> bool:
+    return manifest.latest(root) is not None
+
+
+def _run_snapshot(run_dir: str, config_file: str) -> str:
+    """A run directory's best weights, else its latest snapshot, where its config puts them."""
+    try:
+        saved = OmegaConf.load(config_file).get("trainer_config") or {}
+        merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved)
+        snapshot_path = OmegaConf.to_object(merged).snapshot_path
+    except (OmegaConfBaseException, ConfigError, OSError, ValueError) as e:
+        raise SnapshotError(
+            f"run directory {run_dir}: {config_file} cannot be read ({reason(e)})"
+        ) from None
+    root = resolve_path(snapshot_path, run_dir)
+    best = find_best(root)
+    if best:
+        log.info(
+            "run directory %s: its best weights, %s (the lowest held-out loss; the latest "
+            "snapshot is %s)",
+            run_dir,
+            best,
+            root,
+        )
+        return best
+    if not has_snapshot(root):
+        old = os.path.join(run_dir, compat.OLD_DEFAULT_PATH)
+        if snapshot_path or not os.path.isfile(old):
+            raise SnapshotError(
+                f"{run_dir} is a run directory with no snapshot yet (it saves to {root})"
+            )
+        root = old
+    log.info("run directory %s: its snapshot is %s (no best weights written yet)", run_dir, root)
+    return root
+
+
+def find(path: str) -> str:
+    """The snapshot that `path` names: for a run directory (a local directory with
+    .hydra/config.yaml), its best weights, else its latest snapshot, said in the log; any other path
+    as given. A directory that cannot hold a snapshot (empty, an export) is refused."""
+    config_file = os.path.join(path, ".hydra", "config.yaml")
+    if "://" not in path and os.path.isfile(config_file):
+        return _run_snapshot(path, config_file)
+    if "://" not in path and os.path.isdir(path):
+        names = os.listdir(path)
+        if not names:
+            raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
+        if EXPORT_FILES[0] in names:
+            raise SnapshotError(
+                f"{path} is an export in safetensors/transformers format, not a snapshot; "
+                f"{EXPECTED}"
+            )
+    return path
+
+
+def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The weights (CPU tensors under the model's names) and the record of the snapshot that `path`
+    names (`find`), its integrity checked; SnapshotError naming what is wrong."""
+    path = find(path)
+    if storage.exists(path, directory=True):
+        weights, meta = sharded.load_full(path, part="model")
+        single_file.check_structure({"model_state": weights, **meta}, path)
+        return weights, meta
+    meta = single_file.load(path)
+    weights = meta.pop("model_state")
+    # An older file's optimizer state: nothing that reads a snapshot whole uses it.
+    meta.pop("optimizer_state", None)
+    return weights, meta
+
+
+def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict[str, Any]]:
+    """The model of the snapshot that `path` names (float32, in eval mode, on `device`), its
+    vocabulary and record."""
+    weights, meta = read(path)
+    vocab = meta.get("vocab")
+    try:
+        config = GPTConfig(**meta["gpt_config"])
+        if not isinstance(vocab, str) or len(vocab) != config.vocab_size:
+            raise ValueError(
+                f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}"
+            )
+        # No time spent initialising weights about to be replaced.
+        with torch.device("meta"):
+            model = GPT(config)
+        model.load_state_dict({name: t.float() for name, t in weights.items()}, assign=True)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise SnapshotError(f"snapshot {path} cannot be used: {reason(e)}") from None
+    return model.to(device).eval(), CharTokenizer(vocab), meta
