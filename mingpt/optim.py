@@ -1,5 +1,5 @@
 """The optimizer: AdamW with a weight-decay split, Muon for the blocks' matrices beside it; the
-learning rate."""
+schedules of the learning rate and of Muon's momentum."""
 
 from __future__ import annotations
 
@@ -170,20 +170,37 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
 def set_lr(
     optimizer: torch.optim.Optimizer | Combined, step: int, cfg: OptimizerConfig, total_steps: int
 ) -> float:
-    """Each group's learning rate for optimizer step `step`, lr_at's schedule to its peak_lr; returns AdamW's."""
+    """Each group's learning rate for optimizer step `step`, lr_at's schedule to its peak_lr, and
+    Muon's momentum; returns AdamW's learning rate."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg, total_steps, group["peak_lr"])
+        if "momentum" in group:  # Muon's; AdamW's groups have betas
+            group["momentum"] = muon_momentum_at(step, cfg)
     return lr_at(step, cfg, total_steps)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int, peak: float | None = None) -> float:
-    """Learning rate for optimizer step `step` (0-based) of a run of total_steps: linear warmup over warmup_steps
-    to `peak` (learning_rate unless given), then constant, or cosine decay to min_lr_ratio * peak at total_steps."""
+    """Learning rate for optimizer step `step` (0-based) of a run of total_steps: linear warmup over
+    warmup_steps to `peak` (learning_rate unless given), then constant; or cosine decay to
+    min_lr_ratio * peak at total_steps; or (wsd) constant, then over the run's last
+    cooldown_fraction a linear decay to that floor at total_steps."""
     peak = cfg.learning_rate if peak is None else peak
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return peak
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     floor = cfg.min_lr_ratio * peak
+    if cfg.lr_schedule == "wsd":
+        left = max(0.0, 1.0 - step / total_steps)  # of the run
+        return floor + min(1.0, left / cfg.cooldown_fraction) * (peak - floor)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
+
+
+def muon_momentum_at(step: int, cfg: OptimizerConfig) -> float:
+    """Muon's momentum for optimizer step `step`: from 0.85 linearly to muon_momentum over
+    muon_momentum_warmup_steps, a short memory while the early gradients change fast."""
+    if step >= cfg.muon_momentum_warmup_steps:
+        return cfg.muon_momentum
+    progress = step / cfg.muon_momentum_warmup_steps
+    return 0.85 + progress * (cfg.muon_momentum - 0.85)

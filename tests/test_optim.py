@@ -1,4 +1,5 @@
-"""The optimizer: weight-decay groups, Muon against torch's, the learning-rate schedule."""
+"""The optimizer: weight-decay groups, Muon against torch's, the learning-rate and momentum
+schedules."""
 
 from __future__ import annotations
 
@@ -234,3 +235,59 @@ def test_muon_on_a_gpu_is_torch_muon(model):
         mine.step()
         torchs.step()
         assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True)), step
+
+
+def test_wsd_schedule_values():
+    cfg = OptimizerConfig(
+        learning_rate=1.0,
+        warmup_steps=10,
+        lr_schedule="wsd",
+        cooldown_fraction=0.5,
+        min_lr_ratio=0.1,
+    )
+    total = 100
+    assert lr_at(0, cfg, total) == pytest.approx(0.1)  # warmup as for cosine
+    assert lr_at(9, cfg, total) == pytest.approx(1.0)
+    assert all(lr_at(s, cfg, total) == 1.0 for s in (10, 30, 50))  # flat to the cooldown
+    assert lr_at(51, cfg, total) == pytest.approx(1.0 - 0.9 / 50)  # its first step down
+    assert lr_at(75, cfg, total) == pytest.approx(0.55)  # half way down: peak and floor's midpoint
+    assert lr_at(100, cfg, total) == pytest.approx(0.1)  # the floor at the last step, then kept
+    assert lr_at(500, cfg, total) == pytest.approx(0.1)
+    rates = [lr_at(s, cfg, total) for s in range(10, 101)]
+    assert all(a >= b for a, b in pairwise(rates))
+    # the default cooldown: the last 60% of the run
+    default = OptimizerConfig(learning_rate=1.0, warmup_steps=0, lr_schedule="wsd")
+    assert lr_at(40, default, 100) == 1.0 and lr_at(41, default, 100) < 1.0
+    assert lr_at(70, default, 100) == pytest.approx(0.1 + 0.9 * 30 / 60)
+
+
+def test_muon_momentum_warmup_reaches_the_groups(model):
+    cfg = OptimizerConfig(algorithm="muon", muon_momentum=0.95, muon_momentum_warmup_steps=10)
+    opt = create_optimizer(model, cfg)
+    adamw, muon = opt.optimizers
+    for step, momentum in ((0, 0.85), (5, 0.9), (9, 0.94), (10, 0.95), (1000, 0.95)):
+        set_lr(opt, step, cfg, 100)
+        assert muon.param_groups[0]["momentum"] == pytest.approx(momentum), step
+    assert all("momentum" not in g for g in adamw.param_groups)
+
+
+def test_defaults_compute_as_before(model):
+    """The new keys' defaults change nothing: cosine, and Muon's momentum from the first step."""
+    cfg = OptimizerConfig(algorithm="muon")
+    assert cfg.lr_schedule == "cosine" and cfg.muon_momentum_warmup_steps == 0
+    opt = create_optimizer(model, cfg)
+    for step in (0, 1, 50):
+        set_lr(opt, step, cfg, 100)
+        assert opt.optimizers[1].param_groups[0]["momentum"] == cfg.muon_momentum
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"cooldown_fraction": 0.0}, {"cooldown_fraction": 1.5}, {"muon_momentum_warmup_steps": -1}],
+)
+def test_schedule_keys_are_checked(bad):
+    from mingpt.config import ConfigError
+
+    (name,) = bad
+    with pytest.raises(ConfigError, match=f"^optimizer_config.{name}: must be"):
+        OptimizerConfig(**bad)
