@@ -93,10 +93,16 @@ class OptimizerConfig:
     lr_schedule: str = key(
         "cosine",
         "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` "
-        "at the last step; `constant`: warmup, then flat",
+        "at the last step; `constant`: warmup, then flat; `wsd`: warmup, flat, then over the "
+        "run's last `cooldown_fraction` a linear decay to `min_lr_ratio * learning_rate`",
     )
     warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)")
-    min_lr_ratio: float = key(0.1, "floor of the cosine decay, as a fraction of `learning_rate`")
+    min_lr_ratio: float = key(
+        0.1, "floor of the cosine or wsd decay, as a fraction of `learning_rate`"
+    )
+    cooldown_fraction: float = key(
+        0.6, "`lr_schedule=wsd`: the fraction of the run's steps its decay takes, in (0, 1]"
+    )
     algorithm: str = key(
         "adamw",
         "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer "
@@ -109,6 +115,11 @@ class OptimizerConfig:
         "([measured](../BENCHMARKS.md#time-to-quality))",
     )
     muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1)")
+    muon_momentum_warmup_steps: int = key(
+        0,
+        "optimizer steps over which Muon's momentum rises linearly from 0.85 to `muon_momentum` "
+        "(0: none)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("learning_rate", "muon_learning_rate"):
@@ -133,8 +144,13 @@ class OptimizerConfig:
             "optimizer_config.eps",
             f"must be a finite number > 0, got {self.eps}",
         )
-        one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant"))
-        at_least(0, self, "optimizer_config", "warmup_steps")
+        one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant", "wsd"))
+        at_least(0, self, "optimizer_config", "warmup_steps", "muon_momentum_warmup_steps")
+        check(
+            0.0 < self.cooldown_fraction <= 1.0,
+            "optimizer_config.cooldown_fraction",
+            f"must be in (0, 1], got {self.cooldown_fraction}",
+        )
         one_of(self.algorithm, "optimizer_config.algorithm", ("adamw", "muon"))
         check(
             0.0 <= self.muon_momentum < 1.0,

@@ -1,8 +1,10 @@
-"""The optimizer: AdamW with a weight-decay split, Muon for the blocks' matrices beside it; the learning rate."""
+"""The optimizer: AdamW with a weight-decay split, Muon for the blocks' matrices beside it; the
+schedules of the learning rate and of Muon's momentum."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -11,7 +13,8 @@ from mingpt.config import OptimizerConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and embeddings."""
+    """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and
+    embeddings."""
     decay, no_decay = [], []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -26,8 +29,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer | Combined, cfg: OptimizerConfig) -> None:
-    """Give the optimizer's groups (AdamW's decayed and not, Muon's) `cfg`'s settings (on resume: the current
-    config's, not the snapshot's); `peak_lr` is the group's learning rate at the schedule's peak."""
+    """Give the optimizer's groups (AdamW's decayed and not, Muon's) `cfg`'s settings (on resume:
+    the current config's, not the snapshot's); `peak_lr` is the group's learning rate at the
+    schedule's peak."""
     adamw = {"betas": tuple(cfg.betas), "eps": cfg.eps, "peak_lr": cfg.learning_rate}
     groups = [{**adamw, "weight_decay": cfg.weight_decay}, {**adamw, "weight_decay": 0.0}]
     if cfg.algorithm == "muon":
@@ -43,10 +47,10 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer | Combined, cfg: Optimi
 
 
 class Combined:
-    """AdamW and Muon stepped as one optimizer: the groups of both (AdamW's first), one state_dict holding both
-    states. GradScaler unscales and steps it as it does one."""
+    """AdamW and Muon stepped as one optimizer: the groups of both (AdamW's first), one state_dict
+    holding both states. GradScaler unscales and steps it as it does one."""
 
-    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon):
+    def __init__(self, adamw: torch.optim.AdamW, muon: Muon):
         self.optimizers = (adamw, muon)
 
     @property
@@ -75,10 +79,78 @@ class Combined:
             o.load_state_dict({"state": own, "param_groups": groups})
 
 
+def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
+    """Muon's orthogonalisation dtype: bfloat16 where the device multiplies it fast (a GPU; what
+    torch.optim.Muon always uses); float32 on a CPU, where bfloat16 matrix products without
+    bfloat16 units made Muon's step 2-3x AdamW's."""
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16
+
+
+def orthogonalise(
+    m: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """torch.optim.Muon's quintic Newton–Schulz iteration, op for op, in `dtype`: near U V^T of
+    m = U S V^T (singular values land around 0.5-1.5 rather than at 1, which trains as well)."""
+    a, b, c = coefficients
+    tall = m.size(0) > m.size(1)
+    x = m.to(dtype)
+    if tall:  # the Gram matrix of the short side is the smaller one
+        x = x.T
+    # out of place: in float32 x may be m itself, the momentum buffer
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if tall:
+        return x.T
+    return x
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon (its arguments, groups and momentum_buffer state, so its snapshots load)
+    orthogonalising in `dtype`, where torch's always uses bfloat16. The step is torch's, written
+    out: Nesterov momentum, decoupled weight decay, the learning rate scaled by
+    sqrt(max(1, rows / columns)) (torch's default adjust_lr_fn, the only one this takes)."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float, dtype: torch.dtype):
+        super().__init__(params, lr=lr)
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step; `closure` as Optimizer.step takes it (DCP's get_state_dict passes None)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)
+            momentum = group["momentum"]
+            lr = group["lr"]
+            for p, grad, buffer in zip(params, grads, buffers, strict=True):
+                buffer.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                update = orthogonalise(
+                    update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.dtype
+                )
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+        return loss
+
+
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:
-    """AdamW over param_groups, fused (CUDA and CPU have the kernel), else foreach; with `muon`, the blocks' 2-D
-    weights (not the embeddings or the head) go to torch.optim.Muon instead."""
-    fused = next(model.parameters()).device.type in ("cuda", "cpu")
+    """AdamW over param_groups, fused (CUDA and CPU have the kernel), else foreach; with `muon`, the
+    blocks' 2-D weights (not the embeddings or the head) go to Muon instead, orthogonalising in the
+    dtype the device computes fast."""
+    device = next(model.parameters()).device
+    fused = device.type in ("cuda", "cpu")
     blocks = [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
     muon = {id(p): p for p in blocks} if cfg.algorithm == "muon" else {}
     groups = param_groups(model, cfg.weight_decay)
@@ -87,11 +159,10 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
     adamw = torch.optim.AdamW(
         groups, lr=cfg.learning_rate, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused
     )
-    optimizer = (
-        Combined(adamw, torch.optim.Muon(list(muon.values()), lr=cfg.muon_learning_rate))
-        if muon
-        else adamw
-    )
+    optimizer = adamw
+    if muon:
+        dtype = orthogonalisation_dtype(device)
+        optimizer = Combined(adamw, Muon(list(muon.values()), cfg.muon_learning_rate, dtype))
     set_hyperparameters(optimizer, cfg)
     return optimizer
 
@@ -99,20 +170,37 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
 def set_lr(
     optimizer: torch.optim.Optimizer | Combined, step: int, cfg: OptimizerConfig, total_steps: int
 ) -> float:
-    """Each group's learning rate for optimizer step `step`, lr_at's schedule to its peak_lr; returns AdamW's."""
+    """Each group's learning rate for optimizer step `step`, lr_at's schedule to its peak_lr, and
+    Muon's momentum; returns AdamW's learning rate."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg, total_steps, group["peak_lr"])
+        if "momentum" in group:  # Muon's; AdamW's groups have betas
+            group["momentum"] = muon_momentum_at(step, cfg)
     return lr_at(step, cfg, total_steps)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int, peak: float | None = None) -> float:
-    """Learning rate for optimizer step `step` (0-based) of a run of total_steps: linear warmup over warmup_steps
-    to `peak` (learning_rate unless given), then constant, or cosine decay to min_lr_ratio * peak at total_steps."""
+    """Learning rate for optimizer step `step` (0-based) of a run of total_steps: linear warmup over
+    warmup_steps to `peak` (learning_rate unless given), then constant; or cosine decay to
+    min_lr_ratio * peak at total_steps; or (wsd) constant, then over the run's last
+    cooldown_fraction a linear decay to that floor at total_steps."""
     peak = cfg.learning_rate if peak is None else peak
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return peak
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     floor = cfg.min_lr_ratio * peak
+    if cfg.lr_schedule == "wsd":
+        left = max(0.0, 1.0 - step / total_steps)  # of the run
+        return floor + min(1.0, left / cfg.cooldown_fraction) * (peak - floor)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
+
+
+def muon_momentum_at(step: int, cfg: OptimizerConfig) -> float:
+    """Muon's momentum for optimizer step `step`: from 0.85 linearly to muon_momentum over
+    muon_momentum_warmup_steps, a short memory while the early gradients change fast."""
+    if step >= cfg.muon_momentum_warmup_steps:
+        return cfg.muon_momentum
+    progress = step / cfg.muon_momentum_warmup_steps
+    return 0.85 + progress * (cfg.muon_momentum - 0.85)

@@ -86,6 +86,11 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["optimizer_config.algorithm=sgd"], "optimizer_config.algorithm"),
         (["optimizer_config.muon_learning_rate=0"], "optimizer_config.muon_learning_rate"),
         (["optimizer_config.muon_momentum=1.0"], "optimizer_config.muon_momentum"),
+        (["optimizer_config.cooldown_fraction=0"], "optimizer_config.cooldown_fraction"),
+        (
+            ["optimizer_config.muon_momentum_warmup_steps=-1"],
+            "optimizer_config.muon_momentum_warmup_steps",
+        ),
         (
             ["optimizer_config=muon", "trainer_config.parallelism=fsdp"],
             "optimizer_config.algorithm",
@@ -300,9 +305,11 @@ RESULT_AFFECTING = {
         "lr_schedule",
         "warmup_steps",
         "min_lr_ratio",
+        "cooldown_fraction",
         "algorithm",
         "muon_learning_rate",
         "muon_momentum",
+        "muon_momentum_warmup_steps",
     },
     "data_config": {"path", "block_size", "train_split", "truncate", "stride"},
     "trainer_config": {
