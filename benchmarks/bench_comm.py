@@ -1,45 +1,35 @@
-"""Communication per optimizer step of each DDP comm hook: collective calls and
-bytes, against plain DDP, counted in the same run.
+"""Communication per optimizer step of each DDP comm hook: collective calls and bytes, against plain
+DDP, counted in the same run.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/bench_comm.py [key=value ...]
+OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/bench_comm.py [key=value
+...]
 
-Every hook (and LocalSGD's averager) issues its collectives through
-torch.distributed.all_reduce, which this script wraps to count calls and the
-bytes of the tensors reduced. Plain DDP all-reduces from C++, so for the `none`
-row PyTorch's allreduce_hook (the same traffic) is registered to make it
-countable. Only the training steps are counted, after every hook's plain
-start-up steps; a ring all-reduce of B bytes sends about 2·B·(W-1)/W bytes per
-rank. The times are loopback gloo on one machine: they show the extra compute of
-compression, not what a slow network saves.
+Every hook (and LocalSGD's averager) issues its collectives through torch.distributed.all_reduce,
+which this script wraps to count calls and the bytes of the tensors reduced. Plain DDP all-reduces
+from C++, so for the `none` row PyTorch's allreduce_hook (the same traffic) is registered to make it
+countable. Only the training steps are counted, after every hook's plain start-up steps; a ring
+all-reduce of B bytes sends about 2·B·(W-1)/W bytes per rank. The times are loopback gloo on one
+machine: they show the extra compute of compression, not what a slow network saves.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from _common import ddp_module, fitted, machine, parse, parser, step, trainer, training_config
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _cli import help_or_go_on, with_defaults  # noqa: E402
-
-from mingpt.cli import CONF_DIR  # noqa: E402
-from mingpt.config import register_configs  # noqa: E402
-from mingpt.data import load_data  # noqa: E402
-from mingpt.distributed import distributed, setup_logging  # noqa: E402
-from mingpt.model import GPT  # noqa: E402
-from mingpt.train import build, fit_to_data  # noqa: E402
+from mingpt.data import load_data
+from mingpt.distributed import distributed, setup_logging
+from mingpt.model import GPT
 
 HOOKS = ["none", "fp16", "powersgd", "batched_powersgd", "post_local_sgd"]
-START, STEPS = 4, 40  # plain steps before compression / local SGD; steps counted after them
+START = 4  # plain steps before compression or local SGD
+STEPS = 40  # steps counted after them
 DEFAULTS = [
     "gpt_config.n_layer=4",
     "gpt_config.n_head=4",
@@ -65,54 +55,48 @@ def measure(config, data, info, hook: str) -> tuple[float, float, float]:
     """(calls per step, MB per step, ms per step) over STEPS steps after START."""
     config = copy.deepcopy(config)
     config.trainer_config.ddp_comm_hook = hook
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = build(config, info, run_dir, data)
+    batch = config.trainer_config.batch_size
+    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(info.rank))
+    with trainer(config, info, data) as t:
         if hook == "none":
-            trainer.model.register_comm_hook(None, default_hooks.allreduce_hook)
-        batch = config.trainer_config.batch_size
-        order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(info.rank))
-        for step in range(START + STEPS):
-            if step == START:
+            ddp_module(t).register_comm_hook(None, default_hooks.allreduce_hook)
+        for k in range(START + STEPS):
+            if k == START:
                 dist.barrier()
                 calls.update(n=0, bytes=0)
                 start = time.perf_counter()
-            trainer.train_step(order[step * batch : (step + 1) * batch])
-            trainer.progress.step += 1
+            step(t, order[k * batch : (k + 1) * batch])
         seconds = time.perf_counter() - start
-        trainer.metrics.close()
     return calls["n"] / STEPS, calls["bytes"] / STEPS / 1e6, seconds / STEPS * 1e3
 
 
 def main() -> None:
-    help_or_go_on(__doc__)
-    register_configs()
-    overrides = with_defaults(DEFAULTS, sys.argv[1:])
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=overrides)
-    config = OmegaConf.to_object(cfg)
+    _, overrides = parse(parser(__doc__))
+    config = training_config(DEFAULTS, overrides)
     with distributed(config.trainer_config.device) as info:
         if not info.is_distributed:
             sys.exit("run it under torchrun with 2 or more processes")
         setup_logging(info.rank)
         data = load_data(config.data_config)
-        config.gpt_config = fit_to_data(
-            config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size
-        )
+        config.gpt_config = fitted(config, data)
         dist.all_reduce = counting_all_reduce
         rows = [(hook, *measure(config, data, info, hook)) for hook in HOOKS]
-        if info.is_main_process:
-            params = sum(p.numel() for p in GPT(config.gpt_config).parameters())
-            print(
-                f"{params / 1e6:.2f}M parameters ({params * 4 / 1e6:.2f} MB in fp32), {info.world_size} ranks, "
-                f"{STEPS} steps counted after {START} plain ones"
-            )
-            base = rows[0][2]
-            print(
-                "| ddp_comm_hook | all-reduce calls / step | MB reduced / step | vs DDP | ms / step (loopback) |"
-            )
-            print("|---|---|---|---|---|")
-            for hook, n, mb, ms in rows:
-                print(f"| {hook} | {n:.2f} | {mb:.3f} | {mb / base:.3f} | {ms:.1f} |")
+        if not info.is_main_process:
+            return
+        params = sum(p.numel() for p in GPT(config.gpt_config).parameters())
+        print(machine(info.device))
+        print(
+            f"{params / 1e6:.2f}M parameters ({params * 4 / 1e6:.2f} MB in fp32), "
+            f"{info.world_size} ranks, {STEPS} steps counted after {START} plain ones"
+        )
+        base = rows[0][2]
+        print(
+            "| ddp_comm_hook | all-reduce calls / step | MB reduced / step | vs DDP "
+            "| ms / step (loopback) |"
+        )
+        print("|---|---|---|---|---|")
+        for hook, n, mb, ms in rows:
+            print(f"| {hook} | {n:.2f} | {mb:.3f} | {mb / base:.3f} | {ms:.1f} |")
 
 
 if __name__ == "__main__":

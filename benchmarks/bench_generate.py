@@ -1,307 +1,269 @@
-"""Text generation: tokens/s of the decoding step against its floor, compiled or
-not, several samples as one batch, and full recomputation as the baseline.
+"""Text generation: tokens/s of the decoding step against its floor, compiled or not, several
+samples as one batch, full recomputation as the baseline, and another version's decoding beside
+this one.
 
-    python benchmarks/bench_generate.py [--max-new-tokens 500] [--threads N] [--rounds 3] [--device cpu]
-        [--no-compile] [--no-uncached] [--baseline OLD_DECODING_PY]
+usage: python benchmarks/bench_generate.py [--shape 6/6/384] [--max-new-tokens 500] [--threads N]
+           [--rounds 3] [--device cpu] [--no-compile] [--no-uncached] [--baseline OLD_DECODING_PY]
 
-A randomly initialised 6-layer, 6-head, 384-dim model with block_size 256 and
-a vocabulary of 65 (the tiny-shakespeare shape; speed does not depend on the
-weights) generates from a one-character prompt. Rows, each the median of
---rounds alternating rounds, so that the machine's drifts hit every row alike:
+A randomly initialised model of --shape (layers/heads/dims; by default 6/6/384, the tiny-shakespeare
+shape) with block_size 256 and a vocabulary of 65 (speed does not depend on the weights) generates
+from a one-character prompt. With --shape 1/1/32 a step is mostly the host work around the model
+(sampling, bookkeeping, reading tokens back). Rows, each the median of --rounds alternating rounds,
+so that the machine's drifts hit every row alike:
 
-- cached: mingpt.decoding.generate with the KV cache, eager or compiled
-  (torch.compile of the fixed-shape step; its compile time is reported apart);
-  with N samples, the N rows are one batch;
+- cached: mingpt.decoding.generate with the KV cache, eager or compiled (torch.compile of the
+  fixed-shape step; its compile time is reported apart); with N samples, the N rows are one batch;
 - uncached: the same context policy, recomputing the whole window per token;
-- sliding window: the whole last block_size tokens recomputed per token with no
-  cache, as nanoGPT's `generate` does (the baseline of the targets);
-- baseline (--baseline FILE): the same cached rows with the generate of
-  another version's decoding.py, in the same rounds (a before/after side by side);
-- floor: the matmuls of one decoding step alone, F.linear on the same weights
-  and shapes in a loop, eager or compiled as the compiled step runs them; "of
-  floor" is floor time / step time (the compiled step against the compiled
-  floor), and the memory speed (the weights read once by a sum) is printed
-  below the table.
+- sliding window: the whole last block_size tokens recomputed per token with no cache, as nanoGPT's
+  `generate` does (the baseline of the targets);
+- baseline (--baseline FILE, made by `git show REV:mingpt/decoding.py > old.py`): the same cached
+  rows with the generate of another version's decoding.py, in the same rounds;
+- floor: the matmuls of one decoding step alone, F.linear on the same weights and shapes in a loop,
+  eager or compiled as the compiled step runs them; "of floor" is floor time / step time (the
+  compiled step against the compiled floor), and the memory speed (the weights read once by a sum)
+  is printed below the table.
+
+Each chunk (or token, for a version that yields one at a time) is read back as a streaming caller
+does.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import importlib.util
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from _common import machine, parser, seconds
+from torch import nn
 
-# run from a clone without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mingpt import decoding
+from mingpt.config import GPTConfig
+from mingpt.model import GPT
 
-from mingpt.config import GPTConfig  # noqa: E402
-from mingpt.decoding import compile_for_decoding, generate, next_token  # noqa: E402
-from mingpt.model import GPT  # noqa: E402
+OPTIONS = parser(__doc__)
+OPTIONS.add_argument("--shape", default="6/6/384", help="layers/heads/dims")
+OPTIONS.add_argument("--max-new-tokens", type=int, default=500)
+OPTIONS.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+OPTIONS.add_argument("--rounds", type=int, default=3)
+OPTIONS.add_argument("--device", default="cpu")
+OPTIONS.add_argument("--no-compile", action="store_true", help="skip the compiled step")
+OPTIONS.add_argument(
+    "--no-uncached", action="store_true", help="skip the two recomputing baselines (slow)"
+)
+OPTIONS.add_argument(
+    "--baseline",
+    metavar="DECODING_PY",
+    help="also time the generate of this file, another version's mingpt/decoding.py, in the same "
+    "rounds: rows 'baseline: ...'",
+)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def generating(model: GPT, device: torch.device, samples: int = 1, module=decoding, **kwargs):
+    """A function of n_tokens: seconds to generate them per sample with `module`'s generate."""
 
+    def run(n_tokens: int) -> float:
+        idx = torch.zeros(samples, 1, dtype=torch.long, device=device)
+        generators = [torch.Generator(device).manual_seed(i) for i in range(samples)]
+        start = time.perf_counter()
+        for tokens in module.generate(model, idx, n_tokens, generator=generators, **kwargs):
+            tokens[0, -1].item()  # wait for the device, as a streaming caller does
+        return time.perf_counter() - start
 
-def seconds_generating(
-    model: GPT, n_tokens: int, device: torch.device, samples: int = 1, decoding=None, **kwargs
-) -> float:
-    """Seconds to generate n_tokens per sample with mingpt.decoding.generate, or with
-    the generate of `decoding` (another version's module, --baseline)."""
-    idx = torch.zeros(samples, 1, dtype=torch.long, device=device)
-    generators = [torch.Generator(device).manual_seed(i) for i in range(samples)]
-    started = time.perf_counter()
-    for tokens in (decoding.generate if decoding else generate)(
-        model, idx, n_tokens, generator=generators, **kwargs
-    ):
-        # wait for the device, as a streaming caller does (once per chunk, or per token)
-        tokens[0, -1].item()
-    return time.perf_counter() - started
+    return run
 
 
 def load_baseline(path: str):
-    """A decoding.py of another version, imported beside this one (it imports mingpt.model
-    from this checkout: the model's code must be the same)."""
+    """A decoding.py of another version, imported beside this one (it imports mingpt.model from this
+    checkout: the model's code must be the same)."""
     spec = importlib.util.spec_from_file_location("baseline_decoding", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-@torch.inference_mode()
-def seconds_sliding(model: GPT, n_tokens: int, device: torch.device) -> float:
+def sliding(model: GPT, device: torch.device):
     """No cache: each token recomputes the last block_size tokens (a sliding window)."""
-    idx = torch.zeros(1, 1, dtype=torch.long, device=device)
-    generator = torch.Generator(device).manual_seed(0)
-    started = time.perf_counter()
-    for _ in range(n_tokens):
-        logits, _ = model(idx[:, -model.config.block_size :])
-        token = next_token(logits[:, -1], generator=generator)
-        token.item()
-        idx = torch.cat([idx, token], dim=1)
-    return time.perf_counter() - started
+
+    @torch.inference_mode()
+    def run(n_tokens: int) -> float:
+        idx = torch.zeros(1, 1, dtype=torch.long, device=device)
+        generator = torch.Generator(device).manual_seed(0)
+        start = time.perf_counter()
+        for _ in range(n_tokens):
+            logits, _ = model(idx[:, -model.config.block_size :])
+            token = decoding.next_token(logits[:, -1], generator=generator)
+            token.item()
+            idx = torch.cat([idx, token], dim=1)
+        return time.perf_counter() - start
+
+    return run
 
 
 def floor(model: GPT, device: torch.device, samples: int = 1, compiled: bool = False):
-    """A function of n_steps timing the matmuls of n_steps decoding steps and
-    nothing else: F.linear on the step's weights and shapes, as the eager step
-    runs them, or compiled as the compiled step runs them (on CPU, one-row
-    products become reductions over the weights)."""
+    """A function of n_steps timing the matmuls of n_steps decoding steps and nothing else: F.linear
+    on the step's weights and shapes, as the eager step runs them, or compiled as the compiled step
+    runs them (on CPU, one-row products become reductions over the weights)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     inputs = [torch.randn(samples, m.in_features, device=device) for m in linears]
 
     def matmuls(xs):
-        return [F.linear(x, m.weight, m.bias) for x, m in zip(xs, linears)]
+        return [F.linear(x, m.weight, m.bias) for x, m in zip(xs, linears, strict=True)]
 
-    run = compile_for_decoding(matmuls, device) if compiled else matmuls
+    run_matmuls = decoding.compile_for_decoding(matmuls, device) if compiled else matmuls
 
     @torch.inference_mode()
-    def seconds(n_steps: int) -> float:
-        sync(device)
-        started = time.perf_counter()
-        for _ in range(n_steps):
-            run(inputs)
-        sync(device)
-        return time.perf_counter() - started
+    def run(n_steps: int) -> float:
+        def steps() -> None:
+            for _ in range(n_steps):
+                run_matmuls(inputs)
 
-    return seconds
+        return seconds(steps, device)
+
+    return run
 
 
-def seconds_streaming(device: torch.device, nbytes: int) -> float:
-    """Seconds to read nbytes of float32 once (a sum over a fresh tensor of that
-    size): the memory-speed floor of anything that reads every weight."""
-    data = torch.ones(nbytes // 4, device=device)
+def rows(model: GPT, device: torch.device, args) -> dict[str, tuple[int, object]]:
+    """name -> (samples, function of the token count returning seconds)."""
+    old = load_baseline(args.baseline) if args.baseline else None
+    table = {
+        "floor (matmuls only)": (1, floor(model, device)),
+        "cached, eager": (1, generating(model, device)),
+        "cached, 4 samples": (4, generating(model, device, 4)),
+        "cached, 16 samples": (16, generating(model, device, 16)),
+        "floor, 16 samples": (16, floor(model, device, 16)),
+    }
+    if old:
+        table["baseline: cached, eager"] = (1, generating(model, device, module=old))
+        table["baseline: 16 samples"] = (16, generating(model, device, 16, module=old))
+    if not args.no_compile:
+        table["floor, compiled matmuls"] = (1, floor(model, device, compiled=True))
+        table["cached, compiled"] = (1, generating(model, device, compile=True))
+        table["compiled, 16 samples"] = (16, generating(model, device, 16, compile=True))
+    if old and not args.no_compile:
+        table["baseline: compiled"] = (1, generating(model, device, module=old, compile=True))
+        table["baseline: compiled, 16 samples"] = (
+            16,
+            generating(model, device, 16, module=old, compile=True),
+        )
+    if not args.no_uncached:
+        table["uncached (restarting window)"] = (1, generating(model, device, use_cache=False))
+        table["sliding window, no cache"] = (1, sliding(model, device))
+    return table
+
+
+def measure(table: dict, n: int, rounds: int) -> dict[str, float]:
+    """Median seconds of each row, rounds alternating; every path warmed up first."""
+    for _, run in table.values():
+        run(8)
+    times = {name: [] for name in table}
+    for r in range(rounds):
+        for name, (_, run) in table.items():
+            times[name].append(run(n))
+            print(f"round {r + 1}: {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def print_table(table: dict, secs: dict[str, float], n: int) -> None:
+    print(
+        f"| {'decoding':<30} | {'samples':>7} | {'seconds':>8} | {'tokens/s':>9} | {'ms/step':>8} "
+        f"| {'of floor':>8} |"
+    )
+    print(f"|{'-' * 32}|{'-' * 9}|{'-' * 10}|{'-' * 11}|{'-' * 10}|{'-' * 10}|")
+    floors = {1: secs["floor (matmuls only)"], 16: secs["floor, 16 samples"]}
+    if "floor, compiled matmuls" in secs:
+        floors["compiled"] = secs["floor, compiled matmuls"]
+    for name, (samples, _) in table.items():
+        s = secs[name]
+        of_floor = ""
+        base = floors.get("compiled" if name == "cached, compiled" else samples)
+        if base is not None and name.startswith(("cached", "compiled")):
+            of_floor = f"{base / s:.0%}"
+        print(
+            f"| {name:<30} | {samples:>7} | {s:>8.2f} | {samples * n / s:>9.1f} "
+            f"| {s / n * 1e3:>8.3f} | {of_floor:>8} |"
+        )
+
+
+def memory_speed(model: GPT, device: torch.device, secs: dict[str, float], n: int) -> str:
+    """The step's matmul weights read once by a sum over a fresh tensor of their size (the
+    memory-speed floor of anything that reads every weight), against the floors' speed."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = 4 * sum(sum(p.numel() for p in m.parameters()) for m in linears)
+    data = torch.ones(weights // 4, device=device)
     data.sum()
-    sync(device)
-    started = time.perf_counter()
-    for _ in range(5):
-        data.sum()
-    sync(device)
-    return (time.perf_counter() - started) / 5
+    streaming = seconds(lambda: [data.sum() for _ in range(5)], device) / 5
+    line = (
+        f"memory speed: the step's {weights / 1e6:.1f} MB of matmul weights read once in "
+        f"{streaming * 1e3:.2f} ms ({weights / streaming / 1e9:.1f} GB/s, a sum over a tensor of "
+        f"that size); the eager one-row matmuls stream them at "
+        f"{weights / (secs['floor (matmuls only)'] / n) / 1e9:.1f} GB/s"
+    )
+    if "floor, compiled matmuls" in secs:
+        compiled = weights / (secs["floor, compiled matmuls"] / n)
+        line += f", the compiled ones at {compiled / 1e9:.1f} GB/s"
+    return line
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+def compile_seconds(model: GPT, device: torch.device) -> float:
+    """The first compiled call's time less an eager one's: compiling the step."""
+    compiled = generating(model, device, compile=True)(8)
+    return compiled - generating(model, device)(8)
+
+
+def summary(secs: dict[str, float], n: int, compiling: float | None) -> None:
+    one = secs["cached, eager"]
+    print(
+        f"16 samples in {secs['cached, 16 samples'] / one:.2f}x the time of one (eager), "
+        f"4 samples in {secs['cached, 4 samples'] / one:.2f}x"
+    )
+    if compiling is not None:
+        saved = one - secs["cached, compiled"]
+        pays = "never pays off"
+        if saved > 0:
+            pays = f"pays off after {compiling / saved * n:,.0f} tokens"
+        print(
+            f"compile: {compiling:.1f} s (first call, this process; the inductor cache may be "
+            "warm); "
+            f"saves {saved / n * 1e3:.2f} ms/token, {saved:.2f} s per {n} tokens: {pays}"
+        )
+    if "sliding window, no cache" in secs:
+        base = secs["sliding window, no cache"]
+        line = f"one sample, cached eager vs sliding window without cache: {base / one:.1f}x"
+        if compiling is not None:
+            line += f", compiled: {base / secs['cached, compiled']:.1f}x"
+        print(line)
+        restarting = secs["uncached (restarting window)"]
+        print(f"cached eager vs uncached restarting window: {restarting / one:.1f}x")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-new-tokens", type=int, default=500)
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
-    )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-compile", action="store_true", help="skip the compiled step")
-    parser.add_argument(
-        "--no-uncached", action="store_true", help="skip the two recomputing baselines (slow)"
-    )
-    parser.add_argument(
-        "--baseline",
-        metavar="DECODING_PY",
-        help="also time the generate of this file, another version's mingpt/decoding.py "
-        "(git show REV:mingpt/decoding.py > old.py), in the same rounds: rows 'baseline: ...'",
-    )
-    args = parser.parse_args()
+    args = OPTIONS.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    layers, heads, dims = (int(v) for v in args.shape.split("/"))
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=6, n_head=6, n_embd=384, vocab_size=65, block_size=256)
+    config = GPTConfig(n_layer=layers, n_head=heads, n_embd=dims, vocab_size=65, block_size=256)
     model = GPT(config).to(device).eval()
     n = args.max_new_tokens
-
-    rows = {  # name -> (samples, function of the token count returning seconds)
-        "floor (matmuls only)": (1, floor(model, device)),
-        "cached, eager": (1, lambda k: seconds_generating(model, k, device)),
-        "cached, 4 samples": (4, lambda k: seconds_generating(model, k, device, 4)),
-        "cached, 16 samples": (16, lambda k: seconds_generating(model, k, device, 16)),
-        "floor, 16 samples": (16, floor(model, device, 16)),
-    }
-    old = load_baseline(args.baseline) if args.baseline else None
-    if old:
-        rows["baseline: cached, eager"] = (
-            1,
-            lambda k: seconds_generating(model, k, device, decoding=old),
-        )
-        rows["baseline: 16 samples"] = (
-            16,
-            lambda k: seconds_generating(model, k, device, 16, decoding=old),
-        )
-    compile_seconds = None
-    if not args.no_compile:
-        started = time.perf_counter()
-        seconds_generating(model, 8, device, compile=True)  # compiles the step
-        compile_seconds = time.perf_counter() - started - seconds_generating(model, 8, device)
-        rows["floor, compiled matmuls"] = (1, floor(model, device, compiled=True))
-        rows["cached, compiled"] = (1, lambda k: seconds_generating(model, k, device, compile=True))
-        rows["compiled, 16 samples"] = (
-            16,
-            lambda k: seconds_generating(model, k, device, 16, compile=True),
-        )
-        if old:
-            rows["baseline: compiled"] = (
-                1,
-                lambda k: seconds_generating(model, k, device, decoding=old, compile=True),
-            )
-            rows["baseline: compiled, 16 samples"] = (
-                16,
-                lambda k: seconds_generating(model, k, device, 16, decoding=old, compile=True),
-            )
-    if not args.no_uncached:
-        rows["uncached (restarting window)"] = (
-            1,
-            lambda k: seconds_generating(model, k, device, use_cache=False),
-        )
-        rows["sliding window, no cache"] = (1, lambda k: seconds_sliding(model, k, device))
-    for _, run in rows.values():  # warm up every path
-        run(8)
-    times = {name: [] for name in rows}
-    for r in range(args.rounds):
-        for name, (_, run) in rows.items():
-            times[name].append(run(n))
-            print(f"round {r + 1}: {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
-    seconds = {name: statistics.median(t) for name, t in times.items()}
-
-    print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")
+    compiling = None if args.no_compile else compile_seconds(model, device)
+    table = rows(model, device, args)
+    secs = measure(table, n, args.rounds)
+    print(machine(device))
     print(f"command: python {' '.join(sys.argv)}")
-    where = (
-        f"{cpu_name()}, {os.cpu_count()} cores"
-        if device.type == "cpu"
-        else torch.cuda.get_device_name(device)
-    )
-    print(f"torch {torch.__version__} on {device} ({where}), {torch.get_num_threads()} threads")
-    print(f"load average: {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "")
     print(
-        f"model: 6 layers, 6 heads, 384 dim, block 256, vocab 65, {model.num_params() / 1e6:.1f}M parameters; "
-        f"{n} new tokens per sample, medians of {args.rounds} alternating rounds"
+        f"model: {layers} layers, {heads} heads, {dims} dims, block 256, vocab 65, "
+        f"{model.num_params() / 1e6:.2f}M parameters; {n} new tokens per sample, medians of "
+        f"{args.rounds} alternating rounds\n"
     )
+    print_table(table, secs, n)
     print()
-    print(
-        f"| {'decoding':<30} | {'samples':>7} | {'seconds':>8} | {'tokens/s':>9} | {'ms/step':>8} | {'of floor':>8} |"
-    )
-    print(f"|{'-' * 32}|{'-' * 9}|{'-' * 10}|{'-' * 11}|{'-' * 10}|{'-' * 10}|")
-    floors = {1: seconds["floor (matmuls only)"], 16: seconds["floor, 16 samples"]}
-    for name, (samples, _) in rows.items():
-        s = seconds[name]
-        base = (
-            seconds["floor, compiled matmuls"]
-            if name == "cached, compiled"
-            else floors.get(samples)
-        )
-        of_floor = (
-            f"{base / s:.0%}"
-            if base is not None and name.startswith(("cached", "compiled"))
-            else ""
-        )
-        print(
-            f"| {name:<30} | {samples:>7} | {s:>8.2f} | {samples * n / s:>9.1f} | {s / n * 1e3:>8.2f} | {of_floor:>8} |"
-        )
-    weights = (
-        sum(
-            m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
-            for m in model.modules()
-            if isinstance(m, nn.Linear)
-        )
-        * 4
-    )
-    streaming = seconds_streaming(device, weights)
-    print(
-        f"\nmemory speed: the step's {weights / 1e6:.1f} MB of matmul weights read once in {streaming * 1e3:.2f} ms "
-        f"({weights / streaming / 1e9:.1f} GB/s, a sum over a tensor of that size); the eager one-row matmuls "
-        f"stream them at {weights / (seconds['floor (matmuls only)'] / n) / 1e9:.1f} GB/s"
-        + (
-            f", the compiled ones at {weights / (seconds['floor, compiled matmuls'] / n) / 1e9:.1f} GB/s"
-            if compile_seconds is not None
-            else ""
-        )
-    )
+    print(memory_speed(model, device, secs, n))
     print()
-    one = seconds["cached, eager"]
-    print(
-        f"16 samples in {seconds['cached, 16 samples'] / one:.2f}x the time of one (eager), "
-        f"4 samples in {seconds['cached, 4 samples'] / one:.2f}x"
-    )
-    if compile_seconds is not None:
-        saved = one - seconds["cached, compiled"]
-        print(
-            f"compile: {compile_seconds:.1f} s (first call, this process; the inductor cache may be warm); "
-            f"saves {saved / n * 1e3:.2f} ms/token, {saved:.2f} s per {n} tokens: "
-            + (
-                f"pays off after {compile_seconds / saved * n:,.0f} tokens"
-                if saved > 0
-                else "never pays off"
-            )
-        )
-    if not args.no_uncached:
-        base = seconds["sliding window, no cache"]
-        print(
-            f"one sample, cached eager vs sliding window without cache: {base / one:.1f}x"
-            + (
-                f", compiled: {base / seconds['cached, compiled']:.1f}x"
-                if compile_seconds is not None
-                else ""
-            )
-        )
-        print(
-            f"cached eager vs uncached restarting window: {seconds['uncached (restarting window)'] / one:.1f}x"
-        )
+    summary(secs, n, compiling)
 
 
 if __name__ == "__main__":

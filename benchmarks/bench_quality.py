@@ -1,36 +1,32 @@
-"""Time to quality: how long each optimizer takes to reach the held-out loss of
-nanoGPT's own CPU recipe, at the default CPU shape (4 layers, 4 heads, 128 dims,
-block 64, batch 12).
+"""Time to quality: how long each optimizer takes to reach the held-out loss of nanoGPT's own CPU
+recipe, at the default CPU shape (4 layers, 4 heads, 128 dims, block 64, batch 12).
 
-usage: python benchmarks/bench_quality.py --nanogpt DIR [--seeds N] [--jobs J] [--rounds R] [--threads T]
-                                          [--out DIR] [NAME=key=value,key=value ...]
+usage: python benchmarks/bench_quality.py --nanogpt DIR [--seeds N] [--jobs J] [--rounds R]
+                                          [--threads T] [--out DIR] [NAME=key=value,key=value ...]
 
 DIR is a checkout of karpathy/nanoGPT (its model.py is imported). For each seed:
-  nanogpt   nanoGPT's model and its README's CPU recipe (2,000 steps, AdamW lr 1e-3 with
-            100 warmup steps, cosine to 1e-4, betas 0.9/0.99, weight decay 0.1 as its
+  nanogpt   nanoGPT's model and its README's CPU recipe (2,000 steps, AdamW lr 1e-3 with 100
+            warmup steps, cosine to 1e-4, betas 0.9/0.99, weight decay 0.1 as its
             configure_optimizers groups it, gradient clip 1.0, random windows), trained here
   adamw     python main.py, the default run (2,616 steps)
   muon      python main.py optimizer_config=muon
   NAME=...  python main.py with these overrides (e.g. lr6e-3=optimizer_config.learning_rate=6e-3)
-Every run is evaluated every 100 steps in the same way: mingpt's evaluation of the whole
-held-out split of data/input.txt (the corpus's last tenth, non-overlapping windows of 64).
-The target is the mean over the seeds of nanoGPT's best held-out loss. Step counts do not
-depend on the machine's load, so the runs go J at a time with one thread each; the time
-of a step is then measured apart: nanoGPT's and mingpt's with each optimizer algorithm
-(nothing else in a variant changes a step's work), in R rounds of 5 steps of each in turn
-in this one process (T threads, 2 by default): the median step, robust to bursts of other
-load. Printed, as a Markdown table: for each run, the first evaluated step at or below the
-target (each seed's), its wall time (steps x the step time) against nanoGPT's, and the
-held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations, mingpt
-runs that ended) are kept by name, not run again: a later command adds variants to the
-table (a fresh DIR after the code or its defaults change).
+Every run is evaluated every 100 steps in the same way: mingpt's evaluation of the whole held-out
+split of data/input.txt (the corpus's last tenth, non-overlapping windows of 64). The target is the
+mean over the seeds of nanoGPT's best held-out loss. Step counts do not depend on the machine's
+load, so the runs go J at a time with one thread each; the time of a step is then measured apart:
+nanoGPT's and mingpt's with each optimizer algorithm (nothing else in a variant changes a step's
+work), single steps of each in turn, R rounds, in this one process (T threads, 2 by default): the
+median step, robust to bursts of other load. Printed, as a Markdown table: for each run, the first
+evaluated step at or below the target (each seed's), its wall time (steps x the step time) against
+nanoGPT's, and the held-out loss at the run's end. Runs already in --out DIR (nanoGPT's evaluations,
+mingpt runs that ended) are kept by name, not run again: a later command adds variants to the table
+(a fresh DIR after the code or its defaults change).
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -39,36 +35,42 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from _common import (
+    REPO,
+    Plain,
+    heldout_loss,
+    machine,
+    medians,
+    nanogpt,
+    parser,
+    plain_step,
+    seconds,
+    training_config,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks._cli import help_or_go_on  # noqa: E402
-from mingpt.config import DataConfig, GPTConfig, OptimizerConfig  # noqa: E402
-from mingpt.data import load_data  # noqa: E402
-from mingpt.distributed import DistInfo  # noqa: E402
-from mingpt.evaluation import evaluate  # noqa: E402
-from mingpt.model import GPT  # noqa: E402
-from mingpt.optim import create_optimizer  # noqa: E402
+from mingpt.config import DataConfig, GPTConfig, OptimizerConfig
+from mingpt.data import load_data
+from mingpt.model import GPT
+from mingpt.optim import create_optimizer
 
 CORPUS = REPO / "data" / "input.txt"
-SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
-BATCH, EVAL_EVERY, NANOGPT_STEPS = 12, 100, 2000
+SHAPE = GPTConfig(n_layer=4, n_head=4, n_embd=128, dropout=0.0, block_size=64)
+BATCH = 12
+EVAL_EVERY = 100
+NANOGPT_STEPS = 2000
 VARIANTS = {"adamw": [], "muon": ["optimizer_config=muon"]}
 
-
-def nanogpt_module(directory: str):
-    spec = importlib.util.spec_from_file_location(
-        "nanogpt_model", os.path.join(directory, "model.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+OPTIONS = parser(__doc__)
+OPTIONS.add_argument("--nanogpt", required=True, metavar="DIR")
+OPTIONS.add_argument("--seeds", type=int, default=3)
+OPTIONS.add_argument("--jobs", type=int, default=2)
+OPTIONS.add_argument("--rounds", type=int, default=200)
+OPTIONS.add_argument("--threads", type=int, default=2)
+OPTIONS.add_argument("--out")
+OPTIONS.add_argument("variants", nargs="*", metavar="NAME=key=value,key=value")
 
 
 class FullLogits(torch.nn.Module):
@@ -83,15 +85,23 @@ class FullLogits(torch.nn.Module):
         return self.model(x, x)[0], None
 
 
-def heldout_loss(model: torch.nn.Module, data) -> float:
-    one_process = DistInfo(
-        rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")
+def recipe(directory: str, vocab_size: int) -> Plain:
+    """nanoGPT's model and optimizer as its CPU recipe configures them."""
+    shape = GPTConfig(**{**vars(SHAPE), "vocab_size": vocab_size})
+    model, optimizer = nanogpt(
+        directory,
+        shape,
+        bias=False,
+        betas=(0.9, 0.99),
+        weight_decay=0.1,
+        learning_rate=1e-3,
+        device=torch.device("cpu"),
     )
-    return evaluate(model, data.heldout, one_process, eval_tokens=0, batch_size=64).loss
+    return Plain(model, model, optimizer)
 
 
 def recipe_lr(step: int) -> float:
-    """The recipe's schedule: linear warmup over 100 steps, cosine from 1e-3 to 1e-4 at step 2,000."""
+    """The recipe's schedule: linear warmup over 100 steps, cosine from 1e-3 to 1e-4 at 2,000."""
     if step < 100:
         return 1e-3 * (step + 1) / 101
     coeff = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - 100) / (NANOGPT_STEPS - 100))))
@@ -99,39 +109,35 @@ def recipe_lr(step: int) -> float:
 
 
 def nanogpt_run(directory: str, seed: int, out: Path) -> list[tuple[int, float]]:
-    """nanoGPT's recipe, evaluated every EVAL_EVERY steps: [(step, held-out loss)], kept in `out`."""
+    """nanoGPT's recipe, evaluated every EVAL_EVERY steps: [(step, held-out loss)], kept in
+    `out`."""
     kept = out / f"nanogpt-{seed}.json"
     if kept.exists():
         return json.loads(kept.read_text())
     torch.set_num_threads(1)
-    nano = nanogpt_module(directory)
-    data = load_data(DataConfig(path=str(CORPUS), block_size=SHAPE["block_size"]))
+    data = load_data(DataConfig(path=str(CORPUS), block_size=SHAPE.block_size))
     torch.manual_seed(1337 + seed)
-    config = nano.GPTConfig(**SHAPE, vocab_size=len(data.tokenizer.chars), dropout=0.0, bias=False)
-    model = nano.GPT(config)
-    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    p = recipe(directory, len(data.tokenizer.chars))
     start, length = data.train.segments[0]
-    tokens, T = data.train.tokens[start : start + length].long(), SHAPE["block_size"]
+    tokens = data.train.tokens[start : start + length].long()
+    T = SHAPE.block_size
     evals = []
     for step in range(NANOGPT_STEPS):
-        for group in optimizer.param_groups:
+        for group in p.optimizer.param_groups:
             group["lr"] = recipe_lr(step)
         starts = torch.randint(len(tokens) - T, (BATCH,))
         x = torch.stack([tokens[s : s + T] for s in starts])
         y = torch.stack([tokens[s + 1 : s + 1 + T] for s in starts])
-        _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        plain_step(p, x, y)
         if (step + 1) % EVAL_EVERY == 0:
-            evals.append((step + 1, heldout_loss(FullLogits(model), data)))
+            evals.append((step + 1, heldout_loss(FullLogits(p.model), data)))
     kept.write_text(json.dumps(evals))
     return evals
 
 
 def mingpt_run(name: str, overrides: list[str], seed: int, out: Path) -> list[tuple[int, float]]:
-    """python main.py with `overrides`, evaluated every EVAL_EVERY steps: [(step, held-out loss)]."""
+    """python main.py with `overrides`, evaluated every EVAL_EVERY steps: [(step, held-out
+    loss)]."""
     run_dir = out / f"{name}-{seed}"
     args = [
         sys.executable,
@@ -153,49 +159,20 @@ def mingpt_run(name: str, overrides: list[str], seed: int, out: Path) -> list[tu
     return [(r["step"], r["loss"]) for r in records if r.get("split") == "eval"]
 
 
-def optimizer_config(overrides: list[str]) -> OptimizerConfig:
-    """The OptimizerConfig that `overrides` give (a preset optimizer_config=NAME, or optimizer_config.KEY=VALUE)."""
-    cfg = OmegaConf.structured(OptimizerConfig)
-    for override in overrides:
-        key, _, value = override.partition("=")
-        if key == "optimizer_config":
-            cfg = OmegaConf.merge(
-                cfg, OmegaConf.load(REPO / "conf" / "optimizer_config" / f"{value}.yaml")
-            )
-        elif key.startswith("optimizer_config."):
-            cfg = OmegaConf.merge(
-                cfg, OmegaConf.from_dotlist([f"{key.removeprefix('optimizer_config.')}={value}"])
-            )
-    return OmegaConf.to_object(cfg)
-
-
-def step_times(
-    directory: str, algorithms: set[str], rounds: int, threads: int, steps: int = 5
-) -> dict[str, float]:
-    """Median ms of a training step (forward, backward, clip, optimizer step) of nanoGPT's
-    and of mingpt's with each optimizer algorithm (the rest of a variant does not change
-    the step's work), `steps` of each in turn, `rounds` times."""
+def step_times(directory: str, algorithms: set[str], rounds: int, threads: int) -> dict[str, float]:
+    """Median ms of a training step (forward, backward, clip, optimizer step) of nanoGPT's and of
+    mingpt's with each optimizer algorithm, single steps of each in turn, `rounds` times."""
     torch.set_num_threads(threads)
-    nano = nanogpt_module(directory)
-    x = torch.randint(65, (BATCH, SHAPE["block_size"]))
-    model = nano.GPT(nano.GPTConfig(**SHAPE, vocab_size=65, dropout=0.0, bias=False))
-    runs = {"nanogpt": (model, model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu"))}
+    x = torch.randint(65, (BATCH, SHAPE.block_size))
+    steps = {"nanogpt": recipe(directory, 65)}
     for algorithm in sorted(algorithms):
-        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64))
-        runs[algorithm] = (model, create_optimizer(model, OptimizerConfig(algorithm=algorithm)))
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, (model, optimizer) in runs.items():
-            for _ in range(steps):
-                start = time.perf_counter()
-                _, loss = model(x, x)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if r:
-                    times[name].append((time.perf_counter() - start) * 1000)
-    return {name: statistics.median(t) for name, t in times.items()}
+        model = GPT(GPTConfig(**{**vars(SHAPE), "vocab_size": 65}))
+        optimizer = create_optimizer(model, OptimizerConfig(algorithm=algorithm))
+        steps[algorithm] = Plain(model, model, optimizer)
+    runs = {
+        name: lambda p=p: seconds(lambda: plain_step(p, x, x)) * 1000 for name, p in steps.items()
+    }
+    return medians(runs, rounds, warm_up=5)
 
 
 def first_at(evals: list[tuple[int, float]], target: float) -> int | None:
@@ -203,26 +180,26 @@ def first_at(evals: list[tuple[int, float]], target: float) -> int | None:
 
 
 def report(nano: dict[int, list], runs: dict[str, list[list]], ms: dict[str, float]) -> None:
-    """The table, in Markdown: per run, the steps to the target (each seed's), the step
-    time, the wall time against nanoGPT's, and the held-out loss at the run's end. nanoGPT's
-    seeds that end above the target (the mean of their best) count their 2,000 steps."""
-    target = statistics.mean(min(loss for _, loss in e) for e in nano.values())
+    """The table, in Markdown: per run, the steps to the target (each seed's), the step time, the
+    wall time against nanoGPT's, and the held-out loss at the run's end. nanoGPT's seeds that end
+    above the target (the mean of their best) count their 2,000 steps."""
+    best = [min(loss for _, loss in e) for e in nano.values()]
+    target = statistics.mean(best)
     print(
         f"target: {target:.4f}, nanoGPT's best held-out loss (mean of "
-        + ", ".join(f"{min(loss for _, loss in e):.4f}" for e in nano.values())
-        + ")"
+        f"{', '.join(f'{b:.4f}' for b in best)})"
     )
-    nano_time = (
-        statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values()) * ms["nanogpt"]
-    )
+    nano_steps = statistics.mean(first_at(e, target) or NANOGPT_STEPS for e in nano.values())
+    nano_time = nano_steps * ms["nanogpt"]
     print(
-        "| run | steps to target (per seed) | ms/step | time | vs nanoGPT | held-out loss at the end (per seed) |"
+        "| run | steps to target (per seed) | ms/step | time | vs nanoGPT "
+        "| held-out loss at the end (per seed) |"
     )
     print("|---|---|---|---|---|---|")
     for name, evals in {"nanogpt": list(nano.values()), **runs}.items():
-        reached = [
-            first_at(e, target) or (NANOGPT_STEPS if name == "nanogpt" else None) for e in evals
-        ]
+        reached = [first_at(e, target) for e in evals]
+        if name == "nanogpt":
+            reached = [r or NANOGPT_STEPS for r in reached]
         ends = ", ".join(f"{e[-1][1]:.3f}" for e in evals)
         end = f"{statistics.mean(e[-1][1] for e in evals):.3f} at step {evals[0][-1][0]} ({ends})"
         if None in reached:
@@ -235,51 +212,44 @@ def report(nano: dict[int, list], runs: dict[str, list[list]], ms: dict[str, flo
         )
 
 
+def train_all(args, variants: dict[str, list[str]], out: Path) -> tuple[dict, dict]:
+    """Every seed of nanoGPT's recipe and of each variant, J at a time: their evaluations."""
+    seeds = range(1, args.seeds + 1)
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
+        nano = {s: pool.submit(nanogpt_run, args.nanogpt, s, out) for s in seeds}
+        runs = {
+            (name, s): pool.submit(mingpt_run, name, overrides, s, out)
+            for name, overrides in variants.items()
+            for s in seeds
+        }
+        nano = {s: f.result() for s, f in nano.items()}
+        runs = {key: f.result() for key, f in runs.items()}
+    kept = {"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}}
+    (out / "evals.json").write_text(json.dumps(kept))
+    return nano, {name: [runs[name, s] for s in seeds] for name in variants}
+
+
 def main() -> None:
-    help_or_go_on(__doc__)
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--nanogpt", required=True)
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out")
-    parser.add_argument("variants", nargs="*")
-    args = parser.parse_args()
+    args = OPTIONS.parse_args()
     variants = dict(VARIANTS)
     for given in args.variants:
         name, _, overrides = given.partition("=")
         variants[name] = overrides.split(",") if overrides else []
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-quality-"))
     out.mkdir(parents=True, exist_ok=True)
-    seeds = range(1, args.seeds + 1)
-    with concurrent.futures.ProcessPoolExecutor(
-        args.jobs, mp_context=multiprocessing.get_context("spawn")
-    ) as pool:
-        nano = {s: pool.submit(nanogpt_run, args.nanogpt, s, out) for s in seeds}
-        runs = {
-            (name, s): pool.submit(mingpt_run, name, o, s, out)
-            for name, o in variants.items()
-            for s in seeds
-        }
-        nano = {s: f.result() for s, f in nano.items()}
-        runs = {key: f.result() for key, f in runs.items()}
-    (out / "evals.json").write_text(
-        json.dumps({"nanogpt": nano, **{f"{n}-{s}": e for (n, s), e in runs.items()}})
-    )
+    nano, runs = train_all(args, variants, out)
     algorithm = {
-        name: optimizer_config(overrides).algorithm for name, overrides in variants.items()
+        name: training_config([], overrides).optimizer_config.algorithm
+        for name, overrides in variants.items()
     }
     ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds, args.threads)
+    print(machine(threads=args.threads))
     print(
-        f"step time ({args.threads} threads), median of {args.rounds} alternating rounds of 5 steps: "
-        + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items())
+        f"step time ({args.threads} threads), median of {args.rounds} single steps of each in "
+        "turn: " + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items())
     )
-    report(
-        nano,
-        {name: [runs[name, s] for s in seeds] for name in variants},
-        {"nanogpt": ms["nanogpt"], **{name: ms[a] for name, a in algorithm.items()}},
-    )
+    report(nano, runs, {"nanogpt": ms["nanogpt"], **{n: ms[a] for n, a in algorithm.items()}})
     print(f"runs and their evaluations: {out}")
 
 

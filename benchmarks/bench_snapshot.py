@@ -1,234 +1,292 @@
-"""What verifying a single-file snapshot's checksums costs, next to the rest of a
-load; and how long the run's own save stalls training, synchronous against in the background.
+"""Snapshots: how long a save stalls training and how much memory it takes, the run's own save
+(Distributed Checkpoint) synchronous and in the background against the single file export writes;
+and what loading that file costs.
 
-usage: python benchmarks/bench_snapshot.py [--stall] [--rounds N] [--device cpu|cuda] [preset] [directory]
-       (defaults: both parts, 3 rounds, cpu, gpt2, a temporary directory)
+usage: python benchmarks/bench_snapshot.py [--rounds 3] [--saves 3] [--vocab 65] [--nproc 1]
+                                           [--device cpu|cuda] [--dir DIR] [preset]
+       (defaults: gpt2, a temporary directory)
 
-Builds the preset's model with a vocabulary of 65 and block 1024 (gpt2: 86M
-parameters) with AdamW state, saves it with mingpt.snapshot.single_file.save
-(the file that export writes and generate, score and init_from read: 1.03 GB
-for gpt2, weights and two moments in fp32), then times, alternating, in N
-rounds: reading the file's bytes, single_file.verify (every zip record's
-CRC-32), and torch.load of the verified bytes. Prints the medians.
+Builds the preset's model with a vocabulary of --vocab (65, the characters'; 50257, GPT-2's, makes
+gpt2 163M parameters, its output layer not tied to the embedding) and block 1024, with AdamW after
+one step (both moments populated, as in a real snapshot: 1.03 GB for gpt2 at 65), and saves it
+--saves times, the state changed in place before each later save, as training changes it. Each mode
+runs in fresh processes (a process's peak memory never goes down), the modes in turn over --rounds
+rounds, the order reversed every other round:
 
-Then (alone with --stall) the stall of a save, the run's own
-sharded.ShardedFormat.save (Distributed Checkpoint, one process) with the
-trainer's finiteness check, from the call until training can go on, with
-async_save false (the write and publication) and true (DCP's copy of the state
-to CPU memory: pinned on a GPU; the write goes on in the background), the modes
-alternating in each of N rounds in one process, the state changed in place
-before each save, as training does. The first background save of a process also
-allocates its copy: timed apart. Also the time until the snapshot is published,
-and the time of a small training step (batch 1, 64 tokens) while a background
-write runs against one without a save.
+  file    the single file (mingpt.snapshot.single_file: export's format, which generate, score and
+          init_from read), written synchronously; then read back, verified (every zip record's
+          CRC-32) and loaded with torch.load, each timed
+  sync    the run's own save with async_save=false: the trainer's finiteness check, DCP's write,
+          the publication
+  async   the same with async_save=true: the stall is the copy of the state to CPU memory (pinned
+          on a GPU; the first save also allocates it), the write goes on in the background while a
+          small training step (batch 1, 64 tokens) is timed, against the same step without a save
+
+Per save: its stall (from the call until training can go on) and the time until it is published;
+per process: the peak extra RAM over the saves (VmHWM, reset before the first, minus VmRSS then).
+With --nproc N > 1 the saves run under torchrun with the model sharded by FSDP2 over the ranks, as
+parallelism=fsdp shards it (each rank writes its shards; the slowest rank's stall counts); the
+single file, one process's, is left out.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import io
+import json
 import math
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
-from _cli import help_or_go_on
-from omegaconf import OmegaConf
+import torch.distributed as dist
+from _common import (
+    finite_check,
+    launch,
+    machine,
+    parser,
+    reset_peak,
+    result_of,
+    rss,
+    run_saver,
+    save_file,
+    shard,
+    sync,
+    training_config,
+    verify_file,
+)
 
-from mingpt.comm_hooks import CommHook
-from mingpt.config import GPTConfig
+from mingpt.distributed import distributed, setup_logging
 from mingpt.model import GPT
-from mingpt.snapshot import sharded, single_file
-from mingpt.snapshot.manager import all_finite
+
+OPTIONS = parser(__doc__)
+OPTIONS.add_argument("--rounds", type=int, default=3)
+OPTIONS.add_argument(
+    "--saves", type=int, default=3, help="saves per process (the first, then later)"
+)
+OPTIONS.add_argument("--vocab", type=int, default=65)
+OPTIONS.add_argument("--nproc", type=int, default=1)
+OPTIONS.add_argument("--device", default="cpu")
+OPTIONS.add_argument("--dir", help="where the snapshots go (default: a temporary directory)")
+OPTIONS.add_argument("--child", help=argparse.SUPPRESS)  # one mode's process
+OPTIONS.add_argument("preset", nargs="?", default="gpt2")
 
 
-def preset_with_moments(preset: str, vocab_size: int, grad: float = 0.0, device: str = "cpu"):
-    """(config, model, AdamW) of a preset's shape, block 1024, on `device`, after one step
-    with gradients `grad`: the optimizer holds both moments, as in a real snapshot."""
-    conf = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "gpt_config"
-    )
-    shape = OmegaConf.to_object(
-        OmegaConf.merge(
-            OmegaConf.structured(GPTConfig), OmegaConf.load(os.path.join(conf, f"{preset}.yaml"))
-        )
-    )
-    config = GPTConfig(**{**vars(shape), "vocab_size": vocab_size, "block_size": 1024})
-    model = GPT(config).to(device)
+def with_moments(preset: str, vocab: int, info) -> tuple:
+    """(shape, model, AdamW) of the preset at block 1024 on the device, sharded over the ranks under
+    torchrun, after one step: the optimizer holds both moments, as in a real snapshot."""
+    shape = training_config([], [f"gpt_config={preset}"]).gpt_config
+    shape = dataclasses.replace(shape, vocab_size=vocab, block_size=1024)
+    model = GPT(shape)
+    if info.is_distributed:
+        shard(model, info)
+    model.to(info.device)
     optimizer = torch.optim.AdamW(model.parameters())
     for p in model.parameters():
-        p.grad = torch.full_like(p, grad)
+        p.grad = torch.full_like(p, 1e-3)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return config, model, optimizer
+    return shape, model, optimizer
 
 
-def verify_part(preset: str, directory: str, rounds: int) -> None:
-    config, model, optimizer = preset_with_moments(preset, vocab_size=65)
-    state = {
-        "model_state": model.state_dict(),
-        "optimizer_state": optimizer.state_dict(),
-        "gpt_config": vars(config),
-        "vocab": "x" * 65,
-        "epoch": 0,
-        "samples_in_epoch": 0,
-        "step": 1,
-    }
-    path = os.path.join(directory, "bench-snapshot.pt")
-    single_file.save(state, path)
-    size = os.path.getsize(path)
-    del state, optimizer, model
-    print(
-        f"{preset}: {config.n_layer}/{config.n_head}/{config.n_embd}, snapshot {size / 1e9:.2f} GB at {path}"
-    )
-
-    times: dict[str, list[float]] = {"read": [], "verify": [], "torch.load": []}
-    for _ in range(rounds):
-        start = time.perf_counter()
-        with open(path, "rb") as f:
-            data = f.read()
-        times["read"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        single_file.verify(data, path)
-        times["verify"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        times["torch.load"].append(time.perf_counter() - start)
-        del data
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(
-            f"{name:>10}: {median:.2f} s median of {len(values)} ({size / 1e9 / median:.2f} GB/s), "
-            f"all: {', '.join(f'{v:.2f}' for v in values)}"
-        )
-    os.remove(path)
+def tensors(model, optimizer) -> list[torch.Tensor]:
+    moments = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return [*model.parameters(), *moments]
 
 
-def check_finite(tensors) -> None:
-    """The trainer's check before every save (Snapshot._check_finite, without its all-reduce)."""
-    if not all_finite(list(tensors)):
-        raise ValueError("not finite")
-
-
-def stall_part(preset: str, directory: str, rounds: int, device: str) -> None:
-    config, model, optimizer = preset_with_moments(preset, vocab_size=65, device=device)
-    scaler = torch.amp.GradScaler(device, enabled=False)
-    path = os.path.join(directory, "bench-stall")
-    meta = {"gpt_config": vars(config), "vocab": "x" * 65, "epoch": 0, "samples_in_epoch": 0}
-    formats = {
-        mode: sharded.ShardedFormat(
-            path, model, optimizer, scaler, CommHook(), keep=1, async_save=mode == "async"
-        )
-        for mode in ("sync", "async")
-    }
+def small_step(model, device) -> float:
+    """Seconds of a forward and backward on one window of 64 tokens."""
     tokens = torch.zeros(1, 64, dtype=torch.long, device=device)
+    start = time.perf_counter()
+    model(tokens, tokens)[1].backward()
+    model.zero_grad(set_to_none=True)
+    sync(device)
+    return time.perf_counter() - start
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
 
-    def train_step() -> float:
+def file_saver(shape, model, optimizer, directory: str):
+    path = os.path.join(directory, "snapshot.pt")
+
+    def save(at_step: int) -> None:
+        state = {
+            "model_state": model.state_dict(),
+            "optimizer_state": optimizer.state_dict(),
+            "gpt_config": vars(shape),
+            "vocab": "x" * 65,
+            "epoch": 0,
+            "samples_in_epoch": 0,
+            "step": at_step,
+        }
+        save_file(state, path)
+
+    return save
+
+
+def load_times(path: str) -> dict[str, float]:
+    """Seconds to read the single file, to verify it, and to torch.load the verified bytes."""
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        data = f.read()
+    read = time.perf_counter() - start
+    start = time.perf_counter()
+    verify_file(data, path)
+    verify = time.perf_counter() - start
+    start = time.perf_counter()
+    torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return {"read": read, "verify": verify, "torch.load": time.perf_counter() - start}
+
+
+def series(args, info) -> dict:
+    """This process's figures of --saves saves in mode args.child."""
+    shape, model, optimizer = with_moments(args.preset, args.vocab, info)
+    state = tensors(model, optimizer)
+    # Small steps only in one process: under torchrun each would need every rank in step.
+    one = not info.is_distributed
+    idle_steps = 3 if one else 0
+    if args.child == "file":
+        save = file_saver(shape, model, optimizer, args.dir)
+    else:
+        save = run_saver(args.dir, model, optimizer, info, async_save=args.child == "async")
+    idle = [small_step(model, info.device) for _ in range(idle_steps)]
+    start = time.perf_counter()
+    finite_check(state)
+    figures = {"check": time.perf_counter() - start, "stall": [], "published": [], "during": []}
+    before = rss("VmRSS")
+    reset_peak()
+    for k in range(args.saves):
+        if k:
+            with torch.no_grad():
+                for t in state:
+                    t.add_(1e-3)
+            sync(info.device)
         start = time.perf_counter()
-        _, loss = model(tokens, tokens)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - start
+        handle = save(k + 1)
+        figures["stall"].append(time.perf_counter() - start)
+        while one and handle is not None and not handle.done():
+            figures["during"].append(small_step(model, info.device))
+        if handle is not None:
+            handle.wait()
+        figures["published"].append(time.perf_counter() - start)
+    figures["extra_ram"] = rss("VmHWM") - before
+    figures["idle"] = idle + [small_step(model, info.device) for _ in range(idle_steps)]
+    figures["params"] = sum(p.numel() for p in model.parameters())
+    figures["state_bytes"] = sum(t.numel() * t.element_size() for t in state)
+    if args.child == "file":
+        figures.update(load_times(os.path.join(args.dir, "snapshot.pt")))
+    return figures
 
-    def changed() -> None:  # the state changes in place between saves, as training changes it
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1e-6)
-        sync()
 
-    def save(mode: str, step: int) -> tuple[float, float, list[float]]:
-        """(stall, seconds until published, training steps timed while the background write ran)."""
-        changed()
-        start = time.perf_counter()
-        handle = formats[mode].save({**meta, "step": step}, step, check_finite)
-        stall = time.perf_counter() - start
-        during = []
-        while mode == "async" and not handle.done():
-            during.append(train_step())
-        formats[mode].wait()
-        return stall, time.perf_counter() - start, during
+def child(args) -> None:
+    """One mode's process (each rank under torchrun): every rank's figures, as JSON from rank 0."""
+    with distributed(args.device) as info:
+        setup_logging(info.rank)
+        figures = series(args, info)
+        ranks = [figures]
+        if info.is_distributed:
+            ranks = [None] * info.world_size
+            dist.all_gather_object(ranks, figures)
+        if info.is_main_process:
+            files = [os.path.join(d, f) for d, _, names in os.walk(args.dir) for f in names]
+            on_disk = sum(os.path.getsize(f) for f in files)
+            print(json.dumps({"ranks": ranks, "bytes": on_disk}), flush=True)
 
-    size_gb = (
-        sum(
-            t.numel() * t.element_size()
-            for t in [
-                *model.state_dict().values(),
-                *(
-                    v
-                    for s in optimizer.state.values()
-                    for v in s.values()
-                    if isinstance(v, torch.Tensor)
-                ),
-            ]
+
+def slowest(ranks: list[dict], key: str) -> list[float]:
+    """Per save, the slowest rank's seconds: training goes on when every rank can."""
+    return [max(values) for values in zip(*(r[key] for r in ranks), strict=True)]
+
+
+def one_round(args, mode: str, directory: str) -> dict:
+    """A fresh process (or torchrun's) of `mode`: its figures, and one line on them."""
+    os.makedirs(directory)
+    argv = [__file__, "--child", mode, "--saves", str(args.saves), "--vocab", str(args.vocab)]
+    argv += ["--device", args.device, "--dir", directory, args.preset]
+    result = result_of(launch(args.nproc, argv), mode)
+    shutil.rmtree(directory)
+    ranks = result["ranks"]
+    stalls = ", ".join(f"{s:.2f}" for s in slowest(ranks, "stall"))
+    line = f"{mode:>5}: stall {stalls} s"
+    if mode == "async":
+        line += f", published after {', '.join(f'{s:.2f}' for s in slowest(ranks, 'published'))} s"
+    extra = " / ".join(f"{r['extra_ram'] / 1e9:.2f}" for r in ranks)
+    line += f"; extra RAM {extra} GB; {result['bytes'] / 1e9:.2f} GB on disk"
+    if mode == "file":
+        line += "; " + ", ".join(
+            f"{k} {ranks[0][k]:.2f} s" for k in ("read", "verify", "torch.load")
         )
-        / 1e9
-    )
-    print(
-        f"{preset}: {config.n_layer}/{config.n_head}/{config.n_embd}, a {size_gb:.2f} GB state on {device}, "
-        f"saved to {path}; {rounds} rounds"
-    )
-    idle = [train_step() for _ in range(3)]
-    first = save("async", 1)
-    results: dict[str, list[tuple[float, float, list[float]]]] = {"sync": [], "async": []}
-    step = 1
-    for _ in range(rounds):
-        for mode in ("sync", "async"):
-            step += 1
-            results[mode].append(save(mode, step))
-    idle += [train_step() for _ in range(3)]
-    start = time.perf_counter()  # a part of every save's stall
-    check_finite(model.state_dict().values())
-    print(f"the finiteness check, timed once: {time.perf_counter() - start:.2f} s")
-    print(
-        f"first background save: stall {first[0]:.2f} s (allocates the copy), published after {first[1]:.2f} s"
-    )
-    medians = {}
-    for mode, runs in results.items():
-        medians[mode] = statistics.median(r[0] for r in runs)
+    print(line, flush=True)
+    return result
+
+
+def summary(args, results: dict[str, list[dict]]) -> None:
+    """The medians over the rounds."""
+    names = {
+        "file": "single file (export's), synchronous",
+        "sync": "DCP, synchronous",
+        "async": "DCP, in the background",
+    }
+    print("| save | stall, first save | stall, later saves | published after | peak extra RAM |")
+    print("|---|---|---|---|---|")
+    later = {}
+    for mode, rounds in results.items():
+        stalls = [slowest(r["ranks"], "stall") for r in rounds]
+        published = [p for r in rounds for p in slowest(r["ranks"], "published")[1:]]
+        later[mode] = statistics.median([s for each in stalls for s in each[1:]] or [math.nan])
+        extra = statistics.median(max(x["extra_ram"] for x in r["ranks"]) for r in rounds)
         print(
-            f"{mode:>6}: stall {medians[mode]:.2f} s median (all: {', '.join(f'{r[0]:.2f}' for r in runs)}), "
-            f"published after {statistics.median(r[1] for r in runs):.2f} s median"
+            f"| {names[mode]} | {statistics.median(s[0] for s in stalls):.2f} s "
+            f"| {later[mode]:.2f} s | {statistics.median(published or [math.nan]):.2f} s "
+            f"| {extra / 1e9:.2f} GB |"
         )
-    during = [t for r in results["async"] for t in r[2]]
+    first = [r["ranks"][0] for rounds in results.values() for r in rounds]
+    print(f"\nthe finiteness check: {statistics.median(f['check'] for f in first):.2f} s")
+    if "file" in results:
+        files = [r["ranks"][0] for r in results["file"]]
+        load = {k: statistics.median(f[k] for f in files) for k in ("read", "verify", "torch.load")}
+        speed = results["file"][0]["bytes"] / 1e9 / load["verify"]
+        print(
+            f"the single file: read {load['read']:.2f} s, verify {load['verify']:.2f} s "
+            f"({speed:.2f} GB/s), torch.load {load['torch.load']:.2f} s"
+        )
     print(
-        f"stall of a background save: {100 * medians['async'] / medians['sync']:.1f}% of a synchronous one's"
+        f"stall of a background save: {later['async'] / later['sync']:.1%} of a synchronous one's"
     )
-    print(
-        f"training step (batch 1, 64 tokens): {statistics.median(idle):.3f} s median without a save, "
-        f"{statistics.median(during) if during else math.nan:.3f} s median of {len(during)} "
-        "during background writes"
-    )
-    shutil.rmtree(path)
+    idle = [t for f in first for t in f["idle"]]
+    during = [t for r in results["async"] for t in r["ranks"][0]["during"]]
+    if idle:
+        print(
+            f"training step (batch 1, 64 tokens): {statistics.median(idle):.3f} s median without a "
+            f"save, {statistics.median(during or [math.nan]):.3f} s median of {len(during)} during "
+            "background writes"
+        )
 
 
 def main() -> None:
-    help_or_go_on(__doc__)
-    args = sys.argv[1:]
-
-    def option(name: str, default: str) -> str:
-        if name not in args:
-            return default
-        i = args.index(name)
-        value = args[i + 1]
-        del args[i : i + 2]
-        return value
-
-    rounds, device = int(option("--rounds", "3")), option("--device", "cpu")
-    stall_only = "--stall" in args
-    args = [a for a in args if a != "--stall"]
-    preset = args[0] if args else "gpt2"
-    directory = args[1] if len(args) > 1 else tempfile.mkdtemp()
-    if not stall_only:
-        verify_part(preset, directory, rounds)
-    stall_part(preset, directory, rounds, device)
+    args = OPTIONS.parse_args()
+    if args.child:
+        child(args)
+        return
+    modes = ["file", "sync", "async"] if args.nproc == 1 else ["sync", "async"]
+    base = args.dir or tempfile.mkdtemp(prefix="bench-snapshot-")
+    results = {mode: [] for mode in modes}
+    for r in range(args.rounds):
+        print(f"round {r + 1}", flush=True)
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            results[mode].append(one_round(args, mode, os.path.join(base, f"{mode}-{r}")))
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+    f = results[modes[0]][0]["ranks"][0]
+    print(machine(args.device))
+    print(
+        f"{args.preset}: {f['params'] / 1e6:.0f}M parameters (vocabulary {args.vocab}), model and "
+        f"AdamW {f['state_bytes'] / 1e9:.2f} GB on {args.device}, {args.nproc} process(es); "
+        f"medians of {args.rounds} rounds of {args.saves} saves"
+    )
+    summary(args, results)
 
 
 if __name__ == "__main__":

@@ -1,53 +1,84 @@
-"""Training throughput: tokens/s, MFU, peak memory, step-time breakdown, and the
-trainer's overhead over a bare PyTorch loop of the same model in the same run.
+"""Training throughput: tokens/s, MFU, peak memory, where a step's time goes, and the trainer's
+overhead over a bare PyTorch loop of the same model (and, given a checkout, nanoGPT's step) in the
+same run.
 
-    python benchmarks/bench_train.py [key=value ...]          # one process
-    torchrun --standalone --nproc_per_node=N benchmarks/bench_train.py ...  # DDP
+usage: python benchmarks/bench_train.py [--threads N] [--rounds R] [--nanogpt DIR] [--compare-only]
+                                        [key=value ...]
+       torchrun --standalone --nproc_per_node=N benchmarks/bench_train.py ...   # DDP
+       python benchmarks/bench_train.py --profile [--threads N] [--rounds R] [--no-compile]
+                                        [key=value ...]
 
-Overrides use the training config's keys. The default shape is the CPU target of
-BENCHMARKS.md: 4 layers, 4 heads, 128 dims, block 64, batch 12, fp32, dropout 0;
-your overrides and presets win over it (gpt_config=gpt2 measures GPT-2).
+Overrides use the training config's keys. The default shape is the CPU target of BENCHMARKS.md: 4
+layers, 4 heads, 128 dims, block 64, batch 12, fp32, dropout 0; your overrides and presets win
+over it (gpt_config=gpt2 measures GPT-2).
 
-Model FLOPs per token (forward + backward, PaLM's accounting):
+The step comparison: a bare loop (the same model, batch and optimizer; clipping; DDP under
+torchrun; torch.compile and bf16 autocast as configured) against Trainer.train_step, each on its
+own fresh model, in R alternating rounds of 10 steps (medians). --nanogpt DIR (a checkout of
+karpathy/nanoGPT; its model.py is imported) adds nanoGPT's GPT at the same shape (bias=True, the
+config's dropout) with its own configure_optimizers (AdamW betas 0.9/0.95, fused on CUDA),
+autocast and compile as configured, clipping at 1.0, stepped in the same rounds. --compare-only
+stops there; otherwise follow Trainer.train() over 100 steps, the per-step stop check, the run's
+snapshot save, the time of each phase of a bare step, and the data pipeline's rate.
+
+--profile: the torch.profiler table of the bare step grouped into matmuls, attention, GELU,
+LayerNorm, optimizer and the rest, then the median ms/step of three variants in R alternating
+rounds: eager, each Block compiled (`Block.compile()`, one graph shared by the blocks), and the
+whole model compiled, with the time each took to compile (the inductor cache in
+TORCHINDUCTOR_CACHE_DIR, by default under /tmp, makes a second run's compile warm); --no-compile:
+the profile alone.
+
+Model FLOPs per token (forward + backward, PaLM's accounting, mingpt/flops.py):
     6 * N_matmul + 12 * n_layer * n_embd * block_size
-where N_matmul counts the weights of every Linear layer (embedding lookups do
-no matmul work) and the second term is attention's QK^T and AV products over
-the full block (mingpt/flops.py). MFU = achieved FLOP/s over the peak that
-mingpt/flops.py's peak_rate measures, as the train log's `mfu`: a 1024-square
+where N_matmul counts the weights of every Linear layer (embedding lookups do no matmul work) and
+the second term is attention's QK^T and AV products over the full block. MFU = achieved FLOP/s
+over the peak that mingpt/flops.py's peak_rate measures, as the train log's `mfu`: a 1024-square
 fp32 matmul on CPU, an 8192-square bf16 matmul on GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
-import os
+import functools
+import itertools
+import logging
 import statistics
 import sys
-import tempfile
 import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from _common import (
+    Plain,
+    fitted,
+    machine,
+    medians,
+    nanogpt,
+    parse,
+    parser,
+    plain_step,
+    samples_per_step,
+    save_snapshot,
+    seconds,
+    step,
+    stop_check,
+    sync,
+    train_to_end,
+    trainer,
+    training_config,
+)
+from torch import nn
+from torch.profiler import profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mingpt import flops
+from mingpt.data import ResumableSampler, load_data
+from mingpt.distributed import distributed, setup_logging
+from mingpt.model import GPT
+from mingpt.optim import create_optimizer
 
-from _cli import help_or_go_on, with_defaults  # noqa: E402
-
-from mingpt import flops  # noqa: E402
-from mingpt.cli import CONF_DIR  # noqa: E402
-from mingpt.config import register_configs  # noqa: E402
-from mingpt.data import load_data  # noqa: E402
-from mingpt.distributed import distributed, setup_logging  # noqa: E402
-from mingpt.model import GPT  # noqa: E402
-from mingpt.optim import create_optimizer  # noqa: E402
-from mingpt.snapshot import sharded  # noqa: E402
-from mingpt.train import build, fit_to_data  # noqa: E402
-
-BENCH_DEFAULTS = [
+DEFAULTS = [
     "gpt_config.n_layer=4",
     "gpt_config.n_head=4",
     "gpt_config.n_embd=128",
@@ -55,279 +86,381 @@ BENCH_DEFAULTS = [
     "data_config.block_size=64",
     "trainer_config.batch_size=12",
 ]
-ROUNDS, STEPS = 30, 10
+STEPS = 10  # a round's steps of each contender
+PHASES = ("data", "forward", "backward", "allreduce", "optimizer")
+GROUPS = {  # profiler op name fragment -> group, first match wins
+    "mm": "matmuls (mm, addmm)",
+    "scaled_dot_product": "attention (SDPA fwd+bwd)",
+    "gelu": "GELU fwd+bwd",
+    "layer_norm": "LayerNorm fwd+bwd",
+    "adamw": "optimizer (fused AdamW)",
+}
+
+OPTIONS = parser(__doc__)
+OPTIONS.add_argument("--threads", type=int, help="torch's intra-op threads")
+OPTIONS.add_argument("--rounds", type=int, default=30)
+OPTIONS.add_argument("--nanogpt", metavar="DIR", help="a checkout of karpathy/nanoGPT")
+OPTIONS.add_argument("--compare-only", action="store_true", help="the step comparison alone")
+OPTIONS.add_argument("--profile", action="store_true", help="the profile and compile variants")
+OPTIONS.add_argument("--no-compile", action="store_true", help="--profile: no compiled variants")
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def autocast(config, info) -> torch.autocast:
+    """bf16 (or the configured dtype) autocast where the trainer uses it: AMP on CUDA."""
+    tc = config.trainer_config
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tc.amp_dtype]
+    return torch.autocast(
+        info.device.type, dtype=dtype, enabled=tc.use_amp and info.device.type == "cuda"
+    )
 
 
-def build_bare(config, data, info):
-    """A fresh model (DDP-wrapped under torchrun) and its optimizer, as main.py
-    builds them, plus the windows on the device."""
-    torch.manual_seed(config.trainer_config.seed)
-    model = GPT(config.gpt_config).to(info.device)
-    optimizer = create_optimizer(model, config.optimizer_config)
+def wrapped(model: nn.Module, config, info) -> tuple[nn.Module | None, nn.Module]:
+    """(DDP module or None, what a step calls): DDP under torchrun, compiled with compile=true."""
     ddp = None
     if info.is_distributed:
+        device_ids = [info.device.index] if info.device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(
-            model,
-            gradient_as_bucket_view=True,
-            device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            model, gradient_as_bucket_view=True, device_ids=device_ids
         )
     forward = ddp or model
     if config.trainer_config.compile:
         forward = torch.compile(forward)
-    return model, ddp, forward, optimizer, data.train.with_tokens(data.train.tokens.to(info.device))
+    return ddp, forward
 
 
-def bare_steps(config, info, built, generator, steps: int, phases=None) -> None:
-    """The same model, batch and optimizer in a plain loop. With `phases`, add the
-    synchronised seconds of each phase to it."""
-    tc = config.trainer_config
-    model, ddp, forward, optimizer, windows = built
-    amp = torch.autocast(
-        info.device.type, dtype=torch.bfloat16, enabled=tc.use_amp and info.device.type == "cuda"
+def bare(config, info) -> tuple[Plain, nn.Module | None]:
+    """A fresh model and its optimizer as main.py builds them, and its DDP module under torchrun."""
+    torch.manual_seed(config.trainer_config.seed)
+    model = GPT(config.gpt_config).to(info.device)
+    optimizer = create_optimizer(model, config.optimizer_config)
+    ddp, forward = wrapped(model, config, info)
+    return Plain(model, forward, optimizer, config.trainer_config.grad_norm_clip), ddp
+
+
+def nano(config, info, directory: str) -> Plain:
+    """nanoGPT's model and optimizer at the config's shape, as its train.py steps them."""
+    torch.manual_seed(config.trainer_config.seed)
+    oc = config.optimizer_config
+    model, optimizer = nanogpt(
+        directory,
+        config.gpt_config,
+        bias=True,
+        betas=(0.9, 0.95),
+        weight_decay=oc.weight_decay,
+        learning_rate=oc.learning_rate,
+        device=info.device,
     )
+    _, forward = wrapped(model, config, info)
+
+    def contiguous_targets(x, y):  # mingpt's batches are strided views; nanoGPT's loss views them
+        return forward(x, y.contiguous())
+
+    return Plain(model, contiguous_targets, optimizer, clip=1.0)
+
+
+class Batches:
+    """Random batches of training windows, the tokens on the device."""
+
+    def __init__(self, data, config, info, seed: int):
+        self.windows = data.train.with_tokens(data.train.tokens.to(info.device))
+        self.size = config.trainer_config.batch_size
+        self.device = info.device
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(len(self.windows), (self.size,), generator=self.generator)
+        return self.windows.batch(idx.to(self.device))
+
+
+def plain_steps(p: Plain, batches: Batches, amp, steps: int) -> None:
     for _ in range(steps):
-        marks = [time.perf_counter()]
-
-        def mark():
-            if phases is not None:
-                sync(info.device)
-                marks.append(time.perf_counter())
-
-        idx = torch.randint(len(windows), (tc.batch_size,), generator=generator).to(info.device)
-        x, y = windows.batch(idx)
-        mark()
-        with amp:
-            _, loss = forward(x, y)
-        mark()
-        if phases is not None and ddp is not None:
-            with ddp.no_sync():  # backward alone; the all-reduce is timed apart
-                loss.backward()
-            mark()
-            grads = [p.grad for p in model.parameters()]
-            flat = torch.cat([g.flatten() for g in grads])  # one buffer, as DDP's buckets
-            dist.all_reduce(flat)
-            for g, reduced in zip(
-                grads, flat.div_(info.world_size).split([g.numel() for g in grads])
-            ):
-                g.copy_(reduced.view_as(g))
-            mark()
-        else:
-            loss.backward()
-            mark()
-            mark()
-        nn.utils.clip_grad_norm_(model.parameters(), tc.grad_norm_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mark()
-        if phases is not None:
-            for k, (a, b) in zip(phases, zip(marks, marks[1:])):
-                phases[k] += b - a
+        plain_step(p, *batches(), amp)
 
 
-def stop_check_and_save(
-    config, data, info, checks: int = 2000, saves: int = 5
-) -> tuple[float, float, int]:
-    """Seconds per stop check (the trainer's per-step decision: one small all-reduce
-    under torchrun, none in one process), seconds per snapshot save until it is
-    published (every rank writes its part, rank 0 publishes; bench_snapshot.py --stall
-    measures a background save's stall), and the snapshot's bytes."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = build(copy.deepcopy(config), info, run_dir, data)
-        # AdamW's moments exist: a full snapshot
-        trainer.train_step(torch.arange(trainer.samples_per_step))
+def compare(config, data, info, nanogpt_dir: str | None, rounds: int) -> dict[str, float]:
+    """Median seconds per step of the bare loop, Trainer.train_step (the trainer's whole step:
+    schedule, reseeding, micro-batches, scaler, clipping) and nanoGPT's step, each on its own fresh
+    model, in alternating rounds (the first warms up)."""
+    batches = Batches(data, config, info, seed=0)
+    amp = autocast(config, info)
+    contenders = {"bare loop": bare(config, info)[0]}
+    if nanogpt_dir:
+        contenders["nanoGPT"] = nano(config, info, nanogpt_dir)
+    runs = {
+        name: lambda p=p: seconds(lambda: plain_steps(p, batches, amp, STEPS), info.device) / STEPS
+        for name, p in contenders.items()
+    }
+    with trainer(config, info, data) as t:
+        order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))
+        order = order.to(info.device)
+        per_step = samples_per_step(t)
+        starts = (i * per_step % (len(order) - per_step) for i in itertools.count())
+
+        def trainer_steps() -> None:
+            for start in itertools.islice(starts, STEPS):
+                step(t, order[start : start + per_step])
+
+        runs["trainer"] = lambda: seconds(trainer_steps, info.device) / STEPS
+        return medians(runs, rounds, warm_up=1)
+
+
+def stop_check_and_save(config, data, info, checks: int = 2000, saves: int = 5) -> tuple:
+    """Seconds per stop check, seconds per snapshot save until it is published (every rank writes
+    its part, rank 0 publishes; bench_snapshot.py measures a background save's stall), and its
+    bytes."""
+    with trainer(config, info, data) as t:
+        step(t, torch.arange(samples_per_step(t)))  # AdamW's moments exist: a full snapshot
         for _ in range(10):
-            trainer.saver.agree()
-        t0 = time.perf_counter()
-        for _ in range(checks):
-            trainer.saver.agree()
-        check = (time.perf_counter() - t0) / checks
+            stop_check(t)
+        check = seconds(lambda: [stop_check(t) for _ in range(checks)]) / checks
         times = []
-        for step in range(saves + 1):
-            trainer.progress.step = step  # another position: save() writes again
-            t0 = time.perf_counter()
-            trainer.saver.save(trainer.progress)
-            # written (a background save included): the whole save, not its stall
-            trainer.snapshot.wait()
-            times.append(time.perf_counter() - t0)
-        newest = sharded.latest(trainer.snapshot_path)
-        size = (
-            sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest))
-            if info.is_main_process
-            else 0
-        )
-        trainer.metrics.close()
+        for at_step in range(1, saves + 2):
+            start = time.perf_counter()
+            size = save_snapshot(t, at_step)
+            times.append(time.perf_counter() - start)
     return check, statistics.median(times[1:]), size
 
 
-def compare(config, data, info, rounds: int, steps: int) -> tuple[float, float]:
-    """Median seconds per step of the bare loop and of Trainer.train_step (the
-    trainer's whole step: schedule, reseeding, micro-batches, scaler, clipping),
-    each on its own fresh model, in short alternating rounds so that drifts in
-    the machine's speed hit both alike."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = build(copy.deepcopy(config), info, run_dir, data)
-        built = build_bare(config, data, info)
-        generator = torch.Generator().manual_seed(0)
-        order = torch.randperm(len(data.train), generator=generator).to(info.device)
-        per_step = trainer.samples_per_step
-        bare, ours = [], []
-        for r in range(rounds + 1):
-            t0 = time.perf_counter()
-            bare_steps(config, info, built, generator, steps)
-            sync(info.device)
-            t1 = time.perf_counter()
-            for s in range(steps):
-                start = ((r * steps + s) * per_step) % (len(order) - per_step)
-                trainer.train_step(order[start : start + per_step])
-                trainer.progress.step += 1
-            sync(info.device)
-            t2 = time.perf_counter()
-            if r:  # the first round warms up
-                bare.append((t1 - t0) / steps)
-                ours.append((t2 - t1) / steps)
-        trainer.metrics.close()
-    return statistics.median(bare), statistics.median(ours)
-
-
-def trainer_loop(config, data, info, steps: int) -> float:
+def trainer_loop(config, data, info, steps: int = 100) -> float:
     """Tokens/s of the complete Trainer.train() loop, from its own metrics."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        tc = config.trainer_config
-        tc.max_steps, tc.log_every, tc.eval_every, tc.save_every_steps = 2 * steps, steps, 0, None
-        tc.sample_chars, tc.max_epochs = 0, 10**6
-        build(config, info, run_dir, data).train()
-        if not info.is_main_process:
-            return float("nan")
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            events = [json.loads(line) for line in f]
-    return [e["tokens_per_s"] for e in events if e["split"] == "train"][-1]
+    config = copy.deepcopy(config)
+    tc = config.trainer_config
+    tc.max_steps = 2 * steps
+    tc.log_every = steps
+    tc.eval_every = 0
+    tc.save_every_steps = None
+    tc.sample_chars = 0
+    tc.max_epochs = 10**6
+    events = train_to_end(config, info, data)
+    return events[-1]["tokens_per_s"] if events else float("nan")
 
 
-def data_pipeline(data, batch_size: int, seconds: float = 1.0) -> float:
+class Clock:
+    """The seconds of each phase of a step, summed, the device's queued work included. Under DDP the
+    backward runs without its all-reduce, which `reduce` then does alone, timed apart."""
+
+    def __init__(self, device):
+        self.device = device
+        self.reduce = None
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        sync(self.device)
+        now = time.perf_counter()
+        self.phases[phase] += now - self.last
+        self.last = now
+        if phase == "backward" and self.reduce is not None:
+            self.reduce()
+            self.mark("allreduce")
+
+
+def all_reduce_gradients(model: nn.Module, world_size: int) -> None:
+    """The gradients' mean over the ranks in one buffer, as DDP's buckets."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    reduced = flat.div_(world_size).split([g.numel() for g in grads])
+    for g, r in zip(grads, reduced, strict=True):
+        g.copy_(r.view_as(g))
+
+
+def phases(config, data, info, steps: int = 100) -> dict[str, float]:
+    """Seconds per step of each phase of the bare loop."""
+    p, ddp = bare(config, info)
+    batches = Batches(data, config, info, seed=1)
+    amp = autocast(config, info)
+    plain_steps(p, batches, amp, 10)
+    no_sync = contextlib.nullcontext()
+    clock = Clock(info.device)
+    if ddp is not None:
+        no_sync = ddp.no_sync()
+        clock.reduce = functools.partial(all_reduce_gradients, p.model, info.world_size)
+    with no_sync:
+        for _ in range(steps):
+            x, y = batches()
+            clock.mark("data")
+            plain_step(p, x, y, amp, clock.mark)
+    return {k: v / steps for k, v in clock.phases.items()}
+
+
+def data_pipeline(data, batch_size: int, duration: float = 1.0) -> float:
     """Samples/s of the sampler plus batch gathering through the token cache's memory map
     (data.train.batch); the trainer reads batches with pread instead (data.place: host)."""
-    from mingpt.data import ResumableSampler
-
     sampler = ResumableSampler(len(data.train), 1, 0, shuffle=True, seed=0)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        order = sampler.indices()
-        for i in range(0, len(order), batch_size):
-            data.train.batch(order[i : i + batch_size])
-            n += batch_size
-            if n % (batch_size * 200) == 0 and time.perf_counter() - t0 > seconds:
+    n = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < duration:
+        for batch in sampler.indices().split(batch_size):
+            data.train.batch(batch)
+            n += len(batch)
+            if n % (batch_size * 200) == 0 and time.perf_counter() - start > duration:
                 break
-    return n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - start)
+
+
+def rate(name: str, s: float, tokens_per_step: int, fpt: float, peak: float) -> tuple[str, str]:
+    tokens_per_s = tokens_per_step / s
+    return (
+        name,
+        f"{tokens_per_s:,.0f} tokens/s, {s * 1e3:.2f} ms/step, MFU {tokens_per_s * fpt / peak:.1%}",
+    )
+
+
+def step_rows(config, info, times: dict[str, float], rounds: int) -> list[tuple[str, str]]:
+    """The shape, FLOPs and peak, then a row per contender and their ratios."""
+    g = config.gpt_config
+    tc = config.trainer_config
+    block = config.data_config.block_size
+    tokens_per_step = tc.batch_size * info.world_size * block
+    # Every process at once: the machine's share each gets (the trainer's MFU: rank 0 alone).
+    dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    peak = flops.peak_rate(info.device, dtype) * info.world_size
+    side = 1024 if info.device.type == "cpu" else 8192
+    fpt = flops.flops_per_token(GPT(g), g.n_layer, g.n_embd, block)
+    rows = [
+        ("command", " ".join(["python", *sys.argv])),
+        (
+            "model",
+            f"{g.n_layer} layers, {g.n_head} heads, {g.n_embd} dims, block {block}, batch "
+            f"{tc.batch_size}/process, compile={tc.compile}, amp={tc.use_amp}, "
+            f"{info.world_size} process(es) on {info.device}",
+        ),
+        ("FLOPs per token", f"{fpt / 1e6:.2f} M (6N + 12*L*d*T)"),
+        (
+            "measured peak",
+            f"{peak / 1e9:.1f} GFLOP/s ({side}-square {str(dtype).removeprefix('torch.')} matmul, "
+            f"summed over {info.world_size} process(es))",
+        ),
+    ]
+    for name in ("bare loop", "trainer", "nanoGPT"):
+        if name in times:
+            rows.append(rate(name, times[name], tokens_per_step, fpt, peak))
+    ours = times["trainer"]
+    rows.append(
+        (
+            "trainer overhead",
+            f"{ours / times['bare loop'] - 1:+.1%} per step (medians of {rounds} alternating "
+            f"rounds of {STEPS} steps)",
+        )
+    )
+    if "nanoGPT" in times:
+        rows.append(
+            ("trainer vs nanoGPT", f"{times['nanoGPT'] / ours:.2f}x (its ms/step over ours)")
+        )
+    return rows
+
+
+def more_rows(config, data, info, step_s: float) -> list[tuple[str, str]]:
+    """The loop, the stop check, the snapshot, the phases and the data pipeline."""
+    loop = trainer_loop(config, data, info)
+    check, save, size = stop_check_and_save(config, data, info)
+    per_phase = phases(config, data, info)
+    total = sum(per_phase.values())
+    batch_size = config.trainer_config.batch_size
+    data_rate = data_pipeline(data, batch_size)
+    collective = "one all-reduce MAX of 2 int64" if info.is_distributed else "no collective"
+    return [
+        (
+            "trainer loop",
+            f"{loop:,.0f} tokens/s in Trainer.train() over 100 steps (its own tokens_per_s)",
+        ),
+        (
+            "stop check",
+            f"{check * 1e6:.0f} us per step ({check / step_s:.2%} of a trainer step; {collective})",
+        ),
+        (
+            "snapshot save",
+            f"{save * 1e3:.1f} ms ({size / 1e6:.1f} MB, median of 5 saves; "
+            f"{save / step_s:.1f} trainer steps)",
+        ),
+        (
+            "step breakdown",
+            ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in per_phase.items()),
+        ),
+        (
+            "data pipeline",
+            f"{data_rate:,.0f} samples/s, {batch_size / data_rate / step_s:.2%} of a trainer step",
+        ),
+    ]
+
+
+def peak_memory(info) -> tuple[str, str]:
+    where = "CUDA allocated" if info.device.type == "cuda" else "process max RSS"
+    return "peak memory", f"{flops.peak_memory_mib(info.device):.0f} MiB ({where})"
+
+
+def profile_step(config, data, info, rounds: int, no_compile: bool) -> None:
+    """The profiler's table of the eager bare step, then eager against compiled variants."""
+    batches = Batches(data, config, info, seed=0)
+    variants = {"eager": bare(config, info)[0]}
+    plain_steps(variants["eager"], batches, None, 5)
+    with profile() as prof:
+        plain_steps(variants["eager"], batches, None, 20)
+    groups = defaultdict(float)
+    for event in prof.key_averages():
+        name = event.key.lower()
+        group = next((g for fragment, g in GROUPS.items() if fragment in name), "everything else")
+        groups[group] += event.self_cpu_time_total / 20 / 1e3  # ms per step
+    total = sum(groups.values())
+    print(machine(info.device))
+    print(f"profile of the eager step (self CPU time, {total:.1f} ms/step under the profiler):")
+    for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {group:<28} {ms:7.2f} ms  {ms / total:5.1%}")
+    if not no_compile:
+        variants.update(compiled_variants(config, info, batches))
+    times = medians(
+        {
+            name: lambda p=p: (
+                seconds(lambda: plain_steps(p, batches, None, STEPS), info.device) / STEPS
+            )
+            for name, p in variants.items()
+        },
+        rounds,
+    )
+    print(f"\nmedian of {rounds} alternating rounds of {STEPS} steps:")
+    for name, s in times.items():
+        print(f"  {name:<16} {s * 1e3:7.1f} ms/step  {times['eager'] / s:.2f}x eager")
+
+
+def compiled_variants(config, info, batches: Batches) -> dict[str, Plain]:
+    """Each Block compiled, and the whole model; the time of their first two steps (compiling)."""
+    variants = {}
+    for name in ("blocks compiled", "model compiled"):
+        start = time.perf_counter()
+        p, _ = bare(config, info)
+        if name == "blocks compiled":
+            for block in p.model.h:
+                block.compile()
+        else:
+            p = p._replace(forward=torch.compile(p.model))
+        plain_steps(p, batches, None, 2)
+        print(f"{name}: first two steps (compiling) {time.perf_counter() - start:.1f} s")
+        variants[name] = p
+    return variants
 
 
 def main() -> None:
-    help_or_go_on(__doc__)
-    register_configs()
-    overrides = with_defaults(BENCH_DEFAULTS, sys.argv[1:])
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=overrides)
-    config = OmegaConf.to_object(cfg)
+    args, overrides = parse(OPTIONS)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = training_config(DEFAULTS, overrides)
     with distributed(config.trainer_config.device) as info:
         setup_logging(info.rank)
-        import logging
-
         logging.getLogger().setLevel(logging.WARNING)
         data = load_data(config.data_config)
-        config.gpt_config = fit_to_data(
-            config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size
-        )
-        device = info.device
-        tokens_per_step = (
-            config.trainer_config.batch_size * info.world_size * config.data_config.block_size
-        )
-        # Every process at once: the machine's share each gets (the trainer's MFU: rank 0 alone).
-        peak_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        peak = flops.peak_rate(device, peak_dtype) * info.world_size
-        peak_what = f"{1024 if device.type == 'cpu' else 8192}-square {str(peak_dtype).removeprefix('torch.')} matmul"
-        g = config.gpt_config
-        fpt = flops.flops_per_token(GPT(g), g.n_layer, g.n_embd, config.data_config.block_size)
-
-        b, t = compare(config, data, info, ROUNDS, STEPS)
-        loop_tokens_per_s = trainer_loop(copy.deepcopy(config), data, info, 100)
-        check_s, save_s, snapshot_bytes = stop_check_and_save(config, data, info)
-        phases = {k: 0.0 for k in ("data", "forward", "backward", "allreduce", "optimizer")}
-        built = build_bare(config, data, info)
-        generator = torch.Generator().manual_seed(1)
-        bare_steps(config, info, built, generator, 10)
-        bare_steps(config, info, built, generator, 100, phases)
-        phases = {k: v / 100 for k, v in phases.items()}
-        peak_mem = (
-            f"{flops.peak_memory_mib(device):.0f} MiB "
-            f"({'CUDA allocated' if device.type == 'cuda' else 'process max RSS'})"
-        )
-        data_rate = data_pipeline(data, config.trainer_config.batch_size)
-
+        config.gpt_config = fitted(config, data)
+        if args.profile:
+            profile_step(config, data, info, args.rounds, args.no_compile)
+            return
+        times = compare(config, data, info, args.nanogpt, args.rounds)
+        rows = step_rows(config, info, times, args.rounds)
+        if not args.compare_only:
+            rows += more_rows(config, data, info, times["trainer"])
+        rows.append(peak_memory(info))
         if not info.is_main_process:
             return
-        total = sum(phases.values())
-        rows = [
-            ("date", time.strftime("%Y-%m-%d")),
-            ("torch", torch.__version__),
-            (
-                "device",
-                f"{device} x{info.world_size}"
-                + (
-                    f" ({torch.cuda.get_device_name(device)})"
-                    if device.type == "cuda"
-                    else f" ({torch.get_num_threads()} threads)"
-                ),
-            ),
-            ("command", " ".join(["python"] + sys.argv)),
-            (
-                "model",
-                f"{config.gpt_config.n_layer} layers, {config.gpt_config.n_head} heads, {config.gpt_config.n_embd} dims, block {config.data_config.block_size}, batch {config.trainer_config.batch_size}/process, compile={config.trainer_config.compile}, amp={config.trainer_config.use_amp}",
-            ),
-            ("FLOPs per token", f"{fpt / 1e6:.2f} M (6N + 12*L*d*T)"),
-            (
-                "measured peak",
-                f"{peak / 1e9:.1f} GFLOP/s ({peak_what}, summed over {info.world_size} process(es))",
-            ),
-            (
-                "bare loop",
-                f"{tokens_per_step / b:,.0f} tokens/s, {b * 1e3:.2f} ms/step, MFU {tokens_per_step / b * fpt / peak:.1%}",
-            ),
-            (
-                "trainer",
-                f"{tokens_per_step / t:,.0f} tokens/s, {t * 1e3:.2f} ms/step, MFU {tokens_per_step / t * fpt / peak:.1%}",
-            ),
-            (
-                "trainer overhead",
-                f"{t / b - 1:+.1%} per step (medians of {ROUNDS} alternating rounds of {STEPS} steps)",
-            ),
-            (
-                "trainer loop",
-                f"{loop_tokens_per_s:,.0f} tokens/s in Trainer.train() over 100 steps (its own tokens_per_s)",
-            ),
-            (
-                "stop check",
-                f"{check_s * 1e6:.0f} us per step ({check_s / t:.2%} of a trainer step; "
-                + ("one all-reduce MAX of 2 int64)" if info.is_distributed else "no collective)"),
-            ),
-            (
-                "snapshot save",
-                f"{save_s * 1e3:.1f} ms ({snapshot_bytes / 1e6:.1f} MB, median of 5 saves; "
-                f"{save_s / t:.1f} trainer steps)",
-            ),
-            ("peak memory", peak_mem),
-            (
-                "step breakdown",
-                ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in phases.items()),
-            ),
-            (
-                "data pipeline",
-                f"{data_rate:,.0f} samples/s, {config.trainer_config.batch_size / data_rate / t:.2%} of a trainer step",
-            ),
-        ]
+        print(machine(info.device))
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
             print(f"{k:<{width}}  {v}")

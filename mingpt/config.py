@@ -329,7 +329,7 @@ class TrainerConfig:
         False,
         "recompute each transformer block's activations in backward instead "
         "of keeping them: less memory for more compute, the same gradients "
-        "(`benchmarks/bench_memory.py` measures both)",
+        "(`benchmarks/bench_parallel.py --checkpointing false true` measures both)",
         operational=True,
     )
     parallelism: str = key(

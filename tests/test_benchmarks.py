@@ -1,5 +1,6 @@
-"""Every script under benchmarks/ runs once at a tiny size and answers --help, so
-none of them rots; and a script's default overrides never beat the user's."""
+"""Every script under benchmarks/ runs at a tiny size, in each of its modes, prints where it was
+measured and answers --help, so none of them rots; and a script's default overrides never beat the
+user's."""
 
 from __future__ import annotations
 
@@ -20,38 +21,101 @@ MODEL = [
     "trainer_config.batch_size=4",
     "trainer_config.sample_chars=0",
     CPU,
+    "data_config.path=DATA",
 ]
 
-# How each script runs at a tiny size: (processes, arguments; DATA is the corpus, TMP a scratch directory).
+# How each script runs at a tiny size, one case per mode: (processes, arguments, a line of its
+# output). DATA is the corpus, TMP a scratch directory, NANOGPT a stand-in for a nanoGPT checkout.
 SMOKE = {
-    "bench_comm.py": (
-        2,
-        [*MODEL, "data_config.path=DATA", "trainer_config.snapshot_path=TMP/s.pt"],
-    ),
-    "bench_data.py": (1, ["--size-mb", "1", "--nproc", "1", "--dir", "TMP"]),
-    "bench_memory.py": (1, ["--steps", "1", *MODEL, "data_config.path=DATA"]),
-    "bench_decode_overhead.py": (1, ["--tokens", "3", "--rounds", "1", "--no-compile"]),
-    "bench_generate.py": (
-        1,
-        [
-            "--max-new-tokens",
-            "3",
-            "--rounds",
-            "1",
-            "--threads",
-            "1",
-            "--no-compile",
-            "--no-uncached",
-        ],
-    ),
+    "bench_comm.py": [(2, [*MODEL, "trainer_config.snapshot_path=TMP/s.pt"], "| post_local_sgd |")],
+    "bench_data.py": [
+        (1, ["--size-mb", "1", "--nproc", "1", "--dir", "TMP"], "| 1 | warm |"),
+        (1, ["--size-mb", "1", "--gather", "--dir", "TMP"], "| 64 x 1024 |"),
+    ],
+    "bench_generate.py": [
+        (
+            1,
+            ["--max-new-tokens", "3", "--rounds", "1", "--threads", "1", "--no-compile"],
+            "cached eager vs uncached restarting window",
+        ),
+    ],
     # needs a nanoGPT checkout, and trains 2,616 steps: a benchmark, not a smoke test
     "bench_quality.py": None,
-    "bench_parallel.py": (1, ["--world", "1", "--steps", "1", *MODEL, "data_config.path=DATA"]),
-    "bench_sharded.py": (1, ["--vocab", "65", "gpt-nano", "1", "TMP"]),
-    "bench_snapshot.py": (1, ["gpt-nano", "TMP"]),
-    "bench_train.py": (1, [*MODEL, "data_config.path=DATA"]),
-    "profile_train_step.py": (1, ["--rounds", "1", "--threads", "1", "--no-compile"]),
+    "bench_parallel.py": [
+        (
+            1,
+            ["--world", "1", "--steps", "2", "--checkpointing", "false", "true", *MODEL],
+            "activation checkpointing, world 1, ddp: step time",
+        ),
+    ],
+    "bench_snapshot.py": [
+        (1, ["--rounds", "1", "--saves", "2", "--dir", "TMP", "gpt-nano"], "the single file: read"),
+        (
+            1,
+            ["--rounds", "1", "--saves", "2", "--nproc", "2", "--dir", "TMP", "gpt-nano"],
+            "| DCP, in the background |",
+        ),
+    ],
+    "bench_train.py": [
+        (2, MODEL, "data pipeline "),
+        (
+            1,
+            ["--rounds", "1", "--nanogpt", "NANOGPT", "--compare-only", *MODEL],
+            "trainer vs nanoGPT",
+        ),
+        (
+            1,
+            ["--profile", "--rounds", "1", "--threads", "1", "--no-compile", *MODEL],
+            "profile of the eager step",
+        ),
+    ],
 }
+
+# nanoGPT's interface around mingpt's model, for bench_train --nanogpt; its loss views the targets,
+# as nanoGPT's does, so it fails on targets that are not made contiguous.
+NANOGPT_STANDIN = """
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mingpt.config import GPTConfig as Shape
+from mingpt.model import GPT as Model
+
+
+@dataclass
+class GPTConfig:
+    block_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float
+    bias: bool
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        print("number of parameters: printed, as nanoGPT's")
+        shape = {k: v for k, v in vars(config).items() if k != "bias"}
+        self.model = Model(Shape(**shape))
+
+    def forward(self, idx, targets=None):
+        logits, _ = self.model(idx)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        return torch.optim.AdamW(self.parameters(), learning_rate, betas, weight_decay=weight_decay)
+"""
+
+
+def cases() -> list:
+    return [
+        pytest.param(script, case, id=f"{script}-{k}")
+        for script in SCRIPTS
+        for k, case in enumerate(SMOKE.get(script) or [None])
+    ]
 
 
 # Each script's `--help`, all in one process (each script imports torch: once, not once a script):
@@ -59,16 +123,21 @@ SMOKE = {
 HELP_ALL = """
 import contextlib, io, json, os, runpy, sys, traceback
 answers = {}
-sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as for `python benchmarks/x.py`: its directory first
+# as for `python benchmarks/x.py`: its directory first
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
 for path in sys.argv[1:]:
-    sys.argv, out, err, status = [path, "--help"], io.StringIO(), io.StringIO(), 0
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    err = io.StringIO()
+    status = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path(path, run_name="__main__")
         except SystemExit as e:
             status = e.code
         except BaseException:
-            status, _ = 1, traceback.print_exc()
+            status = 1
+            traceback.print_exc()
     answers[os.path.basename(path)] = [status, out.getvalue(), err.getvalue()]
 print(json.dumps(answers))
 """
@@ -94,13 +163,18 @@ def test_benchmark_answers_help(script, helps):
     assert out.strip() and not err, err[-3000:]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_runs_at_a_tiny_size(script, small_corpus, tmp_path):
+@pytest.mark.parametrize(("script", "case"), cases())
+def test_benchmark_runs_at_a_tiny_size(script, case, small_corpus, tmp_path):
     assert script in SMOKE, f"benchmarks/{script}: say in SMOKE how it runs at a tiny size"
-    if SMOKE[script] is None:
+    if case is None:
         pytest.skip(f"benchmarks/{script} cannot run at a tiny size (see SMOKE)")
-    nproc, args = SMOKE[script]
-    args = [a.replace("DATA", str(small_corpus)).replace("TMP", str(tmp_path)) for a in args]
+    nproc, args, expected = case
+    nanogpt = tmp_path / "nanogpt"
+    nanogpt.mkdir()
+    (nanogpt / "model.py").write_text(NANOGPT_STANDIN)
+    places = {"DATA": small_corpus, "TMP": tmp_path / "scratch", "NANOGPT": nanogpt}
+    for name, path in places.items():
+        args = [a.replace(name, str(path)) for a in args]
     launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
     proc = subprocess.run(
         [*launcher, str(BENCHMARKS / script), *args],
@@ -111,12 +185,15 @@ def test_benchmark_runs_at_a_tiny_size(script, small_corpus, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip(), proc.stderr[-3000:]
+    assert expected in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # where and when it was measured: the CPU, its cores, torch's threads, torch, the date
+    assert proc.stdout.count("machine: ") == 1, proc.stdout[-3000:]
+    assert " cores, torch " in proc.stdout and " threads | " in proc.stdout
 
 
 def test_the_users_preset_beats_a_scripts_defaults(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from _cli import with_defaults
+    from _common import with_defaults
     from hydra import compose, initialize_config_dir
 
     from mingpt.cli import CONF_DIR
