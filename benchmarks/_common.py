@@ -271,7 +271,7 @@ def result_of(proc: subprocess.CompletedProcess, what: str) -> dict:
 def trainer(config: Any, info: Any, data: Any = None) -> Iterator[Any]:
     """The Trainer main.py builds for `config` (a copy: building fits it to the data) in a temporary
     run directory."""
-    from mingpt.train import build
+    from mingpt.run import build
 
     with tempfile.TemporaryDirectory() as run_dir:
         built = build(copy.deepcopy(config), info, run_dir, data)
@@ -283,7 +283,7 @@ def trainer(config: Any, info: Any, data: Any = None) -> Iterator[Any]:
 
 def fitted(config: Any, data: Any) -> Any:
     """config.gpt_config with the data's vocabulary and the block size, as the trainer fits it."""
-    from mingpt.train import fit_to_data
+    from mingpt.run import fit_to_data
 
     return fit_to_data(config.gpt_config, data.tokenizer.vocab_size, config.data_config.block_size)
 
@@ -297,7 +297,7 @@ def step(t: Any, indices: torch.Tensor) -> None:
     """Trainer.train_step on training windows `indices`; then the step count goes on, as in the loop
     (the schedule's learning rate and dropout's reseeding follow it)."""
     t.train_step(indices.to(t.train_windows.tokens.device))
-    t.progress.step += 1
+    t.state.step += 1
 
 
 def backward(t: Any, indices: torch.Tensor) -> None:
@@ -318,26 +318,26 @@ def ddp_module(t: Any) -> nn.Module:
 
 def stop_check(t: Any) -> None:
     """The trainer's decision of every step (stop? save due?): a small all-reduce under torchrun."""
-    t.saver.agree()
+    t.checkpointer._agree()
 
 
 def save_snapshot(t: Any, at_step: int) -> int:
     """The run's own save at `at_step`, waited for until published (a background save included);
     the snapshot's bytes on rank 0 (0 elsewhere)."""
-    from mingpt.snapshot import sharded
+    from mingpt.snapshot import manifest
 
-    t.progress.step = at_step  # another position: the save writes again
-    t.saver.save(t.progress)
-    t.snapshot.wait()
+    t.state.step = at_step  # another position: the save writes again
+    t.checkpointer._save(t.state)
+    t.checkpointer.wait()
     if not t.dist.is_main_process:
         return 0
-    newest = sharded.latest(t.snapshot_path)
+    newest = manifest.latest(t.snapshot_path)
     return sum(f.stat().st_size for f in Path(newest).iterdir())
 
 
 def train_to_end(config: Any, info: Any, data: Any) -> list[dict]:
     """Trainer.train() of `config` in a temporary run directory: its train events (rank 0's)."""
-    from mingpt.train import build
+    from mingpt.run import build
 
     with tempfile.TemporaryDirectory() as run_dir:
         build(copy.deepcopy(config), info, run_dir, data).train()
@@ -409,29 +409,28 @@ def run_saver(
     """The run's own save (Distributed Checkpoint, each rank its shards) of `model` and `optimizer`
     under `root`, with the trainer's finiteness check: save(step) returns once training may go on;
     its handle's done() and wait() follow a background write."""
-    from mingpt.comm_hooks import CommHook
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from mingpt.checkpointer import NotFinite
     from mingpt.distributed import all_max
     from mingpt.snapshot import sharded
-    from mingpt.snapshot.manager import NotFinite
-
-    scaler = torch.amp.GradScaler(info.device.type, enabled=False)
-    run_format = sharded.ShardedFormat(
-        root, model, optimizer, scaler, CommHook(), keep=1, async_save=async_save
-    )
-
-    def check_finite(tensors: Any) -> None:  # every rank agrees: with FSDP each holds other shards
-        if all_max(info, [int(not finite_check(tensors))])[0]:
-            raise NotFinite("the weights are not finite")
 
     def save(at_step: int) -> Any:
-        return run_format.save({"step": at_step}, at_step, check_finite)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        # Every rank agrees: with FSDP each holds other shards.
+        if all_max(info, [int(not finite_check(model_state.values()))])[0]:
+            raise NotFinite("the weights are not finite")
+        tensors = {"model": model_state, "optim": optim_state}
+        return sharded.save(
+            tensors, {"step": at_step}, root, at_step, keep=1, async_save=async_save
+        )
 
     return save
 
 
 def finite_check(tensors: Any) -> bool:
     """The trainer's check before every save, of this rank's shards, without its all-reduce."""
-    from mingpt.snapshot.manager import all_finite
+    from mingpt.checkpointer import all_finite
 
     return all_finite([t.to_local() if hasattr(t, "to_local") else t for t in tensors])
 
