@@ -15,12 +15,15 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     """`key=value` overrides on the defaults of the dataclass `schema`. The `text_keys` are taken
     verbatim, never parsed as YAML (`prompt=ROMEO:` would be a mapping, `prompt=O, Romeo!` or
     `${...}` would not survive)."""
+    text = {}
+    rest = []
     for arg in argv:
         check("=" in arg, arg, "expected key=value")
-    text = {
-        key: value for key, _, value in (arg.partition("=") for arg in argv) if key in text_keys
-    }
-    rest = [arg for arg in argv if arg.partition("=")[0] not in text_keys]
+        key, _, value = arg.partition("=")
+        if key in text_keys:
+            text[key] = value
+        else:
+            rest.append(arg)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
         values = OmegaConf.to_container(merged, resolve=True)

@@ -89,10 +89,14 @@ def next_token(
 CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
-def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
+def compile_for_decoding(
+    fn: Callable, device: torch.device, static: Sequence[torch.Tensor] = ()
+) -> Callable:
     """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs, memory-speed
-    reductions on CPU."""
+    reductions on CPU. The graphs update the tensors of `static` in place: their addresses stay."""
     if device.type == "cuda":
+        for t in static:
+            torch._dynamo.mark_static_address(t)
         return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
     return torch.compile(fn, fullgraph=True, dynamic=False, options=CPU_DECODING_OPTIONS)
 
@@ -115,16 +119,6 @@ def decode_step(
     token.copy_(pick(logits, noise.index_select(1, row).squeeze(1), temperature, top_k, top_p))
     pos.add_(1)
     row.add_(1)
-
-
-def _compiled_step(device: torch.device, state: list[torch.Tensor]) -> Callable:
-    """decode_step compiled; on CUDA its graphs update the tensors of `state` in place, so their
-    addresses must not change."""
-    step = compile_for_decoding(decode_step, device)
-    if device.type == "cuda":
-        for t in state:
-            torch._dynamo.mark_static_address(t)
-    return step
 
 
 def _window(idx: torch.Tensor, out: torch.Tensor, n: int, i: int) -> torch.Tensor:
@@ -171,7 +165,8 @@ def generate(
         row = torch.zeros(1, dtype=torch.long, device=idx.device)
         step = decode_step
         if compile:
-            step = _compiled_step(idx.device, [*cache.k, *cache.v, token, pos, row, noise])
+            state = [*cache.k, *cache.v, token, pos, row, noise]
+            step = compile_for_decoding(decode_step, idx.device, state)
 
     was_training = model.training
     model.eval()
