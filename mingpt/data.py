@@ -136,8 +136,8 @@ class CharTokenizer:
         return "".join(sorted(set(text) - set(self.chars)))
 
     def encode(self, text: str) -> torch.Tensor:
-        """Token ids (a binary search per code point); a character outside the vocabulary raises
-        KeyError."""
+        """Token ids, a binary search per code point; a character outside the vocabulary raises
+        KeyError, naming it."""
         cps = token_cache.code_points(text)
         ids = np.searchsorted(self._code_points, cps)
         wrong = self._code_points[ids.clip(max=len(self.chars) - 1)] != cps
@@ -382,8 +382,7 @@ class ResumableSampler(DistributedSampler):
     def indices(self) -> torch.Tensor:
         """This rank's share of the rest of the epoch, as one tensor (no Python object per
         sample)."""
-        # int32 halves the memory of a large epoch; randperm draws the same permutation for either
-        # dtype.
+        # int32 halves a large epoch's memory; randperm draws the same permutation for either dtype.
         n = len(self.dataset)
         dtype = torch.int32 if n < 2**31 else torch.int64
         if self.shuffle:

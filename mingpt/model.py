@@ -138,8 +138,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, vocab) and, with targets, the mean cross-entropy. With a
-        cache, idx is a prompt whose keys and values fill it from position 0, for `step` to
-        continue."""
+        cache, idx is a prompt whose keys and values fill it from position 0 for `step` to go on."""
         T = idx.size(1)
         if self.config.block_size < T:
             raise ValueError(
@@ -157,8 +156,7 @@ class GPT(nn.Module):
 
     def step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The logits (B, vocab) after tokens idx (B, 1) at position pos (a one-element tensor),
-        whose keys and values join the cache. Its shapes do not depend on pos, so it compiles
-        once."""
+        whose keys and values join the cache. No shape depends on pos: it compiles once."""
         x = self.wte(idx) + self.wpe(pos)
         for i, block in enumerate(self.h):
             x = block(x, cache, i, pos)
