@@ -28,7 +28,7 @@ def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
     """Refuse, before any work, a hook this run cannot use."""
     if cfg.ddp_comm_hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
         raise ConfigError(
-            f"trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
+            "trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
             f"this run uses {dist_info.backend}: use fp16, powersgd or none"
         )
     if (
@@ -38,13 +38,14 @@ def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
         and dist_info.world_size % dist_info.local_world_size
     ):
         raise ConfigError(
-            f"trainer_config.localsgd_group: node needs the same number of processes on every node "
-            f"({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
+            "trainer_config.localsgd_group: node needs the same number of processes on every "
+            f"node ({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
         )
 
 
 class CommHook:
-    """The hook `name` (none, fp16, bf16: nothing kept); a subclass keeps each rank's `own_state` for a resume."""
+    """The hook `name` (none, fp16, bf16: nothing kept); a subclass keeps each rank's `own_state`
+    for a resume."""
 
     ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
     # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
@@ -64,8 +65,8 @@ class CommHook:
         scaler,
         warm_up: Callable[[], None],
     ) -> None:
-        """Restore the state `saved` and register the hook on `ddp` (None in one process), to go on at `step`.
-        `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
+        """Restore the state `saved` and register the hook on `ddp` (None in one process), to go on
+        at `step`. `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
         if (
             saved
             and saved.get("name") == self.name
@@ -74,22 +75,20 @@ class CommHook:
         ):
             self.load_own_state(saved["state"], model, optimizer, scaler, warm_up)
         elif saved and self.dist.is_main_process:  # another number of processes or another hook
-            world = self.dist.world_size
-            this = (
-                f"{world} ranks with ddp_comm_hook={self.name}"
-                if world > 1
-                else "1 process (no comm hook)"
-            )
+            this = "1 process (no comm hook)"
+            if self.dist.world_size > 1:
+                this = f"{self.dist.world_size} ranks with ddp_comm_hook={self.name}"
+            weights = ""
+            if saved.get("name") == "post_local_sgd":
+                weights = " (the replicas' mean) and rank 0's optimizer state"
             log.warning(
-                "the snapshot's %s state is per rank, for %s ranks; this run has %s: that state starts "
-                "afresh at step %d, from the snapshot's weights%s",
+                "the snapshot's %s state is per rank, for %s ranks; this run has %s: that state "
+                "starts afresh at step %d, from the snapshot's weights%s",
                 saved.get("name"),
                 saved.get("world_size"),
                 this,
                 step,
-                " (the replicas' mean) and rank 0's optimizer state"
-                if saved.get("name") == "post_local_sgd"
-                else "",
+                weights,
             )
         self.register(ddp, step)
 
@@ -107,19 +106,20 @@ class CommHook:
         yield
 
     def model_state(self, model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-        """`state`, the model's state dict, with the weights that stand for the run (collective: on every rank)."""
+        """`state`, the model's state dict, with the weights that stand for the run (collective: on
+        every rank)."""
         return state
 
     def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
         return None
 
     def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
-        """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's own}, or None."""
+        """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's
+        own}, or None."""
         own = self.own_state(model, optimizer, scaler)
-        return own and {
-            "about": {"name": self.name, "world_size": self.dist.world_size},
-            "state": own,
-        }
+        if own is None:
+            return None
+        return {"about": {"name": self.name, "world_size": self.dist.world_size}, "state": own}
 
 
 class PowerSGD(CommHook):
@@ -134,7 +134,8 @@ class PowerSGD(CommHook):
             name == "batched_powersgd", dist_info.device.type == "cuda"
         )
         if dist_info.backend == "gloo":
-            # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces wrongly (docs/training.md).
+            # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces
+            # wrongly (docs/training.md).
             self.ddp_options = {"bucket_cap_mb": 2**20}
 
     def own_state(self, model, optimizer, scaler):
@@ -161,8 +162,9 @@ class PowerSGD(CommHook):
     def load_own_state(self, own, model, optimizer, scaler, warm_up):
         s = self.state
         if own["iter"] >= s.start_powerSGD_iter:
-            # The saved error and P/Q are laid out in DDP's rebuilt buckets (gradients in the order backward
-            # produces them), which a new DDP only has from its second iteration on: one plain step rebuilds them.
+            # The saved error and P/Q are laid out in DDP's rebuilt buckets (gradients in the order
+            # backward produces them), which a new DDP only has from its second iteration on: one
+            # plain step rebuilds them.
             warm_up()
         s.iter = own["iter"]
         rng = own["rng"]
@@ -175,10 +177,10 @@ class PowerSGD(CommHook):
                 rng["cached_gaussian"],
             )
         )
-        s.error_dict, s.p_memory_dict, s.q_memory_dict = (
-            {k: v.to(self.dist.device) for k, v in own[name].items()}
-            for name in ("error", "p", "q")
-        )
+        device = self.dist.device
+        s.error_dict = {k: v.to(device) for k, v in own["error"].items()}
+        s.p_memory_dict = {k: v.to(device) for k, v in own["p"].items()}
+        s.q_memory_dict = {k: v.to(device) for k, v in own["q"].items()}
 
 
 class PostLocalSGD(CommHook):
@@ -188,12 +190,14 @@ class PostLocalSGD(CommHook):
         super().__init__(dist_info, "post_local_sgd")
         subgroup = None
         if cfg.localsgd_group == "node":
-            # The ranks of a node all-reduce their gradients every step; torchrun numbers them contiguously.
+            # A node's ranks all-reduce their gradients every step; torchrun numbers them
+            # contiguously, as new_subgroups groups them.
             subgroup, _ = dist.new_subgroups(group_size=dist_info.local_world_size)
             if dist_info.local_world_size == dist_info.world_size and dist_info.is_main_process:
                 log.warning(
-                    "trainer_config.localsgd_group=node on one node: every rank still all-reduces every "
-                    "step, so local SGD only adds the averaging (localsgd_group=rank lets ranks diverge)"
+                    "trainer_config.localsgd_group=node on one node: every rank still all-reduces "
+                    "every step, so local SGD only adds the averaging "
+                    "(localsgd_group=rank lets ranks diverge)"
                 )
         self.state = post_localSGD_hook.PostLocalSGDState(
             None,
@@ -210,7 +214,7 @@ class PostLocalSGD(CommHook):
         self.averager.average_parameters(model.parameters())
 
     def _mean(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """{name: mean over the ranks} of each parameter, computed aside: the replicas stay as they are."""
+        """{name: the ranks' mean} of each parameter, computed aside: the replicas stay as is."""
         mean = {
             name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)
         }
@@ -221,13 +225,14 @@ class PostLocalSGD(CommHook):
     @contextlib.contextmanager
     def mean_weights(self, model):
         named = list(model.named_parameters(remove_duplicate=False))
-        own, mean = [p.data for _, p in named], self._mean(model)
+        own = [p.data for _, p in named]
+        mean = self._mean(model)
         for name, p in named:
             p.data = mean[name]
         try:
             yield
         finally:
-            for (_, p), data in zip(named, own):
+            for (_, p), data in zip(named, own, strict=True):
                 p.data = data
 
     def model_state(self, model, state):
@@ -241,8 +246,10 @@ class PostLocalSGD(CommHook):
         }
 
     def register(self, ddp, step):
-        # Both count optimizer steps: the hook all-reduces before localsgd_start_step, the averager after.
-        self.state.iter = self.averager.step = step
+        # Both count optimizer steps: the hook all-reduces before localsgd_start_step,
+        # the averager averages after it.
+        self.state.iter = step
+        self.averager.step = step
         ddp.register_comm_hook(self.state, post_localSGD_hook.post_localSGD_hook)
 
     def load_own_state(self, own, model, optimizer, scaler, warm_up):

@@ -1,6 +1,4 @@
-"""The commands' (generate, score, export) `key=value` parsing, --help from the fields, one-line errors."""
-
-from __future__ import annotations
+"""generate, score and export's `key=value` parsing, --help from the fields, one-line errors."""
 
 import os
 import sys
@@ -14,21 +12,27 @@ from mingpt.distributed import setup_logging
 
 
 def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
-    """`key=value` overrides on the defaults of the dataclass `schema`. The `text_keys` are taken verbatim, never
-    parsed as YAML (`prompt=ROMEO:` would be a mapping, `prompt=O, Romeo!` or `${...}` would not survive)."""
+    """`key=value` overrides on the defaults of the dataclass `schema`. The `text_keys` are taken
+    verbatim, never parsed as YAML (`prompt=ROMEO:` would be a mapping, `prompt=O, Romeo!` or
+    `${...}` would not survive)."""
+    text = {}
+    rest = []
     for arg in argv:
         check("=" in arg, arg, "expected key=value")
-    text = {
-        key: value for key, _, value in (arg.partition("=") for arg in argv) if key in text_keys
-    }
-    rest = [arg for arg in argv if arg.partition("=")[0] not in text_keys]
+        key, _, value = arg.partition("=")
+        if key in text_keys:
+            text[key] = value
+        else:
+            rest.append(arg)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
         message = str(e).strip().splitlines()[0]
         key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
+        if key and key not in message:
+            message = f"{key}: {message}"
+        raise ConfigError(message) from None
     return schema(**{**values, **text})
 
 
@@ -40,10 +44,11 @@ def command(
     errors: tuple[type[BaseException], ...],
     argv: list[str] | None = None,
 ) -> None:
-    """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first paragraph, the keys of
-    `schema`, then the rest of `doc`; one of `errors` ends the run with one line on stderr and exit status 2,
-    Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first paragraph,
+    the keys of `schema`, then the rest of `doc`; one of `errors` ends the run with one line on
+    stderr and exit status 2, Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
+    if argv is None:
+        argv = sys.argv[1:]
     try:
         if any(arg in ("-h", "--help") for arg in argv):
             what, _, rest = doc.strip().partition("\n\n")

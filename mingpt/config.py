@@ -1,4 +1,5 @@
-"""The config dataclasses: each key's default, type, help and whether it is operational; __post_init__ checks values."""
+"""The config dataclasses: each key's default, type, help and whether it is operational;
+__post_init__ checks the values."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def at_least(bound: int, section: Any, prefix: str, *names: str, null: bool = Fa
     for name in names:
         value = getattr(section, name)
         check(
-            null and value is None or value >= bound,
+            (null and value is None) or value >= bound,
             f"{prefix}.{name}",
             f"must be >= {bound}{' or null' if null else ''}, got {value}",
         )
@@ -49,8 +50,9 @@ def at_least(bound: int, section: Any, prefix: str, *names: str, null: bool = Fa
 def key(
     default: Any = dataclasses.MISSING, help: str = "", operational: bool = False, **factory: Any
 ) -> Any:
-    """A config key: its default (or default_factory), its one-line help (docs/configuration.md, --help), and whether
-    it is operational: it changes how a run is carried out, logged or saved, never what it computes."""
+    """A config key: its default (or default_factory), its one-line help (docs/configuration.md,
+    --help), and whether it is operational: it changes how a run is carried out, logged or saved,
+    never what it computes."""
     return field(default=default, **factory, metadata={"help": help, "operational": operational})
 
 
@@ -172,8 +174,8 @@ class DataConfig:
     path: Any = key(
         DEFAULT_DATA_PATH,
         "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or "
-        "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one "
-        "corpus; the default is downloaded when missing ([The corpus](data.md))",
+        "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), "
+        "read as one corpus; the default is downloaded when missing ([The corpus](data.md))",
     )
     block_size: int = key(64, "context length in characters")
     train_split: float = key(
@@ -202,7 +204,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.path, (tuple, ListConfig)):
             self.path = list(self.path)
-        paths = [self.path] if isinstance(self.path, str) else self.path
+        paths = self.path
+        if isinstance(paths, str):
+            paths = [paths]
         check(
             isinstance(paths, list)
             and len(paths) > 0
@@ -431,7 +435,8 @@ class TrainerConfig:
         check(
             self.powersgd_start_step >= 2,
             "trainer_config.powersgd_start_step",
-            f"must be >= 2 (PowerSGD starts after plain all-reduce steps), got {self.powersgd_start_step}",
+            "must be >= 2 (PowerSGD starts after plain all-reduce steps), "
+            f"got {self.powersgd_start_step}",
         )
         check(
             self.save_every_minutes is None or self.save_every_minutes > 0,
@@ -456,7 +461,8 @@ class TrainerConfig:
         check(
             self.init_from != "",
             "trainer_config.init_from",
-            "must be a snapshot file, a sharded snapshot or a run directory (null: train from scratch), got ''",
+            "must be a snapshot file, a sharded snapshot or a run directory "
+            "(null: train from scratch), got ''",
         )
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
@@ -470,7 +476,8 @@ class TrainerConfig:
             check(
                 self.ddp_comm_hook == "none",
                 "trainer_config.ddp_comm_hook",
-                f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none (use none, or parallelism=ddp)",
+                f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none "
+                "(use none, or parallelism=ddp)",
             )
             check(
                 not (self.use_amp and self.amp_dtype == "fp16"),
@@ -513,7 +520,8 @@ class Config:
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
-# Every key not operational is result-affecting: the run directory's name and the check on resume compare those.
+# Every key not operational is result-affecting: the run directory's name and the check on resume
+# compare those.
 OPERATIONAL_KEYS = frozenset(
     f"{name}.{f.name}"
     for name, section in SECTIONS.items()
@@ -523,8 +531,9 @@ OPERATIONAL_KEYS = frozenset(
 
 
 def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
-    """The result-affecting values of {section: {key: value}} (a composed config, a snapshot's saved configs),
-    flat as {"section.key": value}, in JSON's types, so a tuple and a list of the same numbers compare equal."""
+    """The result-affecting values of {section: {key: value}} (a composed config, a snapshot's
+    saved configs), flat as {"section.key": value}, in JSON's types, so a tuple and a list of the
+    same numbers compare equal."""
     flat = {
         f"{name}.{key}": value
         for name in SECTIONS
@@ -535,7 +544,8 @@ def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
 
 
 def check_known_keys(cfg: Mapping) -> None:
-    """Reject keys the dataclasses do not declare: Hydra's `+key=value` adds keys past OmegaConf's check."""
+    """Reject keys the dataclasses do not declare: Hydra's `+key=value` adds keys past OmegaConf's
+    check."""
     for name, section in cfg.items():
         check(name in SECTIONS, name, "unknown key")
         fields = {f.name for f in dataclasses.fields(SECTIONS[name])}
@@ -548,31 +558,35 @@ def check_known_keys(cfg: Mapping) -> None:
 
 
 def drop_ignored_keys(cfg: MutableMapping) -> list[str]:
-    """Remove the PyTorch DDP minGPT tutorial's trainer_config.data_loader_workers (a file with it still runs)."""
+    """Remove the PyTorch DDP minGPT tutorial's trainer_config.data_loader_workers (a file with it
+    still runs); the warnings to log."""
     trainer = cfg.get("trainer_config")
     if not isinstance(trainer, MutableMapping) or "data_loader_workers" not in trainer:
         return []
     del trainer["data_loader_workers"]
     return [
-        "trainer_config.data_loader_workers ignored: each process reads its own batches from the token cache (or "
-        "gathers them on the GPU), so there is no DataLoader to give worker processes"
+        "trainer_config.data_loader_workers ignored: each process reads its own batches from the "
+        "token cache (or gathers them on the GPU), so there is no DataLoader to give worker "
+        "processes"
     ]
 
 
 def register_configs() -> None:
-    """The dataclasses as Hydra's schema (`base_config`, `gpt_config=default`, `optimizer_config=default`), and
-    `${mingpt.keys:}`: every key with its value in the composed config (for --help)."""
+    """The dataclasses as Hydra's schema (`base_config`, `gpt_config=default`,
+    `optimizer_config=default`), and `${mingpt.keys:}`: every key with its value in the composed
+    config (for --help)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(group="gpt_config", name="default", node=GPTConfig)
     cs.store(group="optimizer_config", name="default", node=OptimizerConfig)
+    # Hydra fills in the help template with string.Template: a `$` of the text is written `$$`.
     OmegaConf.register_new_resolver(
         "mingpt.keys",
         lambda _root_: "\n".join(
             key_lines(section, _root_[name], f"{name}.") for name, section in SECTIONS.items()
         ).replace("$", "$$"),
         replace=True,
-    )  # Hydra fills in the help template with string.Template
+    )
 
 
 def _text(value: Any) -> str:

@@ -1,5 +1,6 @@
-"""Character-level data: corpus files, vocabulary, a contiguous train/held-out split of each file, windows over
-the token cache (mingpt/token_cache.py), batches read from it or gathered on the device, a resumable sampler."""
+"""Character-level data: corpus files, vocabulary, a contiguous train/held-out split of each file,
+windows over the token cache (mingpt/token_cache.py), batches read from it or gathered on the
+device, a resumable sampler."""
 
 import contextlib
 import dataclasses
@@ -43,8 +44,9 @@ def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> Non
 
 @contextlib.contextmanager
 def open_source(path: str) -> Iterator[BinaryIO]:
-    """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it, or a local file
-    that is not regular (a FIFO would block the read forever, /dev/zero never ends), is one DataError."""
+    """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it, or a
+    local file that is not regular (a FIFO would block the read forever, /dev/zero never ends), is
+    one DataError."""
     try:
         storage.check_regular(path, "data file")
         with fsspec.open(path, "rb") as f:
@@ -72,27 +74,42 @@ def read_text(path: str) -> str:
 
 
 def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
-    """The corpus files named by data_config.path (globs expanded), in order, and the path of their token cache."""
-    sources, local_dirs = [], []
-    for pattern in [cfg.path] if isinstance(cfg.path, str) else cfg.path:
-        try:
-            fs, stripped = fsspec.core.url_to_fs(pattern)
-            matches = (
-                [m for m in sorted(fs.glob(stripped)) if not token_cache.is_own(m)]
-                if glob.has_magic(pattern)
-                else [stripped]
-            )
-        except (OSError, ValueError, ImportError) as e:
-            raise DataError(f"cannot read data file {pattern}: {e}") from None
-        if not matches:
-            raise DataError(f"no data file matches {pattern}")
+    """The corpus files named by data_config.path (globs expanded), in order, and the path of their
+    token cache."""
+    patterns = cfg.path
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    sources = []
+    local_dir = None  # the first file's directory, if it is local: the cache's default place
+    for i, pattern in enumerate(patterns):
+        fs, stripped, matches = _expand(pattern)
         local = isinstance(fs, LocalFileSystem)
-        sources += [
-            pattern if m == stripped else m if local else fs.unstrip_protocol(m) for m in matches
-        ]
-        local_dirs.append(os.path.dirname(os.path.abspath(matches[0])) if local else None)
+        if i == 0 and local:
+            local_dir = os.path.dirname(os.path.abspath(matches[0]))
+        for m in matches:
+            if m == stripped:
+                sources.append(pattern)  # a file named without a glob, spelled as given
+            elif local:
+                sources.append(m)
+            else:
+                sources.append(fs.unstrip_protocol(m))
     keys = [s if "://" in s else os.path.abspath(s) for s in sources]
-    return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dirs[0])
+    return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
+
+
+def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
+    """The file system of `pattern`, the pattern within it, and the files it names: itself, or a
+    glob's matches in order, the token cache's own files left out."""
+    try:
+        fs, stripped = fsspec.core.url_to_fs(pattern)
+        if not glob.has_magic(pattern):
+            return fs, stripped, [stripped]
+        matches = [m for m in sorted(fs.glob(stripped)) if not token_cache.is_own(m)]
+    except (OSError, ValueError, ImportError) as e:
+        raise DataError(f"cannot read data file {pattern}: {e}") from None
+    if not matches:
+        raise DataError(f"no data file matches {pattern}")
+    return fs, stripped, matches
 
 
 class CharTokenizer:
@@ -119,7 +136,8 @@ class CharTokenizer:
         return "".join(sorted(set(text) - set(self.chars)))
 
     def encode(self, text: str) -> torch.Tensor:
-        """Token ids (a binary search per code point); a character outside the vocabulary raises KeyError."""
+        """Token ids, a binary search per code point; a character outside the vocabulary raises
+        KeyError, naming it."""
         cps = token_cache.code_points(text)
         ids = np.searchsorted(self._code_points, cps)
         wrong = self._code_points[ids.clip(max=len(self.chars) - 1)] != cps
@@ -132,9 +150,10 @@ class CharTokenizer:
 
 
 class TokenWindows:
-    """Windows of block_size + 1 tokens starting every `stride` tokens inside each segment (start, length) of
-    `tokens` (a file's split): input the first block_size, target the last; a window never crosses a segment's end.
-    `ids`, if given, maps the stored ids to the model's (CharData.in_vocabulary)."""
+    """Windows of block_size + 1 tokens starting every `stride` tokens inside each segment (start,
+    length) of `tokens` (a file's split): input the first block_size, target the last; a window
+    never crosses a segment's end. `ids`, if given, maps the stored ids to the model's
+    (CharData.in_vocabulary)."""
 
     def __init__(
         self,
@@ -144,9 +163,13 @@ class TokenWindows:
         segments: list[tuple[int, int]] | None = None,
         ids: torch.Tensor | None = None,
     ):
-        self.tokens, self.block_size, self.stride = tokens, block_size, stride
+        if segments is None:
+            segments = [(0, len(tokens))]
+        self.tokens = tokens
+        self.block_size = block_size
+        self.stride = stride
+        self.segments = segments
         self.ids = None if ids is None else ids.to(tokens.device)
-        self.segments = [(0, len(tokens))] if segments is None else segments
         counts = torch.tensor(
             [max(0, (n - block_size - 1) // stride + 1) for _, n in self.segments]
         )
@@ -160,10 +183,11 @@ class TokenWindows:
         return self._len
 
     def with_tokens(self, tokens: torch.Tensor, ids: torch.Tensor | None = None) -> "TokenWindows":
-        """The same windows over `tokens` (the same, on a device), their stored id i read as ids[i] if given."""
-        return TokenWindows(
-            tokens, self.block_size, self.stride, self.segments, self.ids if ids is None else ids
-        )
+        """The same windows over `tokens` (the same, on a device), their stored id i read as ids[i]
+        if given."""
+        if ids is None:
+            ids = self.ids
+        return TokenWindows(tokens, self.block_size, self.stride, self.segments, ids)
 
     # where windows `indices` start in `tokens`
     def starts(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
@@ -188,15 +212,18 @@ class TokenWindows:
 
 
 class HostBatches(TokenWindows):
-    """Windows read from the cache file, one pread each; on a GPU into pinned memory, copied asynchronously (torch's
-    caching host allocator reuses a pinned buffer once its copy is done). `prefetch(indices)` reads the next step
-    while the current one runs; `batch` then hands out slices of it."""
+    """Windows read from the cache file, one pread each; on a GPU into pinned memory, copied
+    asynchronously (torch's caching host allocator reuses a pinned buffer once its copy is done).
+    `prefetch(indices)` reads the next step while the current one runs; `batch` then hands out
+    slices of it."""
 
     def __init__(self, windows: TokenWindows, cache: token_cache.TokenCache, device: torch.device):
-        # indices: on the host
+        # The tokens stay on the host, where the reads' offsets are computed.
         super().__init__(windows.tokens, windows.block_size, windows.stride, windows.segments)
-        self.cache, self.device = cache, device
-        self.ids = None if windows.ids is None else windows.ids.to(device)
+        self.cache = cache
+        self.device = device
+        if windows.ids is not None:
+            self.ids = windows.ids.to(device)
         # indices prefetched, their windows
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -214,7 +241,8 @@ class HostBatches(TokenWindows):
         self._pending = (indices.to("cpu", torch.long), self._read(indices))
 
     def _gather(self, indices: list[int] | torch.Tensor) -> torch.Tensor:
-        indices, n = torch.as_tensor(indices, dtype=torch.long).cpu(), len(indices)
+        indices = torch.as_tensor(indices, dtype=torch.long).cpu()
+        n = len(indices)
         # not the next prefetched
         if self._pending is None or not torch.equal(self._pending[0][:n], indices):
             self._pending = (indices, self._read(indices))
@@ -232,14 +260,16 @@ class CharData:
     files: list[tuple[str, int]]  # (source, characters) in corpus order
 
     def fingerprint(self) -> list[dict]:
-        """The corpus's identity, as snapshots record it: each file's name, size in bytes and SHA-256, in order."""
+        """The corpus's identity, as snapshots record it: each file's name, size in bytes and
+        SHA-256, in order."""
         return [
-            {**key, "source": source} for (source, _), key in zip(self.files, self.cache.sources)
+            {**key, "source": source}
+            for (source, _), key in zip(self.files, self.cache.sources, strict=True)
         ]
 
     def in_vocabulary(self, chars: str) -> "CharData":
-        """The same corpus with the vocabulary `chars` (a snapshot's), which the caller checked holds every
-        character of the corpus's own: ids then mean the snapshot's characters."""
+        """The same corpus with the vocabulary `chars` (a snapshot's), which the caller checked
+        holds every character of the corpus's own: ids then mean the snapshot's characters."""
         if chars == self.tokenizer.chars:
             return self
         tokenizer = CharTokenizer(chars)
@@ -254,32 +284,34 @@ class CharData:
     def place(
         self, device: torch.device, placement: str = "auto"
     ) -> tuple[TokenWindows | HostBatches, ...]:
-        """Training and held-out windows for `device`, per data_config.placement (on a CPU `auto` is `host`:
-        a copy in memory would cost every process the corpus)."""
+        """Training and held-out windows for `device`, per data_config.placement (on a CPU `auto` is
+        `host`: a copy in memory would cost every process the corpus)."""
         nbytes = self.train.tokens.nbytes
         fits = (
             device.type == "cuda"
             and nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
         )
-        if placement == "host" or placement == "auto" and not fits:
+        if placement == "host" or (placement == "auto" and not fits):
             log.info("batches are read on the host from the %.1f MB token cache", nbytes / 1e6)
-            return HostBatches(self.train, self.cache, device), HostBatches(
-                self.heldout, self.cache, device
-            )
+            train = HostBatches(self.train, self.cache, device)
+            heldout = HostBatches(self.heldout, self.cache, device)
+            return train, heldout
         tokens = self.cache.load(device)  # once for both
         return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
 
 
 def build_cache(cfg: DataConfig) -> tuple[list[str], str]:
-    """Build the token cache unless a valid one exists (one process per node does this); cache_location's result."""
+    """Build the token cache unless a valid one exists (one process per node does this);
+    cache_location's result."""
     sources, path = cache_location(cfg)
     token_cache.ensure(path, sources, cfg.truncate, open_source)
     return sources, path
 
 
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
-    """Open the corpus's token cache (building it first unless `build` is False: another process of the node did)
-    and split it: the first train_split of each file trains, the rest of it is held out."""
+    """Open the corpus's token cache (building it first unless `build` is False: another process of
+    the node did) and split it: the first train_split of each file trains, the rest of it is held
+    out."""
     sources, path = build_cache(cfg) if build else cache_location(cfg)
     try:  # the path names the sources, so the cache holds one entry per source
         cache = token_cache.open_cache(path)
@@ -287,15 +319,18 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         if not build:
             return load_data(cfg, build=True)
         raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
-    files = [(source, n) for source, (_, n) in zip(sources, cache.files)]
-    train, heldout, offset = [], [], 0
+    files = [(source, n) for source, (_, n) in zip(sources, cache.files, strict=True)]
+    train = []
+    heldout = []
+    offset = 0  # of the file in the cache's tokens
     for source, n in files:
         n_train = int(n * cfg.train_split)
         for name, part in (("training", n_train), ("held-out", n - n_train)):
             if part < cfg.block_size + 1:
                 message = (
-                    f"{source}: the {name} split has {part} characters, fewer than data_config.block_size + 1"
-                    f" = {cfg.block_size + 1} (check data_config.truncate and train_split)"
+                    f"{source}: the {name} split has {part} characters, fewer than "
+                    f"data_config.block_size + 1 = {cfg.block_size + 1} "
+                    "(check data_config.truncate and train_split)"
                 )
                 if len(files) == 1:
                     raise DataError(message)
@@ -325,15 +360,18 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
 
 # min(n, k) indices spread evenly over range(n) (k <= 0: all of them)
 def spread(n: int, k: int) -> torch.Tensor:
-    return torch.arange(n) if k <= 0 or k >= n else torch.arange(k) * n // k
+    if k <= 0 or k >= n:
+        return torch.arange(n)
+    return torch.arange(k) * n // k
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start part-way through an epoch. For epoch e the global order is a permutation
-    seeded by seed + e, padded like DistributedSampler with its own first entries to a multiple of the world size W,
-    and dealt out round-robin: rank r takes entries r, r+W, ... After s steps of per-rank batch b the ranks have
-    consumed exactly the first s*b*W entries, so `start_index` (global samples consumed) resumes at the next unseen
-    sample, whatever the world size now is."""
+    """DistributedSampler that can start part-way through an epoch. For epoch e the global order is
+    a permutation seeded by seed + e, padded like DistributedSampler with its own first entries to a
+    multiple of the world size W, and dealt out round-robin: rank r takes entries r, r+W, ... After
+    s steps of per-rank batch b the ranks have consumed exactly the first s*b*W entries, so
+    `start_index` (global samples consumed) resumes at the next unseen sample, whatever the world
+    size now is."""
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
         super().__init__(
@@ -342,15 +380,16 @@ class ResumableSampler(DistributedSampler):
         self.start_index = 0
 
     def indices(self) -> torch.Tensor:
-        """This rank's share of the rest of the epoch, as one tensor (no Python object per sample)."""
-        # int32 halves the memory of a large epoch; randperm draws the same permutation for either dtype.
-        n, dtype = len(self.dataset), torch.int32 if len(self.dataset) < 2**31 else torch.int64
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = (
-            torch.randperm(n, generator=g, dtype=dtype)
-            if self.shuffle
-            else torch.arange(n, dtype=dtype)
-        )
+        """This rank's share of the rest of the epoch, as one tensor (no Python object per
+        sample)."""
+        # int32 halves a large epoch's memory; randperm draws the same permutation for either dtype.
+        n = len(self.dataset)
+        dtype = torch.int32 if n < 2**31 else torch.int64
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g, dtype=dtype)
+        else:
+            order = torch.arange(n, dtype=dtype)
         rest = order[self.start_index :]
         mine = rest[self.rank :: self.num_replicas]  # a view: no copy of the epoch's order
         pad = (-len(rest)) % self.num_replicas

@@ -1,10 +1,10 @@
-"""Decoding: sampling from a GPT (temperature, top-k, top-p) with or without the KV cache, the same windows either
-way (docs/generation.md); on the device, never waiting for it per token: the exponential race on noise drawn ahead."""
+"""Decoding: sampling from a GPT (temperature, top-k, top-p) with or without the KV cache, the same
+windows either way (docs/generation.md); on the device, never waiting for it per token: the
+exponential race on noise drawn ahead."""
 
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Union
 
 import torch
 
@@ -12,29 +12,33 @@ from mingpt.model import GPT, KVCache
 
 # the smallest normal float32: logits / it is no nan
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
-# Token i of a generation takes noise row i % rows of the block drawn for tokens i - i % rows onward, whatever the
-# path or chunk size; a block holds NOISE_ROWS tokens' worth per sample, fewer for a large vocabulary (noise_rows).
+# Token i of a generation takes noise row i % rows of the block drawn for tokens i - i % rows
+# onward, whatever the path or chunk size; a block holds NOISE_ROWS tokens' worth per sample, fewer
+# for a large vocabulary (noise_rows).
 NOISE_ROWS = 128
 NOISE_ELEMENTS = 1 << 16  # at most this many noise values per sample held at once
 CHUNK_TOKENS = 64  # the first token is yielded alone; later ones in chunks of up to this many,
 CHUNK_SECONDS = 0.1  # or fewer once this long has passed since the last chunk
 STOP_CHECK_EVERY = 16  # tokens of a stoppable sample between two looks for a stop request
 
-Generators = Union[None, torch.Generator, Sequence[torch.Generator]]
+Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 def noise_rows(vocab_size: int) -> int:
-    """Tokens of noise drawn at once per sample: a function of the vocabulary alone, so the text is too."""
+    """Tokens of noise drawn at once per sample: it depends on the vocabulary alone, so that the
+    text does too."""
     return max(1, min(NOISE_ROWS, NOISE_ELEMENTS // vocab_size))
 
 
 def draw_noise(noise: torch.Tensor, generator: Generators = None) -> torch.Tensor:
-    """Fill `noise` (B, rows, vocab) in place with standard Gumbel noise, -log(E) with E ~ Exp(1), from one
-    generator for the batch, or one per row (row b then holds what a batch of one draws with its generator)."""
-    for part, g in (
-        zip(noise, generator) if isinstance(generator, (list, tuple)) else [(noise, generator)]
-    ):
-        part.uniform_(generator=g)
+    """Fill `noise` (B, rows, vocab) in place with standard Gumbel noise, -log(E) with E ~ Exp(1),
+    from one generator for the batch, or one per row (row b then holds what a batch of one draws
+    with its generator)."""
+    if isinstance(generator, (list, tuple)):
+        for part, g in zip(noise, generator, strict=True):
+            part.uniform_(generator=g)
+    else:
+        noise.uniform_(generator=generator)
     # U in [0, 1): E = -log(1 - U) is in [0, 16.6]; clamped away from 0, its log is finite.
     return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
 
@@ -46,12 +50,13 @@ def pick(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> torch.Tensor:
-    """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise (B, vocab): argmax(log probs -
-    log E), token k with probability probs[k]. temperature 0 is greedy (the noise is not read); top_k keeps the k
-    most likely tokens; top_p the fewest most likely whose probability reaches top_p (at least one)."""
+    """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise (B, vocab):
+    argmax(log probs - log E), token k with probability probs[k]. temperature 0 is greedy (the noise
+    is not read); top_k keeps the k most likely tokens; top_p the fewest most likely whose
+    probability reaches top_p (at least one)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # Shifted so that the largest is 0: scaled, they are 0 or negative (-inf at worst), never inf or nan.
+    # Shifted so the largest is 0: scaled, they are 0 or negative (-inf at worst), never inf or nan.
     logits = logits.float()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, MIN_TEMPERATURE)
     if top_k is not None and top_k < logits.size(-1):
@@ -74,26 +79,26 @@ def next_token(
 ) -> torch.Tensor:
     """pick, with one row of noise drawn now (generate draws it ahead, in blocks)."""
     noise = torch.empty(logits.size(0), logits.size(-1), device=logits.device)
-    return pick(
-        logits,
-        draw_noise(noise, generator) if temperature != 0 else None,
-        temperature,
-        top_k,
-        top_p,
-    )
+    if temperature != 0:
+        draw_noise(noise, generator)
+    return pick(logits, noise, temperature, top_k, top_p)
 
 
-# On CPU, one-row matrix products as inductor reductions: BLAS streams the weights at a quarter to a third of the
-# memory's speed, the reduction at close to it (BENCHMARKS.md).
+# On CPU, one-row matrix products as inductor reductions: BLAS streams the weights at a quarter to a
+# third of the memory's speed, the reduction at close to it (BENCHMARKS.md).
 CPU_DECODING_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
-def compile_for_decoding(fn: Callable, device: torch.device) -> Callable:
-    """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs, memory-speed reductions on CPU."""
-    how = (
-        {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": CPU_DECODING_OPTIONS}
-    )
-    return torch.compile(fn, fullgraph=True, dynamic=False, **how)
+def compile_for_decoding(
+    fn: Callable, device: torch.device, static: Sequence[torch.Tensor] = ()
+) -> Callable:
+    """torch.compile of a fixed-shape decoding function: CUDA graphs on GPUs, memory-speed
+    reductions on CPU. The graphs update the tensors of `static` in place: their addresses stay."""
+    if device.type == "cuda":
+        for t in static:
+            torch._dynamo.mark_static_address(t)
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=CPU_DECODING_OPTIONS)
 
 
 def decode_step(
@@ -107,12 +112,20 @@ def decode_step(
     top_k: int | None,
     top_p: float | None,
 ) -> None:
-    """One cached step on the device: the token (B, 1) at pos is replaced by the next, sampled with noise row `row`,
-    and pos and row move on. Nothing is read back and no shape changes, so it compiles to one graph."""
+    """One cached step on the device: the token (B, 1) at pos is replaced by the next, sampled with
+    noise row `row`, and pos and row move on. Nothing is read back and no shape changes, so it
+    compiles to one graph."""
     logits = model.step(token, pos, cache)
     token.copy_(pick(logits, noise.index_select(1, row).squeeze(1), temperature, top_k, top_p))
     pos.add_(1)
     row.add_(1)
+
+
+def _window(idx: torch.Tensor, out: torch.Tensor, n: int, i: int) -> torch.Tensor:
+    """The last n tokens of the prompt idx followed by the first i new ones, in out."""
+    if n <= i:
+        return out[:, i - n : i]
+    return torch.cat([idx[:, idx.size(1) - (n - i) :], out[:, :i]], dim=1)
 
 
 @torch.inference_mode()
@@ -129,14 +142,17 @@ def generate(
     chunk_tokens: int = CHUNK_TOKENS,
     chunk_seconds: float | None = CHUNK_SECONDS,
 ) -> Iterator[torch.Tensor]:
-    """Yield max_new_tokens tokens continuing idx (B, T), T >= 1, in chunks (B, n), views of one tensor: the first
-    token alone, then up to chunk_tokens, fewer once chunk_seconds (None: no limit) have passed since the last.
+    """Yield max_new_tokens tokens continuing idx (B, T), T >= 1, in chunks (B, n), views of one
+    tensor: the first token alone, then up to chunk_tokens, fewer once chunk_seconds (None: no
+    limit) have passed since the last.
 
-    Token i always uses noise row i, so the same generator state gives the same tokens with or without the cache,
-    compiled or not, whatever the chunks; with one generator per row of idx, each row gets what it would alone.
-    The model is in eval mode until the generator is exhausted or closed."""
+    Token i always uses noise row i, so the same generator state gives the same tokens with or
+    without the cache, compiled or not, whatever the chunks; with one generator per row of idx, each
+    row gets what it would alone. The model is in eval mode until the generator is exhausted or
+    closed."""
     B, T = idx.shape
-    block_size, sampling = model.config.block_size, (temperature, top_k, top_p)
+    block_size = model.config.block_size
+    sampling = (temperature, top_k, top_p)
     rows = noise_rows(model.config.vocab_size)
     noise = torch.empty(B, rows, model.config.vocab_size, device=idx.device)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=idx.device)
@@ -144,32 +160,29 @@ def generate(
     # the cache, the newest token, its position and noise row: decode_step's state, on the device
     if use_cache:
         cache = KVCache(model.config, B, idx.device, next(model.parameters()).dtype)
-        token, pos, row = (
-            torch.zeros(shape, dtype=torch.long, device=idx.device) for shape in ((B, 1), 1, 1)
-        )
-        step = compile_for_decoding(decode_step, idx.device) if compile else decode_step
-        if compile and idx.device.type == "cuda":  # CUDA graphs update these in place
-            for t in [*cache.k, *cache.v, token, pos, row, noise]:
-                torch._dynamo.mark_static_address(t)
+        token = torch.zeros((B, 1), dtype=torch.long, device=idx.device)
+        pos = torch.zeros(1, dtype=torch.long, device=idx.device)
+        row = torch.zeros(1, dtype=torch.long, device=idx.device)
+        step = decode_step
+        if compile:
+            state = [*cache.k, *cache.v, token, pos, row, noise]
+            step = compile_for_decoding(decode_step, idx.device, state)
 
     was_training = model.training
     model.eval()
     try:
-        n, refill = min(T, block_size), True  # tokens in the window; the cache does not hold it yet
-        start, last_chunk = 0, time.perf_counter()
+        n = min(T, block_size)  # tokens in the window
+        refill = True  # the cache does not hold the window yet
+        start = 0  # of the chunk not yet yielded
+        last_chunk = time.perf_counter()
         for i in range(max_new_tokens):
             r = i % rows
             if r == 0 and temperature != 0:
                 draw_noise(noise, generator)
             if cache is None or refill:
-                # The window: the last n tokens of the prompt followed by the first i new ones.
-                window = (
-                    out[:, i - n : i]
-                    if n <= i
-                    else torch.cat([idx[:, T - (n - i) :], out[:, :i]], dim=1)
-                )
-                logits = model(window, cache=cache)[0][:, -1]
-                out[:, i : i + 1] = new = pick(logits, noise[:, r], *sampling)
+                logits = model(_window(idx, out, n, i), cache=cache)[0][:, -1]
+                new = pick(logits, noise[:, r], *sampling)
+                out[:, i : i + 1] = new
                 if cache is not None:
                     token.copy_(new)
                     pos.fill_(n)
@@ -190,7 +203,8 @@ def generate(
                 or (chunk_seconds is not None and time.perf_counter() - last_chunk >= chunk_seconds)
             ):
                 yield out[:, start : i + 1]
-                start, last_chunk = i + 1, time.perf_counter()
+                start = i + 1
+                last_chunk = time.perf_counter()
     finally:
         model.train(was_training)
 
@@ -202,9 +216,11 @@ def sample_line(
     n_chars: int,
     stop_requested: Callable[[], int] | None = None,
 ) -> str | None:
-    """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`, asked every
-    STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""
-    device, prompt, tokens = next(model.parameters()).device, tokenizer.line_start(), []
+    """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`,
+    asked every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""
+    device = next(model.parameters()).device
+    prompt = tokenizer.line_start()
+    tokens = []
     idx = tokenizer.encode(prompt).long()[None].to(device)
     with contextlib.closing(
         generate(
@@ -220,4 +236,6 @@ def sample_line(
             if stop_requested is not None and stop_requested():
                 return None
             tokens.append(chunk)
-    return prompt + tokenizer.decode(torch.cat(tokens, dim=1)[0].tolist()) if tokens else prompt
+    if not tokens:
+        return prompt
+    return prompt + tokenizer.decode(torch.cat(tokens, dim=1)[0].tolist())

@@ -1,4 +1,4 @@
-"""Process group, device, roles and per-rank logging under torchrun, or one plain process without a group."""
+"""Process group, device, roles and per-rank logging under torchrun, or one process, no group."""
 
 import contextlib
 import gc
@@ -14,7 +14,8 @@ import torch.distributed as dist
 from mingpt import torch_fixes
 from mingpt.config import ConfigError
 
-# Per-step decisions travel between CPUs: on a CUDA tensor, reading them would make the host wait for every step.
+# Per-step decisions travel between CPUs (a gloo group beside NCCL): on a CUDA tensor, reading them
+# would make the host wait for every step.
 _control_group: "dist.ProcessGroup | None" = None
 
 
@@ -60,16 +61,20 @@ def pick_device(
 
 
 def _own_info(record: logging.LogRecord) -> bool:
-    """mingpt's own INFO lines (and `python -m mingpt.X`'s, logged as __main__); other libraries' from WARNING up."""
-    return record.levelno >= logging.WARNING or record.name.partition(".")[0] in (
-        "mingpt",
-        "__main__",
-    )
+    """mingpt's own INFO lines (and `python -m mingpt.X`'s, logged as __main__); other libraries'
+    from WARNING up."""
+    if record.levelno >= logging.WARNING:
+        return True
+    return record.name.partition(".")[0] in ("mingpt", "__main__")
 
 
 def setup_logging(rank: int) -> None:
-    """Rank 0 logs mingpt's INFO to stderr; other ranks log warnings and errors, prefixed with their rank."""
-    prefix = "" if rank == 0 else f"[rank {rank}] "
+    """Rank 0 logs mingpt's INFO to stderr; other ranks, warnings and errors prefixed by rank."""
+    prefix = ""
+    level = logging.INFO
+    if rank != 0:
+        prefix = f"[rank {rank}] "
+        level = logging.WARNING
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
@@ -77,12 +82,12 @@ def setup_logging(rank: int) -> None:
     handler.addFilter(_own_info)
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.setLevel(level)
 
 
 @contextlib.contextmanager
 def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
-    """Join the process group torchrun describes (if any) and leave it at exit, also when the body raises."""
+    """Join torchrun's process group (if any) and leave it at exit, also when the body raises."""
     global _control_group
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     info = DistInfo(
@@ -103,7 +108,8 @@ def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
                 device_id=info.device if info.device.type == "cuda" else None,
                 store=store,
             )
-        _control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
+        if info.backend == "nccl":
+            _control_group = dist.new_group(backend="gloo")
     try:
         yield info
         # leave together: a rank that tears down gloo while rank 0 still saves can abort at exit

@@ -1,4 +1,5 @@
-"""FLOPs per token, the matmul rate MFU is measured against, peak memory, the warning for a run too slow on a CPU."""
+"""FLOPs per token, the matmul rate MFU is measured against, peak memory, the warning for a run too
+slow on a CPU."""
 
 import resource
 
@@ -6,9 +7,12 @@ import torch
 from torch import nn
 
 SLOW_STEP_SECONDS = 1.0
-# Steps under this many FLOPs take well under a second on any CPU (the default run's is 4 GFLOP): not measured.
+CPU = torch.device("cpu")
+# Steps under this many FLOPs take well under a second on any CPU (the default run's is 4 GFLOP),
+# so the CPU is not measured for them.
 MEASURE_ABOVE_FLOPS = 1e10
-# Steps of fewer FLOPs per process get no MFU: overheads, not matmuls, set their pace (the tests' take a few MFLOP).
+# Steps of fewer FLOPs per process get no MFU: overheads, not matmuls, set their pace (the tests'
+# take a few MFLOP).
 MFU_ABOVE_FLOPS = 1e9
 
 
@@ -19,26 +23,30 @@ def flops_per_token(model: nn.Module, n_layer: int, n_embd: int, block_size: int
 
 
 def matmul_rate(
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
     dtype: torch.dtype = torch.float32,
     n: int = 512,
     seconds: float = 0.05,
 ) -> float:
-    """FLOP/s of n x n matmuls timed for about `seconds` on all of torch's threads: as fast as the device is now."""
+    """FLOP/s of n x n matmuls timed for about `seconds` on all of torch's threads: as fast as the
+    device is now."""
     from torch.utils import benchmark  # imported here: only large runs measure
 
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     timer = benchmark.Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
     return 2 * n**3 / timer.blocked_autorange(min_run_time=seconds).median
 
 
 def peak_rate(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """The FLOP/s that MFU is measured against: a large matmul in the step's precision, at present speed."""
+    """The FLOP/s that MFU is measured against: a large matmul in the step's precision, at present
+    speed."""
     return matmul_rate(device, dtype, n=1024 if device.type == "cpu" else 8192, seconds=0.2)
 
 
 def peak_for_mfu(step_flops: float, dist_info, dtype: torch.dtype) -> float:
-    """peak_rate of all ranks, measured by rank 0 alone; 0 (no MFU) elsewhere and for steps too small for it."""
+    """peak_rate of all ranks, measured by rank 0 alone; 0 (no MFU) elsewhere and for steps too
+    small for it."""
     if not dist_info.is_main_process or step_flops < MFU_ABOVE_FLOPS:
         return 0.0
     return peak_rate(dist_info.device, dtype) * dist_info.world_size
@@ -56,20 +64,24 @@ def _duration(seconds: float) -> str:
         return f"{seconds / 86400:.0f} days"
     if seconds >= 3600:
         return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
 
 
 def slow_on_cpu(flops_per_step: float, total_steps: int, rate: float | None = None) -> str | None:
     """The warning for a run whose steps take over SLOW_STEP_SECONDS on this CPU, else None."""
     if flops_per_step < MEASURE_ABOVE_FLOPS:
         return None
-    rate = matmul_rate() if rate is None else rate
+    if rate is None:
+        rate = matmul_rate()
     seconds = flops_per_step / rate
     if seconds <= SLOW_STEP_SECONDS:
         return None
     return (
         f"this run is sized for a GPU: expect about {seconds:,.0f} s per step on this CPU, "
-        f"{_duration(seconds * total_steps)} for {total_steps:,} steps ({flops_per_step / 1e9:,.0f} GFLOP "
-        f"per step and process at the {rate / 1e9:,.0f} GFLOP/s this CPU measured in fp32 matmuls); "
-        f"train it on a GPU, or here with a smaller model or batch"
+        f"{_duration(seconds * total_steps)} for {total_steps:,} steps "
+        f"({flops_per_step / 1e9:,.0f} GFLOP per step and process at the "
+        f"{rate / 1e9:,.0f} GFLOP/s this CPU measured in fp32 matmuls); "
+        "train it on a GPU, or here with a smaller model or batch"
     )

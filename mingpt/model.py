@@ -1,5 +1,6 @@
-"""The GPT language model (Radford et al. 2018/2019, after Karpathy's minGPT): pre-LayerNorm blocks of causal
-self-attention (scaled_dot_product_attention) and a GELU MLP, and the KV cache that decoding steps through."""
+"""The GPT language model (Radford et al. 2018/2019, after Karpathy's minGPT): pre-LayerNorm blocks
+of causal self-attention (scaled_dot_product_attention) and a GELU MLP, and the KV cache that
+decoding steps through."""
 
 import math
 
@@ -12,8 +13,8 @@ from mingpt.config import GPTConfig
 
 
 class KVCache:
-    """Every layer's keys and values for block_size positions, preallocated: a decoding step has the same shapes
-    every time, as torch.compile and CUDA graphs need."""
+    """Every layer's keys and values for block_size positions, preallocated: a decoding step has the
+    same shapes every time, as torch.compile and CUDA graphs need."""
 
     def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32):
         shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
@@ -22,14 +23,16 @@ class KVCache:
         self.positions = torch.arange(config.block_size, device=device)[None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None):
-        """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys, values and mask the new queries
-        attend to. pos None: a prompt at positions 0..T-1, causal over itself. pos a one-element tensor: one token
-        there, attending to the cache up to its own position."""
-        self.k[layer].index_copy_(2, self.positions[0, : k.size(2)] if pos is None else pos, k)
-        self.v[layer].index_copy_(2, self.positions[0, : v.size(2)] if pos is None else pos, v)
-        return (
-            (k, v, None) if pos is None else (self.k[layer], self.v[layer], self.positions <= pos)
-        )
+        """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys, values and mask the
+        new queries attend to. pos None: a prompt at positions 0..T-1, causal over itself. pos a
+        one-element tensor: one token there, attending to the cache up to its own position."""
+        if pos is None:
+            self.k[layer].index_copy_(2, self.positions[0, : k.size(2)], k)
+            self.v[layer].index_copy_(2, self.positions[0, : v.size(2)], v)
+            return k, v, None
+        self.k[layer].index_copy_(2, pos, k)
+        self.v[layer].index_copy_(2, pos, v)
+        return self.k[layer], self.v[layer], self.positions <= pos
 
 
 class CausalSelfAttention(nn.Module):
@@ -52,7 +55,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        k, v, mask = (k, v, None) if cache is None else cache.store(layer, k, v, pos)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.store(layer, k, v, pos)
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -107,22 +112,24 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.checkpoint_blocks = False  # training: recompute each block's activations in backward
-        # GPT-2's initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 * n_layer).
+        # GPT-2's initialisation: N(0, 0.02), zero biases, and the projections that write into the
+        # residual stream scaled by 1/sqrt(2 * n_layer), so its variance does not grow with depth.
         for name, p in self.named_parameters():
             if p.dim() == 2:  # Linear and Embedding weights
-                nn.init.normal_(
-                    p,
-                    std=0.02 / math.sqrt(2 * config.n_layer)
-                    if name.endswith("c_proj.weight")
-                    else 0.02,
-                )
+                std = 0.02
+                if name.endswith("c_proj.weight"):
+                    std = 0.02 / math.sqrt(2 * config.n_layer)
+                nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """non_embedding leaves out the token and position embeddings (lookups; the head is not tied)."""
+        """non_embedding leaves out the token and position embeddings: they are lookups, not
+        matmuls (the head is not tied to wte, so it counts)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wte.weight.numel() - self.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            n -= self.wte.weight.numel() + self.wpe.weight.numel()
+        return n
 
     def forward(
         self,
@@ -130,8 +137,8 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) -> logits (B, T, vocab) and, with targets, the mean cross-entropy. With a cache, idx is a
-        prompt whose keys and values fill it from position 0, for `step` to continue."""
+        """idx (B, T) -> logits (B, T, vocab) and, with targets, the mean cross-entropy. With a
+        cache, idx is a prompt whose keys and values fill it from position 0 for `step` to go on."""
         T = idx.size(1)
         if self.config.block_size < T:
             raise ValueError(
@@ -142,14 +149,14 @@ class GPT(nn.Module):
         for i, block in enumerate(self.h):
             x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x, cache, i)
         logits = self.lm_head(self.ln_f(x))
-        loss = (
-            None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
-        )
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
         return logits, loss
 
     def step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The logits (B, vocab) after tokens idx (B, 1) at position pos (a one-element tensor), whose keys and
-        values join the cache. Its shapes do not depend on pos, so it compiles once."""
+        """The logits (B, vocab) after tokens idx (B, 1) at position pos (a one-element tensor),
+        whose keys and values join the cache. No shape depends on pos: it compiles once."""
         x = self.wte(idx) + self.wpe(pos)
         for i, block in enumerate(self.h):
             x = block(x, cache, i, pos)

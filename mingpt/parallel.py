@@ -29,7 +29,7 @@ def uses_fsdp(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
 
 
 def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) -> None:
-    """FSDP2 in place, before the optimizer is built: each block, then the root, is sharded over all ranks."""
+    """FSDP2 in place, before the optimizer is built: each block, then the root, over all ranks."""
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
     policy = MixedPrecisionPolicy(
         param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None
@@ -41,7 +41,8 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
 
 
 def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
-    """DDP around the model (which copies rank 0's weights to every rank), with the options of its comm hook."""
+    """DDP around the model, with its comm hook's options; DDP copies rank 0's weights to every
+    rank."""
     return DDP(
         model,
         device_ids=[dist_info.device.index] if dist_info.device.type == "cuda" else None,
@@ -56,7 +57,8 @@ def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iterator[None]:
-    """While in the body, backward reduces the gradients over the ranks only if `enabled` (last micro-batch)."""
+    """While in the body, backward reduces the gradients over the ranks only if `enabled`: on the
+    last micro-batch."""
     with contextlib.ExitStack() as stack:
         if not enabled and isinstance(raw_model, FSDPModule):
             raw_model.set_requires_gradient_sync(False)

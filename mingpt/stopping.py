@@ -1,5 +1,6 @@
-"""Stop signals (`trainer_config.stop_signals`, docs/fault-tolerance.md): inside `graceful()` a signal asks
-every rank to save and stop at the next step boundary; outside it, the process ends at once with one line."""
+"""Stop signals (`trainer_config.stop_signals`, docs/fault-tolerance.md): inside `graceful()` a
+signal asks every rank to save and stop at the next step boundary; outside it, the process ends at
+once with one line."""
 
 import contextlib
 import enum
@@ -22,7 +23,8 @@ STARTUP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 class Stopped(BaseException):
-    """The run stopped on a signal after saving: exit with `status` (a BaseException: no `except Exception` eats it)."""
+    """The run stopped on a signal after saving: exit with `status`. A BaseException, so that no
+    `except Exception` eats it."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -30,7 +32,8 @@ class Stopped(BaseException):
 
 
 class StepFlags(enum.IntEnum):
-    """The slots of the integers that all ranks all-reduce (MAX) once per step: the same decision on every rank."""
+    """The slots of the integers that all ranks all-reduce (MAX) once per step: the same decision on
+    every rank."""
 
     STOP = 0  # the number of a stop signal that some rank received (0: none)
     SAVE_DUE = 1  # rank 0's clock: a time-based snapshot is due (1) or not (0)
@@ -62,8 +65,9 @@ _state = types.SimpleNamespace(
 
 
 def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
-    """Handle `signals` from now on (main thread only; again to change the list). Their numbers reach a thread
-    through signal.set_wakeup_fd, so a signal is seen even while the main thread waits in C (a collective)."""
+    """Handle `signals` from now on (main thread only; again to change the list). Their numbers
+    reach a thread through signal.set_wakeup_fd, so a signal is seen even while the main thread
+    waits in C (a collective)."""
     wanted = {parse_signal(n) for n in signals}
     if not _state.watching:
         read_fd, write_fd = os.pipe()
@@ -79,19 +83,29 @@ def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
 
 
 def _watch(read_fd: int) -> None:
+    """The signals' thread: each byte read is the number of a signal that arrived."""
     while True:
-        for signum in (s for s in os.read(read_fd, 64) if s in _state.signals):
-            second_ctrl_c = signum == signal.SIGINT and _state.requested
-            if not _state.graceful or second_ctrl_c:
-                exit_now(signum, "again" if second_ctrl_c else "")
-            if not _state.requested:
-                _state.requested = signum
-                hint = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-                log.warning(
-                    "%s received: stopping at the end of this step, after saving a snapshot%s",
-                    signal_name(signum),
-                    hint,
-                )
+        for signum in os.read(read_fd, 64):
+            if signum in _state.signals:
+                _act(signum)
+
+
+def _act(signum: int) -> None:
+    """Outside graceful(), or at a second Ctrl-C, end the process; else ask for a stop, once."""
+    second_ctrl_c = signum == signal.SIGINT and _state.requested != 0
+    if not _state.graceful or second_ctrl_c:
+        exit_now(signum, again=second_ctrl_c)
+    if _state.requested:
+        return
+    _state.requested = signum
+    hint = ""
+    if signum == signal.SIGINT:
+        hint = " (Ctrl-C again to stop at once)"
+    log.warning(
+        "%s received: stopping at the end of this step, after saving a snapshot%s",
+        signal_name(signum),
+        hint,
+    )
 
 
 def stop_requested() -> int:
@@ -109,10 +123,13 @@ def graceful() -> Iterator[None]:
         _state.graceful = False
 
 
-def exit_now(signum: int, again: str = "") -> None:
+def exit_now(signum: int, again: bool = False) -> None:
     """One line on stderr, then exit with 128 + signum, skipping every cleanup that could hang."""
     _state.exiting = True
-    line = f"error: {describe(signum)}{' ' + again if again else ''}, exiting at once"
+    what = describe(signum)
+    if again:
+        what += " again"
+    line = f"error: {what}, exiting at once"
     tell_launcher(line)
     with contextlib.suppress(OSError):
         os.write(sys.stderr.fileno(), (line + "\n").encode())
@@ -120,15 +137,17 @@ def exit_now(signum: int, again: str = "") -> None:
 
 
 def park_if_exiting() -> None:
-    """For the main thread on its way out with an error (under torchrun, collectives fail as workers are
-    stopped): while exit_now ends the process, wait, so that its line is the only one (no traceback)."""
+    """For the main thread on its way out with an error (under torchrun, collectives fail as workers
+    are stopped): while exit_now ends the process, wait, so that its line is the only one (no
+    traceback)."""
     if _state.exiting:
         threading.Event().wait()
 
 
 def tell_launcher(line: str) -> None:
-    """Under torchrun (which sets TORCHELASTIC_ERROR_FILE), the worker's one error line into that file, in the JSON
-    of torch.distributed.elastic's ErrorHandler, so that torchrun's failure summary shows it."""
+    """Under torchrun (which sets TORCHELASTIC_ERROR_FILE), the worker's one error line into that
+    file, in the JSON of torch.distributed.elastic's ErrorHandler, so that torchrun's failure
+    summary shows it."""
     record = {
         "message": {
             "message": line,

@@ -1,4 +1,5 @@
-"""Local paths and fsspec URLs: errors as one StorageError naming the path, atomic writes, SHA-256, writability."""
+"""Local paths and fsspec URLs: errors as one StorageError naming the path, atomic writes, SHA-256,
+writability."""
 
 import contextlib
 import hashlib
@@ -23,7 +24,8 @@ class StorageError(ValueError):
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:
-    """What failing storage raises through fsspec: OSError, and the client libraries' errors once imported."""
+    """What failing storage raises through fsspec: OSError, and the client libraries' errors once
+    imported."""
     errors: list[type[BaseException]] = [OSError]
     for module, names in (
         ("botocore.exceptions", ("BotoCoreError", "ClientError")),
@@ -41,10 +43,12 @@ def reason(error: BaseException) -> str:
 
 
 class Sink:
-    """A binary file keeping the first storage error a write met, which torch.save hides behind "unexpected pos"."""
+    """A binary file keeping the first storage error a write met, which torch.save hides behind
+    "unexpected pos"."""
 
     def __init__(self, file: Any):
-        self.file, self.error = file, None
+        self.file = file
+        self.error = None
 
     def write(self, data: Any) -> int:
         try:
@@ -81,8 +85,8 @@ def exists(path: str, directory: bool = False) -> bool:  # with `directory`: is 
 
 
 def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
-    """Make the directory that will hold `p`. An object store's bucket (a path without a leading /) must exist:
-    s3fs would create a missing one, so a typo would make a new bucket."""
+    """Make the directory that will hold `p`. An object store's bucket (a path without a leading /)
+    must exist: s3fs would create a missing one, so a typo would make a new bucket."""
     if is_local(fs) or p.startswith("/"):
         fs.makedirs(fs._parent(p), exist_ok=True)
         return
@@ -96,13 +100,14 @@ def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
 
 
 def check_writable(run_dir: str, snapshot_path: str) -> None:
-    """StorageError unless a file can be made and removed in the run directory and beside the snapshot root."""
+    """StorageError unless a file can be made and removed in the run directory and beside the
+    snapshot root."""
     fs, p = filesystem(snapshot_path)
     with contextlib.suppress(*storage_errors()):  # the write probe names the storage's fault
         if fs.isfile(p):
             raise StorageError(
-                f"cannot write to the snapshot path {snapshot_path}: it is a file, and snapshots are "
-                "kept in a directory there"
+                f"cannot write to the snapshot path {snapshot_path}: it is a file, "
+                "and snapshots are kept in a directory there"
             )
     tag = uuid.uuid4().hex[:8]
     for label, path, probe in (
@@ -128,7 +133,8 @@ def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path
 
 @contextlib.contextmanager
 def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Iterator[BinaryIO]:
-    """A file that replaces `path` whole when the body ends, else is removed (`path` as it was); with `fs`, in it."""
+    """A file that replaces `path` whole when the body ends, else is removed (`path` as it was);
+    with `fs`, in it."""
     if fs is None:
         fs, path = filesystem(path)
     tmp = f"{path}{TMP_MARK}{os.getpid()}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -148,7 +154,8 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
 
 
 def remove_stale_temporaries(path: str) -> list[str]:
-    """Remove the temporaries of the local `path` left on this host by processes gone (not another host's); paths."""
+    """Remove the temporaries of the local `path` that processes now gone left on this host (not
+    another host's: its processes cannot be looked up here); return their paths."""
     here = re.escape(socket.gethostname())
     removed = []
     for name in os.listdir(os.path.dirname(path) or "."):
@@ -171,23 +178,31 @@ def remove_stale_temporaries(path: str) -> list[str]:
 
 
 def check_regular(path: str, label: str) -> None:
-    """StorageError if the local `path` exists and is not a regular file (a FIFO would block a read); URLs pass."""
+    """StorageError if the local `path` exists and is not a regular file (a FIFO would block a
+    read); URLs pass."""
     fs, p = filesystem(path)
-    with contextlib.suppress(OSError):
-        if is_local(fs) and not stat.S_ISREG(mode := os.stat(p).st_mode):
-            kind = (
-                "a directory"
-                if stat.S_ISDIR(mode)
-                else "a FIFO"
-                if stat.S_ISFIFO(mode)
-                else "a device or socket"
-            )
-            raise StorageError(f"{label} is not a regular file: {path} is {kind}")
+    if not is_local(fs):
+        return
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:  # missing or unreadable: opening it says which
+        return
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        kind = "a directory"
+    elif stat.S_ISFIFO(mode):
+        kind = "a FIFO"
+    else:
+        kind = "a device or socket"
+    raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 
 def sha256(f: Any, chunk: int = 16 << 20) -> tuple[int, str]:
-    """The size and SHA-256 of what is left to read in the open binary file `f`, read `chunk` bytes at a time."""
-    digest, size = hashlib.sha256(), 0
+    """The size and SHA-256 of what is left to read in the open binary file `f`, read `chunk` bytes
+    at a time."""
+    digest = hashlib.sha256()
+    size = 0
     while block := f.read(chunk):
         digest.update(block)
         size += len(block)

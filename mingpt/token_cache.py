@@ -1,5 +1,6 @@
-"""The token cache: a corpus encoded once per node into a checksummed file that every process reads its batches
-from. Layout: MAGIC, the JSON header's length, the header padded to a page, then the ids, file after file."""
+"""The token cache: a corpus encoded once per node into a checksummed file that every process reads
+its batches from. Layout: MAGIC, the JSON header's length, the header padded to a page, then the
+ids, file after file."""
 
 import codecs
 import hashlib
@@ -31,7 +32,7 @@ OWN_NAME = re.compile(
 
 
 class DataError(ValueError):
-    """The corpus is missing or unusable, or its cache cannot be written; the message names the file."""
+    """The corpus is missing or unusable, or its cache cannot be written; the message names it."""
 
 
 @dataclass
@@ -41,22 +42,22 @@ class TokenCache:
     tokens: torch.Tensor
     vocab: str  # the sorted distinct characters
     files: list[tuple[str, int]]  # (source, number of tokens) in order
-    # the cache, open for reads (batches are read from it, not through the map); closed with this object
+    # open for reads (batches are read from it, not through the map); closed with this object
     fd: int
     offset: int  # where the token ids start in the file, in bytes
     sources: list[dict]  # each source's {"source", "size", "sha256"}, from the header
 
     def read_windows(self, starts: torch.Tensor, out: torch.Tensor) -> None:
-        """Row i of `out` (contiguous, on the CPU, in the cache's dtype) := the tokens from `starts[i]` on.
-        One pread per row, not a gather through the memory map: a kernel that maps large page-cache folios
-        adds about 1 MB to the process's RSS per window sampled through a map; a read copies just the window."""
-        item, width = out.element_size(), out.shape[1] * out.element_size()
+        """Row i of `out` (contiguous, on the CPU, in the cache's dtype) := the tokens from
+        `starts[i]` on. One pread per row, not a gather through the memory map: a kernel that maps
+        large page-cache folios adds about 1 MB to the process's RSS per window sampled through a
+        map; a read copies just the window."""
+        item = out.element_size()
+        width = out.shape[1] * item  # bytes per row
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
         for i, start in enumerate(starts.tolist()):
-            if (
-                os.preadv(self.fd, [view[i * width : (i + 1) * width]], self.offset + start * item)
-                != width
-            ):
+            row = view[i * width : (i + 1) * width]
+            if os.preadv(self.fd, [row], self.offset + start * item) != width:
                 raise DataError(f"token cache {self.path} was truncated while in use")
 
     # every token id, read into `device`'s memory by chunks
@@ -70,7 +71,11 @@ class TokenCache:
 
 
 def dtype_for(vocab_size: int) -> str:  # the ids' dtype, a name numpy and torch share
-    return "uint8" if vocab_size <= 256 else "int16" if vocab_size <= 2**15 else "int32"
+    if vocab_size <= 256:
+        return "uint8"
+    if vocab_size <= 2**15:
+        return "int16"
+    return "int32"
 
 
 def code_points(text: str) -> np.ndarray:
@@ -83,9 +88,10 @@ def count(cps: np.ndarray) -> torch.Tensor:
 
 
 def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
-    """(raw bytes, decoded text) chunk by chunk, ending with an empty chunk. A byte-order mark at the start
-    of the file is dropped; bytes that are not UTF-8 end it with a DataError."""
-    decoder, offset = codecs.getincrementaldecoder("utf-8-sig")(), 0
+    """(raw bytes, decoded text) chunk by chunk, ending with an empty chunk. A byte-order mark at
+    the start of the file is dropped; bytes that are not UTF-8 end it with a DataError."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    offset = 0  # of `raw` in the file, for the error's byte number
     with open_source(source) as f:
         while True:
             raw = f.read(CHUNK)
@@ -113,8 +119,8 @@ def kept_chunks(source: str, open_source, keep: int) -> Iterator[np.ndarray]:
 
 
 def read_header(f) -> tuple[dict, int, str]:
-    """The header of an open cache file, where the token ids start and their dtype; a ValueError (or KeyError)
-    when it is not a cache of this version or its size is not what the header says."""
+    """The header of an open cache file, where the token ids start and their dtype; a ValueError (or
+    KeyError) when it is not a cache of this version or its size is not what the header says."""
     if f.read(len(MAGIC)) != MAGIC:
         raise ValueError("not a token cache")
     length = int.from_bytes(f.read(8), "little")
@@ -123,7 +129,8 @@ def read_header(f) -> tuple[dict, int, str]:
     header = json.loads(f.read(length).decode("utf-8"))
     if header.get("version") != VERSION:
         raise ValueError("another cache version")
-    offset, dtype = -(-(len(MAGIC) + 8 + length) // PAGE) * PAGE, dtype_for(len(header["vocab"]))
+    offset = -(-(len(MAGIC) + 8 + length) // PAGE) * PAGE  # the header's pages
+    dtype = dtype_for(len(header["vocab"]))
     if os.fstat(f.fileno()).st_size != offset + sum(header["counts"]) * np.dtype(dtype).itemsize:
         raise ValueError("wrong size")
     return header, offset, dtype
@@ -136,65 +143,68 @@ def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start 
 
 
 def _why_rebuild(path: str, sources: list[str], truncate: float, open_source) -> str | None:
-    """None if the cache at `path` is valid: the sources and the ids have the SHA-256s its header records (each read
-    once to compare); else why it is not."""
-    why = "missing"
-    if os.path.exists(path):
-        keys = []
-        for source in sources:
-            with open_source(source) as f:
-                keys.append(storage.sha256(f))
-        try:
-            with open(path, "rb") as f:
-                header, offset, _ = read_header(f)
-                f.seek(offset)
-                if (
-                    keys != [(h["size"], h["sha256"]) for h in header["sources"]]
-                    or header["truncate"] != truncate
-                ):
-                    why = "the corpus changed"
-                elif storage.sha256(f)[1] != header["digest"]:
-                    why = "damaged (its checksum does not match)"
-                else:
-                    return None
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            why = f"damaged ({e})"
-    return why
+    """None if the cache at `path` is valid: the sources and the ids have the SHA-256s its header
+    records (each read once to compare); else why it is not."""
+    if not os.path.exists(path):
+        return "missing"
+    keys = []
+    for source in sources:
+        with open_source(source) as f:
+            keys.append(storage.sha256(f))
+    try:
+        with open(path, "rb") as f:
+            header, offset, _ = read_header(f)
+            f.seek(offset)
+            if (
+                keys != [(h["size"], h["sha256"]) for h in header["sources"]]
+                or header["truncate"] != truncate
+            ):
+                return "the corpus changed"
+            if storage.sha256(f)[1] != header["digest"]:
+                return "damaged (its checksum does not match)"
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return f"damaged ({e})"
+    return None
+
+
+def _scan(source: str, open_source) -> tuple[dict, int, torch.Tensor]:
+    """A source's entry in the header ({"source", "size", "sha256"}), its length in characters and
+    how often each code point occurs in it, from one read."""
+    digest = hashlib.sha256()
+    size = 0
+    n_chars = 0
+    counts = 0
+    for raw, text in decoded_chunks(source, open_source):
+        digest.update(raw)
+        size += len(raw)
+        n_chars += len(text)
+        counts += count(code_points(text))
+    if not n_chars:
+        raise DataError(f"data file is empty: {source}")
+    return {"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts
 
 
 def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
-    """Build the cache at `path` (atomically) unless a valid one is there. A build reads each source twice (thrice
-    when truncated: the vocabulary is that of the kept text)."""
+    """Build the cache at `path` (atomically) unless a valid one is there. A build reads each source
+    twice (thrice when truncated: the vocabulary is that of the kept text)."""
     why = _why_rebuild(path, sources, truncate, open_source)
     if why is None:
         log.info("token cache %s is up to date", path)
         return
-    (log.warning if why.startswith("damaged") else log.info)(
-        "token cache %s: %s; encoding the corpus", path, why
-    )
-    scans = []
-    for source in sources:
-        digest, size, n_chars, counts = hashlib.sha256(), 0, 0, 0
-        for raw, text in decoded_chunks(source, open_source):
-            digest.update(raw)
-            size += len(raw)
-            n_chars += len(text)
-            counts += count(code_points(text))
-        if not n_chars:
-            raise DataError(f"data file is empty: {source}")
-        scans.append(
-            ({"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts)
-        )
+    level = logging.INFO
+    if why.startswith("damaged"):
+        level = logging.WARNING
+    log.log(level, "token cache %s: %s; encoding the corpus", path, why)
+    scans = [_scan(source, open_source) for source in sources]
     kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
-    counts = sum(
-        (c for *_, c in scans)
-        if truncate == 1.0
-        else (
+    if truncate == 1.0:
+        counts = sum(c for *_, c in scans)
+    else:  # the vocabulary of the kept text alone
+        counts = sum(
             count(cps)
-            for source, keep in zip(sources, kept)
+            for source, keep in zip(sources, kept, strict=True)
             for cps in kept_chunks(source, open_source, keep)
         )
-    )
     vocab_cps = np.flatnonzero(counts.numpy())
     dtype = dtype_for(len(vocab_cps))
     lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
@@ -216,7 +226,7 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
         with storage.atomic_open(path) as f:
             f.write(_header_bytes(header))
             digest = hashlib.sha256()
-            for source, keep in zip(sources, kept):
+            for source, keep in zip(sources, kept, strict=True):
                 for cps in kept_chunks(source, open_source, keep):
                     ids = lookup[cps].tobytes()
                     digest.update(ids)
@@ -241,7 +251,7 @@ def open_cache(path: str) -> TokenCache:
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     # keeps `mapped` alive
     tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))
-    files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"])]
+    files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"], strict=True)]
     cache = TokenCache(path, tokens, header["vocab"], files, fd, offset, header["sources"])
     weakref.finalize(cache, os.close, fd)
     return cache
@@ -254,9 +264,9 @@ def is_own(path: str) -> bool:  # a cache file, a temporary of one, or the defau
 def default_cache_path(
     sources: list[str], truncate: float, cache_dir: str | None, local_dir: str | None
 ) -> str:
-    """data_config.cache_dir if set, else .mingpt-cache/ beside a local corpus when that directory is writable,
-    else the user's cache directory. The name depends on the sources and truncate, not their contents:
-    a changed corpus replaces its cache instead of adding one."""
+    """data_config.cache_dir if set, else .mingpt-cache/ beside a local corpus when that directory
+    is writable, else the user's cache directory. The name depends on the sources and truncate, not
+    their contents: a changed corpus replaces its cache instead of adding one."""
     if cache_dir is None and local_dir is not None and os.access(local_dir, os.W_OK):
         cache_dir = os.path.join(local_dir, DEFAULT_DIR)
     elif cache_dir is None:

@@ -1,5 +1,6 @@
 """Workarounds for bugs in PyTorch, all of them here. Each names its bug, applies only where the
-installed torch has it, and changes nothing in torch itself: mingpt gets its own copy of what it calls."""
+installed torch has it, and changes nothing in torch itself: mingpt gets its own copy of what it
+calls."""
 
 import contextlib
 import functools
@@ -17,15 +18,17 @@ from torch.distributed.constants import default_pg_timeout
 
 
 class _View(types.SimpleNamespace):
-    """`_target` with the other keyword arguments in place of its attributes, for a copied function's globals."""
+    """`_target` with the other keyword arguments in place of its attributes, for a copied
+    function's globals."""
 
     def __getattr__(self, name: str) -> Any:  # only for names not replaced
         return getattr(self._target, name)
 
 
 def _orthogonalize_takes_only_batches() -> bool:
-    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes only 3-D batches of
-    them since PowerSGD batches same-shaped layers: the hook fails at its first compressed step (torch 2.13 has it)."""
+    """Bug: batched_powerSGD_hook orthogonalizes 2-D matrices, but `_orthogonalize` takes only 3-D
+    batches of them since PowerSGD batches same-shaped layers: the hook fails at its first
+    compressed step (torch 2.13 has it)."""
     try:
         powerSGD_hook._orthogonalize(torch.ones(2, 1))
     except AssertionError:
@@ -35,17 +38,18 @@ def _orthogonalize_takes_only_batches() -> bool:
 
 def _orthogonalize_matrix_or_batch(matrices: torch.Tensor, epsilon: float = 0) -> None:
     """A 2-D matrix as a batch of one: a view, so the result lands in the hook's own tensor."""
-    powerSGD_hook._orthogonalize(
-        matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon
-    )
+    if matrices.dim() == 2:
+        matrices = matrices.unsqueeze(0)
+    powerSGD_hook._orthogonalize(matrices, epsilon)
 
 
 def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
-    """torch's PowerSGD hook (batched or not) for a job on CUDA or not; where this torch needs it, a copy (its code,
-    defaults, closure, name and annotations, which DDP checks) whose globals are fixed. Bug: both hooks end each
-    bucket with `torch.cuda.synchronize(device)` whenever CUDA is available, also for gradients on the CPU, where
-    it raises ("Expected a cuda device, but got: cpu"; upstream PR 196568; torch 2.13 has it): a CPU job on a GPU
-    host dies in its first compressed backward. Its copy sees a torch without CUDA."""
+    """torch's PowerSGD hook (batched or not) for a job on CUDA or not; where this torch needs it, a
+    copy (its code, defaults, closure, name and annotations, which DDP checks) whose globals are
+    fixed. Bug: both hooks end each bucket with `torch.cuda.synchronize(device)` whenever CUDA is
+    available, also for gradients on the CPU, where it raises ("Expected a cuda device, but got:
+    cpu"; upstream PR 196568; torch 2.13 has it): a CPU job on a GPU host dies in its first
+    compressed backward. Its copy sees a torch without CUDA."""
     hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
     replaced: dict[str, Any] = {}
     if not on_cuda and torch.cuda.is_available():
@@ -69,9 +73,9 @@ def powersgd_hook(batched: bool, on_cuda: bool) -> Callable:
 
 @functools.cache
 def stager_stages_once() -> bool:
-    """Bug: DCP's DefaultStager closes itself at the end of each stage (torch 2.11 has it; 2.13 does not), so a
-    second stage fails deep inside its copy with `KeyError: <class 'type'>`: every asynchronous save after the first
-    failed on such a torch."""
+    """Bug: DCP's DefaultStager closes itself at the end of each stage (torch 2.11 has it; 2.13 does
+    not), so a second stage fails deep inside its copy with `KeyError: <class 'type'>`: every
+    asynchronous save after the first failed on such a torch."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     stager = DefaultStager(StagingOptions(False, False, False, False))
@@ -86,18 +90,30 @@ def stager_stages_once() -> bool:
     return False
 
 
-# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its rendezvous TCPStore, the same for every
-# restart, with the keys the previous workers wrote: restarted workers read the dead ones' addresses, fail to
-# connect or wait forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun start a fresh store per restart.
+# Bug (pytorch#135712, torch >= 2.5): torchrun lends its workers its rendezvous TCPStore, the same
+# for every restart, with the keys the previous workers wrote: restarted workers read the dead ones'
+# addresses, fail to connect or wait forever. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes torchrun
+# start a fresh store per restart.
 RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch#135712)"
 INIT_AFTER_RESTART_SECONDS = 300
 
 
+def _give_up(restart: int) -> None:
+    """Run by a timer while the main thread waits in C to join the group: only os._exit ends it."""
+    line = (
+        f"error: restart {restart} could not join the process group in "
+        f"{INIT_AFTER_RESTART_SECONDS} s: {RESTART_FIX}\n"
+    )
+    os.write(sys.stderr.fileno(), line.encode())
+    os._exit(2)
+
+
 @contextlib.contextmanager
 def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
-    """The store to join the process group with (None: env://). One torchrun agent sharing its store: each
-    restart's keys under their own prefix. Several, whose restart counts can differ: a restarted worker that
-    cannot join in INIT_AFTER_RESTART_SECONDS ends with one line naming the fix instead of waiting silently."""
+    """The store to join the process group with (None: env://). One torchrun agent sharing its
+    store: each restart's keys under their own prefix. Several, whose restart counts can differ: a
+    restarted worker that cannot join in INIT_AFTER_RESTART_SECONDS ends with one line naming the
+    fix instead of waiting silently."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
@@ -109,19 +125,14 @@ def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
             timeout=default_pg_timeout,
         )
         yield dist.PrefixStore(f"mingpt/attempt-{restart}", store)
-    elif not (shared and restart):
+        return
+    if not (shared and restart):
         yield None
-    else:
-
-        def give_up() -> None:
-            line = f"error: restart {restart} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: "
-            os.write(sys.stderr.fileno(), f"{line}{RESTART_FIX}\n".encode())
-            os._exit(2)
-
-        timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, give_up)
-        timer.daemon = True
-        timer.start()
-        try:
-            yield None
-        finally:
-            timer.cancel()
+        return
+    timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, _give_up, (restart,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield None
+    finally:
+        timer.cancel()

@@ -1,5 +1,6 @@
-"""The optional experiment tracker, MLflow: rank 0's config, scalars and samples (docs/tracking.md). It is never
-worth the run: MLflow missing, unreachable or failing costs one warning and training goes on without it."""
+"""The optional experiment tracker, MLflow: rank 0's config, scalars and samples (docs/tracking.md).
+It is never worth the run: MLflow missing, unreachable or failing costs one warning and training
+goes on without it."""
 
 import contextlib
 import dataclasses
@@ -14,26 +15,22 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# MLflow retries a request 7 times and waits 120 s for each by default: minutes in which training would stand
-# still. Its calls here run with these (an environment that sets them wins); the first, no retry.
+# MLflow retries a request 7 times and waits 120 s for each by default: minutes in which training
+# would stand still. Its calls here run with these (an environment that sets them wins); the first,
+# which finds the store, with PROBE_LIMITS over them: no retry.
 HTTP_LIMITS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
-PROBE_LIMITS = {
-    **HTTP_LIMITS,
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
-}
+PROBE_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 DEFAULT_EXPERIMENT = "mingpt"
 INSTALL_HINT = "pip install -e .[mlflow]"
-# what MLflow's database stores import; mlflow-skinny lacks them
-DATABASE_MODULES = ("sqlalchemy", "alembic")
+DATABASE_MODULES = ("sqlalchemy", "alembic")  # what MLflow's database stores import
 
 
 class Tracker:
-    """Rank 0's link to the tracker; on other ranks, and once it has failed, every call does nothing."""
+    """Rank 0's link to the tracker; off rank 0, and once it has failed, every call is a no-op."""
 
     run_id: str | None = None
 
@@ -51,8 +48,9 @@ OFF = Tracker()
 
 
 def start(config: Any, run_dir: str, run_id: str | None, step: int, enabled: bool) -> Tracker:
-    """The tracker `config.trainer_config.tracker` names, continuing the tracker run `run_id` (saved in the
-    snapshot; None: a new run) at `step`. OFF where none is asked for, off rank 0, or where it cannot start."""
+    """The tracker `config.trainer_config.tracker` names, continuing the tracker run `run_id` (saved
+    in the snapshot; None: a new run) at `step`. OFF where none is asked for, off rank 0, or where
+    it cannot start."""
     cfg = config.trainer_config
     if not enabled or cfg.tracker is None:
         return OFF
@@ -68,12 +66,15 @@ class TrackerUnavailable(RuntimeError):
 
 
 def _first_line(e: BaseException) -> str:
-    """MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] ...`), not the retry story."""
+    """MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] ...`), not the
+    retry story."""
     text = str(e).strip()
     if errno := re.search(r"\[Errno -?\d+\][^'\")]*", text):
         return errno.group(0).strip()
     line = text.splitlines()[0] if text else ""
-    return f"{type(e).__name__}: {line[:200]}{'...' if len(line) > 200 else ''}"
+    if len(line) > 200:
+        line = line[:200] + "..."
+    return f"{type(e).__name__}: {line}"
 
 
 @contextlib.contextmanager
@@ -86,6 +87,28 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+def _check_database_store(uri: str) -> None:
+    """A database store needs what MLflow's database stores import, which mlflow-skinny lacks;
+    without it MLflow says only "unsupported model registry URI"."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0]
+    missing = [m for m in DATABASE_MODULES if importlib.util.find_spec(m) is None]
+    if scheme in ("sqlite", "postgresql", "mysql", "mssql") and missing:
+        raise TrackerUnavailable(
+            f"the MLflow store {uri} is a database, which needs {' and '.join(missing)} "
+            f"({INSTALL_HINT})"
+        )
+
+
+def _limits(uri: str) -> dict[str, str]:
+    """The environment MLflow's calls run with for the store `uri`: HTTP_LIMITS, and for a directory
+    (a path or a file: URI) the consent MLflow 3 asks for before it uses one."""
+    env = dict(HTTP_LIMITS)
+    path = "://" not in uri and not uri.startswith(("sqlite:", "databricks", "uc:"))
+    if path or uri.startswith("file:"):
+        env["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    return env
 
 
 class MlflowTracker(Tracker):
@@ -102,18 +125,8 @@ class MlflowTracker(Tracker):
         except Exception as e:  # an installation that is broken
             raise TrackerUnavailable(f"mlflow cannot be imported ({_first_line(e)})") from None
         self.uri = config.trainer_config.tracker_uri or mlflow.get_tracking_uri()
-        scheme = self.uri.split(":", 1)[0].split("+", 1)[0]
-        missing = [m for m in DATABASE_MODULES if importlib.util.find_spec(m) is None]
-        # else "unsupported model registry URI"
-        if scheme in ("sqlite", "postgresql", "mysql", "mssql") and missing:
-            raise TrackerUnavailable(
-                f"the MLflow store {self.uri} is a database, which needs {' and '.join(missing)} "
-                f"({INSTALL_HINT})"
-            )
-        path = "://" not in self.uri and not self.uri.startswith(("sqlite:", "databricks", "uc:"))
-        # MLflow 3 refuses one unless MLFLOW_ALLOW_FILE_STORE=true
-        directory = path or self.uri.startswith("file:")
-        self._env = dict(HTTP_LIMITS, **({"MLFLOW_ALLOW_FILE_STORE": "true"} if directory else {}))
+        _check_database_store(self.uri)
+        self._env = _limits(self.uri)
         try:
             with _environment({**self._env, **PROBE_LIMITS}):
                 self.client = MlflowClient(self.uri)
@@ -125,14 +138,19 @@ class MlflowTracker(Tracker):
             ) from None
         try:
             with _environment(self._env):
-                experiment_id = (
-                    experiment.experiment_id if experiment else self.client.create_experiment(name)
-                )
-                self.run_id = (run_id and self._continue(run_id, step)) or self.client.create_run(
-                    experiment_id,
-                    run_name=os.path.basename(os.path.normpath(run_dir)),
-                    tags={"mingpt.run_dir": os.path.abspath(run_dir)},
-                ).info.run_id
+                if experiment:
+                    experiment_id = experiment.experiment_id
+                else:
+                    experiment_id = self.client.create_experiment(name)
+                if run_id:
+                    self.run_id = self._continue(run_id, step)
+                if self.run_id is None:
+                    run = self.client.create_run(
+                        experiment_id,
+                        run_name=os.path.basename(os.path.normpath(run_dir)),
+                        tags={"mingpt.run_dir": os.path.abspath(run_dir)},
+                    )
+                    self.run_id = run.info.run_id
                 self._log_params(config, step)
         except Exception as e:
             if self.run_id is not None:  # left RUNNING otherwise
@@ -166,21 +184,21 @@ class MlflowTracker(Tracker):
         return run_id
 
     def _log_params(self, config: Any, step: int) -> None:
-        """The config as params, one per key. MLflow's params cannot change: a resumed run logs each changed value
-        as `key:step<N>`, N the step it resumed from (MLflow's names take no `@`)."""
+        """The config as params, one per key. MLflow's params cannot change: a resumed run logs each
+        changed value as `key:step<N>`, N the step it resumed from (MLflow's names take no `@`)."""
         from mlflow.entities import Param
 
-        logged, new = self.client.get_run(self.run_id).data.params, []
+        logged = self.client.get_run(self.run_id).data.params
+        new = []
         for section in dataclasses.fields(config):
             for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-                key, value = (
-                    f"{section.name}.{key}",
-                    (value if isinstance(value, str) else json.dumps(value))[:6000],
-                )
-                if key not in logged:
-                    new.append(Param(key, value))
-                elif logged[key] != value:
-                    new.append(Param(f"{key}:step{step}", value))
+                name = f"{section.name}.{key}"
+                text = value if isinstance(value, str) else json.dumps(value)
+                text = text[:6000]
+                if name not in logged:
+                    new.append(Param(name, text))
+                elif logged[name] != text:
+                    new.append(Param(f"{name}:step{step}", text))
         # MLflow takes at most 100 params a batch, values of 6000 characters
         for i in range(0, len(new), 100):
             self.client.log_batch(self.run_id, params=new[i : i + 100])
