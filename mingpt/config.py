@@ -94,9 +94,9 @@ class OptimizerConfig:
     eps: float = key(1e-8, "AdamW epsilon")
     lr_schedule: str = key(
         "cosine",
-        "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` "
-        "at the last step; `constant`: warmup, then flat; `wsd`: warmup, flat, then over the "
-        "run's last `cooldown_fraction` a linear decay to `min_lr_ratio * learning_rate`",
+        "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` at the "
+        "last step; `constant`: warmup, then flat; `wsd`: warmup, flat, then over the run's last "
+        "`cooldown_fraction` a linear decay to `min_lr_ratio * learning_rate`",
     )
     warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)")
     min_lr_ratio: float = key(
@@ -107,8 +107,8 @@ class OptimizerConfig:
     )
     algorithm: str = key(
         "adamw",
-        "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer "
-        "blocks, AdamW for the embeddings, head, biases and LayerNorms; not with "
+        "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer blocks, "
+        "AdamW for the embeddings, head, biases and LayerNorms; not with "
         "`trainer_config.parallelism=fsdp`",
     )
     muon_learning_rate: float = key(
@@ -173,9 +173,9 @@ DEFAULT_DATA_PATH = "data/input.txt"
 class DataConfig:
     path: Any = key(
         DEFAULT_DATA_PATH,
-        "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or "
-        "`gcs` extra), a glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), "
-        "read as one corpus; the default is downloaded when missing ([The corpus](data.md))",
+        "local path or fsspec URL of a UTF-8 text (`s3://`, `gs://`: the `s3` or `gcs` extra), a "
+        "glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one corpus; "
+        "the default is downloaded when missing ([The corpus](data.md))",
     )
     block_size: int = key(64, "context length in characters")
     train_split: float = key(
@@ -189,15 +189,15 @@ class DataConfig:
     )
     cache_dir: str | None = key(
         None,
-        "directory of the token cache; null: `.mingpt-cache/` beside a local corpus "
-        "if writable, else `$XDG_CACHE_HOME/mingpt`",
+        "directory of the token cache; null: `.mingpt-cache/` beside a local corpus if writable, "
+        "else `$XDG_CACHE_HOME/mingpt`",
         operational=True,
     )
     placement: str = key(
         "auto",
-        "where batches are gathered: `device` (the whole corpus in the device's memory), "
-        "`host` (each batch read from the token cache file), `auto` (on a GPU `device` when the "
-        "corpus takes at most 1/8 of its memory; else `host`)",
+        "where batches are gathered: `device` (the whole corpus in the device's memory), `host` "
+        "(each batch read from the token cache file), `auto` (on a GPU `device` when the corpus "
+        "takes at most 1/8 of its memory; else `host`)",
         operational=True,
     )
 
@@ -237,8 +237,8 @@ class DataConfig:
 class TrainerConfig:
     run_name: str = key(
         "default",
-        "the run directory is `runs/<run_name>`, plus the changed values and their hash "
-        "for any other config (see [Run directory](run-directory.md))",
+        "the run directory is `runs/<run_name>`, plus the changed values and their hash for any "
+        "other config (see [Run directory](run-directory.md))",
         operational=True,
     )
     max_epochs: int = key(2, "epochs over the training windows")
@@ -256,20 +256,19 @@ class TrainerConfig:
     )
     eval_every: int = key(
         500,
-        "evaluate every this many optimizer steps (0: at the end of each epoch); always at "
-        "the end of the run",
+        "evaluate every this many optimizer steps (0: at the end of each epoch); always at the "
+        "end of the run",
         operational=True,
     )
     eval_tokens: int = key(
         131_072,
-        "evaluate on at most this many held-out tokens, whole windows spread evenly over "
-        "the split, for any number of processes (0: all)",
+        "evaluate on at most this many held-out tokens, whole windows spread evenly over the "
+        "split, for any number of processes (0: all)",
     )
     early_stop_patience: int | None = key(
         None,
-        "stop the run, as finished, after this many evaluations in a row "
-        "without the best held-out loss dropping by `early_stop_min_delta` "
-        "(null: never)",
+        "stop the run, as finished, after this many evaluations in a row without the best "
+        "held-out loss dropping by `early_stop_min_delta` (null: never)",
     )
     early_stop_min_delta: float = key(
         0.0,
@@ -282,8 +281,8 @@ class TrainerConfig:
     )
     snapshot_path: str | None = key(
         None,
-        "the snapshots' root directory: local path or fsspec URL, relative to "
-        "the run directory; null: `snapshots`",
+        "the snapshots' root directory: local path or fsspec URL, relative to the run directory; "
+        "null: `snapshots`",
         operational=True,
     )
     save_every: int = key(
@@ -294,8 +293,8 @@ class TrainerConfig:
     )
     save_every_minutes: float | None = key(
         5.0,
-        "also save when this many minutes have passed since the last save "
-        "(null: never by time), a bound on the work a crash can lose",
+        "also save when this many minutes have passed since the last save (null: never by time), "
+        "a bound on the work a crash can lose",
         operational=True,
     )
     keep_snapshots: int = key(
@@ -305,23 +304,23 @@ class TrainerConfig:
     )
     async_save: bool = key(
         True,
-        "save in the background: training waits only for the copy of the state to CPU "
-        "memory; the next save, a stop and the end wait for it, and its failure stops the run on "
-        "every rank",
+        "save in the background: training waits only for the copy of the state to CPU memory; "
+        "the next save, a stop and the end wait for it, and its failure stops the run on every "
+        "rank",
         operational=True,
     )
     stop_signals: list[str] = key(
         help="signals that stop the run at the next step boundary after a snapshot, exit "
-        "status 128 + the signal ([Fault tolerance](fault-tolerance.md#stopping-a-run-"
-        "signals-and-exit-statuses))",
+        "status 128 + the signal ([Fault "
+        "tolerance](fault-tolerance.md#stopping-a-run-signals-and-exit-statuses))",
         operational=True,
         default_factory=lambda: list(DEFAULT_SIGNALS),
     )
     init_from: str | None = key(
         None,
-        "fine-tune from a snapshot file, a sharded snapshot or a run directory (its "
-        "best weights): its shape, vocabulary and weights, with a fresh optimizer and "
-        "schedule on this run's corpus ([Fine-tuning](training.md#fine-tuning))",
+        "fine-tune from a snapshot file, a sharded snapshot or a run directory (its best "
+        "weights): its shape, vocabulary and weights, with a fresh optimizer and schedule on "
+        "this run's corpus ([Fine-tuning](training.md#fine-tuning))",
     )
     use_amp: bool = key(False, "mixed precision on CUDA")
     amp_dtype: str = key("bf16", "`bf16`, or `fp16` (with a gradient scaler)")
@@ -331,28 +330,35 @@ class TrainerConfig:
     compile: bool = key(False, "`torch.compile` the model", operational=True)
     activation_checkpointing: bool = key(
         False,
-        "recompute each transformer block's activations in backward instead "
-        "of keeping them: less memory for more compute, the same gradients "
-        "(`benchmarks/bench_parallel.py --checkpointing false true` measures both)",
+        "recompute each transformer block's activations in backward instead of keeping them: "
+        "less memory for more compute, the same gradients (`benchmarks/bench_parallel.py "
+        "--checkpointing false true` measures both)",
+        operational=True,
+    )
+    profile_steps: int = key(
+        0,
+        "record this many optimizer steps, after one of warm-up, with `torch.profiler` and write "
+        "each rank's trace into `profile/` in the run directory, for TensorBoard or Perfetto (0: "
+        "off; see [Performance](training.md#performance))",
         operational=True,
     )
     parallelism: str = key(
         "ddp",
-        "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and "
-        "AdamW state sharded over the ranks; see [Distributed training]"
-        "(training.md#distributed-training))",
+        "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and AdamW "
+        "state sharded over the ranks; see [Distributed "
+        "training](training.md#distributed-training))",
     )
     ddp_comm_hook: str = key(
         "none",
         "DDP gradient communication: `none`, `fp16`, `bf16` (NCCL only), `powersgd`, "
-        "`batched_powersgd`, `post_local_sgd` (see [Distributed training]"
-        "(training.md#distributed-training))",
+        "`batched_powersgd`, `post_local_sgd` (see [Distributed "
+        "training](training.md#distributed-training))",
     )
     powersgd_rank: int = key(
         8,
-        "PowerSGD's matrix rank; with `powersgd_start_step`'s default it keeps `powersgd` "
-        "within about 2% of DDP's held-out loss ([measured](../BENCHMARKS.md#powersgds-defaults-"
-        "what-the-compression-costs-in-loss))",
+        "PowerSGD's matrix rank; with `powersgd_start_step`'s default it keeps `powersgd` within "
+        "about 2% of DDP's held-out loss "
+        "([measured](../BENCHMARKS.md#powersgds-defaults-what-the-compression-costs-in-loss))",
     )
     powersgd_start_step: int = key(100, "the step PowerSGD starts compressing at (>= 2)")
     allow_config_change: bool = key(
@@ -368,16 +374,16 @@ class TrainerConfig:
     )
     tracker: str | None = key(
         None,
-        "`mlflow` (needs the `mlflow` extra) or null: rank 0 also logs the config, "
-        "scalars and samples there, and a resumed run continues the same tracker run "
-        "([Experiment tracking](tracking.md))",
+        "`mlflow` (needs the `mlflow` extra) or null: rank 0 also logs the config, scalars and "
+        "samples there, and a resumed run continues the same tracker run ([Experiment "
+        "tracking](tracking.md))",
         operational=True,
     )
     tracker_uri: str | None = key(
         None,
-        "the tracker's store: an MLflow tracking URI (`http://host:5000`, "
-        "`sqlite:///mlflow.db`, `file:./mlruns` or a directory); null: MLflow's default "
-        "(`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the working directory)",
+        "the tracker's store: an MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`, "
+        "`file:./mlruns` or a directory); null: MLflow's default (`MLFLOW_TRACKING_URI`, else "
+        "`sqlite:///mlflow.db` in the working directory)",
         operational=True,
     )
 
@@ -387,8 +393,8 @@ class TrainerConfig:
             and "/" not in self.run_name
             and self.run_name.isprintable(),
             "trainer_config.run_name",
-            "must be one directory name (not empty, '.' or '..', without '/' or "
-            f"control characters such as a newline), got {self.run_name!r}",
+            "must be one directory name (not empty, '.' or '..', without '/' or control "
+            f"characters such as a newline), got {self.run_name!r}",
         )
         at_least(
             1,
@@ -426,6 +432,7 @@ class TrainerConfig:
             "sample_chars",
             "eval_tokens",
             "localsgd_start_step",
+            "profile_steps",
         )
         check(
             math.isfinite(self.early_stop_min_delta) and self.early_stop_min_delta >= 0,
@@ -435,8 +442,8 @@ class TrainerConfig:
         check(
             self.powersgd_start_step >= 2,
             "trainer_config.powersgd_start_step",
-            "must be >= 2 (PowerSGD starts after plain all-reduce steps), "
-            f"got {self.powersgd_start_step}",
+            "must be >= 2 (PowerSGD starts after plain all-reduce steps), got "
+            f"{self.powersgd_start_step}",
         )
         check(
             self.save_every_minutes is None or self.save_every_minutes > 0,
@@ -461,8 +468,8 @@ class TrainerConfig:
         check(
             self.init_from != "",
             "trainer_config.init_from",
-            "must be a snapshot file, a sharded snapshot or a run directory "
-            "(null: train from scratch), got ''",
+            "must be a snapshot file, a sharded snapshot or a run directory (null: train from "
+            "scratch), got ''",
         )
         one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
         one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
@@ -476,8 +483,8 @@ class TrainerConfig:
             check(
                 self.ddp_comm_hook == "none",
                 "trainer_config.ddp_comm_hook",
-                f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none "
-                "(use none, or parallelism=ddp)",
+                f"{self.ddp_comm_hook} is a DDP comm hook; parallelism=fsdp has none (use none, "
+                "or parallelism=ddp)",
             )
             check(
                 not (self.use_amp and self.amp_dtype == "fp16"),
@@ -487,8 +494,8 @@ class TrainerConfig:
         check(
             self.localsgd_period >= 2,
             "trainer_config.localsgd_period",
-            "must be >= 2 (1 averages every step: "
-            f"that is plain DDP, ddp_comm_hook=none), got {self.localsgd_period}",
+            "must be >= 2 (1 averages every step: that is plain DDP, ddp_comm_hook=none), got "
+            f"{self.localsgd_period}",
         )
         one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
         check(
@@ -514,8 +521,8 @@ class Config:
         check(
             self.optimizer_config.algorithm != "muon" or self.trainer_config.parallelism != "fsdp",
             "optimizer_config.algorithm",
-            "muon orthogonalises whole matrices, which parallelism=fsdp shards "
-            "(torch.optim.Muon takes no sharded parameters): use adamw, or parallelism=ddp",
+            "muon orthogonalises whole matrices, which parallelism=fsdp shards (torch.optim.Muon "
+            "takes no sharded parameters): use adamw, or parallelism=ddp",
         )
 
 

@@ -10,7 +10,9 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import time
+import types
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -223,7 +225,7 @@ class Trainer:
         batches = self._batches()
         status = "FAILED"  # how the run ended, for the experiment tracker
         try:
-            with stopping.graceful():
+            with stopping.graceful(), self._profiler() as profiler:
                 while True:
                     # One optimizer step over this rank's share of the next global batch.
                     indices = next(batches)
@@ -244,6 +246,7 @@ class Trainer:
                         # stop signal.
                         with self._weights_finite():
                             self.checkpointer.save(state, last_step, epoch_ended)
+                    profiler.step()
                     if last_step:
                         break
             status = "FINISHED"
@@ -256,6 +259,27 @@ class Trainer:
             raise
         finally:
             self.metrics.close(status)
+
+    def _profiler(self) -> contextlib.AbstractContextManager:
+        """With profile_steps, torch.profiler over that many steps after one of warm-up, each rank's
+        trace written into profile/ in the run directory; else a profiler that records nothing."""
+        steps = self.cfg.profile_steps
+        if not steps:
+            return contextlib.nullcontext(types.SimpleNamespace(step=lambda: None))
+        trace_dir = os.path.join(self.run_dir, "profile")
+        first = self.state.step + 2
+        log.info("profiling steps %d to %d into %s", first, first + steps - 1, trace_dir)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
+            record_shapes=True,
+            profile_memory=True,
+            with_stack=False,
+        )
 
     def _batches(self) -> Iterator[torch.Tensor]:
         """This rank's samples for each step, from the run's position on, epoch after epoch."""
@@ -441,8 +465,9 @@ class Trainer:
         return all_max(self.dist, [stopping.stop_requested()])[0]
 
     def sample_for_all(self) -> str | None:
-        """The closing sample: every rank takes part (LocalSGD averages the replicas, a sharded model generates
-        in lockstep); rank 0 gets the text, the others None, as does a run with sample_chars 0."""
+        """The closing sample: every rank takes part (LocalSGD averages the replicas, a sharded
+        model generates in lockstep); rank 0 gets the text, the others None, as does a run with
+        sample_chars 0."""
         if not self.cfg.sample_chars:
             return None
         with self.comm.mean_weights(self.raw_model):

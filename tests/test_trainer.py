@@ -1,13 +1,19 @@
-"""The trainer's small decisions, as pure functions: the AMP policy and the step plan."""
+"""The trainer's small decisions, as pure functions: the AMP policy and the step plan; its
+profiler switch."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from conftest import TINY
+from omegaconf import OmegaConf
 
-from mingpt.config import ConfigError, TrainerConfig
-from mingpt.trainer import TrainState
-from mingpt.trainer import amp_policy, step_plan
+from mingpt.config import Config, ConfigError, TrainerConfig
+from mingpt.distributed import DistInfo
+from mingpt.run import build
+from mingpt.trainer import TrainState, amp_policy, step_plan
 
 
 def test_amp_is_on_cuda_only_unless_forced_on_a_cpu(caplog):
@@ -47,3 +53,28 @@ def test_step_plan_of_a_resume_with_another_world_size_finishes_the_epochs():
     assert (
         step_plan(TrainerConfig(max_epochs=1), 100, 1, TrainState(epoch=1, step=9)).total_steps == 9
     )
+
+
+def test_profile_steps_writes_each_ranks_trace_into_the_run_directory(
+    tmp_path, small_corpus, one_thread
+):
+    """trainer_config.profile_steps=2: the two steps after one of warm-up are recorded, and their
+    trace is written into profile/ in the run directory as the Chrome trace JSON that Perfetto
+    and TensorBoard's profiler open, with the step's matrix products in it."""
+    dotlist = [
+        *TINY,
+        f"data_config.path={small_corpus}",
+        "trainer_config.max_steps=5",
+        "trainer_config.profile_steps=2",
+        "trainer_config.sample_chars=0",
+    ]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    build(OmegaConf.to_object(config), cpu, str(tmp_path)).train()
+    (trace,) = (tmp_path / "profile").glob("*.pt.trace.json")
+    names = {event.get("name", "") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert {name for name in names if name.startswith("ProfilerStep#")} == {
+        "ProfilerStep#1",
+        "ProfilerStep#2",
+    }
+    assert "aten::addmm" in names or "aten::mm" in names
