@@ -288,12 +288,14 @@ class Trainer:
             self.train_sampler.start_index = self.state.samples_in_epoch
             # Indices of host-gathered batches stay on the host.
             order = self.train_sampler.indices().to(self.train_windows.tokens.device)
-            batches = order.split(self.samples_per_step)
-            for k, indices in enumerate(batches):
-                yield indices
+            # Sliced step by step: a view per step of the epoch at once costs a large corpus's process
+            # tens of megabytes.
+            per_step = self.samples_per_step
+            for start in range(0, len(order), per_step):
+                yield order[start : start + per_step]
                 # Host-gathered batches: the next is read while the step just queued runs.
-                if k + 1 < len(batches):
-                    self.train_windows.prefetch(batches[k + 1])
+                if start + per_step < len(order):
+                    self.train_windows.prefetch(order[start + per_step : start + 2 * per_step])
 
     def train_step(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over this rank's share of the global batch, in micro-batches of
