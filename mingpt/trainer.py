@@ -288,8 +288,8 @@ class Trainer:
             self.train_sampler.start_index = self.state.samples_in_epoch
             # Indices of host-gathered batches stay on the host.
             order = self.train_sampler.indices().to(self.train_windows.tokens.device)
-            # Sliced step by step: a view per step of the epoch at once costs a large corpus's process
-            # tens of megabytes.
+            # Sliced step by step: a view for every step of the epoch at once costs a large corpus's
+            # process tens of megabytes.
             per_step = self.samples_per_step
             for start in range(0, len(order), per_step):
                 yield order[start : start + per_step]
