@@ -431,3 +431,21 @@ def test_a_tiny_temperature_samples_the_most_likely_token():
         for _ in range(20):
             token = next_token(logits, temperature=temperature)
             assert token[0, 0] == 1 and token[1, 0] in (0, 1)
+
+
+def test_a_generation_too_large_for_memory_names_the_key_to_change():
+    """One sample too long for memory names max_new_tokens (it said num_samples: 1 samples
+    need ... at most 0 fit); several samples that fit one by one name num_samples."""
+    from mingpt.config import ConfigError, GPTConfig
+    from mingpt.generate import available_memory, check_fits
+    from mingpt.model import GPT
+
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=5, block_size=4))
+    cpu = torch.device("cpu")
+    too_long = GenerateConfig(max_new_tokens=10**15)
+    with pytest.raises(ConfigError, match=r"^max_new_tokens: 1,000,000,000,000,000 characters"):
+        check_fits(model, too_long, cpu)
+    many = available_memory(cpu) // (2 * 8 * 1000) + 1
+    with pytest.raises(ConfigError, match=rf"^num_samples: {many:,} samples need about"):
+        check_fits(model, GenerateConfig(max_new_tokens=1000, num_samples=many), cpu)
+    check_fits(model, GenerateConfig(max_new_tokens=1000, num_samples=3), cpu)

@@ -4,6 +4,7 @@ profiler switch."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -78,3 +79,32 @@ def test_profile_steps_writes_each_ranks_trace_into_the_run_directory(
         "ProfilerStep#2",
     }
     assert "aten::addmm" in names or "aten::mm" in names
+
+
+def test_the_train_log_shows_muons_learning_rate_and_no_missing_value(
+    tmp_path, small_corpus, one_thread, caplog
+):
+    """A Muon run logs the blocks' learning rate beside AdamW's; a model too small for an MFU
+    leaves it out of the log line (metrics.jsonl keeps the key, null) instead of `mfu None`."""
+    caplog.set_level(logging.INFO, logger="mingpt")
+    dotlist = [
+        *TINY,
+        f"data_config.path={small_corpus}",
+        "optimizer_config.algorithm=muon",
+        "optimizer_config.warmup_steps=4",
+        "trainer_config.max_steps=2",
+        "trainer_config.log_every=1",
+        "trainer_config.sample_chars=0",
+    ]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    build(OmegaConf.to_object(config), cpu, str(tmp_path)).train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train step")]
+    assert len(lines) == 2 and all("None" not in line and " mfu " not in line for line in lines)
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [e for e in events if e["split"] == "train"]
+    # Step 1 of a 4-step warmup: a quarter of each peak (AdamW's 3e-3, Muon's 1e-2).
+    assert train[0]["lr"] == pytest.approx(3e-3 / 4) and train[0]["muon_lr"] == pytest.approx(
+        1e-2 / 4
+    )
+    assert "muon_lr 0.0025" in lines[0] and train[0]["mfu"] is None
