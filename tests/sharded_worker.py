@@ -103,8 +103,18 @@ def save(out: str, root: str) -> None:
         report["published"].append(os.path.basename(published))
         report.setdefault("latest", []).append(os.path.basename(sharded.latest(root)))
     report["listing"] = sorted(os.listdir(root))
-    # A location that cannot be written (a file where the directory should be): the
-    # asynchronous save returns, and its error comes at the wait, on every rank.
+    save_blocked(model, optimizer, out, report)
+    if rank == 0:
+        torch.save(reference, os.path.join(out, "reference.pt"))
+        with open(os.path.join(out, "save.json"), "w") as f:
+            json.dump(report, f)
+    load(out, root)  # and back into 2 ranks
+
+
+def save_blocked(model, optimizer, out: str, report: dict) -> None:
+    """A location that cannot be written (a file where the directory should be): the
+    asynchronous save returns, and its error comes at the wait, on every rank."""
+    rank = dist.get_rank()
     blocked = os.path.join(out, "blocked")
     if rank == 0:
         with open(blocked, "w") as f:
@@ -121,11 +131,6 @@ def save(out: str, root: str) -> None:
     dist.all_gather_object(errors, report[f"error{rank}"])
     report["errors"] = errors
     report["pending_after"] = sharded.wait_pending()
-    if rank == 0:
-        torch.save(reference, os.path.join(out, "reference.pt"))
-        with open(os.path.join(out, "save.json"), "w") as f:
-            json.dump(report, f)
-    load(out, root)  # and back into 2 ranks
 
 
 def load(out: str, root: str) -> None:
