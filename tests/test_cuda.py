@@ -168,7 +168,7 @@ def test_host_batches_match_the_corpus(small_corpus):
     for step in steps[:3]:
         x, y = host.batch(step)
         assert x.is_cuda and y.is_cuda
-        for a, b in zip((x, y), data.train.batch(step)):
+        for a, b in zip((x, y), data.train.batch(step), strict=True):
             assert torch.equal(a.cpu(), b)
         host.prefetch(step)
 

@@ -47,7 +47,9 @@ def test_each_default_cell_is_the_default_as_typed(section):
     """A table's default, typed on the command line, is the field's default."""
     parser = OverridesParser.create()
     for f, row in zip(
-        dataclasses.fields(SECTIONS[section]), key_table(SECTIONS[section]).splitlines()[2:]
+        dataclasses.fields(SECTIONS[section]),
+        key_table(SECTIONS[section]).splitlines()[2:],
+        strict=True,
     ):
         cell = row.split(" | ")[2]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default

@@ -131,7 +131,7 @@ def test_safetensors_export_rebuilds_the_model(source, tmp_path):
     assert dataclasses.asdict(model.config) == config
     assert sorted(vocab, key=vocab.get) == list(tokenizer.chars)
     for (name, ours), (name2, theirs) in zip(
-        model.state_dict().items(), rebuilt.state_dict().items()
+        model.state_dict().items(), rebuilt.state_dict().items(), strict=True
     ):
         assert name == name2 and torch.equal(ours, theirs), name
 

@@ -227,7 +227,7 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"), stdout=full
         )
         with ThreadPoolExecutor(2) as pool:
-            return dict(zip(cases, pool.map(lambda case: case(), cases.values())))
+            return dict(zip(cases, pool.map(lambda case: case(), cases.values()), strict=True))
 
 
 # ---------------------------------------------------------------- integrity
@@ -634,7 +634,9 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
     )
     outputs = re.split(r"^exit status (\d+)\n", proc.stderr, flags=re.M)
     assert len(outputs) == 2 * len(cases) + 1 and outputs[-1] == "", proc.stderr[-5000:]
-    for argv, says, stderr, status in zip(cases, cases.values(), outputs[0::2], outputs[1::2]):
+    for argv, says, stderr, status in zip(
+        cases, cases.values(), outputs[:-1:2], outputs[1::2], strict=True
+    ):
         assert status == "2" and stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (
             argv,
             stderr,

@@ -384,7 +384,8 @@ def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
             f"prompt_file={workdir / name}",
         ]
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(cases, pool.map(lambda args: run_generate(args, workdir), cases.values())))
+        runs = pool.map(lambda args: run_generate(args, workdir), cases.values())
+        return dict(zip(cases, runs, strict=True))
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

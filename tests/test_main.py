@@ -171,7 +171,7 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     assert proc.returncode == 0, proc.stderr
     jobs = sorted((workdir / "runs" / "sweep-multirun").glob("[01]-*"))
     assert [job.name[:2] for job in jobs] == ["0-", "1-"], jobs
-    for job_dir, lr in zip(jobs, (default_lr, 3e-4)):
+    for job_dir, lr in zip(jobs, (default_lr, 3e-4), strict=True):
         assert (
             f"optimizer_config.learning_rate={lr:g}"
             in (job_dir / ".hydra" / "overrides.yaml").read_text()

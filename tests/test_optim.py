@@ -75,7 +75,7 @@ def test_cosine_schedule_values():
     assert lr_at(110, cfg, total) == pytest.approx(0.1)  # the floor, and it stays there
     assert lr_at(500, cfg, total) == pytest.approx(0.1)
     rates = [lr_at(s, cfg, total) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
 
 
 def test_constant_schedule_and_no_warmup():

@@ -241,7 +241,9 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
     from_dir, _, _ = load_model(str(root), torch.device("cpu"))
     assert all(
         torch.equal(a, b)
-        for a, b in zip(from_file.state_dict().values(), from_dir.state_dict().values())
+        for a, b in zip(
+            from_file.state_dict().values(), from_dir.state_dict().values(), strict=True
+        )
     )
     generate_main(
         [f"snapshot_path={root}", "max_new_tokens=30", "temperature=0", "device=cpu", "prompt=AB"]
@@ -324,7 +326,8 @@ def test_a_rank_failure_is_reported_with_its_type_and_place():
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
     def stage(copiers: dict) -> None:
-        copiers[type]  # noqa: B018: fails as a stager did: KeyError(<class 'type'>)
+        # Fails as a stager did: KeyError(<class 'type'>).
+        copiers[type]  # noqa: B018
 
     try:
         stage({})

@@ -132,16 +132,15 @@ class Cluster:
         return proc.stdout
 
     def daemon(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.root / f"{name}.out", "w")
-        proc = subprocess.Popen(
-            [which(name), *args],
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.root / f"{name}.out", "w") as log:
+            proc = subprocess.Popen(
+                [which(name), *args],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc.name = name
         self.procs.append(proc)
         return proc
