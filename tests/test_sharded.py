@@ -327,7 +327,7 @@ def test_a_rank_failure_is_reported_with_its_type_and_place():
 
     def stage(copiers: dict) -> None:
         # Fails as a stager did: KeyError(<class 'type'>).
-        copiers[type]  # noqa: B018
+        copiers[type]
 
     try:
         stage({})
