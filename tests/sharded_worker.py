@@ -66,7 +66,8 @@ def train_step(model, optimizer, step: int) -> None:
 
 
 def full_state(model, optimizer) -> dict:
-    """Every rank takes part; rank 0 gets the whole model and optimizer state as plain CPU tensors."""
+    """Every rank takes part; rank 0 gets the whole
+    model and optimizer state as plain CPU tensors."""
     msd, osd = get_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

@@ -74,7 +74,8 @@ def test_best_weights_survive_a_stop_and_resume(
     )
     assert f"best {losses[best_step]:.4f} at step {best_step} (" in summary(reference, losses[40])
 
-    # Stopped by a signal after the best evaluation, before the last: the resumed run keeps the same best.
+    # Stopped by a signal after the best evaluation, before
+    # the last: the resumed run keeps the same best.
     stop_at = best_step + 2
     first = make_trainer(tmp_path / "resumed", small_corpus, *args)
     monkeypatch.setattr(
@@ -142,7 +143,8 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
         "add trainer_config.early_stop_patience=null trainer_config.allow_config_change=true"
         in caplog.text
     )
-    # A larger patience trains on from there (and would stop again after 5 evaluations without improvement).
+    # A larger patience trains on from there (and would
+    # stop again after 5 evaluations without improvement).
     more = make_trainer(
         tmp_path,
         small_corpus,

@@ -179,7 +179,8 @@ def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(
 
 
 def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
-    """The same with 2 ranks resuming a snapshot of 4 (their hook's start, given fake world sizes)."""
+    """The same with 2 ranks resuming a snapshot of
+    4 (their hook's start, given fake world sizes)."""
     from mingpt.comm_hooks import PowerSGD
     from mingpt.config import TrainerConfig
 

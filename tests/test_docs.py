@@ -37,7 +37,8 @@ FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 
 def test_the_key_tables_are_made_from_the_fields():
-    """docs/configuration.md's key tables are what `python -m mingpt.config --markdown` makes of the fields."""
+    """docs/configuration.md's key tables are what
+    `python -m mingpt.config --markdown` makes of the fields."""
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert markdown(text) == text, "run python -m mingpt.config --markdown docs/configuration.md"
 

@@ -109,7 +109,8 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(source, tmp_path, 
 
 
 def test_the_logit_check_detects_a_wrong_activation(sharded_root, tmp_path):
-    """tanh-approximate GELU (GPT-2's own `gelu_new`) in place of the exact one: off by more than 10x the tolerance."""
+    """tanh-approximate GELU (GPT-2's own `gelu_new`) in place
+    of the exact one: off by more than 10x the tolerance."""
     from transformers import GPT2LMHeadModel
 
     export(sharded_root, tmp_path / "hf", "--format=hf")

@@ -423,7 +423,8 @@ def test_bad_setting_is_one_line_naming_the_key(bad_runs, override):
 
 
 def test_a_tiny_temperature_samples_the_most_likely_token():
-    """logits / 1e-42 overflow to inf (softmax: nan, multinomial fails); shifted by the max they stay numbers."""
+    """logits / 1e-42 overflow to inf (softmax: nan,
+    multinomial fails); shifted by the max they stay numbers."""
     from mingpt.decoding import MIN_TEMPERATURE
 
     logits = torch.tensor([[3.0, 40.0, 39.5, -7.0], [1.0, 1.0, 0.0, 0.5]])

@@ -1,4 +1,5 @@
-"""What reaches stderr and train.log: mingpt's INFO lines, other libraries' warnings, not their INFO."""
+"""What reaches stderr and train.log: mingpt's INFO
+lines, other libraries' warnings, not their INFO."""
 
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     # The first log line's window holds the start-up: no ETA; the next one has it.
     logs = re.findall(r"train step (\d+) .*\| (elapsed \S+(?: eta \S+)?)\r?$", shown, re.M)
     assert [(step, "eta" in note) for step, note in logs] == [("5", False), ("6", True)], logs
-    # The closing line, after the sample: the losses, the snapshot and the command that samples from it.
+    # The closing line, after the sample: the losses,
+    # the snapshot and the command that samples from it.
     closing = shown.rstrip().splitlines()[-1]
     snapshot = run_dir_of(tmp_path, [*quick, *EXTRA]) / "snapshots"
     best = read_snapshot(snapshot)["best_eval_loss"]

@@ -43,7 +43,8 @@ def endpoint():
 
 @pytest.fixture
 def s3(endpoint, monkeypatch):
-    """fsspec's s3:// in this process pointed at `endpoint`, with a bucket `runs`: the S3 filesystem."""
+    """fsspec's s3:// in this process pointed at
+    `endpoint`, with a bucket `runs`: the S3 filesystem."""
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
@@ -96,7 +97,8 @@ def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):
 
 
 def test_an_unreachable_endpoint_is_one_line(monkeypatch, tmp_path):
-    """Nothing listens on the port: botocore's EndpointConnectionError (not an OSError) becomes one line."""
+    """Nothing listens on the port: botocore's
+    EndpointConnectionError (not an OSError) becomes one line."""
     for key, value in {**CREDENTIALS, "AWS_MAX_ATTEMPTS": "1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(

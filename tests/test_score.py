@@ -68,7 +68,8 @@ def test_a_text_file_is_scored_window_by_window(tiny_run, tmp_path, one_thread):
     path = tmp_path / "text.txt"
     path.write_text(text, encoding="utf-8")
     result = score(ScoreConfig(snapshot_path=str(run_dir), path=str(path), device="cpu"))
-    # Two whole windows of block_size, each predicted from its own start; the 4 characters after them are not.
+    # Two whole windows of block_size, each predicted from
+    # its own start; the 4 characters after them are not.
     tokens = tokenizer.encode(text).long()
     windows = torch.stack([tokens[i * block : (i + 1) * block + 1] for i in range(2)])
     with torch.no_grad():

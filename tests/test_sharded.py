@@ -34,7 +34,8 @@ def launch(nproc: int, mode: str, out: Path, root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """One 2-rank FSDP2 run that saves (sync, then async) and loads back; its report and reference state."""
+    """One 2-rank FSDP2 run that saves (sync, then async)
+    and loads back; its report and reference state."""
     out = tmp_path_factory.mktemp("sharded")
     root = out / "root"
     launch(2, "save", out, root)
@@ -64,7 +65,8 @@ def test_publication_pruning_and_async_saves(saved):
     ]
     # latest() follows publication, never the unpublished step 99
     assert report["latest"] == report["published"]
-    # keep=2: the two newest remain; the crashed directory older than them is gone, the newer one is left alone.
+    # keep=2: the two newest remain; the crashed directory
+    # older than them is gone, the newer one is left alone.
     assert report["listing"] == ["step-00000003", "step-00000004", "step-00000099"]
     assert sharded.latest(str(root)) == f"{root}/step-00000004"
     files = sorted(os.listdir(root / "step-00000004"))
@@ -82,7 +84,8 @@ def test_background_write_failure_surfaces_on_every_rank(saved):
 
 
 def test_reshards_to_two_ranks_and_one_process(saved, tmp_path):
-    """(Loads into other numbers of FSDP ranks: tests/test_snapshot.py resumes a run on 2, 1 and 4.)"""
+    """(Loads into other numbers of FSDP ranks:
+    tests/test_snapshot.py resumes a run on 2, 1 and 4.)"""
     out, root, _, reference = saved
     two = torch.load(out / "load-2.pt", weights_only=True)
     assert two["meta"]["step"] == 4 and two["meta"]["world_size"] == 2

@@ -41,7 +41,8 @@ def data(tmp_path_factory, corpus):
 def launch(
     cwd, nproc: int, name: str, data, *extra: str, env=None, script=REPO / "main.py"
 ) -> subprocess.Popen:
-    """The run `name` in the background, its stderr to cwd/<name>-<n>.err (n: 1, 2, ... per launch)."""
+    """The run `name` in the background, its stderr
+    to cwd/<name>-<n>.err (n: 1, 2, ... per launch)."""
     launcher = (
         [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone", TORCHRUN_SIGNALS)
     )
@@ -291,7 +292,8 @@ def test_ctrl_c_during_an_evaluations_sample_stops_at_once(runs):
 
 
 def test_sighup_saves_and_stops_like_sigterm(runs):
-    """A hang-up (the terminal or ssh session closed) is a stop signal by default, not a silent death."""
+    """A hang-up (the terminal or ssh session closed)
+    is a stop signal by default, not a silent death."""
     status, stderr, run_dir = runs["hangup"]
     assert status == 129, stderr[-3000:]
     assert stderr.splitlines()[-1] == (

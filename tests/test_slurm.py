@@ -188,7 +188,8 @@ class Cluster:
         return self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False).split()[:1] == ["idle"]
 
     def wait(self, what: str, ready, deadline: float = DEADLINE) -> None:
-        """Until ready(); a daemon that exits meanwhile, or the deadline, skips (at start) or fails."""
+        """Until ready(); a daemon that exits meanwhile,
+        or the deadline, skips (at start) or fails."""
         end = time.monotonic() + deadline
         while not ready():
             dead = [p for p in self.procs if p.poll() is not None]
@@ -271,7 +272,8 @@ class Job:
         return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
     def until(self, what: str, ready) -> dict[str, str]:
-        """Wait until ready(info) for `scontrol show job`'s fields; a job that ends otherwise fails at once."""
+        """Wait until ready(info) for `scontrol show job`'s
+        fields; a job that ends otherwise fails at once."""
         end = time.monotonic() + DEADLINE
         while True:
             info = self.show()
@@ -296,7 +298,8 @@ class Job:
         self.until("training to start", lambda info: len(self.trained_steps()) >= 5)
 
     def resume_requeued(self) -> dict[str, str]:
-        """The job requeued (same id, pending again): let it start now rather than in two minutes, until done."""
+        """The job requeued (same id, pending again): let it
+        start now rather than in two minutes, until done."""
         self.until(
             "the requeue", lambda info: info["Restarts"] == "1" and info["JobState"] == "PENDING"
         )

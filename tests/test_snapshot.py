@@ -91,7 +91,8 @@ def memory_url() -> str:
 
 
 def tree_bytes(url) -> dict[str, bytes]:
-    """Every file under a snapshot root (a local path or URL) by its path relative to it: compared byte for byte."""
+    """Every file under a snapshot root (a local path or
+    URL) by its path relative to it: compared byte for byte."""
     fs, root = storage.filesystem(str(url))
     root = root.rstrip("/")
     return {path[len(root) :]: fs.cat_file(path) for path in sorted(fs.find(root))}
@@ -456,7 +457,8 @@ def test_corpus_changes_name_each_file():
 
 
 def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
-    """The single file (export's write): a save killed part-way leaves the file before it, byte for byte."""
+    """The single file (export's write): a save killed
+    part-way leaves the file before it, byte for byte."""
     path = tmp_path / "snapshot.pt"
     previous = {
         "model_state": {"w": torch.arange(10.0)},
@@ -499,7 +501,8 @@ def test_killed_background_save_leaves_previous_snapshot_published(tmp_path):
 
 
 def kill_writer(tmp_path, path, started, *mode: str) -> None:
-    """Run tests/ft_writer.py on `path`; SIGKILL it as soon as `started()` finds its save under way."""
+    """Run tests/ft_writer.py on `path`; SIGKILL it
+    as soon as `started()` finds its save under way."""
     writer = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200", *mode],
         env=child_env(),
@@ -732,9 +735,9 @@ def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_c
     assert read_samples(record) == Counter(range(N_TRAIN))
 
 
-# The key test: SIGKILL a worker mid-epoch, torchrun restarts, the run ends bitwise where it would have.
-# torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can
-# read the dead ones' addresses from it (pytorch#135712); this opts out, as docs/fault-tolerance.md says.
+# The key test: SIGKILL a worker mid-epoch, torchrun restarts, the run ends bitwise where it would
+# have. torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can read the
+# dead ones' addresses from it (pytorch#135712); this opts out, as docs/fault-tolerance.md says.
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 KILL_ARGS = [
     "gpt_config.dropout=0.1",
