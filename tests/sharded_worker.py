@@ -7,9 +7,11 @@
 asynchronously, into ROOT (keep=2), with an unpublished directory left by a
 "crashed" save on each side of them; then saves into a location that cannot be
 written; then loads ROOT as `load` does. Rank 0 writes OUT/save.json (what
-happened) and OUT/reference.pt (the full state of the last published save). `load` (any number of ranks): a fresh
-model and optimizer load ROOT's newest snapshot the way the trainer does, and
-rank 0 writes OUT/load-<world size>.pt with the full state they hold.
+happened) and OUT/reference.pt (the full state of the last published save).
+
+`load` (any number of ranks): a fresh model and optimizer load ROOT's newest
+snapshot the way the trainer does, and rank 0 writes OUT/load-<world size>.pt
+with the full state they hold.
 """
 
 from __future__ import annotations

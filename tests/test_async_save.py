@@ -109,8 +109,9 @@ def test_a_failed_background_save_stops_every_rank_with_one_line(
     # (Where the write fails at the file's close, DCP's report
     # of it says where: `, at local.py:N in __exit__`.)
     line = (
-        rf"error: cannot save sharded snapshot {re.escape(str(root))}/step-00000005: (?:OSError: )?\[Errno 28\] "
-        r"No space left on device(?:, at \S+ in \S+)? \(rank [01]\); the previous snapshots are unchanged"
+        rf"error: cannot save sharded snapshot {re.escape(str(root))}/step-00000005: "
+        r"(?:OSError: )?\[Errno 28\] No space left on device(?:, at \S+ in \S+)? \(rank [01]\); "
+        "the previous snapshots are unchanged"
     )
     # Printed by each rank, or (torchrun may stop a rank once the other exited) in its summary.
     printed = re.findall(rf"^{line}$", proc.stderr, re.M)

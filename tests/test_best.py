@@ -126,8 +126,8 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
     trainer.train()
     assert trainer.progress.step == 12 and trainer.progress.stopped_early
     assert (
-        "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss by at least 10"
-        in caplog.text
+        "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss "
+        "by at least 10" in caplog.text
     )
     saved = read_snapshot(tmp_path / "snapshots")
     assert (

@@ -304,7 +304,8 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
 
 def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
     """data_config.path=G/* with the cache in G (cache_dir=G, or the default G/.mingpt-cache/):
-    the second run reads the same corpus, not its cache file, a temporary of one or the cache directory."""
+    the second run reads the same corpus, not its cache file, a temporary of one or the cache
+    directory."""
     corpus = tmp_path / "g"
     corpus.mkdir()
     (corpus / "a.txt").write_text("abcdefgh" * 50, encoding="utf-8")

@@ -242,7 +242,8 @@ def killed_and_reference(
     tmp_path, given: list[str], kill_step: int
 ) -> tuple[tuple[dict, str], tuple[dict, str]]:
     """tests/ft_kill.py under `torchrun --max-restarts=1` on one GPU, twice: SIGKILLed as
-    step kill_step + 1 starts (then restarted), and uninterrupted. ((snapshot, train.log) of each)."""
+    step kill_step + 1 starts (then restarted), and uninterrupted. ((snapshot, train.log) of
+    each)."""
     results = []
     for name, step in (("killed", kill_step), ("reference", -1)):
         cwd = tmp_path / name

@@ -225,7 +225,8 @@ def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     assert refused(capsys, [snapshot, mine]) == (
-        f"error: {mine} is a directory with other files (notes.txt): give a new or an earlier export's directory"
+        f"error: {mine} is a directory with other files (notes.txt): "
+        "give a new or an earlier export's directory"
     )
     assert refused(capsys, [snapshot, mine, "--format", "snapshot"]) == (
         f"error: {mine} is a directory: the snapshot format writes one file"

@@ -467,7 +467,9 @@ TOO_LARGE = """
 import resource, sys
 from mingpt import train
 from mingpt.config import ConfigError, GPTConfig
-mapped = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+mapped = next(
+    int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:")
+)
 resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**31, resource.getrlimit(resource.RLIMIT_AS)[1]))
 try:
     train.build_model(GPTConfig(n_layer=1, n_head=1, n_embd=3_000_000, vocab_size=1, block_size=1))
@@ -629,7 +631,10 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
             "--config-dir",
             str(conf),
             "trainer_config.max_epochs=1",
-        ): "trainer_config.max_epochs=1: the key=value overrides go together, all before or all after the options",
+        ): (
+            "trainer_config.max_epochs=1: the key=value overrides go together, "
+            "all before or all after the options"
+        ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
     }
     proc = subprocess.run(

@@ -183,8 +183,8 @@ def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretr
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"the model's shape from {pretrained.run_dir / 'snapshots'} (trainer_config.init_from): "
-        "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, data_config.block_size=16 "
-        "(replacing 64)"
+        "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, "
+        "data_config.block_size=16 (replacing 64)"
     ) in result.stderr
     recorded = OmegaConf.load(run_dir_of(tmp_path, args) / ".hydra" / "config.yaml")
     assert recorded.data_config.block_size == 16 and recorded.gpt_config.n_layer == 2

@@ -95,7 +95,8 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     best_file = snapshot.with_name("snapshots-best")  # the best weights, beside the snapshots
     best_shown = re.escape(str(best_file.relative_to(tmp_path)))
     assert re.search(
-        rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) \| snapshot ",
+        rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) "
+        r"\| snapshot ",
         closing,
     ), closing
     command = closing.split("sample from the best: ")[1].strip()

@@ -87,7 +87,10 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
 
 def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):
     url = "s3://no-such-bucket/run1/snapshot.pt"
-    refused = rf"^cannot use snapshot path {url}: bucket 'no-such-bucket' does not exist \(create it first\)$"
+    refused = (
+        rf"^cannot use snapshot path {url}: "
+        r"bucket 'no-such-bucket' does not exist \(create it first\)$"
+    )
     with pytest.raises(storage.StorageError, match=refused):  # at start
         storage.check_writable(str(tmp_path), url)
     with pytest.raises(storage.StorageError, match=refused):  # and at every save

@@ -192,8 +192,8 @@ def test_pickled_payload_in_dcp_metadata_is_refused_and_not_run(saved, tmp_path)
         line = str(refused.value)
         assert (
             line.startswith(
-                f"refusing to load {directory}/.metadata: it holds pickled objects other than DCP's "
-                "metadata, and none of it was run"
+                f"refusing to load {directory}/.metadata: "
+                "it holds pickled objects other than DCP's metadata, and none of it was run"
             )
             and "posix.system" in line
             and "\n" not in line
@@ -307,8 +307,9 @@ def test_async_save_of_a_cpu_state_on_a_gpu_host(tmp_path):
 
 
 def test_asynchronous_saves_in_a_row(tmp_path):
-    """Each asynchronous save after the first failed with `KeyError: <class 'type'>` on a torch whose DCP stager
-    closes itself after one stage (2.11): the saves of one process reused one stager."""
+    """Each asynchronous save after the first failed with `KeyError: <class 'type'>` on a
+    torch whose DCP stager closes itself after one stage (2.11): the saves of one process
+    reused one stager."""
     root = str(tmp_path / "root")
     for step in (1, 2, 3):
         state = {"model": {"w": torch.full((3, 4), float(step))}}

@@ -238,8 +238,8 @@ def cluster(tmp_path_factory):
     missing = [name for name in DAEMONS + CLIENTS if not which(name)]
     if missing:
         pytest.skip(
-            f"SLURM is not installed ({', '.join(missing)} missing: apt-get install slurmctld slurmd "
-            "slurm-client munge)"
+            f"SLURM is not installed ({', '.join(missing)} missing: "
+            "apt-get install slurmctld slurmd slurm-client munge)"
         )
     if os.geteuid() != 0:
         pytest.skip(
@@ -282,7 +282,8 @@ class Job:
             state = info["JobState"]
             if state in TERMINAL or time.monotonic() > end:
                 pytest.fail(
-                    f"job {self.id}: {state} (exit {info.get('ExitCode')}) while waiting for {what}\n"
+                    f"job {self.id}: {state} (exit {info.get('ExitCode')}) "
+                    f"while waiting for {what}\n"
                     f"{tail(self.out)}"
                 )
             time.sleep(0.2)

@@ -421,7 +421,8 @@ def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
     with pytest.raises(
         SnapshotError,
         match=re.escape(
-            """snapshot s.pt holds another optimizer's state (optimizer_config.algorithm: "adamw" -> "muon"): keep"""
+            "snapshot s.pt holds another optimizer's state "
+            '(optimizer_config.algorithm: "adamw" -> "muon"): keep'
         ),
     ):
         fit.check_same_config(state, muon, "s.pt")
@@ -598,7 +599,8 @@ def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
     # Both ranks stop, each naming its own path.
     for rank in (0, 1):
         line = (
-            f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/snapshots-{rank}): "
+            "error: the ranks start from different steps [6, 0] "
+            f"(snapshot {tmp_path}/snapshots-{rank}): "
             "keep the snapshot where every node sees it"
         )
         assert line in proc.stderr, proc.stderr[-3000:]
