@@ -60,7 +60,8 @@ def small_corpus(tmp_path, corpus) -> Path:
 
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory, corpus, request) -> Path:
-    """The first CORPUS_CHARS characters of the corpus (a constant of the test module), as a file."""
+    """The first CORPUS_CHARS characters of the corpus
+    (a constant of the test module), as a file."""
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text(
         corpus.read_text(encoding="utf-8")[: request.module.CORPUS_CHARS], encoding="utf-8"
@@ -68,7 +69,8 @@ def corpus_file(tmp_path_factory, corpus, request) -> Path:
     return path
 
 
-# A tiny run that evaluates (every 20 steps, and at its end): the snapshot and metrics of a real run.
+# A tiny run that evaluates (every 20 steps, and at
+# its end): the snapshot and metrics of a real run.
 TINY_RUN = TINY + [
     "data_config.path=small.txt",
     "trainer_config.run_name=tiny",
@@ -128,8 +130,8 @@ def small_disk(tmp_path) -> Path:
 
 
 def read_snapshot(path) -> dict:
-    """A snapshot (a root: its newest; or one step directory) read whole in this process, in the single
-    file's layout: its record, `model_state`, and `optimizer_state` keyed by parameter index as
+    """A snapshot (a root: its newest; or one step directory) read whole in this process, in the
+    single file's layout: its record, `model_state`, and `optimizer_state` keyed by parameter index as
     torch.optim keeps it; the comm hook's per-rank states as {name, world_size, ranks: [...]}."""
     from mingpt.snapshot import manifest, sharded
 

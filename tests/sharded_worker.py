@@ -7,9 +7,11 @@
 asynchronously, into ROOT (keep=2), with an unpublished directory left by a
 "crashed" save on each side of them; then saves into a location that cannot be
 written; then loads ROOT as `load` does. Rank 0 writes OUT/save.json (what
-happened) and OUT/reference.pt (the full state of the last published save). `load` (any number of ranks): a fresh
-model and optimizer load ROOT's newest snapshot the way the trainer does, and
-rank 0 writes OUT/load-<world size>.pt with the full state they hold.
+happened) and OUT/reference.pt (the full state of the last published save).
+
+`load` (any number of ranks): a fresh model and optimizer load ROOT's newest
+snapshot the way the trainer does, and rank 0 writes OUT/load-<world size>.pt
+with the full state they hold.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def train_step(model, optimizer, step: int) -> None:
 
 
 def full_state(model, optimizer) -> dict:
-    """Every rank takes part; rank 0 gets the whole model and optimizer state as plain CPU tensors."""
+    """Every rank takes part; rank 0 gets the whole
+    model and optimizer state as plain CPU tensors."""
     msd, osd = get_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -103,8 +106,18 @@ def save(out: str, root: str) -> None:
         report["published"].append(os.path.basename(published))
         report.setdefault("latest", []).append(os.path.basename(manifest.latest(root)))
     report["listing"] = sorted(os.listdir(root))
-    # A location that cannot be written (a file where the directory should be): the
-    # asynchronous save returns, and its error comes at the wait, on every rank.
+    save_blocked(model, optimizer, out, report)
+    if rank == 0:
+        torch.save(reference, os.path.join(out, "reference.pt"))
+        with open(os.path.join(out, "save.json"), "w") as f:
+            json.dump(report, f)
+    load(out, root)  # and back into 2 ranks
+
+
+def save_blocked(model, optimizer, out: str, report: dict) -> None:
+    """A location that cannot be written (a file where the directory should be): the
+    asynchronous save returns, and its error comes at the wait, on every rank."""
+    rank = dist.get_rank()
     blocked = os.path.join(out, "blocked")
     if rank == 0:
         with open(blocked, "w") as f:
@@ -121,11 +134,6 @@ def save(out: str, root: str) -> None:
     dist.all_gather_object(errors, report[f"error{rank}"])
     report["errors"] = errors
     report["pending_after"] = sharded.wait_pending()
-    if rank == 0:
-        torch.save(reference, os.path.join(out, "reference.pt"))
-        with open(os.path.join(out, "save.json"), "w") as f:
-            json.dump(report, f)
-    load(out, root)  # and back into 2 ranks
 
 
 def load(out: str, root: str) -> None:

@@ -110,10 +110,12 @@ def test_a_failed_background_save_stops_every_rank_with_one_line(
     assert re.search(
         r"saved snapshot \S+ at step 5 in [\d.]+ s \(writing on in the background\)", proc.stderr
     )
-    # (Where the write fails at the file's close, DCP's report of it says where: `, at local.py:N in __exit__`.)
+    # (Where the write fails at the file's close, DCP's report
+    # of it says where: `, at local.py:N in __exit__`.)
     line = (
-        rf"error: cannot save sharded snapshot {re.escape(str(root))}/step-00000005: (?:OSError: )?\[Errno 28\] "
-        r"No space left on device(?:, at \S+ in \S+)? \(rank [01]\); the previous snapshots are unchanged"
+        rf"error: cannot save sharded snapshot {re.escape(str(root))}/step-00000005: "
+        r"(?:OSError: )?\[Errno 28\] No space left on device(?:, at \S+ in \S+)? \(rank [01]\); "
+        "the previous snapshots are unchanged"
     )
     # Printed by each rank, or (torchrun may stop a rank once the other exited) in its summary.
     printed = re.findall(rf"^{line}$", proc.stderr, re.M)
@@ -125,7 +127,8 @@ def test_a_failed_background_save_stops_every_rank_with_one_line(
 
 
 def test_the_finiteness_check_before_a_save_is_exact():
-    """A sum that overflows is not taken for a non-finite weight; a nan or an inf anywhere is found."""
+    """A sum that overflows is not taken for a non-finite
+    weight; a nan or an inf anywhere is found."""
     big = torch.full((4,), 3e38)  # finite, but its sum overflows float32
     assert all_finite(
         [

@@ -19,8 +19,8 @@ from test_snapshot import make_trainer, same_tensors
 
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
-from mingpt.snapshot import manifest, reader
 from mingpt.run import summary, train
+from mingpt.snapshot import manifest, reader
 
 BUMPY = [
     "trainer_config.eval_every=4",
@@ -71,7 +71,8 @@ def test_best_weights_survive_a_stop_and_resume(
     )
     assert f"best {losses[best_step]:.4f} at step {best_step} (" in summary(reference, losses[40])
 
-    # Stopped by a signal after the best evaluation, before the last: the resumed run keeps the same best.
+    # Stopped by a signal after the best evaluation, before
+    # the last: the resumed run keeps the same best.
     stop_at = best_step + 2
     first = make_trainer(tmp_path / "resumed", small_corpus, *args)
     monkeypatch.setattr(
@@ -121,8 +122,8 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
     trainer.train()
     assert trainer.state.step == 12 and trainer.state.stopped_early
     assert (
-        "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss by at least 10"
-        in caplog.text
+        "stopping early at step 12: 2 evaluations in a row without lowering the held-out loss "
+        "by at least 10" in caplog.text
     )
     saved = read_snapshot(tmp_path / "snapshots")
     assert (
@@ -138,7 +139,8 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
         "add trainer_config.early_stop_patience=null trainer_config.allow_config_change=true"
         in caplog.text
     )
-    # A larger patience trains on from there (and would stop again after 5 evaluations without improvement).
+    # A larger patience trains on from there (and would
+    # stop again after 5 evaluations without improvement).
     more = make_trainer(
         tmp_path,
         small_corpus,

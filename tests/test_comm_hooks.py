@@ -172,14 +172,16 @@ def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(
     hook = "post_local_sgd" if name == "localsgd" else name
     tail = " (the replicas' mean) and rank 0's optimizer state" if name == "localsgd" else ""
     assert [r.getMessage() for r in caplog.records if r.name == "mingpt.comm_hooks"] == [
-        f"the snapshot's {hook} state is per rank, for 2 ranks; this run has 1 process (no comm hook): "
+        f"the snapshot's {hook} state is per rank, for 2 ranks; "
+        "this run has 1 process (no comm hook): "
         f"that state starts afresh at step {step}, from the snapshot's weights{tail}"
     ]
     assert step > 0
 
 
 def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
-    """The same with 2 ranks resuming a snapshot of 4 (their hook's start, given fake world sizes)."""
+    """The same with 2 ranks resuming a snapshot of
+    4 (their hook's start, given fake world sizes)."""
     from mingpt.comm_hooks import PowerSGD
     from mingpt.config import TrainerConfig
 
@@ -198,7 +200,8 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
             hook.start(FakeDDP(), saved, 7, None, None, None, lambda: None)
             assert registered[-1] is hook.state and hook.state.iter == 0  # compression starts over
     assert [r.getMessage() for r in caplog.records] == [
-        "the snapshot's powersgd state is per rank, for 4 ranks; this run has 2 ranks with ddp_comm_hook=powersgd: "
+        "the snapshot's powersgd state is per rank, for 4 ranks; "
+        "this run has 2 ranks with ddp_comm_hook=powersgd: "
         "that state starts afresh at step 7, from the snapshot's weights"
     ]
 

@@ -372,7 +372,7 @@ def test_readme_commands_each_get_their_own_run_directory():
     ]
     assert runs[0] == [] and run_dir() == "runs/default" and "`runs/default`" in readme
     dirs = [run_dir(*args) for args in runs]
-    assert len(runs) >= 4 and len(set(dirs)) == len(dirs), list(zip(runs, dirs))
+    assert len(runs) >= 4 and len(set(dirs)) == len(dirs), list(zip(runs, dirs, strict=True))
 
 
 def test_every_config_folder_is_a_declared_package_with_its_yaml_files():

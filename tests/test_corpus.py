@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from mingpt.config import Config, DataConfig
 from mingpt.data import DataError, HostBatches, TokenWindows, load_data, spread
 from mingpt.distributed import DistInfo
-from mingpt.snapshot import SnapshotError
 from mingpt.run import build
+from mingpt.snapshot import SnapshotError
 from mingpt.trainer import Trainer
 
 
@@ -100,8 +100,8 @@ def test_several_files_form_one_corpus_split_per_file(tmp_path):
     # glob: sorted
     assert [os.path.basename(s) for s, _ in data.files] == ["a.txt", "b.txt", "c.txt"]
     bounds, offset = [], 0
-    for (name, text), train, heldout in zip(
-        texts.items(), data.train.segments, data.heldout.segments
+    for text, train, heldout in zip(
+        texts.values(), data.train.segments, data.heldout.segments, strict=True
     ):
         n_train = int(len(text) * 0.8)
         assert text_of(data, train) == text[:n_train] and text_of(data, heldout) == text[n_train:]
@@ -188,10 +188,10 @@ def test_host_batches_match_device_batches_with_and_without_prefetch(tmp_path, c
     host.prefetch(steps[0])
     for k, step in enumerate(steps[:4]):
         for micro in step.split(4):  # micro-batches of a prefetched step
-            for a, b in zip(host.batch(micro), data.train.batch(micro)):
+            for a, b in zip(host.batch(micro), data.train.batch(micro), strict=True):
                 assert torch.equal(a, b)
         host.prefetch(steps[k + 2])  # the wrong batch prefetched: the next is gathered anew
-    for a, b in zip(host.batch(steps[5]), data.train.batch(steps[5])):
+    for a, b in zip(host.batch(steps[5]), data.train.batch(steps[5]), strict=True):
         assert torch.equal(a, b)
 
 
@@ -233,7 +233,7 @@ def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path):
         order = torch.randperm(len(windows), generator=gen)
         host.prefetch(order[:64])
         for step in order.split(64):
-            for a, b in zip(host.batch(step), reference.batch(step)):
+            for a, b in zip(host.batch(step), reference.batch(step), strict=True):
                 assert torch.equal(a, b)
     ends = torch.tensor([len(texts[0]) - 17, len(expected) - 17])  # the last window of each file
     out = torch.empty(2, 17, dtype=torch.int16)
@@ -302,7 +302,8 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
 
 def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
     """data_config.path=G/* with the cache in G (cache_dir=G, or the default G/.mingpt-cache/):
-    the second run reads the same corpus, not its cache file, a temporary of one or the cache directory."""
+    the second run reads the same corpus, not its cache file, a temporary of one or the cache
+    directory."""
     corpus = tmp_path / "g"
     corpus.mkdir()
     (corpus / "a.txt").write_text("abcdefgh" * 50, encoding="utf-8")

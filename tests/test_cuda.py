@@ -29,9 +29,9 @@ from conftest import (
 from mingpt.config import DataConfig, GPTConfig
 from mingpt.data import HostBatches, TokenWindows, load_data
 from mingpt.decoding import generate
-from mingpt.snapshot.reader import load_model
 from mingpt.model import GPT
 from mingpt.snapshot import sharded
+from mingpt.snapshot.reader import load_model
 
 pytestmark = pytest.mark.cuda
 
@@ -168,7 +168,7 @@ def test_host_batches_match_the_corpus(small_corpus):
     for step in steps[:3]:
         x, y = host.batch(step)
         assert x.is_cuda and y.is_cuda
-        for a, b in zip((x, y), data.train.batch(step)):
+        for a, b in zip((x, y), data.train.batch(step), strict=True):
             assert torch.equal(a.cpu(), b)
         host.prefetch(step)
 
@@ -242,7 +242,8 @@ def killed_and_reference(
     tmp_path, given: list[str], kill_step: int
 ) -> tuple[tuple[dict, str], tuple[dict, str]]:
     """tests/ft_kill.py under `torchrun --max-restarts=1` on one GPU, twice: SIGKILLed as
-    step kill_step + 1 starts (then restarted), and uninterrupted. ((snapshot, train.log) of each)."""
+    step kill_step + 1 starts (then restarted), and uninterrupted. ((snapshot, train.log) of
+    each)."""
     results = []
     for name, step in (("killed", kill_step), ("reference", -1)):
         cwd = tmp_path / name

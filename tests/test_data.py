@@ -113,7 +113,8 @@ def test_bad_data_names_the_file(tmp_path, content, problem):
 
 
 def test_an_unreachable_url_says_why(tmp_path):
-    """A refused connection is not a missing file (fsspec's HTTP file system calls both not found)."""
+    """A refused connection is not a missing file
+    (fsspec's HTTP file system calls both not found)."""
     with socket.socket() as s:  # a loopback port that nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

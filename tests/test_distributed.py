@@ -135,7 +135,9 @@ def runs(tmp_path_factory, corpus_file):
 def assert_same_weights(a: dict, b: dict, atol: float = 1e-4) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            a[key], b[key], rtol=0, atol=atol, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -37,7 +37,8 @@ FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 
 def test_the_key_tables_are_made_from_the_fields():
-    """docs/configuration.md's key tables are what `python -m mingpt.config --markdown` makes of the fields."""
+    """docs/configuration.md's key tables are what
+    `python -m mingpt.config --markdown` makes of the fields."""
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert markdown(text) == text, "run python -m mingpt.config --markdown docs/configuration.md"
 
@@ -47,7 +48,9 @@ def test_each_default_cell_is_the_default_as_typed(section):
     """A table's default, typed on the command line, is the field's default."""
     parser = OverridesParser.create()
     for f, row in zip(
-        dataclasses.fields(SECTIONS[section]), key_table(SECTIONS[section]).splitlines()[2:]
+        dataclasses.fields(SECTIONS[section]),
+        key_table(SECTIONS[section]).splitlines()[2:],
+        strict=True,
     ):
         cell = row.split(" | ")[2]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default

@@ -19,8 +19,8 @@ from conftest import child_env, read_snapshot
 
 from mingpt.config import GPTConfig
 from mingpt.export import main as export_main
-from mingpt.snapshot.reader import load_model
 from mingpt.model import GPT
+from mingpt.snapshot.reader import load_model
 
 TOLERANCE = 1e-5
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))  # 96 characters
@@ -109,7 +109,8 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(source, tmp_path, 
 
 
 def test_the_logit_check_detects_a_wrong_activation(sharded_root, tmp_path):
-    """tanh-approximate GELU (GPT-2's own `gelu_new`) in place of the exact one: off by more than 10x the tolerance."""
+    """tanh-approximate GELU (GPT-2's own `gelu_new`) in place
+    of the exact one: off by more than 10x the tolerance."""
     from transformers import GPT2LMHeadModel
 
     export(sharded_root, tmp_path / "hf", "--format=hf")
@@ -131,7 +132,7 @@ def test_safetensors_export_rebuilds_the_model(source, tmp_path):
     assert dataclasses.asdict(model.config) == config
     assert sorted(vocab, key=vocab.get) == list(tokenizer.chars)
     for (name, ours), (name2, theirs) in zip(
-        model.state_dict().items(), rebuilt.state_dict().items()
+        model.state_dict().items(), rebuilt.state_dict().items(), strict=True
     ):
         assert name == name2 and torch.equal(ours, theirs), name
 
@@ -226,7 +227,8 @@ def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     assert refused(capsys, [snapshot, mine]) == (
-        f"error: {mine} is a directory with other files (notes.txt): give a new or an earlier export's directory"
+        f"error: {mine} is a directory with other files (notes.txt): "
+        "give a new or an earlier export's directory"
     )
     assert refused(capsys, [snapshot, mine, "--format", "snapshot"]) == (
         f"error: {mine} is a directory: the snapshot format writes one file"

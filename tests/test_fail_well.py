@@ -41,14 +41,15 @@ from mingpt.decoding import generate
 from mingpt.distributed import DistInfo
 from mingpt.export import ExportConfig, export
 from mingpt.generate import GenerateConfig
-from mingpt.snapshot.reader import load_model
-from mingpt.snapshot import SnapshotError, manifest, single_file
 from mingpt.run import build
+from mingpt.snapshot import SnapshotError, manifest, single_file
+from mingpt.snapshot.reader import load_model
 from mingpt.trainer import Trainer, TrainingError
 
 
 def overrides(corpus: Path, *extra: str) -> list[str]:
-    """TINY on CPU without samples on `corpus`, then `extra` (a later key replaces an earlier one)."""
+    """TINY on CPU without samples on `corpus`, then
+    `extra` (a later key replaces an earlier one)."""
     merged = {}
     for item in [
         *TINY,
@@ -72,7 +73,8 @@ def make_trainer(run_dir: Path, corpus: Path, *extra: str) -> Trainer:
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
-    """Exit status 2, and stderr ends in exactly one `error:` line holding every fragment, no traceback."""
+    """Exit status 2, and stderr ends in exactly one
+    `error:` line holding every fragment, no traceback."""
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -96,7 +98,8 @@ def flip_byte(data: bytes, record: str, offset: int = 5) -> bytes:
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
-    """Every file under `root`, by its path relative to it: a snapshot root compared byte for byte."""
+    """Every file under `root`, by its path relative
+    to it: a snapshot root compared byte for byte."""
     return {
         str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
     }
@@ -120,7 +123,8 @@ def strict_json(line: str) -> dict:
 
 @pytest.fixture(scope="module")
 def snap(tmp_path_factory, corpus):
-    """A 3-step run of the tiny model (in-process, one thread): (work directory, its snapshot root)."""
+    """A 3-step run of the tiny model (in-process,
+    one thread): (work directory, its snapshot root)."""
     work = tmp_path_factory.mktemp("fail-well")
     (work / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     threads = torch.get_num_threads()
@@ -141,7 +145,8 @@ def snap_file(snap) -> Path:
 
 
 def save_variant(snap_file, name: str, change) -> Path:
-    """A valid torch file (checksums right) holding the exported snapshot's state after `change(state)`."""
+    """A valid torch file (checksums right) holding the
+    exported snapshot's state after `change(state)`."""
     state = torch.load(snap_file, weights_only=True)
     change(state)
     target = snap_file.parent / name
@@ -157,7 +162,8 @@ def generate_cmd(*args: str) -> list[str]:
 
 
 def limit_file_size(limit: int):
-    """For preexec_fn: writes past `limit` bytes fail with EFBIG (instead of SIGXFSZ killing the process)."""
+    """For preexec_fn: writes past `limit` bytes fail
+    with EFBIG (instead of SIGXFSZ killing the process)."""
 
     def apply() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -228,7 +234,7 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"), stdout=full
         )
         with ThreadPoolExecutor(2) as pool:
-            return dict(zip(cases, pool.map(lambda case: case(), cases.values())))
+            return dict(zip(cases, pool.map(lambda case: case(), cases.values()), strict=True))
 
 
 # ---------------------------------------------------------------- integrity
@@ -382,7 +388,8 @@ def test_divergence_with_evaluation_before_logging(tmp_path, small_corpus, one_t
 
 
 def test_unwritable_snapshot_location_stops_before_training(snap, runs):
-    """A file where the snapshot's directory should be: refused at start, not after training to the first save."""
+    """A file where the snapshot's directory should be:
+    refused at start, not after training to the first save."""
     work, _ = snap
     proc = runs["unwritable"]
     one_error_line(proc, f"cannot write to the snapshot path {work / 'afile' / 'snapshots'}")
@@ -410,7 +417,8 @@ def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
         f"cannot save sharded snapshot {root / 'step-00000006'}: [Errno 27] File too "
         "large (rank 0); the previous snapshots are unchanged",
     )
-    # The snapshot of step 3 is still the one published, byte for byte; step 6's directory is not published.
+    # The snapshot of step 3 is still the one published,
+    # byte for byte; step 6's directory is not published.
     assert manifest.latest(str(root)) == str(root / "step-00000003")
     assert {
         k: v for k, v in tree_bytes(root).items() if k.startswith("step-00000003/")
@@ -460,7 +468,9 @@ TOO_LARGE = """
 import resource, sys
 from mingpt import train
 from mingpt.config import ConfigError, GPTConfig
-mapped = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+mapped = next(
+    int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:")
+)
 resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**31, resource.getrlimit(resource.RLIMIT_AS)[1]))
 try:
     train.build_model(GPTConfig(n_layer=1, n_head=1, n_embd=3_000_000, vocab_size=1, block_size=1))
@@ -622,7 +632,10 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
             "--config-dir",
             str(conf),
             "trainer_config.max_epochs=1",
-        ): "trainer_config.max_epochs=1: the key=value overrides go together, all before or all after the options",
+        ): (
+            "trainer_config.max_epochs=1: the key=value overrides go together, "
+            "all before or all after the options"
+        ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
     }
     proc = subprocess.run(
@@ -635,7 +648,9 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
     )
     outputs = re.split(r"^exit status (\d+)\n", proc.stderr, flags=re.M)
     assert len(outputs) == 2 * len(cases) + 1 and outputs[-1] == "", proc.stderr[-5000:]
-    for argv, says, stderr, status in zip(cases, cases.values(), outputs[0::2], outputs[1::2]):
+    for argv, says, stderr, status in zip(
+        cases, cases.values(), outputs[:-1:2], outputs[1::2], strict=True
+    ):
         assert status == "2" and stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (
             argv,
             stderr,
@@ -647,7 +662,8 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def not_snapshots(snap, tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """Directories given where a snapshot is read that hold none: {case: (path, what the line says)}."""
+    """Directories given where a snapshot is read that
+    hold none: {case: (path, what the line says)}."""
     work = tmp_path_factory.mktemp("not-snapshots")
     (work / "empty").mkdir()
     cases = {"empty": (work / "empty", "is an empty directory; expected a snapshot directory")}

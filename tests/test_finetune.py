@@ -130,7 +130,8 @@ def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pre
     )
     run_dir = run_dir_of(tmp_path, args)
     assert not (run_dir / "train.log").exists()  # refused before writing anything
-    # The run directory names its source, also among many other values (the hash keeps the whole path).
+    # The run directory names its source, also among
+    # many other values (the hash keeps the whole path).
     assert f"-init_from={pretrained.run_dir.name}_snapshots-" in run_dir.name
 
 
@@ -168,7 +169,8 @@ def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tm
 
 
 def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretrained, tmp_path):
-    """data_config.block_size=64 given (the default): replaced by the snapshot's 16, said, and recorded."""
+    """data_config.block_size=64 given (the default):
+    replaced by the snapshot's 16, said, and recorded."""
     args = [
         *TINY,
         f"data_config.path={pretrained.b}",
@@ -181,8 +183,8 @@ def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretr
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"the model's shape from {pretrained.run_dir / 'snapshots'} (trainer_config.init_from): "
-        "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, data_config.block_size=16 "
-        "(replacing 64)"
+        "gpt_config.n_layer=2, gpt_config.n_head=2, gpt_config.n_embd=32, "
+        "data_config.block_size=16 (replacing 64)"
     ) in result.stderr
     recorded = OmegaConf.load(run_dir_of(tmp_path, args) / ".hydra" / "config.yaml")
     assert recorded.data_config.block_size == 16 and recorded.gpt_config.n_layer == 2
@@ -252,7 +254,8 @@ def test_a_stopped_finetuning_run_resumes_its_own_snapshot(
     caplog.set_level(logging.INFO, logger="mingpt")
     source = tmp_path / "source"
     shutil.copytree(pretrained.run_dir / "snapshots", source)
-    # The corpus whole in memory (placement=device): its ids are mapped there, as they are per batch read on the host.
+    # The corpus whole in memory (placement=device): its ids
+    # are mapped there, as they are per batch read on the host.
     args = [
         *FAST,
         "trainer_config.max_steps=12",

@@ -19,9 +19,9 @@ from mingpt.command import parse_args
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
-from mingpt.snapshot.reader import load_model
 from mingpt.model import GPT
 from mingpt.snapshot import single_file
+from mingpt.snapshot.reader import load_model
 
 TRAIN_ARGS = TINY + [
     "data_config.path=small.txt",
@@ -385,7 +385,8 @@ def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
             f"prompt_file={workdir / name}",
         ]
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(cases, pool.map(lambda args: run_generate(args, workdir), cases.values())))
+        runs = pool.map(lambda args: run_generate(args, workdir), cases.values())
+        return dict(zip(cases, runs, strict=True))
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -423,7 +424,8 @@ def test_bad_setting_is_one_line_naming_the_key(bad_runs, override):
 
 
 def test_a_tiny_temperature_samples_the_most_likely_token():
-    """logits / 1e-42 overflow to inf (softmax: nan, multinomial fails); shifted by the max they stay numbers."""
+    """logits / 1e-42 overflow to inf (softmax: nan,
+    multinomial fails); shifted by the max they stay numbers."""
     from mingpt.decoding import MIN_TEMPERATURE
 
     logits = torch.tensor([[3.0, 40.0, 39.5, -7.0], [1.0, 1.0, 0.0, 0.5]])

@@ -1,4 +1,5 @@
-"""The legacy launcher, `python -m torch.distributed.launch`, which passes `--local-rank=N` to the script."""
+"""The legacy launcher, `python -m torch.distributed.launch`,
+which passes `--local-rank=N` to the script."""
 
 from __future__ import annotations
 

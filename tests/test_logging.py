@@ -1,4 +1,5 @@
-"""What reaches stderr and train.log: mingpt's INFO lines, other libraries' warnings, not their INFO."""
+"""What reaches stderr and train.log: mingpt's INFO
+lines, other libraries' warnings, not their INFO."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def root_logger():
 
 def test_third_party_info_stays_out_of_stderr_and_train_log(tmp_path, capsys, root_logger):
     setup_logging(rank=0)
-    buffer = hold_log_lines(0)  # as mingpt.train does: lines before the run is accepted are kept
+    buffer = hold_log_lines(0)  # as mingpt.run does: lines before the run is accepted are kept
     logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
     logging.getLogger("mingpt.run").info("run directory here")
     claim = Claim(str(tmp_path), str(tmp_path / "snapshot.pt"), [], 0, buffer)

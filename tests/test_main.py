@@ -63,7 +63,8 @@ def test_run_writes_metrics(first_run):
     assert len(train) + len(evals) == len(events)
     assert [e["step"] for e in train] == [*range(5, 2 * STEPS_PER_EPOCH, 5), 2 * STEPS_PER_EPOCH]
     assert all(e["tokens_per_s"] > 0 and e["lr"] > 0 and e["grad_norm"] > 0 for e in train)
-    # The tiny model's steps are too small for MFU to mean anything; its peak memory is the process's.
+    # The tiny model's steps are too small for MFU to
+    # mean anything; its peak memory is the process's.
     assert all(e["mfu"] is None and e["peak_mem_mib"] > 0 for e in train)
     # eval_every=0: at the end of each epoch, and always at the end of the run.
     assert [(e["step"], e["epoch"]) for e in evals] == [
@@ -171,7 +172,7 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     assert proc.returncode == 0, proc.stderr
     jobs = sorted((workdir / "runs" / "sweep-multirun").glob("[01]-*"))
     assert [job.name[:2] for job in jobs] == ["0-", "1-"], jobs
-    for job_dir, lr in zip(jobs, (default_lr, 3e-4)):
+    for job_dir, lr in zip(jobs, (default_lr, 3e-4), strict=True):
         assert (
             f"optimizer_config.learning_rate={lr:g}"
             in (job_dir / ".hydra" / "overrides.yaml").read_text()
@@ -180,7 +181,8 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
         # warmup of 100 steps
         assert first["step"] == 5 and first["lr"] == pytest.approx(lr * 5 / 100)
         assert read_snapshot(job_dir / "snapshots")["optimizer_config"]["learning_rate"] == lr
-    # Job 0 has the first run's config (the default rate): another process, the same seed, the same run.
+    # Job 0 has the first run's config (the default rate):
+    # another process, the same seed, the same run.
     assert without_timing(records(jobs[0])) == without_timing(records(run_dir))
     assert without_timing(records(jobs[1])) != without_timing(records(run_dir))
 

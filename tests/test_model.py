@@ -104,7 +104,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         torch.manual_seed(3)  # dropout's stream
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append(t.numel()) or t, lambda t: t
+            lambda t, saved=saved: saved.append(t.numel()) or t, lambda t: t
         ):
             _, loss = model(idx, idx)
         kept.append(sum(saved))

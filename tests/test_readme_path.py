@@ -87,14 +87,16 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     # The first log line's window holds the start-up: no ETA; the next one has it.
     logs = re.findall(r"train step (\d+) .*\| (elapsed \S+(?: eta \S+)?)\r?$", shown, re.M)
     assert [(step, "eta" in note) for step, note in logs] == [("5", False), ("6", True)], logs
-    # The closing line, after the sample: the losses, the snapshot and the command that samples from it.
+    # The closing line, after the sample: the losses,
+    # the snapshot and the command that samples from it.
     closing = shown.rstrip().splitlines()[-1]
     snapshot = run_dir_of(tmp_path, [*quick, *EXTRA]) / "snapshots"
     best = read_snapshot(snapshot)["best_eval_loss"]
     best_file = snapshot.with_name("snapshots-best")  # the best weights, beside the snapshots
     best_shown = re.escape(str(best_file.relative_to(tmp_path)))
     assert re.search(
-        rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) \| snapshot ",
+        rf"done at step 6: held-out loss [\d.]+, best {best:.4f} at step \d \({best_shown}\) "
+        r"\| snapshot ",
         closing,
     ), closing
     command = closing.split("sample from the best: ")[1].strip()

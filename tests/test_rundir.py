@@ -1,4 +1,5 @@
-"""The run directory end to end: one owner, refusals that leave no trace, another config its own run."""
+"""The run directory end to end: one owner, refusals
+that leave no trace, another config its own run."""
 
 from __future__ import annotations
 
@@ -142,7 +143,8 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
         ),
         "other shape": (["gpt_config.n_layer=3"], "gpt_config.n_layer: snapshot 2, config 3"),
         "in use": ([], f"error: run directory {finished_run} is in use by another job"),
-        # Operational keys that would start another snapshot from step 0 under the finished run's record.
+        # Operational keys that would start another snapshot
+        # from step 0 under the finished run's record.
         "other snapshot": (
             [f"trainer_config.snapshot_path={workdir / 'elsewhere.pt'}"],
             f"error: run directory {finished_run} holds the record of a run up to step",

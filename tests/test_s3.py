@@ -43,7 +43,8 @@ def endpoint():
 
 @pytest.fixture
 def s3(endpoint, monkeypatch):
-    """fsspec's s3:// in this process pointed at `endpoint`, with a bucket `runs`: the S3 filesystem."""
+    """fsspec's s3:// in this process pointed at
+    `endpoint`, with a bucket `runs`: the S3 filesystem."""
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
@@ -86,7 +87,10 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
 
 def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):
     url = "s3://no-such-bucket/run1/snapshot.pt"
-    refused = rf"^cannot use snapshot path {url}: bucket 'no-such-bucket' does not exist \(create it first\)$"
+    refused = (
+        rf"^cannot use snapshot path {url}: "
+        r"bucket 'no-such-bucket' does not exist \(create it first\)$"
+    )
     with pytest.raises(storage.StorageError, match=refused):  # at start
         storage.check_writable(str(tmp_path), url)
     with pytest.raises(storage.StorageError, match=refused):  # and at every save
@@ -96,7 +100,8 @@ def test_a_snapshot_in_a_missing_bucket_is_refused_not_created(s3, tmp_path):
 
 
 def test_an_unreachable_endpoint_is_one_line(monkeypatch, tmp_path):
-    """Nothing listens on the port: botocore's EndpointConnectionError (not an OSError) becomes one line."""
+    """Nothing listens on the port: botocore's
+    EndpointConnectionError (not an OSError) becomes one line."""
     for key, value in {**CREDENTIALS, "AWS_MAX_ATTEMPTS": "1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from conftest import child_env
 
-from mingpt.snapshot.reader import load_model
 from mingpt.score import ScoreConfig, main, score
+from mingpt.snapshot.reader import load_model
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +49,9 @@ def test_held_out_split_scores_as_the_runs_last_evaluation(
         assert result.bpc == pytest.approx(final["bpc"], rel=1e-6)
     main([f"snapshot_path={run_dir}", "device=cpu"])
     out = capsys.readouterr().out.splitlines()
-    assert (
-        out[0]
-        == f"{run_dir} (step 60) on the held-out split of small.txt: {final['tokens']:,} characters scored"
+    assert out[0] == (
+        f"{run_dir} (step 60) on the held-out split of small.txt: "
+        f"{final['tokens']:,} characters scored"
     )
     loss, bpc, perplexity = (float(line.split()[1]) for line in out[1:])
     assert loss == pytest.approx(final["loss"], abs=1e-6) and bpc == pytest.approx(
@@ -68,7 +68,8 @@ def test_a_text_file_is_scored_window_by_window(tiny_run, tmp_path, one_thread):
     path = tmp_path / "text.txt"
     path.write_text(text, encoding="utf-8")
     result = score(ScoreConfig(snapshot_path=str(run_dir), path=str(path), device="cpu"))
-    # Two whole windows of block_size, each predicted from its own start; the 4 characters after them are not.
+    # Two whole windows of block_size, each predicted from
+    # its own start; the 4 characters after them are not.
     tokens = tokenizer.encode(text).long()
     windows = torch.stack([tokens[i * block : (i + 1) * block + 1] for i in range(2)])
     with torch.no_grad():
@@ -167,7 +168,8 @@ def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(
         main(["snapshot_path=snapshots", "device=cpu"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert exit_status.value.code == 2 and errors == [
-        f"error: the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes), so its "
+        "error: the corpus changed since the snapshot was written "
+        f"(small.txt: {before} -> {after} bytes), so its "
         "held-out split is not the run's: give the text with path=..., or score the new split with "
         "allow_corpus_change=true"
     ]
@@ -175,6 +177,6 @@ def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(
     out, err = capsys.readouterr()
     assert out.startswith("snapshots (step 60) on the held-out split of small.txt")
     assert (
-        f"WARNING the corpus changed since the snapshot was written (small.txt: {before} -> {after} bytes)"
-        in err
-    )
+        "WARNING the corpus changed since the snapshot was written "
+        f"(small.txt: {before} -> {after} bytes)"
+    ) in err

@@ -34,7 +34,8 @@ def launch(nproc: int, mode: str, out: Path, root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """One 2-rank FSDP2 run that saves (sync, then async) and loads back; its report and reference state."""
+    """One 2-rank FSDP2 run that saves (sync, then async)
+    and loads back; its report and reference state."""
     out = tmp_path_factory.mktemp("sharded")
     root = out / "root"
     launch(2, "save", out, root)
@@ -64,7 +65,8 @@ def test_publication_pruning_and_async_saves(saved):
     ]
     # latest() follows publication, never the unpublished step 99
     assert report["latest"] == report["published"]
-    # keep=2: the two newest remain; the crashed directory older than them is gone, the newer one is left alone.
+    # keep=2: the two newest remain; the crashed directory
+    # older than them is gone, the newer one is left alone.
     assert report["listing"] == ["step-00000003", "step-00000004", "step-00000099"]
     assert manifest.latest(str(root)) == f"{root}/step-00000004"
     files = sorted(os.listdir(root / "step-00000004"))
@@ -82,7 +84,8 @@ def test_background_write_failure_surfaces_on_every_rank(saved):
 
 
 def test_reshards_to_two_ranks_and_one_process(saved, tmp_path):
-    """(Loads into other numbers of FSDP ranks: tests/test_snapshot.py resumes a run on 2, 1 and 4.)"""
+    """(Loads into other numbers of FSDP ranks:
+    tests/test_snapshot.py resumes a run on 2, 1 and 4.)"""
     out, root, _, reference = saved
     two = torch.load(out / "load-2.pt", weights_only=True)
     assert two["meta"]["step"] == 4 and two["meta"]["world_size"] == 2
@@ -189,8 +192,8 @@ def test_pickled_payload_in_dcp_metadata_is_refused_and_not_run(saved, tmp_path)
         line = str(refused.value)
         assert (
             line.startswith(
-                f"refusing to load {directory}/.metadata: it holds pickled objects other than DCP's "
-                "metadata, and none of it was run"
+                f"refusing to load {directory}/.metadata: "
+                "it holds pickled objects other than DCP's metadata, and none of it was run"
             )
             and "posix.system" in line
             and "\n" not in line
@@ -220,9 +223,9 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
         f"error: {tmp_path / 'nothing'} is an empty directory; expected"
     )
 
-    from mingpt.snapshot.reader import load_model
     from mingpt.generate import main as generate_main
     from mingpt.snapshot import single_file
+    from mingpt.snapshot.reader import load_model
 
     state = single_file.load(str(exported))
     assert state["step"] == 4 and state["samples_in_epoch"] == 32
@@ -234,7 +237,9 @@ def test_export_and_generate_from_a_sharded_snapshot(saved, tmp_path, capsys, mo
     from_dir, _, _ = load_model(str(root), torch.device("cpu"))
     assert all(
         torch.equal(a, b)
-        for a, b in zip(from_file.state_dict().values(), from_dir.state_dict().values())
+        for a, b in zip(
+            from_file.state_dict().values(), from_dir.state_dict().values(), strict=True
+        )
     )
     generate_main(
         [f"snapshot_path={root}", "max_new_tokens=30", "temperature=0", "device=cpu", "prompt=AB"]
@@ -295,8 +300,9 @@ def test_async_save_of_a_cpu_state_on_a_gpu_host(tmp_path):
 
 
 def test_asynchronous_saves_in_a_row(tmp_path):
-    """Each asynchronous save after the first failed with `KeyError: <class 'type'>` on a torch whose DCP stager
-    closes itself after one stage (2.11): the saves of one process reused one stager."""
+    """Each asynchronous save after the first failed with `KeyError: <class 'type'>` on a
+    torch whose DCP stager closes itself after one stage (2.11): the saves of one process
+    reused one stager."""
     root = str(tmp_path / "root")
     for step in (1, 2, 3):
         state = {"model": {"w": torch.full((3, 4), float(step))}}
@@ -317,7 +323,8 @@ def test_a_rank_failure_is_reported_with_its_type_and_place():
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
     def stage(copiers: dict) -> None:
-        copiers[type]  # noqa: B018: fails as a stager did: KeyError(<class 'type'>)
+        # Fails as a stager did: KeyError(<class 'type'>).
+        copiers[type]
 
     try:
         stage({})

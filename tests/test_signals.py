@@ -41,7 +41,8 @@ def data(tmp_path_factory, corpus):
 def launch(
     cwd, nproc: int, name: str, data, *extra: str, env=None, script=REPO / "main.py"
 ) -> subprocess.Popen:
-    """The run `name` in the background, its stderr to cwd/<name>-<n>.err (n: 1, 2, ... per launch)."""
+    """The run `name` in the background, its stderr
+    to cwd/<name>-<n>.err (n: 1, 2, ... per launch)."""
     launcher = (
         [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone", TORCHRUN_SIGNALS)
     )
@@ -91,19 +92,12 @@ class Job:
         self.proc, self.steps, self.stderr = proc, list(steps), None
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, data):
-    """Every run of this module at once, on a loaded machine: SIGTERM mid-epoch to
-    one process and to torchrun with 2 workers, each resumed afterwards, beside
-    their uninterrupted references; Ctrl-C at each moment of tests/stop_probe.py, and a
-    SIGHUP during an evaluation.
-    {name: (status, stderr, run directory)}."""
-    cwd = tmp_path_factory.mktemp("runs")
+def sigterm_jobs(cwd, data, jobs: dict[str, Job]) -> None:
+    """SIGTERM mid-epoch to one process and to torchrun with 2 workers, each resumed
+    once it has exited, beside their uninterrupted references."""
     sigterm = lambda job: os.kill(job.proc.pid, signal.SIGTERM)  # noqa: E731
-    sigint = lambda job: os.kill(job.proc.pid, signal.SIGINT)  # noqa: E731
     # every 0.12 s: at machine-dependent steps
     time_saves = "trainer_config.save_every_minutes=0.002"
-    jobs: dict[str, Job] = {}
     for nproc, optimizer in ((1, "adamw"), (2, "muon")):  # Muon's state too resumes bitwise
         algorithm = f"optimizer_config.algorithm={optimizer}"
         jobs[f"reference-{nproc}"] = Job(launch(cwd, nproc, f"reference-{nproc}", data, algorithm))
@@ -123,6 +117,11 @@ def runs(tmp_path_factory, data):
                 ),
             ],
         )
+
+
+def probe_jobs(cwd, data, jobs: dict[str, Job]) -> None:
+    """Ctrl-C at each moment of tests/stop_probe.py, and a SIGHUP during an evaluation."""
+    sigint = lambda job: os.kill(job.proc.pid, signal.SIGINT)  # noqa: E731
     for moment in ("import", "init", "load", "eval", "save", "sample", "save-hang", "generating"):
         marker = cwd / f"at-{moment}"
         env = {"STOP_PROBE": moment, "STOP_PROBE_FILE": str(marker)}
@@ -146,7 +145,8 @@ def runs(tmp_path_factory, data):
         if moment == "save-hang":
             steps.append((Path(f"{marker}.stopping").exists, sigint))
         jobs[moment] = Job(proc, steps)
-    # An ssh session that goes away sends SIGHUP: a stop like SIGTERM's, at the evaluation of step 5.
+    # An ssh session that goes away sends SIGHUP: a stop like SIGTERM's, at the evaluation
+    # of step 5.
     marker = cwd / "at-hangup"
     proc = launch(
         cwd,
@@ -158,25 +158,39 @@ def runs(tmp_path_factory, data):
         script=REPO / "tests" / "stop_probe.py",
     )
     jobs["hangup"] = Job(proc, [(marker.exists, lambda job: os.kill(job.proc.pid, signal.SIGHUP))])
+
+
+def advance(name: str, job: Job) -> None:
+    """Keeps the job's stderr once it has exited, and takes its next step once the step's
+    condition holds (None: once the process has exited)."""
+    if job.stderr is None and job.proc.poll() is not None:
+        job.stderr = job.proc.stderr_path.read_text()
+    if job.steps:
+        condition, action = job.steps[0]
+        if condition is None and job.stderr is not None or condition is not None and condition():
+            job.steps.pop(0)
+            action(job)
+        elif job.stderr is not None and condition is not None:
+            pytest.fail(f"{name} ended before it was signalled: {job.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    """Every run of this module at once, on a loaded machine: SIGTERM mid-epoch to
+    one process and to torchrun with 2 workers, each resumed afterwards, beside
+    their uninterrupted references; Ctrl-C at each moment of tests/stop_probe.py, and a
+    SIGHUP during an evaluation.
+    {name: (status, stderr, run directory)}."""
+    cwd = tmp_path_factory.mktemp("runs")
+    jobs: dict[str, Job] = {}
+    sigterm_jobs(cwd, data, jobs)
+    probe_jobs(cwd, data, jobs)
     deadline = time.monotonic() + DEADLINE
     try:
         while any(job.steps or job.stderr is None for job in list(jobs.values())):
             assert time.monotonic() < deadline, {name: job.steps for name, job in jobs.items()}
             for name, job in list(jobs.items()):
-                if job.stderr is None and job.proc.poll() is not None:
-                    job.stderr = job.proc.stderr_path.read_text()
-                if job.steps:
-                    condition, action = job.steps[0]
-                    if (
-                        condition is None
-                        and job.stderr is not None
-                        or condition is not None
-                        and condition()
-                    ):
-                        job.steps.pop(0)
-                        action(job)
-                    elif job.stderr is not None and condition is not None:
-                        pytest.fail(f"{name} ended before it was signalled: {job.stderr[-3000:]}")
+                advance(name, job)
             time.sleep(0.02)
     finally:
         for job in jobs.values():
@@ -278,7 +292,8 @@ def test_ctrl_c_during_an_evaluations_sample_stops_at_once(runs):
 
 
 def test_sighup_saves_and_stops_like_sigterm(runs):
-    """A hang-up (the terminal or ssh session closed) is a stop signal by default, not a silent death."""
+    """A hang-up (the terminal or ssh session closed)
+    is a stop signal by default, not a silent death."""
     status, stderr, run_dir = runs["hangup"]
     assert status == 129, stderr[-3000:]
     assert stderr.splitlines()[-1] == (
@@ -362,19 +377,18 @@ def test_restarted_workers_join_with_and_without_a_fresh_store(tmp_path):
     procs = {}
     for variable in ("0", "1"):
         env = {**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": variable}
-        err = open(tmp_path / f"fresh-store-{variable}.err", "w")
-        procs[variable] = subprocess.Popen(
-            torchrun_cmd(2, "--standalone", "--max-restarts=1") + [worker, "1"],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            start_new_session=True,
-        )
-        err.close()
+        with open(tmp_path / f"fresh-store-{variable}.err", "w") as err:
+            procs[variable] = subprocess.Popen(
+                torchrun_cmd(2, "--standalone", "--max-restarts=1") + [worker, "1"],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
     deadline = time.monotonic() + DEADLINE / 2
     try:
-        for variable, proc in procs.items():
+        for proc in procs.values():
             proc.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
         for proc in procs.values():

@@ -132,16 +132,15 @@ class Cluster:
         return proc.stdout
 
     def daemon(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.root / f"{name}.out", "w")
-        proc = subprocess.Popen(
-            [which(name), *args],
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.root / f"{name}.out", "w") as log:
+            proc = subprocess.Popen(
+                [which(name), *args],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc.name = name
         self.procs.append(proc)
         return proc
@@ -189,7 +188,8 @@ class Cluster:
         return self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False).split()[:1] == ["idle"]
 
     def wait(self, what: str, ready, deadline: float = DEADLINE) -> None:
-        """Until ready(); a daemon that exits meanwhile, or the deadline, skips (at start) or fails."""
+        """Until ready(); a daemon that exits meanwhile,
+        or the deadline, skips (at start) or fails."""
         end = time.monotonic() + deadline
         while not ready():
             dead = [p for p in self.procs if p.poll() is not None]
@@ -238,8 +238,8 @@ def cluster(tmp_path_factory):
     missing = [name for name in DAEMONS + CLIENTS if not which(name)]
     if missing:
         pytest.skip(
-            f"SLURM is not installed ({', '.join(missing)} missing: apt-get install slurmctld slurmd "
-            "slurm-client munge)"
+            f"SLURM is not installed ({', '.join(missing)} missing: "
+            "apt-get install slurmctld slurmd slurm-client munge)"
         )
     if os.geteuid() != 0:
         pytest.skip(
@@ -272,7 +272,8 @@ class Job:
         return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
     def until(self, what: str, ready) -> dict[str, str]:
-        """Wait until ready(info) for `scontrol show job`'s fields; a job that ends otherwise fails at once."""
+        """Wait until ready(info) for `scontrol show job`'s
+        fields; a job that ends otherwise fails at once."""
         end = time.monotonic() + DEADLINE
         while True:
             info = self.show()
@@ -281,7 +282,8 @@ class Job:
             state = info["JobState"]
             if state in TERMINAL or time.monotonic() > end:
                 pytest.fail(
-                    f"job {self.id}: {state} (exit {info.get('ExitCode')}) while waiting for {what}\n"
+                    f"job {self.id}: {state} (exit {info.get('ExitCode')}) "
+                    f"while waiting for {what}\n"
                     f"{tail(self.out)}"
                 )
             time.sleep(0.2)
@@ -297,7 +299,8 @@ class Job:
         self.until("training to start", lambda info: len(self.trained_steps()) >= 5)
 
     def resume_requeued(self) -> dict[str, str]:
-        """The job requeued (same id, pending again): let it start now rather than in two minutes, until done."""
+        """The job requeued (same id, pending again): let it
+        start now rather than in two minutes, until done."""
         self.until(
             "the requeue", lambda info: info["Restarts"] == "1" and info["JobState"] == "PENDING"
         )

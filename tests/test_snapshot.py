@@ -41,8 +41,8 @@ from mingpt import storage
 from mingpt.config import Config
 from mingpt.data import ResumableSampler
 from mingpt.distributed import DistInfo
-from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
 from mingpt.run import build
+from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
 from mingpt.trainer import Trainer, TrainingError
 
 N_TRAIN = 1124  # training windows of the small corpus
@@ -91,7 +91,8 @@ def memory_url() -> str:
 
 
 def tree_bytes(url) -> dict[str, bytes]:
-    """Every file under a snapshot root (a local path or URL) by its path relative to it: compared byte for byte."""
+    """Every file under a snapshot root (a local path or
+    URL) by its path relative to it: compared byte for byte."""
     fs, root = storage.filesystem(str(url))
     root = root.rstrip("/")
     return {path[len(root) :]: fs.cat_file(path) for path in sorted(fs.find(root))}
@@ -417,7 +418,8 @@ def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
     with pytest.raises(
         SnapshotError,
         match=re.escape(
-            """snapshot s.pt holds another optimizer's state (optimizer_config.algorithm: "adamw" -> "muon"): keep"""
+            "snapshot s.pt holds another optimizer's state "
+            '(optimizer_config.algorithm: "adamw" -> "muon"): keep'
         ),
     ):
         compat.check_same_config(state, muon, "s.pt")
@@ -453,7 +455,8 @@ def test_corpus_changes_name_each_file():
 
 
 def test_killed_save_leaves_previous_snapshot_intact(tmp_path):
-    """The single file (export's write): a save killed part-way leaves the file before it, byte for byte."""
+    """The single file (export's write): a save killed
+    part-way leaves the file before it, byte for byte."""
     path = tmp_path / "snapshot.pt"
     previous = {
         "model_state": {"w": torch.arange(10.0)},
@@ -496,7 +499,8 @@ def test_killed_background_save_leaves_previous_snapshot_published(tmp_path):
 
 
 def kill_writer(tmp_path, path, started, *mode: str) -> None:
-    """Run tests/ft_writer.py on `path`; SIGKILL it as soon as `started()` finds its save under way."""
+    """Run tests/ft_writer.py on `path`; SIGKILL it
+    as soon as `started()` finds its save under way."""
     writer = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "ft_writer.py"), str(path), "200", *mode],
         env=child_env(),
@@ -592,7 +596,8 @@ def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
     # Both ranks stop, each naming its own path.
     for rank in (0, 1):
         line = (
-            f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/snapshots-{rank}): "
+            "error: the ranks start from different steps [6, 0] "
+            f"(snapshot {tmp_path}/snapshots-{rank}): "
             "keep the snapshot where every node sees it"
         )
         assert line in proc.stderr, proc.stderr[-3000:]
@@ -729,9 +734,9 @@ def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_c
     assert read_samples(record) == Counter(range(N_TRAIN))
 
 
-# The key test: SIGKILL a worker mid-epoch, torchrun restarts, the run ends bitwise where it would have.
-# torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can
-# read the dead ones' addresses from it (pytorch#135712); this opts out, as docs/fault-tolerance.md says.
+# The key test: SIGKILL a worker mid-epoch, torchrun restarts, the run ends bitwise where it would
+# have. torchrun >= 2.5 keeps one TCPStore across restarts and the restarted workers can read the
+# dead ones' addresses from it (pytorch#135712); this opts out, as docs/fault-tolerance.md says.
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 KILL_ARGS = [
     "gpt_config.dropout=0.1",

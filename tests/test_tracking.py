@@ -28,7 +28,8 @@ from mingpt.config import Config, ConfigError, TrainerConfig  # noqa: E402
 from mingpt.metrics import events  # noqa: E402
 from mingpt.snapshot.sharded import read_meta as read  # noqa: E402
 
-# seconds for one event (a run reaching its stop point, a stopped run exiting): generous, for a loaded machine
+# seconds for one event (a run reaching its stop point,
+# a stopped run exiting): generous, for a loaded machine
 DEADLINE = 300
 ARGS = [
     *TINY,
@@ -160,7 +161,8 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
     assert "tracker_run_id" not in read(str(run_dir / "snapshots"))
     assert not (cwd / "mlruns").exists()
 
-    # Steps 11 to 20, stopped by SIGTERM at the start of the evaluation at step 20 (tests/stop_probe.py).
+    # Steps 11 to 20, stopped by SIGTERM at the start of
+    # the evaluation at step 20 (tests/stop_probe.py).
     marker = cwd / "at-eval"
     # the first stopped at 10
     more = ["trainer_config.max_steps=30", "trainer_config.allow_config_change=true"]
@@ -218,7 +220,8 @@ def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
 
 
 def test_only_rank_0_logs_under_torchrun(cwd, monkeypatch):
-    """With FSDP, where every rank generates the samples too, and the id goes into the sharded snapshot."""
+    """With FSDP, where every rank generates the samples
+    too, and the id goes into the sharded snapshot."""
     result = run_torchrun(
         2, args_for(cwd, "trainer_config.max_steps=20", "trainer_config.parallelism=fsdp"), cwd
     )
@@ -238,7 +241,8 @@ def test_only_rank_0_logs_under_torchrun(cwd, monkeypatch):
 
 
 def test_unreachable_tracker_costs_one_warning(cwd):
-    """Nothing listens on port 1: one warning at the start, and the run trains and records as ever."""
+    """Nothing listens on port 1: one warning at the
+    start, and the run trains and records as ever."""
     started = time.monotonic()
     result = run_main(
         [
@@ -281,7 +285,8 @@ def test_the_documented_stores_track_after_the_documented_install(cwd, monkeypat
 
 
 def test_a_database_store_without_its_packages_names_them(tmp_path, caplog, monkeypatch):
-    """mlflow-skinny installed alone: the one warning names what is missing and the install command."""
+    """mlflow-skinny installed alone: the one warning
+    names what is missing and the install command."""
     import importlib.util
 
     find_spec = importlib.util.find_spec
@@ -360,7 +365,8 @@ def test_tracker_keys_are_checked():
 
 
 def test_a_run_id_the_store_lacks_starts_a_new_run(tmp_path, caplog):
-    """The snapshot's MLflow run is in another store (tracker_uri changed): one warning, a new run."""
+    """The snapshot's MLflow run is in another store
+    (tracker_uri changed): one warning, a new run."""
     uri = (tmp_path / "mlruns").as_uri()
     with caplog.at_level(logging.WARNING, logger="mingpt"):
         tracker = tracking.start(

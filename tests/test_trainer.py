@@ -44,7 +44,8 @@ def test_step_plan_of_a_fresh_run():
 
 
 def test_step_plan_of_a_resume_with_another_world_size_finishes_the_epochs():
-    # 10 steps done at world size 2 (160 of 100 + 60 samples: epoch 1, 60 in); now 1 rank of 8 per step.
+    # 10 steps done at world size 2 (160 of 100 + 60
+    # samples: epoch 1, 60 in); now 1 rank of 8 per step.
     resumed = TrainState(epoch=1, samples_in_epoch=60, step=10)
     plan = step_plan(TrainerConfig(batch_size=4, grad_accum_steps=2, max_epochs=3), 100, 1, resumed)
     assert plan.steps_per_epoch == 13
