@@ -131,8 +131,8 @@ def small_disk(tmp_path) -> Path:
 
 def read_snapshot(path) -> dict:
     """A snapshot (a root: its newest; or one step directory) read whole in this process, in the
-    single file's layout: its record, `model_state`, and `optimizer_state` keyed by parameter index as
-    torch.optim keeps it; the comm hook's per-rank states as {name, world_size, ranks: [...]}."""
+    single file's layout: its record, `model_state`, and `optimizer_state` keyed by parameter
+    index as torch.optim keeps it; the comm hook's per-rank states as {name, world_size, ranks}."""
     from mingpt.snapshot import manifest, sharded
 
     tensors, meta = sharded.load_full(str(path))
