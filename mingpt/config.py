@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 import sys
 import textwrap
 from collections.abc import Mapping, MutableMapping
@@ -217,8 +218,8 @@ class DataConfig:
 class TrainerConfig:
     run_name: str = key(
         "default",
-        "the run directory is `runs/<run_name>`, plus the changed values and their hash "
-        "for any other config (see [Run directory](run-directory.md))",
+        "the run directory is `runs/<run_name>`, whatever the config: a command with other "
+        "values needs another name (see [Run directory](run-directory.md))",
         operational=True,
     )
     max_epochs: int = key(2, "epochs over the training windows")
@@ -580,21 +581,29 @@ def key_table(section: type) -> str:
     return "\n".join(rows)
 
 
+def _for_terminal(help: str) -> str:
+    """A key's help as a terminal shows it: a Markdown link by its text alone (its target is a path
+    relative to docs/), that text kept on one line (its spaces are NULs until wrapped)."""
+    return re.sub(r"\[([^]]*)\]\([^)]*\)", lambda m: m.group(1).replace(" ", "\0"), help)
+
+
 def key_lines(section: type, values: Mapping | None = None, prefix: str = "") -> str:
-    """A config dataclass's keys for a --help: `key=value` (the default, or the value in `values`), its meaning."""
+    """A config dataclass's keys for a --help: `key=value` (the default, or the value in `values`),
+    its meaning."""
     rows = [
         (
             f"{prefix}{f.name}={_text(_default(f) if values is None else values[f.name])}",
-            f.metadata["help"],
+            _for_terminal(f.metadata["help"]),
         )
         for f in dataclasses.fields(section)
     ]
     width = min(max(len(k) for k, _ in rows), 28) + 4
-    return "\n".join(
+    lines = "\n".join(
         (f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
         + ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
         for k, help in rows
     )
+    return lines.replace("\0", " ")
 
 
 def markdown(doc: str) -> str:
