@@ -561,11 +561,14 @@ def register_configs() -> None:
 
 
 def _text(value: Any) -> str:
+    """A value as it is typed on the command line."""
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_text(v) for v in value) + "]"
-    return (
-        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    )
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -590,27 +593,29 @@ def _for_terminal(help: str) -> str:
 def key_lines(section: type, values: Mapping | None = None, prefix: str = "") -> str:
     """A config dataclass's keys for a --help: `key=value` (the default, or the value in `values`),
     its meaning."""
-    rows = [
-        (
-            f"{prefix}{f.name}={_text(_default(f) if values is None else values[f.name])}",
-            _for_terminal(f.metadata["help"]),
-        )
-        for f in dataclasses.fields(section)
-    ]
+    fields = dataclasses.fields(section)
+    if values is None:
+        values = {f.name: _default(f) for f in fields}
+    rows = [(f"{prefix}{f.name}={_text(values[f.name])}", f.metadata["help"]) for f in fields]
     width = min(max(len(k) for k, _ in rows), 28) + 4
-    lines = "\n".join(
-        (f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
-        + ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
-        for k, help in rows
-    )
-    return lines.replace("\0", " ")
+    indent = "\n" + " " * width
+    lines = []
+    for k, help in rows:
+        head = f"  {k}".ljust(width)
+        if len(k) + 4 > width:  # a long key: its meaning starts on the next line
+            head = f"  {k}" + indent
+        wrapped = textwrap.wrap(_for_terminal(help), 100 - width, break_on_hyphens=False)
+        lines.append(head + indent.join(wrapped))
+    return "\n".join(lines).replace("\0", " ")
 
 
 def markdown(doc: str) -> str:
-    """`doc` with the table of each section between its `<!-- keys: SECTION -->` and `<!-- end -->` made anew."""
+    """`doc` with the table of each section between its `<!-- keys: SECTION -->` and
+    `<!-- end -->` made anew."""
     for name, section in SECTIONS.items():
         begin = f"<!-- keys: {name} -->\n"
-        start, end = doc.index(begin) + len(begin), doc.index("<!-- end -->", doc.index(begin))
+        start = doc.index(begin) + len(begin)
+        end = doc.index("<!-- end -->", start)
         doc = doc[:start] + key_table(section) + "\n" + doc[end:]
     return doc
 
