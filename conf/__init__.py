@@ -1,1 +1,2 @@
-"""Hydra configs, installed as the package mingpt.conf (see pyproject.toml); the YAML files are the content."""
+"""Hydra configs, installed as the package mingpt.conf (see pyproject.toml); the YAML files are the
+content."""

@@ -1,5 +1,7 @@
-"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes, run.py runs."""
+"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes,
+run.py runs."""
 
+import contextlib
 import os
 import re
 import sys
@@ -20,10 +22,10 @@ from omegaconf.errors import OmegaConfBaseException
 from mingpt import stopping
 from mingpt.config import Config, ConfigError, check_known_keys, drop_ignored_keys, register_configs
 from mingpt.data import DataError
-from mingpt.rundir import RunDirError, check_run_dir_setting, register_resolvers
+from mingpt.run import run
+from mingpt.rundir import RunDirError, check_run_dir_setting, shell_override
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError
-from mingpt.run import run
 from mingpt.trainer import TrainingError
 
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
@@ -34,17 +36,22 @@ COMPOSE = Hydra.compose_config
 
 
 def fail(message: str, status: int = 2) -> NoReturn:
-    """End the process with one line on stderr (one write: ranks' lines do not interleave), then in torchrun's
-    error file (after the line: torchrun stops the other workers as soon as one exits)."""
-    sys.stderr.write(f"error: {message}\n")
+    say_and_exit(f"error: {message}", status)
+
+
+def say_and_exit(line: str, status: int) -> NoReturn:
+    """End the process with one line on stderr (one write: ranks' lines do not interleave), then in
+    torchrun's error file (after the line: torchrun stops the other workers as soon as one exits).
+    A stop the user asked for says so without `error:`; its status still tells a script."""
+    sys.stderr.write(f"{line}\n")
     sys.stderr.flush()
-    stopping.tell_launcher(f"error: {message}")
+    stopping.tell_launcher(line)
     sys.exit(status)
 
 
 def config_error_line(error: BaseException) -> str:
-    """One line for a Hydra/OmegaConf composition error: the key and the problem. Hydra chains the real error
-    through __cause__ or, while composing a file, __context__."""
+    """One line for a Hydra/OmegaConf composition error: the key and the problem. Hydra chains the
+    real error through __cause__ or, while composing a file, __context__."""
     if isinstance(error, OverrideParseException):
         return override_error_line(error.override)
     if isinstance(error, yaml.YAMLError):
@@ -72,8 +79,8 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
         else ""
     )
     return (
-        f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {error.problem}"
-        + (f" ({context}{since})" if context else "")
+        f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: "
+        f"not valid YAML: {error.problem}" + (f" ({context}{since})" if context else "")
     )
 
 
@@ -84,14 +91,20 @@ def override_error_line(override: str) -> str:
             f"cannot parse the override {override!r}: a key is ASCII letters, digits, '_' and '.'"
         )
     if not value.isprintable():
-        return f"cannot parse the override {override!r}: it holds a control character (a newline, a tab)"
-    quoted = f"'{key}=\"{value}\"'" if '"' not in value else f"\"{key}='{value}'\""
+        return (
+            f"cannot parse the override {override!r}: "
+            "it holds a control character (a newline, a tab)"
+        )
     home = " (~ is not expanded inside it: write $HOME instead)" if value.startswith("~") else ""
-    return f"cannot parse the override {override!r}: quote the value, as in {quoted}{home}"
+    return (
+        f"cannot parse the override {override!r}: quote the value, as in "
+        f"{shell_override(key, value)}{home}"
+    )
 
 
 def check_group_overrides(overrides: list[str]) -> None:
-    """`~group` drops a config group from the defaults; `group=NAME` beside it would silently go with it."""
+    """`~group` drops a config group from the defaults; `group=NAME` beside it would silently go
+    with it."""
     dropped = {item[1:].partition("=")[0] for item in overrides if item.startswith("~")}
     for item in overrides:
         key, sep, _ = item.lstrip("+").partition("=")
@@ -102,12 +115,12 @@ def check_group_overrides(overrides: list[str]) -> None:
 
 
 register_configs()
-register_resolvers()
 _in_task = False  # an OSError outside a task is Hydra failing to create the run directory
 
 
 def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list[str]]:
-    """`cfg` as a Config, every key and value checked, and the notices of its ignored keys (dropped in place)."""
+    """`cfg` as a Config, every key and value checked, and the notices of its ignored keys (dropped
+    in place)."""
     if hydra_cfg.mode == RunMode.RUN:
         check_run_dir_setting(hydra_cfg.run.dir)
     check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
@@ -131,8 +144,9 @@ def compose_checked(
     *args: Any,
     **kwargs: Any,
 ) -> DictConfig:
-    """Hydra.compose_config while main runs: each config (each job of a sweep) is checked once composed, before
-    Hydra creates a run directory (a refused config leaves none), and for --cfg, which runs no task."""
+    """Hydra.compose_config while main runs: each config (each job of a sweep) is checked once
+    composed, before Hydra creates a run directory (a refused config leaves none), and for --cfg,
+    which runs no task."""
     cfg = COMPOSE(self, config_name, overrides, run_mode, *args, **kwargs)
     check_composed(cfg)
     if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
@@ -145,6 +159,14 @@ def compose_checked(
     return cfg
 
 
+def refuse(message: str) -> NoReturn:
+    """A refused task leaves no run directory: the one Hydra made for it goes if nothing is in it
+    (rundir.Claim takes back a lock file it made)."""
+    with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
+        os.rmdir(HydraConfig.get().runtime.output_dir)
+    fail(message)
+
+
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     global _in_task
@@ -153,7 +175,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         config, notices = checked_config(cfg, hydra_cfg)
         stopping.install(config.trainer_config.stop_signals)
-        # Hydra's .hydra/ is off (written before any check); ours: the values used, vocab_size and block_size as given
+        # Hydra's .hydra/ is off (written before any check); ours: the values used, vocab_size and
+        # block_size as given
         given = {
             key: OmegaConf.select(cfg, f"gpt_config.{key}") for key in ("vocab_size", "block_size")
         }
@@ -165,11 +188,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         }
         run(config, hydra_cfg.runtime.output_dir, files, notices)
     except USER_ERRORS as e:
-        fail(str(e))
+        refuse(str(e))
     except OmegaConfBaseException as e:  # an interpolation that cannot be resolved
-        fail(config_error_line(e))
+        refuse(config_error_line(e))
     except stopping.Stopped as e:
-        fail(str(e), status=e.status)
+        say_and_exit(str(e), e.status)
     # Hydra would print "Error executing job with overrides: ..." on the way out
     except BaseException:
         stopping.park_if_exiting()
@@ -178,8 +201,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def take_local_rank_argument(argv: list[str]) -> list[str]:
-    """Remove the `--local-rank=N` (`--local_rank=N`, `--local_rank N`) of the legacy launcher (`python -m
-    torch.distributed.launch`); LOCAL_RANK stays the source of truth: the argument only fills it in when missing."""
+    """Remove the `--local-rank=N` (`--local_rank=N`, `--local_rank N`) of the legacy launcher
+    (`python -m torch.distributed.launch`); LOCAL_RANK stays the source of truth: the argument only
+    fills it in when missing."""
     rest = []
     args = iter(argv)
     for arg in args:
@@ -206,8 +230,8 @@ def check_arguments(argv: list[str]) -> None:
     overrides = [arg for arg in apart if "=" in arg and not arg.startswith("-")]
     if overrides:
         fail(
-            f"{' '.join(overrides)}: the key=value overrides go together, all before or all after the options "
-            "(--config-dir, --config-name, --cfg, ...)"
+            f"{' '.join(overrides)}: the key=value overrides go together, all before or all after "
+            "the options (--config-dir, --config-name, --cfg, ...)"
         )
     if apart:
         fail(f"unrecognized arguments: {' '.join(apart)} (see --help)")
@@ -227,7 +251,7 @@ def main() -> None:
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
         fail(config_error_line(e))
     except KeyboardInterrupt:
-        fail("interrupted", status=130)
+        say_and_exit("interrupted", 130)
     except OSError as e:
         if _in_task:
             raise

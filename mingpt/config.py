@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 import sys
 import textwrap
 from collections.abc import Mapping, MutableMapping
@@ -237,8 +238,8 @@ class DataConfig:
 class TrainerConfig:
     run_name: str = key(
         "default",
-        "the run directory is `runs/<run_name>`, plus the changed values and their hash for any "
-        "other config (see [Run directory](run-directory.md))",
+        "the run directory is `runs/<run_name>`, whatever the config: a command with other "
+        "values needs another name (see [Run directory](run-directory.md))",
         operational=True,
     )
     max_epochs: int = key(2, "epochs over the training windows")
@@ -597,11 +598,14 @@ def register_configs() -> None:
 
 
 def _text(value: Any) -> str:
+    """A value as it is typed on the command line."""
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_text(v) for v in value) + "]"
-    return (
-        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    )
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -617,28 +621,38 @@ def key_table(section: type) -> str:
     return "\n".join(rows)
 
 
+def _for_terminal(help: str) -> str:
+    """A key's help as a terminal shows it: a Markdown link by its text alone (its target is a path
+    relative to docs/), that text kept on one line (its spaces are NULs until wrapped)."""
+    return re.sub(r"\[([^]]*)\]\([^)]*\)", lambda m: m.group(1).replace(" ", "\0"), help)
+
+
 def key_lines(section: type, values: Mapping | None = None, prefix: str = "") -> str:
-    """A config dataclass's keys for a --help: `key=value` (the default, or the value in `values`), its meaning."""
-    rows = [
-        (
-            f"{prefix}{f.name}={_text(_default(f) if values is None else values[f.name])}",
-            f.metadata["help"],
-        )
-        for f in dataclasses.fields(section)
-    ]
+    """A config dataclass's keys for a --help: `key=value` (the default, or the value in `values`),
+    its meaning."""
+    fields = dataclasses.fields(section)
+    if values is None:
+        values = {f.name: _default(f) for f in fields}
+    rows = [(f"{prefix}{f.name}={_text(values[f.name])}", f.metadata["help"]) for f in fields]
     width = min(max(len(k) for k, _ in rows), 28) + 4
-    return "\n".join(
-        (f"  {k}".ljust(width) if len(k) + 4 <= width else f"  {k}\n" + " " * width)
-        + ("\n" + " " * width).join(textwrap.wrap(help, 100 - width, break_on_hyphens=False))
-        for k, help in rows
-    )
+    indent = "\n" + " " * width
+    lines = []
+    for k, help in rows:
+        head = f"  {k}".ljust(width)
+        if len(k) + 4 > width:  # a long key: its meaning starts on the next line
+            head = f"  {k}" + indent
+        wrapped = textwrap.wrap(_for_terminal(help), 100 - width, break_on_hyphens=False)
+        lines.append(head + indent.join(wrapped))
+    return "\n".join(lines).replace("\0", " ")
 
 
 def markdown(doc: str) -> str:
-    """`doc` with the table of each section between its `<!-- keys: SECTION -->` and `<!-- end -->` made anew."""
+    """`doc` with the table of each section between its `<!-- keys: SECTION -->` and
+    `<!-- end -->` made anew."""
     for name, section in SECTIONS.items():
         begin = f"<!-- keys: {name} -->\n"
-        start, end = doc.index(begin) + len(begin), doc.index("<!-- end -->", doc.index(begin))
+        start = doc.index(begin) + len(begin)
+        end = doc.index("<!-- end -->", start)
         doc = doc[:start] + key_table(section) + "\n" + doc[end:]
     return doc
 

@@ -1,93 +1,65 @@
-"""The run directory: its name (from the config), its one owner (a lock), writes once accepted, its one record."""
+"""The run directory: its one owner (a lock), writes once accepted, its one record; and the paths
+that messages suggest in a command, written so that they can be pasted."""
 
 import contextlib
 import dataclasses
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import logging.handlers
 import os
 import re
+import shlex
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 
-from mingpt.config import Config, result_items
 from mingpt.distributed import DistInfo
 from mingpt.metrics import last_step
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
-LABEL_MAX_CHARS = 80  # a longer label leaves the hash alone in the name
 RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
 class RunDirError(ValueError):
-    """The run directory cannot be used (in use by another job, cannot be created); the message names it."""
+    """The run directory cannot be used (in use by another job, cannot be created); the message
+    names it."""
 
 
-def _short_key(key: str) -> str:
-    """The field alone (`learning_rate`), unless another section has a field of that name (block_size)."""
-    field = key.partition(".")[2]
-    sections = [
-        {g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(Config)
-    ]
-    return key if sum(field in names for names in sections) > 1 else field
+def shell_override(key: str, value: str, verbatim: bool = False) -> str:
+    """`key=value` as one bash word that gives the command `value` back, whatever it holds. Hydra
+    reads `=`, `,`, spaces, `~`, quotes and `${` in a value as syntax: such a value is quoted for
+    its override grammar first, unless the command takes the text `verbatim` (generate, score and
+    export's paths)."""
+    if not verbatim and not _plain(key, value):
+        value = _hydra_quoted(value)
+    return shlex.quote(f"{key}={value}")
 
 
-def _value_text(key: str, value: Any) -> str:
-    """As a name shows it: lists joined by '_', a fine-tuning source by its path's last two parts."""
-    if isinstance(value, list):
-        text = "_".join(_value_text(key, v) for v in value)
-    elif key == "trainer_config.init_from" and isinstance(value, str):
-        text = "/".join([part for part in value.split("/") if part][-2:]) or value
-    else:
-        text = value if isinstance(value, str) else json.dumps(value)
-    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+def _plain(key: str, value: str) -> bool:
+    """Whether Hydra and OmegaConf read `key=value` back as the string `value` as it is."""
+    try:
+        parsed = OverridesParser.create().parse_override(f"{key}={value}").value()
+    except HydraException:
+        return False
+    return "${" not in value and isinstance(parsed, str) and parsed == value
 
 
-def config_tag(sections: Mapping[str, Any]) -> str:
-    """`<changes>-<hash>` of a config given as {section: {key: value}}, as docs/run-directory.md describes."""
-    values, defaults = result_items(sections), result_items(dataclasses.asdict(Config()))
-    changed = {
-        _short_key(k): _value_text(k, v)
-        for k, v in values.items()
-        if k not in defaults or defaults[k] != v
-    }
-    label = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
-    if len(label) > LABEL_MAX_CHARS and "init_from" in changed:
-        label = f"init_from={changed['init_from']}"
-    digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{label}-{digest}" if label and len(label) <= LABEL_MAX_CHARS else digest
-
-
-def run_dir_name(sections: Mapping[str, Any]) -> str:
-    """`<run_name>` for the default config, `<run_name>-<config_tag>` for any other."""
-    default = result_items(sections) == result_items(dataclasses.asdict(Config()))
-    return sections["trainer_config"]["run_name"] + ("" if default else f"-{config_tag(sections)}")
-
-
-def _sections(root: DictConfig) -> dict[str, Any]:
-    names = [f.name for f in dataclasses.fields(Config)]
-    return {
-        name: OmegaConf.to_container(root[name], resolve=True) for name in names if name in root
-    }
-
-
-def register_resolvers() -> None:
-    """`${mingpt.run_dir_name:}` and `${mingpt.config_tag:}` for conf/config.yaml."""
-    for fn in (run_dir_name, config_tag):
-        OmegaConf.register_new_resolver(
-            f"mingpt.{fn.__name__}", lambda _root_, fn=fn: fn(_sections(_root_)), replace=True
-        )
+def _hydra_quoted(value: str) -> str:
+    """`value` in Hydra's double quotes. Hydra unescapes a `"` and the backslashes before a quote or
+    the end; OmegaConf reads `${` as an interpolation, and the backslashes right before it."""
+    value = re.sub(r"(\\*)\$\{", lambda m: 2 * m.group(1) + "\\${", value)
+    value = re.sub(r'(\\*)"', lambda m: 2 * m.group(1) + '\\"', value)
+    value = re.sub(r"(\\*)\Z", lambda m: 2 * m.group(1), value)
+    return f'"{value}"'
 
 
 def check_run_dir_setting(run_dir_setting: str) -> None:
@@ -107,7 +79,8 @@ def _agree(dist_info: DistInfo, refusal: str | None) -> None:
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, from what it wrote in the file (none yet, or a dead holder's: a job is starting)."""
+    """Who holds the lock, from what it wrote in the file (none yet, or a dead holder's: a job is
+    starting)."""
     try:
         info = json.loads(os.pread(fd, 4096, 0))
         if info.get("host") == socket.gethostname():
@@ -119,45 +92,77 @@ def _holder(fd: int) -> str:
     return f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')}{run_id}"
 
 
-def _lock(path: str, what: str) -> list[int]:
-    """[fd] holding an exclusive flock on `path` (created if missing), or RunDirError naming the holder;
-    [] where the file system refuses locks (Lustre mounted without flock or localflock)."""
-    try:  # check_writable made its directory
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _open(path: str, what: str) -> tuple[int, bool]:
+    """The lock file `path` open, and whether this call created it (check_writable made its
+    directory)."""
+    try:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
     except OSError as e:
         raise RunDirError(f"cannot use {what}: {e.filename}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise RunDirError(
-            f"{what} is in use by {holder}; wait for that job to end or stop it, "
-            f"or run this one in another directory (hydra.run.dir=...)"
-        ) from None
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-            log.warning(
-                "cannot lock %s (%s): a second job on it would not be detected", path, e.strerror
-            )
-            return []
-        raise RunDirError(f"cannot lock {path}: {e.strerror}") from None
-    return [fd]
 
 
-def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str]]:
-    """The lock files of a run: in its directory, and beside a local snapshot root outside it."""
-    paths = [(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")]
+def _lock(path: str, what: str, instead: str) -> tuple[int | None, bool]:
+    """A descriptor holding an exclusive flock on `path` (None where the file system refuses locks:
+    Lustre mounted without flock or localflock), and whether this call created the file; or
+    RunDirError naming the holder and what to give `instead`."""
+    while True:
+        fd, created = _open(path, what)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunDirError(
+                f"{what} is in use by {holder}; wait for that job to end or stop it, "
+                f"or run this one with {instead}"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                log.warning(
+                    "cannot lock %s (%s): a second job on it would not be detected",
+                    path,
+                    e.strerror,
+                )
+                return None, False
+            raise RunDirError(f"cannot lock {path}: {e.strerror}") from None
+        # A refused job removes the lock file it made (Claim.release): the lock must be on the file
+        # that is there now, or a job that opened the old one before would share the directory.
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd, created
+        os.close(fd)
+
+
+def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str, str]]:
+    """The lock files of a run, what they guard and what a second job can use instead: in its
+    directory, and beside a local snapshot root outside it."""
+    paths = [
+        (
+            os.path.join(run_dir, LOCK_FILE),
+            f"run directory {run_dir}",
+            "another name (trainer_config.run_name=NAME)",
+        )
+    ]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
         snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))
         if os.path.dirname(snapshot) != os.path.abspath(run_dir):
-            paths.append((f"{snapshot}.lock", f"snapshot {snapshot_path}"))
+            paths.append(
+                (
+                    f"{snapshot}.lock",
+                    f"snapshot {snapshot_path}",
+                    "another snapshot path (trainer_config.snapshot_path=PATH)",
+                )
+            )
     return paths
 
 
 def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
-    """Rank 0's log lines, kept until `Claim.accept` writes them to train.log: a refused run appends nothing there."""
+    """Rank 0's log lines, kept until `Claim.accept` writes them to train.log: a refused run appends
+    nothing there."""
     if rank != 0:
         return None
     buffer = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
@@ -179,7 +184,8 @@ class _LogFile(logging.FileHandler):
 
 @dataclasses.dataclass
 class Claim:
-    """The locks a job holds (global main process only), and the files written once it is accepted."""
+    """The locks a job holds (global main process only), and the files written once it is
+    accepted."""
 
     run_dir: str
     snapshot_path: str
@@ -187,12 +193,15 @@ class Claim:
     rank: int
     log_buffer: logging.handlers.MemoryHandler | None
     log_file: logging.FileHandler | None = None
+    made: list[str] = dataclasses.field(default_factory=list)  # the lock files it created
+    accepted: bool = False
 
     def accept(self, files: Mapping[str, str | Callable[[], str]] | None = None) -> None:
         """Every check passed: record the holder, open train.log with the lines logged so far,
         and write `files` ({path in the run directory: text, or what makes it})."""
         if self.rank != 0:
             return
+        self.accepted = True
         info = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -218,6 +227,8 @@ class Claim:
                 f.write(text() if callable(text) else text)
 
     def release(self) -> None:
+        if not self.accepted:
+            self.take_back()
         root = logging.getLogger()
         for handler in filter(None, (self.log_buffer, self.log_file)):
             root.removeHandler(handler)
@@ -226,6 +237,13 @@ class Claim:
                 handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
+
+    def take_back(self) -> None:
+        """A refused job leaves no trace: the lock files it made go while it still holds them (a
+        run directory left empty goes too, in mingpt.cli)."""
+        for path in self.made:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 @contextlib.contextmanager
@@ -236,14 +254,19 @@ def claim(
     log_buffer: logging.handlers.MemoryHandler | None,
 ) -> Iterator[Claim]:
     """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
-    the locks, so every rank of a refused job raises the same RunDirError before anything is written."""
+    the locks, so every rank of a refused job raises the same RunDirError before anything is
+    written."""
     owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
     refusal = None
     try:
         if dist_info.is_main_process:
             try:
-                for path, what in lock_paths(run_dir, snapshot_path):
-                    owned.fds += _lock(path, what)
+                for path, what, instead in lock_paths(run_dir, snapshot_path):
+                    fd, created = _lock(path, what, instead)
+                    if fd is not None:
+                        owned.fds.append(fd)
+                    if created:
+                        owned.made.append(path)
             except RunDirError as e:
                 refusal = str(e)
         _agree(dist_info, refusal)
@@ -268,19 +291,21 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
     ):
         previous = json.loads(f.read()).get("snapshot")
     if last is None or last <= step or previous in (None, _comparable(snapshot_path)):
-        # nothing to cut back, or a killed attempt of this run: its events after the snapshot are dropped
+        # nothing to cut back, or a killed attempt of this run: its events after the snapshot go
         return None
     return (
-        f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot {previous}; "
-        f"this one starts from step {step} with the snapshot {snapshot_path} and would overwrite that record: "
-        "give trainer_config.snapshot_path as that run had it, or start this run in "
-        "another directory (hydra.run.dir=...)"
+        f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot "
+        f"{previous}; this one starts from step {step} with the snapshot {snapshot_path} and would "
+        "overwrite that record: give the snapshot path that run had "
+        f"({shell_override('trainer_config.snapshot_path', previous)}), or start this run under "
+        "another name (trainer_config.run_name=NAME)"
     )
 
 
 def check_record(run_dir: str, snapshot_path: str, step: int, dist_info: DistInfo) -> None:
     """Refuse, on every rank, a start from `step` that would cut back the record of another run
-    in `run_dir` (the run whose snapshot its lock file names), or a record file of the wrong kind."""
+    in `run_dir` (the run whose snapshot its lock file names), or a record file of the wrong
+    kind."""
     _agree(
         dist_info,
         _record_problem(run_dir, snapshot_path, step) if dist_info.is_main_process else None,

@@ -224,8 +224,7 @@ def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Com
 
 def run_dir_of(cwd: Path, args: list[str]) -> Path:
     """The run directory `python main.py ARGS` started in `cwd` uses: Hydra's
-    hydra.run.dir composed from ARGS (runs/<run_name>, plus a hash of the
-    result-affecting values when they are not the defaults)."""
+    hydra.run.dir composed from ARGS (runs/<run_name>, whatever the other values)."""
     from hydra import compose, initialize_config_dir
 
     from mingpt.cli import CONF_DIR

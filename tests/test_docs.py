@@ -21,6 +21,7 @@ from mingpt.config import (
     GPTConfig,
     OptimizerConfig,
     TrainerConfig,
+    key,
     key_lines,
     key_table,
     markdown,
@@ -142,7 +143,9 @@ def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys)
     assert key_lines(getattr(module, schema)) in help
 
 
-def test_the_training_help_lists_every_key_with_this_invocations_value():
+@pytest.fixture(scope="module")
+def training_help() -> str:
+    """`python main.py --help trainer_config.max_epochs=7`'s output."""
     result = subprocess.run(
         [sys.executable, "main.py", "--help", "trainer_config.max_epochs=7"],
         cwd=REPO,
@@ -152,10 +155,54 @@ def test_the_training_help_lists_every_key_with_this_invocations_value():
         timeout=300,
     )
     assert result.returncode == 0 and not result.stderr, result.stderr
+    return result.stdout
+
+
+def test_the_training_help_lists_every_key_with_this_invocations_value(training_help):
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.default_factory):
-            assert f"\n  {section.name}.{f.name}=" in result.stdout
-    assert "\n  trainer_config.max_epochs=7 " in result.stdout
+            assert f"\n  {section.name}.{f.name}=" in training_help
+    assert "\n  trainer_config.max_epochs=7 " in training_help
+
+
+def test_help_shows_a_links_text_on_one_line_never_its_path(training_help):
+    """A key's help links into the docs in Markdown, by a path relative to docs/: a terminal shows
+    the link's text alone, never split by the wrapping, wherever it falls in the line."""
+    for section in SECTIONS.values():
+        lines = key_lines(section)
+        assert "](" not in lines and ".md" not in lines, lines
+    assert "](" not in training_help and ".md" not in training_help.partition("== Keys")[2]
+    link = "[Distributed training](training.md#distributed-training)"
+    for pad in range(1, 80):
+        help = f"{'x' * pad} then {link} and words after it"
+        section = dataclasses.make_dataclass("S", [("k", int, key(1, help))])
+        shown = key_lines(section)
+        assert any("Distributed training" in line for line in shown.splitlines()), shown
+        assert "training.md" not in shown and "x then Distributed training and words" in " ".join(
+            shown.split()
+        )
+
+
+def test_the_presets_in_the_docs_are_what_help_lists(training_help):
+    """docs/configuration.md's Presets name every option of every config group that --help
+    lists, and every `group=option` in that page is one of them."""
+    listed = training_help.split("== Configuration groups ==\n")[1].split("\n\n")[0]
+    groups = {
+        group: set(options.split(", "))
+        for group, options in (line.split(": ") for line in listed.splitlines())
+    }
+    assert {"experiment", "gpt_config", "optimizer_config"} <= groups.keys()
+    page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    presets = page.split("\n## Presets\n")[1].split("\n## ")[0]
+    missing = [
+        f"{group}={option}"
+        for group, options in groups.items()
+        for option in sorted(options)
+        if f"`{option}`" not in presets and f"`{group}={option}`" not in presets
+    ]
+    assert not missing, f"docs/configuration.md's Presets lack {missing}"
+    named = re.findall(r"\b(experiment|gpt_config|optimizer_config)=([\w-]+)", page)
+    assert all(option in groups[group] for group, option in named if option != "NAME"), named
 
 
 def test_the_layout_names_every_module_of_mingpt_once():

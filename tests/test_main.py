@@ -170,8 +170,8 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     sweep = ["trainer_config.run_name=sweep", f"optimizer_config.learning_rate={default_lr},3e-4"]
     proc = run_main(["-m", *args(workdir, *sweep)], workdir)
     assert proc.returncode == 0, proc.stderr
-    jobs = sorted((workdir / "runs" / "sweep-multirun").glob("[01]-*"))
-    assert [job.name[:2] for job in jobs] == ["0-", "1-"], jobs
+    jobs = sorted(path for path in (workdir / "runs" / "sweep-multirun").iterdir() if path.is_dir())
+    assert [job.name for job in jobs] == ["0", "1"], jobs
     for job_dir, lr in zip(jobs, (default_lr, 3e-4), strict=True):
         assert (
             f"optimizer_config.learning_rate={lr:g}"
@@ -186,21 +186,17 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     assert without_timing(records(jobs[0])) == without_timing(records(run_dir))
     assert without_timing(records(jobs[1])) != without_timing(records(run_dir))
 
-    # The sweep again with a new second value: job 0 finds its run complete,
-    # job 1 is a new run, and the old job 1 is left as it was.
+    # The sweep again with a new second value: job 0 finds its run complete, job 1 (its
+    # directory holds the old value's run) is refused naming the change, and is left as it was.
     old = {path: path.read_bytes() for path in jobs[1].rglob("*") if path.is_file()}
     sweep[-1] = f"optimizer_config.learning_rate={default_lr},1e-3"
     again = run_main(["-m", *args(workdir, *sweep)], workdir)
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 2, again.stderr
     assert again.stderr.count("run already complete") == 1
-    new = sorted(set((workdir / "runs" / "sweep-multirun").glob("[01]-*")) - set(jobs))
-    assert [job.name[:2] for job in new] == ["1-"]
-    assert records(new[0])[0]["lr"] == pytest.approx(1e-3 * 5 / 100)
-    assert (
-        f"optimizer_config.learning_rate={1e-3:g}"
-        in (new[0] / ".hydra" / "overrides.yaml").read_text()
-    )
+    assert again.stderr.rstrip().splitlines()[-1].startswith("error: snapshot "), again.stderr
+    assert "(optimizer_config.learning_rate: 0.0003 -> 0.001)" in again.stderr
     assert {path: path.read_bytes() for path in jobs[1].rglob("*") if path.is_file()} == old
+    assert sorted(path for path in jobs[0].parent.iterdir() if path.is_dir()) == jobs
 
 
 @pytest.mark.parametrize(
@@ -246,15 +242,20 @@ def test_missing_data_file_is_one_line(tmp_path):
 
 
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, corpus):
-    """Ctrl-C while training: a snapshot at the step reached, one line, status 130.
-    Deadlines are generous (a loaded machine); the waits end on events."""
+    """Ctrl-C while training: a snapshot at the step reached, one line, status 130. The stop was
+    asked for: the line is no `error:`, and torchrun's error file gets it too. Deadlines are
+    generous (a loaded machine); the waits end on events."""
     (tmp_path / "corpus.txt").write_text(
         corpus.read_text(encoding="utf-8")[:50_000], encoding="utf-8"
     )
     cmd = [sys.executable, str(REPO / "main.py"), *args(tmp_path, "trainer_config.max_epochs=1000")]
     with open(tmp_path / "stderr.txt", "w") as err:  # a file: a full pipe cannot stall the run
         proc = subprocess.Popen(
-            cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=err
+            cmd,
+            cwd=tmp_path,
+            env={**child_env(), "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
         )
     try:
         run_dir = run_dir_of(tmp_path, cmd[2:])
@@ -272,6 +273,9 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, corpus):
     stderr = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 130, stderr
     last = stderr.rstrip().splitlines()[-1]
-    assert "Traceback" not in stderr and last.startswith("error: interrupted at step "), stderr
+    assert "Traceback" not in stderr and last.startswith("interrupted at step "), stderr
+    assert "error:" not in stderr
     step = int(last.split("at step ")[1].split(";")[0])
     assert read_snapshot(run_dir / "snapshots")["step"] == step
+    told = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert told["message"] == told["extraInfo"]["py_callstack"] == last

@@ -1,7 +1,8 @@
 """The README's commands in the order a newcomer types them: the Quick start's
-`python main.py` (on a terminal), then the scale-out under torchrun. Each is
-taken from the README's text, with a tiny model appended, so a README that
-sends the second command into the first one's finished run fails here."""
+`python main.py` (on a terminal), the same again, training it longer, the
+scale-out under torchrun, then What next's fine-tuning and the `transformers`
+lines. Each is taken from the README's text, with a tiny model appended, so a
+README that sends a command into another one's finished run fails here."""
 
 from __future__ import annotations
 
@@ -20,12 +21,17 @@ from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main
 EXTRA = [*TINY, "trainer_config.max_steps=6", "trainer_config.device=cpu"]
 
 
-def readme_command(pattern: str) -> list[str]:
-    """The first command line of the README that matches `pattern`, as words."""
+def readme_line(pattern: str) -> str:
+    """The first line of the README that matches `pattern`."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     line = re.search(rf"^.*{pattern}.*$", readme, re.M)
     assert line, f"no README line matches {pattern!r}"
-    return shlex.split(line.group(0).split("#")[0])
+    return line.group(0)
+
+
+def readme_command(pattern: str) -> list[str]:
+    """The first command line of the README that matches `pattern`, as words."""
+    return shlex.split(readme_line(pattern).split("#")[0])
 
 
 def main_args(words: list[str]) -> list[str]:
@@ -122,6 +128,18 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert "nothing to train" in line and "add trainer_config.run_name=NAME" in line
     assert line.endswith("add trainer_config.max_steps=12 trainer_config.allow_config_change=true")
 
+    # What next: train longer. The README's command for the Quick start's run, with the tiny run's
+    # own bound raised as the line above says: it continues runs/default.
+    line = readme_line(r"^python main\.py .*allow_config_change=true")
+    assert line.endswith("# continues runs/default"), line
+    longer = [*quick, *main_args(shlex.split(line.split("#")[0])), *EXTRA]
+    longer.append("trainer_config.max_steps=12")
+    assert run_dir_of(tmp_path, longer) == snapshot.parent
+    continued = run_main(longer, tmp_path)
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    assert f"resumed from {snapshot}: " in continued.stderr, continued.stderr[-3000:]
+    assert train_steps(snapshot.parent) == [5, 6, 10, 12]
+
     scale = readme_command(r"torchrun --standalone --nproc_per_node=2 main\.py")
     env = child_env()
     while re.fullmatch(r"[A-Z_]+=\S*", scale[0]):  # OMP_NUM_THREADS=1
@@ -138,3 +156,51 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert run_dir != run_dir_of(tmp_path, [*quick, *EXTRA])
     assert train_steps(run_dir) == [5, 6]
     assert read_snapshot(run_dir / "snapshots")["world_size"] == 2
+
+    what_next(tmp_path, quick_dir=snapshot.parent)
+
+
+def what_next(cwd, quick_dir) -> None:
+    """The README's What next, after the Quick start's run: fine-tune on a text the README's line
+    makes first, sample it, export the Quick start's model and load it in `transformers` with the
+    README's own Python lines."""
+    made = subprocess.run(readme_line(r"^head -c"), shell=True, cwd=cwd, env=child_env())
+    assert made.returncode == 0 and (cwd / "mytext.txt").stat().st_size > 0
+    tune = [*main_args(readme_command(r"trainer_config\.init_from=runs/default ")), *EXTRA]
+    assert run_dir_of(cwd, tune) not in (quick_dir, cwd / "runs" / "ddp2")
+    tuned = run_main(tune, cwd)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert re.search(r"initialised from \S*runs/default/snapshots-best ", tuned.stderr)
+    sample = readme_command(r"^python -m mingpt\.generate snapshot_path=runs/mytext ")
+    assert run_dir_of(cwd, tune) == cwd / sample[3].partition("=")[2]
+    sampled = subprocess.run(
+        [sys.executable, *sample[1:], "max_new_tokens=5"],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
+
+    export = readme_command(r"^python -m mingpt\.export .* format=hf")
+    exported = subprocess.run(
+        [sys.executable, *export[1:]], cwd=cwd, env=child_env(), capture_output=True, text=True
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    (lines,) = re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S)
+    # The tiny model sees 16 characters: the prompt and 5 more fit.
+    assert "max_new_tokens=50" in lines
+    lines = lines.replace("max_new_tokens=50", "max_new_tokens=5")
+    loaded = subprocess.run(
+        [sys.executable, "-c", lines],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    text = loaded.stdout.rstrip("\n")
+    assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 5, loaded.stdout

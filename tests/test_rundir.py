@@ -1,11 +1,12 @@
-"""The run directory end to end: one owner, refusals
-that leave no trace, another config its own run."""
+"""The run directory end to end: one owner, refusals that leave no trace, another name its own
+run; paths in suggested commands that paste back."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -189,21 +190,21 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
 
 
 def test_another_command_starts_its_own_run(workdir, finished_run):
-    """The README's first example of other settings: other values, its own
-    run from step 0; the first run stays as it was."""
+    """The README's first example of other settings: other values under a name
+    of their own, its own run from step 0; the first run stays as it was (the
+    same name with other values is refused: test above)."""
     before = contents(finished_run)
     argv = args(
         "trainer_config.max_epochs=1",
-        "trainer_config.run_name=done",
+        "trainer_config.run_name=other",
         "optimizer_config.learning_rate=1e-3",
         "trainer_config.max_steps=5",
     )
     proc = run_main(argv, workdir)
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" not in proc.stderr and "already complete" not in proc.stderr
-    assert run_dir_of(workdir, argv) != finished_run and steps(
-        run_dir_of(workdir, argv), "train"
-    ) == [5]
+    assert run_dir_of(workdir, argv) == workdir / "runs" / "other"
+    assert steps(workdir / "runs" / "other", "train") == [5]
     assert contents(finished_run) == before
 
 
@@ -224,6 +225,32 @@ def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(workdir, tmp_p
         proc.stderr
     )
     assert not snapshot.exists()
+    assert not (tmp_path / "b").exists()  # the run directory it made, with its lock file
+
+
+@pytest.mark.parametrize(
+    "text, extra, says",
+    [
+        ("x" * 53 + "\n", [], "the held-out split has 6 characters"),
+        (None, ["data_config.truncate=0.00001"], "the training split has 0 characters"),
+        (None, ["data_config.block_size=100000"], "fewer than data_config.block_size + 1"),
+        (None, ["data_config.path=missing.txt"], "data file not found: missing.txt"),
+    ],
+    ids=["tiny-corpus", "truncated", "huge-block", "missing-file"],
+)
+def test_a_refused_corpus_leaves_no_run_directory(workdir, tmp_path, text, extra, says):
+    """Refused once the run directory was made and locked (a missing file: before the lock): the
+    lock file and the directory go."""
+    path = workdir / "corpus.txt"
+    if text is not None:
+        path = tmp_path / "tiny.txt"
+        path.write_text(text, encoding="utf-8")
+    argv = [*args(f"data_config.path={path}", "trainer_config.run_name=refused"), *extra]
+    proc = run_main(argv, tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr
+    # only the runs/ Hydra made may stay
+    assert not list((tmp_path / "runs").iterdir()), list((tmp_path / "runs").rglob("*"))
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "train.log", "tb"])
@@ -294,3 +321,84 @@ def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir, sma
     text = (small_disk / "run" / "metrics.jsonl").read_bytes()
     assert text.endswith(b"\n") and all(json.loads(line)["step"] < 60 for line in text.splitlines())
     assert read_snapshot(snapshot)["step"] == 60
+
+
+# Paths a user may have: Hydra's syntax (= , : spaces quotes [ ] { } ~ ${), the shell's ($ ! * ' "
+# ~ a trailing backslash), words Hydra would type (null, 12), and letters past ASCII.
+AWKWARD_PATHS = [
+    "runs/default",
+    "runs/default-learning_rate=0.001,max_epochs=5-1a2b3c4d",
+    "/data/my runs/a b",
+    "~/runs/x",
+    "runs/it's",
+    'runs/say "hi"',
+    "$HOME/runs/${oc.env:HOME}",
+    "runs/a\\${x}",
+    "runs/[x]{y}(z):w",
+    "runs/back\\slash\\",
+    "runs/!*?|@%+",
+    "null",
+    "12",
+    "runs/été",
+    " runs/lead and trail ",
+]
+
+
+def test_a_suggested_override_gives_the_path_back_through_bash_and_hydra():
+    """Each suggested `key=value`, pasted into bash, is one word; Hydra's own override parser and
+    OmegaConf read it as the path (the training command), or the word is the text itself
+    (generate, score and export take their paths verbatim)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from mingpt.rundir import shell_override
+
+    parser = OverridesParser.create()
+    keys = ["hydra.run.dir", "trainer_config.snapshot_path", "trainer_config.init_from"]
+    suggested = [shell_override(key, path) for path in AWKWARD_PATHS for key in keys]
+    verbatim = [shell_override("src", path, verbatim=True) for path in AWKWARD_PATHS]
+    script = "printf '%s\\0' " + " ".join(suggested + verbatim)
+    typed = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    words = typed.stdout.split("\0")[:-1]
+    assert len(words) == len(suggested) + len(verbatim), words
+    for word, (path, key) in zip(
+        words, [(path, key) for path in AWKWARD_PATHS for key in keys], strict=False
+    ):
+        override = parser.parse_override(word)
+        assert override.key_or_group == key
+        assert OmegaConf.create({"value": override.value()}).value == path, (word, path)
+    assert words[len(suggested) :] == [f"src={path}" for path in AWKWARD_PATHS]
+
+
+def test_the_composed_config_has_the_suggested_path():
+    """Through the whole composition, as main.py does it: the run directory and the snapshot
+    path."""
+    from hydra import compose, initialize_config_dir
+
+    from mingpt.cli import CONF_DIR
+    from mingpt.rundir import shell_override
+
+    for path in AWKWARD_PATHS:
+        words = [
+            shlex.split(shell_override(key, path))[0]
+            for key in ("hydra.run.dir", "trainer_config.snapshot_path")
+        ]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose("config", overrides=words, return_hydra_config=True)
+        assert cfg.hydra.run.dir == path and cfg.trainer_config.snapshot_path == path
+
+
+def test_an_older_run_directory_is_continued_as_the_docs_say():
+    """docs/run-directory.md's command for a directory named by the older scheme puts the run
+    there."""
+    from hydra import compose, initialize_config_dir
+
+    from mingpt.cli import CONF_DIR
+
+    doc = (REPO / "docs" / "run-directory.md").read_text(encoding="utf-8")
+    (line,) = [
+        line for line in doc.splitlines() if line.startswith("python main.py 'hydra.run.dir=")
+    ]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=shlex.split(line)[2:], return_hydra_config=True)
+    assert cfg.hydra.run.dir == "runs/default-learning_rate=0.001,max_epochs=5-1a2b3c4d"
