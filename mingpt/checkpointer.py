@@ -150,8 +150,8 @@ class Checkpointer:
         barrier(self.dist)
         raise stopping.Stopped(
             stop,
-            f"{stopping.describe(stop)} at step {state.step}: the run is saved in {self.root}, "
-            f"and the same command resumes it ({stopping.signal_name(stop)}, exit status "
+            f"{stopping.describe(stop)} at step {state.step}; the run is saved in {self.root} and "
+            f"the same command resumes it ({stopping.signal_name(stop)}, exit status "
             f"{stopping.exit_status(stop)})",
         )
 

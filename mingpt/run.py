@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import re
-import shlex
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -20,7 +19,7 @@ from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
-from mingpt.rundir import Claim, check_record, claim, hold_log_lines
+from mingpt.rundir import Claim, check_record, claim, hold_log_lines, shell_override
 from mingpt.snapshot import compat, reader
 from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
@@ -201,9 +200,8 @@ def summary(t: Trainer, final: float | None) -> str:
     if t.evaluator.stopped_early(state):
         stopped = " (stopped early)"
     source = "the best" if best else "it"
-    command = (
-        f"python -m mingpt.generate snapshot_path={shlex.quote(shown(best or t.snapshot_path))}"
-    )
+    sampled = shell_override("snapshot_path", shown(best or t.snapshot_path), verbatim=True)
+    command = f"python -m mingpt.generate {sampled}"
     return (
         f"done at step {state.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
         f"{shown(t.snapshot_path)} | sample from {source}: {command}"

@@ -214,8 +214,8 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     step = int(stop_line.split("at step ")[1].split(";")[0])
     assert (
         stderr.count(
-            f"stopped by SIGTERM at step {step}; the snapshot {run_dir / 'snapshots'} "
-            "resumes the run (SIGTERM, exit status 143)\n"
+            f"stopped by SIGTERM at step {step}; the run is saved in {run_dir / 'snapshots'} "
+            "and the same command resumes it (SIGTERM, exit status 143)\n"
         )
         == nproc
     ), stderr[-3000:]
@@ -268,9 +268,9 @@ def test_ctrl_c_during_training_saves_and_stops(runs, moment):
     status, stderr, run_dir = runs[moment]
     step = 5 if moment == "eval" else 6
     assert status == 130, stderr[-3000:]
-    assert stderr.splitlines()[-1].startswith(f"interrupted at step {step}; the snapshot"), stderr[
-        -3000:
-    ]
+    assert stderr.splitlines()[-1].startswith(f"interrupted at step {step}; the run is saved in"), (
+        stderr[-3000:]
+    )
     assert "Traceback" not in stderr and f"train step {step + 1} " not in stderr  # it did not go on
     assert read_snapshot(run_dir / "snapshots")["step"] == step
     if moment == "eval":
@@ -283,7 +283,9 @@ def test_ctrl_c_during_an_evaluations_sample_stops_at_once(runs):
     the evaluation: the run saves at step 5 and stops without sampling on."""
     status, stderr, run_dir = runs["generating"]
     assert status == 130, stderr[-3000:]
-    assert stderr.splitlines()[-1].startswith("interrupted at step 5; the snapshot"), stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith("interrupted at step 5; the run is saved in"), stderr[
+        -3000:
+    ]
     assert "sample at step 5 interrupted by a stop signal: not recorded" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr and "train step 6 " not in stderr
     assert read_snapshot(run_dir / "snapshots")["step"] == 5
@@ -295,8 +297,8 @@ def test_sighup_saves_and_stops_like_sigterm(runs):
     status, stderr, run_dir = runs["hangup"]
     assert status == 129, stderr[-3000:]
     assert stderr.splitlines()[-1] == (
-        f"stopped by SIGHUP at step 5; the snapshot {run_dir / 'snapshots'} "
-        "resumes the run (SIGHUP, exit status 129)"
+        f"stopped by SIGHUP at step 5; the run is saved in {run_dir / 'snapshots'} "
+        "and the same command resumes it (SIGHUP, exit status 129)"
     ), stderr[-3000:]
     assert read_snapshot(run_dir / "snapshots")["step"] == 5
 

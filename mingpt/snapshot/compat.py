@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mingpt.config import Config, result_items
 from mingpt.distributed import DistInfo
+from mingpt.rundir import shell_override
 from mingpt.snapshot import SnapshotError, manifest
 
 log = logging.getLogger(__name__)
@@ -106,15 +107,17 @@ def check_fits(
         raise SnapshotError(
             f"snapshot {path} was written for another corpus ({'; '.join(moved)}) whose vocabulary "
             f"differs ({len(saved_vocab)} characters in the snapshot, {len(vocab)} now; differs: "
-            f"{_differing(saved_vocab, vocab)}), and a model keeps its vocabulary: start a new run "
-            "in another directory, or fine-tune this one (trainer_config.init_from)"
+            f"{_differing(saved_vocab, vocab)}), and a model keeps its vocabulary: give this run a "
+            "name of its own (trainer_config.run_name=NAME), or fine-tune from it "
+            "(trainer_config.init_from)"
         )
     check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
     if moved and not config.trainer_config.allow_config_change:
         raise SnapshotError(
             f"snapshot {path} was written for another corpus ({'; '.join(moved)}): its held-out "
-            "split is no longer this corpus's; start a new run in another directory, or continue "
-            "this one on the new corpus by adding trainer_config.allow_config_change=true"
+            "split is no longer this corpus's; give this run a name of its own "
+            "(trainer_config.run_name=NAME), or continue that run on the new corpus (add "
+            "trainer_config.allow_config_change=true)"
         )
     changes = check_same_config(state, config, path)
     if not dist_info.is_main_process:
@@ -162,5 +165,5 @@ def check_not_a_file(snapshot_path: str | None, run_dir: str, root: str) -> None
     raise SnapshotError(
         f"{path} is a single snapshot file (an export, or a run of an older mingpt): a run resumes "
         "only from its snapshot directory. Fine-tune from its weights in a new run: "
-        f"trainer_config.init_from={path} trainer_config.run_name=NAME"
+        f"{shell_override('trainer_config.init_from', path)} trainer_config.run_name=NAME"
     )
