@@ -230,8 +230,8 @@ def already_complete(t: Trainer) -> str:
         new = "hydra.run.dir=ANOTHER_DIRECTORY"
     return (
         f"run already complete at step {state.step}{stopped} (snapshot {shown(t.snapshot_path)}), "
-        f"whatever the number of processes: nothing to train. To train it further, add {further} "
-        f"trainer_config.allow_config_change=true to the same command; for a new run, add {new}"
+        f"whatever the number of processes: nothing to train. For a new run add {new}; to train "
+        f"this one further add {further} trainer_config.allow_config_change=true"
     )
 
 

@@ -82,14 +82,16 @@ def amp_policy(cfg: TrainerConfig, device_type: str, bf16_supported: bool = True
     if dtype == torch.bfloat16 and device_type == "cuda" and not bf16_supported:
         raise ConfigError("trainer_config.amp_dtype: bf16 is not supported on this GPU; use fp16")
     if cfg.use_amp and device_type == "cpu":
-        if cfg.amp_on_cpu:
-            how = "forced"
-        else:
-            how = "ignored (trainer_config.amp_on_cpu=true forces it)"
+        how = "forced"
+        hint = ""
+        if not cfg.amp_on_cpu:
+            how = "ignored"
+            hint = " (trainer_config.amp_on_cpu=true forces it)"
         log.warning(
-            "trainer_config.use_amp %s on CPU: CPUs without bf16/fp16 units run it far slower "
-            "than fp32",
+            "trainer_config.use_amp %s on CPU: CPUs without bf16/fp16 units run it far slower than "
+            "fp32%s",
             how,
+            hint,
         )
     return AmpPolicy(enabled, dtype, dtype == torch.float16)
 

@@ -466,14 +466,14 @@ def test_generate_refuses_a_seed_beyond_64_bits():
 # policy (in the test process, a 128 GB host's kernel OOM-killed pytest instead).
 TOO_LARGE = """
 import resource, sys
-from mingpt import train
+from mingpt import run
 from mingpt.config import ConfigError, GPTConfig
 mapped = next(
     int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:")
 )
 resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**31, resource.getrlimit(resource.RLIMIT_AS)[1]))
 try:
-    train.build_model(GPTConfig(n_layer=1, n_head=1, n_embd=3_000_000, vocab_size=1, block_size=1))
+    run.build_model(GPTConfig(n_layer=1, n_head=1, n_embd=3_000_000, vocab_size=1, block_size=1))
 except ConfigError as e:
     print(e)
     sys.exit(3)
