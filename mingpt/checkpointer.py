@@ -176,8 +176,10 @@ class Checkpointer:
         self._check_finite(model_state.values(), state.step)
         meta = self._meta(state)
         meta["scaler_state"] = self.scaler.state_dict()
-        own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
-        meta["comm_hook"] = own["about"] if own else None
+        own = self.comm.own_state(self.model, self.optimizer, self.scaler)
+        meta["comm_hook"] = None
+        if own is not None:
+            meta["comm_hook"] = {"name": self.comm.name, "world_size": self.dist.world_size}
         sharded.save(
             {"model": model_state, "optim": optim_state},
             meta,
@@ -185,7 +187,7 @@ class Checkpointer:
             state.step,
             keep=self.cfg.keep_snapshots,
             async_save=self.cfg.async_save,
-            own=own["state"] if own else None,
+            own=own,
             lowest_rank=self.comm.replicas_differ,
         )
         self.saved_step = state.step

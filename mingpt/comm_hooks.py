@@ -24,25 +24,6 @@ from mingpt.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 
-def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
-    """Refuse, before any work, a hook this run cannot use."""
-    if cfg.ddp_comm_hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
-        raise ConfigError(
-            "trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
-            f"this run uses {dist_info.backend}: use fp16, powersgd or none"
-        )
-    if (
-        cfg.ddp_comm_hook == "post_local_sgd"
-        and cfg.localsgd_group == "node"
-        and dist_info.is_distributed
-        and dist_info.world_size % dist_info.local_world_size
-    ):
-        raise ConfigError(
-            "trainer_config.localsgd_group: node needs the same number of processes on every "
-            f"node ({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
-        )
-
-
 class CommHook:
     """The hook `name` (none, fp16, bf16: nothing kept); a subclass keeps each rank's `own_state`
     for a resume."""
@@ -51,8 +32,8 @@ class CommHook:
     # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
     replicas_differ = False
 
-    def __init__(self, dist_info: DistInfo | None = None, name: str = "none"):
-        self.dist = dist_info or DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    def __init__(self, dist_info: DistInfo, name: str):
+        self.dist = dist_info
         self.name = name
 
     def start(
@@ -111,15 +92,8 @@ class CommHook:
         return state
 
     def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
+        """This rank's own state for the snapshot, or None."""
         return None
-
-    def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
-        """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's
-        own}, or None."""
-        own = self.own_state(model, optimizer, scaler)
-        if own is None:
-            return None
-        return {"about": {"name": self.name, "world_size": self.dist.world_size}, "state": own}
 
 
 class PowerSGD(CommHook):
@@ -261,8 +235,23 @@ class PostLocalSGD(CommHook):
 
 
 def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
-    """The hook `trainer_config.ddp_comm_hook` names; a single process has none."""
+    """The hook `trainer_config.ddp_comm_hook` names; a single process has none. A hook this run
+    cannot use is refused, before any work."""
     name = cfg.ddp_comm_hook if dist_info.is_distributed else "none"
+    if name == "bf16" and dist_info.backend != "nccl":
+        raise ConfigError(
+            "trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
+            f"this run uses {dist_info.backend}: use fp16, powersgd or none"
+        )
+    if (
+        name == "post_local_sgd"
+        and cfg.localsgd_group == "node"
+        and dist_info.world_size % dist_info.local_world_size
+    ):
+        raise ConfigError(
+            "trainer_config.localsgd_group: node needs the same number of processes on every "
+            f"node ({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
+        )
     if name in ("powersgd", "batched_powersgd"):
         return PowerSGD(name, cfg, dist_info)
     if name == "post_local_sgd":

@@ -137,8 +137,6 @@ class Trainer:
         self.train_windows, self.eval_windows = data.place(
             self.device, config.data_config.placement
         )
-        # A hook this run cannot use is refused before any work.
-        comm_hooks.check(cfg, dist_info)
         self.comm = comm_hooks.create(cfg, dist_info)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
