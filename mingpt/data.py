@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DistributedSampler
 
 from mingpt import storage, token_cache
-from mingpt.config import DEFAULT_DATA_PATH, DataConfig
+from mingpt.config import DataConfig
 from mingpt.token_cache import DataError
 
 log = logging.getLogger(__name__)
@@ -28,16 +28,19 @@ CORPUS_URL = (
 )
 
 
-def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> None:
+def download_corpus(path: str) -> None:
     """Download the tiny-shakespeare corpus to `path`, atomically."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    log.info("downloading %s to %s", url, path)
+    log.info("downloading %s to %s", CORPUS_URL, path)
     try:
-        with urllib.request.urlopen(url, timeout=30) as response, storage.atomic_open(path) as f:
+        with (
+            urllib.request.urlopen(CORPUS_URL, timeout=30) as response,
+            storage.atomic_open(path) as f,
+        ):
             f.write(response.read())
     except OSError as e:
         raise DataError(
-            f"{path} is missing and could not be downloaded from {url} ({e}); "
+            f"{path} is missing and could not be downloaded from {CORPUS_URL} ({e}); "
             f"put the tiny-shakespeare text at {path} or set data_config.path"
         ) from None
 
@@ -319,7 +322,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         if not build:
             return load_data(cfg, build=True)
         raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
-    files = [(source, n) for source, (_, n) in zip(sources, cache.files, strict=True)]
+    files = list(zip(sources, cache.counts, strict=True))
     train = []
     heldout = []
     offset = 0  # of the file in the cache's tokens

@@ -41,7 +41,7 @@ class TokenCache:
     # every file's ids, file after file (memory-mapped, read-only by convention)
     tokens: torch.Tensor
     vocab: str  # the sorted distinct characters
-    files: list[tuple[str, int]]  # (source, number of tokens) in order
+    counts: list[int]  # each source's number of tokens, in order
     # open for reads (batches are read from it, not through the map); closed with this object
     fd: int
     offset: int  # where the token ids start in the file, in bytes
@@ -251,8 +251,9 @@ def open_cache(path: str) -> TokenCache:
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     # keeps `mapped` alive
     tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))
-    files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"], strict=True)]
-    cache = TokenCache(path, tokens, header["vocab"], files, fd, offset, header["sources"])
+    cache = TokenCache(
+        path, tokens, header["vocab"], header["counts"], fd, offset, header["sources"]
+    )
     weakref.finalize(cache, os.close, fd)
     return cache
 
