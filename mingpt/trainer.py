@@ -324,7 +324,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.comm.after_optimizer_step(self.raw_model)  # LocalSGD: the periodic averaging
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         # Free on a CPU: the run stops at the very step whose loss was not finite.
         if self.device.type == "cpu" and not self.dist.is_distributed:
             self._check_diverged(step + 1)
@@ -485,4 +485,4 @@ class Trainer:
         on the next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
         ddp(*self.train_windows.batch(first))[1].backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
