@@ -3,6 +3,7 @@ writes its shards, rank 0 publishes the snapshot (manifest.py), and a load resha
 of processes. One asynchronous save is in flight at a time. save and load are called by every rank,
 or by one process."""
 
+import collections
 import contextlib
 import functools
 import json
@@ -79,16 +80,10 @@ def _unflatten(structure: Any, flat: dict[str, torch.Tensor]) -> Any:
 
 
 def _tensor_keys(structure: Any) -> list[str]:
-    ((kind, body),) = structure.items()
-    if kind == "tensor":
-        return [body]
-    if kind == "dict":
-        children = [v for _, v in body]
-    elif kind in ("list", "tuple"):
-        children = body
-    else:
-        children = []
-    return [key for child in children for key in _tensor_keys(child)]
+    """The flat keys of the structure's tensors, in order: those that rebuilding it looks up."""
+    looked_up = collections.defaultdict(type(None))
+    _unflatten(structure, looked_up)
+    return list(looked_up)
 
 
 class SaveHandle:
@@ -374,7 +369,7 @@ def _read(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
     files, document, metadata = manifest.read(directory)
     try:
         for structure in [document["structure"], *(document.get("ranks") or [])]:
-            _unflatten(structure, dict.fromkeys(_tensor_keys(structure)))
+            _tensor_keys(structure)  # rebuilding a structure checks it
     except (ValueError, AttributeError, KeyError, TypeError) as e:
         raise SnapshotError(
             f"snapshot {directory} is damaged: {manifest.META} cannot be read ({reason(e)})"
