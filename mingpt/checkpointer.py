@@ -172,8 +172,7 @@ class Checkpointer:
         if self.notice.slow and self.dist.is_main_process:
             log.info("saving snapshot %s at step %d", self.root, state.step)
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
-        model_state = self.comm.model_state(self.model, model_state)
-        self._check_finite(model_state.values(), state.step)
+        model_state = self._weights(model_state, state.step)
         meta = self._meta(state)
         meta["scaler_state"] = self.scaler.state_dict()
         own = self.comm.own_state(self.model, self.optimizer, self.scaler)
@@ -209,8 +208,7 @@ class Checkpointer:
     def save_best(self, state: Any) -> None:
         """The weights (with LocalSGD, the replicas' mean) and the record, without optimizer state,
         as the best weights so far; written before this returns."""
-        model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
-        self._check_finite(model_state.values(), state.step)
+        model_state = self._weights(get_model_state_dict(self.model), state.step)
         best = best_path(self.root)
         sharded.save(
             {"model": model_state}, self._meta(state), best, state.step, keep=1, async_save=False
@@ -235,11 +233,14 @@ class Checkpointer:
             meta["tracker_run_id"] = self.tracker_run_id
         return meta
 
-    def _check_finite(self, tensors, step: int) -> None:
-        """Every rank agrees: with FSDP each holds other shards."""
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    def _weights(self, model_state: dict[str, Any], step: int) -> dict[str, Any]:
+        """The weights that stand for the run (with LocalSGD, the replicas' mean), found finite by
+        every rank alike: with FSDP each holds other shards."""
+        model_state = self.comm.model_state(self.model, model_state)
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in model_state.values()]
         if all_max(self.dist, [int(not all_finite(local))])[0]:
             raise NotFinite(f"weights are not finite at step {step}, not saving; {self.kept()}")
+        return model_state
 
     def wait(self) -> None:
         """Wait for the save in flight (async_save); its StorageError is raised on every rank."""

@@ -35,8 +35,8 @@ USER_ERRORS = (ConfigError, DataError, SnapshotError, StorageError, TrainingErro
 COMPOSE = Hydra.compose_config
 
 
-def fail(message: str, status: int = 2) -> NoReturn:
-    say_and_exit(f"error: {message}", status)
+def fail(message: str) -> NoReturn:
+    say_and_exit(f"error: {message}", 2)
 
 
 def say_and_exit(line: str, status: int) -> NoReturn:

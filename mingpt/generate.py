@@ -220,12 +220,13 @@ def run(config: GenerateConfig) -> None:
     write(header.format(1) + prompt)
     started = time.perf_counter()
     chunks = [idx[:, :0].expand(n, -1)]
-    sampling = (config.temperature, config.top_k, config.top_p)
     new_tokens = generate(
         model,
         idx.expand(n, -1),
         config.max_new_tokens,
-        *sampling,
+        config.temperature,
+        config.top_k,
+        config.top_p,
         generators,
         config.use_cache,
         compile,

@@ -66,10 +66,9 @@ class Run:  # what start-up settled
     start: finetune.Start | None  # the fine-tuning source
 
 
-def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Run:
+def locate(config: Config, run_dir: str) -> Run:
     """What the run starts from; a fine-tuning source gives `config` the model's shape."""
-    if snapshot_path is None:
-        snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
+    snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
     saved = None
     if reader.has_snapshot(snapshot_path):
         saved = read_meta(snapshot_path)
@@ -88,7 +87,7 @@ def settle(
     compat.check_not_a_file(config.trainer_config.snapshot_path, run_dir, snapshot_path)
     check_writable(run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
-    run = locate(config, run_dir, snapshot_path)
+    run = locate(config, run_dir)
     # The corpus is downloaded and encoded once per node; the other processes wait.
     if dist_info.is_local_main_process:
         if config.data_config.path == DEFAULT_DATA_PATH and not os.path.exists(DEFAULT_DATA_PATH):
