@@ -143,7 +143,8 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
         self.amp = amp_policy(cfg, self.device.type, not on_cuda or torch.cuda.is_bf16_supported())
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp.scaler)
-        self.fsdp = parallel.uses_fsdp(cfg, dist_info)
+        # A single process never shards.
+        self.fsdp = cfg.parallelism == "fsdp" and dist_info.is_distributed
         # Sharded before the optimizer is built, and on the CPU: only this rank's shards go to the
         # device.
         if self.fsdp:
@@ -174,8 +175,10 @@ class Trainer:
         self.state = TrainState.restored(self.checkpointer.load())
 
         ddp = None
+        self.model = self.raw_model  # what the step calls
         if dist_info.is_distributed and not self.fsdp:
             ddp = parallel.replicate(self.raw_model, dist_info, self.comm)
+            self.model = ddp
         # In one process too: there a hook's state saved by several ranks is said to go unused.
         self.comm.start(
             ddp,
@@ -186,8 +189,8 @@ class Trainer:
             self.scaler,
             functools.partial(self._warm_up_ddp, ddp),
         )
-        # What the step calls.
-        self.model = parallel.maybe_compile(self.raw_model if ddp is None else ddp, cfg)
+        if cfg.compile:
+            self.model = torch.compile(self.model)
         W = dist_info.world_size
         self.train_sampler = ResumableSampler(
             len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed
