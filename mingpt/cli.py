@@ -72,7 +72,8 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     if mark is None:
         return f"a config file is not valid YAML: {error}"
-    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    context = getattr(error, "context", None)
+    start = getattr(error, "context_mark", None)
     since = (
         f" from line {start.line + 1}, column {start.column + 1}"
         if start and start.line != mark.line

@@ -14,7 +14,8 @@ from mingpt.config import OptimizerConfig
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and
     embeddings."""
-    decay, no_decay = [], []
+    decay = []
+    no_decay = []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
@@ -126,7 +127,9 @@ class Muon(torch.optim.Muon):
         """One step. `closure` is Optimizer.step's, and none is ever given (DCP's get_state_dict
         passes None)."""
         for group in self.param_groups:
-            params, grads, buffers = [], [], []
+            params = []
+            grads = []
+            buffers = []
             self._init_group(group, params, grads, buffers)
             momentum = group["momentum"]
             lr = group["lr"]

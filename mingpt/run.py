@@ -49,7 +49,9 @@ def build_model(gpt_config: GPTConfig) -> GPT:
             r"can't allocate memory|out of memory", str(e)
         ):
             raise
-        d, v, b = gpt_config.n_embd, gpt_config.vocab_size, gpt_config.block_size
+        d = gpt_config.n_embd
+        v = gpt_config.vocab_size
+        b = gpt_config.block_size
         params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
         raise ConfigError(
             f"gpt_config: the model does not fit in memory: {params:,} parameters "

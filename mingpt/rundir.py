@@ -281,7 +281,8 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         path = os.path.join(run_dir, name)
         if os.path.lexists(path) and os.path.isdir(path) != (kind == "a directory"):
             return f"run directory {run_dir}: {path} must be {kind}; move it away"
-    last, previous = last_step(run_dir), None  # previous: the snapshot the lock file names
+    last = last_step(run_dir)
+    previous = None  # the snapshot the lock file names
     with (
         contextlib.suppress(OSError, ValueError, AttributeError),
         open(os.path.join(run_dir, LOCK_FILE), "rb") as f,
