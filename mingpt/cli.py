@@ -25,7 +25,7 @@ from mingpt.data import DataError
 from mingpt.run import run
 from mingpt.rundir import RunDirError, check_run_dir_setting, shell_override
 from mingpt.snapshot import SnapshotError
-from mingpt.storage import StorageError
+from mingpt.storage import StorageError, reason
 from mingpt.trainer import TrainingError
 
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
@@ -63,7 +63,7 @@ def config_error_line(error: BaseException) -> str:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
             return f"in {where.group(1)}: {line}" if where else line
         cause = cause.__cause__ or cause.__context__
-    line = (str(error).strip() or type(error).__name__).splitlines()[0]
+    line = reason(error)
     options = getattr(error, "options", None)
     return f"{line} (choices: {', '.join(options)})" if options else line
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from mingpt.command import command, parse_args
+from mingpt.command import command, parse_args, silence_stdout
 from mingpt.config import ConfigError, check, check_seed, key, one_of
 from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
 from mingpt.distributed import pick_device
@@ -173,8 +173,7 @@ def write(text: str) -> None:
     except OSError as e:
         if isinstance(e, BrokenPipeError):
             raise
-        # The exit's flush would fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 

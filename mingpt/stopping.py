@@ -114,7 +114,7 @@ def graceful() -> Iterator[None]:
         _state.graceful = False
 
 
-def exit_now(signum: int, again: bool = False) -> None:
+def exit_now(signum: int, again: bool) -> None:
     """One line on stderr, then exit with 128 + signum, skipping every cleanup that could hang."""
     _state.exiting = True
     what = describe(signum)

@@ -13,7 +13,7 @@ import math
 import os
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -445,7 +445,10 @@ class Trainer:
         return result.loss
 
     def _record_sample(self) -> None:
-        text = self.sample(stoppable=True)
+        stop = stopping.stop_requested
+        if self.fsdp:
+            stop = self._stop_requested_anywhere
+        text = self.sample(stop)
         # The step boundary right after stops the run.
         if text is None:
             log.info(
@@ -454,15 +457,10 @@ class Trainer:
             return
         self.metrics.text("sample", text, self.state.step)
 
-    def sample(self, stoppable: bool = False) -> str | None:
+    def sample(self, stop: Callable[[], int] | None = None) -> str | None:
         """A line of sample_chars characters from the current weights, seeded by (seed, step). A
-        sharded model's ranks all generate, in lockstep. With `stoppable`, None once a stop is
-        requested (by any rank, when sharded)."""
-        stop = None
-        if stoppable and self.fsdp:
-            stop = self._stop_requested_anywhere
-        elif stoppable:
-            stop = stopping.stop_requested
+        sharded model's ranks all generate, in lockstep. None once `stop()` says a stop was
+        requested (by any rank, when sharded: every rank asks alike)."""
         seed = self.cfg.seed + self.state.step
         return sample_line(self.raw_model, self.data.tokenizer, seed, self.cfg.sample_chars, stop)
 
