@@ -281,7 +281,6 @@ class Trainer:
             on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
             record_shapes=True,
             profile_memory=True,
-            with_stack=False,
         )
 
     def _batches(self) -> Iterator[torch.Tensor]:
