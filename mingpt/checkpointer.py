@@ -175,7 +175,7 @@ class Checkpointer:
         model_state = self._weights(model_state, state.step)
         meta = self._meta(state)
         meta["scaler_state"] = self.scaler.state_dict()
-        own = self.comm.own_state(self.model, self.optimizer, self.scaler)
+        own = self.comm.own_state()
         meta["comm_hook"] = None
         if own is not None:
             meta["comm_hook"] = {"name": self.comm.name, "world_size": self.dist.world_size}
@@ -236,7 +236,7 @@ class Checkpointer:
     def _weights(self, model_state: dict[str, Any], step: int) -> dict[str, Any]:
         """The weights that stand for the run (with LocalSGD, the replicas' mean), found finite by
         every rank alike: with FSDP each holds other shards."""
-        model_state = self.comm.model_state(self.model, model_state)
+        model_state = self.comm.model_state(model_state)
         local = [t.to_local() if hasattr(t, "to_local") else t for t in model_state.values()]
         if all_max(self.dist, [int(not all_finite(local))])[0]:
             raise NotFinite(f"weights are not finite at step {step}, not saving; {self.kept()}")

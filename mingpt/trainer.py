@@ -325,7 +325,7 @@ class Trainer:
         grad_norm = parallel.full_value(norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.comm.after_optimizer_step(self.raw_model)  # LocalSGD: the periodic averaging
+        self.comm.after_optimizer_step()  # LocalSGD: the periodic averaging
         self.optimizer.zero_grad()
         # Free on a CPU: the run stops at the very step whose loss was not finite.
         if self.device.type == "cpu" and not self.dist.is_distributed:
@@ -401,7 +401,7 @@ class Trainer:
         if self.eval_notice.slow:
             n = len(evaluation.chosen_windows(len(windows), windows.block_size, cfg.eval_tokens))
             log.info("evaluating at step %d on %d held-out windows", state.step, n)
-        with self.comm.mean_weights(self.raw_model):
+        with self.comm.mean_weights():
             result = evaluation.evaluate(
                 self.raw_model,
                 windows,
@@ -472,7 +472,7 @@ class Trainer:
         sample_chars 0."""
         if not self.cfg.sample_chars:
             return None
-        with self.comm.mean_weights(self.raw_model):
+        with self.comm.mean_weights():
             if not self.dist.is_main_process and not self.fsdp:
                 return None
             text = self.sample()
