@@ -1,6 +1,6 @@
 """The token cache: a corpus, its files read and decoded here, encoded once per node into a
-checksummed file that every process reads its batches from. Layout: MAGIC, the JSON header's length, the header padded to a page, then the
-ids, file after file."""
+checksummed file that every process reads its batches from. Layout: MAGIC, the JSON header's
+length, the header padded to a page, then the ids, file after file."""
 
 import codecs
 import contextlib
