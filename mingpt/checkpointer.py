@@ -129,7 +129,7 @@ class Checkpointer:
     def _check_fits(self, meta: dict[str, Any]) -> None:
         compat.check_fits(meta, self.config, self.vocab, self.root, self.dist, self.corpus)
 
-    def save(self, state: Any, last_step: bool = False, epoch_ended: bool = False) -> None:
+    def save(self, state: Any, last_step: bool, epoch_ended: bool) -> None:
         """After every step, on every rank: save `state` (the trainer's TrainState) if a snapshot is
         due; at the last step and on a stop signal, wait until it is written. On a stop signal, stop
         the run (Stopped)."""
