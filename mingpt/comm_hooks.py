@@ -122,9 +122,9 @@ class PowerSGD(CommHook):
         _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()
         return {
             "iter": s.iter,
-            "error": dict(s.error_dict),
-            "p": dict(s.p_memory_dict),
-            "q": dict(s.q_memory_dict),
+            "error": s.error_dict,
+            "p": s.p_memory_dict,
+            "q": s.q_memory_dict,
             "rng": {
                 "keys": torch.from_numpy(keys.astype("int64")),
                 "pos": int(pos),
