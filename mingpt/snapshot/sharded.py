@@ -495,10 +495,10 @@ def load_full(root_or_dir: str, part: str | None = None) -> tuple[Any, dict[str,
         manifest.verify(directory, files)
         structure = document["structure"]
         if part is not None:
-            ((kind, body),) = structure.items()
-            if kind != "dict" or part not in dict(body):
+            parts = dict(structure.get("dict", []))  # none if what was saved is not a dict
+            if part not in parts:
                 raise SnapshotError(f"snapshot {directory} holds no {part}")
-            structure = dict(body)[part]
+            structure = parts[part]
         flat = _empty(directory, _tensor_keys(structure), metadata)
         _dcp_load(flat, directory, metadata, no_dist=True)
         return _unflatten(structure, flat), document["meta"]
