@@ -88,24 +88,21 @@ def _tensor_keys(structure: Any) -> list[str]:
 
 class SaveHandle:
     """A save in progress or done: `wait()` returns its directory or raises its StorageError, on
-    every rank alike."""
+    every rank alike. `future` gives the error line, or None."""
 
-    def __init__(self, target: str, future: Future | None = None, error: str | None = None):
+    def __init__(self, target: str, future: Future):
         self.target = target
         self._future = future
-        self._error = error
 
     def done(self) -> bool:
-        return self._future is None or self._future.done()
+        return self._future.done()
 
     def wait(self) -> str:
         global _pending
         # Its outcome is given here: wait_pending() does not give it again.
         if _pending is self:
             _pending = None
-        error = self._error
-        if self._future is not None:
-            error = self._future.result()
+        error = self._future.result()
         if error:
             raise StorageError(error)
         return self.target
@@ -305,7 +302,9 @@ def save(
             return f"cannot save sharded snapshot {directory}: {reason(e)}"
 
     if not async_save:
-        handle = SaveHandle(directory, error=complete())
+        written = Future()
+        written.set_result(complete())
+        handle = SaveHandle(directory, written)
         handle.wait()
         return handle
     try:
