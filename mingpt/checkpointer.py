@@ -129,7 +129,7 @@ class Checkpointer:
     def _check_fits(self, meta: dict[str, Any]) -> None:
         compat.check_fits(meta, self.config, self.vocab, self.root, self.dist, self.corpus)
 
-    def save(self, state: Any, last_step: bool = False, epoch_ended: bool = False) -> None:
+    def save(self, state: Any, last_step: bool, epoch_ended: bool) -> None:
         """After every step, on every rank: save `state` (the trainer's TrainState) if a snapshot is
         due; at the last step and on a stop signal, wait until it is written. On a stop signal, stop
         the run (Stopped)."""
@@ -172,12 +172,13 @@ class Checkpointer:
         if self.notice.slow and self.dist.is_main_process:
             log.info("saving snapshot %s at step %d", self.root, state.step)
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
-        model_state = self.comm.model_state(self.model, model_state)
-        self._check_finite(model_state.values(), state.step)
+        model_state = self._weights(model_state, state.step)
         meta = self._meta(state)
         meta["scaler_state"] = self.scaler.state_dict()
-        own = self.comm.state_dict(self.model, self.optimizer, self.scaler)
-        meta["comm_hook"] = own["about"] if own else None
+        own = self.comm.own_state()
+        meta["comm_hook"] = None
+        if own is not None:
+            meta["comm_hook"] = {"name": self.comm.name, "world_size": self.dist.world_size}
         sharded.save(
             {"model": model_state, "optim": optim_state},
             meta,
@@ -185,7 +186,7 @@ class Checkpointer:
             state.step,
             keep=self.cfg.keep_snapshots,
             async_save=self.cfg.async_save,
-            own=own["state"] if own else None,
+            own=own,
             lowest_rank=self.comm.replicas_differ,
         )
         self.saved_step = state.step
@@ -207,8 +208,7 @@ class Checkpointer:
     def save_best(self, state: Any) -> None:
         """The weights (with LocalSGD, the replicas' mean) and the record, without optimizer state,
         as the best weights so far; written before this returns."""
-        model_state = self.comm.model_state(self.model, get_model_state_dict(self.model))
-        self._check_finite(model_state.values(), state.step)
+        model_state = self._weights(get_model_state_dict(self.model), state.step)
         best = best_path(self.root)
         sharded.save(
             {"model": model_state}, self._meta(state), best, state.step, keep=1, async_save=False
@@ -233,11 +233,14 @@ class Checkpointer:
             meta["tracker_run_id"] = self.tracker_run_id
         return meta
 
-    def _check_finite(self, tensors, step: int) -> None:
-        """Every rank agrees: with FSDP each holds other shards."""
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    def _weights(self, model_state: dict[str, Any], step: int) -> dict[str, Any]:
+        """The weights that stand for the run (with LocalSGD, the replicas' mean), found finite by
+        every rank alike: with FSDP each holds other shards."""
+        model_state = self.comm.model_state(model_state)
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in model_state.values()]
         if all_max(self.dist, [int(not all_finite(local))])[0]:
             raise NotFinite(f"weights are not finite at step {step}, not saving; {self.kept()}")
+        return model_state
 
     def wait(self) -> None:
         """Wait for the save in flight (async_save); its StorageError is raised on every rank."""

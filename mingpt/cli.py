@@ -25,7 +25,7 @@ from mingpt.data import DataError
 from mingpt.run import run
 from mingpt.rundir import RunDirError, check_run_dir_setting, shell_override
 from mingpt.snapshot import SnapshotError
-from mingpt.storage import StorageError
+from mingpt.storage import StorageError, reason
 from mingpt.trainer import TrainingError
 
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
@@ -35,8 +35,8 @@ USER_ERRORS = (ConfigError, DataError, SnapshotError, StorageError, TrainingErro
 COMPOSE = Hydra.compose_config
 
 
-def fail(message: str, status: int = 2) -> NoReturn:
-    say_and_exit(f"error: {message}", status)
+def fail(message: str) -> NoReturn:
+    say_and_exit(f"error: {message}", 2)
 
 
 def say_and_exit(line: str, status: int) -> NoReturn:
@@ -63,7 +63,7 @@ def config_error_line(error: BaseException) -> str:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
             return f"in {where.group(1)}: {line}" if where else line
         cause = cause.__cause__ or cause.__context__
-    line = (str(error).strip() or type(error).__name__).splitlines()[0]
+    line = reason(error)
     options = getattr(error, "options", None)
     return f"{line} (choices: {', '.join(options)})" if options else line
 
@@ -72,7 +72,8 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     if mark is None:
         return f"a config file is not valid YAML: {error}"
-    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    context = getattr(error, "context", None)
+    start = getattr(error, "context_mark", None)
     since = (
         f" from line {start.line + 1}, column {start.column + 1}"
         if start and start.line != mark.line

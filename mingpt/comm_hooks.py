@@ -24,25 +24,6 @@ from mingpt.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 
-def check(cfg: TrainerConfig, dist_info: DistInfo) -> None:
-    """Refuse, before any work, a hook this run cannot use."""
-    if cfg.ddp_comm_hook == "bf16" and dist_info.is_distributed and dist_info.backend != "nccl":
-        raise ConfigError(
-            "trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
-            f"this run uses {dist_info.backend}: use fp16, powersgd or none"
-        )
-    if (
-        cfg.ddp_comm_hook == "post_local_sgd"
-        and cfg.localsgd_group == "node"
-        and dist_info.is_distributed
-        and dist_info.world_size % dist_info.local_world_size
-    ):
-        raise ConfigError(
-            "trainer_config.localsgd_group: node needs the same number of processes on every "
-            f"node ({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
-        )
-
-
 class CommHook:
     """The hook `name` (none, fp16, bf16: nothing kept); a subclass keeps each rank's `own_state`
     for a resume."""
@@ -51,8 +32,8 @@ class CommHook:
     # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
     replicas_differ = False
 
-    def __init__(self, dist_info: DistInfo | None = None, name: str = "none"):
-        self.dist = dist_info or DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    def __init__(self, dist_info: DistInfo, name: str):
+        self.dist = dist_info
         self.name = name
 
     def start(
@@ -66,14 +47,18 @@ class CommHook:
         warm_up: Callable[[], None],
     ) -> None:
         """Restore the state `saved` and register the hook on `ddp` (None in one process), to go on
-        at `step`. `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
+        at `step`; from now on the hook works on `model` (not its DDP wrapper), `optimizer` and
+        `scaler`. `warm_up` runs one plain DDP step on a training batch and drops its gradients."""
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
         if (
             saved
             and saved.get("name") == self.name
             and saved.get("world_size") == self.dist.world_size
             and saved.get("state") is not None
         ):
-            self.load_own_state(saved["state"], model, optimizer, scaler, warm_up)
+            self.load_own_state(saved["state"], warm_up)
         elif saved and self.dist.is_main_process:  # another number of processes or another hook
             this = "1 process (no comm hook)"
             if self.dist.world_size > 1:
@@ -97,29 +82,22 @@ class CommHook:
         if self.name != "none":
             ddp.register_comm_hook(None, getattr(default_hooks, f"{self.name}_compress_hook"))
 
-    def after_optimizer_step(self, model: torch.nn.Module) -> None:
+    def after_optimizer_step(self) -> None:
         pass
 
     @contextlib.contextmanager
-    def mean_weights(self, model: torch.nn.Module) -> Iterator[None]:
-        """While in the body, `model` holds the weights that stand for the run (here: its own)."""
+    def mean_weights(self) -> Iterator[None]:
+        """While in the body, the model holds the weights that stand for the run (here: its own)."""
         yield
 
-    def model_state(self, model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state`, the model's state dict, with the weights that stand for the run (collective: on
         every rank)."""
         return state
 
-    def own_state(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
+    def own_state(self) -> dict[str, Any] | None:
+        """This rank's own state for the snapshot, or None."""
         return None
-
-    def state_dict(self, model: torch.nn.Module, optimizer, scaler) -> dict[str, Any] | None:
-        """The hook's state for the snapshot: {"about": {name, world_size}, "state": this rank's
-        own}, or None."""
-        own = self.own_state(model, optimizer, scaler)
-        if own is None:
-            return None
-        return {"about": {"name": self.name, "world_size": self.dist.world_size}, "state": own}
 
 
 class PowerSGD(CommHook):
@@ -138,15 +116,15 @@ class PowerSGD(CommHook):
             # wrongly (docs/training.md).
             self.ddp_options = {"bucket_cap_mb": 2**20}
 
-    def own_state(self, model, optimizer, scaler):
+    def own_state(self):
         s = self.state
         # numpy's Mersenne Twister: Q's random starts
         _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()
         return {
             "iter": s.iter,
-            "error": dict(s.error_dict),
-            "p": dict(s.p_memory_dict),
-            "q": dict(s.q_memory_dict),
+            "error": s.error_dict,
+            "p": s.p_memory_dict,
+            "q": s.q_memory_dict,
             "rng": {
                 "keys": torch.from_numpy(keys.astype("int64")),
                 "pos": int(pos),
@@ -159,7 +137,7 @@ class PowerSGD(CommHook):
         # from its first step: powersgd_start_step plain steps
         ddp.register_comm_hook(self.state, self.hook)
 
-    def load_own_state(self, own, model, optimizer, scaler, warm_up):
+    def load_own_state(self, own, warm_up):
         s = self.state
         if own["iter"] >= s.start_powerSGD_iter:
             # The saved error and P/Q are laid out in DDP's rebuilt buckets (gradients in the order
@@ -209,24 +187,23 @@ class PostLocalSGD(CommHook):
             cfg.localsgd_period, warmup_steps=cfg.localsgd_start_step
         )
 
-    def after_optimizer_step(self, model: torch.nn.Module) -> None:
+    def after_optimizer_step(self) -> None:
         # Before the gradients are cleared: the averager skips parameters without one.
-        self.averager.average_parameters(model.parameters())
+        self.averager.average_parameters(self.model.parameters())
 
-    def _mean(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def _mean(self) -> dict[str, torch.Tensor]:
         """{name: the ranks' mean} of each parameter, computed aside: the replicas stay as is."""
-        mean = {
-            name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)
-        }
+        named = self.model.named_parameters(remove_duplicate=False)
+        mean = {name: p.detach().clone() for name, p in named}
         # the averager's own arithmetic
         averaging_utils.average_parameters(iter(mean.values()), dist.group.WORLD)
         return mean
 
     @contextlib.contextmanager
-    def mean_weights(self, model):
-        named = list(model.named_parameters(remove_duplicate=False))
+    def mean_weights(self):
+        named = list(self.model.named_parameters(remove_duplicate=False))
         own = [p.data for _, p in named]
-        mean = self._mean(model)
+        mean = self._mean()
         for name, p in named:
             p.data = mean[name]
         try:
@@ -235,14 +212,14 @@ class PostLocalSGD(CommHook):
             for (_, p), data in zip(named, own, strict=True):
                 p.data = data
 
-    def model_state(self, model, state):
-        return {**state, **self._mean(model)}
+    def model_state(self, state):
+        return {**state, **self._mean()}
 
-    def own_state(self, model, optimizer, scaler):
+    def own_state(self):
         return {
-            "model_state": model.state_dict(),
-            "optimizer_state": optimizer.state_dict()["state"],
-            "scaler_state": scaler.state_dict(),
+            "model_state": self.model.state_dict(),
+            "optimizer_state": self.optimizer.state_dict()["state"],
+            "scaler_state": self.scaler.state_dict(),
         }
 
     def register(self, ddp, step):
@@ -252,17 +229,34 @@ class PostLocalSGD(CommHook):
         self.averager.step = step
         ddp.register_comm_hook(self.state, post_localSGD_hook.post_localSGD_hook)
 
-    def load_own_state(self, own, model, optimizer, scaler, warm_up):
-        model.load_state_dict(own["model_state"])  # the state's CPU tensors go to where each one is
+    def load_own_state(self, own, warm_up):
+        # The state's CPU tensors go to where each one is.
+        self.model.load_state_dict(own["model_state"])
         # This run's hyperparameters, the rank's own moments.
+        optimizer = self.optimizer
         optimizer.load_state_dict({**optimizer.state_dict(), "state": own["optimizer_state"]})
-        if scaler.is_enabled() and own["scaler_state"]:
-            scaler.load_state_dict(own["scaler_state"])
+        if self.scaler.is_enabled() and own["scaler_state"]:
+            self.scaler.load_state_dict(own["scaler_state"])
 
 
 def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
-    """The hook `trainer_config.ddp_comm_hook` names; a single process has none."""
+    """The hook `trainer_config.ddp_comm_hook` names; a single process has none. A hook this run
+    cannot use is refused, before any work."""
     name = cfg.ddp_comm_hook if dist_info.is_distributed else "none"
+    if name == "bf16" and dist_info.backend != "nccl":
+        raise ConfigError(
+            "trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
+            f"this run uses {dist_info.backend}: use fp16, powersgd or none"
+        )
+    if (
+        name == "post_local_sgd"
+        and cfg.localsgd_group == "node"
+        and dist_info.world_size % dist_info.local_world_size
+    ):
+        raise ConfigError(
+            "trainer_config.localsgd_group: node needs the same number of processes on every "
+            f"node ({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
+        )
     if name in ("powersgd", "batched_powersgd"):
         return PowerSGD(name, cfg, dist_info)
     if name == "post_local_sgd":

@@ -9,6 +9,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.config import ConfigError, check, key_lines
 from mingpt.distributed import setup_logging
+from mingpt.storage import reason
 
 
 def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
@@ -28,7 +29,7 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
-        message = str(e).strip().splitlines()[0]
+        message = reason(e)
         key = getattr(e, "full_key", None)
         if key and key not in message:
             message = f"{key}: {message}"
@@ -62,6 +63,10 @@ def command(
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
-        # the exit's flush would fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()
         sys.exit(1)
+
+
+def silence_stdout() -> None:
+    """stdout to /dev/null, once writing to it failed: the exit's flush would fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

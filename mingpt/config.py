@@ -547,8 +547,9 @@ def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
         for name in SECTIONS
         if isinstance(sections.get(name), Mapping)
         for key, value in sections[name].items()
+        if f"{name}.{key}" not in OPERATIONAL_KEYS
     }
-    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in OPERATIONAL_KEYS}))
+    return json.loads(json.dumps(flat))
 
 
 def check_known_keys(cfg: Mapping) -> None:

@@ -2,14 +2,12 @@
 windows over the token cache (mingpt/token_cache.py), batches read from it or gathered on the
 device, a resumable sampler."""
 
-import contextlib
 import dataclasses
 import glob
 import logging
 import os
 import urllib.request
 from collections.abc import Iterator
-from typing import BinaryIO
 
 import fsspec
 import numpy as np
@@ -18,7 +16,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DistributedSampler
 
 from mingpt import storage, token_cache
-from mingpt.config import DEFAULT_DATA_PATH, DataConfig
+from mingpt.config import DataConfig
 from mingpt.token_cache import DataError
 
 log = logging.getLogger(__name__)
@@ -28,46 +26,26 @@ CORPUS_URL = (
 )
 
 
-def download_corpus(path: str = DEFAULT_DATA_PATH, url: str = CORPUS_URL) -> None:
+def download_corpus(path: str) -> None:
     """Download the tiny-shakespeare corpus to `path`, atomically."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    log.info("downloading %s to %s", url, path)
+    log.info("downloading %s to %s", CORPUS_URL, path)
     try:
-        with urllib.request.urlopen(url, timeout=30) as response, storage.atomic_open(path) as f:
+        with (
+            urllib.request.urlopen(CORPUS_URL, timeout=30) as response,
+            storage.atomic_open(path) as f,
+        ):
             f.write(response.read())
     except OSError as e:
         raise DataError(
-            f"{path} is missing and could not be downloaded from {url} ({e}); "
+            f"{path} is missing and could not be downloaded from {CORPUS_URL} ({e}); "
             f"put the tiny-shakespeare text at {path} or set data_config.path"
         ) from None
 
 
-@contextlib.contextmanager
-def open_source(path: str) -> Iterator[BinaryIO]:
-    """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it, or a
-    local file that is not regular (a FIFO would block the read forever, /dev/zero never ends), is
-    one DataError."""
-    try:
-        storage.check_regular(path, "data file")
-        with fsspec.open(path, "rb") as f:
-            yield f
-    except (DataError, storage.StorageError) as e:  # the body's own, or check_regular's
-        raise DataError(str(e)) from None
-    except FileNotFoundError as e:
-        # fsspec's HTTP file system says "not found" for a failed connection too
-        if e.__cause__ is not None:
-            raise DataError(
-                f"cannot fetch data file {path}: {storage.reason(e.__cause__)}"
-            ) from None
-        raise DataError(f"data file not found: {path}") from None
-    # an unreachable object store included
-    except (*storage.storage_errors(), ValueError, ImportError) as e:
-        raise DataError(f"cannot read data file {path}: {storage.reason(e)}") from None
-
-
 def read_text(path: str) -> str:
     """A small UTF-8 text file (fsspec URL or local path), a leading byte-order mark dropped."""
-    text = "".join(text for _, text in token_cache.decoded_chunks(path, open_source))
+    text = "".join(text for _, text in token_cache.decoded_chunks(path))
     if not text:
         raise DataError(f"data file is empty: {path}")
     return text
@@ -304,7 +282,7 @@ def build_cache(cfg: DataConfig) -> tuple[list[str], str]:
     """Build the token cache unless a valid one exists (one process per node does this);
     cache_location's result."""
     sources, path = cache_location(cfg)
-    token_cache.ensure(path, sources, cfg.truncate, open_source)
+    token_cache.ensure(path, sources, cfg.truncate)
     return sources, path
 
 
@@ -319,7 +297,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         if not build:
             return load_data(cfg, build=True)
         raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
-    files = [(source, n) for source, (_, n) in zip(sources, cache.files, strict=True)]
+    files = list(zip(sources, cache.counts, strict=True))
     train = []
     heldout = []
     offset = 0  # of the file in the cache's tokens

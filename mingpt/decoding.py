@@ -214,7 +214,7 @@ def sample_line(
     tokenizer,
     seed: int,
     n_chars: int,
-    stop_requested: Callable[[], int] | None = None,
+    stop_requested: Callable[[], int] | None,
 ) -> str | None:
     """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`,
     asked every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""

@@ -86,7 +86,7 @@ def setup_logging(rank: int) -> None:
 
 
 @contextlib.contextmanager
-def distributed(device_preference: str = "auto") -> Iterator[DistInfo]:
+def distributed(device_preference: str) -> Iterator[DistInfo]:
     """Join torchrun's process group (if any) and leave it at exit, also when the body raises."""
     global _control_group
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

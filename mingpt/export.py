@@ -57,7 +57,8 @@ def hf_config(model: GPT) -> dict:
     """GPT2Config's fields for this model: the same arithmetic (pre-LayerNorm blocks with biases,
     attention scaled by 1/sqrt(head size), a 4x MLP), its activation and LayerNorm epsilon, and an
     untied head."""
-    c, mlp = model.config, model.h[0].mlp
+    c = model.config
+    mlp = model.h[0].mlp
     return dict(
         architectures=["GPT2LMHeadModel"],
         model_type="gpt2",
@@ -146,7 +147,9 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
     if path is None:
         raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
     parent, base = os.path.split(path)
-    prefix, tmp, old = f".{base}.tmp-", None, None
+    prefix = f".{base}.tmp-"
+    tmp = None
+    old = None
     try:
         os.makedirs(parent, exist_ok=True)
         for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):

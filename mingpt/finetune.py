@@ -67,15 +67,15 @@ def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | N
         start = Start(source, meta, resuming=False, weights=weights)
     shape = _shape_or_refuse(start)
     # key: (this config's value, its default, the source's)
-    given = {}
-    for k in SHAPE_KEYS:
-        given[f"gpt_config.{k}"] = (
-            getattr(config.gpt_config, k),
-            getattr(GPTConfig(), k),
-            shape[k],
-        )
-    block = (config.data_config.block_size, DataConfig().block_size, shape["block_size"])
-    given["data_config.block_size"] = block
+    given = {
+        f"gpt_config.{k}": (getattr(config.gpt_config, k), getattr(GPTConfig(), k), shape[k])
+        for k in SHAPE_KEYS
+    }
+    given["data_config.block_size"] = (
+        config.data_config.block_size,
+        DataConfig().block_size,
+        shape["block_size"],
+    )
     taken = []
     for key, (value, default, theirs) in given.items():
         if value != theirs and value != default:

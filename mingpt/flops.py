@@ -38,7 +38,7 @@ def matmul_rate(
     return 2 * n**3 / timer.blocked_autorange(min_run_time=seconds).median
 
 
-def peak_rate(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+def peak_rate(device: torch.device, dtype: torch.dtype) -> float:
     """The FLOP/s that MFU is measured against: a large matmul in the step's precision, at present
     speed."""
     return matmul_rate(device, dtype, n=1024 if device.type == "cpu" else 8192, seconds=0.2)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from mingpt.command import command, parse_args
+from mingpt.command import command, parse_args, silence_stdout
 from mingpt.config import ConfigError, check, check_seed, key, one_of
 from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
 from mingpt.distributed import pick_device
@@ -173,8 +173,7 @@ def write(text: str) -> None:
     except OSError as e:
         if isinstance(e, BrokenPipeError):
             raise
-        # The exit's flush would fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
@@ -220,12 +219,13 @@ def run(config: GenerateConfig) -> None:
     write(header.format(1) + prompt)
     started = time.perf_counter()
     chunks = [idx[:, :0].expand(n, -1)]
-    sampling = (config.temperature, config.top_k, config.top_p)
     new_tokens = generate(
         model,
         idx.expand(n, -1),
         config.max_new_tokens,
-        *sampling,
+        config.temperature,
+        config.top_k,
+        config.top_p,
         generators,
         config.use_cache,
         compile,

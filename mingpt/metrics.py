@@ -173,12 +173,12 @@ class Metrics:
             self._close_record()
 
     def _close_record(self) -> None:
-        handles = [h for h in (self._writer, self._jsonl) if h is not None]
+        for handle in (self._writer, self._jsonl):
+            if handle is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    handle.close()
         self._writer = None
         self._jsonl = None
-        for handle in handles:
-            with contextlib.suppress(OSError, ValueError):
-                handle.close()
 
     def show_progress(self, step: int, total: int) -> None:
         if not self.progress:
@@ -194,7 +194,6 @@ class Metrics:
                     unit="step",
                     dynamic_ncols=True,
                     leave=False,
-                    file=sys.stderr,
                 )
             )
             self._terminal.enter_context(logging_redirect_tqdm())

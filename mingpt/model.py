@@ -123,13 +123,11 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """non_embedding leaves out the token and position embeddings: they are lookups, not
-        matmuls (the head is not tied to wte, so it counts)."""
+    def num_params(self) -> int:
+        """Less the token and position embeddings: they are lookups, not matmuls (the head is not
+        tied to wte, so it counts)."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.wte.weight.numel() + self.wpe.weight.numel()
-        return n
+        return n - self.wte.weight.numel() - self.wpe.weight.numel()
 
     def forward(
         self,

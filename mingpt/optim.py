@@ -4,7 +4,6 @@ schedules of the learning rate and of Muon's momentum."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -15,7 +14,8 @@ from mingpt.config import OptimizerConfig
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and
     embeddings."""
-    decay, no_decay = [], []
+    decay = []
+    no_decay = []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
@@ -123,14 +123,13 @@ class Muon(torch.optim.Muon):
         self.dtype = dtype
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step; `closure` as Optimizer.step takes it (DCP's get_state_dict passes None)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure: None = None) -> None:
+        """One step. `closure` is Optimizer.step's, and none is ever given (DCP's get_state_dict
+        passes None)."""
         for group in self.param_groups:
-            params, grads, buffers = [], [], []
+            params = []
+            grads = []
+            buffers = []
             self._init_group(group, params, grads, buffers)
             momentum = group["momentum"]
             lr = group["lr"]
@@ -142,7 +141,6 @@ class Muon(torch.optim.Muon):
                 )
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
-        return loss
 
 
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:
@@ -156,9 +154,8 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
     groups = param_groups(model, cfg.weight_decay)
     for group in groups:
         group["params"] = [p for p in group["params"] if id(p) not in muon]
-    adamw = torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused
-    )
+    # set_hyperparameters gives every group its betas, eps and weight decay.
+    adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused)
     optimizer = adamw
     if muon:
         dtype = orthogonalisation_dtype(device)

@@ -1,5 +1,5 @@
 """How the model is spread over the processes (`trainer_config.parallelism`): DDP replicas, or FSDP2
-shards of every block and the root; one process is plain. `torch.compile` goes around either."""
+shards of every block and the root; one process is plain."""
 
 import contextlib
 from collections.abc import Iterator
@@ -18,14 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.comm_hooks import CommHook
-from mingpt.config import TrainerConfig
 from mingpt.distributed import DistInfo
 from mingpt.model import GPT
-
-
-def uses_fsdp(cfg: TrainerConfig, dist_info: DistInfo) -> bool:
-    """Whether the model's parameters are FSDP2 shards (a single process never shards)."""
-    return cfg.parallelism == "fsdp" and dist_info.is_distributed
 
 
 def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) -> None:
@@ -49,10 +43,6 @@ def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
         gradient_as_bucket_view=True,
         **comm.ddp_options,
     )
-
-
-def maybe_compile(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
-    return torch.compile(model) if cfg.compile else model
 
 
 @contextlib.contextmanager

@@ -49,7 +49,9 @@ def build_model(gpt_config: GPTConfig) -> GPT:
             r"can't allocate memory|out of memory", str(e)
         ):
             raise
-        d, v, b = gpt_config.n_embd, gpt_config.vocab_size, gpt_config.block_size
+        d = gpt_config.n_embd
+        v = gpt_config.vocab_size
+        b = gpt_config.block_size
         params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
         raise ConfigError(
             f"gpt_config: the model does not fit in memory: {params:,} parameters "
@@ -66,10 +68,9 @@ class Run:  # what start-up settled
     start: finetune.Start | None  # the fine-tuning source
 
 
-def locate(config: Config, run_dir: str, snapshot_path: str | None = None) -> Run:
+def locate(config: Config, run_dir: str) -> Run:
     """What the run starts from; a fine-tuning source gives `config` the model's shape."""
-    if snapshot_path is None:
-        snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
+    snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
     saved = None
     if reader.has_snapshot(snapshot_path):
         saved = read_meta(snapshot_path)
@@ -88,7 +89,7 @@ def settle(
     compat.check_not_a_file(config.trainer_config.snapshot_path, run_dir, snapshot_path)
     check_writable(run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
-    run = locate(config, run_dir, snapshot_path)
+    run = locate(config, run_dir)
     # The corpus is downloaded and encoded once per node; the other processes wait.
     if dist_info.is_local_main_process:
         if config.data_config.path == DEFAULT_DATA_PATH and not os.path.exists(DEFAULT_DATA_PATH):

@@ -227,8 +227,12 @@ class Claim:
                 f.write(text() if callable(text) else text)
 
     def release(self) -> None:
+        # A refused job leaves no trace: the lock files it made go while it still holds them (a run
+        # directory left empty goes too, in mingpt.cli).
         if not self.accepted:
-            self.take_back()
+            for path in self.made:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
         root = logging.getLogger()
         for handler in filter(None, (self.log_buffer, self.log_file)):
             root.removeHandler(handler)
@@ -237,13 +241,6 @@ class Claim:
                 handler.close()
         for fd in self.fds:  # the kernel also releases them when the process ends
             os.close(fd)
-
-    def take_back(self) -> None:
-        """A refused job leaves no trace: the lock files it made go while it still holds them (a
-        run directory left empty goes too, in mingpt.cli)."""
-        for path in self.made:
-            with contextlib.suppress(OSError):
-                os.remove(path)
 
 
 @contextlib.contextmanager
@@ -284,7 +281,8 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         path = os.path.join(run_dir, name)
         if os.path.lexists(path) and os.path.isdir(path) != (kind == "a directory"):
             return f"run directory {run_dir}: {path} must be {kind}; move it away"
-    last, previous = last_step(run_dir), None  # previous: the snapshot the lock file names
+    last = last_step(run_dir)
+    previous = None  # the snapshot the lock file names
     with (
         contextlib.suppress(OSError, ValueError, AttributeError),
         open(os.path.join(run_dir, LOCK_FILE), "rb") as f,

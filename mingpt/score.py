@@ -66,7 +66,7 @@ class Score:
 
 
 def heldout_windows(
-    state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool = False
+    state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool
 ):
     """The held-out windows of the snapshot's run, from its data_config; refused when the corpus
     changed since, unless `allow_corpus_change` (then a warning)."""
@@ -135,7 +135,7 @@ def score(config: ScoreConfig) -> Score:
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
     # In batches as the run's evaluation.
     batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
-    one_process = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
+    one_process = DistInfo(0, 0, 1, 1, device)
     result = evaluation.evaluate(model, windows, one_process, eval_tokens, batch_size)
     return Score(result.loss, result.tokens, source, state.get("step", "?"))
 

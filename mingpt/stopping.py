@@ -3,7 +3,6 @@ signal asks every rank to save and stop at the next step boundary; outside it, t
 once with one line."""
 
 import contextlib
-import enum
 import json
 import logging
 import os
@@ -29,14 +28,6 @@ class Stopped(BaseException):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.status = exit_status(signum)
-
-
-class StepFlags(enum.IntEnum):
-    """The slots of the integers that all ranks all-reduce (MAX) once per step: the same decision on
-    every rank."""
-
-    STOP = 0  # the number of a stop signal that some rank received (0: none)
-    SAVE_DUE = 1  # rank 0's clock: a time-based snapshot is due (1) or not (0)
 
 
 def exit_status(signum: int) -> int:
@@ -123,7 +114,7 @@ def graceful() -> Iterator[None]:
         _state.graceful = False
 
 
-def exit_now(signum: int, again: bool = False) -> None:
+def exit_now(signum: int, again: bool) -> None:
     """One line on stderr, then exit with 128 + signum, skipping every cleanup that could hang."""
     _state.exiting = True
     what = describe(signum)

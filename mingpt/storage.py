@@ -198,12 +198,12 @@ def check_regular(path: str, label: str) -> None:
     raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 
-def sha256(f: Any, chunk: int = 16 << 20) -> tuple[int, str]:
-    """The size and SHA-256 of what is left to read in the open binary file `f`, read `chunk` bytes
-    at a time."""
+def sha256(f: Any) -> tuple[int, str]:
+    """The size and SHA-256 of what is left to read in the open binary file `f`, read 16 MiB at a
+    time."""
     digest = hashlib.sha256()
     size = 0
-    while block := f.read(chunk):
+    while block := f.read(16 << 20):
         digest.update(block)
         size += len(block)
     return size, digest.hexdigest()

@@ -1,8 +1,9 @@
-"""The token cache: a corpus encoded once per node into a checksummed file that every process reads
-its batches from. Layout: MAGIC, the JSON header's length, the header padded to a page, then the
-ids, file after file."""
+"""The token cache: a corpus, its files read and decoded here, encoded once per node into a
+checksummed file that every process reads its batches from. Layout: MAGIC, the JSON header's
+length, the header padded to a page, then the ids, file after file."""
 
 import codecs
+import contextlib
 import hashlib
 import json
 import logging
@@ -12,7 +13,9 @@ import re
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
+import fsspec
 import numpy as np
 import torch
 
@@ -41,7 +44,7 @@ class TokenCache:
     # every file's ids, file after file (memory-mapped, read-only by convention)
     tokens: torch.Tensor
     vocab: str  # the sorted distinct characters
-    files: list[tuple[str, int]]  # (source, number of tokens) in order
+    counts: list[int]  # each source's number of tokens, in order
     # open for reads (batches are read from it, not through the map); closed with this object
     fd: int
     offset: int  # where the token ids start in the file, in bytes
@@ -87,7 +90,30 @@ def count(cps: np.ndarray) -> torch.Tensor:
     return torch.bincount(torch.from_numpy(cps.astype(np.int32)), minlength=N_CODE_POINTS)
 
 
-def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
+@contextlib.contextmanager
+def open_source(path: str) -> Iterator[BinaryIO]:
+    """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it, or a
+    local file that is not regular (a FIFO would block the read forever, /dev/zero never ends), is
+    one DataError."""
+    try:
+        storage.check_regular(path, "data file")
+        with fsspec.open(path, "rb") as f:
+            yield f
+    except (DataError, storage.StorageError) as e:  # the body's own, or check_regular's
+        raise DataError(str(e)) from None
+    except FileNotFoundError as e:
+        # fsspec's HTTP file system says "not found" for a failed connection too
+        if e.__cause__ is not None:
+            raise DataError(
+                f"cannot fetch data file {path}: {storage.reason(e.__cause__)}"
+            ) from None
+        raise DataError(f"data file not found: {path}") from None
+    # an unreachable object store included
+    except (*storage.storage_errors(), ValueError, ImportError) as e:
+        raise DataError(f"cannot read data file {path}: {storage.reason(e)}") from None
+
+
+def decoded_chunks(source: str) -> Iterator[tuple[bytes, str]]:
     """(raw bytes, decoded text) chunk by chunk, ending with an empty chunk. A byte-order mark at
     the start of the file is dropped; bytes that are not UTF-8 end it with a DataError."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
@@ -108,9 +134,9 @@ def decoded_chunks(source: str, open_source) -> Iterator[tuple[bytes, str]]:
                 return
 
 
-def kept_chunks(source: str, open_source, keep: int) -> Iterator[np.ndarray]:
+def kept_chunks(source: str, keep: int) -> Iterator[np.ndarray]:
     """The code points of the first `keep` characters, chunk by chunk."""
-    for _, text in decoded_chunks(source, open_source):
+    for _, text in decoded_chunks(source):
         if keep <= 0:
             return
         cps = code_points(text[:keep])
@@ -142,7 +168,7 @@ def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start 
     return head.ljust(-(-len(head) // PAGE) * PAGE, b"\0")
 
 
-def _why_rebuild(path: str, sources: list[str], truncate: float, open_source) -> str | None:
+def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
     """None if the cache at `path` is valid: the sources and the ids have the SHA-256s its header
     records (each read once to compare); else why it is not."""
     if not os.path.exists(path):
@@ -167,14 +193,14 @@ def _why_rebuild(path: str, sources: list[str], truncate: float, open_source) ->
     return None
 
 
-def _scan(source: str, open_source) -> tuple[dict, int, torch.Tensor]:
+def _scan(source: str) -> tuple[dict, int, torch.Tensor]:
     """A source's entry in the header ({"source", "size", "sha256"}), its length in characters and
     how often each code point occurs in it, from one read."""
     digest = hashlib.sha256()
     size = 0
     n_chars = 0
     counts = 0
-    for raw, text in decoded_chunks(source, open_source):
+    for raw, text in decoded_chunks(source):
         digest.update(raw)
         size += len(raw)
         n_chars += len(text)
@@ -184,10 +210,10 @@ def _scan(source: str, open_source) -> tuple[dict, int, torch.Tensor]:
     return {"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts
 
 
-def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
+def ensure(path: str, sources: list[str], truncate: float) -> None:
     """Build the cache at `path` (atomically) unless a valid one is there. A build reads each source
     twice (thrice when truncated: the vocabulary is that of the kept text)."""
-    why = _why_rebuild(path, sources, truncate, open_source)
+    why = _why_rebuild(path, sources, truncate)
     if why is None:
         log.info("token cache %s is up to date", path)
         return
@@ -195,7 +221,7 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
     if why.startswith("damaged"):
         level = logging.WARNING
     log.log(level, "token cache %s: %s; encoding the corpus", path, why)
-    scans = [_scan(source, open_source) for source in sources]
+    scans = [_scan(source) for source in sources]
     kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
     if truncate == 1.0:
         counts = sum(c for *_, c in scans)
@@ -203,7 +229,7 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
         counts = sum(
             count(cps)
             for source, keep in zip(sources, kept, strict=True)
-            for cps in kept_chunks(source, open_source, keep)
+            for cps in kept_chunks(source, keep)
         )
     vocab_cps = np.flatnonzero(counts.numpy())
     dtype = dtype_for(len(vocab_cps))
@@ -227,7 +253,7 @@ def ensure(path: str, sources: list[str], truncate: float, open_source) -> None:
             f.write(_header_bytes(header))
             digest = hashlib.sha256()
             for source, keep in zip(sources, kept, strict=True):
-                for cps in kept_chunks(source, open_source, keep):
+                for cps in kept_chunks(source, keep):
                     ids = lookup[cps].tobytes()
                     digest.update(ids)
                     f.write(ids)
@@ -251,8 +277,9 @@ def open_cache(path: str) -> TokenCache:
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     # keeps `mapped` alive
     tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))
-    files = [(s["source"], c) for s, c in zip(header["sources"], header["counts"], strict=True)]
-    cache = TokenCache(path, tokens, header["vocab"], files, fd, offset, header["sources"])
+    cache = TokenCache(
+        path, tokens, header["vocab"], header["counts"], fd, offset, header["sources"]
+    )
     weakref.finalize(cache, os.close, fd)
     return cache
 

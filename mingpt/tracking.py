@@ -190,9 +190,9 @@ class MlflowTracker(Tracker):
 
         logged = self.client.get_run(self.run_id).data.params
         new = []
-        for section in dataclasses.fields(config):
-            for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-                name = f"{section.name}.{key}"
+        for section, values in dataclasses.asdict(config).items():
+            for key, value in values.items():
+                name = f"{section}.{key}"
                 text = value if isinstance(value, str) else json.dumps(value)
                 text = text[:6000]
                 if name not in logged:

@@ -13,7 +13,7 @@ import math
 import os
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -137,15 +137,14 @@ class Trainer:
         self.train_windows, self.eval_windows = data.place(
             self.device, config.data_config.placement
         )
-        # A hook this run cannot use is refused before any work.
-        comm_hooks.check(cfg, dist_info)
         self.comm = comm_hooks.create(cfg, dist_info)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
         self.amp = amp_policy(cfg, self.device.type, not on_cuda or torch.cuda.is_bf16_supported())
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp.scaler)
-        self.fsdp = parallel.uses_fsdp(cfg, dist_info)
+        # A single process never shards.
+        self.fsdp = cfg.parallelism == "fsdp" and dist_info.is_distributed
         # Sharded before the optimizer is built, and on the CPU: only this rank's shards go to the
         # device.
         if self.fsdp:
@@ -176,8 +175,10 @@ class Trainer:
         self.state = TrainState.restored(self.checkpointer.load())
 
         ddp = None
+        self.model = self.raw_model  # what the step calls
         if dist_info.is_distributed and not self.fsdp:
             ddp = parallel.replicate(self.raw_model, dist_info, self.comm)
+            self.model = ddp
         # In one process too: there a hook's state saved by several ranks is said to go unused.
         self.comm.start(
             ddp,
@@ -188,8 +189,8 @@ class Trainer:
             self.scaler,
             functools.partial(self._warm_up_ddp, ddp),
         )
-        # What the step calls.
-        self.model = parallel.maybe_compile(self.raw_model if ddp is None else ddp, cfg)
+        if cfg.compile:
+            self.model = torch.compile(self.model)
         W = dist_info.world_size
         self.train_sampler = ResumableSampler(
             len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed
@@ -280,7 +281,6 @@ class Trainer:
             on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
             record_shapes=True,
             profile_memory=True,
-            with_stack=False,
         )
 
     def _batches(self) -> Iterator[torch.Tensor]:
@@ -325,8 +325,8 @@ class Trainer:
         grad_norm = parallel.full_value(norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.comm.after_optimizer_step(self.raw_model)  # LocalSGD: the periodic averaging
-        self.optimizer.zero_grad(set_to_none=True)
+        self.comm.after_optimizer_step()  # LocalSGD: the periodic averaging
+        self.optimizer.zero_grad()
         # Free on a CPU: the run stops at the very step whose loss was not finite.
         if self.device.type == "cpu" and not self.dist.is_distributed:
             self._check_diverged(step + 1)
@@ -401,7 +401,7 @@ class Trainer:
         if self.eval_notice.slow:
             n = len(evaluation.chosen_windows(len(windows), windows.block_size, cfg.eval_tokens))
             log.info("evaluating at step %d on %d held-out windows", state.step, n)
-        with self.comm.mean_weights(self.raw_model):
+        with self.comm.mean_weights():
             result = evaluation.evaluate(
                 self.raw_model,
                 windows,
@@ -444,7 +444,10 @@ class Trainer:
         return result.loss
 
     def _record_sample(self) -> None:
-        text = self.sample(stoppable=True)
+        stop = stopping.stop_requested
+        if self.fsdp:
+            stop = self._stop_requested_anywhere
+        text = self.sample(stop)
         # The step boundary right after stops the run.
         if text is None:
             log.info(
@@ -453,15 +456,10 @@ class Trainer:
             return
         self.metrics.text("sample", text, self.state.step)
 
-    def sample(self, stoppable: bool = False) -> str | None:
+    def sample(self, stop: Callable[[], int] | None = None) -> str | None:
         """A line of sample_chars characters from the current weights, seeded by (seed, step). A
-        sharded model's ranks all generate, in lockstep. With `stoppable`, None once a stop is
-        requested (by any rank, when sharded)."""
-        stop = None
-        if stoppable and self.fsdp:
-            stop = self._stop_requested_anywhere
-        elif stoppable:
-            stop = stopping.stop_requested
+        sharded model's ranks all generate, in lockstep. None once `stop()` says a stop was
+        requested (by any rank, when sharded: every rank asks alike)."""
         seed = self.cfg.seed + self.state.step
         return sample_line(self.raw_model, self.data.tokenizer, seed, self.cfg.sample_chars, stop)
 
@@ -474,7 +472,7 @@ class Trainer:
         sample_chars 0."""
         if not self.cfg.sample_chars:
             return None
-        with self.comm.mean_weights(self.raw_model):
+        with self.comm.mean_weights():
             if not self.dist.is_main_process and not self.fsdp:
                 return None
             text = self.sample()
@@ -487,4 +485,4 @@ class Trainer:
         on the next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
         ddp(*self.train_windows.batch(first))[1].backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()

@@ -315,9 +315,7 @@ def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
         (cache.parent / f"{cache.name}.tmp-1-otherhost-0123abcd").write_bytes(b"\xff")
         second = load_data(cfg)
         assert (
-            [f for f, _ in second.cache.files]
-            == [f for f, _ in first.cache.files]
-            == [str(corpus / "a.txt")]
+            [f for f, _ in second.files] == [f for f, _ in first.files] == [str(corpus / "a.txt")]
         )
         assert second.tokenizer.chars == "abcdefgh"
 

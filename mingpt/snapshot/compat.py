@@ -95,13 +95,11 @@ def check_fits(
     vocab: str,
     path: str,
     dist_info: DistInfo,
-    corpus: list[dict] | None = None,
+    corpus: list[dict],
 ) -> None:
-    """The snapshot's shapes, vocabulary, corpus (with `corpus`) and config are this run's, or
-    allowed to differ; rank 0 warns of what changed."""
-    moved = []
-    if corpus is not None:
-        moved = corpus_changes(state.get("corpus"), corpus)
+    """The snapshot's shapes, vocabulary, corpus and config are this run's, or allowed to differ;
+    rank 0 warns of what changed."""
+    moved = corpus_changes(state.get("corpus"), corpus)
     saved_vocab = state.get("vocab") or ""
     if moved and saved_vocab != vocab:
         raise SnapshotError(

@@ -102,18 +102,18 @@ def find(path: str) -> str:
     """The snapshot that `path` names: for a run directory (a local directory with
     .hydra/config.yaml), its best weights, else its latest snapshot, said in the log; any other path
     as given. A directory that cannot hold a snapshot (empty, an export) is refused."""
+    if "://" in path or not os.path.isdir(path):
+        return path
     config_file = os.path.join(path, ".hydra", "config.yaml")
-    if "://" not in path and os.path.isfile(config_file):
+    if os.path.isfile(config_file):
         return _run_snapshot(path, config_file)
-    if "://" not in path and os.path.isdir(path):
-        names = os.listdir(path)
-        if not names:
-            raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
-        if EXPORT_FILES[0] in names:
-            raise SnapshotError(
-                f"{path} is an export in safetensors/transformers format, not a snapshot; "
-                f"{EXPECTED}"
-            )
+    names = os.listdir(path)
+    if not names:
+        raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
+    if EXPORT_FILES[0] in names:
+        raise SnapshotError(
+            f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}"
+        )
     return path
 
 

@@ -3,6 +3,7 @@ writes its shards, rank 0 publishes the snapshot (manifest.py), and a load resha
 of processes. One asynchronous save is in flight at a time. save and load are called by every rank,
 or by one process."""
 
+import collections
 import contextlib
 import functools
 import json
@@ -79,38 +80,29 @@ def _unflatten(structure: Any, flat: dict[str, torch.Tensor]) -> Any:
 
 
 def _tensor_keys(structure: Any) -> list[str]:
-    ((kind, body),) = structure.items()
-    if kind == "tensor":
-        return [body]
-    if kind == "dict":
-        children = [v for _, v in body]
-    elif kind in ("list", "tuple"):
-        children = body
-    else:
-        children = []
-    return [key for child in children for key in _tensor_keys(child)]
+    """The flat keys of the structure's tensors, in order: those that rebuilding it looks up."""
+    looked_up = collections.defaultdict(type(None))
+    _unflatten(structure, looked_up)
+    return list(looked_up)
 
 
 class SaveHandle:
     """A save in progress or done: `wait()` returns its directory or raises its StorageError, on
-    every rank alike."""
+    every rank alike. `future` gives the error line, or None."""
 
-    def __init__(self, target: str, future: Future | None = None, error: str | None = None):
+    def __init__(self, target: str, future: Future):
         self.target = target
         self._future = future
-        self._error = error
 
     def done(self) -> bool:
-        return self._future is None or self._future.done()
+        return self._future.done()
 
     def wait(self) -> str:
         global _pending
         # Its outcome is given here: wait_pending() does not give it again.
         if _pending is self:
             _pending = None
-        error = self._error
-        if self._future is not None:
-            error = self._future.result()
+        error = self._future.result()
         if error:
             raise StorageError(error)
         return self.target
@@ -310,7 +302,9 @@ def save(
             return f"cannot save sharded snapshot {directory}: {reason(e)}"
 
     if not async_save:
-        handle = SaveHandle(directory, error=complete())
+        written = Future()
+        written.set_result(complete())
+        handle = SaveHandle(directory, written)
         handle.wait()
         return handle
     try:
@@ -374,7 +368,7 @@ def _read(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
     files, document, metadata = manifest.read(directory)
     try:
         for structure in [document["structure"], *(document.get("ranks") or [])]:
-            _unflatten(structure, dict.fromkeys(_tensor_keys(structure)))
+            _tensor_keys(structure)  # rebuilding a structure checks it
     except (ValueError, AttributeError, KeyError, TypeError) as e:
         raise SnapshotError(
             f"snapshot {directory} is damaged: {manifest.META} cannot be read ({reason(e)})"
@@ -500,10 +494,10 @@ def load_full(root_or_dir: str, part: str | None = None) -> tuple[Any, dict[str,
         manifest.verify(directory, files)
         structure = document["structure"]
         if part is not None:
-            ((kind, body),) = structure.items()
-            if kind != "dict" or part not in dict(body):
+            parts = dict(structure.get("dict", []))  # none if what was saved is not a dict
+            if part not in parts:
                 raise SnapshotError(f"snapshot {directory} holds no {part}")
-            structure = dict(body)[part]
+            structure = parts[part]
         flat = _empty(directory, _tensor_keys(structure), metadata)
         _dcp_load(flat, directory, metadata, no_dist=True)
         return _unflatten(structure, flat), document["meta"]
