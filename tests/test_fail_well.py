@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_main
+from conftest import REPO, TINY, child_env, run_each, run_main
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -555,23 +555,6 @@ def test_dropping_a_group_and_choosing_from_it_is_refused():
     cli.check_group_overrides(["gpt_config=gpt2"])
 
 
-# Each invocation through cli.main in one child process (one torch import for all);
-# after each, its exit status on a line of its own.
-REFUSALS = """
-import json, sys
-from mingpt import cli
-for argv in json.loads(sys.argv[1]):
-    sys.argv = ["main.py", *argv]
-    try:
-        cli.main()
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    sys.stderr.write(f"exit status {status}\\n")
-    sys.stderr.flush()
-"""
-
-
 def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
     conf = tmp_path / "conf"
     (conf / "experiment").mkdir(parents=True)
@@ -638,24 +621,13 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
         ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", REFUSALS, json.dumps(list(cases))],
-        cwd=work,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    outputs = re.split(r"^exit status (\d+)\n", proc.stderr, flags=re.M)
-    assert len(outputs) == 2 * len(cases) + 1 and outputs[-1] == "", proc.stderr[-5000:]
-    for argv, says, stderr, status in zip(
-        cases, cases.values(), outputs[:-1:2], outputs[1::2], strict=True
-    ):
-        assert status == "2" and stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (
-            argv,
-            stderr,
-        )
-    assert not proc.stdout  # --cfg job printed nothing
+    # through cli.main, one after another in one process
+    results = run_each("mingpt.cli", [(work, list(argv)) for argv in cases])
+    for (argv, says), result in zip(cases.items(), results, strict=True):
+        stderr = result.stderr
+        assert result.returncode == 2, (argv, stderr)
+        assert stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (argv, stderr)
+        assert not result.stdout  # --cfg job printed nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf", "work"]
     assert list(work.iterdir()) == []  # no runs/, no run directory, nothing outside either
 
