@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun
+from conftest import (
+    REPO,
+    TINY,
+    child_env,
+    read_snapshot,
+    run_dir_of,
+    run_each,
+    run_main,
+    run_torchrun,
+)
 
 DEADLINE = 150  # seconds: generous, the machine is shared
 
@@ -152,37 +161,27 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
         ),
     }
 
-    def start(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "main.py"),
-                *args("trainer_config.max_epochs=1", *same_dir, *extra),
-            ],
-            cwd=workdir,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    def refuse(names) -> dict[str, subprocess.CompletedProcess]:
+        argvs = [
+            args("trainer_config.max_epochs=1", *same_dir, *refusals[name][0]) for name in names
+        ]
+        return dict(zip(names, run_each("mingpt.cli", [(workdir, a) for a in argvs]), strict=True))
 
-    # Refused before they take the directory: together, while another job holds it
+    # Refused before they take the directory: while another job holds it
     # (this process, with the lock a job takes).
     early = ("bad value", "bad corpus", "in use")
     lock = os.open(finished_run / "run.lock", os.O_RDWR)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        procs = {name: start(refusals[name][0]) for name in early}
-        results = {name: proc.communicate(timeout=DEADLINE) for name, proc in procs.items()}
+        results = refuse(early)
     finally:
         os.close(lock)
-    for name in refusals.keys() - set(early):  # refused once they hold it: one at a time
-        procs[name] = start(refusals[name][0])
-        results[name] = procs[name].communicate(timeout=DEADLINE)
+    # refused once they hold it, each letting it go for the next
+    results.update(refuse([name for name in refusals if name not in early]))
     for name, (_, says) in refusals.items():
-        stderr = results[name][1]
+        stderr = results[name].stderr
         errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert procs[name].returncode == 2 and len(errors) == 1 and says in errors[0], (
+        assert results[name].returncode == 2 and len(errors) == 1 and says in errors[0], (
             name,
             stderr,
         )
