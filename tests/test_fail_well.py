@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_each, run_main
+from conftest import REPO, TINY, child_env, on_cpu, run_each
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -174,7 +174,7 @@ def limit_file_size(limit: int):
 
 @pytest.fixture(scope="module")
 def runs(snap) -> dict[str, subprocess.CompletedProcess]:
-    """Each bad case through the real command, two at a time; {case: finished process}."""
+    """Each bad case through the real command, two processes at a time; {case: finished process}."""
     work, good = snap
     small = work / "small.txt"
     shutil.copytree(good, work / "resume" / "snapshots")
@@ -192,23 +192,23 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             args, cwd=work, env=env, stderr=subprocess.PIPE, text=True, timeout=180, **kwargs
         )
 
-    cases = {
-        "resume_damaged": lambda: run_main(
-            overrides(
-                small,
-                "trainer_config.max_steps=3",
-                f"trainer_config.snapshot_path={work / 'resume' / 'snapshots'}",
-            ),
-            work,
+    # refused at start: one process for the three (each run is mostly importing torch)
+    refusals = {
+        "resume_damaged": overrides(
+            small,
+            "trainer_config.max_steps=3",
+            f"trainer_config.snapshot_path={work / 'resume' / 'snapshots'}",
         ),
-        "interpolation": lambda: run_main(overrides(small, "data_config.path=${nope}"), work),
-        "unwritable": lambda: run_main(
-            overrides(
-                small,
-                "trainer_config.run_name=unwritable",
-                f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}",
-            ),
-            work,
+        "interpolation": overrides(small, "data_config.path=${nope}"),
+        "unwritable": overrides(
+            small,
+            "trainer_config.run_name=unwritable",
+            f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}",
+        ),
+    }
+    cases = {
+        "refusals": lambda: run_each(
+            "mingpt.cli", [(work, on_cpu(args)) for args in refusals.values()]
         ),
         "save_fails": lambda: run(
             [
@@ -234,7 +234,9 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"), stdout=full
         )
         with ThreadPoolExecutor(2) as pool:
-            return dict(zip(cases, pool.map(lambda case: case(), cases.values()), strict=True))
+            results = dict(zip(cases, pool.map(lambda case: case(), cases.values()), strict=True))
+    results.update(zip(refusals, results.pop("refusals"), strict=True))
+    return results
 
 
 # ---------------------------------------------------------------- integrity
