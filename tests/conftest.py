@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -222,6 +224,55 @@ def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Com
     )
 
 
+# Each case through MODULE.main in one child process, one after another: a start (mostly
+# importing torch) for all. After each, its exit status behind a NUL on stdout and on stderr:
+# the streams are the real ones, so that what torch writes to them directly is seen too.
+EACH_CASE = """
+import importlib, json, os, sys, traceback
+module, cases = sys.argv[1], json.loads(sys.argv[2])
+main = importlib.import_module(module).main
+for cwd, argv in cases:
+    os.chdir(cwd)
+    sys.argv = [module, *argv]
+    try:
+        main()
+        status = 0
+    except SystemExit as e:
+        status = e.code or 0
+    except Exception:
+        traceback.print_exc()
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        stream.write(f"\\0exit status {status}\\n")
+        stream.flush()
+"""
+
+
+def run_each(
+    module: str, cases: list[tuple[Path, list[str]]], timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
+    """What `python -m MODULE ARGV` in CWD gives for each (CWD, ARGV) of `cases`: its exit
+    status, stdout and stderr. For commands that end quickly (refusals): one start for all."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EACH_CASE, module, json.dumps([[str(c), a] for c, a in cases])],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = re.split(r"\0exit status (\S+)\n", proc.stdout)
+    errs = re.split(r"\0exit status (\S+)\n", proc.stderr)
+    assert len(outs) == len(errs) == 2 * len(cases) + 1, proc.stderr[-3000:]
+    assert outs[-1] == errs[-1] == "" and outs[1::2] == errs[1::2], proc.stderr[-3000:]
+    return [
+        subprocess.CompletedProcess(argv, int(status), out, err)
+        for (_, argv), status, out, err in zip(
+            cases, errs[1::2], outs[:-1:2], errs[:-1:2], strict=True
+        )
+    ]
+
+
 def run_dir_of(cwd: Path, args: list[str]) -> Path:
     """The run directory `python main.py ARGS` started in `cwd` uses: Hydra's
     hydra.run.dir composed from ARGS (runs/<run_name>, whatever the other values)."""
@@ -334,6 +385,7 @@ __all__ = [
     "real_cuda",
     "free_port",
     "run_dir_of",
+    "run_each",
     "run_main",
     "run_torchrun",
     "torchrun_cmd",

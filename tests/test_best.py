@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import subprocess
-import sys
 
 import pytest
-from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun, tree_bytes
+from conftest import TINY, read_snapshot, run_dir_of, run_each, run_main, run_torchrun, tree_bytes
 from test_snapshot import make_trainer, same_tensors
 
 from mingpt import stopping
@@ -200,33 +198,19 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
     ), again.stderr
     assert "train step" not in again.stderr
 
-    sampled = subprocess.run(
-        [sys.executable, "-m", "mingpt.generate", f"snapshot_path={run_dir}", "max_new_tokens=5"],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    # the run directory, then its snapshots: one process for both
+    sampled, explicit = run_each(
+        "mingpt.generate",
+        [
+            (tmp_path, [f"snapshot_path={run_dir}", "max_new_tokens=5"]),
+            (tmp_path, [f"snapshot_path={run_dir / 'snapshots'}", "max_new_tokens=5"]),
+        ],
     )
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr
     assert (
         f"run directory {run_dir}: its best weights, {run_dir / 'snapshots-best'}" in sampled.stderr
     )
     assert f"{run_dir}: step 4," in sampled.stderr  # the first evaluation was the best
-    explicit = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mingpt.generate",
-            f"snapshot_path={run_dir / 'snapshots'}",
-            "max_new_tokens=5",
-        ],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
     assert explicit.returncode == 0 and f"{run_dir / 'snapshots'}: step 8," in explicit.stderr, (
         explicit.stderr
     )

@@ -3,7 +3,8 @@
 snapshot, also after a SIGKILL under torchrun.
 
 One module-scoped launch of tests/dist_worker.py runs the uninterrupted
-references and the LocalSGD jobs; each SIGKILL test is one torchrun job with a restart.
+references and the LocalSGD jobs, another the PowerSGD jobs on a simulated GPU host;
+each SIGKILL test is one torchrun job with a restart.
 """
 
 from __future__ import annotations
@@ -206,16 +207,26 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
     ]
 
 
+@pytest.fixture(scope="module")
+def on_gpu_host(tmp_path_factory, corpus_file) -> dict:
+    """Each PowerSGD job again, both in one launch, on a host where torch.cuda.is_available()
+    (simulated here)."""
+    jobs = [
+        job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}")
+        for hook, keys in POWERSGD.items()
+    ]
+    tmp = tmp_path_factory.mktemp("gpu-host")
+    return run_worker(tmp, corpus_file, 2, jobs, env=fake_cuda_env(gpus=2))
+
+
 @pytest.mark.parametrize("hook", list(POWERSGD))
-def test_compressed_cpu_run_on_a_gpu_host_is_unchanged(runs, corpus_file, tmp_path, hook):
-    """A gloo/CPU job on a host where torch.cuda.is_available() (simulated here): torch's
-    PowerSGD hooks synchronize CUDA whenever it is available, also for CPU gradients
-    ("Expected a cuda device, but got: cpu"). The run must go on and end as on a CPU host."""
+def test_compressed_cpu_run_on_a_gpu_host_is_unchanged(runs, on_gpu_host, hook):
+    """A gloo/CPU job on a host where torch.cuda.is_available(): torch's PowerSGD hooks
+    synchronize CUDA whenever it is available, also for CPU gradients ("Expected a cuda
+    device, but got: cpu"). The run must go on and end as on a CPU host."""
     _, results = runs
-    jobs = [job(hook, *POWERSGD[hook], f"trainer_config.max_steps={POWERSGD_STEPS}")]
-    on_gpu_host = run_worker(tmp_path, corpus_file, 2, jobs, env=fake_cuda_env(gpus=2))[hook]
     for rank in (0, 1):
-        assert same(on_gpu_host[rank]["state"], results[hook][rank]["state"])
+        assert same(on_gpu_host[hook][rank]["state"], results[hook][rank]["state"])
 
 
 @pytest.mark.parametrize("hook", list(POWERSGD))

@@ -9,13 +9,11 @@ import json
 import logging
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, read_snapshot
+from conftest import read_snapshot, run_each
 
 from mingpt.config import GPTConfig
 from mingpt.export import main as export_main
@@ -244,28 +242,18 @@ def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
 
 def test_help_and_the_command_line(tiny_run, tmp_path):
     cwd, run_dir = tiny_run
-    result = subprocess.run(
-        [sys.executable, "-m", "mingpt.export", "--help"],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # one process for both: each run is mostly importing torch
+    helped, refused = run_each(
+        "mingpt.export", [(tmp_path, ["--help"]), (tmp_path, [str(run_dir), "/dev/full"])]
     )
-    assert result.returncode == 0 and result.stdout.startswith(
+    assert helped.returncode == 0 and helped.stdout.startswith(
         "usage: python -m mingpt.export src=SRC dst=DST"
     )
-    assert "\n  format=safetensors" in result.stdout and not result.stderr
-    result = subprocess.run(
-        [sys.executable, "-m", "mingpt.export", str(run_dir), "/dev/full"],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    assert "\n  format=safetensors" in helped.stdout and not helped.stderr
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1, (
+        refused.stderr
     )
-    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, (
-        result.stderr
-    )
-    assert result.stderr.startswith("error: /dev/full is not a regular file or directory")
+    assert refused.stderr.startswith("error: /dev/full is not a regular file or directory")
 
 
 def test_a_run_directory_names_its_snapshot(tmp_path, capsys):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, run_main
+from conftest import REPO, TINY, child_env, on_cpu, run_each
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -174,7 +174,7 @@ def limit_file_size(limit: int):
 
 @pytest.fixture(scope="module")
 def runs(snap) -> dict[str, subprocess.CompletedProcess]:
-    """Each bad case through the real command, two at a time; {case: finished process}."""
+    """Each bad case through the real command, two processes at a time; {case: finished process}."""
     work, good = snap
     small = work / "small.txt"
     shutil.copytree(good, work / "resume" / "snapshots")
@@ -192,23 +192,23 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             args, cwd=work, env=env, stderr=subprocess.PIPE, text=True, timeout=180, **kwargs
         )
 
-    cases = {
-        "resume_damaged": lambda: run_main(
-            overrides(
-                small,
-                "trainer_config.max_steps=3",
-                f"trainer_config.snapshot_path={work / 'resume' / 'snapshots'}",
-            ),
-            work,
+    # refused at start: one process for the three (each run is mostly importing torch)
+    refusals = {
+        "resume_damaged": overrides(
+            small,
+            "trainer_config.max_steps=3",
+            f"trainer_config.snapshot_path={work / 'resume' / 'snapshots'}",
         ),
-        "interpolation": lambda: run_main(overrides(small, "data_config.path=${nope}"), work),
-        "unwritable": lambda: run_main(
-            overrides(
-                small,
-                "trainer_config.run_name=unwritable",
-                f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}",
-            ),
-            work,
+        "interpolation": overrides(small, "data_config.path=${nope}"),
+        "unwritable": overrides(
+            small,
+            "trainer_config.run_name=unwritable",
+            f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}",
+        ),
+    }
+    cases = {
+        "refusals": lambda: run_each(
+            "mingpt.cli", [(work, on_cpu(args)) for args in refusals.values()]
         ),
         "save_fails": lambda: run(
             [
@@ -234,7 +234,9 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             generate_cmd(f"snapshot_path={good}", "max_new_tokens=5"), stdout=full
         )
         with ThreadPoolExecutor(2) as pool:
-            return dict(zip(cases, pool.map(lambda case: case(), cases.values()), strict=True))
+            results = dict(zip(cases, pool.map(lambda case: case(), cases.values()), strict=True))
+    results.update(zip(refusals, results.pop("refusals"), strict=True))
+    return results
 
 
 # ---------------------------------------------------------------- integrity
@@ -555,23 +557,6 @@ def test_dropping_a_group_and_choosing_from_it_is_refused():
     cli.check_group_overrides(["gpt_config=gpt2"])
 
 
-# Each invocation through cli.main in one child process (one torch import for all);
-# after each, its exit status on a line of its own.
-REFUSALS = """
-import json, sys
-from mingpt import cli
-for argv in json.loads(sys.argv[1]):
-    sys.argv = ["main.py", *argv]
-    try:
-        cli.main()
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    sys.stderr.write(f"exit status {status}\\n")
-    sys.stderr.flush()
-"""
-
-
 def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
     conf = tmp_path / "conf"
     (conf / "experiment").mkdir(parents=True)
@@ -638,24 +623,13 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
         ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", REFUSALS, json.dumps(list(cases))],
-        cwd=work,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    outputs = re.split(r"^exit status (\d+)\n", proc.stderr, flags=re.M)
-    assert len(outputs) == 2 * len(cases) + 1 and outputs[-1] == "", proc.stderr[-5000:]
-    for argv, says, stderr, status in zip(
-        cases, cases.values(), outputs[:-1:2], outputs[1::2], strict=True
-    ):
-        assert status == "2" and stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (
-            argv,
-            stderr,
-        )
-    assert not proc.stdout  # --cfg job printed nothing
+    # through cli.main, one after another in one process
+    results = run_each("mingpt.cli", [(work, list(argv)) for argv in cases])
+    for (argv, says), result in zip(cases.items(), results, strict=True):
+        stderr = result.stderr
+        assert result.returncode == 2, (argv, stderr)
+        assert stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (argv, stderr)
+        assert not result.stdout  # --cfg job printed nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf", "work"]
     assert list(work.iterdir()) == []  # no runs/, no run directory, nothing outside either
 

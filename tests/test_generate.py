@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, child_env, read_snapshot, run_dir_of, run_main
+from conftest import TINY, child_env, read_snapshot, run_dir_of, run_each, run_main
 
 from mingpt.command import parse_args
 from mingpt.config import GPTConfig
@@ -364,7 +363,7 @@ BAD_SNAPSHOTS = {  # kind -> file name in the work directory
 
 @pytest.fixture(scope="module")
 def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
-    """The command on each bad input, two at a time (each run is mostly importing torch)."""
+    """The command on each bad input (one process for all: each run is mostly importing torch)."""
     whole = workdir / "whole.pt"  # the single file that export writes, cut in half
     single_file.save(read_snapshot(snapshot), str(whole))
     (workdir / "truncated.pt").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
@@ -384,9 +383,8 @@ def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
             f"snapshot_path={snapshot}",
             f"prompt_file={workdir / name}",
         ]
-    with ThreadPoolExecutor(2) as pool:
-        runs = pool.map(lambda args: run_generate(args, workdir), cases.values())
-        return dict(zip(cases, runs, strict=True))
+    runs = run_each("mingpt.generate", [(workdir, args) for args in cases.values()])
+    return dict(zip(cases, runs, strict=True))
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

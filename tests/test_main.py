@@ -12,7 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, tree_bytes
+from conftest import (
+    REPO,
+    TINY,
+    child_env,
+    on_cpu,
+    read_snapshot,
+    run_dir_of,
+    run_each,
+    run_main,
+    tree_bytes,
+)
 
 from mingpt.config import GPTConfig, OptimizerConfig
 from mingpt.metrics import MACHINE_KEYS
@@ -199,42 +209,50 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
     assert sorted(path for path in jobs[0].parent.iterdir() if path.is_dir()) == jobs
 
 
-@pytest.mark.parametrize(
-    "override, says",
-    [
-        ("trainer_config.epochs=3", "trainer_config.epochs"),
-        ("trainer_config.batch_size=0", "trainer_config.batch_size"),
-        ("gpt_config=gpt-huge", "gpt_config/gpt-huge"),
-        # Hydra's `+` adds keys past OmegaConf
-        ("+trainer_config.max_epoch=5", "trainer_config.max_epoch"),
-        ("trainer_config.powersgd_start_step=1", "trainer_config.powersgd_start_step"),
-        ("hydra.run.dir=", "hydra.run.dir: must not be empty"),
-        ("trainer_config.run_name=..", "trainer_config.run_name"),
-        ("hydra.run.dir=/proc/nope/run", "cannot create the run directory: /proc/nope"),
-    ],
-    ids=[
-        "unknown-key",
-        "bad-value",
-        "unknown-preset",
-        "added-key",
-        "powersgd-start",
-        "empty-run-dir",
-        "run-name-dotdot",
-        "run-dir-not-creatable",
-    ],
-)
-def test_bad_override_is_one_line(override, says, tmp_path):
-    proc = run_main([override], tmp_path)
+BAD_OVERRIDES = {  # id: (override, what the one line names)
+    "unknown-key": ("trainer_config.epochs=3", "trainer_config.epochs"),
+    "bad-value": ("trainer_config.batch_size=0", "trainer_config.batch_size"),
+    "unknown-preset": ("gpt_config=gpt-huge", "gpt_config/gpt-huge"),
+    # Hydra's `+` adds keys past OmegaConf
+    "added-key": ("+trainer_config.max_epoch=5", "trainer_config.max_epoch"),
+    "powersgd-start": (
+        "trainer_config.powersgd_start_step=1",
+        "trainer_config.powersgd_start_step",
+    ),
+    "empty-run-dir": ("hydra.run.dir=", "hydra.run.dir: must not be empty"),
+    "run-name-dotdot": ("trainer_config.run_name=..", "trainer_config.run_name"),
+    "run-dir-not-creatable": (
+        "hydra.run.dir=/proc/nope/run",
+        "cannot create the run directory: /proc/nope",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """{id: (what `python main.py OVERRIDE` gave, the directory it ran in)} for each bad override,
+    and for a missing corpus (one process for all: each run is mostly importing torch)."""
+    cases = {name: [override] for name, (override, _) in BAD_OVERRIDES.items()}
+    cases["missing-data-file"] = ["data_config.path=no/such/corpus.txt"]
+    cwds = {name: tmp_path_factory.mktemp(name) for name in cases}
+    results = run_each("mingpt.cli", [(cwds[name], on_cpu(argv)) for name, argv in cases.items()])
+    return {name: (result, cwds[name]) for name, result in zip(cases, results, strict=True)}
+
+
+@pytest.mark.parametrize("name", BAD_OVERRIDES)
+def test_bad_override_is_one_line(refused, name):
+    proc, cwd = refused[name]
+    says = BAD_OVERRIDES[name][1]
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
-    assert not list(tmp_path.rglob("snapshots"))
+    assert not list(cwd.rglob("snapshots"))
     # nothing in the current directory
-    assert [p.name for p in tmp_path.iterdir() if p.name != "runs"] == []
+    assert [p.name for p in cwd.iterdir() if p.name != "runs"] == []
 
 
-def test_missing_data_file_is_one_line(tmp_path):
-    proc = run_main(["data_config.path=no/such/corpus.txt"], tmp_path)
+def test_missing_data_file_is_one_line(refused):
+    proc, _ = refused["missing-data-file"]
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " INFO " not in line]

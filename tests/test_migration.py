@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
-from conftest import TINY, child_env, read_snapshot, run_main
+from conftest import TINY, on_cpu, read_snapshot, run_each, run_main
 
 # The tutorial's keys, one for one, with values small enough for a test.
 TUTORIAL_CFG = """\
@@ -40,20 +40,26 @@ hydra:
 """
 
 
+def make_user_dir(path, corpus):
+    """`path` with the tutorial's config file in conf/, on 6,000 characters of the corpus."""
+    (path / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    conf = path / "conf"
+    conf.mkdir()
+    (conf / "gpt2_train_cfg.yaml").write_text(TUTORIAL_CFG.format(path=path / "small.txt"))
+    return path
+
+
 @pytest.fixture
 def user_dir(tmp_path, corpus):
-    (tmp_path / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    conf = tmp_path / "conf"
-    conf.mkdir()
-    (conf / "gpt2_train_cfg.yaml").write_text(TUTORIAL_CFG.format(path=tmp_path / "small.txt"))
-    return tmp_path
+    return make_user_dir(tmp_path, corpus)
+
+
+def user_args(user_dir, *overrides: str) -> list[str]:
+    return ["--config-dir", str(user_dir / "conf"), "--config-name", "gpt2_train_cfg", *overrides]
 
 
 def user_run(user_dir, *overrides: str):
-    return run_main(
-        ["--config-dir", str(user_dir / "conf"), "--config-name", "gpt2_train_cfg", *overrides],
-        user_dir,
-    )
+    return run_main(user_args(user_dir, *overrides), user_dir)
 
 
 def test_tutorial_config_file_trains_with_its_values(user_dir):
@@ -75,42 +81,72 @@ def test_tutorial_config_file_trains_with_its_values(user_dir):
     assert o["betas"] == [0.9, 0.99] and t["amp_dtype"] == "bf16"
 
 
-@pytest.mark.parametrize(
-    "edit, says",
-    [
-        (
-            ("n_embd: 32", "n_embd: wide"),
-            "error: gpt_config.n_embd: Value 'wide' of type 'str' could not be converted",
-        ),
-        (
-            ("use_amp: True", "use_amp: True\n  epochs: 3"),
-            "error: trainer_config.epochs: unknown key",
-        ),
-    ],
-)
-def test_tutorial_config_file_is_checked_against_the_schema(user_dir, edit, says):
-    path = user_dir / "conf" / "gpt2_train_cfg.yaml"
-    path.write_text(path.read_text().replace(*edit))
-    proc = user_run(user_dir)
+SCHEMA_ERRORS = {  # id: (an edit of the file, what its one line says)
+    "not-a-number": (
+        ("n_embd: 32", "n_embd: wide"),
+        "error: gpt_config.n_embd: Value 'wide' of type 'str' could not be converted",
+    ),
+    "unknown-key": (
+        ("use_amp: True", "use_amp: True\n  epochs: 3"),
+        "error: trainer_config.epochs: unknown key",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def schema_refusals(
+    tmp_path_factory, corpus
+) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """{id: (the user's directory, what main.py said)} for each edit of the file, in a directory of
+    its own (one process for all: each run is mostly importing torch)."""
+    dirs = {name: make_user_dir(tmp_path_factory.mktemp(name), corpus) for name in SCHEMA_ERRORS}
+    for name, (edit, _) in SCHEMA_ERRORS.items():
+        path = dirs[name] / "conf" / "gpt2_train_cfg.yaml"
+        path.write_text(path.read_text().replace(*edit))
+    results = run_each("mingpt.cli", [(d, on_cpu(user_args(d))) for d in dirs.values()])
+    return {name: (dirs[name], result) for name, result in zip(dirs, results, strict=True)}
+
+
+@pytest.mark.parametrize("name", SCHEMA_ERRORS)
+def test_tutorial_config_file_is_checked_against_the_schema(schema_refusals, name):
+    user_dir, proc = schema_refusals[name]
+    says = SCHEMA_ERRORS[name][1]
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(says), proc.stderr  # one line, no traceback
     assert not (user_dir / "gpt_snapshot.pt").exists()
 
 
+@pytest.fixture(scope="module")
+def old_runs(tmp_path_factory, tiny_file) -> dict[bool, tuple]:
+    """A run directory of the old single-file format, its snapshot named by
+    trainer_config.snapshot_path or not: {named: (the directory, its files before, what main.py
+    said, what generate said)}, each in a directory of its own (a process for all of main.py's,
+    one for generate's)."""
+    runs = {}
+    trains = []
+    samples = []
+    for named in (False, True):
+        run = tmp_path_factory.mktemp(f"named-{named}") / "old"
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "config.yaml").write_text("trainer_config: {}\n")
+        shutil.copy(tiny_file, run / "snapshot.pt")
+        runs[named] = (run, sorted(p.name for p in run.iterdir()))
+        named_path = [f"trainer_config.snapshot_path={run / 'snapshot.pt'}"] if named else []
+        trains.append((run.parent, on_cpu([*TINY, f"hydra.run.dir={run}", *named_path])))
+        samples.append((run.parent, [f"snapshot_path={run}", "max_new_tokens=5", "device=cpu"]))
+    refused = run_each("mingpt.cli", trains)
+    sampled = run_each("mingpt.generate", samples)
+    return {named: (*runs[named], refused[i], sampled[i]) for i, named in enumerate(runs)}
+
+
 @pytest.mark.parametrize("named", [False, True])
 def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_sampled(
-    tmp_path, tiny_file, named
+    old_runs, named
 ):
     """Its snapshot.pt is not resumed (nor silently ignored by a run that would start afresh
     beside it): one line naming init_from; generate still reads it."""
-    run = tmp_path / "old"
-    (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text("trainer_config: {}\n")
-    shutil.copy(tiny_file, run / "snapshot.pt")
-    before = sorted(p.name for p in run.iterdir())
-    named_path = [f"trainer_config.snapshot_path={run / 'snapshot.pt'}"] if named else []
-    proc = run_main([*TINY, f"hydra.run.dir={run}", *named_path], tmp_path)
+    run, before, proc, sampled = old_runs[named]
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(
         f"error: {run / 'snapshot.pt'} is a single snapshot file (an export, or a run of an older "
@@ -118,19 +154,4 @@ def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_samp
     )
     assert f"trainer_config.init_from={run / 'snapshot.pt'}" in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == before
-    sampled = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mingpt.generate",
-            f"snapshot_path={run}",
-            "max_new_tokens=5",
-            "device=cpu",
-        ],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
     assert sampled.returncode == 0 and len(sampled.stdout) >= 5, sampled.stderr

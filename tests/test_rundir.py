@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main, run_torchrun
+from conftest import (
+    REPO,
+    TINY,
+    child_env,
+    on_cpu,
+    read_snapshot,
+    run_dir_of,
+    run_each,
+    run_main,
+    run_torchrun,
+)
 
 DEADLINE = 150  # seconds: generous, the machine is shared
 
@@ -152,37 +162,27 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
         ),
     }
 
-    def start(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "main.py"),
-                *args("trainer_config.max_epochs=1", *same_dir, *extra),
-            ],
-            cwd=workdir,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    def refuse(names) -> dict[str, subprocess.CompletedProcess]:
+        argvs = [
+            args("trainer_config.max_epochs=1", *same_dir, *refusals[name][0]) for name in names
+        ]
+        return dict(zip(names, run_each("mingpt.cli", [(workdir, a) for a in argvs]), strict=True))
 
-    # Refused before they take the directory: together, while another job holds it
+    # Refused before they take the directory: while another job holds it
     # (this process, with the lock a job takes).
     early = ("bad value", "bad corpus", "in use")
     lock = os.open(finished_run / "run.lock", os.O_RDWR)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        procs = {name: start(refusals[name][0]) for name in early}
-        results = {name: proc.communicate(timeout=DEADLINE) for name, proc in procs.items()}
+        results = refuse(early)
     finally:
         os.close(lock)
-    for name in refusals.keys() - set(early):  # refused once they hold it: one at a time
-        procs[name] = start(refusals[name][0])
-        results[name] = procs[name].communicate(timeout=DEADLINE)
+    # refused once they hold it, each letting it go for the next
+    results.update(refuse([name for name in refusals if name not in early]))
     for name, (_, says) in refusals.items():
-        stderr = results[name][1]
+        stderr = results[name].stderr
         errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert procs[name].returncode == 2 and len(errors) == 1 and says in errors[0], (
+        assert results[name].returncode == 2 and len(errors) == 1 and says in errors[0], (
             name,
             stderr,
         )
@@ -228,29 +228,47 @@ def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(workdir, tmp_p
     assert not (tmp_path / "b").exists()  # the run directory it made, with its lock file
 
 
-@pytest.mark.parametrize(
-    "text, extra, says",
-    [
-        ("x" * 53 + "\n", [], "the held-out split has 6 characters"),
-        (None, ["data_config.truncate=0.00001"], "the training split has 0 characters"),
-        (None, ["data_config.block_size=100000"], "fewer than data_config.block_size + 1"),
-        (None, ["data_config.path=missing.txt"], "data file not found: missing.txt"),
-    ],
-    ids=["tiny-corpus", "truncated", "huge-block", "missing-file"],
-)
-def test_a_refused_corpus_leaves_no_run_directory(workdir, tmp_path, text, extra, says):
+REFUSED_CORPORA = {  # id: (a corpus of this text, else the work directory's; overrides; the line)
+    "tiny-corpus": ("x" * 53 + "\n", [], "the held-out split has 6 characters"),
+    "truncated": (None, ["data_config.truncate=0.00001"], "the training split has 0 characters"),
+    "huge-block": (
+        None,
+        ["data_config.block_size=100000"],
+        "fewer than data_config.block_size + 1",
+    ),
+    "missing-file": (None, ["data_config.path=missing.txt"], "data file not found: missing.txt"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused_corpora(
+    workdir, tmp_path_factory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """{id: (the directory main.py ran in, what it said)} for each refused corpus (one process for
+    all: each run is mostly importing torch)."""
+    cases = {}
+    for name, (text, extra, _) in REFUSED_CORPORA.items():
+        cwd = tmp_path_factory.mktemp(name)
+        path = workdir / "corpus.txt"
+        if text is not None:
+            path = cwd / "tiny.txt"
+            path.write_text(text, encoding="utf-8")
+        argv = [*args(f"data_config.path={path}", "trainer_config.run_name=refused"), *extra]
+        cases[name] = (cwd, on_cpu(argv))
+    results = run_each("mingpt.cli", list(cases.values()))
+    return {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+
+
+@pytest.mark.parametrize("name", REFUSED_CORPORA)
+def test_a_refused_corpus_leaves_no_run_directory(refused_corpora, name):
     """Refused once the run directory was made and locked (a missing file: before the lock): the
     lock file and the directory go."""
-    path = workdir / "corpus.txt"
-    if text is not None:
-        path = tmp_path / "tiny.txt"
-        path.write_text(text, encoding="utf-8")
-    argv = [*args(f"data_config.path={path}", "trainer_config.run_name=refused"), *extra]
-    proc = run_main(argv, tmp_path)
+    cwd, proc = refused_corpora[name]
+    says = REFUSED_CORPORA[name][2]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr
     # only the runs/ Hydra made may stay
-    assert not list((tmp_path / "runs").iterdir()), list((tmp_path / "runs").rglob("*"))
+    assert not list((cwd / "runs").iterdir()), list((cwd / "runs").rglob("*"))
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "train.log", "tb"])

@@ -19,14 +19,16 @@ import pytest
 from conftest import REPO, child_env, free_port, read_snapshot, torchrun_cmd
 from test_snapshot import overrides, same_tensors, train_events
 
-# 141 steps per epoch in one process (batch 8), 71 with two; 2 epochs. The
-# uninterrupted references never save by time.
+# 141 steps per epoch in one process (batch 8), 71 with two; the runs end 10 steps into
+# epoch 1 (max_steps, per launch). The uninterrupted references never save by time.
 RUN_ARGS = [
     "gpt_config.dropout=0.1",
     "trainer_config.max_epochs=2",
     "trainer_config.log_every=1",
     "trainer_config.save_every_minutes=null",
 ]
+STEPS_PER_EPOCH = {1: 141, 2: 71}
+PAST_THE_EPOCH = 10
 TORCHRUN_SIGNALS = "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1"
 DEADLINE = 600  # seconds for all the runs together: generous, for a loaded machine
 
@@ -99,14 +101,19 @@ def sigterm_jobs(cwd, data, jobs: dict[str, Job]) -> None:
     # every 0.12 s: at machine-dependent steps
     time_saves = "trainer_config.save_every_minutes=0.002"
     for nproc, optimizer in ((1, "adamw"), (2, "muon")):  # Muon's state too resumes bitwise
-        algorithm = f"optimizer_config.algorithm={optimizer}"
-        jobs[f"reference-{nproc}"] = Job(launch(cwd, nproc, f"reference-{nproc}", data, algorithm))
+        # into epoch 1: its sampler order and the evaluation at the epoch's end are resumed too
+        common = (
+            f"optimizer_config.algorithm={optimizer}",
+            f"trainer_config.max_steps={STEPS_PER_EPOCH[nproc] + PAST_THE_EPOCH}",
+        )
+        jobs[f"reference-{nproc}"] = Job(launch(cwd, nproc, f"reference-{nproc}", data, *common))
         run_dir = cwd / "runs" / f"stopped-{nproc}"
-        resume = lambda job, nproc=nproc, algorithm=algorithm: Job(  # noqa: E731
-            launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm)
+        # without the time saves (an operational key): the stopped attempt had them
+        resume = lambda job, nproc=nproc, common=common: Job(  # noqa: E731
+            launch(cwd, nproc, f"stopped-{nproc}", data, *common)
         )
         jobs[f"stopped-{nproc}"] = Job(
-            launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, algorithm),
+            launch(cwd, nproc, f"stopped-{nproc}", data, time_saves, *common),
             [
                 (lambda run_dir=run_dir: train_lines(run_dir) >= 10, sigterm),
                 (
@@ -204,7 +211,7 @@ def runs(tmp_path_factory, data):
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2"])
 def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identical(runs, nproc):
-    steps_per_epoch = 141 if nproc == 1 else 71
+    steps_per_epoch = STEPS_PER_EPOCH[nproc]
     status, stderr, run_dir = runs[f"stopped-{nproc}"]
     # One process exits 143; torchrun forwards the signal to its workers, which save and exit 143
     # each, then ends with its own SignalException traceback and status 1.
@@ -238,7 +245,8 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     final = read_snapshot(run_dir / "snapshots")
     reference_dir = runs[f"reference-{nproc}"][2]
     expected = read_snapshot(reference_dir / "snapshots")
-    assert final["step"] == expected["step"] == 2 * steps_per_epoch
+    assert final["step"] == expected["step"] == steps_per_epoch + PAST_THE_EPOCH
+    assert final["epoch"] == expected["epoch"] == 1
     assert same_tensors(final["model_state"], expected["model_state"])
     states = [final["optimizer_state"]["state"], expected["optimizer_state"]["state"]]
     if nproc == 2:  # Muon beside AdamW: both states, Muon's for 4 matrices a block

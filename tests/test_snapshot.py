@@ -29,8 +29,10 @@ from conftest import (
     REPO,
     TINY,
     child_env,
+    on_cpu,
     read_snapshot,
     run_dir_of,
+    run_each,
     run_main,
     run_torchrun,
     torchrun_cmd,
@@ -384,23 +386,35 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(
     ]
 
 
+@pytest.fixture(scope="module")
+def taken_paths(tmp_path_factory, corpus) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """{parallelism: (the directory main.py ran in, what it said)} with a regular file where the
+    snapshots' root directory goes (one process for both: each run is mostly importing torch)."""
+    cases = {}
+    for parallelism in ("fsdp", "ddp"):
+        cwd = tmp_path_factory.mktemp(parallelism)
+        (cwd / "small.txt").write_text(
+            corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8"
+        )
+        (cwd / "taken").write_text("not a snapshot")
+        args = overrides(
+            f"data_config.path={cwd / 'small.txt'}",
+            f"trainer_config.parallelism={parallelism}",
+            f"trainer_config.snapshot_path={cwd / 'taken'}",
+            "trainer_config.max_steps=2",
+        )
+        cases[parallelism] = (cwd, on_cpu(args))
+    results = run_each("mingpt.cli", list(cases.values()))
+    return {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+
+
 @pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
-def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(
-    tmp_path, small_corpus, parallelism
-):
+def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(taken_paths, parallelism):
     """A regular file where the snapshots' root directory goes (every parallelism):
     one line at start, before any training, not at the first save."""
-    path = tmp_path / "taken"
-    path.write_text("not a snapshot")
-    args = overrides(
-        f"data_config.path={small_corpus}",
-        f"trainer_config.parallelism={parallelism}",
-        f"trainer_config.snapshot_path={path}",
-        "trainer_config.max_steps=2",
-    )
-    proc = run_main(args, tmp_path)
-    assert_one_error(proc, f"cannot write to the snapshot path {path}: it is a file")
-    assert "train step" not in proc.stderr and not list(tmp_path.glob("runs/*/metrics.jsonl"))
+    cwd, proc = taken_paths[parallelism]
+    assert_one_error(proc, f"cannot write to the snapshot path {cwd / 'taken'}: it is a file")
+    assert "train step" not in proc.stderr and not list(cwd.glob("runs/*/metrics.jsonl"))
 
 
 def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
@@ -803,20 +817,22 @@ def final_state(run_dir) -> tuple[int, dict, dict]:
     return meta["step"], tensors["model"], moments
 
 
-@pytest.mark.parametrize("parallelism, epochs", [("ddp", 2), ("fsdp", 1)])
+@pytest.mark.parametrize(
+    "parallelism, total", [("ddp", STEPS_PER_EPOCH + 10), ("fsdp", STEPS_PER_EPOCH)]
+)
 def test_sigkilled_worker_restarts_and_ends_bitwise_identical(
-    tmp_path, small_corpus, parallelism, epochs
+    tmp_path, small_corpus, parallelism, total
 ):
     """Every rank writes its part of each snapshot (asynchronously) and a restart resumes
     from the last published one: a save in flight at the kill is not published, and the
-    restart comes from the one before. (ddp goes on into a second epoch.)"""
+    restart comes from the one before. (ddp goes on 10 steps into a second epoch.)"""
     args = overrides(
         f"data_config.path={small_corpus}",
         *KILL_ARGS,
         f"trainer_config.parallelism={parallelism}",
-        f"trainer_config.max_epochs={epochs}",
+        "trainer_config.max_epochs=2",
+        f"trainer_config.max_steps={total}",
     )
-    total = STEPS_PER_EPOCH * epochs
 
     def launch(name: str, *torchrun_args: str) -> subprocess.Popen:
         cmd = torchrun_cmd(2, "--standalone", *torchrun_args) + [
