@@ -353,9 +353,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Set by pytest itself (per phase), and by torch for the rest of the process at its
-# first compile (inductor's and triton's settings and cache directories).
-NOT_A_TESTS_CHANGE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_")
+# Set by pytest itself (per phase), by torch for the rest of the process at its first compile
+# (inductor's and triton's settings and cache directories), and by Intel's OpenMP settings that a
+# library imported with transformers sets at its first import on some hosts (KMP_*, seen on the
+# GPU image).
+NOT_A_TESTS_CHANGE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "KMP_")
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """Test helper: main.py, except that in the first attempt of a torchrun job
 (TORCHELASTIC_RESTART_COUNT=0) rank FT_KILL_RANK SIGKILLs itself as it starts
-optimizer step FT_KILL_STEP + 1: a sudden death at a known step.
+optimizer step FT_KILL_STEP + 1: a sudden death at a known step, after the last save is published
+(on a GPU a step can be shorter than a background save's write; a death during one is tested apart).
 
     FT_KILL_RANK=1 FT_KILL_STEP=13 torchrun --max-restarts=1 ... tests/ft_kill.py [overrides ...]
 """
@@ -25,6 +26,7 @@ def train_step_or_die(self, indices):
         and self.dist.rank == int(os.environ["FT_KILL_RANK"])
         and self.state.step == int(os.environ["FT_KILL_STEP"])
     ):
+        self.checkpointer.wait()
         os.kill(os.getpid(), signal.SIGKILL)
     return _train_step(self, indices)
 
