@@ -84,6 +84,15 @@ OPTIONS.add_argument(
     "--gather", action="store_true", help="only compare reading a batch from the file and the map"
 )
 OPTIONS.add_argument(
+    "--repeats", type=int, default=300, help="--gather: batches read each way, per batch shape"
+)
+OPTIONS.add_argument(
+    "--steps",
+    type=int,
+    default=4,
+    help="--gather: training steps timed per batch shape, the first a warm-up (at least 2)",
+)
+OPTIONS.add_argument(
     "--dir", help="where the corpus and cache go (default: a temporary directory, removed)"
 )
 
@@ -150,7 +159,7 @@ def worker(corpus: str, cache_dir: str, t0: float) -> None:
         os.write(sys.stdout.fileno(), (json.dumps(figures) + "\n").encode())
 
 
-def gather_costs(corpus: str, cache_dir: str, repeats: int = 300) -> None:
+def gather_costs(corpus: str, cache_dir: str, repeats: int, n_steps: int) -> None:
     """Microseconds to read a batch of random windows from the cache file (pread) and through the
     memory map, alternating, and a nano model's training step on such a batch (the page cache warm:
     the cache was just built or verified, which reads it whole)."""
@@ -188,7 +197,7 @@ def gather_costs(corpus: str, cache_dir: str, repeats: int = 300) -> None:
         model = GPT(shape)
         p = Plain(model, model, torch.optim.AdamW(model.parameters()))
         steps = []
-        for _ in range(4):
+        for _ in range(max(2, n_steps)):
             x, y = host.batch(torch.randint(len(windows), (batch_size,), generator=gen))
             start = time.perf_counter()
             plain_step(p, x, y)
@@ -256,7 +265,7 @@ def main() -> None:
             f"CPU, {STEPS} steps"
         )
         if args.gather:
-            gather_costs(corpus, os.path.join(work, "cache-1"))
+            gather_costs(corpus, os.path.join(work, "cache-1"), args.repeats, args.steps)
             return
         print(machine(threads=1))
         cases(corpus, work, args.nproc, bool(args.corpus))

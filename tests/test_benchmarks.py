@@ -30,7 +30,11 @@ SMOKE = {
     "bench_comm.py": [(2, [*MODEL, "trainer_config.snapshot_path=TMP/s.pt"], "| post_local_sgd |")],
     "bench_data.py": [
         (1, ["--size-mb", "1", "--nproc", "1", "--dir", "TMP"], "| 1 | warm |"),
-        (1, ["--size-mb", "1", "--gather", "--dir", "TMP"], "| 64 x 1024 |"),
+        (
+            1,
+            ["--size-mb", "1", "--gather", "--repeats", "4", "--steps", "2", "--dir", "TMP"],
+            "| 64 x 1024 |",
+        ),
     ],
     "bench_generate.py": [
         (
@@ -57,7 +61,7 @@ SMOKE = {
         ),
     ],
     "bench_train.py": [
-        (2, MODEL, "data pipeline "),
+        (2, ["--rounds", "2", *MODEL], "data pipeline "),
         (
             1,
             ["--rounds", "1", "--nanogpt", "NANOGPT", "--compare-only", *MODEL],
