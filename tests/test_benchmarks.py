@@ -53,7 +53,11 @@ SMOKE = {
         ),
     ],
     "bench_snapshot.py": [
-        (1, ["--rounds", "1", "--saves", "2", "--dir", "TMP", "gpt-nano"], "the single file: read"),
+        (
+            1,
+            ["--rounds", "1", "--saves", "2", "--mode", "file", "--dir", "TMP", "gpt-nano"],
+            "the single file: read",
+        ),
         (
             1,
             ["--rounds", "1", "--saves", "2", "--nproc", "2", "--dir", "TMP", "gpt-nano"],
