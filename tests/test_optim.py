@@ -193,6 +193,16 @@ def steps_alike(a: list[torch.Tensor], b: list[torch.Tensor], step: int) -> None
         q.grad = grad.to(q.device)
 
 
+def step_to_the_bit(ours: list, mine, theirs: list, torchs, steps: int) -> None:
+    """`steps` steps of the optimizers `mine` over `ours` and `torchs` over `theirs`, on the same
+    gradients: the parameters are equal after each."""
+    for step in range(steps):
+        steps_alike(ours, theirs, step)
+        mine.step()
+        torchs.step()
+        assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True)), step
+
+
 def twin_matrices(model: GPT, device: str = "cpu") -> tuple[list, list]:
     """The blocks' matrices of `model`, and a copy of them."""
     ours = [p.to(device) for n, p in model.named_parameters() if n.startswith("h.") and p.ndim == 2]
@@ -205,11 +215,7 @@ def test_muon_in_bfloat16_is_torch_muon_and_takes_over_its_state(model):
     ours, theirs = twin_matrices(model)
     mine = Muon(ours, lr=0.05, dtype=torch.bfloat16)
     torchs = torch.optim.Muon(theirs, lr=0.05)
-    for step in range(3):
-        steps_alike(ours, theirs, step)
-        mine.step()
-        torchs.step()
-        assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True)), step
+    step_to_the_bit(ours, mine, theirs, torchs, steps=3)
 
     resumed = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
     again = Muon(resumed, lr=0.05, dtype=torch.bfloat16)
@@ -230,11 +236,7 @@ def test_muon_on_a_gpu_is_torch_muon(model):
     ours, theirs = twin_matrices(model, "cuda")
     mine = Muon(ours, lr=0.05, dtype=muon.dtype)
     torchs = torch.optim.Muon(theirs, lr=0.05)
-    for step in range(3):
-        steps_alike(ours, theirs, step)
-        mine.step()
-        torchs.step()
-        assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True)), step
+    step_to_the_bit(ours, mine, theirs, torchs, steps=3)
 
 
 def test_wsd_schedule_values():

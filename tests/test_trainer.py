@@ -57,6 +57,13 @@ def test_step_plan_of_a_resume_with_another_world_size_finishes_the_epochs():
     )
 
 
+def train_here(dotlist: list[str], run_dir) -> None:
+    """A run of these overrides trained in this process, on CPU, into run_dir."""
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    build(OmegaConf.to_object(config), cpu, str(run_dir)).train()
+
+
 def test_profile_steps_writes_each_ranks_trace_into_the_run_directory(
     tmp_path, small_corpus, one_thread
 ):
@@ -70,9 +77,7 @@ def test_profile_steps_writes_each_ranks_trace_into_the_run_directory(
         "trainer_config.profile_steps=2",
         "trainer_config.sample_chars=0",
     ]
-    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
-    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
-    build(OmegaConf.to_object(config), cpu, str(tmp_path)).train()
+    train_here(dotlist, tmp_path)
     (trace,) = (tmp_path / "profile").glob("*.pt.trace.json")
     names = {event.get("name", "") for event in json.loads(trace.read_text())["traceEvents"]}
     assert {name for name in names if name.startswith("ProfilerStep#")} == {
@@ -97,9 +102,7 @@ def test_the_train_log_shows_muons_learning_rate_and_no_missing_value(
         "trainer_config.log_every=1",
         "trainer_config.sample_chars=0",
     ]
-    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
-    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
-    build(OmegaConf.to_object(config), cpu, str(tmp_path)).train()
+    train_here(dotlist, tmp_path)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train step")]
     assert len(lines) == 2 and all("None" not in line and " mfu " not in line for line in lines)
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
