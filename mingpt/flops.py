@@ -59,7 +59,8 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _duration(seconds: float) -> str:
+def _rough_duration(seconds: float) -> str:
+    """The order of a long wait, for a warning: 3 days, 14.4 h, 25 min, 90 s."""
     if seconds >= 2 * 86400:
         return f"{seconds / 86400:.0f} days"
     if seconds >= 3600:
@@ -80,7 +81,7 @@ def slow_on_cpu(flops_per_step: float, total_steps: int, rate: float | None = No
         return None
     return (
         f"this run is sized for a GPU: expect about {seconds:,.0f} s per step on this CPU, "
-        f"{_duration(seconds * total_steps)} for {total_steps:,} steps "
+        f"{_rough_duration(seconds * total_steps)} for {total_steps:,} steps "
         f"({flops_per_step / 1e9:,.0f} GFLOP per step and process at the "
         f"{rate / 1e9:,.0f} GFLOP/s this CPU measured in fp32 matmuls); "
         "train it on a GPU, or here with a smaller model or batch"
