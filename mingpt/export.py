@@ -125,7 +125,8 @@ def check_destination(dst: str, directory: bool) -> str | None:
     if stat.S_ISDIR(info.st_mode):
         if not directory:
             raise ExportError(f"{dst} is a directory: the snapshot format writes one file")
-        if others := sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB}):
+        others = sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB})
+        if others:
             raise ExportError(
                 f"{dst} is a directory with other files ({', '.join(others[:3])}): give a new or "
                 "an earlier export's directory"
