@@ -197,7 +197,7 @@ def gather_costs(corpus: str, cache_dir: str, repeats: int, n_steps: int) -> Non
         model = GPT(shape)
         p = Plain(model, model, torch.optim.AdamW(model.parameters()))
         steps = []
-        for _ in range(max(2, n_steps)):
+        for _ in range(n_steps):
             x, y = host.batch(torch.randint(len(windows), (batch_size,), generator=gen))
             start = time.perf_counter()
             plain_step(p, x, y)
@@ -256,6 +256,8 @@ def main() -> None:
         worker(sys.argv[2], sys.argv[3], float(sys.argv[4]))
         return
     args = OPTIONS.parse_args()
+    if args.steps < 2:
+        OPTIONS.error("--steps: at least 2 (the first is a warm-up)")
     work = args.dir or tempfile.mkdtemp(prefix="bench-data-")
     os.makedirs(work, exist_ok=True)
     try:
