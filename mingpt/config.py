@@ -29,141 +29,159 @@ def check(ok: bool, key: str, problem: str) -> None:
         raise ConfigError(f"{key}: {problem}")
 
 
-def check_seed(value: int, key: str) -> None:
-    """torch takes seeds of 64 bits; the runs add the step or epoch to it."""
-    check(0 <= value < 2**63, key, f"must be in [0, 2**63), got {value}")
-
-
-def one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
-    check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
-
-
-def at_least(bound: int, section: Any, prefix: str, *names: str, null: bool = False) -> None:
-    for name in names:
-        value = getattr(section, name)
-        check(
-            (null and value is None) or value >= bound,
-            f"{prefix}.{name}",
-            f"must be >= {bound}{' or null' if null else ''}, got {value}",
-        )
-
-
 def key(
-    default: Any = dataclasses.MISSING, help: str = "", operational: bool = False, **factory: Any
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    operational: bool = False,
+    valid: str | tuple[str, ...] | None = None,
+    **factory: Any,
 ) -> Any:
     """A config key: its default (or default_factory), its one-line help (docs/configuration.md,
-    --help), and whether it is operational: it changes how a run is carried out, logged or saved,
-    never what it computes."""
-    return field(default=default, **factory, metadata={"help": help, "operational": operational})
+    --help), its valid values (a range such as `>= 1` or `[0, 1)`, or a tuple of choices; null is
+    valid where the type allows it), and whether it is operational: it changes how a run is carried
+    out, logged or saved, never what it computes."""
+    metadata = {"help": help, "operational": operational, "valid": valid}
+    return field(default=default, **factory, metadata=metadata)
+
+
+def _bound(text: str) -> float:
+    """A range's bound as written: a number, or a power such as 2**63 (exact)."""
+    if "**" in text:
+        base, exponent = text.split("**")
+        return int(base) ** int(exponent)
+    return float(text)
+
+
+def in_range(value: Any, valid: str) -> bool:
+    """Whether `value` is a finite number in `valid`: `>= 1`, `> 0`, or an interval such as
+    `[0, 1)`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    if valid.startswith(">="):
+        return value >= _bound(valid[2:])
+    if valid.startswith(">"):
+        return value > _bound(valid[1:])
+    low, high = (_bound(b) for b in valid[1:-1].split(", "))
+    above = value > low
+    if valid[0] == "[":
+        above = value >= low
+    below = value < high
+    if valid[-1] == "]":
+        below = value <= high
+    return above and below
+
+
+def _nullable(f: dataclasses.Field) -> bool:
+    return "None" in str(f.type)
+
+
+def range_text(f: dataclasses.Field) -> str:
+    """A field's range in words: `>= 1 or null`, `in [0, 1)`, `a finite number > 0`."""
+    valid = f.metadata["valid"]
+    text = f"in {valid}"
+    if valid.startswith(">"):
+        text = valid
+        if "float" in str(f.type):
+            text = f"a finite number {valid}"
+    if _nullable(f):
+        text += " or null"
+    return text
+
+
+def check_fields(section: Any, prefix: str = "") -> None:
+    """Each field's value against its `valid`: ConfigError naming the first that is not valid."""
+    for f in dataclasses.fields(section):
+        valid = f.metadata.get("valid")
+        value = getattr(section, f.name)
+        if valid is None or (value is None and _nullable(f)):
+            continue
+        name = prefix + f.name
+        if isinstance(valid, tuple):
+            choices = ", ".join(valid)
+            if _nullable(f):
+                choices += ", or null"
+            check(value in valid, name, f"{value!r} is not one of {choices}")
+        else:
+            check(in_range(value, valid), name, f"must be {range_text(f)}, got {value}")
 
 
 @dataclass
 class GPTConfig:
     """Model shape. The defaults are the CPU default run (measured, see BENCHMARKS.md)."""
 
-    n_layer: int = key(4, "transformer blocks")
-    n_head: int = key(4, "attention heads; must divide `n_embd`")
-    n_embd: int = key(128, "embedding width")
-    dropout: float = key(0.0, "dropout on embeddings, attention and residual branches, in [0, 1)")
-    vocab_size: int | None = key(None, "the vocabulary's size, set from the data; leave unset")
+    n_layer: int = key(4, "transformer blocks", valid=">= 1")
+    n_head: int = key(4, "attention heads; must divide `n_embd`", valid=">= 1")
+    n_embd: int = key(128, "embedding width", valid=">= 1")
+    dropout: float = key(
+        0.0, "dropout on embeddings, attention and residual branches", valid="[0, 1)"
+    )
+    vocab_size: int | None = key(
+        None, "the vocabulary's size, set from the data; leave unset", valid=">= 1"
+    )
     block_size: int | None = key(
-        None, "the context length, set from `data_config.block_size`; leave unset"
+        None, "the context length, set from `data_config.block_size`; leave unset", valid=">= 1"
     )
 
     def __post_init__(self) -> None:
-        at_least(1, self, "gpt_config", "n_layer", "n_head", "n_embd")
+        check_fields(self, "gpt_config.")
         check(
             self.n_embd % self.n_head == 0,
             "gpt_config.n_embd",
             f"{self.n_embd} is not divisible by gpt_config.n_head={self.n_head}",
         )
-        check(
-            0.0 <= self.dropout < 1.0,
-            "gpt_config.dropout",
-            f"must be in [0, 1), got {self.dropout}",
-        )
-        at_least(1, self, "gpt_config", "vocab_size", "block_size", null=True)
 
 
 @dataclass
 class OptimizerConfig:
-    learning_rate: float = key(3e-3, "peak learning rate, > 0")
+    learning_rate: float = key(3e-3, "peak learning rate", valid="> 0")
     weight_decay: float = key(
-        0.1, "on the weights of Linear layers only; none on biases, LayerNorms, embeddings"
+        0.1,
+        "on the weights of Linear layers only; none on biases, LayerNorms, embeddings",
+        valid=">= 0",
     )
     betas: tuple[float, float] = key((0.9, 0.99), "AdamW betas")
-    eps: float = key(1e-8, "AdamW epsilon")
+    eps: float = key(1e-8, "AdamW epsilon", valid="> 0")
     lr_schedule: str = key(
         "cosine",
         "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` at the "
         "last step; `constant`: warmup, then flat; `wsd`: warmup, flat, then over the run's last "
         "`cooldown_fraction` a linear decay to `min_lr_ratio * learning_rate`",
+        valid=("cosine", "constant", "wsd"),
     )
-    warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)")
+    warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)", valid=">= 0")
     min_lr_ratio: float = key(
-        0.1, "floor of the cosine or wsd decay, as a fraction of `learning_rate`"
+        0.1, "floor of the cosine or wsd decay, as a fraction of `learning_rate`", valid="[0, 1]"
     )
     cooldown_fraction: float = key(
-        0.6, "`lr_schedule=wsd`: the fraction of the run's steps its decay takes, in (0, 1]"
+        0.6, "`lr_schedule=wsd`: the fraction of the run's steps its decay takes", valid="(0, 1]"
     )
     algorithm: str = key(
         "adamw",
         "`adamw`; or `muon`: torch.optim.Muon for the 2-D weights of the transformer blocks, "
         "AdamW for the embeddings, head, biases and LayerNorms; not with "
         "`trainer_config.parallelism=fsdp`",
+        valid=("adamw", "muon"),
     )
     muon_learning_rate: float = key(
         0.01,
         "Muon's peak learning rate (`algorithm=muon`), on the same schedule "
         "([measured](../BENCHMARKS.md#time-to-quality))",
+        valid="> 0",
     )
-    muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1)")
+    muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum", valid="[0, 1)")
     muon_momentum_warmup_steps: int = key(
         0,
         "optimizer steps over which Muon's momentum rises linearly from 0.85 to `muon_momentum` "
         "(0: none)",
+        valid=">= 0",
     )
 
     def __post_init__(self) -> None:
-        for name in ("learning_rate", "muon_learning_rate"):
-            value = getattr(self, name)
-            check(
-                math.isfinite(value) and value > 0,
-                f"optimizer_config.{name}",
-                f"must be > 0, got {value}",
-            )
-        check(
-            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-            "optimizer_config.weight_decay",
-            f"must be a finite number >= 0, got {self.weight_decay}",
-        )
+        check_fields(self, "optimizer_config.")
         check(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
             "optimizer_config.betas",
             f"must be two numbers in [0, 1), got {list(self.betas)}",
-        )
-        check(
-            math.isfinite(self.eps) and self.eps > 0,
-            "optimizer_config.eps",
-            f"must be a finite number > 0, got {self.eps}",
-        )
-        one_of(self.lr_schedule, "optimizer_config.lr_schedule", ("cosine", "constant", "wsd"))
-        at_least(0, self, "optimizer_config", "warmup_steps", "muon_momentum_warmup_steps")
-        check(
-            0.0 < self.cooldown_fraction <= 1.0,
-            "optimizer_config.cooldown_fraction",
-            f"must be in (0, 1], got {self.cooldown_fraction}",
-        )
-        one_of(self.algorithm, "optimizer_config.algorithm", ("adamw", "muon"))
-        check(
-            0.0 <= self.muon_momentum < 1.0,
-            "optimizer_config.muon_momentum",
-            f"must be in [0, 1), got {self.muon_momentum}",
-        )
-        check(
-            0.0 <= self.min_lr_ratio <= 1.0,
-            "optimizer_config.min_lr_ratio",
-            f"must be in [0, 1], got {self.min_lr_ratio}",
         )
 
 
@@ -178,15 +196,18 @@ class DataConfig:
         "glob, or a list of them (`'data_config.path=[a.txt,more/*.txt]'`), read as one corpus; "
         "the default is downloaded when missing ([The corpus](data.md))",
     )
-    block_size: int = key(64, "context length in characters")
+    block_size: int = key(64, "context length in characters", valid=">= 1")
     train_split: float = key(
-        0.9, "the first `train_split` of each file trains, the rest of it is held out; in (0, 1)"
+        0.9,
+        "the first `train_split` of each file trains, the rest of it is held out",
+        valid="(0, 1)",
     )
-    truncate: float = key(1.0, "use only this leading fraction of each file; in (0, 1]")
+    truncate: float = key(1.0, "use only this leading fraction of each file", valid="(0, 1]")
     stride: int = key(
         64,
         "a training window starts every `stride` characters (1: at every character); held-out "
         "windows never overlap",
+        valid=">= 1",
     )
     cache_dir: str | None = key(
         None,
@@ -200,6 +221,7 @@ class DataConfig:
         "(each batch read from the token cache file), `auto` (on a GPU `device` when the corpus "
         "takes at most 1/8 of its memory; else `host`)",
         operational=True,
+        valid=("auto", "device", "host"),
     )
 
     def __post_init__(self) -> None:
@@ -215,23 +237,12 @@ class DataConfig:
             "data_config.path",
             f"must be a non-empty path, glob or list of them, got {self.path!r}",
         )
-        at_least(1, self, "data_config", "block_size", "stride")
-        check(
-            0.0 < self.train_split < 1.0,
-            "data_config.train_split",
-            f"must be in (0, 1), got {self.train_split}",
-        )
-        check(
-            0.0 < self.truncate <= 1.0,
-            "data_config.truncate",
-            f"must be in (0, 1], got {self.truncate}",
-        )
+        check_fields(self, "data_config.")
         check(
             self.cache_dir is None or (bool(self.cache_dir) and "://" not in self.cache_dir),
             "data_config.cache_dir",
             f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}",
         )
-        one_of(self.placement, "data_config.placement", ("auto", "device", "host"))
 
 
 @dataclass
@@ -242,43 +253,56 @@ class TrainerConfig:
         "values needs another name (see [Run directory](run-directory.md))",
         operational=True,
     )
-    max_epochs: int = key(2, "epochs over the training windows")
-    max_steps: int | None = key(None, "stop earlier, after this many optimizer steps")
+    max_epochs: int = key(2, "epochs over the training windows", valid=">= 1")
+    max_steps: int | None = key(None, "stop earlier, after this many optimizer steps", valid=">= 1")
     batch_size: int = key(
         12,
         "windows per process per micro-step; global batch = `batch_size * grad_accum_steps * "
         "world size`",
+        valid=">= 1",
     )
-    grad_accum_steps: int = key(1, "micro-steps per optimizer step")
-    grad_norm_clip: float = key(1.0, "clip the global gradient norm to this")
-    seed: int = key(1337, "the same seed and config give the same run")
+    grad_accum_steps: int = key(1, "micro-steps per optimizer step", valid=">= 1")
+    grad_norm_clip: float = key(1.0, "clip the global gradient norm to this", valid="> 0")
+    seed: int = key(1337, "the same seed and config give the same run", valid="[0, 2**63)")
     device: str = key(
-        "auto", "`auto` (CUDA if available, else CPU), `cpu` or `cuda`", operational=True
+        "auto",
+        "`auto` (CUDA if available, else CPU), `cpu` or `cuda`",
+        operational=True,
+        valid=("auto", "cpu", "cuda"),
     )
     eval_every: int = key(
         500,
         "evaluate every this many optimizer steps (0: at the end of each epoch); always at the "
         "end of the run",
         operational=True,
+        valid=">= 0",
     )
     eval_tokens: int = key(
         131_072,
         "evaluate on at most this many held-out tokens, whole windows spread evenly over the "
         "split, for any number of processes (0: all)",
+        valid=">= 0",
     )
     early_stop_patience: int | None = key(
         None,
         "stop the run, as finished, after this many evaluations in a row without the best "
         "held-out loss dropping by `early_stop_min_delta` (null: never)",
+        valid=">= 1",
     )
     early_stop_min_delta: float = key(
         0.0,
         "the least drop of the held-out loss that counts as an improvement for "
-        "`early_stop_patience` (>= 0; the best weights are kept at any drop)",
+        "`early_stop_patience` (the best weights are kept at any drop)",
+        valid=">= 0",
     )
-    log_every: int = key(50, "log a train event every this many optimizer steps", operational=True)
+    log_every: int = key(
+        50, "log a train event every this many optimizer steps", operational=True, valid=">= 1"
+    )
     sample_chars: int = key(
-        200, "characters sampled at each evaluation and at the end (0: none)", operational=True
+        200,
+        "characters sampled at each evaluation and at the end (0: none)",
+        operational=True,
+        valid=">= 0",
     )
     snapshot_path: str | None = key(
         None,
@@ -287,21 +311,26 @@ class TrainerConfig:
         operational=True,
     )
     save_every: int = key(
-        1, "save a snapshot every this many epochs, and always at the end", operational=True
+        1,
+        "save a snapshot every this many epochs, and always at the end",
+        operational=True,
+        valid=">= 1",
     )
     save_every_steps: int | None = key(
-        None, "also save every this many optimizer steps", operational=True
+        None, "also save every this many optimizer steps", operational=True, valid=">= 1"
     )
     save_every_minutes: float | None = key(
         5.0,
         "also save when this many minutes have passed since the last save (null: never by time), "
         "a bound on the work a crash can lose",
         operational=True,
+        valid="> 0",
     )
     keep_snapshots: int = key(
         2,
         "snapshots kept (the newest), the older removed once a new one is published",
         operational=True,
+        valid=">= 1",
     )
     async_save: bool = key(
         True,
@@ -324,7 +353,9 @@ class TrainerConfig:
         "this run's corpus ([Fine-tuning](training.md#fine-tuning))",
     )
     use_amp: bool = key(False, "mixed precision on CUDA")
-    amp_dtype: str = key("bf16", "`bf16`, or `fp16` (with a gradient scaler)")
+    amp_dtype: str = key(
+        "bf16", "`bf16`, or `fp16` (with a gradient scaler)", valid=("bf16", "fp16")
+    )
     amp_on_cpu: bool = key(
         False, "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)"
     )
@@ -342,36 +373,48 @@ class TrainerConfig:
         "each rank's trace into `profile/` in the run directory, for TensorBoard or Perfetto (0: "
         "off; see [Performance](training.md#performance))",
         operational=True,
+        valid=">= 0",
     )
     parallelism: str = key(
         "ddp",
         "`ddp` (every rank holds the whole model) or `fsdp` (FSDP2: model, gradients and AdamW "
         "state sharded over the ranks; see [Distributed "
         "training](training.md#distributed-training))",
+        valid=("ddp", "fsdp"),
     )
     ddp_comm_hook: str = key(
         "none",
         "DDP gradient communication: `none`, `fp16`, `bf16` (NCCL only), `powersgd`, "
         "`batched_powersgd`, `post_local_sgd` (see [Distributed "
         "training](training.md#distributed-training))",
+        valid=("none", "fp16", "bf16", "powersgd", "batched_powersgd", "post_local_sgd"),
     )
     powersgd_rank: int = key(
         8,
         "PowerSGD's matrix rank; with `powersgd_start_step`'s default it keeps `powersgd` within "
         "about 2% of DDP's held-out loss "
         "([measured](../BENCHMARKS.md#powersgds-defaults-what-the-compression-costs-in-loss))",
+        valid=">= 1",
     )
-    powersgd_start_step: int = key(100, "the step PowerSGD starts compressing at (>= 2)")
+    powersgd_start_step: int = key(
+        100, "the step PowerSGD starts compressing at, after plain all-reduce steps", valid=">= 2"
+    )
     allow_config_change: bool = key(
         False,
         "resume a snapshot written with other values (see [Fault tolerance](fault-tolerance.md))",
         operational=True,
     )
-    localsgd_start_step: int = key(100, "LocalSGD: plain DDP steps before it starts (>= 0)")
-    localsgd_period: int = key(4, "LocalSGD: steps between averagings (>= 2)")
+    localsgd_start_step: int = key(100, "LocalSGD: plain DDP steps before it starts", valid=">= 0")
+    localsgd_period: int = key(
+        4,
+        "LocalSGD: steps between averagings (1 would average every step: plain DDP, "
+        "`ddp_comm_hook=none`)",
+        valid=">= 2",
+    )
     localsgd_group: str = key(
         "rank",
         "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients every step)",
+        valid=("rank", "node"),
     )
     tracker: str | None = key(
         None,
@@ -379,6 +422,7 @@ class TrainerConfig:
         "samples there, and a resumed run continues the same tracker run ([Experiment "
         "tracking](tracking.md))",
         operational=True,
+        valid=("mlflow",),
     )
     tracker_uri: str | None = key(
         None,
@@ -397,59 +441,12 @@ class TrainerConfig:
             "must be one directory name (not empty, '.' or '..', without '/' or control "
             f"characters such as a newline), got {self.run_name!r}",
         )
-        at_least(
-            1,
-            self,
-            "trainer_config",
-            "max_epochs",
-            "batch_size",
-            "grad_accum_steps",
-            "log_every",
-            "save_every",
-            "powersgd_rank",
-            "keep_snapshots",
-        )
+        check_fields(self, "trainer_config.")
         per_step = self.batch_size * self.grad_accum_steps
         check(
             per_step < 2**31,
             "trainer_config.grad_accum_steps",
             f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}",
-        )
-        check_seed(self.seed, "trainer_config.seed")
-        at_least(
-            1,
-            self,
-            "trainer_config",
-            "max_steps",
-            "save_every_steps",
-            "early_stop_patience",
-            null=True,
-        )
-        at_least(
-            0,
-            self,
-            "trainer_config",
-            "eval_every",
-            "sample_chars",
-            "eval_tokens",
-            "localsgd_start_step",
-            "profile_steps",
-        )
-        check(
-            math.isfinite(self.early_stop_min_delta) and self.early_stop_min_delta >= 0,
-            "trainer_config.early_stop_min_delta",
-            f"must be a finite number >= 0, got {self.early_stop_min_delta}",
-        )
-        check(
-            self.powersgd_start_step >= 2,
-            "trainer_config.powersgd_start_step",
-            "must be >= 2 (PowerSGD starts after plain all-reduce steps), got "
-            f"{self.powersgd_start_step}",
-        )
-        check(
-            self.save_every_minutes is None or self.save_every_minutes > 0,
-            "trainer_config.save_every_minutes",
-            f"must be > 0 or null, got {self.save_every_minutes}",
         )
         try:
             signals = {parse_signal(name) for name in self.stop_signals}
@@ -460,11 +457,6 @@ class TrainerConfig:
             "trainer_config.stop_signals",
             f"lists a signal twice: {list(self.stop_signals)}",
         )
-        check(
-            self.grad_norm_clip > 0,
-            "trainer_config.grad_norm_clip",
-            f"must be > 0, got {self.grad_norm_clip}",
-        )
         check(self.snapshot_path != "", "trainer_config.snapshot_path", "must not be empty")
         check(
             self.init_from != "",
@@ -472,14 +464,6 @@ class TrainerConfig:
             "must be a snapshot file, a sharded snapshot or a run directory (null: train from "
             "scratch), got ''",
         )
-        one_of(self.device, "trainer_config.device", ("auto", "cpu", "cuda"))
-        one_of(self.amp_dtype, "trainer_config.amp_dtype", ("bf16", "fp16"))
-        one_of(
-            self.ddp_comm_hook,
-            "trainer_config.ddp_comm_hook",
-            ("none", "fp16", "bf16", "powersgd", "batched_powersgd", "post_local_sgd"),
-        )
-        one_of(self.parallelism, "trainer_config.parallelism", ("ddp", "fsdp"))
         if self.parallelism == "fsdp":
             check(
                 self.ddp_comm_hook == "none",
@@ -492,18 +476,6 @@ class TrainerConfig:
                 "trainer_config.amp_dtype",
                 "fp16 needs a gradient scaler over the shards; with parallelism=fsdp use bf16",
             )
-        check(
-            self.localsgd_period >= 2,
-            "trainer_config.localsgd_period",
-            "must be >= 2 (1 averages every step: that is plain DDP, ddp_comm_hook=none), got "
-            f"{self.localsgd_period}",
-        )
-        one_of(self.localsgd_group, "trainer_config.localsgd_group", ("rank", "node"))
-        check(
-            self.tracker in (None, "mlflow"),
-            "trainer_config.tracker",
-            f"{self.tracker!r} is not a tracker mingpt has: mlflow, or null (none)",
-        )
         check(
             self.tracker_uri is None or bool(self.tracker_uri.strip()),
             "trainer_config.tracker_uri",
@@ -613,12 +585,19 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
+def help_text(f: dataclasses.Field) -> str:
+    """A key's help, and its range if it has one."""
+    if isinstance(f.metadata.get("valid"), str):
+        return f"{f.metadata['help']}; {range_text(f)}"
+    return f.metadata["help"]
+
+
 def key_table(section: type) -> str:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(section):
         kind = str(f.type).replace(" | None", " or null").replace("Any", "str or list")
         note = " (operational)" if f.metadata["operational"] else ""
-        rows.append(f"| `{f.name}` | {kind} | {_text(_default(f))} | {f.metadata['help']}{note} |")
+        rows.append(f"| `{f.name}` | {kind} | {_text(_default(f))} | {help_text(f)}{note} |")
     return "\n".join(rows)
 
 
@@ -634,7 +613,7 @@ def key_lines(section: type, values: Mapping | None = None, prefix: str = "") ->
     fields = dataclasses.fields(section)
     if values is None:
         values = {f.name: _default(f) for f in fields}
-    rows = [(f"{prefix}{f.name}={_text(values[f.name])}", f.metadata["help"]) for f in fields]
+    rows = [(f"{prefix}{f.name}={_text(values[f.name])}", help_text(f)) for f in fields]
     width = min(max(len(k) for k, _ in rows), 28) + 4
     indent = "\n" + " " * width
     lines = []

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from mingpt.command import command, parse_args
-from mingpt.config import ConfigError, check, key, one_of
+from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, reader, single_file
@@ -45,12 +45,12 @@ class ExportConfig:
         "where the export goes: absent, or of the kind the format writes (an earlier export's "
         "directory, or a regular file); never a device",
     )
-    format: str = key("safetensors", f"{', '.join(FORMATS)}: see below")
+    format: str = key("safetensors", f"{', '.join(FORMATS)}: see below", valid=FORMATS)
 
     def __post_init__(self) -> None:
         check(bool(self.src), "src", "must be given")
         check(bool(self.dst), "dst", "must be given")
-        one_of(self.format, "format", FORMATS)
+        check_fields(self)
 
 
 def hf_config(model: GPT) -> dict:

@@ -14,7 +14,7 @@ import fsspec
 import torch
 
 from mingpt.command import command, parse_args, silence_stdout
-from mingpt.config import ConfigError, check, check_seed, key, one_of
+from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
 from mingpt.distributed import pick_device
 from mingpt.model import GPT
@@ -44,39 +44,47 @@ class GenerateConfig:
     snapshot_path: str = key("runs/default", f"the snapshot to sample from: {reader.HELP}")
     prompt: str = key("", "text to continue, taken verbatim (empty: start of a new line)")
     prompt_file: str = key("", "read the prompt from this file instead (local path or fsspec URL)")
-    max_new_tokens: int = key(500, "characters to generate per sample, >= 0")
+    max_new_tokens: int = key(500, "characters to generate per sample", valid=">= 0")
     temperature: float = key(
         1.0, f"0 is greedy decoding; higher is more random (0, or >= {MIN_TEMPERATURE:.3g})"
     )
-    top_k: int | None = key(None, "sample only from the k most likely characters, >= 1")
+    top_k: int | None = key(None, "sample only from the k most likely characters", valid=">= 1")
     top_p: float = key(
         1.0,
-        "sample only from the most likely characters whose probability reaches top_p, in (0, 1]",
+        "sample only from the most likely characters whose probability reaches top_p",
+        valid="(0, 1]",
     )
     num_samples: int = key(
         1,
         "samples, decoded as one batch, each headed by a separator line; sample 1 streams, the "
         "others follow when it ends",
+        valid=">= 1",
     )
-    seed: int = key(1337, "the same seed (and device) gives the same text; sample i uses seed+i-1")
-    device: str = key("auto", "auto (CUDA if available), cpu or cuda")
+    seed: int = key(
+        1337,
+        "the same seed (and device) gives the same text; sample i uses seed+i-1",
+        valid="[0, 2**63)",
+    )
+    device: str = key(
+        "auto", "auto (CUDA if available), cpu or cuda", valid=("auto", "cpu", "cuda")
+    )
     use_cache: bool = key(True, "key/value cache: one position's work per new character")
     compile: str = key(
         "auto",
         "torch.compile the decoding step: faster per character, but compiling takes seconds; "
         "auto: when max_new_tokens is long enough for it to pay on this device type; true or "
         "false",
+        valid=("auto", "true", "false"),
     )
 
     def __post_init__(self) -> None:
+        self.compile = str(self.compile).lower()  # `compile=true` arrives as the boolean True
+        check_fields(self)
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
         check(
             not (self.prompt and self.prompt_file),
             "prompt_file",
             "give prompt or prompt_file, not both",
-        )
-        check(
-            self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}"
         )
         check(
             math.isfinite(self.temperature)
@@ -85,21 +93,10 @@ class GenerateConfig:
             f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}",
         )
         check(
-            self.top_k is None or self.top_k >= 1,
-            "top_k",
-            f"must be >= 1 or null, got {self.top_k}",
-        )
-        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
-        check_seed(self.seed, "seed")
-        self.compile = str(self.compile).lower()  # `compile=true` arrives as the boolean True
-        one_of(self.compile, "compile", ("auto", "true", "false"))
-        check(
             self.use_cache or self.compile != "true",
             "compile",
             "compiles the cached step: needs use_cache=true",
         )
-        one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
 def read_prompt(config: GenerateConfig) -> str:

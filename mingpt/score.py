@@ -11,7 +11,7 @@ import torch
 
 from mingpt import evaluation
 from mingpt.command import command, parse_args
-from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, key, one_of
+from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, check_fields, key
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig
@@ -29,7 +29,9 @@ class ScoreConfig:
         "the text to score (local path or fsspec URL, UTF-8); empty: the held-out split of the "
         "run's own corpus, as the run evaluates it",
     )
-    device: str = key("auto", "auto (CUDA if available), cpu or cuda")
+    device: str = key(
+        "auto", "auto (CUDA if available), cpu or cuda", valid=("auto", "cpu", "cuda")
+    )
     allow_corpus_change: bool = key(
         False,
         "score the held-out split of a corpus changed since the snapshot was written (with a "
@@ -37,8 +39,8 @@ class ScoreConfig:
     )
 
     def __post_init__(self) -> None:
+        check_fields(self)
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
-        one_of(self.device, "device", ("auto", "cpu", "cuda"))
 
 
 # Free text, taken verbatim.

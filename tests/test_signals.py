@@ -426,7 +426,7 @@ def test_stop_signals_and_save_every_minutes_are_checked():
         ({"stop_signals": ["SIGKILL"]}, "'SIGKILL' is not a signal that can be handled"),
         ({"stop_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal"),
         ({"stop_signals": ["SIGTERM", "TERM"]}, "lists a signal twice"),
-        ({"save_every_minutes": 0.0}, "save_every_minutes: must be > 0 or null"),
+        ({"save_every_minutes": 0.0}, "save_every_minutes: must be a finite number > 0 or null"),
     ]:
         with pytest.raises(ConfigError, match=says):
             TrainerConfig(**kwargs)

@@ -355,7 +355,7 @@ def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog):
 def test_tracker_keys_are_checked():
     with pytest.raises(
         ConfigError,
-        match="trainer_config.tracker: 'wandb' is not a tracker mingpt has: mlflow, or null",
+        match="trainer_config.tracker: 'wandb' is not one of mlflow, or null",
     ):
         TrainerConfig(tracker="wandb")
     with pytest.raises(ConfigError, match="trainer_config.tracker_uri"):
