@@ -23,16 +23,23 @@ class KVCache:
         self.positions = torch.arange(config.block_size, device=device)[None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None):
-        """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys, values and mask the
-        new queries attend to. pos None: a prompt at positions 0..T-1, causal over itself. pos a
-        one-element tensor: one token there, attending to the cache up to its own position."""
+        """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys and values the new
+        queries attend to. pos None: a prompt at positions 0..T-1, its own. pos a one-element
+        tensor: one token there, the whole cache (`visible` says which positions count)."""
         if pos is None:
             self.k[layer].index_copy_(2, self.positions[0, : k.size(2)], k)
             self.v[layer].index_copy_(2, self.positions[0, : v.size(2)], v)
-            return k, v, None
+            return k, v
         self.k[layer].index_copy_(2, pos, k)
         self.v[layer].index_copy_(2, pos, v)
-        return self.k[layer], self.v[layer], self.positions <= pos
+        return self.k[layer], self.v[layer]
+
+    def visible(self, pos: torch.Tensor | None) -> torch.Tensor | None:
+        """The attention mask of a token at pos: the cache up to its own position. None for a
+        prompt (pos None): causal over itself."""
+        if pos is None:
+            return None
+        return self.positions <= pos
 
 
 class CausalSelfAttention(nn.Module):
@@ -52,12 +59,16 @@ class CausalSelfAttention(nn.Module):
         pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
+        hs = C // self.n_head  # head size
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
         mask = None
         if cache is not None:
-            k, v, mask = cache.store(layer, k, v, pos)
+            k, v = cache.store(layer, k, v, pos)
+            mask = cache.visible(pos)
         y = F.scaled_dot_product_attention(
             q,
             k,
