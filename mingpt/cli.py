@@ -108,8 +108,10 @@ def check_group_overrides(overrides: list[str]) -> None:
     with it."""
     dropped = {item[1:].partition("=")[0] for item in overrides if item.startswith("~")}
     for item in overrides:
-        key, sep, _ = item.lstrip("+").partition("=")
-        if sep and not item.startswith("~") and key in dropped:
+        if item.startswith("~") or "=" not in item:
+            continue
+        key = item.lstrip("+").split("=", 1)[0]
+        if key in dropped:
             raise ConfigError(
                 f"{item}: ~{key} drops the {key} group and with it this choice; give one of them"
             )

@@ -119,17 +119,17 @@ class PowerSGD(CommHook):
     def own_state(self):
         s = self.state
         # numpy's Mersenne Twister: Q's random starts
-        _, keys, pos, has_gauss, cached_gaussian = s.rng.get_state()
+        mt = s.rng.get_state(legacy=False)
         return {
             "iter": s.iter,
             "error": s.error_dict,
             "p": s.p_memory_dict,
             "q": s.q_memory_dict,
             "rng": {
-                "keys": torch.from_numpy(keys.astype("int64")),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached_gaussian),
+                "keys": torch.from_numpy(mt["state"]["key"].astype("int64")),
+                "pos": int(mt["state"]["pos"]),
+                "has_gauss": int(mt["has_gauss"]),
+                "cached_gaussian": float(mt["gauss"]),
             },
         }
 
@@ -147,13 +147,12 @@ class PowerSGD(CommHook):
         s.iter = own["iter"]
         rng = own["rng"]
         s.rng.set_state(
-            (
-                "MT19937",
-                rng["keys"].numpy().astype("uint32"),
-                rng["pos"],
-                rng["has_gauss"],
-                rng["cached_gaussian"],
-            )
+            {
+                "bit_generator": "MT19937",
+                "state": {"key": rng["keys"].numpy().astype("uint32"), "pos": rng["pos"]},
+                "has_gauss": rng["has_gauss"],
+                "gauss": rng["cached_gaussian"],
+            }
         )
         device = self.dist.device
         s.error_dict = {k: v.to(device) for k, v in own["error"].items()}

@@ -20,7 +20,7 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     rest = []
     for arg in argv:
         check("=" in arg, arg, "expected key=value")
-        key, _, value = arg.partition("=")
+        key, value = arg.split("=", 1)
         if key in text_keys:
             text[key] = value
         else:
@@ -52,7 +52,7 @@ def command(
         argv = sys.argv[1:]
     try:
         if any(arg in ("-h", "--help") for arg in argv):
-            what, _, rest = doc.strip().partition("\n\n")
+            what, rest = doc.strip().split("\n\n", 1)  # the summary, then the details
             print(f"usage: {usage}\n\n{what}\n\n{key_lines(schema)}\n\n{rest}".rstrip(), flush=True)
             return
         setup_logging(rank=0)

@@ -28,7 +28,9 @@ from mingpt.snapshot import SnapshotError, reader, single_file
 from mingpt.storage import StorageError, fsync_dir
 
 FORMATS = ("safetensors", "hf", "snapshot")
-WEIGHTS, CONFIG, VOCAB = reader.EXPORT_FILES
+WEIGHTS = reader.EXPORT_WEIGHTS
+CONFIG = "config.json"
+VOCAB = "vocab.json"
 # GPT-2 keeps their weights as (in, out)
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 

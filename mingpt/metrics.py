@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from mingpt.tracking import OFF, Tracker
 
@@ -40,6 +40,12 @@ def duration(seconds: float) -> str:
     return f"{s}s"
 
 
+class PaceEvent(NamedTuple):
+    tokens_per_s: float  # since the last event
+    mfu: float | None  # None where no peak is known
+    note: str  # for the log line: the time elapsed and the ETA
+
+
 class Pace:
     """For the train events: tokens/s since the last event, evaluations and saves excluded
     (`paused`); MFU against a peak measured at the first event; the time elapsed and the ETA."""
@@ -68,10 +74,10 @@ class Pace:
         yield
         self._window_start += time.perf_counter() - start
 
-    def event(self, step: int, total_steps: int) -> tuple[float, float | None, str]:
-        """(tokens/s, MFU, the log line's note) since the last event. The ETA is at this session's
-        pace since its first event: the first window holds the start-up and compilation, so it gives
-        none."""
+    def event(self, step: int, total_steps: int) -> PaceEvent:
+        """Tokens/s and MFU since the last event, and the log line's note. The ETA is at this
+        session's pace since its first event: the first window holds the start-up and compilation,
+        so it gives none."""
         now = time.perf_counter()
         tokens = (step - self._window_step) * self.tokens_per_step
         tokens_per_s = tokens / (now - self._window_start)
@@ -88,7 +94,7 @@ class Pace:
         mfu = None
         if self._peak:
             mfu = tokens_per_s * self.flops_per_token / self._peak
-        return tokens_per_s, mfu, note
+        return PaceEvent(tokens_per_s, mfu, note)
 
 
 class Metrics:

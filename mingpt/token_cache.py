@@ -144,9 +144,9 @@ def kept_chunks(source: str, keep: int) -> Iterator[np.ndarray]:
         yield cps
 
 
-def read_header(f) -> tuple[dict, int, str]:
-    """The header of an open cache file, where the token ids start and their dtype; a ValueError (or
-    KeyError) when it is not a cache of this version or its size is not what the header says."""
+def read_header(f) -> tuple[dict, int]:
+    """The header of an open cache file and where the token ids start; a ValueError (or KeyError)
+    when it is not a cache of this version or its size is not what the header says."""
     if f.read(len(MAGIC)) != MAGIC:
         raise ValueError("not a token cache")
     length = int.from_bytes(f.read(8), "little")
@@ -159,7 +159,7 @@ def read_header(f) -> tuple[dict, int, str]:
     dtype = dtype_for(len(header["vocab"]))
     if os.fstat(f.fileno()).st_size != offset + sum(header["counts"]) * np.dtype(dtype).itemsize:
         raise ValueError("wrong size")
-    return header, offset, dtype
+    return header, offset
 
 
 def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start on one
@@ -179,7 +179,7 @@ def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
             keys.append(storage.sha256(f))
     try:
         with open(path, "rb") as f:
-            header, offset, _ = read_header(f)
+            header, offset = read_header(f)
             f.seek(offset)
             if (
                 keys != [(h["size"], h["sha256"]) for h in header["sources"]]
@@ -269,14 +269,15 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
 # memory-mapped; its header and size are checked, not its checksum
 def open_cache(path: str) -> TokenCache:
     with open(path, "rb") as f:
-        header, offset, dtype = read_header(f)
+        header, offset = read_header(f)
         # private, copy-on-write: nothing writes to it
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         # the file whose header was read, even if the path is replaced since
         fd = os.dup(f.fileno())
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     # keeps `mapped` alive
-    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(getattr(torch, dtype))
+    dtype = getattr(torch, dtype_for(len(header["vocab"])))
+    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(dtype)
     cache = TokenCache(
         path, tokens, header["vocab"], header["counts"], fd, offset, header["sources"]
     )

@@ -346,17 +346,17 @@ class Trainer:
         # Not finite: an fp16 step that the GradScaler skipped.
         if not math.isfinite(grad_norm):
             grad_norm = None
-        tokens_per_s, mfu, note = self.pace.event(state.step, self.total_steps)
+        pace = self.pace.event(state.step, self.total_steps)
         self.metrics.log(
             "train",
             state.step,
             state.epoch,
-            note=note,
+            note=pace.note,
             loss=global_mean(self.dist, loss),
             **lrs,
             grad_norm=grad_norm,
-            tokens_per_s=tokens_per_s,
-            mfu=mfu,
+            tokens_per_s=pace.tokens_per_s,
+            mfu=pace.mfu,
             peak_mem_mib=round(flops.peak_memory_mib(self.device)),
         )
 

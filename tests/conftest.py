@@ -149,7 +149,9 @@ def read_snapshot(path) -> dict:
         "optimizer_state": {"state": by_index, "param_groups": groups},
     }
     directory = manifest.resolve(str(path))
-    _, document, metadata = sharded._read(directory)
+    snapshot = sharded._read(directory)
+    document = snapshot.document
+    metadata = snapshot.metadata
     own = []
     for rank, structure in enumerate(document.get("ranks") or []):
         flat = sharded._empty(directory, sharded._tensor_keys(structure), metadata)

@@ -14,7 +14,7 @@ import logging
 import os
 import pickle
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -210,9 +210,17 @@ class CheckedReader(FsspecReader):
         return self._checked
 
 
-def read(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
-    """A published snapshot's manifest (its files), meta.json and DCP's index, each checked against
-    the manifest."""
+class Published(NamedTuple):
+    """A published snapshot's record, each part checked against its manifest."""
+
+    files: dict[str, list]  # the manifest: each file's [size, SHA-256]
+    document: dict[str, Any]  # meta.json: the state's structure and its meta
+    metadata: Metadata  # DCP's index
+
+
+def read(directory: str) -> Published:
+    """A published snapshot's manifest, meta.json and DCP's index, each checked against the
+    manifest."""
     # Outside the try: a SnapshotError is a ValueError.
     data = checked(directory, MANIFEST)
     try:
@@ -235,7 +243,7 @@ def read(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
             f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})"
         ) from None
     metadata = _index(directory, checked(directory, DCP_METADATA, files), files)
-    return files, document, metadata
+    return Published(files, document, metadata)
 
 
 def _index(directory: str, data: bytes, files: dict[str, list]) -> Metadata:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = "snapshots"
 # The files of a safetensors or transformers export (mingpt/export.py): a directory that is not a
 # snapshot.
-EXPORT_FILES = ("model.safetensors", "config.json", "vocab.json")
+EXPORT_WEIGHTS = "model.safetensors"
 EXPECTED = (
     "expected a snapshot directory, a snapshot file (export format=snapshot writes one) or a run "
     "directory"
@@ -110,7 +110,7 @@ def find(path: str) -> str:
     names = os.listdir(path)
     if not names:
         raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
-    if EXPORT_FILES[0] in names:
+    if EXPORT_WEIGHTS in names:
         raise SnapshotError(
             f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}"
         )

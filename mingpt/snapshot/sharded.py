@@ -363,9 +363,10 @@ def _publish(
     )
 
 
-def _read(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
+def _read(directory: str) -> manifest.Published:
     """manifest.read, and the state's structure in meta.json checked."""
-    files, document, metadata = manifest.read(directory)
+    snapshot = manifest.read(directory)
+    document = snapshot.document
     try:
         for structure in [document["structure"], *(document.get("ranks") or [])]:
             _tensor_keys(structure)  # rebuilding a structure checks it
@@ -373,7 +374,7 @@ def _read(directory: str) -> tuple[dict[str, list], dict[str, Any], Metadata]:
         raise SnapshotError(
             f"snapshot {directory} is damaged: {manifest.META} cannot be read ({reason(e)})"
         ) from None
-    return files, document, metadata
+    return snapshot
 
 
 def _check_keys(directory: str, expected: list[str], saved: list[str], metadata: Metadata) -> None:
@@ -421,14 +422,16 @@ def load(
     problem = None
     # Every rank reads the index; each checks its share of the shards.
     try:
-        files, document, metadata = _read(directory)
-        manifest.verify(directory, files, slice(_rank(pg), None, _world(pg)))
+        snapshot = _read(directory)
+        manifest.verify(directory, snapshot.files, slice(_rank(pg), None, _world(pg)))
     except (SnapshotError, StorageError) as e:
         problem = str(e)
     # All ranks stop together, with the same line.
     errors = [e for e in _gather(problem, pg) if e]
     if errors:
         raise SnapshotError(errors[0])
+    document = snapshot.document
+    metadata = snapshot.metadata
     # The snapshot's own account of what it holds (its shapes, its optimizer) is checked first.
     if check is not None:
         check(document["meta"])
@@ -482,7 +485,7 @@ def _newest(root_or_dir: str, read: Callable[[str], Any]) -> Any:
 def read_meta(root_or_dir: str) -> dict[str, Any]:
     """The meta of the newest published snapshot of a root (or of the given directory); no shard is
     read."""
-    return _newest(root_or_dir, lambda directory: _read(directory)[1]["meta"])
+    return _newest(root_or_dir, lambda directory: _read(directory).document["meta"])
 
 
 def load_full(root_or_dir: str, part: str | None = None) -> tuple[Any, dict[str, Any]]:
@@ -490,16 +493,16 @@ def load_full(root_or_dir: str, part: str | None = None) -> tuple[Any, dict[str,
     only its top-level `part`, such as "model"; meta)."""
 
     def read(directory: str) -> tuple[Any, dict[str, Any]]:
-        files, document, metadata = _read(directory)
-        manifest.verify(directory, files)
-        structure = document["structure"]
+        snapshot = _read(directory)
+        manifest.verify(directory, snapshot.files)
+        structure = snapshot.document["structure"]
         if part is not None:
             parts = dict(structure.get("dict", []))  # none if what was saved is not a dict
             if part not in parts:
                 raise SnapshotError(f"snapshot {directory} holds no {part}")
             structure = parts[part]
-        flat = _empty(directory, _tensor_keys(structure), metadata)
-        _dcp_load(flat, directory, metadata, no_dist=True)
-        return _unflatten(structure, flat), document["meta"]
+        flat = _empty(directory, _tensor_keys(structure), snapshot.metadata)
+        _dcp_load(flat, directory, snapshot.metadata, no_dist=True)
+        return _unflatten(structure, flat), snapshot.document["meta"]
 
     return _newest(root_or_dir, read)
