@@ -585,10 +585,10 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-def help_text(f: dataclasses.Field) -> str:
-    """A key's help, and its range if it has one."""
+def help_text(f: dataclasses.Field, space: str = " ") -> str:
+    """A key's help, and its range if it has one, written with `space` between its words."""
     if isinstance(f.metadata.get("valid"), str):
-        return f"{f.metadata['help']}; {range_text(f)}"
+        return f"{f.metadata['help']}; {range_text(f).replace(' ', space)}"
     return f.metadata["help"]
 
 
@@ -613,7 +613,8 @@ def key_lines(section: type, values: Mapping | None = None, prefix: str = "") ->
     fields = dataclasses.fields(section)
     if values is None:
         values = {f.name: _default(f) for f in fields}
-    rows = [(f"{prefix}{f.name}={_text(values[f.name])}", help_text(f)) for f in fields]
+    # A range stays on one line: its spaces are NULs until wrapped, as a link's.
+    rows = [(f"{prefix}{f.name}={_text(values[f.name])}", help_text(f, "\0")) for f in fields]
     width = min(max(len(k) for k, _ in rows), 28) + 4
     indent = "\n" + " " * width
     lines = []
