@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 
@@ -13,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from mingpt.cli import CONF_DIR
-from mingpt.config import OPERATIONAL_KEYS, Config, ConfigError
+from mingpt.config import OPERATIONAL_KEYS, Config, ConfigError, in_range
 
 
 def composed(*overrides: str, hydra_config: bool = False):
@@ -125,6 +126,23 @@ def test_invalid_values_raise_config_error_naming_the_key(overrides, key):
         OmegaConf.to_object(cfg)
     message = str(e.value)
     assert message.startswith(f"{key}: ") and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "valid,inside,outside",
+    [
+        (">= 1", [1, 2**70], [0, -1, math.inf, math.nan, True, "2"]),
+        ("> 0", [1e-12, 5], [0, -1e-12, math.inf]),
+        ("[0, 1)", [0, 0.5], [1, -0.1, math.nan]),
+        ("(0, 1]", [1, 1e-9], [0, 1.1]),
+        ("[0, 2**63)", [0, 2**63 - 1], [-1, 2**63]),
+    ],
+)
+def test_a_keys_range_holds_its_bounds_and_only_finite_numbers(valid, inside, outside):
+    """`valid=` as the fields write it: each bound open or closed as its bracket says, exact for
+    integers past float's precision, and never a bool, a string, nan or inf."""
+    assert all(in_range(value, valid) for value in inside), inside
+    assert not any(in_range(value, valid) for value in outside), outside
 
 
 PRESETS = {
