@@ -372,45 +372,6 @@ def test_torchruns_failure_summary_carries_the_workers_line(tmp_path):
     assert f"traceback : {line}\n" in root_cause, result.stderr[-3000:]
 
 
-# ------------------------------------------------------- torchrun restarts
-
-
-def test_restarted_workers_join_with_and_without_a_fresh_store(tmp_path):
-    """Workers that fail once under torchrun --max-restarts=1 join the process
-    group again at the restart, with torchrun's shared store (no variable: attempts
-    keep apart by a key prefix) and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
-    Without the prefix, restarted workers read the dead ones' addresses: they
-    fail to connect or wait forever (pytorch#135712)."""
-    worker = str(REPO / "tests" / "restart_worker.py")
-    procs = {}
-    for variable in ("0", "1"):
-        env = {**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": variable}
-        with open(tmp_path / f"fresh-store-{variable}.err", "w") as err:
-            procs[variable] = subprocess.Popen(
-                torchrun_cmd(2, "--standalone", "--max-restarts=1") + [worker, "1"],
-                cwd=tmp_path,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                start_new_session=True,
-            )
-    deadline = time.monotonic() + DEADLINE / 2
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    for variable, proc in procs.items():
-        stderr = (tmp_path / f"fresh-store-{variable}.err").read_text()
-        assert proc.returncode == 0, stderr[-3000:]
-        for attempt in range(2):
-            assert all(f"rank {r} of attempt {attempt} joined" in stderr for r in (0, 1)), stderr[
-                -3000:
-            ]
-
-
 # ----------------------------------------------------------- config, display
 
 
