@@ -358,20 +358,6 @@ def test_a_signal_while_an_error_rises_gives_its_one_line_only(tmp_path, data):
     assert "Error executing job" not in stderr and "Traceback" not in stderr, stderr[-3000:]
 
 
-def test_torchruns_failure_summary_carries_the_workers_line(tmp_path):
-    """Each worker writes its one error line to torchrun's error file
-    (TORCHELASTIC_ERROR_FILE): the summary shows it, not a pointer to torch's docs."""
-    from conftest import TINY, run_torchrun
-
-    missing = tmp_path / "missing.txt"
-    result = run_torchrun(2, [*TINY, f"data_config.path={missing}"], tmp_path)
-    assert result.returncode == 1, result.stderr[-3000:]
-    line = f"error: data file not found: {missing}"
-    root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
-    # not "To enable traceback see: ..."
-    assert f"traceback : {line}\n" in root_cause, result.stderr[-3000:]
-
-
 # ----------------------------------------------------------- config, display
 
 

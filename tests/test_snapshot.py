@@ -595,8 +595,12 @@ def test_divergence_stops_every_rank_and_keeps_the_good_snapshot(tmp_path, good_
     assert tree_bytes(snapshot) == tree_bytes(good)
 
 
-def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
-    """A node-local snapshot path: rank 0 finds the snapshot, rank 1 does not."""
+def test_ranks_that_see_different_snapshots_stop_and_torchruns_summary_carries_the_line(
+    tmp_path, good_snapshot
+):
+    """A node-local snapshot path: rank 0 finds the snapshot, rank 1 does not. Each worker writes
+    its one error line to torchrun's error file (TORCHELASTIC_ERROR_FILE): the failure summary
+    shows it, not a pointer to torch's docs."""
     tmp, good = good_snapshot
     shutil.copytree(good, tmp_path / "snapshots-0")
     args = overrides(
@@ -615,6 +619,11 @@ def test_ranks_that_see_different_snapshots_stop(tmp_path, good_snapshot):
             "keep the snapshot where every node sees it"
         )
         assert line in proc.stderr, proc.stderr[-3000:]
+    root_cause = proc.stderr.split("Root Cause (first observed failure):")[1]
+    # not "To enable traceback see: ..."
+    line = re.escape(f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/")
+    line += r"snapshots-[01]" + re.escape("): keep the snapshot where every node sees it")
+    assert re.search(rf"^  traceback : {line} ", root_cause, re.M), proc.stderr[-3000:]
     assert manifest.latest(str(tmp_path / "snapshots-1")) is None
     assert tree_bytes(tmp_path / "snapshots-0") == tree_bytes(good)
 
