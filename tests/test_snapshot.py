@@ -274,23 +274,6 @@ def good_snapshot(tmp_path_factory, corpus):
     return tmp, run_dir_of(tmp, args) / "snapshots"
 
 
-def test_snapshot_of_another_shape_is_refused(good_snapshot):
-    tmp, snapshot = good_snapshot
-    before = tree_bytes(snapshot)
-    proc = run_main(
-        overrides(
-            f"data_config.path={tmp / 'small.txt'}",
-            "gpt_config.n_layer=3",
-            f"hydra.run.dir={snapshot.parent}",
-        ),
-        tmp,
-    )
-    assert_one_error(
-        proc, f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3"
-    )
-    assert tree_bytes(snapshot) == before
-
-
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(
     tmp_path, small_corpus, caplog, one_thread, parallelism
@@ -387,9 +370,13 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(
 
 
 @pytest.fixture(scope="module")
-def taken_paths(tmp_path_factory, corpus) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """{parallelism: (the directory main.py ran in, what it said)} with a regular file where the
-    snapshots' root directory goes (one process for both: each run is mostly importing torch)."""
+def refused_at_start(
+    tmp_path_factory, corpus, good_snapshot
+) -> tuple[dict[str, tuple[Path, subprocess.CompletedProcess]], dict[str, bytes]]:
+    """({case: (the directory main.py ran in, what it said)}, the good snapshot's files before)
+    for runs refused at start (one process for all: each run is mostly importing torch): for each
+    parallelism, a regular file where the snapshots' root directory goes; and a model of another
+    shape than the good snapshot's, in its run directory."""
     cases = {}
     for parallelism in ("fsdp", "ddp"):
         cwd = tmp_path_factory.mktemp(parallelism)
@@ -404,15 +391,35 @@ def taken_paths(tmp_path_factory, corpus) -> dict[str, tuple[Path, subprocess.Co
             "trainer_config.max_steps=2",
         )
         cases[parallelism] = (cwd, on_cpu(args))
+    tmp, snapshot = good_snapshot
+    args = overrides(
+        f"data_config.path={tmp / 'small.txt'}",
+        "gpt_config.n_layer=3",
+        f"hydra.run.dir={snapshot.parent}",
+    )
+    cases["other shape"] = (tmp, on_cpu(args))
+    before = tree_bytes(snapshot)
     results = run_each("mingpt.cli", list(cases.values()))
-    return {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+    return {
+        name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)
+    }, before
+
+
+def test_snapshot_of_another_shape_is_refused(good_snapshot, refused_at_start):
+    _, snapshot = good_snapshot
+    results, before = refused_at_start
+    assert_one_error(
+        results["other shape"][1],
+        f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3",
+    )
+    assert tree_bytes(snapshot) == before
 
 
 @pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
-def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(taken_paths, parallelism):
+def test_a_snapshot_path_of_the_other_kind_stops_the_run_at_start(refused_at_start, parallelism):
     """A regular file where the snapshots' root directory goes (every parallelism):
     one line at start, before any training, not at the first save."""
-    cwd, proc = taken_paths[parallelism]
+    cwd, proc = refused_at_start[0][parallelism]
     assert_one_error(proc, f"cannot write to the snapshot path {cwd / 'taken'}: it is a file")
     assert "train step" not in proc.stderr and not list(cwd.glob("runs/*/metrics.jsonl"))
 
