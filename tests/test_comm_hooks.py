@@ -3,8 +3,8 @@
 snapshot, also after a SIGKILL under torchrun.
 
 One module-scoped launch of tests/dist_worker.py runs the uninterrupted
-references and the LocalSGD jobs, another the PowerSGD jobs on a simulated GPU host;
-each SIGKILL test is one torchrun job with a restart.
+references and the LocalSGD jobs; each SIGKILL test is one torchrun job with a
+restart, on a simulated GPU host.
 """
 
 from __future__ import annotations
@@ -207,28 +207,6 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
     ]
 
 
-@pytest.fixture(scope="module")
-def on_gpu_host(tmp_path_factory, corpus_file) -> dict:
-    """Each PowerSGD job again, both in one launch, on a host where torch.cuda.is_available()
-    (simulated here)."""
-    jobs = [
-        job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}")
-        for hook, keys in POWERSGD.items()
-    ]
-    tmp = tmp_path_factory.mktemp("gpu-host")
-    return run_worker(tmp, corpus_file, 2, jobs, env=fake_cuda_env(gpus=2))
-
-
-@pytest.mark.parametrize("hook", list(POWERSGD))
-def test_compressed_cpu_run_on_a_gpu_host_is_unchanged(runs, on_gpu_host, hook):
-    """A gloo/CPU job on a host where torch.cuda.is_available(): torch's PowerSGD hooks
-    synchronize CUDA whenever it is available, also for CPU gradients ("Expected a cuda
-    device, but got: cpu"). The run must go on and end as on a CPU host."""
-    _, results = runs
-    for rank in (0, 1):
-        assert same(on_gpu_host[hook][rank]["state"], results[hook][rank]["state"])
-
-
 # torchrun's store across restarts, one setting a hook: its shared one (the variable unset: on one
 # node mingpt keeps each attempt's keys apart) and a fresh one per attempt (the variable set, as
 # docs/fault-tolerance.md says for several nodes). Restarted workers that read the dead ones'
@@ -238,13 +216,17 @@ def test_compressed_cpu_run_on_a_gpu_host_is_unchanged(runs, on_gpu_host, hook):
     [("powersgd", True), ("batched_powersgd", False)],
     ids=["powersgd-fresh-store", "batched_powersgd-shared-store"],
 )
-def test_sigkilled_compressed_run_resumes_bitwise_with_and_without_a_fresh_store(
+def test_sigkilled_compressed_run_on_a_gpu_host_resumes_bitwise_with_and_without_a_fresh_store(
     runs, corpus_file, tmp_path, hook, fresh_store
 ):
     """Rank 1 dies as it starts step 14 (compressing since step 3); torchrun restarts
     both, and they join the process group again; they resume from the save at step 10 (or 5)
     with each rank's error feedback and the warm-start P and Q, and end bitwise where the
-    uninterrupted run ended."""
+    uninterrupted run ended on a CPU host.
+
+    The job is a gloo/CPU job on a host where torch.cuda.is_available() (simulated): torch's
+    PowerSGD hooks synchronize CUDA whenever it is available, also for CPU gradients ("Expected
+    a cuda device, but got: cpu"). The run must go on and end as on a CPU host."""
     _, results = runs
     args = [
         *TINY,
@@ -254,7 +236,7 @@ def test_sigkilled_compressed_run_resumes_bitwise_with_and_without_a_fresh_store
         "trainer_config.save_every_steps=5",
         f"trainer_config.max_steps={POWERSGD_STEPS}",
     ]
-    env = {**child_env(), "FT_KILL_RANK": "1", "FT_KILL_STEP": "13"}
+    env = fake_cuda_env(gpus=2, env={**child_env(), "FT_KILL_RANK": "1", "FT_KILL_STEP": "13"})
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     if fresh_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
