@@ -208,26 +208,6 @@ def test_another_command_starts_its_own_run(workdir, finished_run):
     assert contents(finished_run) == before
 
 
-def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(workdir, tmp_path):
-    """Two run directories, one local snapshot path: the second job is refused."""
-    snapshot = tmp_path / "shared.pt"
-    lock = os.open(f"{snapshot}.lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    try:
-        proc = run_main(
-            args(f"trainer_config.snapshot_path={snapshot}", f"hydra.run.dir={tmp_path / 'b'}"),
-            workdir,
-        )
-    finally:
-        os.close(lock)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1].startswith(f"error: snapshot {snapshot} is in use by"), (
-        proc.stderr
-    )
-    assert not snapshot.exists()
-    assert not (tmp_path / "b").exists()  # the run directory it made, with its lock file
-
-
 REFUSED_CORPORA = {  # id: (a corpus of this text, else the work directory's; overrides; the line)
     "tiny-corpus": ("x" * 53 + "\n", [], "the held-out split has 6 characters"),
     "truncated": (None, ["data_config.truncate=0.00001"], "the training split has 0 characters"),
@@ -244,9 +224,20 @@ REFUSED_CORPORA = {  # id: (a corpus of this text, else the work directory's; ov
 def refused_corpora(
     workdir, tmp_path_factory
 ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """{id: (the directory main.py ran in, what it said)} for each refused corpus (one process for
-    all: each run is mostly importing torch)."""
+    """{id: (the directory main.py ran in, what it said)} for each refused corpus, and (id
+    "snapshot in use") for a run whose snapshot, outside its run directory, another job holds:
+    one process for all (each run is mostly importing torch)."""
     cases = {}
+    # Two run directories, one local snapshot path: this process holds the snapshot's lock as the
+    # first job would.
+    cwd = tmp_path_factory.mktemp("snapshot-in-use")
+    snapshot = cwd / "shared.pt"
+    argv = args(
+        f"data_config.path={workdir / 'corpus.txt'}",
+        f"trainer_config.snapshot_path={snapshot}",
+        f"hydra.run.dir={cwd / 'b'}",
+    )
+    cases["snapshot in use"] = (cwd, on_cpu(argv))
     for name, (text, extra, _) in REFUSED_CORPORA.items():
         cwd = tmp_path_factory.mktemp(name)
         path = workdir / "corpus.txt"
@@ -255,8 +246,25 @@ def refused_corpora(
             path.write_text(text, encoding="utf-8")
         argv = [*args(f"data_config.path={path}", "trainer_config.run_name=refused"), *extra]
         cases[name] = (cwd, on_cpu(argv))
-    results = run_each("mingpt.cli", list(cases.values()))
+    lock = os.open(f"{snapshot}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        results = run_each("mingpt.cli", list(cases.values()))
+    finally:
+        os.close(lock)
     return {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+
+
+def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(refused_corpora):
+    """Two run directories, one local snapshot path: the second job is refused."""
+    cwd, proc = refused_corpora["snapshot in use"]
+    snapshot = cwd / "shared.pt"
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].startswith(f"error: snapshot {snapshot} is in use by"), (
+        proc.stderr
+    )
+    assert not snapshot.exists()
+    assert not (cwd / "b").exists()  # the run directory it made, with its lock file
 
 
 @pytest.mark.parametrize("name", REFUSED_CORPORA)
