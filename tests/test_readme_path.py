@@ -1,8 +1,9 @@
 """The README's commands in the order a newcomer types them: the Quick start's
-`python main.py` (on a terminal), the same again, training it longer, the
-scale-out under torchrun, then What next's fine-tuning and the `transformers`
-lines. Each is taken from the README's text, with a tiny model appended, so a
-README that sends a command into another one's finished run fails here."""
+`python main.py` (on a terminal), the same again, What next's training it longer
+and fine-tuning, sampling, the scale-out under torchrun, then the export and the
+`transformers` lines. Each is taken from the README's text, with a tiny model
+appended, so a README that sends a command into another one's finished run fails
+here."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of, run_main
+from conftest import REPO, TINY, child_env, on_cpu, read_snapshot, run_dir_of, run_each
 
 EXTRA = [*TINY, "trainer_config.max_steps=6", "trainer_config.device=cpu"]
 
@@ -107,20 +108,28 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     ), closing
     command = closing.split("sample from the best: ")[1].strip()
     assert shlex.split(command)[:3] == ["python", "-m", "mingpt.generate"]
-    sampled = subprocess.run(
-        [sys.executable, *shlex.split(command)[1:], "max_new_tokens=5"],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-3000:]
     # where it was started
     assert shlex.split(command)[3] == f"snapshot_path={best_file.relative_to(tmp_path)}"
 
+    # Then, one after another as typed: the same command again; What next's train-longer command;
+    # its fine-tuning, on the text its line makes first. One process for the three main.py
+    # commands (each is mostly importing torch), as `python main.py` runs them.
+    made = subprocess.run(readme_line(r"^head -c"), shell=True, cwd=tmp_path, env=child_env())
+    assert made.returncode == 0 and (tmp_path / "mytext.txt").stat().st_size > 0
+    # The README's command for the Quick start's run, with the tiny run's own bound raised as the
+    # "already complete" line says: it continues runs/default.
+    line = readme_line(r"^python main\.py .*allow_config_change=true")
+    assert line.endswith("# continues runs/default"), line
+    longer = [*quick, *main_args(shlex.split(line.split("#")[0])), *EXTRA]
+    longer.append("trainer_config.max_steps=12")
+    assert run_dir_of(tmp_path, longer) == snapshot.parent
+    tune = [*main_args(readme_command(r"trainer_config\.init_from=runs/default ")), *EXTRA]
+    assert run_dir_of(tmp_path, tune) not in (snapshot.parent, tmp_path / "runs" / "ddp2")
+    again, continued, tuned = run_each(
+        "mingpt.cli", [(tmp_path, on_cpu(argv)) for argv in ([*quick, *EXTRA], longer, tune)]
+    )
+
     # The same command again finds its run complete and says what to type instead.
-    again = run_main([*quick, *EXTRA], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     line = next(
         line for line in again.stderr.splitlines() if "run already complete at step 6" in line
@@ -128,17 +137,28 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert "nothing to train" in line and "add trainer_config.run_name=NAME" in line
     assert line.endswith("add trainer_config.max_steps=12 trainer_config.allow_config_change=true")
 
-    # What next: train longer. The README's command for the Quick start's run, with the tiny run's
-    # own bound raised as the line above says: it continues runs/default.
-    line = readme_line(r"^python main\.py .*allow_config_change=true")
-    assert line.endswith("# continues runs/default"), line
-    longer = [*quick, *main_args(shlex.split(line.split("#")[0])), *EXTRA]
-    longer.append("trainer_config.max_steps=12")
-    assert run_dir_of(tmp_path, longer) == snapshot.parent
-    continued = run_main(longer, tmp_path)
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert f"resumed from {snapshot}: " in continued.stderr, continued.stderr[-3000:]
     assert train_steps(snapshot.parent) == [5, 6, 10, 12]
+
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert re.search(r"initialised from \S*runs/default/snapshots-best ", tuned.stderr)
+
+    # Sampling: the Quick start's closing command, and What next's from the fine-tuned run (one
+    # process for both).
+    sample = readme_command(r"^python -m mingpt\.generate snapshot_path=runs/mytext ")
+    assert run_dir_of(tmp_path, tune) == tmp_path / sample[3].partition("=")[2]
+    best_sampled, tune_sampled = run_each(
+        "mingpt.generate",
+        [
+            (tmp_path, [*shlex.split(command)[3:], "max_new_tokens=5"]),
+            (tmp_path, [*sample[3:], "max_new_tokens=5"]),
+        ],
+    )
+    assert best_sampled.returncode == 0 and best_sampled.stdout.strip(), best_sampled.stderr[-3000:]
+    assert tune_sampled.returncode == 0 and tune_sampled.stdout.startswith("ROMEO:"), (
+        tune_sampled.stderr
+    )
 
     scale = readme_command(r"torchrun --standalone --nproc_per_node=2 main\.py")
     env = child_env()
@@ -157,32 +177,12 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert train_steps(run_dir) == [5, 6]
     assert read_snapshot(run_dir / "snapshots")["world_size"] == 2
 
-    what_next(tmp_path, quick_dir=snapshot.parent)
+    export_to_transformers(tmp_path)
 
 
-def what_next(cwd, quick_dir) -> None:
-    """The README's What next, after the Quick start's run: fine-tune on a text the README's line
-    makes first, sample it, export the Quick start's model and load it in `transformers` with the
-    README's own Python lines."""
-    made = subprocess.run(readme_line(r"^head -c"), shell=True, cwd=cwd, env=child_env())
-    assert made.returncode == 0 and (cwd / "mytext.txt").stat().st_size > 0
-    tune = [*main_args(readme_command(r"trainer_config\.init_from=runs/default ")), *EXTRA]
-    assert run_dir_of(cwd, tune) not in (quick_dir, cwd / "runs" / "ddp2")
-    tuned = run_main(tune, cwd)
-    assert tuned.returncode == 0, tuned.stderr[-3000:]
-    assert re.search(r"initialised from \S*runs/default/snapshots-best ", tuned.stderr)
-    sample = readme_command(r"^python -m mingpt\.generate snapshot_path=runs/mytext ")
-    assert run_dir_of(cwd, tune) == cwd / sample[3].partition("=")[2]
-    sampled = subprocess.run(
-        [sys.executable, *sample[1:], "max_new_tokens=5"],
-        cwd=cwd,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
-
+def export_to_transformers(cwd) -> None:
+    """What next's last lines: export the Quick start's model and load it in `transformers` with
+    the README's own Python lines."""
     export = readme_command(r"^python -m mingpt\.export .* format=hf")
     exported = subprocess.run(
         [sys.executable, *export[1:]], cwd=cwd, env=child_env(), capture_output=True, text=True
