@@ -1,5 +1,5 @@
-"""The config dataclasses: each key's default, type, help and whether it is operational;
-__post_init__ checks the values."""
+"""The config dataclasses: each key's default, type, valid values, help and whether it is
+operational; __post_init__ checks each value against its field, then what spans several keys."""
 
 from __future__ import annotations
 
