@@ -873,7 +873,7 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(
     run_dir = run_dirs["killed"]
     victim = None
     try:
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 300
         while victim is None and killed.poll() is None and time.monotonic() < deadline:
             # Past the save at step 10 and its publication, in the middle of epoch 0 (steps 1-71).
             # The scan of /proc only then: each one costs milliseconds of this process's CPU, which
@@ -889,8 +889,8 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_identical(
         assert victim[1] < STEPS_PER_EPOCH, (
             f"killed at step {victim[1]}, not in the middle of epoch 0"
         )
-        _, killed_err = killed.communicate(timeout=150)
-        _, reference_err = reference.communicate(timeout=150)
+        _, killed_err = killed.communicate(timeout=300)
+        _, reference_err = reference.communicate(timeout=300)
     finally:
         for proc in (killed, reference):  # on failure, the agent and its workers
             if proc.poll() is None:
