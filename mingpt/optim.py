@@ -112,15 +112,73 @@ def orthogonalise(
     return x
 
 
+def orthogonalise_on_gram(
+    x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """The same iteration for a batch of wide float32 matrices x (B, m, n), m <= n, carried on
+    their m x m Gram matrices. Each step multiplies x by P = a I + b G + c G^2, a polynomial in
+    G = x x^T; so x_k = Q x_0 with Q the product of the P's, and the next G is P G P. Only the
+    first and last products touch n: for the blocks' (C, 4C) matrices that is about 40% fewer
+    flops, and equal to float tolerance. Not in bfloat16: G squares x's condition number."""
+    a, b, c = coefficients
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    gram = x @ x.mT
+    q = None
+    for step in range(steps):
+        p = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2,
+        p.diagonal(dim1=-2, dim2=-1).add_(a)  # + a I
+        if q is None:
+            q = p
+        else:
+            q = p @ q
+        if step < steps - 1:  # the last G is never used
+            gram = p @ gram @ p
+    return q @ x
+
+
+def orthogonalise_float32(
+    updates: list[torch.Tensor], coefficients: tuple[float, float, float], steps: int, eps: float
+) -> list[torch.Tensor]:
+    """orthogonalise's result for each float32 matrix of `updates`, computed on the Gram matrix
+    for all matrices of one shape at once (tall ones transposed): on a CPU, a few batched products
+    keep both cores busy where many small ones do not."""
+    wide = [u.T if u.size(0) > u.size(1) else u for u in updates]
+    by_shape: dict[torch.Size, list[int]] = {}
+    for i, x in enumerate(wide):
+        by_shape.setdefault(x.shape, []).append(i)
+    results: list[torch.Tensor] = [None] * len(updates)
+    for indices in by_shape.values():
+        batch = orthogonalise_on_gram(
+            torch.stack([wide[i] for i in indices]).float(), coefficients, steps, eps
+        )
+        for i, x in zip(indices, batch, strict=True):
+            if updates[i].size(0) > updates[i].size(1):
+                x = x.T
+            results[i] = x
+    return results
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (its arguments, groups and momentum_buffer state, so its snapshots load)
     orthogonalising in `dtype`, where torch's always uses bfloat16. The step is torch's, written
     out: Nesterov momentum, decoupled weight decay, the learning rate scaled by
-    sqrt(max(1, rows / columns)) (torch's default adjust_lr_fn, the only one this takes)."""
+    sqrt(max(1, rows / columns)) (torch's default adjust_lr_fn, the only one this takes). In
+    bfloat16 it is torch's to the bit; in float32 the iteration runs on the Gram matrices
+    (orthogonalise_float32)."""
 
     def __init__(self, params: list[nn.Parameter], lr: float, dtype: torch.dtype):
         super().__init__(params, lr=lr)
         self.dtype = dtype
+
+    @staticmethod
+    def momentum_update(
+        grad: torch.Tensor, buffer: torch.Tensor, momentum: float, nesterov: bool
+    ) -> torch.Tensor:
+        """The buffer moves to its average with grad; Nesterov's update looks ahead of it."""
+        buffer.lerp_(grad, 1 - momentum)
+        if nesterov:
+            return grad.lerp(buffer, momentum)
+        return buffer
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -133,12 +191,18 @@ class Muon(torch.optim.Muon):
             self._init_group(group, params, grads, buffers)
             momentum = group["momentum"]
             lr = group["lr"]
-            for p, grad, buffer in zip(params, grads, buffers, strict=True):
-                buffer.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-                update = orthogonalise(
-                    update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.dtype
-                )
+            ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+            # A generator: in bfloat16 each matrix is orthogonalised and stepped before the next
+            # one's update exists, so only one update is held at a time, as in torch's loop.
+            updates = (
+                self.momentum_update(grad, buffer, momentum, group["nesterov"])
+                for grad, buffer in zip(grads, buffers, strict=True)
+            )
+            if self.dtype == torch.float32:
+                updates = orthogonalise_float32(list(updates), *ns)
+            else:
+                updates = (orthogonalise(u, *ns, self.dtype) for u in updates)
+            for p, update in zip(params, updates, strict=True):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
 

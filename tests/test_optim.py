@@ -142,23 +142,29 @@ def test_muon_takes_the_blocks_matrices_and_steps_as_written(model):
         0.05,
     ]
 
-    weight = model.h[0].mlp.c_fc.weight  # (64, 16): tall, so Muon scales its step by sqrt(64 / 16)
-    expected, buffer = (
-        weight.detach().double().clone(),
-        torch.zeros_like(weight, dtype=torch.float64),
-    )
+    # Every shape Muon takes: square, tall by 3 and 4 (scaled by sqrt(rows / columns)), and wide;
+    # in float32 they are orthogonalised on their Gram matrices, those of one shape together.
+    matrices = muon.param_groups[0]["params"]
+    expected = [p.detach().double().clone() for p in matrices]
+    buffers = [torch.zeros_like(p, dtype=torch.float64) for p in matrices]
     for step in range(2):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + step))
-        grad = weight.grad.double()
+        grads = [p.grad.double() for p in matrices]
         opt.step()
-        # By hand: the momentum buffer as an average, Nesterov's look-ahead, decoupled weight decay.
-        buffer = 0.9 * buffer + 0.1 * grad
-        update = grad + 0.9 * (buffer - grad)
-        expected = expected * (1 - 0.05 * 0.1) - 0.05 * math.sqrt(64 / 16) * newton_schulz(update)
+        for i, (p, grad) in enumerate(zip(matrices, grads, strict=True)):
+            # By hand: the momentum buffer as an average, Nesterov's look-ahead, decoupled weight
+            # decay.
+            buffers[i] = 0.9 * buffers[i] + 0.1 * grad
+            update = grad + 0.9 * (buffers[i] - grad)
+            scale = 0.05 * math.sqrt(max(1, p.size(0) / p.size(1)))
+            expected[i] = expected[i] * (1 - 0.05 * 0.1) - scale * newton_schulz(update)
+    assert {p.shape for p in matrices} == {(48, 16), (16, 16), (64, 16), (16, 64)}
     # On a CPU Muon iterates in float32: bfloat16's rounding (2^-8 of an update's entries) would
     # be some 1e-3 off
-    assert torch.allclose(weight.double(), expected, rtol=0, atol=1e-5)
+    for p, want in zip(matrices, expected, strict=True):
+        assert torch.allclose(p.double(), want, rtol=0, atol=1e-5)
+    weight = matrices[0]
 
     state = opt.state_dict()  # both optimizers' states, loaded back as they were
     again = create_optimizer(model, cfg)
