@@ -228,14 +228,14 @@ def run_main(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Com
     )
 
 
-# Each case through MODULE.main in one child process, one after another: a start (mostly
+# Each case through its module's main in one child process, one after another: a start (mostly
 # importing torch) for all. After each, its exit status behind a NUL on stdout and on stderr:
 # the streams are the real ones, so that what torch writes to them directly is seen too.
 EACH_CASE = """
 import importlib, json, os, sys, traceback
-module, cases = sys.argv[1], json.loads(sys.argv[2])
-main = importlib.import_module(module).main
-for cwd, argv in cases:
+cases = json.loads(sys.argv[1])
+for cwd, argv, module in cases:
+    main = importlib.import_module(module).main
     os.chdir(cwd)
     sys.argv = [module, *argv]
     try:
@@ -253,12 +253,14 @@ for cwd, argv in cases:
 
 
 def run_each(
-    module: str, cases: list[tuple[Path, list[str]]], timeout: float = 300
+    module: str, cases: list[tuple[Path, list[str]] | tuple[Path, list[str], str]], timeout=300
 ) -> list[subprocess.CompletedProcess]:
-    """What `python -m MODULE ARGV` in CWD gives for each (CWD, ARGV) of `cases`: its exit
-    status, stdout and stderr. For commands that end quickly (refusals): one start for all."""
+    """What `python -m MODULE ARGV` in CWD gives for each (CWD, ARGV) of `cases`, or (CWD, ARGV,
+    ITS MODULE) for another command: its exit status, stdout and stderr. For commands that end
+    quickly (refusals, a finished run, a sample): one start for all."""
+    given = [[str(case[0]), case[1], case[2] if len(case) > 2 else module] for case in cases]
     proc = subprocess.run(
-        [sys.executable, "-c", EACH_CASE, module, json.dumps([[str(c), a] for c, a in cases])],
+        [sys.executable, "-c", EACH_CASE, json.dumps(given)],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -271,8 +273,8 @@ def run_each(
     assert outs[-1] == errs[-1] == "" and outs[1::2] == errs[1::2], proc.stderr[-3000:]
     return [
         subprocess.CompletedProcess(argv, int(status), out, err)
-        for (_, argv), status, out, err in zip(
-            cases, errs[1::2], outs[:-1:2], errs[:-1:2], strict=True
+        for (_, argv, _), status, out, err in zip(
+            given, errs[1::2], outs[:-1:2], errs[:-1:2], strict=True
         )
     ]
 

@@ -125,9 +125,20 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert run_dir_of(tmp_path, longer) == snapshot.parent
     tune = [*main_args(readme_command(r"trainer_config\.init_from=runs/default ")), *EXTRA]
     assert run_dir_of(tmp_path, tune) not in (snapshot.parent, tmp_path / "runs" / "ddp2")
-    again, continued, tuned = run_each(
-        "mingpt.cli", [(tmp_path, on_cpu(argv)) for argv in ([*quick, *EXTRA], longer, tune)]
-    )
+    # Sampling: the Quick start's closing command, and What next's from the fine-tuned run; and
+    # What next's export of the Quick start's model. One process for these commands and the three
+    # above (each is mostly importing torch), one after another as typed.
+    sample = readme_command(r"^python -m mingpt\.generate snapshot_path=runs/mytext ")
+    assert run_dir_of(tmp_path, tune) == tmp_path / sample[3].partition("=")[2]
+    export = readme_command(r"^python -m mingpt\.export .* format=hf")
+    assert export[1:3] == ["-m", "mingpt.export"], export
+    commands = [(tmp_path, on_cpu(argv)) for argv in ([*quick, *EXTRA], longer, tune)]
+    commands += [
+        (tmp_path, [*shlex.split(command)[3:], "max_new_tokens=5"], "mingpt.generate"),
+        (tmp_path, [*sample[3:], "max_new_tokens=5"], "mingpt.generate"),
+        (tmp_path, export[3:], "mingpt.export"),
+    ]
+    again, continued, tuned, best_sampled, tune_sampled, exported = run_each("mingpt.cli", commands)
 
     # The same command again finds its run complete and says what to type instead.
     assert again.returncode == 0, again.stderr[-3000:]
@@ -144,17 +155,6 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert re.search(r"initialised from \S*runs/default/snapshots-best ", tuned.stderr)
 
-    # Sampling: the Quick start's closing command, and What next's from the fine-tuned run (one
-    # process for both).
-    sample = readme_command(r"^python -m mingpt\.generate snapshot_path=runs/mytext ")
-    assert run_dir_of(tmp_path, tune) == tmp_path / sample[3].partition("=")[2]
-    best_sampled, tune_sampled = run_each(
-        "mingpt.generate",
-        [
-            (tmp_path, [*shlex.split(command)[3:], "max_new_tokens=5"]),
-            (tmp_path, [*sample[3:], "max_new_tokens=5"]),
-        ],
-    )
     assert best_sampled.returncode == 0 and best_sampled.stdout.strip(), best_sampled.stderr[-3000:]
     assert tune_sampled.returncode == 0 and tune_sampled.stdout.startswith("ROMEO:"), (
         tune_sampled.stderr
@@ -177,16 +177,12 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert train_steps(run_dir) == [5, 6]
     assert read_snapshot(run_dir / "snapshots")["world_size"] == 2
 
-    export_to_transformers(tmp_path)
+    load_in_transformers(tmp_path, exported)
 
 
-def export_to_transformers(cwd) -> None:
-    """What next's last lines: export the Quick start's model and load it in `transformers` with
+def load_in_transformers(cwd, exported: subprocess.CompletedProcess) -> None:
+    """What next's last lines: the Quick start's model, exported, loads in `transformers` with
     the README's own Python lines."""
-    export = readme_command(r"^python -m mingpt\.export .* format=hf")
-    exported = subprocess.run(
-        [sys.executable, *export[1:]], cwd=cwd, env=child_env(), capture_output=True, text=True
-    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     (lines,) = re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S)
