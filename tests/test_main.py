@@ -137,11 +137,10 @@ def test_run_writes_a_loadable_snapshot_and_prints_a_sample(first_run, workdir):
     assert "Traceback" not in proc.stderr
 
 
-def test_identical_invocation_finds_the_finished_run(first_run, workdir):
+def test_identical_invocation_finds_the_finished_run(first_run, refused):
     _, run_dir = first_run
-    before = (run_dir / "metrics.jsonl").read_text()
-    snapshot = tree_bytes(run_dir / "snapshots")
-    proc = run_main(args(workdir), workdir)
+    before, snapshot = refused["first run's record"]
+    proc, _ = refused["identical"]
     assert proc.returncode == 0, proc.stderr
     assert f"already complete at step {2 * STEPS_PER_EPOCH}" in proc.stderr
     assert "--- sample after step" in proc.stdout
@@ -149,14 +148,15 @@ def test_identical_invocation_finds_the_finished_run(first_run, workdir):
     assert tree_bytes(run_dir / "snapshots") == snapshot
 
 
-def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, workdir, tmp_path):
+def longer(workdir: Path, copy: Path) -> list[str]:
+    return args(workdir, "trainer_config.max_epochs=3", f"hydra.run.dir={copy}")
+
+
+def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, workdir, refused):
     """The continue-with-changes path of docs/fault-tolerance.md: the run's directory, the new
     values and trainer_config.allow_config_change=true."""
     _, run_dir = first_run
-    copy = tmp_path / "continued"
-    shutil.copytree(run_dir, copy)
-    longer = args(workdir, "trainer_config.max_epochs=3", f"hydra.run.dir={copy}")
-    refused = run_main(longer, workdir)  # without the flag: one line naming the change
+    refused, copy = refused["longer"]  # without the flag: one line naming the change
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
         "error: snapshot "
     )
@@ -164,7 +164,7 @@ def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, 
         "(trainer_config.max_epochs: 2 -> 3)" in refused.stderr
         and "allow_config_change=true" in refused.stderr
     )
-    proc = run_main([*longer, "trainer_config.allow_config_change=true"], workdir)
+    proc = run_main([*longer(workdir, copy), "trainer_config.allow_config_change=true"], workdir)
     assert proc.returncode == 0, proc.stderr
     assert f"run directory {copy}" in proc.stderr  # hydra.run.dir is respected
     assert "continuing" in proc.stderr and "trainer_config.max_epochs: 2 -> 3" in proc.stderr
@@ -229,14 +229,25 @@ BAD_OVERRIDES = {  # id: (override, what the one line names)
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+def refused(tmp_path_factory, first_run, workdir) -> dict[str, tuple]:
     """{id: (what `python main.py OVERRIDE` gave, the directory it ran in)} for each bad override,
-    and for a missing corpus (one process for all: each run is mostly importing torch)."""
+    and for a missing corpus; "identical": (the first run's command again, the work directory);
+    "longer": (the longer run's command without allow_config_change, the copy of the first run
+    it names); "first run's record": (its metrics.jsonl, its snapshots' bytes) before these.
+    One process for all (each run is mostly importing torch, and these end at start)."""
+    _, run_dir = first_run
+    record = ((run_dir / "metrics.jsonl").read_text(), tree_bytes(run_dir / "snapshots"))
+    copy = tmp_path_factory.mktemp("continued") / "run"
+    shutil.copytree(run_dir, copy)
     cases = {name: [override] for name, (override, _) in BAD_OVERRIDES.items()}
     cases["missing-data-file"] = ["data_config.path=no/such/corpus.txt"]
     cwds = {name: tmp_path_factory.mktemp(name) for name in cases}
+    cases["identical"], cwds["identical"] = args(workdir), workdir
+    cases["longer"], cwds["longer"] = longer(workdir, copy), workdir
     results = run_each("mingpt.cli", [(cwds[name], on_cpu(argv)) for name, argv in cases.items()])
-    return {name: (result, cwds[name]) for name, result in zip(cases, results, strict=True)}
+    given = {name: (result, cwds[name]) for name, result in zip(cases, results, strict=True)}
+    given["longer"] = (given["longer"][0], copy)
+    return {**given, "first run's record": record}
 
 
 @pytest.mark.parametrize("name", BAD_OVERRIDES)
