@@ -137,12 +137,9 @@ def contents(run_dir: Path) -> dict[str, bytes]:
     }
 
 
-def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_run):
-    before = contents(finished_run)
-    assert {"train.log", "metrics.jsonl", "run.lock", ".hydra/config.yaml"} <= before.keys()
-    assert any(name.startswith("snapshots/step-") for name in before)
-    same_dir = ["trainer_config.run_name=done", f"hydra.run.dir={finished_run}"]
-    refusals = {
+# Refused invocations on the finished run: {name: (overrides, what the one error line says)}.
+def refusals_of(workdir: Path, finished_run: Path) -> dict[str, tuple[list[str], str]]:
+    return {
         "bad value": (
             ["trainer_config.batch_size=0"],
             "error: trainer_config.batch_size: must be >= 1",
@@ -162,51 +159,17 @@ def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_r
         ),
     }
 
-    def refuse(names) -> dict[str, subprocess.CompletedProcess]:
-        argvs = [
-            args("trainer_config.max_epochs=1", *same_dir, *refusals[name][0]) for name in names
-        ]
-        return dict(zip(names, run_each("mingpt.cli", [(workdir, a) for a in argvs]), strict=True))
 
-    # Refused before they take the directory: while another job holds it
-    # (this process, with the lock a job takes).
-    early = ("bad value", "bad corpus", "in use")
-    lock = os.open(finished_run / "run.lock", os.O_RDWR)
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    try:
-        results = refuse(early)
-    finally:
-        os.close(lock)
-    # refused once they hold it, each letting it go for the next
-    results.update(refuse([name for name in refusals if name not in early]))
-    for name, (_, says) in refusals.items():
-        stderr = results[name].stderr
-        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert results[name].returncode == 2 and len(errors) == 1 and says in errors[0], (
-            name,
-            stderr,
-        )
-    assert contents(finished_run) == before
+# Refused before they take the directory: while another job holds it.
+EARLY = ("bad value", "bad corpus", "in use")
 
-
-def test_another_command_starts_its_own_run(workdir, finished_run):
-    """The README's first example of other settings: other values under a name
-    of their own, its own run from step 0; the first run stays as it was (the
-    same name with other values is refused: test above)."""
-    before = contents(finished_run)
-    argv = args(
-        "trainer_config.max_epochs=1",
-        "trainer_config.run_name=other",
-        "optimizer_config.learning_rate=1e-3",
-        "trainer_config.max_steps=5",
-    )
-    proc = run_main(argv, workdir)
-    assert proc.returncode == 0, proc.stderr
-    assert "resumed from" not in proc.stderr and "already complete" not in proc.stderr
-    assert run_dir_of(workdir, argv) == workdir / "runs" / "other"
-    assert steps(workdir / "runs" / "other", "train") == [5]
-    assert contents(finished_run) == before
-
+# The README's first example of other settings: other values under a name of their own.
+OTHER_RUN = (
+    "trainer_config.max_epochs=1",
+    "trainer_config.run_name=other",
+    "optimizer_config.learning_rate=1e-3",
+    "trainer_config.max_steps=5",
+)
 
 REFUSED_CORPORA = {  # id: (a corpus of this text, else the work directory's; overrides; the line)
     "tiny-corpus": ("x" * 53 + "\n", [], "the held-out split has 6 characters"),
@@ -221,13 +184,22 @@ REFUSED_CORPORA = {  # id: (a corpus of this text, else the work directory's; ov
 
 
 @pytest.fixture(scope="module")
-def refused_corpora(
-    workdir, tmp_path_factory
-) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """{id: (the directory main.py ran in, what it said)} for each refused corpus, and (id
-    "snapshot in use") for a run whose snapshot, outside its run directory, another job holds:
-    one process for all (each run is mostly importing torch)."""
-    cases = {}
+def commands(workdir, finished_run, tmp_path_factory) -> dict:
+    """What the quick commands of this module gave, in two processes (each run is mostly importing
+    torch). While this process holds the finished run's lock, as a job would: the refusals of
+    EARLY on it; and, each in a directory of its own, each refused corpus, and (id "snapshot in
+    use") a run whose snapshot, outside its run directory, this process holds too. Then, the lock
+    let go, the other refusals on the finished run (each letting it go for the next), and
+    OTHER_RUN. {"refused": {name: its process}, "corpora": {id: (its directory, its process)},
+    "other": its process, "before": the finished run's files before any of them}."""
+    before = contents(finished_run)
+    same_dir = ["trainer_config.run_name=done", f"hydra.run.dir={finished_run}"]
+    refusals = refusals_of(workdir, finished_run)
+
+    def refusal(name: str) -> tuple[Path, list[str]]:
+        return workdir, args("trainer_config.max_epochs=1", *same_dir, *refusals[name][0])
+
+    corpora = {}
     # Two run directories, one local snapshot path: this process holds the snapshot's lock as the
     # first job would.
     cwd = tmp_path_factory.mktemp("snapshot-in-use")
@@ -237,7 +209,7 @@ def refused_corpora(
         f"trainer_config.snapshot_path={snapshot}",
         f"hydra.run.dir={cwd / 'b'}",
     )
-    cases["snapshot in use"] = (cwd, on_cpu(argv))
+    corpora["snapshot in use"] = (cwd, on_cpu(argv))
     for name, (text, extra, _) in REFUSED_CORPORA.items():
         cwd = tmp_path_factory.mktemp(name)
         path = workdir / "corpus.txt"
@@ -245,19 +217,55 @@ def refused_corpora(
             path = cwd / "tiny.txt"
             path.write_text(text, encoding="utf-8")
         argv = [*args(f"data_config.path={path}", "trainer_config.run_name=refused"), *extra]
-        cases[name] = (cwd, on_cpu(argv))
-    lock = os.open(f"{snapshot}.lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        corpora[name] = (cwd, on_cpu(argv))
+    locks = [os.open(finished_run / "run.lock", os.O_RDWR)]
+    locks.append(os.open(f"{snapshot}.lock", os.O_RDWR | os.O_CREAT))
     try:
-        results = run_each("mingpt.cli", list(cases.values()))
+        for lock in locks:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        results = run_each("mingpt.cli", [*map(refusal, EARLY), *corpora.values()])
     finally:
-        os.close(lock)
-    return {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+        for lock in locks:
+            os.close(lock)
+    late = [name for name in refusals if name not in EARLY]
+    results += run_each("mingpt.cli", [*map(refusal, late), (workdir, args(*OTHER_RUN))])
+    names = [*EARLY, *corpora, *late, "other"]
+    given = dict(zip(names, results, strict=True))
+    return {
+        "refused": {name: given[name] for name in refusals},
+        "corpora": {name: (corpora[name][0], given[name]) for name in corpora},
+        "other": given["other"],
+        "before": before,
+    }
 
 
-def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(refused_corpora):
+def test_refused_invocations_leave_every_file_byte_identical(workdir, finished_run, commands):
+    before = commands["before"]
+    assert {"train.log", "metrics.jsonl", "run.lock", ".hydra/config.yaml"} <= before.keys()
+    assert any(name.startswith("snapshots/step-") for name in before)
+    for name, (_, says) in refusals_of(workdir, finished_run).items():
+        stderr = commands["refused"][name].stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert commands["refused"][name].returncode == 2 and len(errors) == 1, (name, stderr)
+        assert says in errors[0], (name, stderr)
+    assert contents(finished_run) == before
+
+
+def test_another_command_starts_its_own_run(workdir, finished_run, commands):
+    """The README's first example of other settings: other values under a name
+    of their own, its own run from step 0; the first run stays as it was (the
+    same name with other values is refused: test above)."""
+    proc = commands["other"]
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" not in proc.stderr and "already complete" not in proc.stderr
+    assert run_dir_of(workdir, args(*OTHER_RUN)) == workdir / "runs" / "other"
+    assert steps(workdir / "runs" / "other", "train") == [5]
+    assert contents(finished_run) == commands["before"]
+
+
+def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(commands):
     """Two run directories, one local snapshot path: the second job is refused."""
-    cwd, proc = refused_corpora["snapshot in use"]
+    cwd, proc = commands["corpora"]["snapshot in use"]
     snapshot = cwd / "shared.pt"
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].startswith(f"error: snapshot {snapshot} is in use by"), (
@@ -268,10 +276,10 @@ def test_a_snapshot_kept_outside_the_run_directory_is_claimed_too(refused_corpor
 
 
 @pytest.mark.parametrize("name", REFUSED_CORPORA)
-def test_a_refused_corpus_leaves_no_run_directory(refused_corpora, name):
+def test_a_refused_corpus_leaves_no_run_directory(commands, name):
     """Refused once the run directory was made and locked (a missing file: before the lock): the
     lock file and the directory go."""
-    cwd, proc = refused_corpora[name]
+    cwd, proc = commands["corpora"][name]
     says = REFUSED_CORPORA[name][2]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr
