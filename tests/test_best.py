@@ -12,7 +12,16 @@ import logging
 import signal
 
 import pytest
-from conftest import TINY, read_snapshot, run_dir_of, run_each, run_main, run_torchrun, tree_bytes
+from conftest import (
+    TINY,
+    on_cpu,
+    read_snapshot,
+    run_dir_of,
+    run_each,
+    run_main,
+    run_torchrun,
+    tree_bytes,
+)
 from test_snapshot import make_trainer, same_tensors
 
 from mingpt import stopping
@@ -192,20 +201,21 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
         f"sample from the best: python -m mingpt.generate snapshot_path="
         f"{(run_dir / 'snapshots-best').relative_to(tmp_path)}"
     ), closing
-    again = run_main(args, tmp_path)
+    # The same command again; then generate with the run directory, then with its snapshots:
+    # one process for the three (each is mostly importing torch).
+    again, sampled, explicit = run_each(
+        "mingpt.generate",
+        [
+            (tmp_path, on_cpu(args), "mingpt.cli"),
+            (tmp_path, [f"snapshot_path={run_dir}", "max_new_tokens=5"]),
+            (tmp_path, [f"snapshot_path={run_dir / 'snapshots'}", "max_new_tokens=5"]),
+        ],
+    )
     assert (
         again.returncode == 0 and "run already complete at step 8, stopped early" in again.stderr
     ), again.stderr
     assert "train step" not in again.stderr
 
-    # the run directory, then its snapshots: one process for both
-    sampled, explicit = run_each(
-        "mingpt.generate",
-        [
-            (tmp_path, [f"snapshot_path={run_dir}", "max_new_tokens=5"]),
-            (tmp_path, [f"snapshot_path={run_dir / 'snapshots'}", "max_new_tokens=5"]),
-        ],
-    )
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr
     assert (
         f"run directory {run_dir}: its best weights, {run_dir / 'snapshots-best'}" in sampled.stderr
