@@ -5,11 +5,9 @@ And a run directory of mingpt's single-file training format from before."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
-from conftest import TINY, on_cpu, read_snapshot, run_each, run_main
+from conftest import TINY, on_cpu, read_snapshot, run_each
 
 # The tutorial's keys, one for one, with values small enough for a test.
 TUTORIAL_CFG = """\
@@ -49,22 +47,12 @@ def make_user_dir(path, corpus):
     return path
 
 
-@pytest.fixture
-def user_dir(tmp_path, corpus):
-    return make_user_dir(tmp_path, corpus)
-
-
 def user_args(user_dir, *overrides: str) -> list[str]:
     return ["--config-dir", str(user_dir / "conf"), "--config-name", "gpt2_train_cfg", *overrides]
 
 
-def user_run(user_dir, *overrides: str):
-    return run_main(user_args(user_dir, *overrides), user_dir)
-
-
-def test_tutorial_config_file_trains_with_its_values(user_dir):
-    # Keys the file lacks are added with +, as for any config without this project's defaults list.
-    proc = user_run(user_dir, "+trainer_config.max_steps=3", "trainer_config.batch_size=4")
+def test_tutorial_config_file_trains_with_its_values(commands):
+    user_dir, proc = commands["tutorial"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if "data_loader_workers" in line]
     assert (
@@ -93,23 +81,9 @@ SCHEMA_ERRORS = {  # id: (an edit of the file, what its one line says)
 }
 
 
-@pytest.fixture(scope="module")
-def schema_refusals(
-    tmp_path_factory, corpus
-) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """{id: (the user's directory, what main.py said)} for each edit of the file, in a directory of
-    its own (one process for all: each run is mostly importing torch)."""
-    dirs = {name: make_user_dir(tmp_path_factory.mktemp(name), corpus) for name in SCHEMA_ERRORS}
-    for name, (edit, _) in SCHEMA_ERRORS.items():
-        path = dirs[name] / "conf" / "gpt2_train_cfg.yaml"
-        path.write_text(path.read_text().replace(*edit))
-    results = run_each("mingpt.cli", [(d, on_cpu(user_args(d))) for d in dirs.values()])
-    return {name: (dirs[name], result) for name, result in zip(dirs, results, strict=True)}
-
-
 @pytest.mark.parametrize("name", SCHEMA_ERRORS)
-def test_tutorial_config_file_is_checked_against_the_schema(schema_refusals, name):
-    user_dir, proc = schema_refusals[name]
+def test_tutorial_config_file_is_checked_against_the_schema(commands, name):
+    user_dir, proc = commands[name]
     says = SCHEMA_ERRORS[name][1]
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -118,11 +92,20 @@ def test_tutorial_config_file_is_checked_against_the_schema(schema_refusals, nam
 
 
 @pytest.fixture(scope="module")
-def old_runs(tmp_path_factory, tiny_file) -> dict[bool, tuple]:
-    """A run directory of the old single-file format, its snapshot named by
-    trainer_config.snapshot_path or not: {named: (the directory, its files before, what main.py
-    said, what generate said)}, each in a directory of its own (a process for all of main.py's,
-    one for generate's)."""
+def commands(tmp_path_factory, corpus, tiny_file) -> dict:
+    """What this module's commands gave, in one process (each is mostly importing torch), each in
+    a directory of its own. "tutorial": (the user's directory, what main.py said) for 3 steps with
+    the tutorial's file; each id of SCHEMA_ERRORS: (the user's directory, what main.py said) for
+    that edit of the file; and a run directory of the old single-file format, its snapshot named
+    by trainer_config.snapshot_path or not: {named: (the directory, its files before, what main.py
+    said, what generate said)}."""
+    user_dir = make_user_dir(tmp_path_factory.mktemp("tutorial"), corpus)
+    # Keys the file lacks are added with +, as for any config without this project's defaults list.
+    tutorial = user_args(user_dir, "+trainer_config.max_steps=3", "trainer_config.batch_size=4")
+    dirs = {name: make_user_dir(tmp_path_factory.mktemp(name), corpus) for name in SCHEMA_ERRORS}
+    for name, (edit, _) in SCHEMA_ERRORS.items():
+        path = dirs[name] / "conf" / "gpt2_train_cfg.yaml"
+        path.write_text(path.read_text().replace(*edit))
     runs = {}
     trains = []
     samples = []
@@ -134,19 +117,24 @@ def old_runs(tmp_path_factory, tiny_file) -> dict[bool, tuple]:
         runs[named] = (run, sorted(p.name for p in run.iterdir()))
         named_path = [f"trainer_config.snapshot_path={run / 'snapshot.pt'}"] if named else []
         trains.append((run.parent, on_cpu([*TINY, f"hydra.run.dir={run}", *named_path])))
-        samples.append((run.parent, [f"snapshot_path={run}", "max_new_tokens=5", "device=cpu"]))
-    refused = run_each("mingpt.cli", trains)
-    sampled = run_each("mingpt.generate", samples)
-    return {named: (*runs[named], refused[i], sampled[i]) for i, named in enumerate(runs)}
+        sample = [f"snapshot_path={run}", "max_new_tokens=5", "device=cpu"]
+        samples.append((run.parent, sample, "mingpt.generate"))
+    cases = [(user_dir, on_cpu(tutorial)), *((d, on_cpu(user_args(d))) for d in dirs.values())]
+    results = run_each("mingpt.cli", [*cases, *trains, *samples])
+    given = {"tutorial": (user_dir, results.pop(0))}
+    given.update((name, (dirs[name], results.pop(0))) for name in dirs)
+    refused, sampled = results[: len(trains)], results[len(trains) :]
+    given.update((named, (*runs[named], refused[i], sampled[i])) for i, named in enumerate(runs))
+    return given
 
 
 @pytest.mark.parametrize("named", [False, True])
 def test_a_run_directory_of_the_old_single_file_format_is_refused_and_still_sampled(
-    old_runs, named
+    commands, named
 ):
     """Its snapshot.pt is not resumed (nor silently ignored by a run that would start afresh
     beside it): one line naming init_from; generate still reads it."""
-    run, before, proc, sampled = old_runs[named]
+    run, before, proc, sampled = commands[named]
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(
         f"error: {run / 'snapshot.pt'} is a single snapshot file (an export, or a run of an older "
