@@ -59,17 +59,21 @@ def run_generate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 # ------------------------------------------------------------------ the command
 
 
-def test_samples_stream_separated_and_repeat_with_the_seed(workdir, snapshot):
-    args = [
+def seeded(snapshot: Path) -> list[str]:
+    return [
         f"snapshot_path={snapshot}",
         "prompt=ROMEO:",
         "max_new_tokens=60",
         "num_samples=2",
         "seed=7",
     ]
-    # The repeat and the one-sample run below in one process after the first (a start each costs
-    # more than the text): the seed alone makes the text, in a fresh process or not.
-    second, alone = run_each("mingpt.generate", [(workdir, args), (workdir, args[:3] + ["seed=8"])])
+
+
+def test_samples_stream_separated_and_repeat_with_the_seed(workdir, snapshot, bad_runs):
+    args = seeded(snapshot)
+    # The repeat and the one-sample run below ran in the one process of the bad inputs (a start
+    # each costs more than the text): the seed alone makes the text, in a fresh process or not.
+    second, alone = bad_runs["repeat"], bad_runs["alone"]
     first = run_generate(args, workdir)
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout  # same seed, same text
@@ -365,17 +369,21 @@ BAD_SNAPSHOTS = {  # kind -> file name in the work directory
 
 @pytest.fixture(scope="module")
 def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
-    """The command on each bad input (one process for all: each run is mostly importing torch)."""
+    """The command on each bad input, and ("repeat", "alone") the seeded samples again and with
+    the next seed alone (one process for all: each run is mostly importing torch)."""
     whole = workdir / "whole.pt"  # the single file that export writes, cut in half
     single_file.save(read_snapshot(snapshot), str(whole))
     (workdir / "truncated.pt").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
     os.mkfifo(workdir / "snapshot.fifo")
     os.symlink("/dev/zero", workdir / "zero.pt")
-    cases = {
-        kind: [f"snapshot_path={workdir / name}", "prompt=ROMEO:"]
-        for kind, name in BAD_SNAPSHOTS.items()
-    }
+    cases = {"repeat": seeded(snapshot), "alone": seeded(snapshot)[:3] + ["seed=8"]}
+    cases.update(
+        {
+            kind: [f"snapshot_path={workdir / name}", "prompt=ROMEO:"]
+            for kind, name in BAD_SNAPSHOTS.items()
+        }
+    )
     cases.update(
         {override: [f"snapshot_path={snapshot}", *override.split()] for override in BAD_SETTINGS}
     )
