@@ -173,8 +173,10 @@ def limit_file_size(limit: int):
 
 
 @pytest.fixture(scope="module")
-def runs(snap) -> dict[str, subprocess.CompletedProcess]:
-    """Each bad case through the real command, two processes at a time; {case: finished process}."""
+def runs(snap, tmp_path_factory) -> dict:
+    """Each bad case through the real command, two processes at a time; {case: finished process},
+    with each argv of refused_invocations ("refused invocations": (the directory they ran in, the
+    argvs and their lines))."""
     work, good = snap
     small = work / "small.txt"
     shutil.copytree(good, work / "resume" / "snapshots")
@@ -192,7 +194,8 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             args, cwd=work, env=env, stderr=subprocess.PIPE, text=True, timeout=180, **kwargs
         )
 
-    # refused at start: one process for the three (each run is mostly importing torch)
+    # refused at start: one process for the three and refused_invocations' (each run is mostly
+    # importing torch)
     refusals = {
         "resume_damaged": overrides(
             small,
@@ -206,9 +209,13 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
             f"trainer_config.snapshot_path={work / 'afile' / 'snapshots'}",
         ),
     }
+    invocations = tmp_path_factory.mktemp("refused-invocations")
+    invoked = refused_invocations(invocations)
     cases = {
         "refusals": lambda: run_each(
-            "mingpt.cli", [(work, on_cpu(args)) for args in refusals.values()]
+            "mingpt.cli",
+            [(work, on_cpu(args)) for args in refusals.values()]
+            + [(invocations / "work", list(argv)) for argv in invoked],
         ),
         "save_fails": lambda: run(
             [
@@ -235,7 +242,8 @@ def runs(snap) -> dict[str, subprocess.CompletedProcess]:
         )
         with ThreadPoolExecutor(2) as pool:
             results = dict(zip(cases, pool.map(lambda case: case(), cases.values()), strict=True))
-    results.update(zip(refusals, results.pop("refusals"), strict=True))
+    results.update(zip([*refusals, *invoked], results.pop("refusals"), strict=True))
+    results["refused invocations"] = (invocations, invoked)
     return results
 
 
@@ -557,7 +565,9 @@ def test_dropping_a_group_and_choosing_from_it_is_refused():
     cli.check_group_overrides(["gpt_config=gpt2"])
 
 
-def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
+def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
+    """Invocations refused at start, each in tmp_path/work beside config files in tmp_path/conf
+    that are not valid YAML: {argv: what its one line says}."""
     conf = tmp_path / "conf"
     (conf / "experiment").mkdir(parents=True)
     (conf / "experiment" / "broken.yaml").write_text(
@@ -569,7 +579,7 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
     (conf / "mine.yaml").write_text("trainer_config:\n  max_epochs: [\n")
     work = tmp_path / "work"
     work.mkdir()
-    cases = {  # argv: what its one line says
+    return {  # argv: what its one line says
         (
             "--config-dir",
             str(conf),
@@ -623,9 +633,14 @@ def test_refused_invocations_say_one_line_and_write_nothing(tmp_path):
         ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
     }
-    # through cli.main, one after another in one process
-    results = run_each("mingpt.cli", [(work, list(argv)) for argv in cases])
-    for (argv, says), result in zip(cases.items(), results, strict=True):
+
+
+def test_refused_invocations_say_one_line_and_write_nothing(runs):
+    tmp_path, cases = runs["refused invocations"]
+    work = tmp_path / "work"
+    # through cli.main, one after another in one process (the runs' refusals')
+    for argv, says in cases.items():
+        result = runs[argv]
         stderr = result.stderr
         assert result.returncode == 2, (argv, stderr)
         assert stderr.startswith(f"error: {says}") and stderr.count("\n") == 1, (argv, stderr)
