@@ -13,10 +13,11 @@ import json
 import logging
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY, read_snapshot, run_dir_of, run_main, run_torchrun
+from conftest import TINY, on_cpu, read_snapshot, run_dir_of, run_each, run_main, run_torchrun
 from omegaconf import OmegaConf
 from test_snapshot import assert_one_error, make_trainer, same_tensors
 
@@ -109,17 +110,43 @@ def test_finetuning_lowers_the_heldout_loss_faster_than_training_from_scratch(
     assert scored.loss == pytest.approx(ft_loss, rel=1e-5)
 
 
-def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pretrained, tmp_path):
-    (tmp_path / "c.txt").write_text(
-        pretrained.b.read_text(encoding="utf-8") + "café ~\n", encoding="utf-8"
-    )
-    args = [
+def outside_vocabulary(pretrained: Pretrained) -> list[str]:
+    return [
         *TINY,
         "data_config.path=c.txt",
         "trainer_config.max_steps=2",
         f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}",
     ]
-    result = run_main(args, cwd=tmp_path)
+
+
+def shape_given(pretrained: Pretrained) -> list[str]:
+    """data_config.block_size=64 given (the default), to be replaced by the snapshot's 16."""
+    return [
+        *TINY,
+        f"data_config.path={pretrained.b}",
+        "trainer_config.max_steps=1",
+        "trainer_config.sample_chars=0",
+        "data_config.block_size=64",
+        f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def commands(pretrained, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """{case: (the directory main.py ran in, what it gave)}: "outside": a corpus with characters
+    outside the snapshot's vocabulary; "shape": a 1-step run given another block size. One
+    process for both (each is mostly importing torch)."""
+    cwds = {name: tmp_path_factory.mktemp(name) for name in ("outside", "shape")}
+    (cwds["outside"] / "c.txt").write_text(
+        pretrained.b.read_text(encoding="utf-8") + "café ~\n", encoding="utf-8"
+    )
+    given = {"outside": outside_vocabulary(pretrained), "shape": shape_given(pretrained)}
+    results = run_each("mingpt.cli", [(cwds[name], on_cpu(given[name])) for name in given])
+    return {name: (cwds[name], result) for name, result in zip(given, results, strict=True)}
+
+
+def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pretrained, commands):
+    cwd, result = commands["outside"]
     assert result.returncode == 2
     assert_one_error(
         result,
@@ -128,7 +155,7 @@ def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pre
         "'~' 'é'",
     )
     # refused before writing anything: the run directory it made is gone
-    assert not run_dir_of(tmp_path, args).exists()
+    assert not run_dir_of(cwd, outside_vocabulary(pretrained)).exists()
 
 
 def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tmp_path, one_thread):
@@ -155,18 +182,11 @@ def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tm
         make_trainer(tmp_path / "c", pretrained.b, source, "data_config.block_size=32")
 
 
-def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretrained, tmp_path):
+def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretrained, commands):
     """data_config.block_size=64 given (the default):
     replaced by the snapshot's 16, said, and recorded."""
-    args = [
-        *TINY,
-        f"data_config.path={pretrained.b}",
-        "trainer_config.max_steps=1",
-        "trainer_config.sample_chars=0",
-        "data_config.block_size=64",
-        f"trainer_config.init_from={pretrained.run_dir / 'snapshots'}",
-    ]
-    result = run_main(args, cwd=tmp_path)
+    tmp_path, result = commands["shape"]
+    args = shape_given(pretrained)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"the model's shape from {pretrained.run_dir / 'snapshots'} (trainer_config.init_from): "
