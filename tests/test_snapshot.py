@@ -230,12 +230,10 @@ class _CreatesFile:
         return open, (self.marker, "w")
 
 
-def test_pickled_code_is_refused_and_never_runs(tmp_path):
-    """A snapshot file (what export writes, and generate, score, export and init_from read)
-    holding pickled code: the reader refuses it and none of it runs. (A run's own snapshots,
-    Distributed Checkpoints: tests/test_sharded.py refuses a payload in their index.)"""
-    marker = tmp_path / "code-ran"
-    snapshot = tmp_path / "evil.pt"
+def pickled_code(directory: Path) -> tuple[Path, Path]:
+    """(a snapshot file in `directory` holding pickled code, the file that code would create)."""
+    marker = directory / "code-ran"
+    snapshot = directory / "evil.pt"
     state = {
         "model_state": {"w": _CreatesFile(str(marker))},
         "optimizer_state": {},
@@ -249,14 +247,15 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path):
     torch.load(snapshot, weights_only=False)  # the file really would create the marker...
     assert marker.exists()
     marker.unlink()
-    proc = subprocess.run(
-        [sys.executable, "-m", "mingpt.generate", f"snapshot_path={snapshot}", "device=cpu"],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return snapshot, marker
+
+
+def test_pickled_code_is_refused_and_never_runs(refused_at_start):
+    """A snapshot file (what export writes, and generate, score, export and init_from read)
+    holding pickled code: the reader refuses it and none of it runs. (A run's own snapshots,
+    Distributed Checkpoints: tests/test_sharded.py refuses a payload in their index.)"""
+    snapshot, marker = refused_at_start[0]["pickled code"][0]
+    proc = refused_at_start[0]["pickled code"][1]
     line = assert_one_error(proc, f"refusing to load {snapshot}", "none of it was run")
     assert re.search(r"GLOBAL _?io\.open", line), line  # Python 3.12 names it _io.open
     assert not marker.exists()  # ...but nothing in it ran
@@ -376,7 +375,8 @@ def refused_at_start(
     """({case: (the directory main.py ran in, what it said)}, the good snapshot's files before)
     for runs refused at start (one process for all: each run is mostly importing torch): for each
     parallelism, a regular file where the snapshots' root directory goes; and a model of another
-    shape than the good snapshot's, in its run directory."""
+    shape than the good snapshot's, in its run directory. And "pickled code": ((a snapshot file
+    holding pickled code, the file it would create), what generate said on it)."""
     cases = {}
     for parallelism in ("fsdp", "ddp"):
         cwd = tmp_path_factory.mktemp(parallelism)
@@ -398,11 +398,15 @@ def refused_at_start(
         f"hydra.run.dir={snapshot.parent}",
     )
     cases["other shape"] = (tmp, on_cpu(args))
+    # generate on a snapshot file holding pickled code, in the same process
+    evil = tmp_path_factory.mktemp("pickled")
+    code = pickled_code(evil)
+    cases["pickled code"] = (evil, [f"snapshot_path={code[0]}", "device=cpu"], "mingpt.generate")
     before = tree_bytes(snapshot)
     results = run_each("mingpt.cli", list(cases.values()))
-    return {
-        name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)
-    }, before
+    given = {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+    given["pickled code"] = (code, given["pickled code"][1])
+    return given, before
 
 
 def test_snapshot_of_another_shape_is_refused(good_snapshot, refused_at_start):
