@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, child_env, on_cpu, run_main, run_torchrun
+from conftest import REPO, TINY, child_env, on_cpu, run_each, run_main, run_torchrun
 
 mlflow = pytest.importorskip(
     "mlflow", reason="mlflow is not installed (pip install -e .[mlflow], or .[test])"
@@ -113,8 +113,40 @@ def recorded(run_dir: Path, split: str, key: str = "loss") -> list[tuple[int, fl
     ]
 
 
-def test_params_metrics_and_samples_reach_mlflow(cwd, monkeypatch):
-    result = run_main(args_for(cwd, "trainer_config.max_steps=20"), cwd)
+STORES = ["default", "sqlite"]
+
+
+def store_args(cwd: Path, store: str) -> list[str]:
+    """A 10-step run into MLflow's own default store, or an explicit sqlite URI in `cwd`."""
+    given = (
+        [] if store == "default" else [f"trainer_config.tracker_uri=sqlite:///{cwd / 'runs.db'}"]
+    )
+    return [*ARGS, "trainer_config.max_steps=10", "hydra.run.dir=runs/t", *given]
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory, corpus) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """{case: (the directory main.py ran in, what it gave)}: "file" for a 20-step run into a file
+    store in its directory, and each of STORES, with MLFLOW_TRACKING_URI unset. One process for
+    the three (each start imports torch and MLflow); the default store's first, before anything
+    else in the process could set a tracking URI."""
+    cases = {}
+    for name in [*STORES, "file"]:
+        cwd = tmp_path_factory.mktemp(name)
+        (cwd / "small.txt").write_text(
+            corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8"
+        )
+        argv = args_for(cwd, "trainer_config.max_steps=20") if name == "file" else None
+        cases[name] = (cwd, on_cpu(argv or store_args(cwd, name)))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # no_telemetry's, for this module's runs
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        results = run_each("mingpt.cli", list(cases.values()))
+    return {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+
+
+def test_params_metrics_and_samples_reach_mlflow(tracked, monkeypatch):
+    cwd, result = tracked["file"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "WARNING" not in result.stderr, result.stderr
     store = Store(cwd, monkeypatch)
@@ -263,24 +295,23 @@ def test_unreachable_tracker_costs_one_warning(cwd):
     assert time.monotonic() - started < 100  # MLflow's default retries would take minutes
 
 
-@pytest.mark.parametrize("store", ["default", "sqlite"])
-def test_the_documented_stores_track_after_the_documented_install(cwd, monkeypatch, store):
+@pytest.mark.parametrize("store", STORES)
+def test_the_documented_stores_track_after_the_documented_install(tracked, monkeypatch, store):
     """MLflow's own default store (MLFLOW_TRACKING_URI unset: sqlite:///mlflow.db in the
     working directory, MLflow >= 3.7) and an explicit sqlite URI, with what `.[mlflow]` installs."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cwd, result = tracked[store]
     uri = f"sqlite:///{cwd / 'runs.db'}"
-    given = [] if store == "default" else [f"trainer_config.tracker_uri={uri}"]
-    result = run_main([*ARGS, "trainer_config.max_steps=10", "hydra.run.dir=runs/t", *given], cwd)
     assert result.returncode == 0 and "WARNING" not in result.stderr, result.stderr[-3000:]
     if store == "default":
         with monkeypatch.context() as env:
             env.chdir(cwd)
             uri = mlflow.get_tracking_uri()  # as the run resolved it, from its working directory
         assert uri.startswith("sqlite:"), uri  # what the documented default is
-    tracked = Store(cwd, monkeypatch, uri)
-    run = tracked.only_run()
+    held = Store(cwd, monkeypatch, uri)
+    run = held.only_run()
     assert run.info.status == "FINISHED" and steps_of(
-        tracked.history[run.info.run_id]["train/loss"]
+        held.history[run.info.run_id]["train/loss"]
     ) == [5, 10]
 
 
