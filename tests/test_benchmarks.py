@@ -52,15 +52,23 @@ SMOKE = {
             "activation checkpointing, world 1, ddp: step time",
         ),
     ],
+    # Each mode once, a process (or torchrun's) each: the single file and DCP's synchronous save
+    # in one process, DCP's background save under torchrun (the sharded path of every mode).
     "bench_snapshot.py": [
         (
             1,
-            ["--rounds", "1", "--saves", "2", "--mode", "file", "--dir", "TMP", "gpt-nano"],
+            [
+                *("--rounds", "1", "--saves", "2", "--mode", "file", "--mode", "sync"),
+                *("--dir", "TMP", "gpt-nano"),
+            ],
             "the single file: read",
         ),
         (
             1,
-            ["--rounds", "1", "--saves", "2", "--nproc", "2", "--dir", "TMP", "gpt-nano"],
+            [
+                *("--rounds", "1", "--saves", "2", "--nproc", "2", "--mode", "async"),
+                *("--dir", "TMP", "gpt-nano"),
+            ],
             "| DCP, in the background |",
         ),
     ],
