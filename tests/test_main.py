@@ -174,13 +174,31 @@ def test_a_longer_run_continues_from_the_snapshot_in_a_given_run_dir(first_run, 
     assert read_snapshot(copy / "snapshots")["epoch"] == 3
 
 
-def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(first_run, workdir):
+def sweep_args(workdir: Path, second_lr: str) -> list[str]:
+    """A multirun over the default learning rate and `second_lr`."""
+    default_lr = OptimizerConfig().learning_rate
+    rates = f"optimizer_config.learning_rate={default_lr},{second_lr}"
+    return ["-m", *args(workdir, "trainer_config.run_name=sweep", rates)]
+
+
+@pytest.fixture(scope="module")
+def sweep(workdir) -> subprocess.CompletedProcess:
+    """The multirun over the default learning rate and 3e-4."""
+    return run_main(sweep_args(workdir, "3e-4"), workdir)
+
+
+def sweep_jobs(workdir: Path) -> list[Path]:
+    return sorted(path for path in (workdir / "runs" / "sweep-multirun").iterdir() if path.is_dir())
+
+
+def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(
+    first_run, workdir, sweep, refused
+):
     _, run_dir = first_run
     default_lr = OptimizerConfig().learning_rate
-    sweep = ["trainer_config.run_name=sweep", f"optimizer_config.learning_rate={default_lr},3e-4"]
-    proc = run_main(["-m", *args(workdir, *sweep)], workdir)
+    proc = sweep
     assert proc.returncode == 0, proc.stderr
-    jobs = sorted(path for path in (workdir / "runs" / "sweep-multirun").iterdir() if path.is_dir())
+    jobs = sweep_jobs(workdir)
     assert [job.name for job in jobs] == ["0", "1"], jobs
     for job_dir, lr in zip(jobs, (default_lr, 3e-4), strict=True):
         assert (
@@ -198,9 +216,8 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(f
 
     # The sweep again with a new second value: job 0 finds its run complete, job 1 (its
     # directory holds the old value's run) is refused naming the change, and is left as it was.
-    old = {path: path.read_bytes() for path in jobs[1].rglob("*") if path.is_file()}
-    sweep[-1] = f"optimizer_config.learning_rate={default_lr},1e-3"
-    again = run_main(["-m", *args(workdir, *sweep)], workdir)
+    # (the sweep again ran in the refusals' process: it ends at start)
+    again, old = refused["sweep again"]
     assert again.returncode == 2, again.stderr
     assert again.stderr.count("run already complete") == 1
     assert again.stderr.rstrip().splitlines()[-1].startswith("error: snapshot "), again.stderr
@@ -229,13 +246,18 @@ BAD_OVERRIDES = {  # id: (override, what the one line names)
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory, first_run, workdir) -> dict[str, tuple]:
+def refused(tmp_path_factory, first_run, workdir, sweep) -> dict[str, tuple]:
     """{id: (what `python main.py OVERRIDE` gave, the directory it ran in)} for each bad override,
     and for a missing corpus; "identical": (the first run's command again, the work directory);
     "longer": (the longer run's command without allow_config_change, the copy of the first run
-    it names); "first run's record": (its metrics.jsonl, its snapshots' bytes) before these.
-    One process for all (each run is mostly importing torch, and these end at start)."""
+    it names); "first run's record": (its metrics.jsonl, its snapshots' bytes) before these;
+    "sweep again": (the sweep with a new second value, {path: bytes} of its job 1's files
+    before). One process for all (each run is mostly importing torch, and these end at start)."""
     _, run_dir = first_run
+    jobs = sweep_jobs(workdir) if sweep.returncode == 0 else []  # else its test fails
+    job1 = (
+        {path: path.read_bytes() for path in jobs[-1].rglob("*") if path.is_file()} if jobs else {}
+    )
     record = ((run_dir / "metrics.jsonl").read_text(), tree_bytes(run_dir / "snapshots"))
     copy = tmp_path_factory.mktemp("continued") / "run"
     shutil.copytree(run_dir, copy)
@@ -244,9 +266,11 @@ def refused(tmp_path_factory, first_run, workdir) -> dict[str, tuple]:
     cwds = {name: tmp_path_factory.mktemp(name) for name in cases}
     cases["identical"], cwds["identical"] = args(workdir), workdir
     cases["longer"], cwds["longer"] = longer(workdir, copy), workdir
+    cases["sweep again"], cwds["sweep again"] = sweep_args(workdir, "1e-3"), workdir
     results = run_each("mingpt.cli", [(cwds[name], on_cpu(argv)) for name, argv in cases.items()])
     given = {name: (result, cwds[name]) for name, result in zip(cases, results, strict=True)}
     given["longer"] = (given["longer"][0], copy)
+    given["sweep again"] = (given["sweep again"][0], job1)
     return {**given, "first run's record": record}
 
 
