@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import CPU, REPO, child_env, torchrun_cmd
@@ -134,72 +135,131 @@ def cases() -> list:
     ]
 
 
-# Each script's `--help`, all in one process (each script imports torch: once, not once a script):
-# {script: [exit status, stdout, stderr]} on stdout as JSON.
-HELP_ALL = """
+# Each script's `--help`, then each smoke case of one process, all in one process (each script
+# imports torch: once, not once a script). A `--help` is captured as Python writes it, a case's
+# run at its file descriptors, as `python benchmarks/x.py > out 2> err` would (what its own
+# children write there too). On stdout as JSON: {"helps": {script: [exit status, stdout, stderr]},
+# "runs": [exit status of each case]}.
+ONE_PROCESS = """
 import contextlib, io, json, os, runpy, sys, traceback
+given = json.loads(sys.argv[1])
 answers = {}
+
+
+def main(path, args):
+    # what `python path args` exits with
+    sys.argv = [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
+        return e.code or 0
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 # as for `python benchmarks/x.py`: its directory first
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-for path in sys.argv[1:]:
-    sys.argv = [path, "--help"]
+sys.path.insert(0, os.path.dirname(given["helps"][0]))
+for path in given["helps"]:
     out = io.StringIO()
     err = io.StringIO()
-    status = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(path, run_name="__main__")
-        except SystemExit as e:
-            status = e.code
-        except BaseException:
-            status = 1
-            traceback.print_exc()
+        status = main(path, ["--help"])
     answers[os.path.basename(path)] = [status, out.getvalue(), err.getvalue()]
-print(json.dumps(answers))
+statuses = []
+real = os.dup(1), os.dup(2)
+for path, cwd, args, out, err in given["runs"]:
+    os.chdir(cwd)
+    with open(out, "w") as out_file, open(err, "w") as err_file:
+        os.dup2(out_file.fileno(), 1)
+        os.dup2(err_file.fileno(), 2)
+        statuses.append(main(path, args))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(real[0], 1)
+        os.dup2(real[1], 2)
+print(json.dumps({"helps": answers, "runs": statuses}))
 """
 
 
+def prepared(args: list[str], cwd: Path, data: Path) -> list[str]:
+    """A case's arguments with DATA, TMP and NANOGPT made paths in `cwd`."""
+    nanogpt = cwd / "nanogpt"
+    nanogpt.mkdir()
+    (nanogpt / "model.py").write_text(NANOGPT_STANDIN)
+    places = {"DATA": data, "TMP": cwd / "scratch", "NANOGPT": nanogpt}
+    for name, path in places.items():
+        args = [a.replace(name, str(path)) for a in args]
+    return args
+
+
 @pytest.fixture(scope="module")
-def helps() -> dict[str, list]:
+def one_process(tmp_path_factory, corpus) -> dict:
+    """{"helps": {script: [exit status, stdout, stderr]} of its --help, "runs": {(script, k):
+    the finished run}} for every smoke case k of one process, each in a directory of its own:
+    one child for all (see ONE_PROCESS)."""
+    data = tmp_path_factory.mktemp("data") / "small.txt"
+    data.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    runs = {}
+    for script in SCRIPTS:
+        for k, (nproc, args, _) in enumerate(SMOKE.get(script) or []):
+            if nproc == 1:
+                cwd = tmp_path_factory.mktemp(f"{script}-{k}")
+                runs[script, k] = (cwd, [str(BENCHMARKS / script), *prepared(args, cwd, data)])
+    given = {
+        "helps": [str(BENCHMARKS / s) for s in SCRIPTS],
+        "runs": [
+            [argv[0], str(cwd), argv[1:], str(cwd / "stdout.txt"), str(cwd / "stderr.txt")]
+            for cwd, argv in runs.values()
+        ],
+    }
     proc = subprocess.run(
-        [sys.executable, "-c", HELP_ALL, *(str(BENCHMARKS / s) for s in SCRIPTS)],
+        [sys.executable, "-c", ONE_PROCESS, json.dumps(given)],
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    answers = json.loads(proc.stdout.splitlines()[-1])
+    finished = {
+        key: subprocess.CompletedProcess(
+            argv, status, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
+        )
+        for (key, (cwd, argv)), status in zip(runs.items(), answers["runs"], strict=True)
+    }
+    return {"helps": answers["helps"], "runs": finished}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_answers_help(script, helps):
-    status, out, err = helps[script]
+def test_benchmark_answers_help(script, one_process):
+    status, out, err = one_process["helps"][script]
     assert status in (0, None), err[-3000:]
     assert out.strip() and not err, err[-3000:]
 
 
 @pytest.mark.parametrize(("script", "case"), cases())
-def test_benchmark_runs_at_a_tiny_size(script, case, small_corpus, tmp_path):
+def test_benchmark_runs_at_a_tiny_size(script, case, small_corpus, tmp_path, one_process):
     assert script in SMOKE, f"benchmarks/{script}: say in SMOKE how it runs at a tiny size"
     if case is None:
         pytest.skip(f"benchmarks/{script} cannot run at a tiny size (see SMOKE)")
     nproc, args, expected = case
-    nanogpt = tmp_path / "nanogpt"
-    nanogpt.mkdir()
-    (nanogpt / "model.py").write_text(NANOGPT_STANDIN)
-    places = {"DATA": small_corpus, "TMP": tmp_path / "scratch", "NANOGPT": nanogpt}
-    for name, path in places.items():
-        args = [a.replace(name, str(path)) for a in args]
-    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
-    proc = subprocess.run(
-        [*launcher, str(BENCHMARKS / script), *args],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    if nproc == 1:  # ran in the one process of the module (see ONE_PROCESS)
+        proc = one_process["runs"][script, SMOKE[script].index(case)]
+    else:
+        proc = subprocess.run(
+            [*torchrun_cmd(nproc, "--standalone"), str(BENCHMARKS / script)]
+            + prepared(args, tmp_path, small_corpus),
+            cwd=tmp_path,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert expected in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     # where and when it was measured: the CPU, its cores, torch's threads, torch, the date
