@@ -18,7 +18,6 @@ from conftest import (
     read_snapshot,
     run_dir_of,
     run_each,
-    run_main,
     run_torchrun,
     tree_bytes,
 )
@@ -189,10 +188,21 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
         "trainer_config.early_stop_patience=1",
         "trainer_config.early_stop_min_delta=10",
     ]
-    first = run_main(args, tmp_path)
+    run_dir = run_dir_of(tmp_path, args)
+    # The run; the same command again; then generate with the run directory, then with its
+    # snapshots: one process for the four, one after another (each start is mostly importing
+    # torch).
+    first, again, sampled, explicit = run_each(
+        "mingpt.generate",
+        [
+            (tmp_path, on_cpu(args), "mingpt.cli"),
+            (tmp_path, on_cpu(args), "mingpt.cli"),
+            (tmp_path, [f"snapshot_path={run_dir}", "max_new_tokens=5"]),
+            (tmp_path, [f"snapshot_path={run_dir / 'snapshots'}", "max_new_tokens=5"]),
+        ],
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert "stopping early at step 8" in first.stderr
-    run_dir = run_dir_of(tmp_path, args)
     closing = first.stderr.rstrip().splitlines()[-1]
     assert "done at step 8 (stopped early): held-out loss" in closing and "best " in closing, (
         closing
@@ -201,16 +211,6 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
         f"sample from the best: python -m mingpt.generate snapshot_path="
         f"{(run_dir / 'snapshots-best').relative_to(tmp_path)}"
     ), closing
-    # The same command again; then generate with the run directory, then with its snapshots:
-    # one process for the three (each is mostly importing torch).
-    again, sampled, explicit = run_each(
-        "mingpt.generate",
-        [
-            (tmp_path, on_cpu(args), "mingpt.cli"),
-            (tmp_path, [f"snapshot_path={run_dir}", "max_new_tokens=5"]),
-            (tmp_path, [f"snapshot_path={run_dir / 'snapshots'}", "max_new_tokens=5"]),
-        ],
-    )
     assert (
         again.returncode == 0 and "run already complete at step 8, stopped early" in again.stderr
     ), again.stderr
