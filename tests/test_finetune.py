@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY, on_cpu, read_snapshot, run_dir_of, run_each, run_main, run_torchrun
+from conftest import TINY, on_cpu, read_snapshot, run_dir_of, run_each, run_torchrun
 from omegaconf import OmegaConf
 from test_snapshot import assert_one_error, make_trainer, same_tensors
 
@@ -51,6 +51,7 @@ class Pretrained:
     run_dir: Path
     a: Path
     b: Path
+    commands: dict = dataclasses.field(default_factory=dict)  # see the fixture commands
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +64,22 @@ def pretrained(tmp_path_factory, corpus) -> Pretrained:
     assert set(b) < kept  # B's own vocabulary is smaller: its ids differ from the snapshot's
     (cwd / "a.txt").write_text(a, encoding="utf-8")
     (cwd / "b.txt").write_text(b, encoding="utf-8")
-    result = run_main(PRETRAIN, cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return Pretrained(cwd, run_dir_of(cwd, PRETRAIN), cwd / "a.txt", cwd / "b.txt")
+    pretrained = Pretrained(cwd, run_dir_of(cwd, PRETRAIN), cwd / "a.txt", cwd / "b.txt")
+    # The quick commands that start from it run after it in its process (see commands).
+    cwds = {name: tmp_path_factory.mktemp(name) for name in ("outside", "shape")}
+    (cwds["outside"] / "c.txt").write_text(
+        pretrained.b.read_text(encoding="utf-8") + "café ~\n", encoding="utf-8"
+    )
+    given = {"outside": outside_vocabulary(pretrained), "shape": shape_given(pretrained)}
+    results = run_each(
+        "mingpt.cli",
+        [(cwd, on_cpu(PRETRAIN)), *((cwds[name], on_cpu(given[name])) for name in given)],
+    )
+    assert results[0].returncode == 0, results[0].stderr[-3000:]
+    pretrained.commands = {
+        name: (cwds[name], result) for name, result in zip(given, results[1:], strict=True)
+    }
+    return pretrained
 
 
 def final_eval(run_dir: Path) -> float:
@@ -132,17 +146,11 @@ def shape_given(pretrained: Pretrained) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def commands(pretrained, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def commands(pretrained) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """{case: (the directory main.py ran in, what it gave)}: "outside": a corpus with characters
-    outside the snapshot's vocabulary; "shape": a 1-step run given another block size. One
-    process for both (each is mostly importing torch)."""
-    cwds = {name: tmp_path_factory.mktemp(name) for name in ("outside", "shape")}
-    (cwds["outside"] / "c.txt").write_text(
-        pretrained.b.read_text(encoding="utf-8") + "café ~\n", encoding="utf-8"
-    )
-    given = {"outside": outside_vocabulary(pretrained), "shape": shape_given(pretrained)}
-    results = run_each("mingpt.cli", [(cwds[name], on_cpu(given[name])) for name in given])
-    return {name: (cwds[name], result) for name, result in zip(given, results, strict=True)}
+    outside the snapshot's vocabulary; "shape": a 1-step run given another block size. Run in
+    the pretraining's process, after it (each start is mostly importing torch)."""
+    return pretrained.commands
 
 
 def test_a_character_outside_the_snapshots_vocabulary_is_refused_in_one_line(pretrained, commands):
