@@ -127,16 +127,23 @@ def store_args(cwd: Path, store: str) -> list[str]:
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory, corpus) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """{case: (the directory main.py ran in, what it gave)}: "file" for a 20-step run into a file
-    store in its directory, and each of STORES, with MLFLOW_TRACKING_URI unset. One process for
-    the three (each start imports torch and MLflow); the default store's first, before anything
-    else in the process could set a tracking URI."""
+    store in its directory, "untracked" for a 10-step run without a tracker, and each of STORES,
+    with MLFLOW_TRACKING_URI unset. One process for the four (each start imports torch and
+    MLflow); the default store's first, before anything else in the process could set a tracking
+    URI."""
     cases = {}
-    for name in [*STORES, "file"]:
+    for name in [*STORES, "file", "untracked"]:
         cwd = tmp_path_factory.mktemp(name)
         (cwd / "small.txt").write_text(
             corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8"
         )
-        argv = args_for(cwd, "trainer_config.max_steps=20") if name == "file" else None
+        argv = {
+            "file": args_for(cwd, "trainer_config.max_steps=20"),
+            "untracked": [
+                *args_for(cwd, "trainer_config.max_steps=10"),
+                "trainer_config.tracker=null",
+            ],
+        }.get(name)
         cases[name] = (cwd, on_cpu(argv or store_args(cwd, name)))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # no_telemetry's, for this module's runs
@@ -181,13 +188,11 @@ def test_params_metrics_and_samples_reach_mlflow(tracked, monkeypatch):
     assert read(str(run_dir / "snapshots"))["tracker_run_id"] == run_id
 
 
-def test_resumed_runs_continue_one_mlflow_run(cwd, monkeypatch):
+def test_resumed_runs_continue_one_mlflow_run(tracked, monkeypatch):
     """A snapshot without a tracker run id (written without a tracker, as before trackers
     existed) starts an MLflow run; a SIGTERM stop and its resume (with another
     max_steps) continue it, each step logged once."""
-    first = run_main(
-        [*args_for(cwd, "trainer_config.max_steps=10"), "trainer_config.tracker=null"], cwd
-    )
+    cwd, first = tracked["untracked"]
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = cwd / "runs" / "t"
     assert "tracker_run_id" not in read(str(run_dir / "snapshots"))
