@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, child_env, read_snapshot, run_dir_of, run_each, run_main
+from conftest import TINY, child_env, on_cpu, read_snapshot, run_dir_of, run_each
 
 from mingpt.command import parse_args
 from mingpt.config import GPTConfig
@@ -32,13 +32,24 @@ TRAIN_ARGS = TINY + [
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, corpus) -> Path:
-    """A scratch directory with a snapshot trained for a few seconds on 20k characters."""
+def trained(tmp_path_factory, corpus) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """(A scratch directory with a snapshot trained for a few seconds on 20k characters, what
+    the command gave on each case of commands_on): the training, then those cases, in one
+    process (each start is mostly importing torch)."""
     path = tmp_path_factory.mktemp("generate")
     (path / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    result = run_main(TRAIN_ARGS, cwd=path)
-    assert result.returncode == 0, result.stderr
-    return path
+    cases = commands_on(path, run_dir_of(path, TRAIN_ARGS) / "snapshots")
+    results = run_each(
+        "mingpt.generate",
+        [(path, on_cpu(TRAIN_ARGS), "mingpt.cli"), *((path, args) for args in cases.values())],
+    )
+    assert results[0].returncode == 0, results[0].stderr
+    return path, dict(zip(cases, results[1:], strict=True))
+
+
+@pytest.fixture(scope="module")
+def workdir(trained) -> Path:
+    return trained[0]
 
 
 @pytest.fixture(scope="module")
@@ -367,12 +378,22 @@ BAD_SNAPSHOTS = {  # kind -> file name in the work directory
 }
 
 
-@pytest.fixture(scope="module")
-def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
-    """The command on each bad input, and ("repeat", "alone") the seeded samples again and with
-    the next seed alone (one process for all: each run is mostly importing torch)."""
-    whole = workdir / "whole.pt"  # the single file that export writes, cut in half
-    single_file.save(read_snapshot(snapshot), str(whole))
+def commands_on(workdir: Path, snapshot: Path) -> dict[str, list[str]]:
+    """{case: the command's arguments} on each bad input in `workdir` (made here), and ("repeat",
+    "alone") the seeded samples again and with the next seed alone, once `snapshot` is trained."""
+    # the single file that export writes (of a model of the trained one's shape), cut in half
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16))
+    whole = workdir / "whole.pt"
+    state = {
+        "model_state": model.state_dict(),
+        "optimizer_state": {},
+        "gpt_config": {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 65, "block_size": 16},
+        "vocab": "".join(chr(32 + i) for i in range(65)),
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 150,
+    }
+    single_file.save(state, str(whole))
     (workdir / "truncated.pt").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
     os.mkfifo(workdir / "snapshot.fifo")
@@ -393,8 +414,14 @@ def bad_runs(workdir, snapshot) -> dict[str, subprocess.CompletedProcess]:
             f"snapshot_path={snapshot}",
             f"prompt_file={workdir / name}",
         ]
-    runs = run_each("mingpt.generate", [(workdir, args) for args in cases.values()])
-    return dict(zip(cases, runs, strict=True))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def bad_runs(trained) -> dict[str, subprocess.CompletedProcess]:
+    """The command on each bad input, and ("repeat", "alone") the seeded samples again and with
+    the next seed alone (run after the training, in its process: see trained)."""
+    return trained[1]
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
