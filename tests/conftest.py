@@ -234,10 +234,17 @@ def run_main(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Com
 EACH_CASE = """
 import importlib, json, os, sys, traceback
 cases = json.loads(sys.argv[1])
+
+
+def code(text):
+    # as `python -c TEXT` runs it
+    return lambda: exec(compile(text, "<string>", "exec"), {"__name__": "__main__"})
+
+
 for cwd, argv, module in cases:
-    main = importlib.import_module(module).main
+    main = code(argv[0]) if module == "-c" else importlib.import_module(module).main
     os.chdir(cwd)
-    sys.argv = [module, *argv]
+    sys.argv = ["-c", *argv[1:]] if module == "-c" else [module, *argv]
     try:
         main()
         status = 0
@@ -256,8 +263,9 @@ def run_each(
     module: str, cases: list[tuple[Path, list[str]] | tuple[Path, list[str], str]], timeout=300
 ) -> list[subprocess.CompletedProcess]:
     """What `python -m MODULE ARGV` in CWD gives for each (CWD, ARGV) of `cases`, or (CWD, ARGV,
-    ITS MODULE) for another command: its exit status, stdout and stderr. For commands that end
-    quickly (refusals, a finished run, a sample): one start for all."""
+    ITS MODULE) for another command (module "-c": `python -c ARGV[0] ARGV[1:]`): its exit status,
+    stdout and stderr. For commands that end quickly (refusals, a finished run, a sample): one
+    start for all."""
     given = [[str(case[0]), case[1], case[2] if len(case) > 2 else module] for case in cases]
     proc = subprocess.run(
         [sys.executable, "-c", EACH_CASE, json.dumps(given)],

@@ -137,8 +137,10 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
         (tmp_path, [*shlex.split(command)[3:], "max_new_tokens=5"], "mingpt.generate"),
         (tmp_path, [*sample[3:], "max_new_tokens=5"], "mingpt.generate"),
         (tmp_path, export[3:], "mingpt.export"),
+        (tmp_path, [transformers_lines()], "-c"),
     ]
-    again, continued, tuned, best_sampled, tune_sampled, exported = run_each("mingpt.cli", commands)
+    results = run_each("mingpt.cli", commands)
+    again, continued, tuned, best_sampled, tune_sampled, exported, loaded = results
 
     # The same command again finds its run complete and says what to type instead.
     assert again.returncode == 0, again.stderr[-3000:]
@@ -177,26 +179,18 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert train_steps(run_dir) == [5, 6]
     assert read_snapshot(run_dir / "snapshots")["world_size"] == 2
 
-    load_in_transformers(tmp_path, exported)
-
-
-def load_in_transformers(cwd, exported: subprocess.CompletedProcess) -> None:
-    """What next's last lines: the Quick start's model, exported, loads in `transformers` with
-    the README's own Python lines."""
+    # What next's last lines: the Quick start's model, exported, loads in `transformers` with
+    # the README's own Python lines (run after the export, in its process).
     assert exported.returncode == 0, exported.stderr[-3000:]
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    text = loaded.stdout.rstrip("\n")
+    assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 5, loaded.stdout
+
+
+def transformers_lines() -> str:
+    """The README's Python lines that load the export in `transformers`, sampling 5 characters."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     (lines,) = re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S)
     # The tiny model sees 16 characters: the prompt and 5 more fit.
     assert "max_new_tokens=50" in lines
-    lines = lines.replace("max_new_tokens=50", "max_new_tokens=5")
-    loaded = subprocess.run(
-        [sys.executable, "-c", lines],
-        cwd=cwd,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    text = loaded.stdout.rstrip("\n")
-    assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 5, loaded.stdout
+    return lines.replace("max_new_tokens=50", "max_new_tokens=5")
