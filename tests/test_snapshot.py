@@ -33,7 +33,6 @@ from conftest import (
     read_snapshot,
     run_dir_of,
     run_each,
-    run_main,
     run_torchrun,
     torchrun_cmd,
 )
@@ -262,15 +261,14 @@ def test_pickled_code_is_refused_and_never_runs(refused_at_start):
 
 
 @pytest.fixture(scope="module")
-def good_snapshot(tmp_path_factory, corpus):
-    """A 6-step single-process run through main.py: (its work directory, its snapshot root)."""
-    tmp = tmp_path_factory.mktemp("good")
-    data = tmp / "small.txt"
-    data.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    args = overrides(f"data_config.path={data}", "trainer_config.max_steps=6")
-    proc = run_main(args, tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp, run_dir_of(tmp, args) / "snapshots"
+def good_snapshot(refused_at_start):
+    """A 6-step single-process run through main.py's cli.main: (its work directory, its snapshot
+    root). It runs first in the process of the runs refused at start (see refused_at_start)."""
+    return refused_at_start[2]
+
+
+# Copies a directory, between two commands of one run_each process.
+COPY = "import shutil, sys\nshutil.copytree(sys.argv[1], sys.argv[2])\n"
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
@@ -370,14 +368,20 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(
 
 @pytest.fixture(scope="module")
 def refused_at_start(
-    tmp_path_factory, corpus, good_snapshot
-) -> tuple[dict[str, tuple[Path, subprocess.CompletedProcess]], dict[str, bytes]]:
-    """({case: (the directory main.py ran in, what it said)}, the good snapshot's files before)
-    for runs refused at start (one process for all: each run is mostly importing torch): for each
-    parallelism, a regular file where the snapshots' root directory goes; and a model of another
-    shape than the good snapshot's, in its run directory. And "pickled code": ((a snapshot file
-    holding pickled code, the file it would create), what generate said on it)."""
-    cases = {}
+    tmp_path_factory, corpus
+) -> tuple[dict[str, tuple[Path, subprocess.CompletedProcess]], dict[str, bytes], tuple]:
+    """({case: (the directory main.py ran in, what it said)}, the good snapshot's files before
+    them, good_snapshot) for runs refused at start (one process for all, after the good run and
+    a copy of its snapshot: each run is mostly importing torch): for each parallelism, a regular
+    file where the snapshots' root directory goes; and a model of another shape than the good
+    snapshot's, in its run directory. And "pickled code": ((a snapshot file holding pickled code,
+    the file it would create), what generate said on it)."""
+    tmp = tmp_path_factory.mktemp("good")
+    (tmp / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    good = overrides(f"data_config.path={tmp / 'small.txt'}", "trainer_config.max_steps=6")
+    snapshot = run_dir_of(tmp, good) / "snapshots"
+    copy = tmp_path_factory.mktemp("before") / "snapshots"
+    cases = {"good": (tmp, on_cpu(good)), "copy": (tmp, [COPY, str(snapshot), str(copy)], "-c")}
     for parallelism in ("fsdp", "ddp"):
         cwd = tmp_path_factory.mktemp(parallelism)
         (cwd / "small.txt").write_text(
@@ -391,7 +395,6 @@ def refused_at_start(
             "trainer_config.max_steps=2",
         )
         cases[parallelism] = (cwd, on_cpu(args))
-    tmp, snapshot = good_snapshot
     args = overrides(
         f"data_config.path={tmp / 'small.txt'}",
         "gpt_config.n_layer=3",
@@ -402,16 +405,17 @@ def refused_at_start(
     evil = tmp_path_factory.mktemp("pickled")
     code = pickled_code(evil)
     cases["pickled code"] = (evil, [f"snapshot_path={code[0]}", "device=cpu"], "mingpt.generate")
-    before = tree_bytes(snapshot)
     results = run_each("mingpt.cli", list(cases.values()))
     given = {name: (cases[name][0], result) for name, result in zip(cases, results, strict=True)}
+    assert given["good"][1].returncode == 0, given["good"][1].stderr[-3000:]
+    assert given["copy"][1].returncode == 0, given["copy"][1].stderr[-3000:]
     given["pickled code"] = (code, given["pickled code"][1])
-    return given, before
+    return given, tree_bytes(copy), (tmp, snapshot)
 
 
 def test_snapshot_of_another_shape_is_refused(good_snapshot, refused_at_start):
     _, snapshot = good_snapshot
-    results, before = refused_at_start
+    results, before, _ = refused_at_start
     assert_one_error(
         results["other shape"][1],
         f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3",
