@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import signal
 import subprocess
 import sys
@@ -49,8 +48,10 @@ def args(workdir: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def first_run(workdir):
-    proc = run_main(args(workdir), workdir)
+def first_run(workdir, refused):
+    """(What `python main.py` gave, its run directory) for a 2-epoch run: it runs first in the
+    process of the commands that follow it (see refused)."""
+    proc, _ = refused["first"]
     assert proc.returncode == 0, proc.stderr
     return proc, run_dir_of(workdir, args(workdir))
 
@@ -146,6 +147,10 @@ def test_identical_invocation_finds_the_finished_run(first_run, refused):
     assert "--- sample after step" in proc.stdout
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert tree_bytes(run_dir / "snapshots") == snapshot
+
+
+# Copies a directory, between two commands of one run_each process.
+COPY = "import shutil, sys\nshutil.copytree(sys.argv[1], sys.argv[2])\n"
 
 
 def longer(workdir: Path, copy: Path) -> list[str]:
@@ -246,32 +251,42 @@ BAD_OVERRIDES = {  # id: (override, what the one line names)
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory, first_run, workdir, sweep) -> dict[str, tuple]:
+def refused(tmp_path_factory, workdir, sweep) -> dict[str, tuple]:
     """{id: (what `python main.py OVERRIDE` gave, the directory it ran in)} for each bad override,
-    and for a missing corpus; "identical": (the first run's command again, the work directory);
-    "longer": (the longer run's command without allow_config_change, the copy of the first run
-    it names); "first run's record": (its metrics.jsonl, its snapshots' bytes) before these;
-    "sweep again": (the sweep with a new second value, {path: bytes} of its job 1's files
-    before). One process for all (each run is mostly importing torch, and these end at start)."""
-    _, run_dir = first_run
+    and for a missing corpus; "first": (the first run, the work directory); "identical": (the
+    first run's command again, the work directory); "longer": (the longer run's command without
+    allow_config_change, the copy of the first run it names); "first run's record": (its
+    metrics.jsonl, its snapshots' bytes) before these; "sweep again": (the sweep with a new second
+    value, {path: bytes} of its job 1's files before). One process for all, the first run first,
+    then python -c copies of its directory (each run is mostly importing torch, and the others
+    end at start)."""
+    run_dir = run_dir_of(workdir, args(workdir))
     jobs = sweep_jobs(workdir) if sweep.returncode == 0 else []  # else its test fails
     job1 = (
         {path: path.read_bytes() for path in jobs[-1].rglob("*") if path.is_file()} if jobs else {}
     )
-    record = ((run_dir / "metrics.jsonl").read_text(), tree_bytes(run_dir / "snapshots"))
+    record = tmp_path_factory.mktemp("record") / "run"
     copy = tmp_path_factory.mktemp("continued") / "run"
-    shutil.copytree(run_dir, copy)
+    copies = {"record": (workdir, [COPY, str(run_dir), str(record)], "-c")}
+    copies["copy"] = (workdir, [COPY, str(run_dir), str(copy)], "-c")
     cases = {name: [override] for name, (override, _) in BAD_OVERRIDES.items()}
     cases["missing-data-file"] = ["data_config.path=no/such/corpus.txt"]
     cwds = {name: tmp_path_factory.mktemp(name) for name in cases}
     cases["identical"], cwds["identical"] = args(workdir), workdir
     cases["longer"], cwds["longer"] = longer(workdir, copy), workdir
     cases["sweep again"], cwds["sweep again"] = sweep_args(workdir, "1e-3"), workdir
-    results = run_each("mingpt.cli", [(cwds[name], on_cpu(argv)) for name, argv in cases.items()])
+    commands = [(workdir, on_cpu(args(workdir))), *copies.values()]
+    commands += [(cwds[name], on_cpu(argv)) for name, argv in cases.items()]
+    first, *results = run_each("mingpt.cli", commands)
+    for made in results[: len(copies)]:
+        assert made.returncode == 0, made.stderr[-3000:]
+    results = results[len(copies) :]
     given = {name: (result, cwds[name]) for name, result in zip(cases, results, strict=True)}
+    given["first"] = (first, workdir)
     given["longer"] = (given["longer"][0], copy)
     given["sweep again"] = (given["sweep again"][0], job1)
-    return {**given, "first run's record": record}
+    before = ((record / "metrics.jsonl").read_text(), tree_bytes(record / "snapshots"))
+    return {**given, "first run's record": before}
 
 
 @pytest.mark.parametrize("name", BAD_OVERRIDES)
