@@ -190,6 +190,8 @@ def generate(
             else:
                 if r == 0:
                     row.zero_()
+                # eager, only the window is read (the token at pos its last); compiled, all of it
+                cache.filled = None if compile else n
                 step(model, token, pos, cache, noise, row, *sampling)
                 out[:, i : i + 1] = token
             n += 1

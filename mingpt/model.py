@@ -21,23 +21,29 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.positions = torch.arange(config.block_size, device=device)[None]
+        # Positions in use, where the host knows it (eager decoding): a step then attends to those
+        # alone. None (a compiled step, whose shapes must not change): the whole cache, masked.
+        self.filled: int | None = None
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None):
         """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys and values the new
         queries attend to. pos None: a prompt at positions 0..T-1, its own. pos a one-element
-        tensor: one token there, the whole cache (`visible` says which positions count)."""
+        tensor: one token there, and the first `filled` positions, or else the whole cache
+        (`visible` says which positions count)."""
         if pos is None:
             self.k[layer].index_copy_(2, self.positions[0, : k.size(2)], k)
             self.v[layer].index_copy_(2, self.positions[0, : v.size(2)], v)
             return k, v
         self.k[layer].index_copy_(2, pos, k)
         self.v[layer].index_copy_(2, pos, v)
+        if self.filled is not None:
+            return self.k[layer][:, :, : self.filled], self.v[layer][:, :, : self.filled]
         return self.k[layer], self.v[layer]
 
     def visible(self, pos: torch.Tensor | None) -> torch.Tensor | None:
         """The attention mask of a token at pos: the cache up to its own position. None for a
-        prompt (pos None): causal over itself."""
-        if pos is None:
+        prompt (pos None), causal over itself, and where only the filled positions are read."""
+        if pos is None or self.filled is not None:
             return None
         return self.positions <= pos
 
