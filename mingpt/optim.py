@@ -218,8 +218,9 @@ class Muon(torch.optim.Muon):
                 if params[i].size(0) > params[i].size(1):
                     x = x.T
                 x.copy_(self.momentum_update(grads[i], buffers[i], momentum, group["nesterov"]))
-            a, b, c = group["ns_coefficients"]
-            batch = orthogonalise_batch(batch, a, b, c, group["ns_steps"], group["eps"])
+            batch = orthogonalise_batch(
+                batch, *group["ns_coefficients"], group["ns_steps"], group["eps"]
+            )
             for update, i in zip(batch, indices, strict=True):
                 p = params[i]
                 if p.size(0) > p.size(1):
