@@ -88,34 +88,12 @@ def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def orthogonalise(
-    m: torch.Tensor,
-    coefficients: tuple[float, float, float],
-    steps: int,
-    eps: float,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton–Schulz iteration, op for op, in `dtype`: near U V^T of
-    m = U S V^T (singular values land around 0.5-1.5 rather than at 1, which trains as well)."""
-    a, b, c = coefficients
-    tall = m.size(0) > m.size(1)
-    x = m.to(dtype)
-    if tall:  # the Gram matrix of the short side is the smaller one
-        x = x.T
-    # out of place: in float32 x may be m itself, the momentum buffer
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    if tall:
-        return x.T
-    return x
-
-
 def orthogonalise_batch(
     x: torch.Tensor, a: float, b: float, c: float, steps: int, eps: float
 ) -> torch.Tensor:
-    """orthogonalise's iteration in float32 for a batch of wide matrices x (B, m, n), m <= n.
+    """torch.optim.Muon's quintic Newton–Schulz iteration in float32, for a batch of wide matrices
+    x (B, m, n), m <= n: near U V^T of x = U S V^T (singular values land around 0.5-1.5 rather than
+    at 1, which trains as well).
 
     Each step multiplies x by P = a I + b G + c G^2, a polynomial in G = x x^T. When n > 1.5 m the
     iteration is carried on the m x m Gram matrices: x_k = Q x_0 with Q the product of the P's,
@@ -148,53 +126,26 @@ def orthogonalise_batch(
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (its arguments, groups and momentum_buffer state, so its snapshots load)
-    orthogonalising in `dtype`, where torch's always uses bfloat16. The step is torch's, written
-    out: Nesterov momentum, decoupled weight decay, the learning rate scaled by
-    sqrt(max(1, rows / columns)) (torch's default adjust_lr_fn, the only one this takes). In
-    bfloat16 it is torch's to the bit; in float32 the matrices of one shape go as one batch
-    (step_float32)."""
+    orthogonalising in `dtype`. In bfloat16 the step is torch's own. In float32, where torch's
+    would still iterate in bfloat16, it is torch's step written out (step_float32)."""
 
     def __init__(self, params: list[nn.Parameter], lr: float, dtype: torch.dtype):
         super().__init__(params, lr=lr)
         self.dtype = dtype
 
-    @staticmethod
-    def momentum_update(
-        grad: torch.Tensor, buffer: torch.Tensor, momentum: float, nesterov: bool
-    ) -> torch.Tensor:
-        """The buffer moves to its average with grad; Nesterov's update looks ahead of it."""
-        buffer.lerp_(grad, 1 - momentum)
-        if nesterov:
-            return grad.lerp(buffer, momentum)
-        return buffer
-
-    @staticmethod
-    def lr_scale(p: torch.Tensor) -> float:
-        """torch's default adjust_lr_fn: tall matrices take larger steps."""
-        return math.sqrt(max(1, p.size(0) / p.size(1)))
-
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         """One step. `closure` is Optimizer.step's, and none is ever given (DCP's get_state_dict
         passes None)."""
+        if self.dtype != torch.float32:
+            super().step()
+            return
         for group in self.param_groups:
             params = []
             grads = []
             buffers = []
             self._init_group(group, params, grads, buffers)
-            if self.dtype == torch.float32:
-                self.step_float32(group, params, grads, buffers)
-                continue
-            lr = group["lr"]
-            # Each matrix is orthogonalised and stepped before the next one's update exists, so
-            # only one update is held at a time, as in torch's loop.
-            for p, grad, buffer in zip(params, grads, buffers, strict=True):
-                update = self.momentum_update(grad, buffer, group["momentum"], group["nesterov"])
-                update = orthogonalise(
-                    update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.dtype
-                )
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * self.lr_scale(p))
+            self.step_float32(group, params, grads, buffers)
 
     def step_float32(
         self,
@@ -203,21 +154,27 @@ class Muon(torch.optim.Muon):
         grads: list[torch.Tensor],
         buffers: list[torch.Tensor],
     ) -> None:
-        """The same step with the matrices of one shape (tall ones transposed) orthogonalised as
-        one batch: on a CPU, a few batched products keep both cores busy where many small ones do
-        not."""
+        """torch's step (Nesterov momentum, decoupled weight decay, the learning rate scaled by
+        sqrt(max(1, rows / columns)), torch's default adjust_lr_fn and the only one this takes),
+        with the matrices of one shape (tall ones transposed) orthogonalised as one batch: on a
+        CPU, a few batched products keep both cores busy where many small ones do not."""
         lr = group["lr"]
         momentum = group["momentum"]
         by_shape: dict[tuple[int, int], list[int]] = {}
         for i, p in enumerate(params):
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(i)
         for shape, indices in by_shape.items():
-            # each matrix's update in its slot of the batch, wide
+            # each matrix's update in its slot of the batch, wide: the buffer moves to its average
+            # with the gradient, and Nesterov's update looks ahead of it
             batch = torch.empty(len(indices), *shape, dtype=torch.float32, device=params[0].device)
             for x, i in zip(batch, indices, strict=True):
                 if params[i].size(0) > params[i].size(1):
                     x = x.T
-                x.copy_(self.momentum_update(grads[i], buffers[i], momentum, group["nesterov"]))
+                buffers[i].lerp_(grads[i], 1 - momentum)
+                if group["nesterov"]:
+                    torch.lerp(grads[i], buffers[i], momentum, out=x)
+                else:
+                    x.copy_(buffers[i])
             batch = orthogonalise_batch(
                 batch, *group["ns_coefficients"], group["ns_steps"], group["eps"]
             )
@@ -226,7 +183,7 @@ class Muon(torch.optim.Muon):
                 if p.size(0) > p.size(1):
                     update = update.T
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * self.lr_scale(p))
+                p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
 
 
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:
