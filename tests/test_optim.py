@@ -233,6 +233,26 @@ def test_muon_in_bfloat16_is_torch_muon_and_takes_over_its_state(model):
     assert all(torch.equal(p, q) for p, q in zip(resumed, theirs, strict=True))
 
 
+def test_muon_in_float32_without_nesterov_steps_along_the_averaged_buffer(model):
+    """torch's nesterov=False, which no config key sets but a loaded state may: the update is the
+    momentum buffer itself, not Nesterov's look-ahead of it."""
+    ours, _ = twin_matrices(model)
+    muon = Muon(ours, lr=0.05, dtype=torch.float32)
+    muon.param_groups[0]["nesterov"] = False
+    expected = [p.detach().double().clone() for p in ours]
+    buffers = [torch.zeros_like(p, dtype=torch.float64) for p in ours]
+    for step in range(2):
+        steps_alike(ours, [torch.empty_like(p) for p in ours], step)
+        grads = [p.grad.double() for p in ours]
+        muon.step()
+        for i, (p, grad) in enumerate(zip(ours, grads, strict=True)):
+            buffers[i] = 0.95 * buffers[i] + 0.05 * grad
+            scale = 0.05 * math.sqrt(max(1, p.size(0) / p.size(1)))
+            expected[i] = expected[i] * (1 - 0.05 * 0.1) - scale * newton_schulz(buffers[i])
+    for p, want in zip(ours, expected, strict=True):
+        assert torch.allclose(p.double(), want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.cuda
 def test_muon_on_a_gpu_is_torch_muon(model):
     """On a GPU create_optimizer's Muon iterates in bfloat16, as torch's does, to the bit."""
