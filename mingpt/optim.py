@@ -91,23 +91,31 @@ def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
 def orthogonalise_batch(
     x: torch.Tensor, a: float, b: float, c: float, steps: int, eps: float
 ) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton–Schulz iteration in float32, for a batch of wide matrices
-    x (B, m, n), m <= n: near U V^T of x = U S V^T (singular values land around 0.5-1.5 rather than
-    at 1, which trains as well).
+    """torch.optim.Muon's quintic Newton–Schulz iteration in float32, for a batch of matrices x
+    (B, rows, columns), wide or tall: near U V^T of x = U S V^T (singular values land around
+    0.5-1.5 rather than at 1, which trains as well). The result has x's shape and, in the Gram
+    form, its memory layout (tall matrices stay tall in memory).
 
-    Each step multiplies x by P = a I + b G + c G^2, a polynomial in G = x x^T. When n > 1.5 m the
-    iteration is carried on the m x m Gram matrices: x_k = Q x_0 with Q the product of the P's,
-    and the next G is P G P, so only the first and last products touch n. That is 2 m^2 n + 17 m^3
-    multiply-adds for 5 steps against 10 m^2 n + 5 m^3: about 40% fewer for the blocks' (C, 4C)
-    matrices, and more below n = 1.5 m, where x itself is iterated. Equal to float tolerance, and
-    not for bfloat16: G squares x's condition number."""
-    if x.size(-1) <= 1.5 * x.size(-2):
+    Each step multiplies x by P = a I + b G + c G^2, a polynomial in G = x x^T (for a tall x,
+    G = x^T x, and P multiplies it from the right). When the long side n is over 1.5 times the short
+    side m, the iteration is carried on the m x m Gram matrices: x_k = Q x_0 with Q the product of
+    the P's, and the next G is P G P, so only the first and last products touch n. That is
+    2 m^2 n + 17 m^3 multiply-adds for 5 steps against 10 m^2 n + 5 m^3: about 40% fewer for the
+    blocks' (C, 4C) matrices, and more below n = 1.5 m, where x itself is iterated. Equal to float
+    tolerance, and not for bfloat16: G squares x's condition number."""
+    tall = x.size(-2) > x.size(-1)
+    if max(x.shape[-2:]) <= 1.5 * min(x.shape[-2:]):
+        if tall:
+            return orthogonalise_batch(x.mT, a, b, c, steps, eps).mT
         x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
         for _ in range(steps):
             gram = x @ x.mT
             x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         return x
-    gram = x @ x.mT
+    if tall:
+        gram = x.mT @ x
+    else:
+        gram = x @ x.mT
     # x's norm is the square root of G's trace: G is scaled now, x once at the end
     scale = 1 / gram.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt().clamp(min=eps)[:, None, None]
     gram = gram * scale.square()
@@ -121,6 +129,8 @@ def orthogonalise_batch(
             q = p @ q
         if step < steps - 1:  # the last G is never used
             gram = p @ gram @ p
+    if tall:
+        return x @ (q * scale).mT
     return (q * scale) @ x
 
 
@@ -156,34 +166,31 @@ class Muon(torch.optim.Muon):
     ) -> None:
         """torch's step (Nesterov momentum, decoupled weight decay, the learning rate scaled by
         sqrt(max(1, rows / columns)), torch's default adjust_lr_fn and the only one this takes),
-        with the matrices of one shape (tall ones transposed) orthogonalised as one batch: on a
-        CPU, a few batched products keep both cores busy where many small ones do not."""
+        with the matrices of one shape orthogonalised as one batch: on a CPU, a few batched
+        products keep both cores busy where many small ones do not. The elementwise work goes
+        through torch's _foreach ops, one call for all the matrices."""
         lr = group["lr"]
         momentum = group["momentum"]
-        by_shape: dict[tuple[int, int], list[int]] = {}
+        # the buffer moves to its average with the gradient; Nesterov's update looks ahead of it
+        torch._foreach_lerp_(buffers, grads, 1 - momentum)
+        if group["nesterov"]:
+            updates = torch._foreach_lerp(grads, buffers, momentum)
+        else:
+            updates = buffers
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        by_shape: dict[torch.Size, list[int]] = {}
         for i, p in enumerate(params):
-            by_shape.setdefault((min(p.shape), max(p.shape)), []).append(i)
-        for shape, indices in by_shape.items():
-            # each matrix's update in its slot of the batch, wide: the buffer moves to its average
-            # with the gradient, and Nesterov's update looks ahead of it
-            batch = torch.empty(len(indices), *shape, dtype=torch.float32, device=params[0].device)
-            for x, i in zip(batch, indices, strict=True):
-                if params[i].size(0) > params[i].size(1):
-                    x = x.T
-                buffers[i].lerp_(grads[i], 1 - momentum)
-                if group["nesterov"]:
-                    torch.lerp(grads[i], buffers[i], momentum, out=x)
-                else:
-                    x.copy_(buffers[i])
+            by_shape.setdefault(p.shape, []).append(i)
+        for (rows, columns), indices in by_shape.items():
+            batch = torch.stack([updates[i] for i in indices])
             batch = orthogonalise_batch(
                 batch, *group["ns_coefficients"], group["ns_steps"], group["eps"]
             )
-            for update, i in zip(batch, indices, strict=True):
-                p = params[i]
-                if p.size(0) > p.size(1):
-                    update = update.T
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+            torch._foreach_add_(
+                [params[i] for i in indices],
+                batch.unbind(),
+                alpha=-lr * math.sqrt(max(1, rows / columns)),
+            )
 
 
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:

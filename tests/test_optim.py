@@ -17,6 +17,7 @@ from mingpt.optim import (
     create_optimizer,
     lr_at,
     orthogonalisation_dtype,
+    orthogonalise_batch,
     param_groups,
     set_lr,
 )
@@ -109,6 +110,17 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return x.T if g.shape[0] > g.shape[1] else x
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (20, 16), (16, 20), (48, 16), (16, 64)])
+def test_orthogonalise_batch_in_float32_is_newton_schulz_for_every_shape(shape):
+    # square and near-square ones iterate on x (tall ones transposed), longer ones on their Gram
+    # matrices
+    batch = torch.randn(3, *shape, generator=torch.Generator().manual_seed(0))
+    got = orthogonalise_batch(batch, 3.4445, -4.775, 2.0315, 5, 1e-7)
+    assert got.shape == batch.shape
+    for x, want in zip(got, batch, strict=True):
+        assert torch.allclose(x.double(), newton_schulz(want), rtol=0, atol=1e-5)
 
 
 def test_muon_takes_the_blocks_matrices_and_steps_as_written(model):
