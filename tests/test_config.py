@@ -193,6 +193,14 @@ def test_gpu_quick_experiment():
     assert cfg.data_config.block_size == 256
 
 
+def test_muon_preset_and_an_experiments_warmup():
+    # the preset's measured settings (docs/training.md); an experiment's own warmup comes after it
+    o = config("optimizer_config=muon").optimizer_config
+    assert (o.algorithm, o.warmup_steps, o.muon_momentum) == ("muon", 0, 0.9)
+    o = config("experiment=gpu-quick", "optimizer_config=muon").optimizer_config
+    assert (o.algorithm, o.warmup_steps, o.muon_momentum) == ("muon", 100, 0.9)
+
+
 def test_experiment_can_be_overridden_on_the_command_line():
     cfg = config("experiment=ddp-tutorial", "trainer_config.max_epochs=1")
     assert cfg.trainer_config.max_epochs == 1 and cfg.trainer_config.batch_size == 216
