@@ -30,8 +30,9 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
     )
     for unit in [*model.h, model]:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
-    # generation calls `step`: it gathers the root's parameters too
-    register_fsdp_forward_method(model, "step")
+    # decoding calls `step` on the model and on each block: FSDP gathers their parameters for it
+    for unit in [*model.h, model]:
+        register_fsdp_forward_method(unit, "step")
 
 
 def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -64,6 +65,20 @@ def test_kv_cache_gives_the_logits_of_a_full_forward():
     model(idx[:, 10:13], cache=cache)
     logits = model.step(idx[:, 13:14], torch.tensor([3]), cache)
     assert torch.allclose(logits, model(idx[:, 10:14])[0][:, -1], rtol=0, atol=1e-5)
+
+
+def test_a_step_uses_the_weights_the_model_holds_now():
+    """A block's step reads its modules' parameters where they live (FSDP swaps tensors there):
+    a copy steps with its own weights, and so does a model whose weights were assigned anew."""
+    model = tiny_gpt().eval()
+    other = tiny_gpt(seed=1).eval()
+    copied = copy.deepcopy(model)
+    copied.load_state_dict(other.state_dict(), assign=True)
+    idx = torch.tensor([[7]])
+    for stepped, reference in ((model, model), (copied, other)):
+        cache = KVCache(stepped.config, batch_size=1, device="cpu")
+        logits = stepped.step(idx, torch.tensor([0]), cache)
+        assert torch.allclose(logits, reference(idx)[0][:, -1], rtol=0, atol=1e-5)
 
 
 def test_sequence_longer_than_block_size_is_refused():
