@@ -121,6 +121,20 @@ def decode_step(
     row.add_(1)
 
 
+@contextlib.contextmanager
+def without_onednn() -> Iterator[None]:
+    """ATen's own CPU kernels while a token is computed, not oneDNN's: oneDNN's exact GELU, which
+    nn.GELU calls on a CPU, spends about 10 us setting up each call, five times what ATen's kernel
+    takes for a decoding step's rows (BENCHMARKS.md). The setting is the process's, so it is put
+    back before each chunk is yielded."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 def _window(idx: torch.Tensor, out: torch.Tensor, n: int, i: int) -> torch.Tensor:
     """The last n tokens of the prompt idx followed by the first i new ones, in out."""
     if n <= i:
@@ -179,21 +193,22 @@ def generate(
             r = i % rows
             if r == 0 and temperature != 0:
                 draw_noise(noise, generator)
-            if cache is None or refill:
-                logits = model(_window(idx, out, n, i), cache=cache)[0][:, -1]
-                new = pick(logits, noise[:, r], *sampling)
-                out[:, i : i + 1] = new
-                if cache is not None:
-                    token.copy_(new)
-                    pos.fill_(n)
-                    row.fill_(r + 1)
-            else:
-                if r == 0:
-                    row.zero_()
-                # eager, only the window is read (the token at pos its last); compiled, all of it
-                cache.filled = None if compile else n
-                step(model, token, pos, cache, noise, row, *sampling)
-                out[:, i : i + 1] = token
+            with without_onednn():
+                if cache is None or refill:
+                    logits = model(_window(idx, out, n, i), cache=cache)[0][:, -1]
+                    new = pick(logits, noise[:, r], *sampling)
+                    out[:, i : i + 1] = new
+                    if cache is not None:
+                        token.copy_(new)
+                        pos.fill_(n)
+                        row.fill_(r + 1)
+                else:
+                    if r == 0:
+                        row.zero_()
+                    # eager, only the window is read (the token at pos its last); compiled, all
+                    cache.filled = None if compile else n
+                    step(model, token, pos, cache, noise, row, *sampling)
+                    out[:, i : i + 1] = token
             n += 1
             refill = n > block_size
             if refill:

@@ -248,6 +248,36 @@ def test_the_first_token_comes_alone_then_chunks(random_model, one_thread):
     assert list(generate(random_model, torch.zeros(1, 1, dtype=torch.long), 0)) == []
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_tokens_are_computed_without_onednn_which_is_back_between_chunks(random_model, use_cache):
+    """oneDNN is off while a token is computed (its GELU's set-up costs a decoding step more than
+    the work), and the process's setting is back as it was whenever a chunk is handed out."""
+    seen = []
+    hook = random_model.lm_head.register_forward_hook(
+        lambda *_: seen.append(torch.backends.mkldnn.enabled)
+    )
+    before = torch.backends.mkldnn.enabled
+    try:
+        for enabled in (True, False):
+            torch.backends.mkldnn.enabled = enabled
+            tokens = generate(
+                random_model,
+                torch.zeros(1, 1, dtype=torch.long),
+                20,
+                generator=torch.Generator().manual_seed(0),
+                use_cache=use_cache,
+                chunk_tokens=4,
+                chunk_seconds=None,
+            )
+            for _ in tokens:
+                assert torch.backends.mkldnn.enabled == enabled
+            assert torch.backends.mkldnn.enabled == enabled
+    finally:
+        torch.backends.mkldnn.enabled = before
+        hook.remove()
+    assert len(seen) == 40 and not any(seen)
+
+
 def test_top_k_holds_at_every_generated_token(random_model, one_thread):
     """Each token is among the top_k most likely after the text before it (within one
     window, so one forward pass of the whole text gives every step's logits)."""
