@@ -1,9 +1,9 @@
 """Text generation: tokens/s of the decoding step against its floor, compiled or not, several
-samples as one batch, full recomputation as the baseline, and another version's decoding beside
-this one.
+samples as one batch, full recomputation as the baseline, and another version's model and decoding
+beside this one.
 
 usage: python benchmarks/bench_generate.py [--shape 6/6/384] [--max-new-tokens 500] [--threads N]
-           [--rounds 3] [--device cpu] [--no-compile] [--no-uncached] [--baseline OLD_DECODING_PY]
+           [--rounds 3] [--device cpu] [--no-compile] [--no-uncached] [--baseline REV]
 
 A randomly initialised model of --shape (layers/heads/dims; by default 6/6/384, the tiny-shakespeare
 shape) with block_size 256 and a vocabulary of 65 (speed does not depend on the weights) generates
@@ -16,8 +16,9 @@ so that the machine's drifts hit every row alike:
 - uncached: the same context policy, recomputing the whole window per token;
 - sliding window: the whole last block_size tokens recomputed per token with no cache, as nanoGPT's
   `generate` does (the baseline of the targets);
-- baseline (--baseline FILE, made by `git show REV:mingpt/decoding.py > old.py`): the same cached
-  rows with the generate of another version's decoding.py, in the same rounds;
+- baseline (--baseline REV, a git revision of this checkout, such as HEAD~1): the same cached rows
+  with that version's mingpt/model.py and mingpt/decoding.py, on the same weights, in the same
+  rounds: a change to either is measured against its parent in one process;
 - floor: the matmuls of one decoding step alone, F.linear on the same weights and shapes in a loop,
   eager or compiled as the compiled step runs them; "of floor" is floor time / step time (the
   compiled step against the compiled floor), and the memory speed (the weights read once by a sum)
@@ -29,14 +30,15 @@ does.
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
+import subprocess
 import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as F
-from _common import machine, parser, seconds
+from _common import REPO, machine, parser, seconds
 from torch import nn
 
 from mingpt import decoding
@@ -55,9 +57,9 @@ OPTIONS.add_argument(
 )
 OPTIONS.add_argument(
     "--baseline",
-    metavar="DECODING_PY",
-    help="also time the generate of this file, another version's mingpt/decoding.py, in the same "
-    "rounds: rows 'baseline: ...'",
+    metavar="REV",
+    help="also time the model and decoding of this git revision (HEAD~1, a tag, a hash) on the "
+    "same weights, in the same rounds: rows 'baseline: ...'",
 )
 
 
@@ -75,13 +77,33 @@ def generating(model: GPT, device: torch.device, samples: int = 1, module=decodi
     return run
 
 
-def load_baseline(path: str):
-    """A decoding.py of another version, imported beside this one (it imports mingpt.model from this
-    checkout: the model's code must be the same)."""
-    spec = importlib.util.spec_from_file_location("baseline_decoding", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def version_of(rev: str, name: str) -> types.ModuleType:
+    """mingpt/<name>.py as it is at git revision rev, imported under a name of its own."""
+    path = f"mingpt/{name}.py"
+    shown = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        sys.exit(f"--baseline {rev}: {shown.stderr.strip()}")
+    module = types.ModuleType(f"{name}_at_{rev}")
+    sys.modules[module.__name__] = module
+    exec(compile(shown.stdout, f"{rev}:{path}", "exec"), module.__dict__)
     return module
+
+
+def load_baseline(rev: str, model: GPT, device: torch.device) -> tuple[nn.Module, types.ModuleType]:
+    """Revision rev's model, with this model's weights, and its decoding, which imports that model
+    (both import this checkout's mingpt.config)."""
+    old_model = version_of(rev, "model")
+    ours = sys.modules["mingpt.model"]
+    sys.modules["mingpt.model"] = old_model
+    try:
+        old_decoding = version_of(rev, "decoding")
+    finally:
+        sys.modules["mingpt.model"] = ours
+    baseline = old_model.GPT(model.config).to(device).eval()
+    baseline.load_state_dict(model.state_dict())
+    return baseline, old_decoding
 
 
 def sliding(model: GPT, device: torch.device):
@@ -127,7 +149,6 @@ def floor(model: GPT, device: torch.device, samples: int = 1, compiled: bool = F
 
 def rows(model: GPT, device: torch.device, args) -> dict[str, tuple[int, object]]:
     """name -> (samples, function of the token count returning seconds)."""
-    old = load_baseline(args.baseline) if args.baseline else None
     table = {
         "floor (matmuls only)": (1, floor(model, device)),
         "cached, eager": (1, generating(model, device)),
@@ -135,18 +156,19 @@ def rows(model: GPT, device: torch.device, args) -> dict[str, tuple[int, object]
         "cached, 16 samples": (16, generating(model, device, 16)),
         "floor, 16 samples": (16, floor(model, device, 16)),
     }
-    if old:
-        table["baseline: cached, eager"] = (1, generating(model, device, module=old))
-        table["baseline: 16 samples"] = (16, generating(model, device, 16, module=old))
+    if args.baseline:
+        old, module = load_baseline(args.baseline, model, device)
+        table["baseline: cached, eager"] = (1, generating(old, device, module=module))
+        table["baseline: 16 samples"] = (16, generating(old, device, 16, module=module))
     if not args.no_compile:
         table["floor, compiled matmuls"] = (1, floor(model, device, compiled=True))
         table["cached, compiled"] = (1, generating(model, device, compile=True))
         table["compiled, 16 samples"] = (16, generating(model, device, 16, compile=True))
-    if old and not args.no_compile:
-        table["baseline: compiled"] = (1, generating(model, device, module=old, compile=True))
+    if args.baseline and not args.no_compile:
+        table["baseline: compiled"] = (1, generating(old, device, module=module, compile=True))
         table["baseline: compiled, 16 samples"] = (
             16,
-            generating(model, device, 16, module=old, compile=True),
+            generating(old, device, 16, module=module, compile=True),
         )
     if not args.no_uncached:
         table["uncached (restarting window)"] = (1, generating(model, device, use_cache=False))
@@ -219,6 +241,11 @@ def summary(secs: dict[str, float], n: int, compiling: float | None) -> None:
         f"16 samples in {secs['cached, 16 samples'] / one:.2f}x the time of one (eager), "
         f"4 samples in {secs['cached, 4 samples'] / one:.2f}x"
     )
+    if "baseline: cached, eager" in secs:
+        print(
+            f"against the baseline: one sample in {one / secs['baseline: cached, eager']:.3f}x its "
+            f"time, 16 samples in {secs['cached, 16 samples'] / secs['baseline: 16 samples']:.3f}x"
+        )
     if compiling is not None:
         saved = one - secs["cached, compiled"]
         pays = "never pays off"

@@ -43,6 +43,14 @@ SMOKE = {
             ["--max-new-tokens", "3", "--rounds", "1", "--threads", "1", "--no-compile"],
             "cached eager vs uncached restarting window",
         ),
+        (
+            1,
+            [
+                *("--max-new-tokens", "3", "--rounds", "1", "--threads", "1", "--no-compile"),
+                *("--no-uncached", "--baseline", "HEAD"),
+            ],
+            "against the baseline: one sample in",
+        ),
     ],
     # needs a nanoGPT checkout, and trains 2,616 steps: a benchmark, not a smoke test
     "bench_quality.py": None,
