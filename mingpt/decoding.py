@@ -205,7 +205,8 @@ def generate(
                 else:
                     if r == 0:
                         row.zero_()
-                    # eager, only the window is read (the token at pos its last); compiled, all
+                    # eager: the window alone is read (the token at pos its last); compiled: all
+                    # of the cache
                     cache.filled = None if compile else n
                     step(model, token, pos, cache, noise, row, *sampling)
                     out[:, i : i + 1] = token
