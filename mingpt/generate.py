@@ -8,10 +8,12 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import fsspec
 import torch
+import torch.nn.functional as F
 
 from mingpt.command import command, parse_args, silence_stdout
 from mingpt.config import ConfigError, check, check_fields, key
@@ -26,8 +28,8 @@ log = logging.getLogger(__name__)
 # Free text, taken verbatim.
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
 # compile=auto compiles the step from this many new characters per sample, where compiling (caches
-# warm) costs less than it saves. cpu: measured, one sample (a batch gains too little: never); cuda:
-# estimated (BENCHMARKS.md).
+# warm) costs less than it saves. cpu: measured, one sample (a batch gains too little: never), and
+# only where one-row products lag; cuda: estimated (BENCHMARKS.md).
 COMPILE_PAYS_AFTER = {"cpu": 1500, "cuda": 6000}
 
 
@@ -72,7 +74,7 @@ class GenerateConfig:
     compile: str = key(
         "auto",
         "torch.compile the decoding step: faster per character, but compiling takes seconds; "
-        "auto: when max_new_tokens is long enough for it to pay on this device type; true or "
+        "auto: when max_new_tokens is long enough for it to pay on this device; true or "
         "false",
         valid=("auto", "true", "false"),
     )
@@ -174,13 +176,36 @@ def write(text: str) -> None:
         raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
+def one_row_products_lag() -> bool:
+    """Whether this CPU's BLAS multiplies one row by a matrix at under half the speed at which it
+    reads the matrix. A compiled step pays on a CPU only then: its products are inductor's
+    reductions, at the reading speed. MKL on an AMD EPYC ran at a quarter of it, and compiling
+    made decoding 2.7x faster; on Intel Xeons the products run at the reading speed, and compiling
+    saved at most a fifth of a character's time, for 7 to 17 s of compiling (BENCHMARKS.md). Takes
+    about 50 ms."""
+    weight = torch.randn(2048, 2048)  # 16 MB: more than a core's L2 cache holds
+    row = torch.randn(1, 2048)
+
+    def fastest(fn: Callable) -> float:  # of five runs: the least disturbed by other work
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return fastest(lambda: F.linear(row, weight)) > 2 * fastest(weight.sum)
+
+
 def should_compile(config: GenerateConfig, device: torch.device) -> bool:
     if config.compile != "auto":
         return config.compile == "true"
     # On a CPU a batch gains too little from compiling (measured).
     if not config.use_cache or (device.type == "cpu" and config.num_samples > 1):
         return False
-    return config.max_new_tokens >= COMPILE_PAYS_AFTER.get(device.type, math.inf)
+    if config.max_new_tokens < COMPILE_PAYS_AFTER.get(device.type, math.inf):
+        return False
+    return device.type != "cpu" or one_row_products_lag()
 
 
 def run(config: GenerateConfig) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import TINY, child_env, on_cpu, read_snapshot, run_dir_of, run_each
 
+import mingpt.generate as generate_cli
 from mingpt.command import parse_args
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
@@ -328,14 +329,21 @@ def test_the_exponential_race_samples_the_softmax():
             assert chi_square(freq, torch.full_like(probs, 1 / 6)) > 1800  # the test can tell
 
 
-def test_compile_auto_compiles_where_it_pays():
+def test_compile_auto_compiles_where_it_pays(monkeypatch):
     """compile=auto (the default): the step is compiled for a text long enough for
-    compiling to pay on the device type, one sample on CPU; true and false as said."""
+    compiling to pay on the device type, on a CPU for one sample and only where one-row products
+    lag behind the memory; true and false as said."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def compiles(device, *args):
         return should_compile(parse_args(list(args), GenerateConfig), device)
 
+    assert isinstance(generate_cli.one_row_products_lag(), bool)  # this CPU's, measured
+    monkeypatch.setattr(generate_cli, "one_row_products_lag", lambda: False)
+    assert not compiles(cpu, "max_new_tokens=100000")
+    assert compiles(cpu, "max_new_tokens=100000", "compile=true")
+    assert compiles(cuda, "max_new_tokens=100000")
+    monkeypatch.setattr(generate_cli, "one_row_products_lag", lambda: True)
     assert parse_args([], GenerateConfig).compile == "auto"
     for device in (cpu, cuda):
         long_enough = f"max_new_tokens={COMPILE_PAYS_AFTER[device.type]}"
