@@ -25,7 +25,7 @@ so that the machine's drifts hit every row alike:
   is printed below the table.
 
 Each chunk (or token, for a version that yields one at a time) is read back as a streaming caller
-does.
+does. On a CPU the last line says what `python -m mingpt.generate`'s compile=auto does there.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from torch import nn
 
 from mingpt import decoding
 from mingpt.config import GPTConfig
+from mingpt.generate import COMPILE_PAYS_AFTER, one_row_products_lag
 from mingpt.model import GPT
 
 OPTIONS = parser(__doc__)
@@ -291,6 +292,11 @@ def main() -> None:
     print(memory_speed(model, device, secs, n))
     print()
     summary(secs, n, compiling)
+    if device.type == "cpu":
+        policy = "eager at any length (one-row products keep up with the memory)"
+        if one_row_products_lag():
+            policy = f"compiled from {COMPILE_PAYS_AFTER['cpu']:,} tokens (one-row products lag)"
+        print(f"compile=auto on this CPU (python -m mingpt.generate, one sample): {policy}")
 
 
 if __name__ == "__main__":
