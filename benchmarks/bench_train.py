@@ -33,7 +33,7 @@ Model FLOPs per token (forward + backward, PaLM's accounting, mingpt/flops.py):
 where N_matmul counts the weights of every Linear layer (embedding lookups do no matmul work) and
 the second term is attention's QK^T and AV products over the full block. MFU = achieved FLOP/s
 over the peak that mingpt/flops.py's peak_rate measures, as the train log's `mfu`: a 1024-square
-fp32 matmul on CPU, an 8192-square bf16 matmul on GPU.
+matmul on CPU, an 8192-square one on GPU, in the dtype of the step's matmuls (AMP's, else fp32).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from mingpt.data import ResumableSampler, load_data
 from mingpt.distributed import distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer
+from mingpt.trainer import amp_policy
 
 DEFAULTS = [
     "gpt_config.n_layer=4",
@@ -106,12 +107,10 @@ OPTIONS.add_argument("--no-compile", action="store_true", help="--profile: no co
 
 
 def autocast(config, info) -> torch.autocast:
-    """bf16 (or the configured dtype) autocast where the trainer uses it: AMP on CUDA."""
-    tc = config.trainer_config
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tc.amp_dtype]
-    return torch.autocast(
-        info.device.type, dtype=dtype, enabled=tc.use_amp and info.device.type == "cuda"
-    )
+    """Autocast as the trainer uses it (trainer.amp_policy): AMP on CUDA, or on a CPU that
+    amp_on_cpu forces it on."""
+    amp = amp_policy(config.trainer_config, info.device.type)
+    return torch.autocast(info.device.type, dtype=amp.dtype, enabled=amp.enabled)
 
 
 def wrapped(model: nn.Module, config, info) -> tuple[nn.Module | None, nn.Module]:
@@ -314,7 +313,7 @@ def step_rows(config, info, times: dict[str, float], rounds: int) -> list[tuple[
     block = config.data_config.block_size
     tokens_per_step = tc.batch_size * info.world_size * block
     # Every process at once: the machine's share each gets (the trainer's MFU: rank 0 alone).
-    dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    dtype = amp_policy(tc, info.device.type).dtype
     peak = flops.peak_rate(info.device, dtype) * info.world_size
     side = 1024 if info.device.type == "cpu" else 8192
     fpt = flops.flops_per_token(GPT(g), g.n_layer, g.n_embd, block)
