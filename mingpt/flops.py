@@ -6,6 +6,8 @@ import resource
 import torch
 from torch import nn
 
+from mingpt.metrics import duration
+
 SLOW_STEP_SECONDS = 1.0
 CPU = torch.device("cpu")
 # Steps under this many FLOPs take well under a second on any CPU (the default run's is 4 GFLOP),
@@ -59,17 +61,6 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _rough_duration(seconds: float) -> str:
-    """The order of a long wait, for a warning: 3 days, 14.4 h, 25 min, 90 s."""
-    if seconds >= 2 * 86400:
-        return f"{seconds / 86400:.0f} days"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 120:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds:.0f} s"
-
-
 def slow_on_cpu(flops_per_step: float, total_steps: int, rate: float | None = None) -> str | None:
     """The warning for a run whose steps take over SLOW_STEP_SECONDS on this CPU, else None."""
     if flops_per_step < MEASURE_ABOVE_FLOPS:
@@ -81,7 +72,7 @@ def slow_on_cpu(flops_per_step: float, total_steps: int, rate: float | None = No
         return None
     return (
         f"this run is sized for a GPU: expect about {seconds:,.0f} s per step on this CPU, "
-        f"{_rough_duration(seconds * total_steps)} for {total_steps:,} steps "
+        f"{duration(seconds * total_steps)} for {total_steps:,} steps "
         f"({flops_per_step / 1e9:,.0f} GFLOP per step and process at the "
         f"{rate / 1e9:,.0f} GFLOP/s this CPU measured in fp32 matmuls); "
         "train it on a GPU, or here with a smaller model or batch"

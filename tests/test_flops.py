@@ -60,7 +60,7 @@ def test_the_rule_is_the_expected_seconds_per_step():
     assert flops.slow_on_cpu(90e9, 10, rate) is None  # 0.9 s
     warning = flops.slow_on_cpu(120e9, 7200, rate)  # 1.2 s
     assert warning.startswith(
-        "this run is sized for a GPU: expect about 1 s per step on this CPU, 2.4 h for 7,200 steps"
+        "this run is sized for a GPU: expect about 1 s per step on this CPU, 2h24m for 7,200 steps"
     )
 
 
