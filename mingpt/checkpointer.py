@@ -94,6 +94,19 @@ class Checkpointer:
         if newest is not None:
             start = manifest.step_of(newest)
         compat.check_same_start(self.dist, start, self.root)
+        # Best weights saved after the start step are an attempt's that stopped before a snapshot
+        # kept its position: this run's record goes back to its start, as metrics.jsonl does.
+        if self.dist.is_main_process:
+            best = best_path(self.root)
+            removed = manifest.remove_after(best, start)
+            if removed:
+                log.info(
+                    "removed %s from %s: best weights of an attempt that stopped before its next "
+                    "snapshot; this run starts from step %d",
+                    ", ".join(removed),
+                    best,
+                    start,
+                )
         if newest is None:
             return None
         # The layout to load into: this run's shards and parameter names.

@@ -101,6 +101,35 @@ def test_best_weights_survive_a_stop_and_resume(
     assert again["step"] == best_step and same_tensors(again["model_state"], evaluated[best_step])
 
 
+def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_not_kept(
+    tmp_path, small_corpus, caplog, one_thread
+):
+    """An attempt killed after saving a best but before its next snapshot left best weights that no
+    snapshot accounts for: the run that starts over (here from step 0, with another width) removes
+    them, so its own best is the one kept (pruning keeps the highest step: before, that was the dead
+    attempt's, and each new best was removed as soon as it was published)."""
+    run = tmp_path / "run"
+    dead = make_trainer(
+        run, small_corpus, *BUMPY, "trainer_config.max_steps=8", "trainer_config.eval_every=8"
+    )
+    dead.train()
+    assert manifest.step_of(manifest.latest(str(run / "snapshots-best"))) == 8
+    for directory in (run / "snapshots").iterdir():  # killed before its snapshot was written
+        (directory / manifest.MANIFEST).unlink()
+    with caplog.at_level(logging.INFO):
+        again = make_trainer(
+            run, small_corpus, *BUMPY, "trainer_config.max_steps=4", "gpt_config.n_embd=16"
+        )
+    train(again)
+    best = read_snapshot(run / "snapshots-best")
+    assert best["step"] == best["best_step"] == 4 and best["gpt_config"]["n_embd"] == 16
+    assert same_tensors(best["model_state"], again.raw_model.state_dict())
+    assert f"best {again.state.best_eval_loss:.4f} at step 4 (" in summary(
+        again, again.evaluator.last
+    )
+    assert "removed step-00000008 from" in caplog.text
+
+
 def test_an_evaluation_cut_by_a_stop_writes_no_best(
     tmp_path, small_corpus, monkeypatch, one_thread
 ):

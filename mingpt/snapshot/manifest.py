@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -152,14 +153,14 @@ def publish(directory: str, document: bytes, shards: dict[str, list]) -> int:
     return len(files)
 
 
-def prune(root: str, newest: str, keep: int) -> None:
-    """Remove all but the newest `keep` published snapshots, and the unpublished ones older than
-    `newest` (saves that died); a failure only warns."""
+def _remove(root: str, which: Callable[[list[str], list[str]], list[str]]) -> list[str]:
+    """Remove the snapshot directories that `which(names, published)` picks from the root's listing;
+    the names removed. A failure only warns."""
     try:
         names, published = listing(root)
-        unpublished = [n for n in names if n not in published and order(n) < order(newest)]
+        chosen = which(names, published)
         fs, p = storage.filesystem(root)
-        for name in published[:-keep] + unpublished:
+        for name in chosen:
             # The manifest first: a removal cut short leaves an unpublished directory, never a
             # damaged snapshot.
             if name in published:
@@ -167,6 +168,25 @@ def prune(root: str, newest: str, keep: int) -> None:
             fs.rm(f"{p.rstrip('/')}/{name}", recursive=True)
     except (SnapshotError, StorageError, *storage_errors()) as e:
         log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
+        return []
+    return chosen
+
+
+def prune(root: str, newest: str, keep: int) -> None:
+    """Remove all but the newest `keep` published snapshots, and the unpublished ones older than
+    `newest` (saves that died); a failure only warns."""
+
+    def old(names: list[str], published: list[str]) -> list[str]:
+        unpublished = [n for n in names if n not in published and order(n) < order(newest)]
+        return published[:-keep] + unpublished
+
+    _remove(root, old)
+
+
+def remove_after(root: str, step: int) -> list[str]:
+    """Remove the snapshots of `root` saved after `step`, published or not; the names removed. A
+    failure only warns."""
+    return _remove(root, lambda names, _: [n for n in names if order(n)[0] > step])
 
 
 # Everything DCP's index pickles, and nothing else.
