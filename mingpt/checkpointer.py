@@ -94,20 +94,8 @@ class Checkpointer:
         if newest is not None:
             start = manifest.step_of(newest)
         compat.check_same_start(self.dist, start, self.root)
-        # Best weights saved after the start step are an attempt's that stopped before a snapshot
-        # kept its position: this run's record goes back to its start, as metrics.jsonl does.
-        if self.dist.is_main_process:
-            best = best_path(self.root)
-            removed = manifest.remove_after(best, start)
-            if removed:
-                log.info(
-                    "removed %s from %s: best weights of an attempt that stopped before its next "
-                    "snapshot; this run starts from step %d",
-                    ", ".join(removed),
-                    best,
-                    start,
-                )
         if newest is None:
+            self._forget_later_best(0)
             return None
         # The layout to load into: this run's shards and parameter names.
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
@@ -137,7 +125,25 @@ class Checkpointer:
             meta["samples_in_epoch"],
             meta["step"],
         )
+        self._forget_later_best(meta["step"])
         return meta
+
+    def _forget_later_best(self, start: int) -> None:
+        """Remove the best weights saved after the step the run starts from, once nothing can refuse
+        the run: an attempt that stopped before its next snapshot wrote them, and pruning would keep
+        them over this run's own (the highest step stays). metrics.jsonl is cut back alike."""
+        if not self.dist.is_main_process:
+            return
+        best = best_path(self.root)
+        removed = manifest.remove_after(best, start)
+        if removed:
+            log.info(
+                "removed %s from %s: best weights of an attempt that stopped before its next "
+                "snapshot; this run starts from step %d",
+                ", ".join(removed),
+                best,
+                start,
+            )
 
     def _check_fits(self, meta: dict[str, Any]) -> None:
         compat.check_fits(meta, self.config, self.vocab, self.root, self.dist, self.corpus)
