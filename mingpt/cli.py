@@ -23,7 +23,7 @@ from mingpt import stopping
 from mingpt.config import Config, ConfigError, check_known_keys, drop_ignored_keys, register_configs
 from mingpt.data import DataError
 from mingpt.run import run
-from mingpt.rundir import RunDirError, check_run_dir_setting, shell_override
+from mingpt.rundir import RunDirError, check_hydra_settings, shell_override
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason
 from mingpt.trainer import TrainingError
@@ -124,8 +124,7 @@ _in_task = False  # an OSError outside a task is Hydra failing to create the run
 def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list[str]]:
     """`cfg` as a Config, every key and value checked, and the notices of its ignored keys (dropped
     in place)."""
-    if hydra_cfg.mode == RunMode.RUN:
-        check_run_dir_setting(hydra_cfg.run.dir)
+    check_hydra_settings(hydra_cfg, sweep=hydra_cfg.mode == RunMode.MULTIRUN)
     check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
     with open_dict(cfg):
         notices = drop_ignored_keys(cfg)

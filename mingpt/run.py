@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mingpt import finetune, flops
-from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
+from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, TrainerConfig
 from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
@@ -209,30 +209,47 @@ def summary(t: Trainer, final: float | None) -> str:
     )
 
 
+def new_run_hint(cfg: TrainerConfig, run_dir: str) -> str:
+    """What to add for a new run instead of this one: a name not used yet, unless the name does not
+    place the run (hydra.run.dir names the directory) or its snapshots (an absolute or URL
+    snapshot_path, shared by every name)."""
+    path = cfg.snapshot_path
+    if path and ("://" in path or os.path.isabs(path)):
+        return "trainer_config.snapshot_path=PATH (a path not used yet)"
+    parent, base = os.path.split(os.path.normpath(run_dir))
+    # a sweep's job N is in <run_name>-multirun/N
+    if cfg.run_name not in (base, os.path.basename(parent).removesuffix("-multirun")):
+        return "hydra.run.dir=ANOTHER_DIRECTORY"
+    return "trainer_config.run_name=NAME (a name not used yet)"
+
+
 def already_complete(t: Trainer) -> str:
     """What to type instead, when a command finds its run complete (whatever the number of
     processes): the same command with more steps continues this run, in this directory."""
     cfg = t.cfg
     state = t.state
     stopped = ""
+    further = []
     if t.evaluator.stopped_early(state):
-        further = "trainer_config.early_stop_patience=null"
+        further.append("trainer_config.early_stop_patience=null")
         stopped = (
             f", stopped early (best held-out loss {state.best_eval_loss:.4f} at step "
             f"{state.best_step})"
         )
     elif cfg.max_steps is not None and state.step >= cfg.max_steps:
-        further = f"trainer_config.max_steps={2 * cfg.max_steps}"
+        steps = 2 * cfg.max_steps
+        further.append(f"trainer_config.max_steps={steps}")
+        # and the epochs those steps take, where max_epochs would stop them sooner
+        epochs = math.ceil(steps / t.plan.steps_per_epoch)
+        if epochs > cfg.max_epochs:
+            further.append(f"trainer_config.max_epochs={epochs}")
     else:
-        further = f"trainer_config.max_epochs={state.epoch + 1}"
-    # hydra.run.dir=PATH names the directory itself: there a new run needs another path.
-    new = "trainer_config.run_name=NAME (a name not used yet)"
-    if os.path.basename(os.path.normpath(t.run_dir)) != cfg.run_name:
-        new = "hydra.run.dir=ANOTHER_DIRECTORY"
+        further.append(f"trainer_config.max_epochs={state.epoch + 1}")
     return (
         f"run already complete at step {state.step}{stopped} (snapshot {shown(t.snapshot_path)}), "
-        f"whatever the number of processes: nothing to train. For a new run add {new}; to train "
-        f"this one further add {further} trainer_config.allow_config_change=true"
+        f"whatever the number of processes: nothing to train. For a new run add "
+        f"{new_run_hint(cfg, t.run_dir)}; to train this one further add {' '.join(further)} "
+        "trainer_config.allow_config_change=true"
     )
 
 

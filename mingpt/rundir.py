@@ -15,10 +15,12 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch.distributed as dist
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from mingpt.distributed import DistInfo
 from mingpt.metrics import last_step
@@ -62,10 +64,30 @@ def _hydra_quoted(value: str) -> str:
     return f'"{value}"'
 
 
-def check_run_dir_setting(run_dir_setting: str) -> None:
-    if not str(run_dir_setting).strip():
+def check_hydra_settings(hydra_cfg: Any, sweep: bool) -> None:
+    """Refuse the Hydra settings under which the same command would not find its run again: a run
+    directory that is empty or named by the clock (Hydra's default, where a config file of the
+    user's names none), and a job that changes into its run directory."""
+    node = "sweep" if sweep else "run"
+    key = f"hydra.{node}.dir"
+    # as written: Hydra resolves ${now:...} when it makes the directory
+    setting = str(OmegaConf.to_container(hydra_cfg[node], resolve=False)["dir"])
+    if not setting.strip():
         raise RunDirError(
-            "hydra.run.dir: must not be empty (it would put the run into the current directory)"
+            f"{key}: must not be empty (it would put the run into the current directory)"
+        )
+    if "${now:" in setting:
+        ours = "runs/${trainer_config.run_name}" + "-multirun" * sweep
+        raise RunDirError(
+            f"{key}: {setting} is named by the clock, so the same command would start over in a "
+            f"new directory instead of resuming: name it by the run, as in '{key}={ours}' (on the "
+            "command line, or in the config file)"
+        )
+    if hydra_cfg.job.chdir:
+        raise RunDirError(
+            "hydra.job.chdir: true moves each process into its run directory, where relative paths "
+            "(data_config.path, the commands a run prints) no longer mean what they say: leave it "
+            "false"
         )
 
 

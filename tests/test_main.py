@@ -242,6 +242,13 @@ BAD_OVERRIDES = {  # id: (override, what the one line names)
         "trainer_config.powersgd_start_step",
     ),
     "empty-run-dir": ("hydra.run.dir=", "hydra.run.dir: must not be empty"),
+    # Hydra's default for a config file of the user's that names no run directory: never resumed
+    "clock-run-dir": (
+        "hydra.run.dir=outputs/${now:%H-%M-%S}",
+        "hydra.run.dir: outputs/${now:%H-%M-%S} is named by the clock",
+    ),
+    # relative paths would then mean another directory
+    "chdir": ("hydra.job.chdir=true", "hydra.job.chdir: true moves each process"),
     "run-name-dotdot": ("trainer_config.run_name=..", "trainer_config.run_name"),
     "run-dir-not-creatable": (
         "hydra.run.dir=/proc/nope/run",

@@ -1,10 +1,11 @@
-"""The trainer's small decisions, as pure functions: the AMP policy and the step plan; its
-profiler switch."""
+"""The trainer's small decisions, as pure functions: the AMP policy, the step plan and the advice
+for a complete run; its profiler switch."""
 
 from __future__ import annotations
 
 import json
 import logging
+import types
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from omegaconf import OmegaConf
 
 from mingpt.config import Config, ConfigError, TrainerConfig
 from mingpt.distributed import DistInfo
-from mingpt.run import build
-from mingpt.trainer import TrainState, amp_policy, step_plan
+from mingpt.evaluation import Evaluator
+from mingpt.run import already_complete, build
+from mingpt.trainer import StepPlan, TrainState, amp_policy, step_plan
 
 
 def test_amp_is_on_cuda_only_unless_forced_on_a_cpu(caplog):
@@ -112,3 +114,42 @@ def test_the_train_log_shows_muons_learning_rate_and_no_missing_value(
         1e-2 / 4
     )
     assert "muon_lr 0.0025" in lines[0] and train[0]["mfu"] is None
+
+
+def advice(run_dir="runs/r", steps_per_epoch=131, **state_and_keys):
+    """already_complete's advice for a run that ends at `state_and_keys`'s step and epoch."""
+    state = TrainState(step=state_and_keys.pop("step"), epoch=state_and_keys.pop("epoch"))
+    cfg = TrainerConfig(run_name="r", **state_and_keys)
+    t = types.SimpleNamespace(
+        cfg=cfg,
+        state=state,
+        evaluator=Evaluator(cfg),
+        snapshot_path=f"{run_dir}/snapshots",
+        run_dir=run_dir,
+        plan=StepPlan(8, steps_per_epoch, state.step),
+    )
+    new, further = already_complete(t).split("For a new run add ")[1].split("; to train this one")
+    return new, further.removeprefix(" further add ").removesuffix(
+        " trainer_config.allow_config_change=true"
+    )
+
+
+def test_the_advice_for_a_complete_run_raises_every_limit_that_would_stop_it():
+    # max_steps ends the run where max_epochs does too: doubling max_steps alone trained nothing
+    assert advice(step=131, epoch=1, max_steps=131, max_epochs=1)[1] == (
+        "trainer_config.max_steps=262 trainer_config.max_epochs=2"
+    )
+    assert advice(step=100, epoch=0, max_steps=100, max_epochs=2)[1] == (
+        "trainer_config.max_steps=200"
+    )
+    assert advice(step=262, epoch=2, max_epochs=2)[1] == "trainer_config.max_epochs=3"
+
+
+def test_the_advice_for_a_new_run_changes_what_places_it():
+    assert advice(step=262, epoch=2)[0].startswith("trainer_config.run_name=NAME")
+    # a sweep's job: its run name places the sweep
+    assert advice("runs/r-multirun/1", step=262, epoch=2)[0].startswith("trainer_config.run_name")
+    assert advice("elsewhere/dir", step=262, epoch=2)[0] == "hydra.run.dir=ANOTHER_DIRECTORY"
+    # snapshots outside the run directory are shared by every name
+    shared = advice(step=262, epoch=2, snapshot_path="/shared/snaps")[0]
+    assert shared.startswith("trainer_config.snapshot_path=PATH")
