@@ -478,6 +478,12 @@ def test_corpus_changes_name_each_file():
         "b.txt removed",
         "c.txt removed",
     ]
+    # matched by name: a file added before another is not that file changed
+    assert compat.corpus_changes(old, [new[2], *old]) == ["c.txt added"]
+    assert compat.corpus_changes(old, old[::-1]) == ["the same files in another order"]
+    # the same texts in the same order, spelled otherwise: no change
+    respelled = [{**f, "source": f"./{f['source']}"} for f in old]
+    assert compat.corpus_changes(old, respelled) == []
 
 
 # ------------------------------------------------------------- saving safely

@@ -73,19 +73,30 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
     return changes
 
 
+def _contents(files: list[dict]) -> list[tuple]:
+    return [(f.get("size"), f.get("sha256")) for f in files]
+
+
 def corpus_changes(saved: list[dict] | None, current: list[dict]) -> list[str]:
     """One line per file that differs between a snapshot's corpus (data.CharData.fingerprint, or
-    None) and `current`."""
-    if not isinstance(saved, list):
+    None) and `current`, matched by name; none where the same texts come in the same order, however
+    their paths are spelled."""
+    if not isinstance(saved, list) or _contents(saved) == _contents(current):
         return []
+    old = {f.get("source"): f for f in saved}
+    new = {f["source"]: f for f in current}
     changes = []
-    for old, new in zip(saved, current, strict=False):
-        if old.get("size") != new["size"]:
-            changes.append(f"{new['source']}: {old.get('size')} -> {new['size']} bytes")
-        elif old.get("sha256") != new["sha256"]:
-            changes.append(f"{new['source']}: other content (same size, {new['size']} bytes)")
-    changes += [f"{new['source']} added" for new in current[len(saved) :]]
-    changes += [f"{old.get('source')} removed" for old in saved[len(current) :]]
+    for source, now in new.items():
+        before = old.get(source)
+        if before is None:
+            changes.append(f"{source} added")
+        elif before.get("size") != now["size"]:
+            changes.append(f"{source}: {before.get('size')} -> {now['size']} bytes")
+        elif before.get("sha256") != now["sha256"]:
+            changes.append(f"{source}: other content (same size, {now['size']} bytes)")
+    changes += [f"{source} removed" for source in old if source not in new]
+    if not changes:
+        changes.append("the same files in another order")
     return changes
 
 
