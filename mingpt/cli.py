@@ -86,7 +86,12 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
 
 
 def override_error_line(override: str) -> str:
-    key, _, value = override.partition("=")
+    key, eq, value = override.partition("=")
+    if not eq:
+        return (
+            f"cannot parse the override {override!r}: expected key=value (a value with a space "
+            "goes in quotes with its key, as in 'trainer_config.run_name=my run')"
+        )
     if not re.fullmatch(r"[~+]{0,2}[A-Za-z_][\w.@/-]*", key, re.ASCII):
         return (
             f"cannot parse the override {override!r}: a key is ASCII letters, digits, '_' and '.'"

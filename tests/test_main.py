@@ -242,6 +242,8 @@ BAD_OVERRIDES = {  # id: (override, what the one line names)
         "trainer_config.powersgd_start_step",
     ),
     "empty-run-dir": ("hydra.run.dir=", "hydra.run.dir: must not be empty"),
+    # an unquoted value with a space: its second word is an override of its own
+    "no-equals": ("gpt_config.n_layer", "'gpt_config.n_layer': expected key=value"),
     # Hydra's default for a config file of the user's that names no run directory: never resumed
     "clock-run-dir": (
         "hydra.run.dir=outputs/${now:%H-%M-%S}",
