@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from mingpt import finetune, flops
-from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig, TrainerConfig
+from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
-from mingpt.rundir import Claim, check_record, claim, hold_log_lines, shell_override
+from mingpt.rundir import Claim, check_record, claim, hold_log_lines, new_run_hint, shell_override
 from mingpt.snapshot import compat, reader
 from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
@@ -207,20 +207,6 @@ def summary(t: Trainer, final: float | None) -> str:
         f"done at step {state.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
         f"{shown(t.snapshot_path)} | sample from {source}: {command}"
     )
-
-
-def new_run_hint(cfg: TrainerConfig, run_dir: str) -> str:
-    """What to add for a new run instead of this one: a name not used yet, unless the name does not
-    place the run (hydra.run.dir names the directory) or its snapshots (an absolute or URL
-    snapshot_path, shared by every name)."""
-    path = cfg.snapshot_path
-    if path and ("://" in path or os.path.isabs(path)):
-        return "trainer_config.snapshot_path=PATH (a path not used yet)"
-    parent, base = os.path.split(os.path.normpath(run_dir))
-    # a sweep's job N is in <run_name>-multirun/N
-    if cfg.run_name not in (base, os.path.basename(parent).removesuffix("-multirun")):
-        return "hydra.run.dir=ANOTHER_DIRECTORY"
-    return "trainer_config.run_name=NAME (a name not used yet)"
 
 
 def already_complete(t: Trainer) -> str:

@@ -64,6 +64,22 @@ def _hydra_quoted(value: str) -> str:
     return f'"{value}"'
 
 
+def new_run_hint(cfg: Any, run_dir: str | None = None) -> str:
+    """What to add for a new run instead of this one (`cfg` its trainer_config): a name not used
+    yet, unless the name does not place its snapshots (an absolute or URL snapshot_path, shared by
+    every name) or its run directory `run_dir` (hydra.run.dir names it)."""
+    path = cfg.snapshot_path
+    if path and ("://" in path or os.path.isabs(path)):
+        return "trainer_config.snapshot_path=PATH (a path not used yet)"
+    if run_dir is None:
+        return "trainer_config.run_name=NAME (a name not used yet)"
+    parent, base = os.path.split(os.path.normpath(run_dir))
+    # a sweep's job N is in <run_name>-multirun/N
+    if cfg.run_name not in (base, os.path.basename(parent).removesuffix("-multirun")):
+        return "hydra.run.dir=ANOTHER_DIRECTORY"
+    return "trainer_config.run_name=NAME (a name not used yet)"
+
+
 def check_hydra_settings(hydra_cfg: Any, sweep: bool) -> None:
     """Refuse the Hydra settings under which the same command would not find its run again: a run
     directory that is empty or named by the clock (Hydra's default, where a config file of the

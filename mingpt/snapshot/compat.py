@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mingpt.config import Config, result_items
 from mingpt.distributed import DistInfo
-from mingpt.rundir import shell_override
+from mingpt.rundir import new_run_hint, shell_override
 from mingpt.snapshot import SnapshotError, manifest
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
         )
     if changes and not config.trainer_config.allow_config_change:
         raise SnapshotError(
-            f"snapshot {path} was written with another config ({'; '.join(changes)}): give this "
-            "run a name of its own (trainer_config.run_name=NAME), or continue that run with the "
-            "new values (add trainer_config.allow_config_change=true)"
+            f"snapshot {path} was written with another config ({'; '.join(changes)}): start a new "
+            f"run with {new_run_hint(config.trainer_config)}, or continue that run with the new "
+            "values (add trainer_config.allow_config_change=true)"
         )
     return changes
 
@@ -116,16 +116,16 @@ def check_fits(
         raise SnapshotError(
             f"snapshot {path} was written for another corpus ({'; '.join(moved)}) whose vocabulary "
             f"differs ({len(saved_vocab)} characters in the snapshot, {len(vocab)} now; differs: "
-            f"{_differing(saved_vocab, vocab)}), and a model keeps its vocabulary: give this run a "
-            "name of its own (trainer_config.run_name=NAME), or fine-tune from it "
+            f"{_differing(saved_vocab, vocab)}), and a model keeps its vocabulary: start a new run "
+            f"with {new_run_hint(config.trainer_config)}, or fine-tune from it "
             "(trainer_config.init_from)"
         )
     check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
     if moved and not config.trainer_config.allow_config_change:
         raise SnapshotError(
             f"snapshot {path} was written for another corpus ({'; '.join(moved)}): its held-out "
-            "split is no longer this corpus's; give this run a name of its own "
-            "(trainer_config.run_name=NAME), or continue that run on the new corpus (add "
+            f"split is no longer this corpus's; start a new run with "
+            f"{new_run_hint(config.trainer_config)}, or continue that run on the new corpus (add "
             "trainer_config.allow_config_change=true)"
         )
     changes = check_same_config(state, config, path)
