@@ -44,8 +44,8 @@ class ExportConfig:
     src: str = key("", f"the snapshot: {reader.HELP}")
     dst: str = key(
         "",
-        "where the export goes: absent, or of the kind the format writes (an earlier export's "
-        "directory, or a regular file); never a device",
+        "where the export goes: absent, or an earlier export of the same kind (a directory, or a "
+        "snapshot file); never another file or a device",
     )
     format: str = key("safetensors", f"{', '.join(FORMATS)}: see below", valid=FORMATS)
 
@@ -112,8 +112,9 @@ def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[s
 
 def check_destination(dst: str, directory: bool) -> str | None:
     """DST's local path (symbolic links followed; None for a URL of another file system), once it is
-    known to be absent or of the kind the export replaces: a regular file (snapshot format), or a
-    directory of nothing but an earlier export's files. A device, pipe or socket is never replaced.
+    known to be absent or of the kind the export replaces: a snapshot file (snapshot format), or a
+    directory of nothing but an earlier export's files. Another file, a device, pipe or socket is
+    never replaced.
     """
     if "://" in dst and not dst.startswith("file://"):
         return None
@@ -140,6 +141,11 @@ def check_destination(dst: str, directory: bool) -> str | None:
         )
     elif directory:
         raise ExportError(f"{dst} is a file: this format writes a directory")
+    elif not single_file.is_archive(path):
+        raise ExportError(
+            f"{dst} is a file that is not a snapshot: refusing to replace it (give a new path, or "
+            "an earlier export's file)"
+        )
     return path
 
 

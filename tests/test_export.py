@@ -142,7 +142,7 @@ def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(
 
     _, run_dir = tiny_run
     dst = tmp_path / "one.pt"
-    dst.write_bytes(b"an earlier file")  # a regular file is replaced
+    dst.write_bytes(b"PK\x03\x04 an earlier export")  # an earlier snapshot file is replaced
     export(run_dir, dst, "--format", "snapshot")  # a run directory: its best weights
     exported, original = single_file.load(str(dst)), read_snapshot(run_dir / "snapshots-best")
     assert (
@@ -192,6 +192,18 @@ def test_a_device_node_is_never_replaced(sharded_root, tmp_path, capsys, device,
     assert os.listdir("/dev").count(os.path.basename(device)) == 1 and not list(
         Path("/dev").glob("*.tmp-*")
     )
+
+
+def test_a_file_that_is_not_a_snapshot_is_never_replaced(sharded_root, tmp_path, capsys):
+    """A swapped or mistyped DST (here a text of the user's) is refused, not overwritten."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("ROMEO: the user's own text\n")
+    line = refused(capsys, [sharded_root, text, "--format", "snapshot"])
+    assert line == (
+        f"error: {text} is a file that is not a snapshot: refusing to replace it (give a new "
+        "path, or an earlier export's file)"
+    )
+    assert text.read_text() == "ROMEO: the user's own text\n"
 
 
 def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mingpt.config import Config, result_items
 from mingpt.distributed import DistInfo
 from mingpt.rundir import new_run_hint, shell_override
-from mingpt.snapshot import SnapshotError, manifest
+from mingpt.snapshot import SnapshotError, manifest, single_file
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,8 @@ def check_not_a_file(snapshot_path: str | None, run_dir: str, root: str) -> None
         path = os.path.join(run_dir, OLD_DEFAULT_PATH)
     if "://" in path or not os.path.isfile(path) or manifest.latest(root):
         return
-    with open(path, "rb") as f:
-        # torch.save's zip archive starts so.
-        if f.read(4) != b"PK\x03\x04":
-            return
+    if not single_file.is_archive(path):
+        return
     raise SnapshotError(
         f"{path} is a single snapshot file (an export, or a run of an older mingpt): a run resumes "
         "only from its snapshot directory. Fine-tune from its weights in a new run: "

@@ -52,6 +52,16 @@ def save(state: dict[str, Any], path: str) -> None:
         ) from None
 
 
+def is_archive(path: str) -> bool:
+    """Whether the local file at `path` starts as torch.save's zip archive does: a snapshot file,
+    not some other file of the user's."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
 def verify(data: bytes, name: str) -> None:
     """Check a snapshot file's bytes against the CRC-32 that torch.save stored with each record of
     its zip archive (the pickle, every tensor's storage); SnapshotError naming the file otherwise.
