@@ -12,6 +12,10 @@ from mingpt.distributed import setup_logging
 from mingpt.storage import reason
 
 
+class OutputError(ValueError):
+    """The output cannot be written to stdout (closed, or a full device)."""
+
+
 def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     """`key=value` overrides on the defaults of the dataclass `schema`. The `text_keys` are taken
     verbatim, never parsed as YAML (`prompt=ROMEO:` would be a mapping, `prompt=O, Romeo!` or
@@ -70,3 +74,20 @@ def command(
 def silence_stdout() -> None:
     """stdout to /dev/null, once writing to it failed: the exit's flush would fail again."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def write(text: str) -> None:
+    """`text` to stdout, flushed; OutputError if it cannot be written (a BrokenPipeError is left to
+    `command`, which ends quietly)."""
+    # Started with stdout closed (`>&-`).
+    if sys.stdout is None:
+        raise OutputError("stdout is closed: nowhere to write the output")
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    # `>/dev/full`, say. BrokenPipeError (`| head`) is not an error of ours.
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):
+            raise
+        silence_stdout()
+        raise OutputError(f"cannot write to stdout: {e.strerror or e}") from None

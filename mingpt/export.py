@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from mingpt.command import command, parse_args
+from mingpt.command import OutputError, command, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
@@ -226,8 +226,9 @@ def overrides(argv: list[str]) -> list[str]:
 def run(argv: list[str]) -> None:
     config = parse_args(overrides(argv), ExportConfig, ("src", "dst"))
     state = export(config)
-    print(
-        f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to {config.dst}"
+    write(
+        f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to "
+        f"{config.dst}\n"
     )
 
 
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         ExportConfig,
         __doc__,
         run,
-        (ConfigError, SnapshotError, StorageError, ExportError),
+        (ConfigError, SnapshotError, StorageError, ExportError, OutputError),
         argv,
     )
 

@@ -6,7 +6,6 @@ Only the text goes to stdout; logs and a one-line error (exit status 2) go to st
 import logging
 import math
 import os
-import sys
 import time
 import timeit
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ import fsspec
 import torch
 import torch.nn.functional as F
 
-from mingpt.command import command, parse_args, silence_stdout
+from mingpt.command import OutputError, command, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
 from mingpt.distributed import pick_device
@@ -35,10 +34,6 @@ COMPILE_PAYS_AFTER = {"cpu": 1500, "cuda": 6000}
 
 class PromptError(ValueError):
     """The prompt cannot be read or does not fit the snapshot's vocabulary."""
-
-
-class OutputError(ValueError):
-    """The text cannot be written to stdout (closed, or a full device)."""
 
 
 @dataclass
@@ -106,7 +101,8 @@ def read_prompt(config: GenerateConfig) -> str:
         return config.prompt
     check_regular(config.prompt_file, "prompt_file")
     try:
-        with fsspec.open(config.prompt_file, "r", encoding="utf-8") as f:
+        # newline="": the text as it is, a \r\n included (the corpus is read so)
+        with fsspec.open(config.prompt_file, "r", encoding="utf-8", newline="") as f:
             return f.read()
     except FileNotFoundError:
         raise PromptError(f"prompt_file not found: {config.prompt_file}") from None
@@ -159,21 +155,6 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
             f"{device}, more than the {free / gib:,.1f} GiB available; at most "
             f"{free // (fixed + tokens):,} fit"
         )
-
-
-def write(text: str) -> None:
-    # Started with stdout closed (`>&-`).
-    if sys.stdout is None:
-        raise OutputError("stdout is closed: nowhere to write the text")
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    # `>/dev/full`, say. BrokenPipeError (`| head`) is not an error of ours.
-    except OSError as e:
-        if isinstance(e, BrokenPipeError):
-            raise
-        silence_stdout()
-        raise OutputError(f"cannot write the text to stdout: {e.strerror or e}") from None
 
 
 def one_row_products_lag() -> bool:

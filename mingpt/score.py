@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from mingpt import evaluation
-from mingpt.command import command, parse_args
+from mingpt.command import OutputError, command, parse_args, write
 from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, check_fields, key
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
@@ -146,10 +146,12 @@ def run(argv: list[str]) -> None:
     config = parse_args(argv, ScoreConfig, TEXT_KEYS)
     result = score(config)
     scored = f"{result.tokens:,} characters scored"
-    print(f"{config.snapshot_path} (step {result.step}) on {result.source}: {scored}")
-    print(f"loss        {result.loss:.6f} nats per character")
-    print(f"bpc         {result.bpc:.6f}")
-    print(f"perplexity  {result.perplexity:.6f}")
+    write(
+        f"{config.snapshot_path} (step {result.step}) on {result.source}: {scored}\n"
+        f"loss        {result.loss:.6f} nats per character\n"
+        f"bpc         {result.bpc:.6f}\n"
+        f"perplexity  {result.perplexity:.6f}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         ScoreConfig,
         __doc__,
         run,
-        (ConfigError, SnapshotError, StorageError, DataError, TextError),
+        (ConfigError, SnapshotError, StorageError, DataError, TextError, OutputError),
         argv,
     )
 

@@ -512,7 +512,7 @@ def test_a_model_too_large_for_memory_is_one_line():
 
 def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
     one_error_line(runs["stdout_closed"], "stdout is closed")
-    one_error_line(runs["dev_full"], "cannot write the text to stdout: No space left on device")
+    one_error_line(runs["dev_full"], "cannot write to stdout: No space left on device")
 
 
 @pytest.mark.parametrize(

@@ -524,3 +524,13 @@ def test_a_generation_too_large_for_memory_names_the_key_to_change():
     with pytest.raises(ConfigError, match=rf"^num_samples: {many:,} samples need about"):
         check_fits(model, GenerateConfig(max_new_tokens=1000, num_samples=many), cpu)
     check_fits(model, GenerateConfig(max_new_tokens=1000, num_samples=3), cpu)
+
+
+def test_a_prompt_file_is_read_as_it_is(tmp_path):
+    """Its CRLF line ends and lone CRs stay (universal newlines made them LF: other text than the
+    corpus holds)."""
+    from mingpt.generate import read_prompt
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"ROMEO:\r\nO\rJuliet\n")
+    assert read_prompt(GenerateConfig(prompt_file=str(prompt))) == "ROMEO:\r\nO\rJuliet\n"

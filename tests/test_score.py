@@ -3,6 +3,7 @@ text file, a character outside the vocabulary, bad input; eval events carry perp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -135,6 +136,36 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
             refused(capsys, [snapshot, "device=cuda"])
             == "error: device: cuda, but CUDA is not available"
         )
+
+
+@pytest.mark.parametrize("stdout", [None, "/dev/full"], ids=["closed", "full"])
+def test_a_result_that_cannot_be_written_is_one_line_not_lost(
+    tiny_run, tmp_path, capsys, monkeypatch, stdout
+):
+    """score (and export, the same write) with stdout closed (`>&-`) or full: one line and status 2;
+    before, a closed stdout lost the result with status 0, a full one gave a traceback."""
+    from mingpt.export import main as export_main
+
+    cwd, run_dir = tiny_run
+    monkeypatch.chdir(cwd)  # the run's data_config.path is relative to where it ran
+    expected = "stdout is closed"
+    if stdout is not None:
+        expected = "cannot write to stdout: No space left"
+    for command in (
+        lambda: main([f"snapshot_path={run_dir}"]),
+        lambda: export_main([str(run_dir), str(tmp_path / "model")]),
+    ):
+        with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as patch:
+            out = None
+            if stdout is not None:  # each its own: a failed write sends the rest to /dev/null
+                out = stack.enter_context(open(stdout, "w"))  # noqa: SIM115
+            patch.setattr(sys, "stdout", out)
+            with pytest.raises(SystemExit) as status:
+                command()
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert status.value.code == 2 and "Traceback" not in err, err
+        assert last.startswith(f"error: {expected}"), err
 
 
 def test_help():
