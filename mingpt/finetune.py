@@ -41,10 +41,11 @@ def _shape_or_refuse(start: Start) -> dict[str, int]:
     shape = start.meta.get("gpt_config")
     vocab = start.meta.get("vocab")
     shaped = isinstance(shape, dict) and all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
-    if not shaped or not isinstance(vocab, str) or len(vocab) != shape["vocab_size"]:
+    sorted_vocab = isinstance(vocab, str) and vocab == "".join(sorted(set(vocab)))
+    if not shaped or not sorted_vocab or len(vocab) != shape["vocab_size"]:
         raise SnapshotError(
             f"trainer_config.init_from: snapshot {start.named} does not record its model's shape "
-            "and vocabulary (gpt_config, vocab)"
+            "and vocabulary (gpt_config, and vocab: its sorted distinct characters)"
         )
     return shape
 

@@ -226,6 +226,23 @@ def test_a_run_directory_gives_its_best_weights_else_its_snapshot(
     assert f"initialised from {run_dir / 'snapshots'} (step 80" in caplog.text
 
 
+def test_a_run_directory_is_found_as_a_file_url_and_by_its_own_snapshot_file(
+    pretrained, tmp_path, tiny_file
+):
+    """file://DIR is the local run directory (it was taken for a snapshot root, and refused); an
+    older run's single file where its config's snapshot_path names it is its snapshot (it was
+    said to have none)."""
+    from mingpt.snapshot import reader
+
+    run_dir = pretrained.run_dir
+    assert reader.find(f"file://{run_dir}") == str(run_dir / "snapshots-best")
+    old = tmp_path / "old"
+    (old / ".hydra").mkdir(parents=True)
+    (old / ".hydra" / "config.yaml").write_text("trainer_config:\n  snapshot_path: gpt.pt\n")
+    shutil.copy(tiny_file, old / "gpt.pt")
+    assert reader.find(str(old)) == str(old / "gpt.pt")
+
+
 def test_a_sharded_snapshot_is_a_source_for_either_parallelism(
     pretrained, tmp_path, caplog, one_thread
 ):

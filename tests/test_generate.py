@@ -413,6 +413,9 @@ BAD_SNAPSHOTS = {  # kind -> file name in the work directory
     "not_mingpt": "not_mingpt.pt",
     "fifo": "snapshot.fifo",  # a read would wait for a writer forever
     "device": "zero.pt",  # a link to /dev/zero: a read would never end
+    "unsorted": "unsorted.pt",  # its vocabulary is not sorted: a KeyError on the prompt, before
+    "other_shape": "other_shape.pt",  # 3 layers said, 2 held: the reason was torch's header alone
+    "bad_yaml": "broken-run",  # a run directory whose config is not YAML: a traceback, before
 }
 
 
@@ -433,6 +436,11 @@ def commands_on(workdir: Path, snapshot: Path) -> dict[str, list[str]]:
     }
     single_file.save(state, str(whole))
     (workdir / "truncated.pt").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    single_file.save({**state, "vocab": state["vocab"][::-1]}, str(workdir / "unsorted.pt"))
+    three = {**state["gpt_config"], "n_layer": 3}
+    single_file.save({**state, "gpt_config": three}, str(workdir / "other_shape.pt"))
+    (workdir / "broken-run" / ".hydra").mkdir(parents=True)
+    (workdir / "broken-run" / ".hydra" / "config.yaml").write_text("trainer_config: [oops\n")
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
     os.mkfifo(workdir / "snapshot.fifo")
     os.symlink("/dev/zero", workdir / "zero.pt")
@@ -473,7 +481,10 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize("kind", BAD_SNAPSHOTS)
 def test_unusable_snapshot_is_one_line_naming_the_path(bad_runs, workdir, kind):
-    assert str(workdir / BAD_SNAPSHOTS[kind]) in one_error_line(bad_runs[kind])
+    line = one_error_line(bad_runs[kind])
+    assert str(workdir / BAD_SNAPSHOTS[kind]) in line
+    if kind == "other_shape":  # and what does not fit
+        assert 'Missing key(s) in state_dict: "h.2.ln_1.weight"' in line, line
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])

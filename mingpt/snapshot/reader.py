@@ -12,6 +12,7 @@ import posixpath
 from typing import Any
 
 import torch
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -72,7 +73,7 @@ def _run_snapshot(run_dir: str, config_file: str) -> str:
         saved = OmegaConf.load(config_file).get("trainer_config") or {}
         merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved)
         snapshot_path = OmegaConf.to_object(merged).snapshot_path
-    except (OmegaConfBaseException, ConfigError, OSError, ValueError) as e:
+    except (OmegaConfBaseException, ConfigError, OSError, ValueError, yaml.YAMLError) as e:
         raise SnapshotError(
             f"run directory {run_dir}: {config_file} cannot be read ({reason(e)})"
         ) from None
@@ -88,8 +89,11 @@ def _run_snapshot(run_dir: str, config_file: str) -> str:
         )
         return best
     if not has_snapshot(root):
-        old = os.path.join(run_dir, compat.OLD_DEFAULT_PATH)
-        if snapshot_path or not os.path.isfile(old):
+        # a run of an older mingpt: its single file, where its config or the default put it
+        old = root
+        if not snapshot_path:
+            old = os.path.join(run_dir, compat.OLD_DEFAULT_PATH)
+        if not os.path.isfile(old):
             raise SnapshotError(
                 f"{run_dir} is a run directory with no snapshot yet (it saves to {root})"
             )
@@ -102,12 +106,13 @@ def find(path: str) -> str:
     """The snapshot that `path` names: for a run directory (a local directory with
     .hydra/config.yaml), its best weights, else its latest snapshot, said in the log; any other path
     as given. A directory that cannot hold a snapshot (empty, an export) is refused."""
-    if "://" in path or not os.path.isdir(path):
+    local = path.removeprefix("file://")
+    if "://" in local or not os.path.isdir(local):
         return path
-    config_file = os.path.join(path, ".hydra", "config.yaml")
+    config_file = os.path.join(local, ".hydra", "config.yaml")
     if os.path.isfile(config_file):
-        return _run_snapshot(path, config_file)
-    names = os.listdir(path)
+        return _run_snapshot(local, config_file)
+    names = os.listdir(local)
     if not names:
         raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
     if EXPORT_WEIGHTS in names:
@@ -143,10 +148,16 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
             raise ValueError(
                 f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}"
             )
+        # token i is the i-th character in sorted order (data.CharTokenizer)
+        if vocab != "".join(sorted(set(vocab))):
+            raise ValueError("its vocabulary is not sorted distinct characters")
         # No time spent initialising weights about to be replaced.
         with torch.device("meta"):
             model = GPT(config)
         model.load_state_dict({name: t.float() for name, t in weights.items()}, assign=True)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise SnapshotError(f"snapshot {path} cannot be used: {reason(e)}") from None
+        # load_state_dict's first line names only the model: what is wrong follows it
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = " ".join(lines[:2])[:300] or type(e).__name__
+        raise SnapshotError(f"snapshot {path} cannot be used: {why}") from None
     return model.to(device).eval(), CharTokenizer(vocab), meta
