@@ -24,7 +24,7 @@ from test_snapshot import assert_one_error, make_trainer, same_tensors
 from mingpt import stopping
 from mingpt.config import ConfigError
 from mingpt.score import ScoreConfig, score
-from mingpt.snapshot import manifest, sharded
+from mingpt.snapshot import SnapshotError, manifest, sharded
 
 # Batch 32 at a constant 0.03: the tiny model gets past the unigram plateau in few steps.
 FAST = [
@@ -224,6 +224,31 @@ def test_a_run_directory_gives_its_best_weights_else_its_snapshot(
     trainer = make_trainer(tmp_path / "ft2", pretrained.b, f"trainer_config.init_from={run_dir}")
     assert same_tensors(weights(trainer), latest["model_state"])
     assert f"initialised from {run_dir / 'snapshots'} (step 80" in caplog.text
+
+
+def test_a_fine_tuned_run_restarted_without_its_source_is_told_to_give_it(
+    pretrained, tmp_path, one_thread
+):
+    """Its shape is the source's: without init_from the config's default shape does not fit, and
+    the refusal says which init_from to add (it said only which key differed)."""
+    source = pretrained.run_dir / "snapshots"
+    tuned = make_trainer(
+        tmp_path / "ft",
+        pretrained.b,
+        f"trainer_config.init_from={source}",
+        "trainer_config.max_steps=2",
+        "gpt_config.n_layer=4",  # the default: the source's shape replaces it
+    )
+    tuned.train()
+    with pytest.raises(SnapshotError) as refused:
+        # the same command without init_from: n_layer at its default, not the source's 2
+        make_trainer(
+            tmp_path / "ft", pretrained.b, "trainer_config.max_steps=4", "gpt_config.n_layer=4"
+        )
+    assert str(refused.value).endswith(
+        f"that run was fine-tuned from {source}, whose shape it keeps; add "
+        f"trainer_config.init_from={source} as it had"
+    ), refused.value
 
 
 def test_a_run_directory_is_found_as_a_file_url_and_by_its_own_snapshot_file(

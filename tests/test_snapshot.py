@@ -302,6 +302,24 @@ def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(
     assert "the held-out split moved" in caplog.text and f"{before} -> {after} bytes" in caplog.text
 
 
+def test_a_changed_split_warns_that_the_held_out_text_moved(
+    tmp_path, small_corpus, caplog, one_thread
+):
+    """train_split (or truncate) continued with allow_config_change moves held-out text into
+    training, as a changed corpus does: the same warning, not only the list of changed keys."""
+    make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").train()
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        make_trainer(
+            tmp_path / "run",
+            small_corpus,
+            "trainer_config.max_steps=4",
+            "data_config.train_split=0.95",
+            "trainer_config.allow_config_change=true",
+        )
+    assert "the held-out split moved" in caplog.text
+    assert "(data_config.train_split: 0.9 -> 0.95)" in caplog.text
+
+
 def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_corpus, one_thread):
     """Snapshots written before the corpus was recorded resume without the check."""
     make_trainer(

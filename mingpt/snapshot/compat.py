@@ -120,7 +120,17 @@ def check_fits(
             f"with {new_run_hint(config.trainer_config)}, or fine-tune from it "
             "(trainer_config.init_from)"
         )
-    check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
+    source = (state.get("trainer_config") or {}).get("init_from")
+    try:
+        check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
+    except SnapshotError as e:
+        if not source or config.trainer_config.init_from:
+            raise
+        # a fine-tuned run's shape comes from its source, given again (it is not read again)
+        raise SnapshotError(
+            f"{e}: that run was fine-tuned from {source}, whose shape it keeps; add "
+            f"{shell_override('trainer_config.init_from', source)} as it had"
+        ) from None
     if moved and not config.trainer_config.allow_config_change:
         raise SnapshotError(
             f"snapshot {path} was written for another corpus ({'; '.join(moved)}): its held-out "
@@ -131,11 +141,15 @@ def check_fits(
     changes = check_same_config(state, config, path)
     if not dist_info.is_main_process:
         return
+    # these keys move the held-out split within the same corpus
+    moved += [
+        c for c in changes if c.startswith(("data_config.train_split:", "data_config.truncate:"))
+    ]
     if moved:
         log.warning(
-            "continuing %s on a changed corpus (%s): the held-out split moved, so evaluation "
-            "losses before and after differ in text, and text held out before may now be trained "
-            "on",
+            "continuing %s on a changed corpus or split (%s): the held-out split moved, so "
+            "evaluation losses before and after differ in text, and text held out before may now "
+            "be trained on",
             path,
             "; ".join(moved),
         )
