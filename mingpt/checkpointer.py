@@ -167,11 +167,13 @@ class Checkpointer:
             return
         # The snapshot is complete on every rank before any rank leaves.
         barrier(self.dist)
+        saved = f"the run is saved in {self.root} and the same command resumes it"
+        if last_step:
+            saved = f"the run is complete and saved in {self.root}"
         raise stopping.Stopped(
             stop,
-            f"{stopping.describe(stop)} at step {state.step}; the run is saved in {self.root} and "
-            f"the same command resumes it ({stopping.signal_name(stop)}, exit status "
-            f"{stopping.exit_status(stop)})",
+            f"{stopping.describe(stop)} at step {state.step}; {saved} "
+            f"({stopping.signal_name(stop)}, exit status {stopping.exit_status(stop)})",
         )
 
     def _agree(self) -> list[int]:

@@ -28,6 +28,7 @@ from mingpt.evaluation import Evaluator
 from mingpt.metrics import Metrics, Pace, SlowNotice
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, set_lr
+from mingpt.rundir import shell_override
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +417,14 @@ class Trainer:
                 log.info(
                     "evaluation at step %d interrupted by a stop signal: not recorded", state.step
                 )
+                # the run is complete: nothing will evaluate these weights but a command
+                if last_step and self.dist.is_main_process:
+                    score = shell_override("snapshot_path", self.snapshot_path, verbatim=True)
+                    log.warning(
+                        "the run ends without its final held-out loss: python -m mingpt.score %s "
+                        "gives it",
+                        score,
+                    )
                 return math.nan
             # The weights of the last update are not finite: no log, no sample.
             if not math.isfinite(result.loss):

@@ -143,6 +143,28 @@ def test_an_evaluation_cut_by_a_stop_writes_no_best(
     assert not (tmp_path / "snapshots-best").exists()
 
 
+def test_a_stop_in_the_final_evaluation_says_the_run_is_complete_and_how_to_score_it(
+    tmp_path, small_corpus, monkeypatch, caplog, one_thread
+):
+    """At the last step there is nothing to resume: the stop's line says the run is complete (it
+    said the same command resumes it, which then found it complete), and a warning gives the
+    command for the held-out loss it ends without."""
+    trainer = make_trainer(tmp_path, small_corpus, *BUMPY, "trainer_config.max_steps=6")
+    monkeypatch.setattr(
+        stopping, "stop_requested", lambda: signal.SIGTERM if trainer.state.step >= 6 else 0
+    )
+    with pytest.raises(stopping.Stopped) as stopped:
+        trainer.train()
+    assert str(stopped.value) == (
+        f"stopped by SIGTERM at step 6; the run is complete and saved in {tmp_path / 'snapshots'} "
+        "(SIGTERM, exit status 143)"
+    )
+    root = tmp_path / "snapshots"
+    assert f"without its final held-out loss: python -m mingpt.score snapshot_path={root}" in (
+        caplog.text
+    )
+
+
 def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog, one_thread):
     """No evaluation after the first lowers the loss by 10: with a patience of 2
     the run stops at the third evaluation, saves there, and counts as finished."""
