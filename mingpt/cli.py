@@ -20,7 +20,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
-from mingpt.config import Config, ConfigError, check_known_keys, drop_ignored_keys, register_configs
+from mingpt.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    check_known_keys,
+    drop_ignored_keys,
+    register_configs,
+)
 from mingpt.data import DataError
 from mingpt.run import run
 from mingpt.rundir import RunDirError, check_hydra_settings, shell_override
@@ -57,11 +64,19 @@ def config_error_line(error: BaseException) -> str:
     if isinstance(error, yaml.YAMLError):
         return yaml_error_line(error)
     where = re.match(r"In '([^']+)'", str(error))
+    # Hydra's hint for a key the composed config lacks (a config file that sets only some keys)
+    append = re.search(r"To append to your config use (\S+)", str(error))
     cause: BaseException | None = error
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-            return f"in {where.group(1)}: {line}" if where else line
+            section, _, name = cause.full_key.partition(".")
+            known = section in SECTIONS and name in SECTIONS[section].__dataclass_fields__
+            if append and known:
+                line += f" (this config has no such key yet: add it with {append.group(1)})"
+            if where:
+                line = f"in {where.group(1)}: {line}"
+            return line
         cause = cause.__cause__ or cause.__context__
     line = reason(error)
     options = getattr(error, "options", None)

@@ -548,6 +548,26 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     assert line == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
 
 
+def test_a_key_missing_from_a_config_file_of_ones_own_is_told_how_to_add(tmp_path):
+    """Hydra's own advice (add it with +) was dropped from the line; a key no dataclass has gets
+    none: adding it is refused next."""
+    (tmp_path / "mine.yaml").write_text("trainer_config:\n  max_steps: 5\n")
+    with (
+        initialize_config_dir(config_dir=str(tmp_path), version_base=None),
+        pytest.raises(HydraException) as e,
+    ):
+        compose("mine", overrides=["trainer_config.batch_size=4"])
+    assert cli.config_error_line(e.value) == (
+        "trainer_config.batch_size: Key 'batch_size' is not in struct (this config has no such key "
+        "yet: add it with +trainer_config.batch_size=4)"
+    )
+    with pytest.raises(HydraException) as e:
+        composed("trainer_config.epochs=3")
+    assert cli.config_error_line(e.value) == (
+        "trainer_config.epochs: Key 'epochs' not in 'TrainerConfig'"
+    )
+
+
 def test_interpolation_error_is_one_line(runs):
     assert (
         one_error_line(runs["interpolation"])
