@@ -70,8 +70,9 @@ def config_error_line(error: BaseException) -> str:
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-            section, _, name = cause.full_key.partition(".")
-            known = section in SECTIONS and name in SECTIONS[section].__dataclass_fields__
+            schema = SECTIONS.get(cause.full_key.partition(".")[0])
+            name = cause.full_key.partition(".")[2]
+            known = schema is not None and name in schema.__dataclass_fields__
             if append and known:
                 line += f" (this config has no such key yet: add it with {append.group(1)})"
             if where:
