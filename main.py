@@ -1,7 +1,7 @@
 """Train a character-level GPT: `python main.py [key=value ...]`.
 
-The command line is mingpt/cli.py, the recipe mingpt/train.py, the configuration
-mingpt/config.py and conf/.
+The command line is mingpt/cli.py, the run mingpt/run.py, the configuration mingpt/config.py
+and conf/.
 """
 
 from mingpt import stopping

@@ -209,7 +209,10 @@ def overrides(argv: list[str]) -> list[str]:
     args = iter(argv)
     for arg in args:
         if arg == "--format":
-            arg = f"format={next(args, 'null')}"
+            value = next(args, None)
+            if value is None:
+                raise ConfigError(f"--format: expects one of {', '.join(FORMATS)}")
+            arg = f"format={value}"
         elif arg.startswith("--format="):
             arg = arg[2:]
         # A path may hold '=' too: a key=value starts with a name.

@@ -218,6 +218,9 @@ def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
     assert refused(capsys, [snapshot, tmp_path / "out", "--format", "onnx"]) == (
         "error: format: 'onnx' is not one of safetensors, hf, snapshot"
     )
+    assert refused(capsys, [snapshot, tmp_path / "out", "--format"]) == (
+        "error: --format: expects one of safetensors, hf, snapshot"
+    )
     assert refused(capsys, [snapshot]) == "error: dst: must be given"
     assert refused(capsys, [snapshot, tmp_path / "out", "--level=3"]) == (
         "error: --level=3: expected key=value (SRC and DST are given)"
