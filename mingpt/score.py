@@ -83,7 +83,13 @@ def heldout_windows(
         raise SnapshotError(
             f"the snapshot's data_config cannot be used ({e}): give the text with path=..."
         ) from None
-    data = load_data(data_config)
+    try:
+        data = load_data(data_config)
+    except DataError as e:
+        raise DataError(
+            f"the run's corpus: {e} (its data_config.path, read from the current directory as the "
+            "run read it from its own: score from there, or give the text with path=...)"
+        ) from None
     if tokenizer.unknown(data.tokenizer.chars):
         raise TextError(
             f"the corpus {data_config.path} no longer has the snapshot's vocabulary (it changed "

@@ -123,6 +123,15 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     assert (
         refused(capsys, [snapshot, f"path={missing}"]) == f"error: data file not found: {missing}"
     )
+    # the held-out split of the run's relative corpus, from another directory
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit):
+        patch.chdir(tmp_path)
+        main([snapshot])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: the run's corpus: data file not found: small.txt (its data_config.path, read from "
+        "the current directory as the run read it from its own: score from there, or give the "
+        "text with path=...)"
+    )
     assert refused(capsys, [f"snapshot_path={tmp_path / 'none.pt'}"]) == (
         f"error: snapshot not found: {tmp_path / 'none.pt'}"
     )
