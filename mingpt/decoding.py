@@ -155,10 +155,12 @@ def generate(
     compile: bool = False,
     chunk_tokens: int = CHUNK_TOKENS,
     chunk_seconds: float | None = CHUNK_SECONDS,
+    cache_dtype: torch.dtype | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens tokens continuing idx (B, T), T >= 1, in chunks (B, n), views of one
     tensor: the first token alone, then up to chunk_tokens, fewer once chunk_seconds (None: no
-    limit) have passed since the last.
+    limit) have passed since the last. The cache holds keys and values in `cache_dtype`, the dtype
+    the model computes in (None: its parameters').
 
     Token i always uses noise row i, so the same generator state gives the same tokens with or
     without the cache, compiled or not, whatever the chunks; with one generator per row of idx, each
@@ -173,7 +175,8 @@ def generate(
     cache = None
     # the cache, the newest token, its position and noise row: decode_step's state, on the device
     if use_cache:
-        cache = KVCache(model.config, B, idx.device, next(model.parameters()).dtype)
+        dtype = cache_dtype or next(model.parameters()).dtype
+        cache = KVCache(model.config, B, idx.device, dtype)
         token = torch.zeros((B, 1), dtype=torch.long, device=idx.device)
         pos = torch.zeros(1, dtype=torch.long, device=idx.device)
         row = torch.zeros(1, dtype=torch.long, device=idx.device)
@@ -233,9 +236,11 @@ def sample_line(
     seed: int,
     n_chars: int,
     stop_requested: Callable[[], int] | None,
+    cache_dtype: torch.dtype | None = None,
 ) -> str | None:
     """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`,
-    asked every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree)."""
+    asked every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree). The cache is
+    kept in `cache_dtype` (generate's)."""
     device = next(model.parameters()).device
     prompt = tokenizer.line_start()
     tokens = []
@@ -248,6 +253,7 @@ def sample_line(
             generator=torch.Generator(device).manual_seed(seed),
             chunk_tokens=STOP_CHECK_EVERY,
             chunk_seconds=None,
+            cache_dtype=cache_dtype,
         )
     ) as new:
         for chunk in new:

@@ -470,7 +470,13 @@ class Trainer:
         sharded model's ranks all generate, in lockstep. None once `stop()` says a stop was
         requested (by any rank, when sharded: every rank asks alike)."""
         seed = self.cfg.seed + self.state.step
-        return sample_line(self.raw_model, self.data.tokenizer, seed, self.cfg.sample_chars, stop)
+        # A sharded model computes in its mixed-precision policy's dtype, its keys and values too.
+        cache_dtype = None
+        if self.fsdp and self.amp.enabled:
+            cache_dtype = self.amp.dtype
+        return sample_line(
+            self.raw_model, self.data.tokenizer, seed, self.cfg.sample_chars, stop, cache_dtype
+        )
 
     def _stop_requested_anywhere(self) -> int:
         return all_max(self.dist, [stopping.stop_requested()])[0]

@@ -8,6 +8,7 @@ tests below compare what they left behind.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -114,6 +115,14 @@ def runs(tmp_path_factory, corpus_file):
                     "trainer_config.batch_size=2",
                     "trainer_config.grad_accum_steps=2",
                     FSDP,
+                ),
+                job(
+                    "fsdp_amp",
+                    "trainer_config.batch_size=4",
+                    FSDP,
+                    "trainer_config.use_amp=true",
+                    "trainer_config.amp_on_cpu=true",
+                    "trainer_config.sample_chars=8",
                 ),
             ],
         ),
@@ -283,6 +292,14 @@ def test_fsdp_trains_like_ddp_and_one_process(runs):
     assert_same_weights(results[2]["fsdp_accum2x2"][0]["state"], reference)
     for result in results[2]["fsdp"]:
         assert result["eval_init"] == pytest.approx(results[1]["batch8"][0]["eval_init"], rel=1e-6)
+
+
+def test_fsdp_under_amp_samples_at_its_evaluations(runs):
+    """The sharded model computes in bf16, its keys and values too: a sample's cache in the
+    parameters' float32 ended every such run at its first evaluation (index_copy_'s dtypes)."""
+    _, results = runs
+    for rank in results[2]["fsdp_amp"]:
+        assert math.isfinite(rank["eval_init"]) and rank["state"]
 
 
 def test_fsdp_eval_is_exact_when_ranks_have_unequal_shares(runs):
