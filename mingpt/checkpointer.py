@@ -199,7 +199,11 @@ class Checkpointer:
         own = self.comm.own_state()
         meta["comm_hook"] = None
         if own is not None:
-            meta["comm_hook"] = {"name": self.comm.name, "world_size": self.dist.world_size}
+            meta["comm_hook"] = {
+                "name": self.comm.name,
+                "world_size": self.dist.world_size,
+                "settings": self.comm.settings,
+            }
         sharded.save(
             {"model": model_state, "optim": optim_state},
             meta,

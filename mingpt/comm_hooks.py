@@ -29,6 +29,8 @@ class CommHook:
     for a resume."""
 
     ddp_options: dict[str, Any] = {}  # extra keyword arguments for DistributedDataParallel
+    # what the state saved per rank is shaped by, beside the hook and the number of ranks
+    settings: dict[str, Any] = {}
     # the ranks' weights and optimizer states differ (LocalSGD): the snapshot takes rank 0's
     replicas_differ = False
 
@@ -52,13 +54,24 @@ class CommHook:
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
-        if (
+        same_hook = (
             saved
             and saved.get("name") == self.name
             and saved.get("world_size") == self.dist.world_size
-            and saved.get("state") is not None
-        ):
+        )
+        # a snapshot written before settings were saved: its hook's own
+        same_settings = same_hook and saved.get("settings", self.settings) == self.settings
+        if same_settings and saved.get("state") is not None:
             self.load_own_state(saved["state"], warm_up)
+        elif same_hook and not same_settings and self.dist.is_main_process:
+            log.warning(
+                "the snapshot's %s state was built with %s; this run has %s: that state starts "
+                "afresh at step %d, from the snapshot's weights",
+                self.name,
+                saved.get("settings"),
+                self.settings,
+                step,
+            )
         elif saved and self.dist.is_main_process:  # another number of processes or another hook
             this = "1 process (no comm hook)"
             if self.dist.world_size > 1:
@@ -111,6 +124,8 @@ class PowerSGD(CommHook):
         self.hook = torch_fixes.powersgd_hook(
             name == "batched_powersgd", dist_info.device.type == "cuda"
         )
+        # P and Q have powersgd_rank columns
+        self.settings = {"powersgd_rank": cfg.powersgd_rank}
         if dist_info.backend == "gloo":
             # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces
             # wrongly (docs/training.md).

@@ -207,6 +207,36 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
     ]
 
 
+def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
+    """P and Q have powersgd_rank columns: restored under another rank, the first compressed step
+    failed in a reshape, on every attempt. A snapshot written before the settings were saved keeps
+    its state."""
+    from mingpt.comm_hooks import PowerSGD
+    from mingpt.config import TrainerConfig
+
+    class FakeDDP:
+        def register_comm_hook(self, state, hook):
+            pass
+
+    loaded = []
+    hook = PowerSGD(
+        "powersgd", TrainerConfig(powersgd_rank=4), DistInfo(0, 0, 2, 2, torch.device("cpu"))
+    )
+    hook.load_own_state = lambda own, warm_up: loaded.append(own)
+    saved = {"name": "powersgd", "world_size": 2, "state": {"iter": 9}}
+    with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
+        hook.start(
+            FakeDDP(), {**saved, "settings": {"powersgd_rank": 2}}, 9, None, None, None, None
+        )
+    assert not loaded and hook.state.iter == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "the snapshot's powersgd state was built with {'powersgd_rank': 2}; this run has "
+        "{'powersgd_rank': 4}: that state starts afresh at step 9, from the snapshot's weights"
+    ]
+    hook.start(FakeDDP(), saved, 9, None, None, None, None)
+    assert loaded == [{"iter": 9}]
+
+
 # torchrun's store across restarts, one setting a hook: its shared one (the variable unset: on one
 # node mingpt keeps each attempt's keys apart) and a fresh one per attempt (the variable set, as
 # docs/fault-tolerance.md says for several nodes). Restarted workers that read the dead ones'
