@@ -51,7 +51,7 @@ def evaluate(
 ) -> EvalResult:
     """`model` on `windows` (TokenWindows or HostBatches) in chunks of `batch_size` windows. With
     `lockstep` (a sharded model: every forward is a collective) every rank runs as many forwards,
-    and a stop request waits."""
+    and `stop_requested` must give every rank the same answer (it is asked before each chunk)."""
     chosen = chosen_windows(len(windows), windows.block_size, eval_tokens).to(windows.tokens.device)
     W = dist_info.world_size
     rank = dist_info.rank
@@ -67,7 +67,7 @@ def evaluate(
     model.eval()
     for k, chunk in enumerate(chunks):
         # The step boundary right after stops the run.
-        if not lockstep and stop_requested():
+        if stop_requested():
             sums[rank, 2] = 1
             break
         x, y = windows.batch(chunk)

@@ -411,7 +411,7 @@ class Trainer:
                 cfg.batch_size * 4,
                 self._autocast,
                 lockstep=self.fsdp,
-                stop_requested=stopping.stop_requested,
+                stop_requested=self._stop_check(),
             )
             if result.interrupted:
                 log.info(
@@ -452,11 +452,15 @@ class Trainer:
             log.info("evaluation at step %d took %.1f s", state.step, seconds)
         return result.loss
 
-    def _record_sample(self) -> None:
-        stop = stopping.stop_requested
+    def _stop_check(self) -> Callable[[], int]:
+        """What evaluation and sampling ask for a stop request: this rank's; with a sharded model,
+        whose ranks run in lockstep, any rank's (a collective, asked by every rank alike)."""
         if self.fsdp:
-            stop = self._stop_requested_anywhere
-        text = self.sample(stop)
+            return self._stop_requested_anywhere
+        return stopping.stop_requested
+
+    def _record_sample(self) -> None:
+        text = self.sample(self._stop_check())
         # The step boundary right after stops the run.
         if text is None:
             log.info(

@@ -12,7 +12,7 @@ import torch
 from conftest import TINY
 from omegaconf import OmegaConf
 
-from mingpt.config import Config, ConfigError, TrainerConfig
+from mingpt.config import Config, ConfigError, GPTConfig, TrainerConfig
 from mingpt.distributed import DistInfo
 from mingpt.evaluation import Evaluator
 from mingpt.run import already_complete, build
@@ -153,3 +153,24 @@ def test_the_advice_for_a_new_run_changes_what_places_it():
     # snapshots outside the run directory are shared by every name
     shared = advice(step=262, epoch=2, snapshot_path="/shared/snaps")[0]
     assert shared.startswith("trainer_config.snapshot_path=PATH")
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["replicas", "sharded"])
+def test_a_stop_request_cuts_an_evaluation_short_also_in_lockstep(lockstep):
+    """A sharded model's evaluation (lockstep) ran to its end whatever the signal: the ranks now
+    agree on a stop before each chunk, as they do while sampling."""
+    from mingpt.data import TokenWindows
+    from mingpt.evaluation import evaluate
+    from mingpt.model import GPT
+
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=5, block_size=4))
+    windows = TokenWindows(torch.arange(400) % 5, 4, 4)
+    asked = []
+
+    def stop_requested():
+        asked.append(True)
+        return 15 if len(asked) > 2 else 0  # SIGTERM before the third chunk
+
+    one = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    result = evaluate(model, windows, one, 0, 8, lockstep=lockstep, stop_requested=stop_requested)
+    assert result.interrupted and len(asked) == 3
