@@ -129,17 +129,31 @@ class Checkpointer:
         return meta
 
     def _forget_later_best(self, start: int) -> None:
-        """Remove the best weights saved after the step the run starts from, once nothing can refuse
-        the run: an attempt that stopped before its next snapshot wrote them, and pruning would keep
-        them over this run's own (the highest step stays). metrics.jsonl is cut back alike."""
+        """Best weights saved after the step the run starts from are not this run's, and pruning
+        would keep them over its own (the highest step stays). Resuming, they are an attempt's that
+        stopped before its next snapshot, and the replayed steps evaluate again: removed, as
+        metrics.jsonl is cut back. Starting afresh, they may be all that is left of a model whose
+        snapshots were deleted: moved aside, not removed. Once nothing can refuse the run."""
         if not self.dist.is_main_process:
             return
         best = best_path(self.root)
+        if start == 0:
+            if manifest.latest(best) is None:
+                return
+            aside = manifest.set_aside(best)
+            if aside:
+                log.warning(
+                    "moved the best weights in %s to %s: this run starts afresh (no snapshot to "
+                    "resume), so they are another attempt's; remove them there once not needed",
+                    best,
+                    aside,
+                )
+            return
         removed = manifest.remove_after(best, start)
         if removed:
             log.info(
                 "removed %s from %s: best weights of an attempt that stopped before its next "
-                "snapshot; this run starts from step %d",
+                "snapshot; this run resumes from step %d",
                 ", ".join(removed),
                 best,
                 start,

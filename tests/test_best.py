@@ -101,13 +101,12 @@ def test_best_weights_survive_a_stop_and_resume(
     assert again["step"] == best_step and same_tensors(again["model_state"], evaluated[best_step])
 
 
-def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_not_kept(
+def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_set_aside(
     tmp_path, small_corpus, caplog, one_thread
 ):
-    """An attempt killed after saving a best but before its next snapshot left best weights that no
-    snapshot accounts for: the run that starts over (here from step 0, with another width) removes
-    them, so its own best is the one kept (pruning keeps the highest step: before, that was the dead
-    attempt's, and each new best was removed as soon as it was published)."""
+    """Best weights that no snapshot accounts for (an attempt killed after its best but before its
+    snapshot, or a run whose snapshots were deleted) are not this run's: pruning kept them over its
+    own, each new best removed once published. A run that starts afresh moves them aside, kept."""
     run = tmp_path / "run"
     dead = make_trainer(
         run, small_corpus, *BUMPY, "trainer_config.max_steps=8", "trainer_config.eval_every=8"
@@ -127,7 +126,10 @@ def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_not_kept(
     assert f"best {again.state.best_eval_loss:.4f} at step 4 (" in summary(
         again, again.evaluator.last
     )
-    assert "removed step-00000008 from" in caplog.text
+    (aside,) = run.glob("snapshots-best-set-aside-*")
+    assert f"moved the best weights in {run / 'snapshots-best'} to {aside}" in caplog.text
+    kept = read_snapshot(aside)
+    assert kept["step"] == 8 and kept["gpt_config"]["n_embd"] == 32
 
 
 def test_an_evaluation_cut_by_a_stop_writes_no_best(

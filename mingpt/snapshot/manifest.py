@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import re
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -187,6 +188,19 @@ def remove_after(root: str, step: int) -> list[str]:
     """Remove the snapshots of `root` saved after `step`, published or not; the names removed. A
     failure only warns."""
     return _remove(root, lambda names, _: [n for n in names if order(n)[0] > step])
+
+
+def set_aside(root: str) -> str | None:
+    """Move the snapshot root `root` to a new name beside it; that name, or None (with a warning) if
+    storage refused."""
+    target = f"{root.rstrip('/')}-set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+    fs, p = storage.filesystem(root)
+    try:
+        fs.mv(p, storage.filesystem(target)[1], recursive=True)
+    except storage_errors() as e:
+        log.warning("could not move %s aside to %s: %s", root, target, reason(e))
+        return None
+    return target
 
 
 # Everything DCP's index pickles, and nothing else.
