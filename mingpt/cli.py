@@ -24,6 +24,7 @@ from mingpt.config import (
     SECTIONS,
     Config,
     ConfigError,
+    check,
     check_known_keys,
     drop_ignored_keys,
     register_configs,
@@ -151,7 +152,15 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
         notices = drop_ignored_keys(cfg)
     # and a user's own file need not build on base_config: the schema goes under it
     check_known_keys(cfg)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg)), notices
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+    # fsspec's memory:// ends with the process (in-process library use keeps it)
+    check(
+        not str(config.trainer_config.snapshot_path).startswith("memory://"),
+        "trainer_config.snapshot_path",
+        "memory:// ends with the command, and its snapshots with it: give a path or a URL that "
+        "outlives it",
+    )
+    return config, notices
 
 
 def check_composed(cfg: DictConfig) -> None:

@@ -481,6 +481,12 @@ class TrainerConfig:
             "trainer_config.tracker_uri",
             "must not be empty (null: MLflow's default)",
         )
+        # SQLite's in-memory database: what is logged goes at exit
+        check(
+            self.tracker_uri is None or self.tracker_uri.rstrip("/") != "sqlite:",
+            "trainer_config.tracker_uri",
+            f"{self.tracker_uri} names no database file (sqlite:///PATH)",
+        )
 
 
 @dataclass

@@ -251,6 +251,15 @@ BAD_OVERRIDES = {  # id: (override, what the one line names)
     ),
     # relative paths would then mean another directory
     "chdir": ("hydra.job.chdir=true", "hydra.job.chdir: true moves each process"),
+    # both end with the process: nothing to resume, nothing tracked
+    "memory-snapshots": (
+        "trainer_config.snapshot_path=memory://snaps",
+        "trainer_config.snapshot_path: memory:// ends with the command",
+    ),
+    "sqlite-in-memory": (
+        "trainer_config.tracker_uri=sqlite:///",
+        "trainer_config.tracker_uri: sqlite:/// names no database file",
+    ),
     "run-name-dotdot": ("trainer_config.run_name=..", "trainer_config.run_name"),
     "run-dir-not-creatable": (
         "hydra.run.dir=/proc/nope/run",
