@@ -2,6 +2,7 @@
 run.py runs."""
 
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -73,7 +74,7 @@ def config_error_line(error: BaseException) -> str:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
             schema = SECTIONS.get(cause.full_key.partition(".")[0])
             name = cause.full_key.partition(".")[2]
-            known = schema is not None and name in schema.__dataclass_fields__
+            known = schema is not None and name in {f.name for f in dataclasses.fields(schema)}
             if append and known:
                 line += f" (this config has no such key yet: add it with {append.group(1)})"
             if where:

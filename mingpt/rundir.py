@@ -22,6 +22,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
+from mingpt.config import TrainerConfig
 from mingpt.distributed import DistInfo
 from mingpt.metrics import last_step
 
@@ -64,10 +65,10 @@ def _hydra_quoted(value: str) -> str:
     return f'"{value}"'
 
 
-def new_run_hint(cfg: Any, run_dir: str | None = None) -> str:
-    """What to add for a new run instead of this one (`cfg` its trainer_config): a name not used
-    yet, unless the name does not place its snapshots (an absolute or URL snapshot_path, shared by
-    every name) or its run directory `run_dir` (hydra.run.dir names it)."""
+def new_run_hint(cfg: TrainerConfig, run_dir: str | None = None) -> str:
+    """What to add for a new run instead of this one: a name not used yet, unless the name does
+    not place its snapshots (an absolute or URL snapshot_path, shared by every name) or its run
+    directory `run_dir` (hydra.run.dir names it)."""
     path = cfg.snapshot_path
     if path and ("://" in path or os.path.isabs(path)):
         return "trainer_config.snapshot_path=PATH (a path not used yet)"
