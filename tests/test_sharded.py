@@ -335,7 +335,21 @@ def test_a_rank_failure_is_reported_with_its_type_and_place():
     assert "test_sharded.py:" in line and "in stage" in line and "\n" not in line, line
     assert (
         sharded._dcp_reason(CheckpointException("save", {0: _wrap_exception(OSError("disk full"))}))
-        == "OSError: disk full (rank 0)"
+        == "disk full (rank 0)"
+    )
+
+    # A storage error is the storage's own line, without where DCP met it.
+    def write() -> None:
+        raise OSError(28, "No space left on device")
+
+    try:
+        write()
+    except OSError as e:
+        disk_full = _wrap_exception(e)
+    assert disk_full[1]
+    assert (
+        sharded._dcp_reason(CheckpointException("save", {0: disk_full}))
+        == "[Errno 28] No space left on device (rank 0)"
     )
 
 
@@ -353,6 +367,17 @@ def test_a_full_disk_says_so(small_disk, async_save):
         "device (rank 0); the previous snapshots are unchanged"
     )
     assert manifest.latest(root) == f"{root}/step-00000001"
+
+
+def test_a_first_save_that_fails_says_no_snapshot_is_published(small_disk):
+    """With no snapshot before it, the failed save does not claim that earlier ones are kept."""
+    root = str(small_disk / "snapshots")
+    with pytest.raises(sharded.StorageError) as failed:
+        sharded.save({"w": torch.ones(100_000)}, {"step": 1}, root, 1).wait()
+    assert str(failed.value) == (
+        f"cannot save sharded snapshot {root}/step-00000001: [Errno 28] No space left on "
+        f"device (rank 0); no snapshot is published in {root} yet"
+    )
 
 
 @pytest.mark.parametrize("moment", ["_read", "verify", "_dcp_load"])

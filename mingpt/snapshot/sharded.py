@@ -185,6 +185,9 @@ def _dcp_reason(error: BaseException) -> str:
             return reason(error)
         return _typed(error)
     rank, (inner, stack) = min(error.failures.items())
+    # A storage error says what it is; where DCP met it says nothing more to the user.
+    if isinstance(inner, OSError):
+        return f"{reason(inner)} (rank {rank})"
     at = ""
     if stack:
         at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}"
@@ -339,28 +342,31 @@ def _publish(
             error = f"rank {_rank(pg)}: {reason(e)}"
     gathered = _gather((shards, error, storage_cause), pg)
 
+    def failed(error: str) -> str:
+        """The one line of a save that was not published, and what is left of the run's saves."""
+        left = "the previous snapshots are unchanged"
+        with contextlib.suppress(*storage_errors()):
+            if manifest.latest(root) is None:
+                left = f"no snapshot is published in {root} yet"
+        return f"cannot save sharded snapshot {directory}: {error}; {left}"
+
     def publish() -> str | None:
         """Rank 0's part. It raises nothing, so that no rank is left waiting for it."""
         errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
         if errors:
-            return errors[0]
+            return failed(errors[0])
         every_shard = {name: entry for hashes, _, _ in gathered for name, entry in hashes.items()}
         try:
             count = manifest.publish(directory, document, every_shard)
         except Exception as e:
             if isinstance(e, storage_errors()):
-                return reason(e)
-            return f"{type(e).__name__}: {reason(e)}"
+                return failed(reason(e))
+            return failed(f"{type(e).__name__}: {reason(e)}")
         manifest.prune(root, os.path.basename(directory.rstrip("/")), keep)
         log.info("published sharded snapshot %s (%d files)", directory, count)
         return None
 
-    error = _by_rank0(pg, publish)
-    if error is None:
-        return None
-    return (
-        f"cannot save sharded snapshot {directory}: {error}; the previous snapshots are unchanged"
-    )
+    return _by_rank0(pg, publish)
 
 
 def _read(directory: str) -> manifest.Published:
