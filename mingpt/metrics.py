@@ -118,6 +118,8 @@ class Metrics:
         # The events a killed run logged after the snapshot it resumes from go; TensorBoard hides
         # its own (purge_step).
         keep = [line for line, record in events(path) if record["step"] <= resume_step]
+        if resume_step == 0 and any(True for _ in events(path)):
+            _set_aside(path)
         with open(path, "wb") as f:
             f.writelines(keep)
         threading.excepthook = _quiet_tensorboard_thread
@@ -211,6 +213,20 @@ class Metrics:
         self.tracker.close(status)
         self._write(lambda: self._writer.flush())
         self._close_record()
+
+
+def _set_aside(path: str) -> None:
+    """A run that starts afresh keeps the events it finds (its snapshots may have been deleted, and
+    they are all that is left of that run's record) under another name."""
+    stem, extension = os.path.splitext(path)
+    aside = f"{stem}-set-aside-{time.strftime('%Y%m%d-%H%M%S')}{extension}"
+    os.replace(path, aside)
+    log.warning(
+        "moved %s to %s: this run starts afresh (no snapshot to resume), so its events are another "
+        "attempt's; remove it there once not needed",
+        path,
+        aside,
+    )
 
 
 _excepthook = threading.excepthook

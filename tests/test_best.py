@@ -25,6 +25,7 @@ from test_snapshot import make_trainer, same_tensors
 
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
+from mingpt.metrics import events
 from mingpt.run import summary, train
 from mingpt.snapshot import manifest, reader
 
@@ -130,6 +131,11 @@ def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_set_aside(
     assert f"moved the best weights in {run / 'snapshots-best'} to {aside}" in caplog.text
     kept = read_snapshot(aside)
     assert kept["step"] == 8 and kept["gpt_config"]["n_embd"] == 32
+    # The record of the attempt is kept beside the new one, not cut back to nothing.
+    (old_record,) = run.glob("metrics-set-aside-*.jsonl")
+    assert f"moved {run / 'metrics.jsonl'} to {old_record}" in caplog.text
+    assert max(record["step"] for _, record in events(str(old_record))) == 8
+    assert max(record["step"] for _, record in events(str(run / "metrics.jsonl"))) == 4
 
 
 def test_an_evaluation_cut_by_a_stop_writes_no_best(
