@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import nn
@@ -37,11 +37,107 @@ sys.path.insert(0, str(REPO))
 # Command lines
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
+def fail(message: str) -> NoReturn:
+    """End the script as the library's commands end on bad input: one `error:` line on stderr, exit
+    status 2."""
+    from mingpt.cli import fail as cli_fail
+
+    cli_fail(message)
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """The script's `main`; a user error of the library (a corpus that is not there, a device this
+    machine lacks, a value the config refuses) ends it in one line, as main.py ends."""
+    from mingpt.cli import USER_ERRORS
+
+    try:
+        main()
+    except USER_ERRORS as e:
+        fail(str(e))
+
+
+class Options(argparse.ArgumentParser):
+    """argparse with its errors in one line (no usage banner), as the training command says them."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see --help)")
+
+
+def parser(doc: str) -> Options:
     """The script's options, with its docstring as --help."""
-    return argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    return Options(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `low`."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {value}")
+        return value
+
+    return whole_number
+
+
+positive = at_least(1)
+
+
+def device(text: str) -> str:
+    """An argparse type: a device of this machine (cpu, cuda, cuda:N), as given."""
+    try:
+        chosen = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N)") from None
+    if chosen.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda are measured here")
+    if chosen.type == "cpu":
+        return text
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}, but CUDA is not available")
+    if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text}, but this machine has {torch.cuda.device_count()} GPU(s)"
+        )
+    return text
+
+
+def nanogpt_checkout(text: str) -> str:
+    """An argparse type: a directory holding nanoGPT's model.py."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text}: no such directory (give a checkout of karpathy/nanoGPT)"
+        )
+    if not os.path.isfile(os.path.join(text, "model.py")):
+        raise argparse.ArgumentTypeError(
+            f"{text}: no model.py in it (give a checkout of karpathy/nanoGPT)"
+        )
+    return text
+
+
+def existing_file(text: str) -> str:
+    """An argparse type: a file that is there and not empty."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if os.path.getsize(text) == 0:
+        raise argparse.ArgumentTypeError(f"{text}: the file is empty")
+    return text
+
+
+def writable_dir(text: str) -> str:
+    """An argparse type: a directory this process can write in, made if it is not there."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: not a directory")
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot create it: {e.strerror or e}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot write in it")
+    return text
 
 
 def parse(options: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
@@ -52,14 +148,21 @@ def parse(options: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[st
 
 
 def _composed(overrides: list[str]) -> Any:
+    """The composed config; an override it cannot take (a key not there, a value of the wrong type,
+    a preset not there) ends the script in one line, as main.py says it."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    from mingpt.cli import CONF_DIR
+    from mingpt.cli import CONF_DIR, config_error_line
     from mingpt.config import register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return compose("config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        fail(config_error_line(e))
 
 
 def _key(override: str) -> str:
@@ -101,8 +204,18 @@ def training_config(defaults: list[str], given: list[str]) -> Any:
     """The training config (mingpt.config.Config): the user's overrides over the script's
     defaults."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    return OmegaConf.to_object(_composed(with_defaults(defaults, given)))
+    from mingpt.cli import config_error_line
+    from mingpt.config import ConfigError
+
+    composed = _composed(with_defaults(defaults, given))
+    try:
+        return OmegaConf.to_object(composed)
+    except ConfigError as e:  # the values' checks (mingpt.config), a value out of its range
+        fail(str(e))
+    except OmegaConfBaseException as e:
+        fail(config_error_line(e))
 
 
 # Where and when
