@@ -15,12 +15,22 @@ machine: they show the extra compute of compression, not what a slow network sav
 from __future__ import annotations
 
 import copy
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-from _common import ddp_module, fitted, machine, parse, parser, step, trainer, training_config
+from _common import (
+    ddp_module,
+    fail,
+    fitted,
+    machine,
+    parse,
+    parser,
+    run_main,
+    step,
+    trainer,
+    training_config,
+)
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mingpt.data import load_data
@@ -75,7 +85,7 @@ def main() -> None:
     config = training_config(DEFAULTS, overrides)
     with distributed(config.trainer_config.device) as info:
         if not info.is_distributed:
-            sys.exit("run it under torchrun with 2 or more processes")
+            fail("run it under torchrun with 2 or more processes")
         setup_logging(info.rank)
         data = load_data(config.data_config)
         config.gpt_config = fitted(config, data)
@@ -100,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

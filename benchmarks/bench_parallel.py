@@ -31,11 +31,14 @@ import time
 import torch
 import torch.distributed as dist
 from _common import (
+    at_least,
     backward,
     launch,
     machine,
     parse,
     parser,
+    positive,
+    run_main,
     samples_per_step,
     state,
     step,
@@ -48,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from mingpt import flops
 from mingpt.data import load_data
-from mingpt.distributed import distributed, setup_logging
+from mingpt.distributed import distributed, pick_device, setup_logging
 
 DEFAULTS = [
     "gpt_config=gpt2",
@@ -72,9 +75,11 @@ THREADS = os.environ.get("OMP_NUM_THREADS", "1")
 FIGURES = ("params", "grads", "optim", "peak")
 
 OPTIONS = parser(__doc__)
-OPTIONS.add_argument("--world", type=int, nargs="+", default=[1, 2, 4])
-OPTIONS.add_argument("--steps", type=int, default=6)
-OPTIONS.add_argument("--parallelism", nargs="+", default=["ddp", "fsdp"])
+OPTIONS.add_argument("--world", type=positive, nargs="+", default=[1, 2, 4])
+OPTIONS.add_argument(
+    "--steps", type=at_least(2), default=6, help="optimizer steps per run, the first a warm-up"
+)
+OPTIONS.add_argument("--parallelism", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
 OPTIONS.add_argument("--checkpointing", nargs="+", default=["false"], choices=["false", "true"])
 
 
@@ -139,6 +144,9 @@ def run(world: int, parallelism: str, checkpointing: str, steps: int, overrides:
 def main() -> None:
     args, overrides = parse(OPTIONS)
     overrides = with_defaults(DEFAULTS, overrides)
+    # What a worker would refuse (a value, a device this machine lacks), refused before any launch.
+    config = training_config([], overrides)
+    pick_device(config.trainer_config.device)
     print(machine(threads=int(THREADS)))
     print(f"{' '.join(overrides)}; {args.steps} steps; figures per rank (the largest rank)")
     print(
@@ -176,6 +184,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(int(sys.argv[2]), sys.argv[3:])
+        run_main(lambda: worker(int(sys.argv[2]), sys.argv[3:]))
     else:
-        main()
+        run_main(main)

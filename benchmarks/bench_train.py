@@ -56,9 +56,12 @@ from _common import (
     machine,
     medians,
     nanogpt,
+    nanogpt_checkout,
     parse,
     parser,
     plain_step,
+    positive,
+    run_main,
     samples_per_step,
     save_snapshot,
     seconds,
@@ -98,9 +101,11 @@ GROUPS = {  # profiler op name fragment -> group, first match wins
 }
 
 OPTIONS = parser(__doc__)
-OPTIONS.add_argument("--threads", type=int, help="torch's intra-op threads")
-OPTIONS.add_argument("--rounds", type=int, default=30)
-OPTIONS.add_argument("--nanogpt", metavar="DIR", help="a checkout of karpathy/nanoGPT")
+OPTIONS.add_argument("--threads", type=positive, help="torch's intra-op threads")
+OPTIONS.add_argument("--rounds", type=positive, default=30)
+OPTIONS.add_argument(
+    "--nanogpt", type=nanogpt_checkout, metavar="DIR", help="a checkout of karpathy/nanoGPT"
+)
 OPTIONS.add_argument("--compare-only", action="store_true", help="the step comparison alone")
 OPTIONS.add_argument("--profile", action="store_true", help="the profile and compile variants")
 OPTIONS.add_argument("--no-compile", action="store_true", help="--profile: no compiled variants")
@@ -466,4 +471,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
