@@ -30,6 +30,7 @@ does. On a CPU the last line says what `python -m mingpt.generate`'s compile=aut
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import types
 
 import torch
 import torch.nn.functional as F
-from _common import REPO, machine, parser, seconds
+from _common import REPO, device, fail, machine, parser, positive, run_main, seconds
 from torch import nn
 
 from mingpt import decoding
@@ -46,18 +47,53 @@ from mingpt.config import GPTConfig
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
 from mingpt.model import GPT
 
+
+def shape(text: str) -> tuple[int, int, int]:
+    """--shape: layers/heads/dims, each at least 1, the heads dividing the dims."""
+    parts = text.split("/")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        values = []
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(
+            f"expected layers/heads/dims, three whole numbers such as 6/6/384, got {text!r}"
+        )
+    layers, heads, dims = values
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"layers, heads and dims are each >= 1, got {text!r}")
+    if dims % heads:
+        raise argparse.ArgumentTypeError(f"the heads ({heads}) must divide the dims ({dims})")
+    return layers, heads, dims
+
+
+def revision(text: str) -> str:
+    """--baseline: a git revision of this checkout, checked before any measuring."""
+    found = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{text}^{{commit}}"],
+        cwd=REPO,
+        capture_output=True,
+    )
+    if found.returncode != 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a revision of this checkout")
+    return text
+
+
 OPTIONS = parser(__doc__)
-OPTIONS.add_argument("--shape", default="6/6/384", help="layers/heads/dims")
-OPTIONS.add_argument("--max-new-tokens", type=int, default=500)
-OPTIONS.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-OPTIONS.add_argument("--rounds", type=int, default=3)
-OPTIONS.add_argument("--device", default="cpu")
+OPTIONS.add_argument("--shape", type=shape, default="6/6/384", help="layers/heads/dims")
+OPTIONS.add_argument("--max-new-tokens", type=positive, default=500)
+OPTIONS.add_argument(
+    "--threads", type=positive, help="torch intra-op threads (default: torch's choice)"
+)
+OPTIONS.add_argument("--rounds", type=positive, default=3)
+OPTIONS.add_argument("--device", type=device, default="cpu")
 OPTIONS.add_argument("--no-compile", action="store_true", help="skip the compiled step")
 OPTIONS.add_argument(
     "--no-uncached", action="store_true", help="skip the two recomputing baselines (slow)"
 )
 OPTIONS.add_argument(
     "--baseline",
+    type=revision,
     metavar="REV",
     help="also time the model and decoding of this git revision (HEAD~1, a tag, a hash) on the "
     "same weights, in the same rounds: rows 'baseline: ...'",
@@ -85,7 +121,7 @@ def version_of(rev: str, name: str) -> types.ModuleType:
         ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True
     )
     if shown.returncode != 0:
-        sys.exit(f"--baseline {rev}: {shown.stderr.strip()}")
+        fail(f"--baseline {rev}: {shown.stderr.strip()}")
     module = types.ModuleType(f"{name}_at_{rev}")
     sys.modules[module.__name__] = module
     exec(compile(shown.stdout, f"{rev}:{path}", "exec"), module.__dict__)
@@ -272,7 +308,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    layers, heads, dims = (int(v) for v in args.shape.split("/"))
+    layers, heads, dims = args.shape
     torch.manual_seed(0)
     config = GPTConfig(n_layer=layers, n_head=heads, n_embd=dims, vocab_size=65, block_size=256)
     model = GPT(config).to(device).eval()
@@ -301,4 +337,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
