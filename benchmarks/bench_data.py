@@ -38,13 +38,18 @@ import numpy as np
 import torch
 from _common import (
     Plain,
+    at_least,
+    existing_file,
     launch,
     machine,
     parser,
     plain_step,
+    positive,
+    run_main,
     train_timed,
     trainer,
     training_config,
+    writable_dir,
 )
 
 from mingpt import token_cache
@@ -77,23 +82,25 @@ COLUMNS = {  # a worker's key -> the table's column
 }
 
 OPTIONS = parser(__doc__)
-OPTIONS.add_argument("--size-mb", type=int, default=100, help="generated corpus size (MB)")
-OPTIONS.add_argument("--corpus", help="use this file instead of generating one")
-OPTIONS.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+OPTIONS.add_argument("--size-mb", type=positive, default=100, help="generated corpus size (MB)")
+OPTIONS.add_argument("--corpus", type=existing_file, help="use this file instead of generating one")
+OPTIONS.add_argument("--nproc", type=positive, nargs="+", default=[1, 2])
 OPTIONS.add_argument(
     "--gather", action="store_true", help="only compare reading a batch from the file and the map"
 )
 OPTIONS.add_argument(
-    "--repeats", type=int, default=300, help="--gather: batches read each way, per batch shape"
+    "--repeats", type=positive, default=300, help="--gather: batches read each way, per batch shape"
 )
 OPTIONS.add_argument(
     "--steps",
-    type=int,
+    type=at_least(2),
     default=4,
     help="--gather: training steps timed per batch shape, the first a warm-up (at least 2)",
 )
 OPTIONS.add_argument(
-    "--dir", help="where the corpus and cache go (default: a temporary directory, removed)"
+    "--dir",
+    type=writable_dir,
+    help="where the corpus and cache go (default: a temporary directory, removed)",
 )
 
 
@@ -256,8 +263,6 @@ def main() -> None:
         worker(sys.argv[2], sys.argv[3], float(sys.argv[4]))
         return
     args = OPTIONS.parse_args()
-    if args.steps < 2:
-        OPTIONS.error("--steps: at least 2 (the first is a warm-up)")
     work = args.dir or tempfile.mkdtemp(prefix="bench-data-")
     os.makedirs(work, exist_ok=True)
     try:
@@ -277,4 +282,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -45,10 +45,14 @@ from _common import (
     machine,
     medians,
     nanogpt,
+    nanogpt_checkout,
     parser,
     plain_step,
+    positive,
+    run_main,
     seconds,
     training_config,
+    writable_dir,
 )
 
 from mingpt.config import DataConfig, GPTConfig, OptimizerConfig
@@ -64,12 +68,12 @@ NANOGPT_STEPS = 2000
 VARIANTS = {"adamw": [], "muon": ["optimizer_config=muon"]}
 
 OPTIONS = parser(__doc__)
-OPTIONS.add_argument("--nanogpt", required=True, metavar="DIR")
-OPTIONS.add_argument("--seeds", type=int, default=3)
-OPTIONS.add_argument("--jobs", type=int, default=2)
-OPTIONS.add_argument("--rounds", type=int, default=200)
-OPTIONS.add_argument("--threads", type=int, default=2)
-OPTIONS.add_argument("--out")
+OPTIONS.add_argument("--nanogpt", type=nanogpt_checkout, required=True, metavar="DIR")
+OPTIONS.add_argument("--seeds", type=positive, default=3)
+OPTIONS.add_argument("--jobs", type=positive, default=2)
+OPTIONS.add_argument("--rounds", type=positive, default=200)
+OPTIONS.add_argument("--threads", type=positive, default=2)
+OPTIONS.add_argument("--out", type=writable_dir)
 OPTIONS.add_argument("variants", nargs="*", metavar="NAME=key=value,key=value")
 
 
@@ -234,15 +238,19 @@ def main() -> None:
     args = OPTIONS.parse_args()
     variants = dict(VARIANTS)
     for given in args.variants:
-        name, _, overrides = given.partition("=")
+        name, eq, overrides = given.partition("=")
+        if not (name and eq):
+            OPTIONS.error(f"{given!r}: a variant is NAME=key=value,key=value")
         variants[name] = overrides.split(",") if overrides else []
-    out = Path(args.out or tempfile.mkdtemp(prefix="bench-quality-"))
-    out.mkdir(parents=True, exist_ok=True)
-    nano, runs = train_all(args, variants, out)
+    # Each variant's overrides composed (a key or value main.py would refuse ends here, before any
+    # training): its optimizer algorithm, whose step is timed.
     algorithm = {
         name: training_config([], overrides).optimizer_config.algorithm
         for name, overrides in variants.items()
     }
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-quality-"))
+    out.mkdir(parents=True, exist_ok=True)
+    nano, runs = train_all(args, variants, out)
     ms = step_times(args.nanogpt, set(algorithm.values()), args.rounds, args.threads)
     print(machine(threads=args.threads))
     print(
@@ -254,4 +262,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

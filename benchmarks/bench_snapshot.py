@@ -46,31 +46,36 @@ import time
 import torch
 import torch.distributed as dist
 from _common import (
+    device,
+    fail,
     finite_check,
     launch,
     machine,
     parser,
+    positive,
     reset_peak,
     result_of,
     rss,
+    run_main,
     run_saver,
     save_file,
     shard,
     sync,
     training_config,
     verify_file,
+    writable_dir,
 )
 
 from mingpt.distributed import distributed, setup_logging
 from mingpt.model import GPT
 
 OPTIONS = parser(__doc__)
-OPTIONS.add_argument("--rounds", type=int, default=3)
+OPTIONS.add_argument("--rounds", type=positive, default=3)
 OPTIONS.add_argument(
-    "--saves", type=int, default=3, help="saves per process (the first, then later)"
+    "--saves", type=positive, default=3, help="saves per process (the first, then later)"
 )
-OPTIONS.add_argument("--vocab", type=int, default=65)
-OPTIONS.add_argument("--nproc", type=int, default=1)
+OPTIONS.add_argument("--vocab", type=positive, default=65)
+OPTIONS.add_argument("--nproc", type=positive, default=1)
 OPTIONS.add_argument(
     "--mode",
     action="append",
@@ -79,8 +84,10 @@ OPTIONS.add_argument(
     help="a mode to run, repeated for more (default: all three in one process, sync and async "
     "under torchrun)",
 )
-OPTIONS.add_argument("--device", default="cpu")
-OPTIONS.add_argument("--dir", help="where the snapshots go (default: a temporary directory)")
+OPTIONS.add_argument("--device", type=device, default="cpu", choices=["cpu", "cuda"])
+OPTIONS.add_argument(
+    "--dir", type=writable_dir, help="where the snapshots go (default: a temporary directory)"
+)
 OPTIONS.add_argument("--child", help=argparse.SUPPRESS)  # one mode's process
 OPTIONS.add_argument("preset", nargs="?", default="gpt2")
 
@@ -286,6 +293,12 @@ def main() -> None:
         if args.nproc > 1 and "file" in args.modes:
             OPTIONS.error("--mode file: the single file is one process's (--nproc 1)")
         modes = [mode for mode in modes if mode in args.modes]
+    training_config([], [f"gpt_config={args.preset}"])  # a preset not there: refused here
+    if args.dir:
+        rounds = [f"{mode}-{r}" for mode in modes for r in range(args.rounds)]
+        left = [name for name in rounds if os.path.exists(os.path.join(args.dir, name))]
+        if left:
+            fail(f"--dir {args.dir}: {left[0]} is left from an earlier run: remove it first")
     base = args.dir or tempfile.mkdtemp(prefix="bench-snapshot-")
     results = {mode: [] for mode in modes}
     for r in range(args.rounds):
@@ -305,4 +318,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
