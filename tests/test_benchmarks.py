@@ -1,6 +1,6 @@
 """Every script under benchmarks/ runs at a tiny size, in each of its modes, prints where it was
-measured and answers --help, so none of them rots; and a script's default overrides never beat the
-user's."""
+measured and answers --help, so none of them rots; bad input ends a script in one line before any
+work; and a script's default overrides never beat the user's."""
 
 from __future__ import annotations
 
@@ -96,6 +96,75 @@ SMOKE = {
     ],
 }
 
+# Bad input that each script refuses in one line, before any work: (arguments, a part of the line).
+# DATA, TMP and NANOGPT as in SMOKE, EMPTY an empty directory.
+REFUSED = {
+    "bench_comm.py": [
+        (["--world", "2"], "unrecognized arguments: --world 2"),
+        ([*MODEL, "gpt_config.n_layr=1"], "gpt_config.n_layr: Key 'n_layr' not in 'GPTConfig'"),
+        (MODEL, "run it under torchrun with 2 or more processes"),
+    ],
+    "bench_data.py": [
+        (["--size-mb", "1", "--nproc", "0"], "argument --nproc: expected a number >= 1, got 0"),
+        (["--size-mb", "-1"], "argument --size-mb: expected a number >= 1, got -1"),
+        (["--gather", "--steps", "1"], "argument --steps: expected a number >= 2, got 1"),
+        (["--corpus", "TMP/none.txt"], "argument --corpus: TMP/none.txt: no such file"),
+        (["--dir", "DATA"], "argument --dir: DATA: not a directory"),
+    ],
+    "bench_generate.py": [
+        (["--shape", "6/6"], "argument --shape: expected layers/heads/dims"),
+        (["--shape", "a/b/c"], "argument --shape: expected layers/heads/dims"),
+        (["--shape", "1/3/8"], "the heads (3) must divide the dims (8)"),
+        (["--shape", "0/1/8"], "layers, heads and dims are each >= 1"),
+        (["--rounds", "0"], "argument --rounds: expected a number >= 1, got 0"),
+        (["--threads", "-1"], "argument --threads: expected a number >= 1, got -1"),
+        (["--max-new-tokens", "x"], "argument --max-new-tokens: expected a whole number, got 'x'"),
+        # no CUDA, or fewer GPUs than 100: refused either way
+        (["--device", "cuda:99"], "argument --device: cuda:99, but "),
+        (["--device", "gpu"], "argument --device: 'gpu' is not a device"),
+        (
+            ["--shape", "1/1/8", "--no-compile", "--baseline", "no-such-revision"],
+            "'no-such-revision' is not a revision",
+        ),
+    ],
+    "bench_parallel.py": [
+        (["--world", "0", "2"], "argument --world: expected a number >= 1, got 0"),
+        (["--steps", "1"], "argument --steps: expected a number >= 2, got 1"),
+        (["--parallelism", "tp"], "argument --parallelism: invalid choice: 'tp'"),
+        (["gpt_config.n_layer=0"], "gpt_config.n_layer: must be >= 1, got 0"),
+    ],
+    "bench_quality.py": [
+        ([], "the following arguments are required: --nanogpt"),
+        (["--nanogpt", "TMP"], "argument --nanogpt: TMP: no such directory"),
+        (["--nanogpt", "EMPTY"], "argument --nanogpt: EMPTY: no model.py in it"),
+        (["--nanogpt", "NANOGPT", "--seeds", "0"], "argument --seeds: expected a number >= 1"),
+        (["--nanogpt", "NANOGPT", "--out", "DATA"], "argument --out: DATA: not a directory"),
+        (["--nanogpt", "NANOGPT", "x=gpt_config.n_layr=1"], "Key 'n_layr' not in 'GPTConfig'"),
+        (["--nanogpt", "NANOGPT", "lr"], "'lr': a variant is NAME=key=value,key=value"),
+    ],
+    "bench_snapshot.py": [
+        (["--saves", "0"], "argument --saves: expected a number >= 1, got 0"),
+        (["--nproc", "0"], "argument --nproc: expected a number >= 1, got 0"),
+        (["--device", "gpu"], "argument --device: 'gpu' is not a device"),
+        (["--dir", "DATA"], "argument --dir: DATA: not a directory"),
+        (["--nproc", "2", "--mode", "file"], "--mode file: the single file is one process's"),
+        (["--mode", "file", "gpt-none"], "Could not find 'gpt_config/gpt-none'"),
+    ],
+    "bench_train.py": [
+        (["--rounds", "0"], "argument --rounds: expected a number >= 1, got 0"),
+        (["--threads", "0"], "argument --threads: expected a number >= 1, got 0"),
+        (["--nanogpt", "TMP"], "argument --nanogpt: TMP: no such directory"),
+        (["--nanogpt", "EMPTY"], "argument --nanogpt: EMPTY: no model.py in it"),
+        (["stray"], "unrecognized arguments: stray"),
+        ([*MODEL, "gpt_config.n_layr=2"], "gpt_config.n_layr: Key 'n_layr' not in 'GPTConfig'"),
+        ([*MODEL, "gpt_config.n_layer=abc"], "gpt_config.n_layer: Value 'abc' of type 'str'"),
+        ([*MODEL, "gpt_config=none"], "Could not find 'gpt_config/none'"),
+        ([*MODEL, "gpt_config.n_head=3"], "gpt_config.n_embd: 16 is not divisible by"),
+        ([*MODEL, "gpt_config.n_layer=[1"], "cannot parse the override 'gpt_config.n_layer=[1'"),
+        ([*MODEL, "data_config.path=TMP/none.txt"], "data file not found: TMP/none.txt"),
+    ],
+}
+
 # nanoGPT's interface around mingpt's model, for bench_train --nanogpt; its loss views the targets,
 # as nanoGPT's does, so it fails on targets that are not made contiguous.
 NANOGPT_STANDIN = """
@@ -135,6 +204,14 @@ class GPT(torch.nn.Module):
 """
 
 
+def refusals() -> list:
+    return [
+        pytest.param(script, k, id=f"{script}-{k}")
+        for script in SCRIPTS
+        for k in range(len(REFUSED.get(script, [])))
+    ]
+
+
 def cases() -> list:
     return [
         pytest.param(script, case, id=f"{script}-{k}")
@@ -171,7 +248,7 @@ def main(path, args):
 
 
 # as for `python benchmarks/x.py`: its directory first
-sys.path.insert(0, os.path.dirname(given["helps"][0]))
+sys.path.insert(0, given["benchmarks"])
 for path in given["helps"]:
     out = io.StringIO()
     err = io.StringIO()
@@ -195,31 +272,24 @@ print(json.dumps({"helps": answers, "runs": statuses}))
 
 
 def prepared(args: list[str], cwd: Path, data: Path) -> list[str]:
-    """A case's arguments with DATA, TMP and NANOGPT made paths in `cwd`."""
+    """A case's arguments with DATA, TMP, NANOGPT and EMPTY made paths in `cwd`."""
     nanogpt = cwd / "nanogpt"
-    nanogpt.mkdir()
+    nanogpt.mkdir(exist_ok=True)
     (nanogpt / "model.py").write_text(NANOGPT_STANDIN)
-    places = {"DATA": data, "TMP": cwd / "scratch", "NANOGPT": nanogpt}
+    (cwd / "empty").mkdir(exist_ok=True)
+    places = {"DATA": data, "TMP": cwd / "scratch", "NANOGPT": nanogpt, "EMPTY": cwd / "empty"}
     for name, path in places.items():
         args = [a.replace(name, str(path)) for a in args]
     return args
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, corpus) -> dict:
-    """{"helps": {script: [exit status, stdout, stderr]} of its --help, "runs": {(script, k):
-    the finished run}} for every smoke case k of one process, each in a directory of its own:
-    one child for all (see ONE_PROCESS)."""
-    data = tmp_path_factory.mktemp("data") / "small.txt"
-    data.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    runs = {}
-    for script in SCRIPTS:
-        for k, (nproc, args, _) in enumerate(SMOKE.get(script) or []):
-            if nproc == 1:
-                cwd = tmp_path_factory.mktemp(f"{script}-{k}")
-                runs[script, k] = (cwd, [str(BENCHMARKS / script), *prepared(args, cwd, data)])
+def in_one_process(helps: list[str], runs: dict) -> dict:
+    """{"helps": {script: [exit status, stdout, stderr]} of each script in `helps` asked for
+    --help, "runs": {key: the finished run}} of `runs` ({key: (its directory, [script, arguments
+    ...])}): one child for all (see ONE_PROCESS)."""
     given = {
-        "helps": [str(BENCHMARKS / s) for s in SCRIPTS],
+        "benchmarks": str(BENCHMARKS),
+        "helps": [str(BENCHMARKS / s) for s in helps],
         "runs": [
             [argv[0], str(cwd), argv[1:], str(cwd / "stdout.txt"), str(cwd / "stderr.txt")]
             for cwd, argv in runs.values()
@@ -241,6 +311,42 @@ def one_process(tmp_path_factory, corpus) -> dict:
         for (key, (cwd, argv)), status in zip(runs.items(), answers["runs"], strict=True)
     }
     return {"helps": answers["helps"], "runs": finished}
+
+
+def small_data(tmp_path_factory, corpus) -> Path:
+    data = tmp_path_factory.mktemp("data") / "small.txt"
+    data.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    return data
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus) -> dict:
+    """Every script's --help, and every smoke case k of one process as runs[script, k], each in a
+    directory of its own, in one child (see in_one_process)."""
+    data = small_data(tmp_path_factory, corpus)
+    runs = {}
+    for script in SCRIPTS:
+        for k, (nproc, args, _) in enumerate(SMOKE.get(script) or []):
+            if nproc == 1:
+                cwd = tmp_path_factory.mktemp(f"{script}-{k}")
+                runs[script, k] = (cwd, [str(BENCHMARKS / script), *prepared(args, cwd, data)])
+    return in_one_process(SCRIPTS, runs)
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, corpus) -> dict:
+    """{(script, k): the finished run, and the part of its line expected} of every case of
+    REFUSED, in one child (see in_one_process)."""
+    data = small_data(tmp_path_factory, corpus)
+    runs = {}
+    expected = {}
+    for script in SCRIPTS:
+        for k, (args, part) in enumerate(REFUSED.get(script, [])):
+            cwd = tmp_path_factory.mktemp(f"refused-{script}-{k}")
+            runs[script, k] = (cwd, [str(BENCHMARKS / script), *prepared(args, cwd, data)])
+            expected[script, k] = prepared([part], cwd, data)[0]
+    finished = in_one_process([], runs)["runs"]
+    return {key: (proc, expected[key]) for key, proc in finished.items()}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -273,6 +379,21 @@ def test_benchmark_runs_at_a_tiny_size(script, case, small_corpus, tmp_path, one
     # where and when it was measured: the CPU, its cores, torch's threads, torch, the date
     assert proc.stdout.count("machine: ") == 1, proc.stdout[-3000:]
     assert " cores, torch " in proc.stdout and " threads | " in proc.stdout
+
+
+@pytest.mark.parametrize(("script", "k"), refusals())
+def test_bad_input_is_refused_in_one_line(script, k, refused):
+    proc, part = refused[script, k]
+    output = proc.stdout + proc.stderr
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert "Traceback" not in output, output[-3000:]
+    assert proc.returncode == 2, output[-3000:]
+    assert len(lines) == 1, output[-3000:]
+    assert lines[0].startswith("error: ") and part in lines[0], lines[0]
+
+
+def test_every_script_has_refused_inputs():
+    assert sorted(REFUSED) == SCRIPTS
 
 
 def test_the_users_preset_beats_a_scripts_defaults(monkeypatch):
