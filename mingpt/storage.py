@@ -198,10 +198,10 @@ def check_regular(path: str, label: str) -> None:
     raise StorageError(f"{label} is not a regular file: {path} is {kind}")
 
 
-def sha256(f: Any) -> tuple[int, str]:
-    """The size and SHA-256 of what is left to read in the open binary file `f`, read 16 MiB at a
-    time."""
-    digest = hashlib.sha256()
+def sha256(f: Any, before: bytes = b"") -> tuple[int, str]:
+    """The size and SHA-256 of what is left to read in the open binary file `f` (the hash after
+    `before`), read 16 MiB at a time."""
+    digest = hashlib.sha256(before)
     size = 0
     while block := f.read(16 << 20):
         digest.update(block)

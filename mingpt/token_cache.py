@@ -28,6 +28,7 @@ VERSION = 1
 PAGE = 4096
 CHUNK = 4 << 20  # bytes read and decoded at a time (bounds the memory an encode needs)
 N_CODE_POINTS = 0x110000
+BLANK_DIGEST = "0" * 64  # the header's checksum field while the checksum is computed
 DEFAULT_DIR = ".mingpt-cache"  # beside a local corpus
 OWN_NAME = re.compile(
     rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?"
@@ -186,7 +187,10 @@ def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
                 or header["truncate"] != truncate
             ):
                 return "the corpus changed"
-            if storage.sha256(f)[1] != header["digest"]:
+            # The checksum covers the header too (its own field blank): a vocabulary changed in
+            # place would misread every id.
+            blank = _header_bytes({**header, "digest": BLANK_DIGEST})
+            if storage.sha256(f, blank)[1] != header["digest"]:
                 return "damaged (its checksum does not match)"
     except (ValueError, KeyError, TypeError, OSError) as e:
         return f"damaged ({e})"
@@ -242,7 +246,7 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
         "vocab": "".join(map(chr, vocab_cps.tolist())),
         "dtype": dtype,
         "counts": kept,
-        "digest": "0" * 64,
+        "digest": BLANK_DIGEST,
     }
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -251,7 +255,7 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
             log.info("removed %s, left by a build that was stopped", stale)
         with storage.atomic_open(path) as f:
             f.write(_header_bytes(header))
-            digest = hashlib.sha256()
+            digest = hashlib.sha256(_header_bytes(header))
             for source, keep in zip(sources, kept, strict=True):
                 for cps in kept_chunks(source, keep):
                     ids = lookup[cps].tobytes()

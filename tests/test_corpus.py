@@ -63,7 +63,7 @@ def test_cache_is_reused_and_rebuilt_when_the_corpus_changes(tmp_path, caplog):
     assert cache_files(tmp_path / "cache") == [cache]  # replaced, not added
 
 
-@pytest.mark.parametrize("damage", ["flip-token", "cut", "garbage-header"])
+@pytest.mark.parametrize("damage", ["flip-token", "cut", "garbage-header", "vocabulary"])
 def test_damaged_cache_is_rebuilt_never_used(tmp_path, caplog, damage):
     corpus = tmp_path / "c.txt"
     text = "the quick brown fox jumps over the lazy dog\n" * 20
@@ -76,6 +76,9 @@ def test_damaged_cache_is_rebuilt_never_used(tmp_path, caplog, damage):
         raw[4096 + 100] ^= 0x01
     elif damage == "cut":
         raw = raw[:-10]
+    elif damage == "vocabulary":  # still valid JSON, one character another: every id misread
+        start = raw.index(b'"vocab": "') + len(b'"vocab": "')
+        raw[start + raw[start:].index(b"q")] = ord("Q")
     else:
         raw[20:40] = b"x" * 20
     cache.write_bytes(bytes(raw))
