@@ -80,14 +80,32 @@ def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
     glob's matches in order, the token cache's own files left out."""
     try:
         fs, stripped = fsspec.core.url_to_fs(pattern)
-        if not glob.has_magic(pattern):
+        # A file named x[1].txt is that file, not a glob for x1.txt.
+        if not glob.has_magic(pattern) or fs.isfile(stripped):
             return fs, stripped, [stripped]
-        matches = [m for m in sorted(fs.glob(stripped)) if not token_cache.is_own(m)]
+        matches = [
+            m
+            for m in sorted(fs.glob(stripped))
+            if not token_cache.is_own(m) and not _hidden(m, stripped)
+        ]
     except (OSError, ValueError, ImportError) as e:
         raise DataError(f"cannot read data file {pattern}: {e}") from None
     if not matches:
         raise DataError(f"no data file matches {pattern}")
+    names = ", ".join(os.path.basename(m) for m in matches[:5])
+    if len(matches) > 5:
+        names += ", ..."
+    log.info("%s matches %d file(s): %s", pattern, len(matches), names)
     return fs, stripped, matches
+
+
+def _hidden(match: str, pattern: str) -> bool:
+    """What the shell's glob leaves out: a name starting with '.' matched by a wildcard (a dotfile,
+    or a file in a dot directory), unless the pattern asks for such names (`.*`)."""
+    written = pattern.split("/")
+    if any(part.startswith(".") and glob.has_magic(part) for part in written):
+        return False
+    return any(part.startswith(".") and part not in written for part in match.split("/"))
 
 
 class CharTokenizer:

@@ -303,6 +303,36 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
     assert final["bpc"] == pytest.approx(final["loss"] / math.log(2), rel=1e-12)
 
 
+def test_a_glob_leaves_out_hidden_files_as_the_shell_does(tmp_path, caplog):
+    """`*.txt` never reads a dotfile or a file in a dot directory (an editor's backup, .DS_Store,
+    a .git directory): it trained on them, silently; `.*` asks for them. The matches are logged."""
+    corpus = tmp_path / "d"
+    (corpus / ".git").mkdir(parents=True)
+    (corpus / "a.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    (corpus / ".secret.txt").write_text("XYZ" * 50, encoding="utf-8")
+    (corpus / ".git" / "b.txt").write_text("UVW" * 50, encoding="utf-8")
+    caplog.set_level(logging.INFO, logger="mingpt.data")
+    for pattern in ("*.txt", "**/*.txt"):
+        data = load_data(DataConfig(path=str(corpus / pattern), block_size=8, stride=8))
+        assert [f for f, _ in data.files] == [str(corpus / "a.txt")]
+        assert data.tokenizer.chars == "abcdefgh"
+    assert f"{corpus / '*.txt'} matches 1 file(s): a.txt" in caplog.text
+    dotted = load_data(DataConfig(path=str(corpus / ".*.txt"), block_size=8, stride=8))
+    assert [f for f, _ in dotted.files] == [str(corpus / ".secret.txt")]
+
+
+def test_a_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
+    """x[1].txt names itself when it exists: it was read as the glob x[1].txt, which matches
+    x1.txt."""
+    (tmp_path / "x[1].txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    (tmp_path / "x1.txt").write_text("stuvwxyz" * 50, encoding="utf-8")
+    data = load_data(DataConfig(path=str(tmp_path / "x[1].txt"), block_size=8, stride=8))
+    assert data.tokenizer.chars == "abcdefgh"
+    (tmp_path / "x1.txt").unlink()
+    data = load_data(DataConfig(path=str(tmp_path / "x[1].txt"), block_size=8, stride=8))
+    assert data.tokenizer.chars == "abcdefgh"
+
+
 def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
     """data_config.path=G/* with the cache in G (cache_dir=G, or the default G/.mingpt-cache/):
     the second run reads the same corpus, not its cache file, a temporary of one or the cache
