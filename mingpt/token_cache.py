@@ -56,6 +56,8 @@ class TokenCache:
         `starts[i]` on. One pread per row, not a gather through the memory map: a kernel that maps
         large page-cache folios adds about 1 MB to the process's RSS per window sampled through a
         map; a read copies just the window."""
+        if out.numel() == 0:  # a rank's empty share of the held-out windows
+            return
         item = out.element_size()
         width = out.shape[1] * item  # bytes per row
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place

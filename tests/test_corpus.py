@@ -243,6 +243,10 @@ def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path):
     data.cache.read_windows(ends, out)
     assert torch.equal(out, torch.stack([expected[e : e + 17] for e in ends.tolist()]))
     assert host.batch(torch.tensor([], dtype=torch.long))[0].shape == (0, 16)
+    # A rank's share of the held-out windows may be empty (fewer windows than ranks), prefetched.
+    none = torch.tensor([], dtype=torch.long)
+    host.prefetch(none)
+    assert host.batch(none)[0].shape == (0, 16)
     resident, _ = data.place(torch.device("cpu"), "device")  # read whole into memory
     assert isinstance(resident, TokenWindows) and torch.equal(resident.tokens, expected)
     assert mapped_rss_kb(data.cache.path) == [0]
