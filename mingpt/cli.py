@@ -181,6 +181,9 @@ def compose_checked(
     composed, before Hydra creates a run directory (a refused config leaves none), and for --cfg,
     which runs no task."""
     cfg = COMPOSE(self, config_name, overrides, run_mode, *args, **kwargs)
+    # --hydra-help composes Hydra's own config alone: no run of ours to check
+    if config_name is None:
+        return cfg
     if not kwargs.get("validate_sweep_overrides", True):
         # Hydra.get_mode's probe: it reads hydra.mode and drops any error, then run or multirun
         # composes again, checked there; checking the probe too cost each start 0.4 s.
@@ -237,6 +240,18 @@ def _hydra_main(cfg: DictConfig) -> None:
     _in_task = False  # an OSError from inside a task keeps its traceback: a bug
 
 
+def group_null_hint(message: str) -> str:
+    """Hydra's refusal of `GROUP=null` (a group's preset set to null), which names no group: the
+    override it refused, and the one that drops a preset."""
+    if not message.startswith("Config group override must be a string or a list"):
+        return message
+    for arg in sys.argv[1:]:
+        key, _, value = arg.partition("=")
+        if value == "null" and "." not in key:
+            return f"{arg}: a config group takes a preset's name; ~{key} drops the preset"
+    return message
+
+
 def take_local_rank_argument(argv: list[str]) -> list[str]:
     """Remove the `--local-rank=N` (`--local_rank=N`, `--local_rank N`) of the legacy launcher
     (`python -m torch.distributed.launch`); LOCAL_RANK stays the source of truth: the argument only
@@ -275,6 +290,8 @@ def check_arguments(argv: list[str]) -> None:
 
 
 def main() -> None:
+    global _in_task
+    _in_task = False  # an earlier call in this process may have left its task by an exception
     sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
     check_arguments(sys.argv[1:])
     # composition errors reach us, not Hydra's multi-line report
@@ -289,6 +306,11 @@ def main() -> None:
         fail(config_error_line(e))
     except KeyboardInterrupt:
         say_and_exit("interrupted", 130)
+    # Hydra's own refusals before any task: two modes (--cfg with -m), a group given null
+    except ValueError as e:
+        if _in_task:
+            raise
+        fail(group_null_hint(str(e)))
     except OSError as e:
         if _in_task:
             raise

@@ -158,6 +158,21 @@ def training_help() -> str:
     return result.stdout
 
 
+def test_hydras_own_help_that_the_training_help_points_to_is_shown():
+    """--help says "Hydra's own options: --hydra-help"; it was refused for Hydra's default run
+    directory, which the run's own config replaces."""
+    result = subprocess.run(
+        [sys.executable, "main.py", "--hydra-help"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert result.stdout.startswith("Hydra (") and "== Flags ==" in result.stdout
+
+
 def test_the_training_help_lists_every_key_with_this_invocations_value(training_help):
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.default_factory):

@@ -652,6 +652,10 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
             "all before or all after the options"
         ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
+        ("experiment=null",): "experiment=null: a config group takes a preset's name; "
+        "~experiment drops the preset",
+        ("--cfg", "job", "-m", "trainer_config.seed=1,2"): "Only one of --run, --multirun, --cfg",
+        ("-m", "--info"): "Only one of --run, --multirun, --cfg",
     }
 
 
