@@ -436,9 +436,35 @@ def test_snapshot_of_another_shape_is_refused(good_snapshot, refused_at_start):
     results, before, _ = refused_at_start
     assert_one_error(
         results["other shape"][1],
-        f"snapshot {snapshot} does not match: gpt_config.n_layer: snapshot 2, config 3",
+        f"snapshot {snapshot} was written with another config (gpt_config.n_layer: 2 -> 3;",
+        "which gives the model another shape or vocabulary: start a new run with "
+        "trainer_config.run_name=NAME",
     )
     assert tree_bytes(snapshot) == before
+
+
+ONE_PROCESS = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+
+
+def test_a_changed_data_key_that_changes_the_vocabulary_is_named_not_the_vocabulary():
+    """data_config.truncate changes the vocabulary, data_config.block_size the model's block: the
+    refusal named gpt_config.vocab_size (a key to leave unset) and left the real change out, and
+    allow_config_change, which cannot help, changed nothing."""
+    saved = dataclasses.asdict(Config())
+    saved["data_config"]["truncate"] = 0.01
+    saved["gpt_config"]["vocab_size"] = 3
+    state = {**saved, "vocab": "abc", "corpus": None}
+    config = Config()
+    config.gpt_config.vocab_size = 4
+    config.trainer_config.allow_config_change = True
+    with pytest.raises(SnapshotError) as e:
+        compat.check_fits(state, config, "abcd", "runs/x/snapshots", ONE_PROCESS, [])
+    assert str(e.value) == (
+        "snapshot runs/x/snapshots was written with another config (data_config.truncate: 0.01 -> "
+        "1.0; gpt_config.vocab_size: 3 -> 4), which gives the model another shape or vocabulary: "
+        "start a new run with trainer_config.run_name=NAME (a name not used yet), or fine-tune "
+        "from it (trainer_config.init_from)"
+    )
 
 
 @pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])

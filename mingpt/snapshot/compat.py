@@ -47,16 +47,23 @@ def check_compatible(
         )
 
 
-def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
-    """Refuse a snapshot written with other values of result-affecting keys (those both configs
-    have), naming each, unless allow_config_change; never another optimizer, whose state would not
-    load. Returns the changes as `key: old -> new`."""
+def config_changes(state: dict[str, Any], config: Config) -> list[str]:
+    """The result-affecting keys (those both configs have) whose values differ between a snapshot's
+    config and `config`, as `key: old -> new`."""
     saved = result_items(state)
     current = result_items(dataclasses.asdict(config))
     changes = []
     for key in sorted(saved.keys() & current.keys()):
         if saved[key] != current[key]:
             changes.append(f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}")
+    return changes
+
+
+def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
+    """Refuse a snapshot written with other values of result-affecting keys (those both configs
+    have), naming each, unless allow_config_change; never another optimizer, whose state would not
+    load. Returns the changes as `key: old -> new`."""
+    changes = config_changes(state, config)
     algorithm = [c for c in changes if c.startswith("optimizer_config.algorithm:")]
     if algorithm:
         raise SnapshotError(
@@ -124,12 +131,22 @@ def check_fits(
     try:
         check_compatible(state, dataclasses.asdict(config.gpt_config), vocab, path)
     except SnapshotError as e:
-        if not source or config.trainer_config.init_from:
+        if source and not config.trainer_config.init_from:
+            # a fine-tuned run's shape comes from its source, given again (it is not read again)
+            raise SnapshotError(
+                f"{e}: that run was fine-tuned from {source}, whose shape it keeps; add "
+                f"{shell_override('trainer_config.init_from', source)} as it had"
+            ) from None
+        # The keys the user changed, not the shape or vocabulary that follows from them
+        # (data_config.truncate changes the vocabulary; data_config.block_size the model's).
+        changes = config_changes(state, config)
+        if not changes:
             raise
-        # a fine-tuned run's shape comes from its source, given again (it is not read again)
         raise SnapshotError(
-            f"{e}: that run was fine-tuned from {source}, whose shape it keeps; add "
-            f"{shell_override('trainer_config.init_from', source)} as it had"
+            f"snapshot {path} was written with another config ({'; '.join(changes)}), which gives "
+            f"the model another shape or vocabulary: start a new run with "
+            f"{new_run_hint(config.trainer_config)}, or fine-tune from it "
+            "(trainer_config.init_from)"
         ) from None
     if moved and not config.trainer_config.allow_config_change:
         raise SnapshotError(
