@@ -101,8 +101,9 @@ def read_prompt(config: GenerateConfig) -> str:
         return config.prompt
     check_regular(config.prompt_file, "prompt_file")
     try:
-        # newline="": the text as it is, a \r\n included (the corpus is read so)
-        with fsspec.open(config.prompt_file, "r", encoding="utf-8", newline="") as f:
+        # newline="": the text as it is, a \r\n included; utf-8-sig: a byte-order mark at the
+        # start is not text (the corpus is read so)
+        with fsspec.open(config.prompt_file, "r", encoding="utf-8-sig", newline="") as f:
             return f.read()
     except FileNotFoundError:
         raise PromptError(f"prompt_file not found: {config.prompt_file}") from None

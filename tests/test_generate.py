@@ -5,6 +5,7 @@ the distribution), the sampling filters, bad input."""
 
 from __future__ import annotations
 
+import codecs
 import os
 import subprocess
 import sys
@@ -539,9 +540,12 @@ def test_a_generation_too_large_for_memory_names_the_key_to_change():
 
 def test_a_prompt_file_is_read_as_it_is(tmp_path):
     """Its CRLF line ends and lone CRs stay (universal newlines made them LF: other text than the
-    corpus holds)."""
+    corpus holds); a byte-order mark at its start goes, as the corpus's does (it was refused as a
+    character outside the vocabulary)."""
     from mingpt.generate import read_prompt
 
     prompt = tmp_path / "prompt.txt"
     prompt.write_bytes(b"ROMEO:\r\nO\rJuliet\n")
     assert read_prompt(GenerateConfig(prompt_file=str(prompt))) == "ROMEO:\r\nO\rJuliet\n"
+    prompt.write_bytes(codecs.BOM_UTF8 + b"ROMEO:\r\n")
+    assert read_prompt(GenerateConfig(prompt_file=str(prompt))) == "ROMEO:\r\n"
