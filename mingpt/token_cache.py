@@ -124,12 +124,15 @@ def decoded_chunks(source: str) -> Iterator[tuple[bytes, str]]:
     with open_source(source) as f:
         while True:
             raw = f.read(CHUNK)
-            pending = len(decoder.getstate()[0])
+            # bytes before the error's start: those the decoder held back, or the mark it dropped
+            before = offset - len(decoder.getstate()[0])
+            if offset == 0 and raw.startswith(codecs.BOM_UTF8):
+                before = len(codecs.BOM_UTF8)
             try:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as e:
                 raise DataError(
-                    f"data file is not UTF-8 text: {source} (byte {offset - pending + e.start})"
+                    f"data file is not UTF-8 text: {source} (byte {before + e.start})"
                 ) from None
             offset += len(raw)
             yield raw, text

@@ -94,11 +94,15 @@ def test_batch_targets_are_inputs_shifted_by_one():
     [
         (None, "not found"),
         (b"", "empty"),
-        (b"caf\xe9 latin-1, not UTF-8", "not UTF-8"),
+        (b"caf\xe9 latin-1, not UTF-8", "not UTF-8 text: {path} (byte 3)"),
+        (
+            b"\xef\xbb\xbfcaf\xe9 latin-1",
+            "not UTF-8 text: {path} (byte 6)",
+        ),  # counted with the mark
         (b"x" * 40, "held-out split has 4 characters"),  # 36 train, 4 held out < 9
         (b"x" * 9 + b"y" * 70, "training split has 7 characters"),  # train_split 0.1 of 79
     ],
-    ids=["missing", "empty", "not-utf8", "short-heldout", "short-train"],
+    ids=["missing", "empty", "not-utf8", "not-utf8-after-bom", "short-heldout", "short-train"],
 )
 def test_bad_data_names_the_file(tmp_path, content, problem):
     path = tmp_path / "corpus.txt"
@@ -108,7 +112,7 @@ def test_bad_data_names_the_file(tmp_path, content, problem):
     with pytest.raises(DataError) as e:
         load_data(DataConfig(path=str(path), block_size=8, train_split=split))
     message = str(e.value)
-    assert str(path) in message and problem in message
+    assert str(path) in message and problem.format(path=path) in message
     assert "\n" not in message
 
 
