@@ -153,6 +153,14 @@ def announce(t: Trainer) -> None:
         amp,
         fsdp,
     )
+    if t.samples_per_step * W > len(t.data.train):
+        log.warning(
+            "the global batch (%d) is larger than the %d training windows: each step takes the "
+            "epoch's windows, %d",
+            t.samples_per_step * W,
+            len(t.data.train),
+            len(t.data.train),
+        )
     if t.device.type != "cpu" or not t.dist.is_main_process or t.finished():
         return
     # A step takes at most an epoch's share of the windows.

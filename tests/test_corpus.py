@@ -267,6 +267,21 @@ def make_trainer(run_dir, corpus_paths, *extra: str) -> Trainer:
     return build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
+def test_a_batch_larger_than_the_corpus_is_said_at_start(tmp_path, corpus, caplog):
+    """The start line gives the configured global batch; each step then takes fewer windows."""
+    part = tmp_path / "part.txt"
+    part.write_text(corpus.read_text(encoding="utf-8")[:1000], encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="mingpt.run"):
+        trainer = make_trainer(tmp_path / "run", str(part), "trainer_config.batch_size=1000")
+    trainer.metrics.close()
+    windows = len(trainer.data.train)
+    assert windows < 1000
+    assert (
+        f"the global batch (1000) is larger than the {windows} training windows: each step takes "
+        f"the epoch's windows, {windows}" in caplog.text
+    )
+
+
 def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, corpus, one_thread):
     """Two files, batches read from the cache file with prefetch, dropout
     on: a run stopped mid-epoch at step 7 and resumed ends with the
