@@ -1,6 +1,7 @@
-"""FLOPs per token, the matmul rate MFU is measured against, peak memory, the warning for a run too
-slow on a CPU."""
+"""FLOPs per token, the matmul rate MFU is measured against, peak and available memory, the warning
+for a run too slow on a CPU."""
 
+import os
 import resource
 
 import torch
@@ -59,6 +60,20 @@ def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on the GPU, or the host's MemAvailable (free plus reclaimable page cache)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def slow_on_cpu(flops_per_step: float, total_steps: int, rate: float | None = None) -> str | None:

@@ -5,7 +5,6 @@ Only the text goes to stdout; logs and a one-line error (exit status 2) go to st
 
 import logging
 import math
-import os
 import time
 import timeit
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from mingpt.command import OutputError, command, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
 from mingpt.distributed import pick_device
+from mingpt.flops import available_memory
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, reader
 from mingpt.storage import StorageError, check_regular, reason, storage_errors
@@ -110,20 +110,6 @@ def read_prompt(config: GenerateConfig) -> str:
     # UnicodeDecodeError is a ValueError.
     except (*storage_errors(), ValueError, ImportError) as e:
         raise PromptError(f"prompt_file {config.prompt_file} cannot be read: {reason(e)}") from None
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free on the GPU, or the host's MemAvailable (free plus reclaimable page cache)."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[0]
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None:

@@ -39,7 +39,20 @@ def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTC
 
 
 def build_model(gpt_config: GPTConfig) -> GPT:
-    """The model, or ConfigError with its size when its weights do not fit in memory."""
+    """The model, or ConfigError with its size when its weights do not fit in memory: more than the
+    host has available (an allocation that the kernel grants beyond it ends in its OOM killer, with
+    no message), or an allocation that fails."""
+    d = gpt_config.n_embd
+    v = gpt_config.vocab_size
+    b = gpt_config.block_size
+    params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
+    too_large = (
+        f"gpt_config: the model does not fit in memory: {params:,} parameters "
+        f"({params * 4 / 1e9:,.1f} GB of float32 weights, about 4x that to train with AdamW)"
+    )
+    available = flops.available_memory(torch.device("cpu"))  # it is built on the host
+    if params * 4 > available:
+        raise ConfigError(f"{too_large}; {available / 1e9:,.1f} GB available")
     try:
         return GPT(gpt_config)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -49,14 +62,8 @@ def build_model(gpt_config: GPTConfig) -> GPT:
             r"can't allocate memory|out of memory", str(e)
         ):
             raise
-        d = gpt_config.n_embd
-        v = gpt_config.vocab_size
-        b = gpt_config.block_size
-        params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
         raise ConfigError(
-            f"gpt_config: the model does not fit in memory: {params:,} parameters "
-            f"({params * 4 / 1e9:,.0f} GB of float32 weights, about 4x that to train with AdamW); "
-            f"allocating {asked.group(1) if asked else 'them'} failed"
+            f"{too_large}; allocating {asked.group(1) if asked else 'them'} failed"
         ) from None
 
 
