@@ -246,9 +246,9 @@ def group_null_hint(message: str) -> str:
     if not message.startswith("Config group override must be a string or a list"):
         return message
     for arg in sys.argv[1:]:
-        key, _, value = arg.partition("=")
-        if value == "null" and "." not in key:
-            return f"{arg}: a config group takes a preset's name; ~{key} drops the preset"
+        group = arg.removesuffix("=null")
+        if group != arg and "." not in group:
+            return f"{arg}: a config group takes a preset's name; ~{group} drops the preset"
     return message
 
 

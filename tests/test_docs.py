@@ -143,11 +143,10 @@ def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys)
     assert key_lines(getattr(module, schema)) in help
 
 
-@pytest.fixture(scope="module")
-def training_help() -> str:
-    """`python main.py --help trainer_config.max_epochs=7`'s output."""
+def main_py_output(*args: str) -> str:
+    """What `python main.py ARGS` prints, once it has exited 0 with nothing on stderr."""
     result = subprocess.run(
-        [sys.executable, "main.py", "--help", "trainer_config.max_epochs=7"],
+        [sys.executable, "main.py", *args],
         cwd=REPO,
         env=child_env(),
         capture_output=True,
@@ -158,19 +157,17 @@ def training_help() -> str:
     return result.stdout
 
 
+@pytest.fixture(scope="module")
+def training_help() -> str:
+    """`python main.py --help trainer_config.max_epochs=7`'s output."""
+    return main_py_output("--help", "trainer_config.max_epochs=7")
+
+
 def test_hydras_own_help_that_the_training_help_points_to_is_shown():
     """--help says "Hydra's own options: --hydra-help"; it was refused for Hydra's default run
     directory, which the run's own config replaces."""
-    result = subprocess.run(
-        [sys.executable, "main.py", "--hydra-help"],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0 and not result.stderr, result.stderr
-    assert result.stdout.startswith("Hydra (") and "== Flags ==" in result.stdout
+    output = main_py_output("--hydra-help")
+    assert output.startswith("Hydra (") and "== Flags ==" in output
 
 
 def test_the_training_help_lists_every_key_with_this_invocations_value(training_help):
