@@ -117,8 +117,9 @@ class Metrics:
         path = os.path.join(run_dir, "metrics.jsonl")
         # The events a killed run logged after the snapshot it resumes from go; TensorBoard hides
         # its own (purge_step).
-        keep = [line for line, record in events(path) if record["step"] <= resume_step]
-        if resume_step == 0 and any(True for _ in events(path)):
+        found = list(events(path))
+        keep = [line for line, record in found if record["step"] <= resume_step]
+        if resume_step == 0 and found:
             _set_aside(path)
         with open(path, "wb") as f:
             f.writelines(keep)
