@@ -253,8 +253,14 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
         "counts": kept,
         "digest": BLANK_DIGEST,
     }
+    directory = os.path.dirname(path) or "."
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise DataError(
+            f"cannot write the token cache {path}: {directory} is not a directory (set "
+            "data_config.cache_dir)"
+        )
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         # builds whose process died left their temporaries
         for stale in storage.remove_stale_temporaries(path):
             log.info("removed %s, left by a build that was stopped", stale)

@@ -352,6 +352,13 @@ def test_a_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
     assert data.tokenizer.chars == "abcdefgh"
 
 
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "c.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    (tmp_path / "afile").write_text("not a directory\n")
+    with pytest.raises(DataError, match=rf"{tmp_path / 'afile'} is not a directory \(set data"):
+        load_data(DataConfig(path=str(tmp_path / "c.txt"), cache_dir=str(tmp_path / "afile")))
+
+
 def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
     """data_config.path=G/* with the cache in G (cache_dir=G, or the default G/.mingpt-cache/):
     the second run reads the same corpus, not its cache file, a temporary of one or the cache
