@@ -149,7 +149,7 @@ def refusals_of(workdir: Path, finished_run: Path) -> dict[str, tuple[list[str],
             ["trainer_config.max_epochs=2", "optimizer_config.learning_rate=1e-3"],
             "(optimizer_config.learning_rate: 0.003 -> 0.001; trainer_config.max_epochs: 1 -> 2)",
         ),
-        "other shape": (["gpt_config.n_layer=3"], "gpt_config.n_layer: snapshot 2, config 3"),
+        "other shape": (["gpt_config.n_layer=3"], "another config (gpt_config.n_layer: 2 -> 3)"),
         "in use": ([], f"error: run directory {finished_run} is in use by another job"),
         # Operational keys that would start another snapshot
         # from step 0 under the finished run's record.
