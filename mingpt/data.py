@@ -54,9 +54,7 @@ def read_text(path: str) -> str:
 def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     """The corpus files named by data_config.path (globs expanded), in order, and the path of their
     token cache."""
-    patterns = cfg.path
-    if isinstance(patterns, str):
-        patterns = [patterns]
+    patterns = _patterns(cfg)
     sources = []
     local_dir = None  # the first file's directory, if it is local: the cache's default place
     for i, pattern in enumerate(patterns):
@@ -73,6 +71,13 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
                 sources.append(fs.unstrip_protocol(m))
     keys = [s if "://" in s else os.path.abspath(s) for s in sources]
     return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
+
+
+def _patterns(cfg: DataConfig) -> list[str]:
+    """data_config.path as a list: one path or glob, or several."""
+    if isinstance(cfg.path, str):
+        return [cfg.path]
+    return list(cfg.path)
 
 
 def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
@@ -92,10 +97,6 @@ def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
         raise DataError(f"cannot read data file {pattern}: {e}") from None
     if not matches:
         raise DataError(f"no data file matches {pattern}")
-    names = ", ".join(os.path.basename(m) for m in matches[:5])
-    if len(matches) > 5:
-        names += ", ..."
-    log.info("%s matches %d file(s): %s", pattern, len(matches), names)
     return fs, stripped, matches
 
 
@@ -300,6 +301,12 @@ def build_cache(cfg: DataConfig) -> tuple[list[str], str]:
     """Build the token cache unless a valid one exists (one process per node does this);
     cache_location's result."""
     sources, path = cache_location(cfg)
+    # What a glob matched, once per node (the processes that wait expand it again, silently).
+    if any(glob.has_magic(pattern) for pattern in _patterns(cfg)):
+        names = ", ".join(os.path.basename(source) for source in sources[:5])
+        if len(sources) > 5:
+            names += ", ..."
+        log.info("%s matches %d file(s): %s", cfg.path, len(sources), names)
     token_cache.ensure(path, sources, cfg.truncate)
     return sources, path
 
