@@ -19,8 +19,9 @@ so that the machine's drifts hit every row alike:
 - baseline (--baseline REV, a git revision of this checkout, such as HEAD~1): the same cached rows
   with that version's mingpt/model.py and mingpt/decoding.py, on the same weights, in the same
   rounds: a change to either is measured against its parent in one process;
-- floor: the matmuls of one decoding step alone, F.linear on the same weights and shapes in a loop,
-  eager or compiled as the compiled step runs them; "of floor" is floor time / step time (the
+- floor: the matmuls of one decoding step alone, on the same weights and shapes in a loop, as the
+  eager step runs them (F.linear, or oneDNN's where it is faster: decoding.step_linear) or as the
+  compiled step does; "of floor" is floor time / step time (the
   compiled step against the compiled floor), and the memory speed (the weights read once by a sum)
   is printed below the table.
 
@@ -162,14 +163,17 @@ def sliding(model: GPT, device: torch.device):
 
 
 def floor(model: GPT, device: torch.device, samples: int = 1, compiled: bool = False):
-    """A function of n_steps timing the matmuls of n_steps decoding steps and nothing else: F.linear
-    on the step's weights and shapes, as the eager step runs them, or compiled as the compiled step
-    runs them (on CPU, one-row products become reductions over the weights)."""
+    """A function of n_steps timing the matmuls of n_steps decoding steps and nothing else: on the
+    step's weights and shapes, as the eager step runs them, or compiled as the compiled step runs
+    them (on CPU, one-row products become reductions over the weights)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     inputs = [torch.randn(samples, m.in_features, device=device) for m in linears]
+    linear = F.linear
+    if not compiled:
+        linear = decoding.step_linear(model)
 
     def matmuls(xs):
-        return [F.linear(x, m.weight, m.bias) for x, m in zip(xs, linears, strict=True)]
+        return [linear(x, m.weight, m.bias) for x, m in zip(xs, linears, strict=True)]
 
     run_matmuls = decoding.compile_for_decoding(matmuls, device) if compiled else matmuls
 

@@ -3,10 +3,15 @@ windows either way (docs/generation.md); on the device, never waiting for it per
 exponential race on noise drawn ahead."""
 
 import contextlib
+import functools
+import math
 import time
+import timeit
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from mingpt.model import GPT, KVCache
 
@@ -101,6 +106,63 @@ def compile_for_decoding(
     return torch.compile(fn, fullgraph=True, dynamic=False, options=CPU_DECODING_OPTIONS)
 
 
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear computed by oneDNN (the op of inductor's CPU code), not by the BLAS."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def one_row_seconds() -> dict[str, float]:
+    """This CPU's time to multiply one row by a 2048 x 2048 matrix, by the BLAS ("blas") and by
+    oneDNN ("onednn"; inf where it is missing or disagrees), and to read the matrix ("read"). The
+    fastest of five runs each: the ones least disturbed by other work. Measured once per process,
+    in about 50 ms."""
+    # 16 MB: more than a core's L2 cache holds. Ones: torch's random stream is left as it was.
+    weight = torch.ones(2048, 2048)
+    row = torch.ones(1, 2048)
+    seconds = {
+        "blas": min(timeit.repeat(lambda: F.linear(row, weight), number=1, repeat=5)),
+        "read": min(timeit.repeat(weight.sum, number=1, repeat=5)),
+        "onednn": math.inf,
+    }
+    try:
+        agrees = torch.equal(onednn_linear(row, weight), F.linear(row, weight))
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        agrees = False
+    if agrees:
+        product = functools.partial(onednn_linear, row, weight)
+        seconds["onednn"] = min(timeit.repeat(product, number=1, repeat=5))
+    return seconds
+
+
+def one_row_products_lag() -> bool:
+    """Whether this CPU's BLAS multiplies one row by a matrix at under half the speed at which it
+    reads the matrix. A compiled step pays on a CPU only then: its products are inductor's
+    reductions, at the reading speed. MKL on an AMD EPYC ran at a quarter of it, and compiling
+    made decoding 2.7x faster; on Intel Xeons the products run at the reading speed, and compiling
+    saved at most a fifth of a character's time, for 7 to 17 s of compiling (BENCHMARKS.md)."""
+    seconds = one_row_seconds()
+    return seconds["blas"] > 2 * seconds["read"]
+
+
+def step_linear(model: GPT) -> Callable:
+    """The matrix product of an eager cached step on a CPU: oneDNN's where it multiplies one row at
+    least a quarter faster than the BLAS (MKL on an AMD EPYC: 1.8x, and decoding 1.5x faster,
+    BENCHMARKS.md), else F.linear. Only for a model of plain float32 parameters: not a sharded
+    model's, whose parameters are DTensors."""
+    weight = model.lm_head.weight
+    if type(weight) is not nn.Parameter or weight.dtype != torch.float32:
+        return F.linear
+    if weight.device.type != "cpu":
+        return F.linear
+    seconds = one_row_seconds()
+    if seconds["onednn"] < 0.8 * seconds["blas"]:
+        return onednn_linear
+    return F.linear
+
+
 def decode_step(
     model: GPT,
     token: torch.Tensor,
@@ -111,11 +173,12 @@ def decode_step(
     temperature: float,
     top_k: int | None,
     top_p: float | None,
+    linear: Callable = F.linear,
 ) -> None:
     """One cached step on the device: the token (B, 1) at pos is replaced by the next, sampled with
-    noise row `row`, and pos and row move on. Nothing is read back and no shape changes, so it
-    compiles to one graph."""
-    logits = model.step(token, pos, cache)
+    noise row `row`, and pos and row move on; `linear` computes its matrix products. Nothing is
+    read back and no shape changes, so it compiles to one graph."""
+    logits = model.step(token, pos, cache, linear)
     token.copy_(pick(logits, noise.index_select(1, row).squeeze(1), temperature, top_k, top_p))
     pos.add_(1)
     row.add_(1)
@@ -180,10 +243,11 @@ def generate(
         token = torch.zeros((B, 1), dtype=torch.long, device=idx.device)
         pos = torch.zeros(1, dtype=torch.long, device=idx.device)
         row = torch.zeros(1, dtype=torch.long, device=idx.device)
-        step = decode_step
         if compile:
             state = [*cache.k, *cache.v, token, pos, row, noise]
             step = compile_for_decoding(decode_step, idx.device, state)
+        else:
+            step = functools.partial(decode_step, linear=step_linear(model))
 
     was_training = model.training
     model.eval()

@@ -6,16 +6,14 @@ Only the text goes to stdout; logs and a one-line error (exit status 2) go to st
 import logging
 import math
 import time
-import timeit
 from dataclasses import dataclass
 
 import fsspec
 import torch
-import torch.nn.functional as F
 
 from mingpt.command import OutputError, command, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
-from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows
+from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows, one_row_products_lag
 from mingpt.distributed import pick_device
 from mingpt.flops import available_memory
 from mingpt.model import GPT
@@ -142,22 +140,6 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
             f"{device}, more than the {free / gib:,.1f} GiB available; at most "
             f"{free // (fixed + tokens):,} fit"
         )
-
-
-def one_row_products_lag() -> bool:
-    """Whether this CPU's BLAS multiplies one row by a matrix at under half the speed at which it
-    reads the matrix. A compiled step pays on a CPU only then: its products are inductor's
-    reductions, at the reading speed. MKL on an AMD EPYC ran at a quarter of it, and compiling
-    made decoding 2.7x faster; on Intel Xeons the products run at the reading speed, and compiling
-    saved at most a fifth of a character's time, for 7 to 17 s of compiling (BENCHMARKS.md). Takes
-    about 50 ms."""
-    # 16 MB: more than a core's L2 cache holds. Ones: torch's random stream is left as it was.
-    weight = torch.ones(2048, 2048)
-    row = torch.ones(1, 2048)
-    # the fastest of five runs: the one least disturbed by other work
-    product = min(timeit.repeat(lambda: F.linear(row, weight), number=1, repeat=5))
-    read = min(timeit.repeat(weight.sum, number=1, repeat=5))
-    return product > 2 * read
 
 
 def should_compile(config: GenerateConfig, device: torch.device) -> bool:

@@ -3,6 +3,7 @@ of causal self-attention (scaled_dot_product_attention) and a GELU MLP, and the 
 decoding steps through."""
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -123,22 +124,30 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, layer, pos)
         return x + self.mlp(self.ln_2(x))
 
-    def step(self, x: torch.Tensor, cache: KVCache, layer: int, pos: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        x: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        pos: torch.Tensor,
+        linear: Callable = F.linear,
+    ) -> torch.Tensor:
         """forward for one position per row, x (B, C), at pos: the same arithmetic on the same
-        weights, written on the tensors. A decoding step is a few matrix-vector products, and
-        forward's module calls and reshapes cost it about a fifth of its time on a CPU."""
+        weights, written on the tensors, with `linear` for F.linear. A decoding step is a few
+        matrix-vector products, and forward's module calls and reshapes cost it about a fifth of
+        its time on a CPU."""
         p = self.step_parameters
         B, C = x.shape
         h = F.layer_norm(x, (C,), **p["ln_1"])
         # (B, nh, 1, hs) each: with one position, the heads need no transpose
-        qkv = F.linear(h, **p["attn.c_attn"])
+        qkv = linear(h, **p["attn.c_attn"])
         q, k, v = qkv.view(B, 3, self.attn.n_head, 1, -1).unbind(1)
         k, v = cache.store(layer, k, v, pos)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.visible(pos))
-        x = x + F.linear(y.view(B, C), **p["attn.c_proj"])
-        h = F.linear(F.layer_norm(x, (C,), **p["ln_2"]), **p["mlp.c_fc"])
+        x = x + linear(y.view(B, C), **p["attn.c_proj"])
+        h = linear(F.layer_norm(x, (C,), **p["ln_2"]), **p["mlp.c_fc"])
         h = F.gelu(h, approximate=self.mlp.gelu.approximate)
-        return x + F.linear(h, **p["mlp.c_proj"])
+        return x + linear(h, **p["mlp.c_proj"])
 
 
 class GPT(nn.Module):
@@ -192,10 +201,18 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
         return logits, loss
 
-    def step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def step(
+        self,
+        idx: torch.Tensor,
+        pos: torch.Tensor,
+        cache: KVCache,
+        linear: Callable = F.linear,
+    ) -> torch.Tensor:
         """The logits (B, vocab) after tokens idx (B, 1) at position pos (a one-element tensor),
-        whose keys and values join the cache. No shape depends on pos: it compiles once."""
+        whose keys and values join the cache; `linear` computes the blocks' products. No shape
+        depends on pos: it compiles once."""
         x = self.wte(idx[:, 0]) + self.wpe(pos)  # (B, C)
         for i, block in enumerate(self.h):
-            x = block.step(x, cache, i, pos)
+            x = block.step(x, cache, i, pos, linear)
+        # the head as a module (a character vocabulary's head is a small product)
         return self.lm_head(self.ln_f(x))

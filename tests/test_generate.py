@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TINY, child_env, on_cpu, read_snapshot, run_dir_of, run_each
 
 import mingpt.generate as generate_cli
+from mingpt import decoding
 from mingpt.command import parse_args
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
@@ -164,6 +166,46 @@ def test_compiled_step_gives_the_tokens_of_full_recomputation(snapshot, corpus, 
     # past block_size: refills
     compiled = tokens(model, idx, 60, seed=5, use_cache=True, compile=True)
     assert compiled == tokens(model, idx, 60, seed=5, use_cache=False)
+
+
+def test_where_onednn_multiplies_a_row_faster_an_eager_step_uses_it(
+    snapshot, corpus, one_thread, monkeypatch
+):
+    """An eager cached step on a CPU computes its products with oneDNN where oneDNN multiplies one
+    row at least a quarter faster than the BLAS (MKL on an AMD EPYC), with the tokens of full
+    recomputation; elsewhere, and for a model that is not of plain float32 parameters, with
+    F.linear."""
+    model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
+    idx = tokenizer.encode(corpus.read_text(encoding="utf-8")[1000:1040]).long()[None]
+    measured = decoding.one_row_seconds()  # this CPU's
+    assert measured["blas"] > 0 and measured["read"] > 0
+    if measured["onednn"] < float("inf"):
+        x, weight = torch.randn(3, 384), torch.randn(1536, 384)
+        # float32 sums of 384 products of about 1, in another order
+        expected = F.linear(x, weight)
+        torch.testing.assert_close(decoding.onednn_linear(x, weight), expected, atol=1e-4, rtol=0)
+    products = []
+
+    def counted(*args, **kwargs):
+        products.append(1)
+        return F.linear(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "onednn_linear", counted)
+    monkeypatch.setattr(
+        decoding, "one_row_seconds", lambda: {"blas": 2.0, "read": 1.0, "onednn": 1.5}
+    )
+    assert decoding.step_linear(model) is counted
+    assert decoding.step_linear(GPT(model.config).bfloat16()) is F.linear
+    with_onednn = tokens(model, idx, 60, seed=5)
+    assert len(products) > 0
+    assert with_onednn == tokens(model, idx, 60, seed=5, use_cache=False)
+    products.clear()
+    tokens(model, idx, 60, seed=5, compile=True)  # a compiled step: inductor's own products
+    assert products == []
+    monkeypatch.setattr(
+        decoding, "one_row_seconds", lambda: {"blas": 2.0, "read": 1.0, "onednn": 1.7}
+    )
+    assert decoding.step_linear(model) is F.linear
 
 
 def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread):
