@@ -169,27 +169,23 @@ def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
 
 
 def _typed(error: BaseException) -> str:
-    """An exception as one line with its type, which a KeyError's text (only its key) leaves out."""
-    name = type(error).__name__
+    """An exception as one line with its type, which a KeyError's text (only its key) leaves out; a
+    storage error as its text, which says what it is."""
     text = reason(error)
-    if text == name:
-        return name
-    return f"{name}: {text}"
+    if isinstance(error, OSError) or text == type(error).__name__:
+        return text
+    return f"{type(error).__name__}: {text}"
 
 
 def _dcp_reason(error: BaseException) -> str:
     """One line for an exception; for DCP's, the first failing rank's exception and where it was
     raised."""
     if not isinstance(error, CheckpointException) or not error.failures:
-        if isinstance(error, OSError):  # a storage error says what it is
-            return reason(error)
         return _typed(error)
     rank, (inner, stack) = min(error.failures.items())
-    # A storage error says what it is; where DCP met it says nothing more to the user.
-    if isinstance(inner, OSError):
-        return f"{reason(inner)} (rank {rank})"
     at = ""
-    if stack:
+    # Where DCP met a storage error says nothing more to the user.
+    if stack and not isinstance(inner, OSError):
         at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}"
     return f"{_typed(inner)}{at} (rank {rank})"
 
