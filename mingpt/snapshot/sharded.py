@@ -341,7 +341,7 @@ def _publish(
     def failed(error: str) -> str:
         """The one line of a save that was not published, and what is left of the run's saves."""
         left = "the previous snapshots are unchanged"
-        with contextlib.suppress(*storage_errors()):
+        with contextlib.suppress(StorageError):
             if manifest.latest(root) is None:
                 left = f"no snapshot is published in {root} yet"
         return f"cannot save sharded snapshot {directory}: {error}; {left}"
