@@ -330,10 +330,7 @@ def _publish(
     shards = {}
     if error is None:
         try:
-            rank = None
-            if pg is not None:
-                rank = _rank(pg)
-            shards = manifest.shard_hashes(directory, rank)
+            shards = manifest.shard_hashes(directory, _rank(pg))
         except storage_errors() as e:
             error = f"rank {_rank(pg)}: {reason(e)}"
     gathered = _gather((shards, error, storage_cause), pg)
