@@ -355,7 +355,7 @@ def _publish(
             if isinstance(e, storage_errors()):
                 return failed(reason(e))
             return failed(f"{type(e).__name__}: {reason(e)}")
-        manifest.prune(root, os.path.basename(directory.rstrip("/")), keep)
+        manifest.prune(root, os.path.basename(directory), keep)
         log.info("published sharded snapshot %s (%d files)", directory, count)
         return None
 
@@ -391,11 +391,8 @@ def _check_keys(directory: str, expected: list[str], saved: list[str], metadata:
 def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
     """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
     _check_keys(directory, keys, keys, metadata)
-    tensors = {}
-    for key in keys:
-        entry = metadata.state_dict_metadata[key]
-        tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    return tensors
+    index = metadata.state_dict_metadata
+    return {key: torch.empty(index[key].size, dtype=index[key].properties.dtype) for key in keys}
 
 
 def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **options: Any) -> None:
