@@ -351,9 +351,9 @@ def _publish(
         every_shard = {name: entry for hashes, _, _ in gathered for name, entry in hashes.items()}
         try:
             count = manifest.publish(directory, document, every_shard)
+        except storage_errors() as e:
+            return failed(reason(e))
         except Exception as e:
-            if isinstance(e, storage_errors()):
-                return failed(reason(e))
             return failed(f"{type(e).__name__}: {reason(e)}")
         manifest.prune(root, os.path.basename(directory), keep)
         log.info("published sharded snapshot %s (%d files)", directory, count)
