@@ -121,9 +121,7 @@ class Checkpointer:
         about = meta.get("comm_hook")
         if isinstance(about, dict):
             self.comm_state = {**about, "state": own}
-        run_id = meta.get("tracker_run_id")
-        if isinstance(run_id, str) and run_id:
-            self.tracker_run_id = run_id
+        self.tracker_run_id = meta.get("tracker_run_id")
         self.saved_step = meta["step"]
         log.info(
             "resumed from %s: epoch %d, %d samples into it, step %d",
