@@ -100,7 +100,14 @@ class Checkpointer:
         # The layout to load into: this run's shards and parameter names.
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
         state = {"model": model_state, "optim": optim_state}
-        meta, own = sharded.load(state, self.root, own=True, check=self._check_fits)
+        meta, own = sharded.load(
+            state,
+            self.root,
+            own=True,
+            check=lambda saved: compat.check_fits(
+                saved, self.config, self.vocab, self.root, self.dist, self.corpus
+            ),
+        )
         set_state_dict(
             self.model,
             self.optimizers,
@@ -114,9 +121,7 @@ class Checkpointer:
         about = meta.get("comm_hook")
         if isinstance(about, dict):
             self.comm_state = {**about, "state": own}
-        run_id = meta.get("tracker_run_id")
-        if isinstance(run_id, str) and run_id:
-            self.tracker_run_id = run_id
+        self.tracker_run_id = meta.get("tracker_run_id")
         self.saved_step = meta["step"]
         log.info(
             "resumed from %s: epoch %d, %d samples into it, step %d",
@@ -158,9 +163,6 @@ class Checkpointer:
                 best,
                 start,
             )
-
-    def _check_fits(self, meta: dict[str, Any]) -> None:
-        compat.check_fits(meta, self.config, self.vocab, self.root, self.dist, self.corpus)
 
     def save(self, state: Any, last_step: bool, epoch_ended: bool) -> None:
         """After every step, on every rank: save `state` (the trainer's TrainState) if a snapshot is

@@ -3,7 +3,6 @@ writability."""
 
 import contextlib
 import hashlib
-import importlib
 import os
 import re
 import socket
@@ -27,12 +26,14 @@ def storage_errors() -> tuple[type[BaseException], ...]:
     """What failing storage raises through fsspec: OSError, and the client libraries' errors once
     imported."""
     errors: list[type[BaseException]] = [OSError]
-    for module, names in (
-        ("botocore.exceptions", ("BotoCoreError", "ClientError")),
-        ("aiohttp", ("ClientError",)),
-    ):
-        if module.split(".")[0] in sys.modules:
-            errors += [getattr(importlib.import_module(module), name) for name in names]
+    if "botocore" in sys.modules:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        errors += [BotoCoreError, ClientError]
+    if "aiohttp" in sys.modules:
+        import aiohttp
+
+        errors.append(aiohttp.ClientError)
     return tuple(errors)
 
 

@@ -52,11 +52,11 @@ def config_changes(state: dict[str, Any], config: Config) -> list[str]:
     config and `config`, as `key: old -> new`."""
     saved = result_items(state)
     current = result_items(dataclasses.asdict(config))
-    changes = []
-    for key in sorted(saved.keys() & current.keys()):
-        if saved[key] != current[key]:
-            changes.append(f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}")
-    return changes
+    return [
+        f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
+        for key in sorted(saved.keys() & current.keys())
+        if saved[key] != current[key]
+    ]
 
 
 def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:

@@ -126,13 +126,12 @@ def new_name(root: str, step: int) -> str:
     return f"step-{step:08d}-{max(taken) + 1}"
 
 
-def shard_hashes(directory: str, rank: int | None) -> dict[str, list]:
-    """[size, sha256] of each file DCP wrote for `rank` (`__<rank>_<n>.distcp`; rank None, one
-    process without a process group: `__<n>.distcp`)."""
+def shard_hashes(directory: str, rank: int) -> dict[str, list]:
+    """[size, sha256] of each file DCP wrote for `rank`: `__<rank>_<n>.distcp` (rank 0 in one
+    process without a process group)."""
     fs, p = storage.filesystem(directory)
-    pattern = f"{p}/__*.distcp" if rank is None else f"{p}/__{rank}_*.distcp"
     hashes = {}
-    for path in fs.glob(pattern):
+    for path in fs.glob(f"{p}/__{rank}_*.distcp"):
         with fs.open(path, "rb") as f:
             hashes[os.path.basename(path)] = list(storage.sha256(f))
     return hashes

@@ -141,10 +141,10 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
     """The model of the snapshot that `path` names (float32, in eval mode, on `device`), its
     vocabulary and record."""
     weights, meta = read(path)
-    vocab = meta.get("vocab")
+    vocab = meta["vocab"]  # a string: read checked its structure
     try:
         config = GPTConfig(**meta["gpt_config"])
-        if not isinstance(vocab, str) or len(vocab) != config.vocab_size:
+        if len(vocab) != config.vocab_size:
             raise ValueError(
                 f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}"
             )

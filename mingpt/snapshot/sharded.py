@@ -169,27 +169,23 @@ def _by_rank0(pg, decide: Callable[[], Any]) -> Any:
 
 
 def _typed(error: BaseException) -> str:
-    """An exception as one line with its type, which a KeyError's text (only its key) leaves out."""
-    name = type(error).__name__
+    """An exception as one line with its type, which a KeyError's text (only its key) leaves out; a
+    storage error as its text, which says what it is."""
     text = reason(error)
-    if text == name:
-        return name
-    return f"{name}: {text}"
+    if isinstance(error, OSError) or text == type(error).__name__:
+        return text
+    return f"{type(error).__name__}: {text}"
 
 
 def _dcp_reason(error: BaseException) -> str:
     """One line for an exception; for DCP's, the first failing rank's exception and where it was
     raised."""
     if not isinstance(error, CheckpointException) or not error.failures:
-        if isinstance(error, OSError):  # a storage error says what it is
-            return reason(error)
         return _typed(error)
     rank, (inner, stack) = min(error.failures.items())
-    # A storage error says what it is; where DCP met it says nothing more to the user.
-    if isinstance(inner, OSError):
-        return f"{reason(inner)} (rank {rank})"
     at = ""
-    if stack:
+    # Where DCP met a storage error says nothing more to the user.
+    if stack and not isinstance(inner, OSError):
         at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}"
     return f"{_typed(inner)}{at} (rank {rank})"
 
@@ -334,10 +330,7 @@ def _publish(
     shards = {}
     if error is None:
         try:
-            rank = None
-            if pg is not None:
-                rank = _rank(pg)
-            shards = manifest.shard_hashes(directory, rank)
+            shards = manifest.shard_hashes(directory, _rank(pg))
         except storage_errors() as e:
             error = f"rank {_rank(pg)}: {reason(e)}"
     gathered = _gather((shards, error, storage_cause), pg)
@@ -345,7 +338,7 @@ def _publish(
     def failed(error: str) -> str:
         """The one line of a save that was not published, and what is left of the run's saves."""
         left = "the previous snapshots are unchanged"
-        with contextlib.suppress(*storage_errors()):
+        with contextlib.suppress(StorageError):
             if manifest.latest(root) is None:
                 left = f"no snapshot is published in {root} yet"
         return f"cannot save sharded snapshot {directory}: {error}; {left}"
@@ -358,11 +351,11 @@ def _publish(
         every_shard = {name: entry for hashes, _, _ in gathered for name, entry in hashes.items()}
         try:
             count = manifest.publish(directory, document, every_shard)
+        except storage_errors() as e:
+            return failed(reason(e))
         except Exception as e:
-            if isinstance(e, storage_errors()):
-                return failed(reason(e))
             return failed(f"{type(e).__name__}: {reason(e)}")
-        manifest.prune(root, os.path.basename(directory.rstrip("/")), keep)
+        manifest.prune(root, os.path.basename(directory), keep)
         log.info("published sharded snapshot %s (%d files)", directory, count)
         return None
 
@@ -398,11 +391,8 @@ def _check_keys(directory: str, expected: list[str], saved: list[str], metadata:
 def _empty(directory: str, keys: list[str], metadata: Metadata) -> dict[str, torch.Tensor]:
     """CPU tensors of the sizes and types that the snapshot's index gives `keys`, to load into."""
     _check_keys(directory, keys, keys, metadata)
-    tensors = {}
-    for key in keys:
-        entry = metadata.state_dict_metadata[key]
-        tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    return tensors
+    index = metadata.state_dict_metadata
+    return {key: torch.empty(index[key].size, dtype=index[key].properties.dtype) for key in keys}
 
 
 def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **options: Any) -> None:
