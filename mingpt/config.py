@@ -476,17 +476,18 @@ class TrainerConfig:
                 "trainer_config.amp_dtype",
                 "fp16 needs a gradient scaler over the shards; with parallelism=fsdp use bf16",
             )
-        check(
-            self.tracker_uri is None or bool(self.tracker_uri.strip()),
-            "trainer_config.tracker_uri",
-            "must not be empty (null: MLflow's default)",
-        )
-        # SQLite's in-memory database: what is logged goes at exit
-        check(
-            self.tracker_uri is None or self.tracker_uri.rstrip("/") != "sqlite:",
-            "trainer_config.tracker_uri",
-            f"{self.tracker_uri} names no database file (sqlite:///PATH)",
-        )
+        if self.tracker_uri is not None:
+            check(
+                bool(self.tracker_uri.strip()),
+                "trainer_config.tracker_uri",
+                "must not be empty (null: MLflow's default)",
+            )
+            # SQLite's in-memory database: what is logged goes at exit
+            check(
+                self.tracker_uri.rstrip("/") != "sqlite:",
+                "trainer_config.tracker_uri",
+                f"{self.tracker_uri} names no database file (sqlite:///PATH)",
+            )
 
 
 @dataclass
