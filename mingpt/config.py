@@ -227,9 +227,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.path, (tuple, ListConfig)):
             self.path = list(self.path)
-        paths = self.path
-        if isinstance(paths, str):
-            paths = [paths]
+        paths = self.paths
         check(
             isinstance(paths, list)
             and len(paths) > 0
@@ -243,6 +241,13 @@ class DataConfig:
             "data_config.cache_dir",
             f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}",
         )
+
+    @property
+    def paths(self) -> list[str]:
+        """`path` as a list: one path or glob, or several."""
+        if isinstance(self.path, str):
+            return [self.path]
+        return self.path
 
 
 @dataclass
