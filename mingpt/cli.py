@@ -90,17 +90,17 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     if mark is None:
         return f"a config file is not valid YAML: {error}"
-    context = getattr(error, "context", None)
-    start = getattr(error, "context_mark", None)
-    since = (
-        f" from line {start.line + 1}, column {start.column + 1}"
-        if start and start.line != mark.line
-        else ""
-    )
-    return (
+    line = (
         f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: "
-        f"not valid YAML: {error.problem}" + (f" ({context}{since})" if context else "")
+        f"not valid YAML: {error.problem}"
     )
+    # a MarkedYAMLError: what the problem is inside of, where it has such a context
+    start = error.context_mark
+    if error.context and start and start.line != mark.line:
+        line += f" ({error.context} from line {start.line + 1}, column {start.column + 1})"
+    elif error.context:
+        line += f" ({error.context})"
+    return line
 
 
 def override_error_line(override: str) -> str:
