@@ -2,7 +2,6 @@
 run.py runs."""
 
 import contextlib
-import dataclasses
 import os
 import re
 import sys
@@ -22,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
 from mingpt.config import (
-    SECTIONS,
+    FIELDS,
     Config,
     ConfigError,
     check,
@@ -72,10 +71,7 @@ def config_error_line(error: BaseException) -> str:
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-            schema = SECTIONS.get(cause.full_key.partition(".")[0])
-            name = cause.full_key.partition(".")[2]
-            known = schema is not None and name in {f.name for f in dataclasses.fields(schema)}
-            if append and known:
+            if append and cause.full_key in FIELDS:
                 line += f" (this config has no such key yet: add it with {append.group(1)})"
             if where:
                 line = f"in {where.group(1)}: {line}"

@@ -512,14 +512,13 @@ class Config:
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# every key, as "section.key": its field
+FIELDS = {
+    f"{name}.{f.name}": f for name, section in SECTIONS.items() for f in dataclasses.fields(section)
+}
 # Every key not operational is result-affecting: the run directory's name and the check on resume
 # compare those.
-OPERATIONAL_KEYS = frozenset(
-    f"{name}.{f.name}"
-    for name, section in SECTIONS.items()
-    for f in dataclasses.fields(section)
-    if f.metadata["operational"]
-)
+OPERATIONAL_KEYS = frozenset(key for key, f in FIELDS.items() if f.metadata["operational"])
 
 
 def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
@@ -541,10 +540,9 @@ def check_known_keys(cfg: Mapping) -> None:
     check."""
     for name, section in cfg.items():
         check(name in SECTIONS, name, "unknown key")
-        fields = {f.name for f in dataclasses.fields(SECTIONS[name])}
         for key in section:
             check(
-                key in fields,
+                f"{name}.{key}" in FIELDS,
                 f"{name}.{key}",
                 f"unknown key (not a field of {SECTIONS[name].__name__})",
             )
