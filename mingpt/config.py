@@ -584,10 +584,8 @@ def _text(value: Any) -> str:
     """A value as it is typed on the command line."""
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_text(v) for v in value) + "]"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)  # null, true, false
     return str(value)
 
 
