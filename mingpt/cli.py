@@ -2,7 +2,6 @@
 run.py runs."""
 
 import contextlib
-import dataclasses
 import os
 import re
 import sys
@@ -22,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
 from mingpt.config import (
-    SECTIONS,
+    FIELDS,
     Config,
     ConfigError,
     check,
@@ -72,10 +71,7 @@ def config_error_line(error: BaseException) -> str:
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-            schema = SECTIONS.get(cause.full_key.partition(".")[0])
-            name = cause.full_key.partition(".")[2]
-            known = schema is not None and name in {f.name for f in dataclasses.fields(schema)}
-            if append and known:
+            if append and cause.full_key in FIELDS:
                 line += f" (this config has no such key yet: add it with {append.group(1)})"
             if where:
                 line = f"in {where.group(1)}: {line}"
@@ -90,17 +86,17 @@ def yaml_error_line(error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     if mark is None:
         return f"a config file is not valid YAML: {error}"
-    context = getattr(error, "context", None)
-    start = getattr(error, "context_mark", None)
-    since = (
-        f" from line {start.line + 1}, column {start.column + 1}"
-        if start and start.line != mark.line
-        else ""
-    )
-    return (
+    line = (
         f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: "
-        f"not valid YAML: {error.problem}" + (f" ({context}{since})" if context else "")
+        f"not valid YAML: {error.problem}"
     )
+    # a MarkedYAMLError: what the problem is inside of, where it has such a context
+    start = error.context_mark
+    if error.context and start and start.line != mark.line:
+        line += f" ({error.context} from line {start.line + 1}, column {start.column + 1})"
+    elif error.context:
+        line += f" ({error.context})"
+    return line
 
 
 def override_error_line(override: str) -> str:

@@ -85,9 +85,10 @@ def write(text: str) -> None:
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
-    # `>/dev/full`, say. BrokenPipeError (`| head`) is not an error of ours.
+    # BrokenPipeError (`| head`) is not an error of ours.
+    except BrokenPipeError:
+        raise
+    # `>/dev/full`, say.
     except OSError as e:
-        if isinstance(e, BrokenPipeError):
-            raise
         silence_stdout()
         raise OutputError(f"cannot write to stdout: {e.strerror or e}") from None

@@ -227,9 +227,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.path, (tuple, ListConfig)):
             self.path = list(self.path)
-        paths = self.path
-        if isinstance(paths, str):
-            paths = [paths]
+        paths = self.paths
         check(
             isinstance(paths, list)
             and len(paths) > 0
@@ -243,6 +241,13 @@ class DataConfig:
             "data_config.cache_dir",
             f"must be a local directory (the cache is memory-mapped), got {self.cache_dir!r}",
         )
+
+    @property
+    def paths(self) -> list[str]:
+        """`path` as a list: one path or glob, or several."""
+        if isinstance(self.path, str):
+            return [self.path]
+        return self.path
 
 
 @dataclass
@@ -476,17 +481,18 @@ class TrainerConfig:
                 "trainer_config.amp_dtype",
                 "fp16 needs a gradient scaler over the shards; with parallelism=fsdp use bf16",
             )
-        check(
-            self.tracker_uri is None or bool(self.tracker_uri.strip()),
-            "trainer_config.tracker_uri",
-            "must not be empty (null: MLflow's default)",
-        )
-        # SQLite's in-memory database: what is logged goes at exit
-        check(
-            self.tracker_uri is None or self.tracker_uri.rstrip("/") != "sqlite:",
-            "trainer_config.tracker_uri",
-            f"{self.tracker_uri} names no database file (sqlite:///PATH)",
-        )
+        if self.tracker_uri is not None:
+            check(
+                bool(self.tracker_uri.strip()),
+                "trainer_config.tracker_uri",
+                "must not be empty (null: MLflow's default)",
+            )
+            # SQLite's in-memory database: what is logged goes at exit
+            check(
+                self.tracker_uri.rstrip("/") != "sqlite:",
+                "trainer_config.tracker_uri",
+                f"{self.tracker_uri} names no database file (sqlite:///PATH)",
+            )
 
 
 @dataclass
@@ -506,14 +512,13 @@ class Config:
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# every key, as "section.key": its field
+FIELDS = {
+    f"{name}.{f.name}": f for name, section in SECTIONS.items() for f in dataclasses.fields(section)
+}
 # Every key not operational is result-affecting: the run directory's name and the check on resume
 # compare those.
-OPERATIONAL_KEYS = frozenset(
-    f"{name}.{f.name}"
-    for name, section in SECTIONS.items()
-    for f in dataclasses.fields(section)
-    if f.metadata["operational"]
-)
+OPERATIONAL_KEYS = frozenset(key for key, f in FIELDS.items() if f.metadata["operational"])
 
 
 def result_items(sections: Mapping[str, Mapping]) -> dict[str, object]:
@@ -535,10 +540,9 @@ def check_known_keys(cfg: Mapping) -> None:
     check."""
     for name, section in cfg.items():
         check(name in SECTIONS, name, "unknown key")
-        fields = {f.name for f in dataclasses.fields(SECTIONS[name])}
         for key in section:
             check(
-                key in fields,
+                f"{name}.{key}" in FIELDS,
                 f"{name}.{key}",
                 f"unknown key (not a field of {SECTIONS[name].__name__})",
             )
@@ -580,10 +584,8 @@ def _text(value: Any) -> str:
     """A value as it is typed on the command line."""
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_text(v) for v in value) + "]"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)  # null, true, false
     return str(value)
 
 

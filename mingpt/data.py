@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import fsspec
 import numpy as np
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DistributedSampler
 
 from mingpt import storage, token_cache
@@ -54,12 +53,11 @@ def read_text(path: str) -> str:
 def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     """The corpus files named by data_config.path (globs expanded), in order, and the path of their
     token cache."""
-    patterns = _patterns(cfg)
     sources = []
     local_dir = None  # the first file's directory, if it is local: the cache's default place
-    for i, pattern in enumerate(patterns):
+    for i, pattern in enumerate(cfg.paths):
         fs, stripped, matches = _expand(pattern)
-        local = isinstance(fs, LocalFileSystem)
+        local = storage.is_local(fs)
         if i == 0 and local:
             local_dir = os.path.dirname(os.path.abspath(matches[0]))
         for m in matches:
@@ -71,13 +69,6 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
                 sources.append(fs.unstrip_protocol(m))
     keys = [s if "://" in s else os.path.abspath(s) for s in sources]
     return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
-
-
-def _patterns(cfg: DataConfig) -> list[str]:
-    """data_config.path as a list: one path or glob, or several."""
-    if isinstance(cfg.path, str):
-        return [cfg.path]
-    return list(cfg.path)
 
 
 def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
@@ -290,9 +281,10 @@ class CharData:
         )
         if placement == "host" or (placement == "auto" and not fits):
             log.info("batches are read on the host from the %.1f MB token cache", nbytes / 1e6)
-            train = HostBatches(self.train, self.cache, device)
-            heldout = HostBatches(self.heldout, self.cache, device)
-            return train, heldout
+            return (
+                HostBatches(self.train, self.cache, device),
+                HostBatches(self.heldout, self.cache, device),
+            )
         tokens = self.cache.load(device)  # once for both
         return self.train.with_tokens(tokens), self.heldout.with_tokens(tokens)
 
@@ -302,7 +294,7 @@ def build_cache(cfg: DataConfig) -> tuple[list[str], str]:
     cache_location's result."""
     sources, path = cache_location(cfg)
     # What a glob matched, once per node (the processes that wait expand it again, silently).
-    if any(glob.has_magic(pattern) for pattern in _patterns(cfg)):
+    if any(glob.has_magic(pattern) for pattern in cfg.paths):
         names = ", ".join(os.path.basename(source) for source in sources[:5])
         if len(sources) > 5:
             names += ", ..."
@@ -377,9 +369,7 @@ class ResumableSampler(DistributedSampler):
     size now is."""
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
-        super().__init__(
-            range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
-        )
+        super().__init__(range(dataset_len), num_replicas, rank, shuffle, seed)
         self.start_index = 0
 
     def indices(self) -> torch.Tensor:

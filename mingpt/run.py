@@ -138,6 +138,8 @@ def announce(t: Trainer) -> None:
     """The run's size in one line; on a CPU, how long a run sized for a GPU would take."""
     cfg = t.cfg
     W = t.dist.world_size
+    global_batch = t.samples_per_step * W
+    n_train = len(t.data.train)
     amp = ""
     if t.amp.enabled:
         amp = f" amp {cfg.amp_dtype}"
@@ -148,9 +150,9 @@ def announce(t: Trainer) -> None:
         "model %.2fM parameters | %d training windows, %d held-out | global batch %d (%d per "
         "rank x %d accum x %d ranks) | %d steps per epoch, %d in all | device %s%s%s",
         t.raw_model.num_params() / 1e6,
-        len(t.data.train),
+        n_train,
         len(t.data.heldout),
-        t.samples_per_step * W,
+        global_batch,
         cfg.batch_size,
         cfg.grad_accum_steps,
         W,
@@ -160,18 +162,18 @@ def announce(t: Trainer) -> None:
         amp,
         fsdp,
     )
-    if t.samples_per_step * W > len(t.data.train):
+    if global_batch > n_train:
         log.warning(
             "the global batch (%d) is larger than the %d training windows: each step takes the "
             "epoch's windows, %d",
-            t.samples_per_step * W,
-            len(t.data.train),
-            len(t.data.train),
+            global_batch,
+            n_train,
+            n_train,
         )
     if t.device.type != "cpu" or not t.dist.is_main_process or t.finished():
         return
     # A step takes at most an epoch's share of the windows.
-    samples = min(t.samples_per_step, math.ceil(len(t.data.train) / W))
+    samples = min(t.samples_per_step, math.ceil(n_train / W))
     step_flops = t.pace.flops_per_token * samples * t.train_windows.block_size
     warning = flops.slow_on_cpu(step_flops, t.total_steps - t.state.step)
     if warning:
@@ -254,9 +256,7 @@ def already_complete(t: Trainer) -> str:
     )
 
 
-def run(
-    config: Config, run_dir: str, files: dict[str, str] | None = None, notices: Sequence[str] = ()
-) -> None:
+def run(config: Config, run_dir: str, files: dict[str, str], notices: Sequence[str]) -> None:
     """Train in `run_dir`, in the process group torchrun describes (if any). Everything that can
     refuse the run comes before the first write in `run_dir`; then train.log and `files` ({path in
     run_dir: text}) are written."""
