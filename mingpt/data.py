@@ -369,7 +369,9 @@ class ResumableSampler(DistributedSampler):
     size now is."""
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
-        super().__init__(range(dataset_len), num_replicas, rank, shuffle, seed)
+        super().__init__(
+            range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
+        )
         self.start_index = 0
 
     def indices(self) -> torch.Tensor:
