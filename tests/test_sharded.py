@@ -380,6 +380,27 @@ def test_a_first_save_that_fails_says_no_snapshot_is_published(small_disk):
     )
 
 
+def test_a_failed_save_keeps_its_cause_when_the_root_cannot_be_listed(tmp_path, monkeypatch):
+    """What is left of the run's saves is looked up after a failed publish; when that listing
+    fails too, the save's line still names the first failure, not the listing's."""
+    root = str(tmp_path / "snapshots")
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    def unlisted(root):
+        raise sharded.StorageError(f"cannot list the sharded snapshots in {root}: gone")
+
+    monkeypatch.setattr(manifest, "publish", full)
+    monkeypatch.setattr(manifest, "latest", unlisted)
+    with pytest.raises(sharded.StorageError) as failed:
+        sharded.save({"w": torch.ones(10)}, {"step": 1}, root, 1).wait()
+    assert str(failed.value) == (
+        f"cannot save sharded snapshot {root}/step-00000001: [Errno 28] No space left on "
+        "device; the previous snapshots are unchanged"
+    )
+
+
 @pytest.mark.parametrize("moment", ["_read", "verify", "_dcp_load"])
 def test_a_snapshot_rotated_away_while_being_read_gives_way_to_the_newest(
     tmp_path, monkeypatch, moment
