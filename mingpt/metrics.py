@@ -140,14 +140,14 @@ class Metrics:
         log.info("%s step %d epoch %d | %s", split, step, epoch, text)
         self.tracker.log(split, step, values)
         record = {"step": step, "epoch": epoch, "split": split, **values}
-        self._write(lambda: self._append_line(json.dumps(record) + "\n"))
 
-        def add_scalars() -> None:
+        def write() -> None:
+            self._append_line(json.dumps(record) + "\n")
             for key, value in values.items():
                 if isinstance(value, (int, float)):
                     self._writer.add_scalar(f"{split}/{key}", value, step)
 
-        self._write(add_scalars)
+        self._write(write)
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.tracker.text(tag, text, step)

@@ -30,8 +30,7 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
     )
     for unit in [*model.h, model]:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
-    # decoding calls `step` on the model and on each block: FSDP gathers their parameters for it
-    for unit in [*model.h, model]:
+        # decoding calls `step` on the model and on each block: FSDP gathers their parameters for it
         register_fsdp_forward_method(unit, "step")
 
 
