@@ -86,8 +86,9 @@ class Pace:
             self._peak = self._peak_flops()
             self._pace_from = (time.perf_counter(), step)
         else:
+            # every later event is at a later step than the first
             since, first = self._pace_from
-            left = (now - since) / max(1, step - first) * (total_steps - step)
+            left = (now - since) / (step - first) * (total_steps - step)
             note += f" eta {duration(left)}"
         self._window_start = time.perf_counter()
         self._window_step = step
