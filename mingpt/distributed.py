@@ -4,7 +4,6 @@ import contextlib
 import gc
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -75,7 +74,7 @@ def setup_logging(rank: int) -> None:
     if rank != 0:
         prefix = f"[rank {rank}] "
         level = logging.WARNING
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler()  # on stderr
     handler.setFormatter(
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )

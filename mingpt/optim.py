@@ -15,6 +15,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and
     embeddings."""
     decay = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    # by identity: `in` would compare tensors elementwise
     no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
     return [
         {"params": decay, "weight_decay": weight_decay},
@@ -195,7 +196,7 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
     if cfg.algorithm == "muon":
         muon = [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
     groups = param_groups(model, cfg.weight_decay)
-    for group in groups:
+    for group in groups:  # by identity, as in param_groups
         group["params"] = [p for p in group["params"] if all(p is not m for m in muon)]
     # set_hyperparameters gives every group its betas, eps and weight decay.
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=True)
