@@ -226,7 +226,7 @@ class MlflowTracker(Tracker):
         metrics = [
             Metric(f"{split}/{key}", float(value), now, step)
             for key, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            if isinstance(value, (int, float))
         ]
         if metrics:
             self._call(
