@@ -153,7 +153,7 @@ class Metrics:
     def text(self, tag: str, text: str, step: int) -> None:
         self.tracker.text(tag, text, step)
         # Markdown would reflow the sample; a code block keeps its lines.
-        self._write(lambda: self._writer.add_text(tag, "```\n" + text + "\n```", step))
+        self._write(lambda: self._writer.add_text(tag, f"```\n{text}\n```", step))
 
     def _append_line(self, line: str) -> None:
         """A whole line or none: a write cut short (a full disk) is taken back."""
