@@ -85,7 +85,7 @@ def evaluate(
     # The gathered flags are the same on every rank.
     if sums[:, 2].any():
         return EvalResult(math.nan, [], 0, True)
-    loss_sum, tokens = sums[:, :2].sum(0)
+    loss_sum, tokens = sums[:, :2].sum(0)  # over all ranks
     per_rank = [s / c if c > 0 else None for s, c, _ in sums.tolist()]
     return EvalResult((loss_sum / tokens).item(), per_rank, int(tokens), False)
 
