@@ -170,9 +170,8 @@ class PowerSGD(CommHook):
             }
         )
         device = self.dist.device
-        s.error_dict = {k: v.to(device) for k, v in own["error"].items()}
-        s.p_memory_dict = {k: v.to(device) for k, v in own["p"].items()}
-        s.q_memory_dict = {k: v.to(device) for k, v in own["q"].items()}
+        for key, name in (("error", "error_dict"), ("p", "p_memory_dict"), ("q", "q_memory_dict")):
+            setattr(s, name, {k: v.to(device) for k, v in own[key].items()})
 
 
 class PostLocalSGD(CommHook):

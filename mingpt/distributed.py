@@ -4,7 +4,6 @@ import contextlib
 import gc
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -50,7 +49,8 @@ def pick_device(
     """`auto` (CUDA if available), `cpu` or `cuda`: the GPU of this local rank."""
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}: cuda, but CUDA is not available")
-    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+    # auto or cuda (whose absence is refused above)
+    if preference != "cpu" and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(
                 f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
@@ -75,7 +75,7 @@ def setup_logging(rank: int) -> None:
     if rank != 0:
         prefix = f"[rank {rank}] "
         level = logging.WARNING
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler()  # on stderr
     handler.setFormatter(
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )

@@ -84,10 +84,10 @@ def evaluate(
         dist.all_reduce(sums)
     # The gathered flags are the same on every rank.
     if sums[:, 2].any():
-        return EvalResult(float("nan"), [], 0, True)
-    loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
+        return EvalResult(math.nan, [], 0, True)
+    loss_sum, tokens = sums[:, :2].sum(0)  # over all ranks
     per_rank = [s / c if c > 0 else None for s, c, _ in sums.tolist()]
-    return EvalResult(loss, per_rank, int(sums[:, 1].sum()), False)
+    return EvalResult((loss_sum / tokens).item(), per_rank, int(tokens), False)
 
 
 class Evaluator:

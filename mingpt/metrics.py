@@ -86,8 +86,9 @@ class Pace:
             self._peak = self._peak_flops()
             self._pace_from = (time.perf_counter(), step)
         else:
+            # every later event is at a later step than the first
             since, first = self._pace_from
-            left = (now - since) / max(1, step - first) * (total_steps - step)
+            left = (now - since) / (step - first) * (total_steps - step)
             note += f" eta {duration(left)}"
         self._window_start = time.perf_counter()
         self._window_step = step
@@ -140,19 +141,19 @@ class Metrics:
         log.info("%s step %d epoch %d | %s", split, step, epoch, text)
         self.tracker.log(split, step, values)
         record = {"step": step, "epoch": epoch, "split": split, **values}
-        self._write(lambda: self._append_line(json.dumps(record) + "\n"))
 
-        def add_scalars() -> None:
+        def write() -> None:
+            self._append_line(json.dumps(record) + "\n")
             for key, value in values.items():
                 if isinstance(value, (int, float)):
                     self._writer.add_scalar(f"{split}/{key}", value, step)
 
-        self._write(add_scalars)
+        self._write(write)
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.tracker.text(tag, text, step)
         # Markdown would reflow the sample; a code block keeps its lines.
-        self._write(lambda: self._writer.add_text(tag, "```\n" + text + "\n```", step))
+        self._write(lambda: self._writer.add_text(tag, f"```\n{text}\n```", step))
 
     def _append_line(self, line: str) -> None:
         """A whole line or none: a write cut short (a full disk) is taken back."""

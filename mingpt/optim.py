@@ -14,14 +14,9 @@ from mingpt.config import OptimizerConfig
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and
     embeddings."""
-    decay = []
-    no_decay = []
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
-    assert len(decay) + len(no_decay) == len(list(model.parameters())), (
-        "a parameter is shared or missed"
-    )
+    decay = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    # by identity: `in` would compare tensors elementwise
+    no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -61,9 +56,9 @@ class Combined:
         for o in self.optimizers:
             o.step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
+            o.zero_grad()
 
     def state_dict(self) -> dict:
         states = [o.state_dict() for o in self.optimizers]
@@ -194,22 +189,20 @@ class Muon(torch.optim.Muon):
 
 
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:
-    """AdamW over param_groups, fused (CUDA and CPU have the kernel), else foreach; with `muon`, the
-    blocks' 2-D weights (not the embeddings or the head) go to Muon instead, orthogonalising in the
-    dtype the device computes fast."""
-    device = next(model.parameters()).device
-    fused = device.type in ("cuda", "cpu")
-    blocks = [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
-    muon = {id(p): p for p in blocks} if cfg.algorithm == "muon" else {}
+    """AdamW over param_groups, fused (a run's devices, CUDA and CPU, both have the kernel); with
+    `muon`, the blocks' 2-D weights (not the embeddings or the head) go to Muon instead,
+    orthogonalising in the dtype the device computes fast."""
+    muon = []
+    if cfg.algorithm == "muon":
+        muon = [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
     groups = param_groups(model, cfg.weight_decay)
-    for group in groups:
-        group["params"] = [p for p in group["params"] if id(p) not in muon]
+    for group in groups:  # by identity, as in param_groups
+        group["params"] = [p for p in group["params"] if all(p is not m for m in muon)]
     # set_hyperparameters gives every group its betas, eps and weight decay.
-    adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused)
-    optimizer = adamw
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=True)
     if muon:
-        dtype = orthogonalisation_dtype(device)
-        optimizer = Combined(adamw, Muon(list(muon.values()), cfg.muon_learning_rate, dtype))
+        dtype = orthogonalisation_dtype(next(model.parameters()).device)
+        optimizer = Combined(optimizer, Muon(muon, cfg.muon_learning_rate, dtype))
     set_hyperparameters(optimizer, cfg)
     return optimizer
 

@@ -30,8 +30,7 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
     )
     for unit in [*model.h, model]:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
-    # decoding calls `step` on the model and on each block: FSDP gathers their parameters for it
-    for unit in [*model.h, model]:
+        # decoding calls `step` on the model and on each block: FSDP gathers their parameters for it
         register_fsdp_forward_method(unit, "step")
 
 
@@ -51,9 +50,9 @@ def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iter
     """While in the body, backward reduces the gradients over the ranks only if `enabled`: on the
     last micro-batch."""
     with contextlib.ExitStack() as stack:
-        if not enabled and isinstance(raw_model, FSDPModule):
-            raw_model.set_requires_gradient_sync(False)
-            stack.callback(raw_model.set_requires_gradient_sync, True)
+        # FSDP's setting stays until changed: the last micro-batch sets it back
+        if isinstance(raw_model, FSDPModule):
+            raw_model.set_requires_gradient_sync(enabled)
         # DDP, or a compiled DDP (which passes the attribute on)
         elif not enabled and hasattr(model, "no_sync"):
             stack.enter_context(model.no_sync())

@@ -92,7 +92,7 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 def _check_database_store(uri: str) -> None:
     """A database store needs what MLflow's database stores import, which mlflow-skinny lacks;
     without it MLflow says only "unsupported model registry URI"."""
-    scheme = uri.split(":", 1)[0].split("+", 1)[0]
+    scheme = uri.partition(":")[0].partition("+")[0]
     missing = [m for m in DATABASE_MODULES if importlib.util.find_spec(m) is None]
     if scheme in ("sqlite", "postgresql", "mysql", "mssql") and missing:
         raise TrackerUnavailable(
@@ -226,7 +226,7 @@ class MlflowTracker(Tracker):
         metrics = [
             Metric(f"{split}/{key}", float(value), now, step)
             for key, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            if isinstance(value, (int, float))
         ]
         if metrics:
             self._call(

@@ -446,7 +446,14 @@ class Trainer:
                 tokens=result.tokens,
             )
             if cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
-                self._record_sample()
+                text = self.sample(self._stop_check())
+                # The step boundary right after stops the run.
+                if text is None:
+                    log.info(
+                        "sample at step %d interrupted by a stop signal: not recorded", state.step
+                    )
+                else:
+                    self.metrics.text("sample", text, state.step)
         seconds = time.monotonic() - start
         if self.eval_notice.took(seconds):
             log.info("evaluation at step %d took %.1f s", state.step, seconds)
@@ -456,18 +463,8 @@ class Trainer:
         """What evaluation and sampling ask for a stop request: this rank's; with a sharded model,
         whose ranks run in lockstep, any rank's (a collective, asked by every rank alike)."""
         if self.fsdp:
-            return self._stop_requested_anywhere
+            return lambda: all_max(self.dist, [stopping.stop_requested()])[0]
         return stopping.stop_requested
-
-    def _record_sample(self) -> None:
-        text = self.sample(self._stop_check())
-        # The step boundary right after stops the run.
-        if text is None:
-            log.info(
-                "sample at step %d interrupted by a stop signal: not recorded", self.state.step
-            )
-            return
-        self.metrics.text("sample", text, self.state.step)
 
     def sample(self, stop: Callable[[], int] | None = None) -> str | None:
         """A line of sample_chars characters from the current weights, seeded by (seed, step). A
@@ -481,9 +478,6 @@ class Trainer:
         return sample_line(
             self.raw_model, self.data.tokenizer, seed, self.cfg.sample_chars, stop, cache_dtype
         )
-
-    def _stop_requested_anywhere(self) -> int:
-        return all_max(self.dist, [stopping.stop_requested()])[0]
 
     def sample_for_all(self) -> str | None:
         """The closing sample: every rank takes part (LocalSGD averages the replicas, a sharded
