@@ -50,9 +50,9 @@ def gradient_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> Iter
     """While in the body, backward reduces the gradients over the ranks only if `enabled`: on the
     last micro-batch."""
     with contextlib.ExitStack() as stack:
-        # FSDP's setting stays until changed: the last micro-batch sets it back
-        if isinstance(raw_model, FSDPModule):
-            raw_model.set_requires_gradient_sync(enabled)
+        if not enabled and isinstance(raw_model, FSDPModule):
+            raw_model.set_requires_gradient_sync(False)
+            stack.callback(raw_model.set_requires_gradient_sync, True)
         # DDP, or a compiled DDP (which passes the attribute on)
         elif not enabled and hasattr(model, "no_sync"):
             stack.enter_context(model.no_sync())
