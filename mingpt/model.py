@@ -214,5 +214,5 @@ class GPT(nn.Module):
         x = self.wte(idx[:, 0]) + self.wpe(pos)  # (B, C)
         for i, block in enumerate(self.h):
             x = block.step(x, cache, i, pos, linear)
-        # the head as a module (a character vocabulary's head is a small product)
+        # the head keeps nn.Linear: over a character vocabulary its product is small
         return self.lm_head(self.ln_f(x))
