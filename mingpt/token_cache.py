@@ -105,8 +105,10 @@ def open_source(path: str) -> Iterator[BinaryIO]:
     except (DataError, storage.StorageError) as e:  # the body's own, or check_regular's
         raise DataError(str(e)) from None
     except FileNotFoundError as e:
-        # fsspec's HTTP file system says "not found" for a failed connection too
-        if e.__cause__ is not None:
+        # fsspec's HTTP file system says "not found" for a failed connection too, with the
+        # connection's error as its cause; for a name with glob characters the cause is the
+        # missing file's own error
+        if e.__cause__ is not None and not isinstance(e.__cause__, FileNotFoundError):
             raise DataError(
                 f"cannot fetch data file {path}: {storage.reason(e.__cause__)}"
             ) from None
