@@ -56,9 +56,9 @@ class Combined:
         for o in self.optimizers:
             o.step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:
-            o.zero_grad()
+            o.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
         states = [o.state_dict() for o in self.optimizers]

@@ -85,7 +85,11 @@ SMOKE = {
         (2, ["--rounds", "2", *MODEL], "data pipeline "),
         (
             1,
-            ["--rounds", "1", "--nanogpt", "NANOGPT", "--compare-only", *MODEL],
+            # Muon: the bare loop steps the pair of optimizers as torch.optim's
+            [
+                *("--rounds", "1", "--nanogpt", "NANOGPT", "--compare-only", *MODEL),
+                "optimizer_config=muon",
+            ],
             "trainer vs nanoGPT",
         ),
         (
