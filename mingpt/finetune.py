@@ -12,13 +12,10 @@ import torch
 from mingpt.config import Config, ConfigError, DataConfig, GPTConfig
 from mingpt.data import CharData, CharTokenizer, DataError
 from mingpt.snapshot import SnapshotError, reader
-from mingpt.snapshot.compat import SHAPE_KEYS
+from mingpt.snapshot.compat import FROM_DATA, SHAPE_KEYS
 from mingpt.storage import StorageError, reason
 
 log = logging.getLogger(__name__)
-
-# Set by the data, not by the source: left out of the log line that gives the source's shape.
-FROM_DATA = ("gpt_config.vocab_size", "gpt_config.block_size")
 
 
 @dataclasses.dataclass
@@ -84,6 +81,7 @@ def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | N
                 f"{key}: {value} given, but the model of {start.named} has {theirs}: a fine-tuned "
                 f"model keeps its shape; leave {key} unset"
             )
+        # set by the data, not by the source: left out of the log line
         if key in FROM_DATA:
             continue
         if value != theirs:

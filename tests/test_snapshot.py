@@ -446,24 +446,35 @@ def test_snapshot_of_another_shape_is_refused(good_snapshot, refused_at_start):
 ONE_PROCESS = DistInfo(0, 0, 1, 1, torch.device("cpu"))
 
 
-def test_a_changed_data_key_that_changes_the_vocabulary_is_named_not_the_vocabulary():
+@pytest.mark.parametrize("key", ["truncate", "block_size"])
+def test_a_changed_data_key_that_changes_the_model_is_named_not_what_follows(key):
     """data_config.truncate changes the vocabulary, data_config.block_size the model's block: the
-    refusal named gpt_config.vocab_size (a key to leave unset) and left the real change out, and
-    allow_config_change, which cannot help, changed nothing."""
+    refusal names the data key alone, not gpt_config.vocab_size or gpt_config.block_size, which
+    the user does not set; allow_config_change, which cannot help, changes nothing."""
     saved = dataclasses.asdict(Config())
-    saved["data_config"]["truncate"] = 0.01
-    saved["gpt_config"]["vocab_size"] = 3
-    state = {**saved, "vocab": "abc", "corpus": None}
     config = Config()
-    config.gpt_config.vocab_size = 4
+    vocab = "abc"
+    if key == "truncate":
+        saved["data_config"]["truncate"] = 0.01
+        saved["gpt_config"]["vocab_size"] = 3
+        config.gpt_config.vocab_size = 4
+        vocab = "abcd"
+        change = "data_config.truncate: 0.01 -> 1.0"
+    else:
+        saved["data_config"]["block_size"] = 128
+        saved["gpt_config"]["block_size"] = 128
+        saved["gpt_config"]["vocab_size"] = 3
+        config.gpt_config.vocab_size = 3
+        config.gpt_config.block_size = config.data_config.block_size
+        change = f"data_config.block_size: 128 -> {config.data_config.block_size}"
+    state = {**saved, "vocab": "abc", "corpus": None}
     config.trainer_config.allow_config_change = True
     with pytest.raises(SnapshotError) as e:
-        compat.check_fits(state, config, "abcd", "runs/x/snapshots", ONE_PROCESS, [])
+        compat.check_fits(state, config, vocab, "runs/x/snapshots", ONE_PROCESS, [])
     assert str(e.value) == (
-        "snapshot runs/x/snapshots was written with another config (data_config.truncate: 0.01 -> "
-        "1.0; gpt_config.vocab_size: 3 -> 4), which gives the model another shape or vocabulary: "
-        "start a new run with trainer_config.run_name=NAME (a name not used yet), or fine-tune "
-        "from it (trainer_config.init_from)"
+        f"snapshot runs/x/snapshots was written with another config ({change}), which gives the "
+        "model another shape or vocabulary: start a new run with trainer_config.run_name=NAME (a "
+        "name not used yet), or fine-tune from it (trainer_config.init_from)"
     )
 
 

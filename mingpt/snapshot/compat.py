@@ -18,6 +18,9 @@ from mingpt.snapshot import SnapshotError, manifest, single_file
 log = logging.getLogger(__name__)
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+# Set by the data, not by the user: the corpus gives the vocabulary, data_config.block_size the
+# model's block.
+FROM_DATA = ("gpt_config.vocab_size", "gpt_config.block_size")
 # The single file that a run of mingpt wrote before its snapshots became Distributed Checkpoints.
 OLD_DEFAULT_PATH = "snapshot.pt"
 
@@ -139,7 +142,11 @@ def check_fits(
             ) from None
         # The keys the user changed, not the shape or vocabulary that follows from them
         # (data_config.truncate changes the vocabulary; data_config.block_size the model's).
-        changes = config_changes(state, config)
+        changes = [
+            change
+            for change in config_changes(state, config)
+            if change.partition(":")[0] not in FROM_DATA
+        ]
         if not changes:
             raise
         raise SnapshotError(
