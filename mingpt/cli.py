@@ -47,12 +47,18 @@ def fail(message: str) -> NoReturn:
     say_and_exit(f"error: {message}", 2)
 
 
-def say_and_exit(line: str, status: int) -> NoReturn:
+def say_and_exit(line: str, status: int, every_rank: bool = True) -> NoReturn:
     """End the process with one line on stderr (one write: ranks' lines do not interleave), then in
     torchrun's error file (after the line: torchrun stops the other workers as soon as one exits).
-    A stop the user asked for says so without `error:`; its status still tells a script."""
-    sys.stderr.write(f"{line}\n")
-    sys.stderr.flush()
+    A rank other than 0 heads its line with its rank, as its log lines; with `every_rank` False
+    (a stop the user asked for, the same line on every rank) rank 0 alone says it. A stop says so
+    without `error:`; its status still tells a script."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:
+        line = f"[rank {rank}] {line}"
+    if every_rank or not rank:
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
     stopping.tell_launcher(line)
     sys.exit(status)
 
@@ -228,7 +234,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except OmegaConfBaseException as e:  # an interpolation that cannot be resolved
         refuse(config_error_line(e))
     except stopping.Stopped as e:
-        say_and_exit(str(e), e.status)
+        say_and_exit(str(e), e.status, every_rank=False)
     # Hydra would print "Error executing job with overrides: ..." on the way out
     except BaseException:
         stopping.park_if_exiting()

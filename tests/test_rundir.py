@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -88,9 +89,12 @@ def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
         ), second.stderr
         assert "Traceback" not in second.stderr
         pair = run_torchrun(2, argv, workdir)
-        errors = [line for line in pair.stderr.splitlines() if line.startswith("error: ")]
-        # every rank stops, with the line
+        errors = [
+            line for line in pair.stderr.splitlines() if re.match(r"(\[rank \d+\] )?error: ", line)
+        ]
+        # every rank stops, with the line; rank 1's is headed by its rank, as its log lines
         assert pair.returncode != 0 and len(errors) == 2, pair.stderr[-3000:]
+        assert sorted(line.startswith("[rank 1] error: ") for line in errors) == [False, True]
         assert all(holder in line for line in errors)
         assert first.poll() is None  # A never noticed
         before = steps(run_dir, "train")[-1]
