@@ -50,15 +50,16 @@ def fail(message: str) -> NoReturn:
 def say_and_exit(line: str, status: int, every_rank: bool = True) -> NoReturn:
     """End the process with one line on stderr (one write: ranks' lines do not interleave), then in
     torchrun's error file (after the line: torchrun stops the other workers as soon as one exits).
-    A rank other than 0 heads its line with its rank, as its log lines; with `every_rank` False
-    (a stop the user asked for, the same line on every rank) rank 0 alone says it. A stop says so
-    without `error:`; its status still tells a script."""
+    On stderr a rank other than 0 heads its line with its rank, as its log lines (torchrun's
+    summary names the rank itself); with `every_rank` False (a stop the user asked for, the same
+    line on every rank) rank 0 alone says it there. A stop says so without `error:`; its status
+    still tells a script."""
     rank = int(os.environ.get("RANK", "0"))
-    if rank:
-        line = f"[rank {rank}] {line}"
-    if every_rank or not rank:
+    if not rank:
         sys.stderr.write(f"{line}\n")
-        sys.stderr.flush()
+    elif every_rank:
+        sys.stderr.write(f"[rank {rank}] {line}\n")
+    sys.stderr.flush()
     stopping.tell_launcher(line)
     sys.exit(status)
 
