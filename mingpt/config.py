@@ -580,10 +580,10 @@ def register_configs() -> None:
     )
 
 
-def _text(value: Any) -> str:
+def value_text(value: Any) -> str:
     """A value as it is typed on the command line."""
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_text(v) for v in value) + "]"
+        return "[" + ", ".join(value_text(v) for v in value) + "]"
     if value is None or isinstance(value, bool):
         return json.dumps(value)  # null, true, false
     return str(value)
@@ -605,7 +605,7 @@ def key_table(section: type) -> str:
     for f in dataclasses.fields(section):
         kind = str(f.type).replace(" | None", " or null").replace("Any", "str or list")
         note = " (operational)" if f.metadata["operational"] else ""
-        rows.append(f"| `{f.name}` | {kind} | {_text(_default(f))} | {help_text(f)}{note} |")
+        rows.append(f"| `{f.name}` | {kind} | {value_text(_default(f))} | {help_text(f)}{note} |")
     return "\n".join(rows)
 
 
@@ -622,7 +622,7 @@ def key_lines(section: type, values: Mapping | None = None, prefix: str = "") ->
     if values is None:
         values = {f.name: _default(f) for f in fields}
     # A range stays on one line: its spaces are NULs until wrapped, as a link's.
-    rows = [(f"{prefix}{f.name}={_text(values[f.name])}", help_text(f, "\0")) for f in fields]
+    rows = [(f"{prefix}{f.name}={value_text(values[f.name])}", help_text(f, "\0")) for f in fields]
     width = min(max(len(k) for k, _ in rows), 28) + 4
     indent = "\n" + " " * width
     lines = []

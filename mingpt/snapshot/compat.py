@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mingpt.config import Config, result_items
+from mingpt.config import Config, result_items, value_text
 from mingpt.distributed import DistInfo
 from mingpt.rundir import new_run_hint, shell_override
 from mingpt.snapshot import SnapshotError, manifest, single_file
@@ -75,10 +75,13 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
             "(trainer_config.init_from)"
         )
     if changes and not config.trainer_config.allow_config_change:
+        saved = result_items(state)
+        keys = [change.partition(":")[0] for change in changes]
+        own = " ".join(shell_override(key, value_text(saved[key])) for key in keys)
         raise SnapshotError(
             f"snapshot {path} was written with another config ({'; '.join(changes)}): start a new "
-            f"run with {new_run_hint(config.trainer_config)}, or continue that run with the new "
-            "values (add trainer_config.allow_config_change=true)"
+            f"run with {new_run_hint(config.trainer_config)}, continue that run with its own "
+            f"values ({own}), or with the new ones (add trainer_config.allow_config_change=true)"
         )
     return changes
 
