@@ -152,9 +152,10 @@ def refusals_of(workdir: Path, finished_run: Path) -> dict[str, tuple[list[str],
         "changed config": (
             ["trainer_config.max_epochs=2", "optimizer_config.learning_rate=1e-3"],
             "(optimizer_config.learning_rate: 0.003 -> 0.001; trainer_config.max_epochs: 1 -> 2): "
-            "start a new run with hydra.run.dir=ANOTHER_DIRECTORY, continue that run with its own "
-            "values (optimizer_config.learning_rate=0.003 trainer_config.max_epochs=1), or with "
-            "the new ones (add trainer_config.allow_config_change=true)",
+            "start a new run with trainer_config.run_name=NAME (a name not used yet), continue "
+            "that run with its own values (optimizer_config.learning_rate=0.003 "
+            "trainer_config.max_epochs=1), or with the new ones (add "
+            "trainer_config.allow_config_change=true)",
         ),
         "other shape": (["gpt_config.n_layer=3"], "another config (gpt_config.n_layer: 2 -> 3)"),
         "in use": ([], f"error: run directory {finished_run} is in use by another job"),

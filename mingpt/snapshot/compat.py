@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 from typing import Any
 
 import torch.distributed as dist
@@ -77,13 +78,21 @@ def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[
     if changes and not config.trainer_config.allow_config_change:
         saved = result_items(state)
         keys = [change.partition(":")[0] for change in changes]
-        own = " ".join(shell_override(key, value_text(saved[key])) for key in keys)
+        own = " ".join(_override(key, saved[key]) for key in keys)
         raise SnapshotError(
             f"snapshot {path} was written with another config ({'; '.join(changes)}): start a new "
             f"run with {new_run_hint(config.trainer_config)}, continue that run with its own "
             f"values ({own}), or with the new ones (add trainer_config.allow_config_change=true)"
         )
     return changes
+
+
+def _override(key: str, value: Any) -> str:
+    """`key=value` to paste into a shell: a string as Hydra reads it back, any other value as the
+    command line spells it (`3`, `null`, `true`)."""
+    if isinstance(value, str):
+        return shell_override(key, value)
+    return shlex.quote(f"{key}={value_text(value)}")
 
 
 def _contents(files: list[dict]) -> list[tuple]:
