@@ -51,38 +51,44 @@ def check_compatible(
         )
 
 
-def config_changes(state: dict[str, Any], config: Config) -> list[str]:
+def config_changes(state: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
     """The result-affecting keys (those both configs have) whose values differ between a snapshot's
-    config and `config`, as `key: old -> new`."""
+    config and `config`, in order: {key: (the snapshot's value, this config's)}."""
     saved = result_items(state)
     current = result_items(dataclasses.asdict(config))
-    return [
-        f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}"
+    return {
+        key: (saved[key], current[key])
         for key in sorted(saved.keys() & current.keys())
         if saved[key] != current[key]
-    ]
+    }
 
 
-def check_same_config(state: dict[str, Any], config: Config, path: str) -> list[str]:
+def described(changes: dict[str, tuple[Any, Any]]) -> list[str]:
+    """Each change as `key: old -> new`, for a message."""
+    return [f"{key}: {json.dumps(old)} -> {json.dumps(new)}" for key, (old, new) in changes.items()]
+
+
+def check_same_config(
+    state: dict[str, Any], config: Config, path: str
+) -> dict[str, tuple[Any, Any]]:
     """Refuse a snapshot written with other values of result-affecting keys (those both configs
     have), naming each, unless allow_config_change; never another optimizer, whose state would not
-    load. Returns the changes as `key: old -> new`."""
+    load. Returns the changes (config_changes)."""
     changes = config_changes(state, config)
-    algorithm = [c for c in changes if c.startswith("optimizer_config.algorithm:")]
-    if algorithm:
+    if "optimizer_config.algorithm" in changes:
+        algorithm = described({"optimizer_config.algorithm": changes["optimizer_config.algorithm"]})
         raise SnapshotError(
             f"snapshot {path} holds another optimizer's state ({algorithm[0]}): keep its "
             "optimizer_config.algorithm, or fine-tune from it in a new run "
             "(trainer_config.init_from)"
         )
     if changes and not config.trainer_config.allow_config_change:
-        saved = result_items(state)
-        keys = [change.partition(":")[0] for change in changes]
-        own = " ".join(_override(key, saved[key]) for key in keys)
+        own = " ".join(_override(key, old) for key, (old, _) in changes.items())
         raise SnapshotError(
-            f"snapshot {path} was written with another config ({'; '.join(changes)}): start a new "
-            f"run with {new_run_hint(config.trainer_config)}, continue that run with its own "
-            f"values ({own}), or with the new ones (add trainer_config.allow_config_change=true)"
+            f"snapshot {path} was written with another config ({'; '.join(described(changes))}): "
+            f"start a new run with {new_run_hint(config.trainer_config)}, continue that run with "
+            f"its own values ({own}), or with the new ones (add "
+            "trainer_config.allow_config_change=true)"
         )
     return changes
 
@@ -154,15 +160,12 @@ def check_fits(
             ) from None
         # The keys the user changed, not the shape or vocabulary that follows from them
         # (data_config.truncate changes the vocabulary; data_config.block_size the model's).
-        changes = [
-            change
-            for change in config_changes(state, config)
-            if change.partition(":")[0] not in FROM_DATA
-        ]
-        if not changes:
+        changes = config_changes(state, config)
+        changed = described({key: c for key, c in changes.items() if key not in FROM_DATA})
+        if not changed:
             raise
         raise SnapshotError(
-            f"snapshot {path} was written with another config ({'; '.join(changes)}), which gives "
+            f"snapshot {path} was written with another config ({'; '.join(changed)}), which gives "
             f"the model another shape or vocabulary: start a new run with "
             f"{new_run_hint(config.trainer_config)}, or fine-tune from it "
             "(trainer_config.init_from)"
@@ -178,9 +181,8 @@ def check_fits(
     if not dist_info.is_main_process:
         return
     # these keys move the held-out split within the same corpus
-    moved += [
-        c for c in changes if c.startswith(("data_config.train_split:", "data_config.truncate:"))
-    ]
+    split = ("data_config.train_split", "data_config.truncate")
+    moved += described({key: change for key, change in changes.items() if key in split})
     if moved:
         log.warning(
             "continuing %s on a changed corpus or split (%s): the held-out split moved, so "
@@ -190,7 +192,7 @@ def check_fits(
             "; ".join(moved),
         )
     if changes:
-        log.warning("continuing %s with a changed config: %s", path, "; ".join(changes))
+        log.warning("continuing %s with a changed config: %s", path, "; ".join(described(changes)))
 
 
 def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
