@@ -511,6 +511,31 @@ def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
     assert compat.check_same_config(state, more, "s.pt") == {"trainer_config.max_epochs": (2, 3)}
 
 
+def test_allowed_config_changes_are_warned_of_the_moved_split_apart(caplog):
+    """Continuing with allow_config_change: every change is named in one warning, and a changed
+    train_split (which moves the held-out split) in another, before it."""
+    saved = dataclasses.asdict(Config())
+    saved["data_config"]["train_split"] = 0.8
+    saved["trainer_config"]["max_epochs"] = 5
+    saved["gpt_config"]["vocab_size"] = 3
+    state = {**saved, "vocab": "abc", "corpus": None}
+    config = Config()
+    config.gpt_config.vocab_size = 3
+    config.trainer_config.allow_config_change = True
+    with caplog.at_level(logging.WARNING, logger="mingpt.snapshot.compat"):
+        compat.check_fits(state, config, "abc", "runs/x/snapshots", ONE_PROCESS, [])
+    assert [r.getMessage().split(":", 1)[0] for r in caplog.records] == [
+        "continuing runs/x/snapshots on a changed corpus or split (data_config.train_split",
+        "continuing runs/x/snapshots with a changed config",
+    ]
+    assert "(data_config.train_split: 0.8 -> 0.9)" in caplog.records[0].getMessage()
+    assert (
+        caplog.records[1]
+        .getMessage()
+        .endswith("data_config.train_split: 0.8 -> 0.9; trainer_config.max_epochs: 5 -> 2")
+    )
+
+
 def test_corpus_changes_name_each_file():
     old = [
         {"source": "a.txt", "size": 10, "sha256": "x"},
