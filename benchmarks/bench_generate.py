@@ -11,8 +11,10 @@ from a one-character prompt. With --shape 1/1/32 a step is mostly the host work 
 (sampling, bookkeeping, reading tokens back). Rows, each the median of --rounds alternating rounds,
 so that the machine's drifts hit every row alike:
 
-- cached: mingpt.decoding.generate with the KV cache, eager or compiled (torch.compile of the
-  fixed-shape step; its compile time is reported apart); with N samples, the N rows are one batch;
+- cached: mingpt.decoding.generate with the KV cache, eager or compiled (on a CPU the AOTInductor
+  package that generate keeps, compiled here into a directory of this run's, its compile and load
+  times reported apart; elsewhere torch.compile of the fixed-shape step); with N samples, the N rows
+  are one batch;
 - uncached: the same context policy, recomputing the whole window per token;
 - sliding window: the whole last block_size tokens recomputed per token with no cache, as nanoGPT's
   `generate` does (the baseline of the targets);
@@ -32,10 +34,13 @@ does. On a CPU the last line says what `python -m mingpt.generate`'s compile=aut
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import timeit
 import types
 
 import torch
@@ -271,8 +276,16 @@ def memory_speed(model: GPT, device: torch.device, secs: dict[str, float], n: in
 
 
 def compile_seconds(model: GPT, device: torch.device) -> float:
-    """The first compiled call's time less an eager one's: compiling the step."""
+    """The first compiled call's time less an eager one's: compiling the step (on a CPU into a
+    package of this run's directory), and on a CPU the time to load that package."""
     compiled = generating(model, device, compile=True)(8)
+    if device.type == "cpu" and decoding.can_package():
+        path = decoding.package_path(model, 1)
+        load = min(timeit.repeat(lambda: decoding.load_package(path, model), number=1, repeat=5))
+        print(
+            f"compiled step kept in {path.stat().st_size / 1e6:.1f} MB, "
+            f"loaded in {load * 1e3:.1f} ms"
+        )
     return compiled - generating(model, device)(8)
 
 
@@ -317,6 +330,12 @@ def main() -> None:
     config = GPTConfig(n_layer=layers, n_head=heads, n_embd=dims, vocab_size=65, block_size=256)
     model = GPT(config).to(device).eval()
     n = args.max_new_tokens
+    kept = tempfile.TemporaryDirectory()  # compiled steps: this run's, not the user's
+    os.environ["XDG_CACHE_HOME"] = kept.name
+    # the command's own rule, asked about one long sample before any step is kept
+    policy = "eager unless an earlier run kept a compiled step"
+    if should_compile(GenerateConfig(max_new_tokens=10**9), model, device):
+        policy = f"compiled from {COMPILE_PAYS_AFTER['cpu']:,} characters, or where kept"
     compiling = None if args.no_compile else compile_seconds(model, device)
     table = rows(model, device, args)
     secs = measure(table, n, args.rounds)
@@ -333,10 +352,6 @@ def main() -> None:
     print()
     summary(secs, n, compiling)
     if device.type == "cpu":
-        # the command's own rule, asked about one long sample
-        policy = "eager at any length"
-        if should_compile(GenerateConfig(max_new_tokens=10**9), device):
-            policy = f"compiled from {COMPILE_PAYS_AFTER['cpu']:,} characters"
         print(f"compile=auto on this CPU (python -m mingpt.generate, one sample): {policy}")
 
 

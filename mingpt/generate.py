@@ -13,7 +13,14 @@ import torch
 
 from mingpt.command import OutputError, command, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
-from mingpt.decoding import MIN_TEMPERATURE, generate, noise_rows, one_row_products_lag
+from mingpt.decoding import (
+    MIN_TEMPERATURE,
+    can_package,
+    generate,
+    noise_rows,
+    one_row_products_lag,
+    package_path,
+)
 from mingpt.distributed import pick_device
 from mingpt.flops import available_memory
 from mingpt.model import GPT
@@ -24,11 +31,12 @@ log = logging.getLogger(__name__)
 
 # Free text, taken verbatim.
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
-# compile=auto compiles the step from this many new characters per sample, where compiling (caches
-# warm) costs less than it saves. cpu: measured, one sample (a batch gains too little: never), and
-# only where one-row products lag (an AMD EPYC: 3.9 s against 2.1 ms a character saved over an
-# eager step on oneDNN); cuda: estimated (BENCHMARKS.md).
-COMPILE_PAYS_AFTER = {"cpu": 2000, "cuda": 6000}
+# compile=auto compiles the step from this many new characters per sample, where compiling costs
+# less than it saves. cpu: measured, one sample (a batch gains too little: never), and only where
+# one-row products lag (an AMD EPYC: 21 s with cold caches against 2 ms a character saved over an
+# eager step on oneDNN); cuda: estimated (BENCHMARKS.md). A CPU step compiled by an earlier run is
+# loaded whatever the length.
+COMPILE_PAYS_AFTER = {"cpu": 10000, "cuda": 6000}
 
 
 class PromptError(ValueError):
@@ -67,9 +75,9 @@ class GenerateConfig:
     use_cache: bool = key(True, "key/value cache: one position's work per new character")
     compile: str = key(
         "auto",
-        "torch.compile the decoding step: faster per character, but compiling takes seconds; "
-        "auto: when max_new_tokens is long enough for it to pay on this device; true or "
-        "false",
+        "compile the decoding step: faster per character, but compiling takes seconds (on a CPU "
+        "once per model shape and machine: later runs load it); auto: where a compiled step is "
+        "kept, or max_new_tokens is long enough for compiling to pay on this device; true or false",
         valid=("auto", "true", "false"),
     )
 
@@ -143,13 +151,21 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
         )
 
 
-def should_compile(config: GenerateConfig, device: torch.device) -> bool:
+def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> bool:
     if config.compile != "auto":
         return config.compile == "true"
     # On a CPU a batch gains too little from compiling (measured).
     if not config.use_cache or (device.type == "cpu" and config.num_samples > 1):
         return False
+    # A step compiled by an earlier run loads in milliseconds.
+    if device.type == "cpu" and can_package() and package_path(model, 1).exists():
+        return True
     if config.max_new_tokens < COMPILE_PAYS_AFTER.get(device.type, math.inf):
+        if device.type == "cpu" and can_package():
+            log.info(
+                "compile=true compiles the decoding step for this model shape once (about 20 s): "
+                "later runs on this machine load it, and decode faster (BENCHMARKS.md)"
+            )
         return False
     return device.type != "cpu" or one_row_products_lag()
 
@@ -166,7 +182,7 @@ def run(config: GenerateConfig) -> None:
         )
     idx = tokenizer.encode(prompt or tokenizer.line_start()).long()[None].to(device)
     check_fits(model, config, device)
-    compile = should_compile(config, device)
+    compile = should_compile(config, model, device)
     log.info(
         "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s",
         config.snapshot_path,

@@ -17,14 +17,21 @@ class KVCache:
     """Every layer's keys and values for block_size positions, preallocated: a decoding step has the
     same shapes every time, as torch.compile and CUDA graphs need."""
 
-    def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32):
-        shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.positions = torch.arange(config.block_size, device=device)[None]
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        """Over the given tensors, a layer's keys and values each (B, nh, block_size, hs)."""
+        self.k = k
+        self.v = v
+        self.positions = torch.arange(k[0].size(2), device=k[0].device)[None]
         # Positions in use, where the host knows it (eager decoding): a step then attends to those
         # alone. None (a compiled step, whose shapes must not change): the whole cache, masked.
         self.filled: int | None = None
+
+    @classmethod
+    def empty(cls, config: GPTConfig, batch_size: int, device, dtype=torch.float32) -> "KVCache":
+        shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
+        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        return cls(k, v)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None):
         """Keep `layer`'s new keys and values (B, nh, T, hs); return the keys and values the new

@@ -124,6 +124,12 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
 
 
+def user_cache_dir() -> str:
+    """mingpt's directory in the user's cache: $XDG_CACHE_HOME/mingpt, else ~/.cache/mingpt."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(root, "mingpt")
+
+
 def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path` durable
     fd = os.open(path, os.O_RDONLY)
     try:

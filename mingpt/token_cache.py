@@ -315,9 +315,7 @@ def default_cache_path(
     if cache_dir is None and local_dir is not None and os.access(local_dir, os.W_OK):
         cache_dir = os.path.join(local_dir, DEFAULT_DIR)
     elif cache_dir is None:
-        cache_dir = os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mingpt"
-        )
+        cache_dir = storage.user_cache_dir()
     name = hashlib.sha256(json.dumps([sources, truncate, VERSION]).encode()).hexdigest()[:16]
     stem = os.path.basename(sources[0].rstrip("/")) or "corpus"
     return os.path.join(cache_dir, f"{stem}-{name}.tokens")

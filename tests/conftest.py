@@ -367,6 +367,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def own_cache_directory(tmp_path_factory):
+    """The tests' compiled decoding steps are kept in a directory of their own, for the session and
+    the commands it starts, never in the user's cache (XDG_CACHE_HOME, put back after)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 # Set by pytest itself (per phase), by torch for the rest of the process at its first compile
 # (inductor's and triton's settings and cache directories), and by Intel's OpenMP settings that a
 # library imported with transformers sets at its first import on some hosts (KMP_*, seen on the

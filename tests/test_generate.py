@@ -6,6 +6,8 @@ the distribution), the sampling filters, bad input."""
 from __future__ import annotations
 
 import codecs
+import copy
+import logging
 import os
 import subprocess
 import sys
@@ -160,12 +162,62 @@ def test_cache_gives_the_tokens_of_full_recomputation_past_block_size(snapshot, 
     assert model.training  # generate restores the mode it found
 
 
-def test_compiled_step_gives_the_tokens_of_full_recomputation(snapshot, corpus, one_thread):
+@pytest.mark.skipif(not decoding.can_package(), reason="this torch loads no AOTInductor package")
+def test_a_compiled_cpu_step_is_kept_and_later_runs_load_it(
+    snapshot, corpus, one_thread, monkeypatch, caplog, tmp_path
+):
+    """compile=true on a CPU compiles the step once for the shape, with the tokens of full
+    recomputation (past block_size: refills). Where it cannot be kept, with a warning; else in the
+    cache directory, where later runs load it without compiling, a model of the same shape with
+    other weights too (it computes with its own). A package that does not load is compiled
+    again, with a warning; where none can be compiled, the step runs eagerly, with a warning."""
     model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
     idx = tokenizer.encode(corpus.read_text(encoding="utf-8")[1000:1040]).long()[None]
-    # past block_size: refills
-    compiled = tokens(model, idx, 60, seed=5, use_cache=True, compile=True)
-    assert compiled == tokens(model, idx, 60, seed=5, use_cache=False)
+    uncached = tokens(model, idx, 60, seed=5, use_cache=False)
+    (tmp_path / "a-file").touch()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    with caplog.at_level(logging.WARNING, "mingpt.decoding"):
+        assert tokens(model, idx, 60, seed=5, compile=True) == uncached
+    assert "cannot be kept" in caplog.text
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert tokens(model, idx, 60, seed=5, compile=True) == uncached
+    path = decoding.package_path(model, 1)
+    assert path.is_file() and path.is_relative_to(tmp_path / "cache")
+
+    def compiled_again(path, model, cache):
+        compiled.append(path)
+        return model.step
+
+    compiled = []
+    monkeypatch.setattr(decoding, "build_package", compiled_again)
+    assert tokens(model, idx, 60, seed=5, compile=True) == uncached
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    assert decoding.package_path(other, 1) == path
+    assert tokens(other, idx, 60, seed=5, compile=True) == tokens(
+        other, idx, 60, seed=5, use_cache=False
+    )
+    assert compiled == []
+    assert decoding.package_path(model, 2) != path  # one package per batch size
+    path.write_bytes(path.read_bytes()[:1000])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "mingpt.decoding"):
+        assert tokens(model, idx, 60, seed=5, compile=True) == uncached
+    assert compiled == [path] and "does not load" in caplog.text
+
+    def no_compiler(path, model, cache):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\n(the rest)")
+
+    monkeypatch.setattr(decoding, "build_package", no_compiler)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "mingpt.decoding"):
+        assert tokens(model, idx, 60, seed=5, compile=True) == uncached
+    assert "cannot be compiled here (InvalidCxxCompiler: No working C++ compiler found)" in (
+        caplog.text
+    )
 
 
 def test_where_onednn_multiplies_a_row_faster_an_eager_step_uses_it(
@@ -199,9 +251,6 @@ def test_where_onednn_multiplies_a_row_faster_an_eager_step_uses_it(
     with_onednn = tokens(model, idx, 60, seed=5)
     assert len(products) > 0
     assert with_onednn == tokens(model, idx, 60, seed=5, use_cache=False)
-    products.clear()
-    tokens(model, idx, 60, seed=5, compile=True)  # a compiled step: inductor's own products
-    assert products == []
     monkeypatch.setattr(
         decoding, "one_row_seconds", lambda: {"blas": 2.0, "read": 1.0, "onednn": 1.7}
     )
@@ -372,14 +421,17 @@ def test_the_exponential_race_samples_the_softmax():
             assert chi_square(freq, torch.full_like(probs, 1 / 6)) > 1800  # the test can tell
 
 
-def test_compile_auto_compiles_where_it_pays(monkeypatch):
+def test_compile_auto_compiles_where_it_pays(monkeypatch, tmp_path):
     """compile=auto (the default): the step is compiled for a text long enough for
     compiling to pay on the device type, on a CPU for one sample and only where one-row products
-    lag behind the memory; true and false as said."""
+    lag behind the memory, and on a CPU whatever the length where an earlier run kept the
+    compiled step; true and false as said."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
     def compiles(device, *args):
-        return should_compile(parse_args(list(args), GenerateConfig), device)
+        return should_compile(parse_args(list(args), GenerateConfig), model, device)
 
     assert isinstance(generate_cli.one_row_products_lag(), bool)  # this CPU's, measured
     monkeypatch.setattr(generate_cli, "one_row_products_lag", lambda: False)
@@ -400,6 +452,14 @@ def test_compile_auto_compiles_where_it_pays(monkeypatch):
     assert not compiles(cpu, "max_new_tokens=100000", "num_samples=2")
     assert compiles(cuda, "max_new_tokens=100000", "num_samples=2")
     assert parse_args(["compile=True"], GenerateConfig).compile == "true"
+    if decoding.can_package():  # a step kept by an earlier run: loaded for any length
+        kept = decoding.package_path(model, 1)
+        kept.parent.mkdir(parents=True)
+        kept.touch()
+        assert compiles(cpu, "max_new_tokens=1")
+        assert not compiles(cpu, "max_new_tokens=1", "compile=false")
+        assert not compiles(cpu, "max_new_tokens=1", "num_samples=2")
+        assert not compiles(cpu, "max_new_tokens=1", "use_cache=false")
 
 
 # ---------------------------------------------------------------- the filters

@@ -55,7 +55,7 @@ def test_kv_cache_gives_the_logits_of_a_full_forward():
     model = tiny_gpt().eval()
     idx = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(4))
     full, _ = model(idx)
-    cache = KVCache(model.config, batch_size=2, device="cpu")
+    cache = KVCache.empty(model.config, batch_size=2, device="cpu")
     prefill, _ = model(idx[:, :7], cache=cache)
     steps = [prefill]
     for t in range(7, 20):  # one token at a time, over the fixed-shape cache
@@ -76,7 +76,7 @@ def test_a_step_uses_the_weights_the_model_holds_now():
     copied.load_state_dict(other.state_dict(), assign=True)
     idx = torch.tensor([[7]])
     for stepped, reference in ((model, model), (copied, other)):
-        cache = KVCache(stepped.config, batch_size=1, device="cpu")
+        cache = KVCache.empty(stepped.config, batch_size=1, device="cpu")
         logits = stepped.step(idx, torch.tensor([0]), cache)
         assert torch.allclose(logits, reference(idx)[0][:, -1], rtol=0, atol=1e-5)
 
