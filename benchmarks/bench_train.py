@@ -17,7 +17,9 @@ torchrun; torch.compile and bf16 autocast as configured) against Trainer.train_s
 own fresh model, in R alternating rounds of 10 steps (medians). --nanogpt DIR (a checkout of
 karpathy/nanoGPT; its model.py is imported) adds nanoGPT's GPT at the same shape (bias=True, the
 config's dropout) with its own configure_optimizers (AdamW betas 0.9/0.95, fused on CUDA),
-autocast and compile as configured, clipping at 1.0, stepped in the same rounds. --compare-only
+autocast and compile as configured, clipping at 1.0, stepped in the same rounds. With
+optimizer_config=muon, the bare loop with AdamW is stepped in the same rounds too, and the row
+"Muon vs AdamW" gives the ratio of their steps. --compare-only
 stops there; otherwise follow Trainer.train() over 100 steps, the per-step stop check, the run's
 snapshot save, the time of each phase of a bare step, and the data pipeline's rate.
 
@@ -184,10 +186,14 @@ def plain_steps(p: Plain, batches: Batches, amp, steps: int) -> None:
 def compare(config, data, info, nanogpt_dir: str | None, rounds: int) -> dict[str, float]:
     """Median seconds per step of the bare loop, Trainer.train_step (the trainer's whole step:
     schedule, reseeding, micro-batches, scaler, clipping) and nanoGPT's step, each on its own fresh
-    model, in alternating rounds (the first warms up)."""
+    model, in alternating rounds (the first warms up); with Muon, the bare loop with AdamW too."""
     batches = Batches(data, config, info, seed=0)
     amp = autocast(config, info)
     contenders = {"bare loop": bare(config, info)[0]}
+    if config.optimizer_config.algorithm == "muon":  # Muon's step against AdamW's, paired
+        adamw = copy.deepcopy(config)
+        adamw.optimizer_config.algorithm = "adamw"
+        contenders["bare loop, AdamW"] = bare(adamw, info)[0]
     if nanogpt_dir:
         contenders["nanoGPT"] = nano(config, info, nanogpt_dir)
     runs = {
@@ -348,6 +354,10 @@ def step_rows(config, info, times: dict[str, float], rounds: int) -> list[tuple[
             f"rounds of {STEPS} steps)",
         )
     )
+    if "bare loop, AdamW" in times:
+        rows.append(rate("bare loop, AdamW", times["bare loop, AdamW"], tokens_per_step, fpt, peak))
+        muon = times["bare loop"] / times["bare loop, AdamW"]
+        rows.append(("Muon vs AdamW", f"{muon:.2f}x the bare loop's time per step, paired"))
     if "nanoGPT" in times:
         rows.append(
             ("trainer vs nanoGPT", f"{times['nanoGPT'] / ours:.2f}x (its ms/step over ours)")

@@ -90,7 +90,7 @@ SMOKE = {
                 *("--rounds", "1", "--nanogpt", "NANOGPT", "--compare-only", *MODEL),
                 "optimizer_config=muon",
             ],
-            "trainer vs nanoGPT",
+            "Muon vs AdamW",
         ),
         (
             1,
