@@ -203,6 +203,10 @@ def decode_step(
 # not in it: any snapshot of the shape feeds it its own.
 
 
+CPUINFO = Path("/proc/cpuinfo")
+CPU_FACTS = ("vendor_id", "model name", "flags", "CPU implementer", "CPU part", "Features")
+
+
 class _Step(nn.Module):
     """GPT.step over the cache's tensors, as arguments: what torch.export traces."""
 
@@ -226,13 +230,15 @@ def package_path(model: GPT, batch_size: int, cache_dtype: torch.dtype | None = 
     parameters'), is kept: a name derived from everything the compiled code depends on. Inductor
     compiles for this CPU's instruction set (-march=native)."""
     dtype = next(model.parameters()).dtype
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    cpu = [platform.processor()]
+    with contextlib.suppress(OSError):  # the first CPU's model and instruction sets, not its clock
+        for line in CPUINFO.read_text().split("\n\n")[0].splitlines():
+            if line.split(":")[0].strip() in CPU_FACTS:
+                cpu.append(line)
     facts = [
         torch.__version__,
         platform.machine(),
-        cpu,
+        *cpu,
         Path(model_code.__file__).read_text(),
         repr(model.config),
         str(dtype),

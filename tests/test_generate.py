@@ -421,11 +421,28 @@ def test_the_exponential_race_samples_the_softmax():
             assert chi_square(freq, torch.full_like(probs, 1 / 6)) > 1800  # the test can tell
 
 
-def test_compile_auto_compiles_where_it_pays(monkeypatch, tmp_path):
+def test_a_kept_step_is_named_by_the_cpu_model_and_instruction_sets_not_the_clock(
+    monkeypatch, tmp_path
+):
+    """The package's name holds what the compiled code depends on: the CPU's model and
+    instruction sets (inductor compiles with -march=native), not its clock, which moves."""
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5))
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(decoding, "CPUINFO", cpuinfo)
+    names = []
+    for mhz, flags in (("2596.134", "fpu avx512f"), ("3012.5", "fpu avx512f"), ("2596.134", "fpu")):
+        block = f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: {mhz}\nflags\t\t: {flags}"
+        cpuinfo.write_text(block + "\n\nprocessor\t: 1\ncpu MHz\t\t: 1.0\n")
+        names.append(decoding.package_path(model, 1))
+    assert names[0] == names[1] != names[2]
+    assert decoding.package_path(model, 2) != names[2]
+
+
+def test_compile_auto_compiles_where_it_pays(monkeypatch, tmp_path, caplog):
     """compile=auto (the default): the step is compiled for a text long enough for
     compiling to pay on the device type, on a CPU for one sample and only where one-row products
     lag behind the memory, and on a CPU whatever the length where an earlier run kept the
-    compiled step; true and false as said."""
+    compiled step (until then, a line says how to compile one); true and false as said."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -453,6 +470,9 @@ def test_compile_auto_compiles_where_it_pays(monkeypatch, tmp_path):
     assert compiles(cuda, "max_new_tokens=100000", "num_samples=2")
     assert parse_args(["compile=True"], GenerateConfig).compile == "true"
     if decoding.can_package():  # a step kept by an earlier run: loaded for any length
+        with caplog.at_level(logging.INFO, "mingpt.generate"):
+            assert not compiles(cpu, "max_new_tokens=1")
+        assert "compile=true compiles the decoding step for this model shape once" in caplog.text
         kept = decoding.package_path(model, 1)
         kept.parent.mkdir(parents=True)
         kept.touch()
