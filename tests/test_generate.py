@@ -421,6 +421,19 @@ def test_the_exponential_race_samples_the_softmax():
             assert chi_square(freq, torch.full_like(probs, 1 / 6)) > 1800  # the test can tell
 
 
+def test_where_torch_makes_no_package_the_step_is_torch_compiled(
+    snapshot, corpus, one_thread, monkeypatch
+):
+    """A torch without AOTInductor's package loader compiles the CPU step with torch.compile, as
+    on CUDA: the tokens of full recomputation, and nothing kept."""
+    model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
+    idx = tokenizer.encode(corpus.read_text(encoding="utf-8")[1000:1040]).long()[None]
+    monkeypatch.setattr(decoding, "can_package", lambda: False)
+    monkeypatch.setattr(decoding, "packaged_step", None)  # never called
+    compiled = tokens(model, idx, 60, seed=5, compile=True)
+    assert compiled == tokens(model, idx, 60, seed=5, use_cache=False)
+
+
 def test_a_kept_step_is_named_by_the_cpu_model_and_instruction_sets_not_the_clock(
     monkeypatch, tmp_path
 ):
