@@ -160,6 +160,9 @@ def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> 
     # A step compiled by an earlier run loads in milliseconds.
     if device.type == "cpu" and can_package() and package_path(model, 1).exists():
         return True
+    # Where a CPU's one-row products keep up with its memory, a compiled step is hardly faster.
+    if device.type == "cpu" and not one_row_products_lag():
+        return False
     if config.max_new_tokens < COMPILE_PAYS_AFTER.get(device.type, math.inf):
         if device.type == "cpu" and can_package():
             log.info(
@@ -167,7 +170,7 @@ def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> 
                 "later runs on this machine load it, and decode faster (BENCHMARKS.md)"
             )
         return False
-    return device.type != "cpu" or one_row_products_lag()
+    return True
 
 
 def run(config: GenerateConfig) -> None:
