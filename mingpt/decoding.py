@@ -305,19 +305,20 @@ def cached_step(
     """decode_step over model's step: eager; compiled, on a CPU from its package where this torch
     makes one (eager, with a warning, where it cannot compile it: no C++ compiler, say); else
     torch.compile'd, updating cache and `state` in place."""
-    eager = functools.partial(decode_step, functools.partial(model.step, linear=step_linear(model)))
-    if not compile:
-        return eager
     device = cache.k[0].device
-    if device.type == "cpu" and can_package():
+    if compile and device.type == "cpu" and can_package():
         try:
             return functools.partial(decode_step, packaged_step(model, cache))
-        except RuntimeError as e:  # inductor's and export's errors among them
+        # inductor's and export's errors are RuntimeErrors; a TypeError, a torch whose loader
+        # takes other arguments
+        except (RuntimeError, TypeError) as e:
             reason = str(e).strip().splitlines()[0]
             log.warning("the decoding step cannot be compiled here (%s): it runs eagerly", reason)
-            return eager
-    step = functools.partial(decode_step, model.step)
-    return compile_for_decoding(step, device, [*cache.k, *cache.v, *state])
+            compile = False
+    if compile:
+        step = functools.partial(decode_step, model.step)
+        return compile_for_decoding(step, device, [*cache.k, *cache.v, *state])
+    return functools.partial(decode_step, functools.partial(model.step, linear=step_linear(model)))
 
 
 @contextlib.contextmanager
