@@ -60,7 +60,6 @@ class Pace:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self._peak_flops = peak_flops
-        self._peak = 0.0
         self.started = time.perf_counter()
         self._window_start = self.started
         self._window_step = step  # the step the window started at
