@@ -265,11 +265,13 @@ class Checkpointer:
     def _meta(self, state: Any) -> dict[str, Any]:
         """A snapshot's record beside its tensors: the run's position, its configs, its vocabulary
         and corpus."""
-        meta = dataclasses.asdict(state)
-        meta.update(dataclasses.asdict(self.config))
-        meta["world_size"] = self.dist.world_size
-        meta["vocab"] = self.vocab
-        meta["corpus"] = self.corpus
+        meta = {
+            **dataclasses.asdict(state),
+            **dataclasses.asdict(self.config),
+            "world_size": self.dist.world_size,
+            "vocab": self.vocab,
+            "corpus": self.corpus,
+        }
         if self.tracker_run_id is not None:
             meta["tracker_run_id"] = self.tracker_run_id
         return meta
