@@ -188,7 +188,7 @@ class Trainer:
             self.raw_model,
             self.optimizer,
             self.scaler,
-            functools.partial(self._warm_up_ddp, ddp),
+            self._warm_up_ddp,
         )
         if cfg.compile:
             self.model = torch.compile(self.model)
@@ -493,9 +493,10 @@ class Trainer:
             return None
         return text
 
-    def _warm_up_ddp(self, ddp: torch.nn.Module) -> None:
-        """One forward and backward, gradients dropped: DDP rebuilds its buckets in backward's order
-        on the next step."""
+    def _warm_up_ddp(self) -> None:
+        """One forward and backward of the DDP model, gradients dropped: DDP rebuilds its buckets in
+        backward's order on the next step. Called while the comm hook starts, before compilation:
+        self.model is the DDP wrapper then."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
-        ddp(*self.train_windows.batch(first))[1].backward()
+        self.model(*self.train_windows.batch(first))[1].backward()
         self.optimizer.zero_grad()
