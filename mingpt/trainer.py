@@ -107,10 +107,11 @@ class StepPlan(NamedTuple):
 def step_plan(cfg: TrainerConfig, n_train: int, world_size: int, state: TrainState) -> StepPlan:
     """How many optimizer steps the run takes from `state` on, capped by max_steps."""
     per_step = cfg.batch_size * cfg.grad_accum_steps
-    steps_per_epoch = math.ceil(n_train / (per_step * world_size))
+    global_batch = per_step * world_size
+    steps_per_epoch = math.ceil(n_train / global_batch)
     total = state.step
     if state.epoch < cfg.max_epochs:
-        total += math.ceil((n_train - state.samples_in_epoch) / (per_step * world_size))
+        total += math.ceil((n_train - state.samples_in_epoch) / global_batch)
         total += steps_per_epoch * (cfg.max_epochs - state.epoch - 1)
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
