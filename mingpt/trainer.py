@@ -484,15 +484,14 @@ class Trainer:
         """The closing sample: every rank takes part (LocalSGD averages the replicas, a sharded
         model generates in lockstep); rank 0 gets the text, the others None, as does a run with
         sample_chars 0."""
-        if not self.cfg.sample_chars:
-            return None
-        with self.comm.mean_weights():
-            if not self.dist.is_main_process and not self.fsdp:
-                return None
-            text = self.sample()
-        if not self.dist.is_main_process:
-            return None
-        return text
+        text = None
+        if self.cfg.sample_chars:
+            with self.comm.mean_weights():
+                if self.dist.is_main_process or self.fsdp:
+                    text = self.sample()
+        if self.dist.is_main_process:
+            return text
+        return None
 
     def _warm_up_ddp(self) -> None:
         """One forward and backward of the DDP model, gradients dropped: DDP rebuilds its buckets in
