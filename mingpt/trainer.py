@@ -389,8 +389,9 @@ class Trainer:
 
     def _autocast(self) -> torch.autocast:
         """Autocast for AMP; a sharded model casts by FSDP's own mixed-precision policy instead."""
-        enabled = self.amp.enabled and not self.fsdp
-        return torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=enabled)
+        return torch.autocast(
+            self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled and not self.fsdp
+        )
 
     def evaluate(self, last_step: bool = False) -> float:
         """The held-out loss of the run's weights (with LocalSGD, the replicas' mean): recorded,
