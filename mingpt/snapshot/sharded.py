@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 OWN = "rank"  # the top-level key of each rank's own state: rank0, rank1, ...
 REREADS = 5  # snapshots rotated away while being read before a reader gives up
 
-# DCP warns at every single-process save and load that it assumes one process: that is the intent
-# here.
+# Where torch.distributed is not initialized (no process group here), DCP saves and loads in one
+# process by itself, and warns every time that it assumes so: that is the intent here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
@@ -278,7 +278,6 @@ def save(
         "storage_writer": writer,
         "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
         "process_group": pg,
-        "no_dist": pg is None,
     }
 
     def complete() -> str | None:
@@ -438,7 +437,7 @@ def load(
     if own and len(ranks) == _world(pg):
         mine = ranks[_rank(pg)]
         flat.update(_empty(directory, _tensor_keys(mine), metadata))
-    _dcp_load(flat, directory, metadata, no_dist=pg is None)
+    _dcp_load(flat, directory, metadata)
     loaded = _unflatten(document["structure"], flat)
     tensors.update({key: loaded[key] for key in tensors if key in loaded})
     log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
