@@ -207,13 +207,14 @@ class _Streams(FileSystem):
 
 
 def _new_stager(pinned: bool) -> DefaultStager:
-    options = StagingOptions(
-        use_pinned_memory=pinned,
-        use_shared_memory=False,
-        use_async_staging=False,
-        use_non_blocking_copy=False,
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=pinned,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
     )
-    return DefaultStager(options)
 
 
 _kept_stager = functools.cache(_new_stager)
@@ -251,15 +252,16 @@ def save(
         own_flat, own_structure = _flatten({f"{OWN}{_rank(pg)}": own})
         flat.update(own_flat)
         ranks = _gather(own_structure, pg)
-    document = {
-        "format": manifest.FORMAT,
-        "step": step,
-        "world_size": _world(pg),
-        "meta": meta,
-        "structure": structure,
-        "ranks": ranks,
-    }
-    document = json.dumps(document).encode()
+    document = json.dumps(
+        {
+            "format": manifest.FORMAT,
+            "step": step,
+            "world_size": _world(pg),
+            "meta": meta,
+            "structure": structure,
+            "ranks": ranks,
+        }
+    ).encode()
     name = _by_rank0(pg, lambda: manifest.new_name(root, step))
     directory = f"{root.rstrip('/')}/{name}"
     on_gpu = any(v.device.type == "cuda" for v in flat.values())
