@@ -147,9 +147,8 @@ def publish(directory: str, document: bytes, shards: dict[str, list]) -> int:
     for name in (DCP_METADATA, META):
         with fs.open(f"{p}/{name}", "rb") as f:
             files[name] = list(storage.sha256(f))
-    manifest = json.dumps({"format": FORMAT, "files": files}, indent=1, sort_keys=True)
     with storage.atomic_open(f"{p}/{MANIFEST}", fs) as f:
-        f.write(manifest.encode())
+        f.write(json.dumps({"format": FORMAT, "files": files}, indent=1, sort_keys=True).encode())
     return len(files)
 
 
@@ -322,12 +321,12 @@ def checked(
     fs, p = storage.filesystem(directory)
     try:
         with fs.open(f"{p}/{name}", "rb") as f:
+            data = b""
             if whole:
+                # hashed from memory, so that the bytes returned are the bytes checked
                 data = f.read()
-                size, digest = storage.sha256(io.BytesIO(data))
-            else:
-                data = b""
-                size, digest = storage.sha256(f)
+                f = io.BytesIO(data)
+            size, digest = storage.sha256(f)
     except FileNotFoundError:
         raise SnapshotError(f"snapshot {directory} is damaged: {name} is missing") from None
     except storage_errors() as e:
