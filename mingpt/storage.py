@@ -164,8 +164,9 @@ def remove_stale_temporaries(path: str) -> list[str]:
     """Remove the temporaries of the local `path` that processes now gone left on this host (not
     another host's: its processes cannot be looked up here); return their paths."""
     here = re.escape(socket.gethostname())
+    folder = os.path.dirname(path)
     removed = []
-    for name in os.listdir(os.path.dirname(path) or "."):
+    for name in os.listdir(folder or "."):
         found = re.fullmatch(
             re.escape(os.path.basename(path) + TMP_MARK) + rf"(\d+)-{here}-[0-9a-f]{{8}}", name
         )
@@ -175,7 +176,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
             # signal 0: nothing is sent, the process is only looked up
             os.kill(int(found.group(1)), 0)
         except ProcessLookupError:  # its writer is gone
-            stale = os.path.join(os.path.dirname(path), name)
+            stale = os.path.join(folder, name)
             with contextlib.suppress(FileNotFoundError):  # another process removed it first
                 os.remove(stale)
                 removed.append(stale)
