@@ -161,7 +161,7 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
     old = None
     try:
         os.makedirs(parent, exist_ok=True)
-        for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):
+        for stale in glob.glob(glob.escape(os.path.join(parent, prefix)) + "*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
         tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
         for name, data in files.items():
@@ -222,8 +222,7 @@ def overrides(argv: list[str]) -> list[str]:
             paths.append(arg)
     if len(paths) > 2:
         raise ConfigError(f"{' '.join(paths[2:])}: expected key=value (SRC and DST are given)")
-    named = [f"{name}={path}" for name, path in zip(("src", "dst"), paths, strict=False)]
-    return named + out
+    return [f"{name}={path}" for name, path in zip(("src", "dst"), paths, strict=False)] + out
 
 
 def run(argv: list[str]) -> None:
