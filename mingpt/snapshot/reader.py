@@ -58,7 +58,7 @@ def best_path(root: str) -> str:
 def find_best(root: str) -> str | None:
     """The best weights of the run whose snapshot root is `root`, if it has written them."""
     best = best_path(root)
-    if manifest.latest(best) is None:
+    if not has_snapshot(best):
         return None
     return best
 
