@@ -234,9 +234,9 @@ class HostBatches(TokenWindows):
         # not the next prefetched
         if self._pending is None or not torch.equal(self._pending[0][:n], indices):
             self._pending = (indices, self._read(indices))
-        chunk = self._pending[1][:n]
-        self._pending = (self._pending[0][n:], self._pending[1][n:])
-        return chunk
+        pending, windows = self._pending
+        self._pending = (pending[n:], windows[n:])
+        return windows[:n]
 
 
 @dataclasses.dataclass
