@@ -43,9 +43,8 @@ def build_model(gpt_config: GPTConfig) -> GPT:
     host has available (an allocation that the kernel grants beyond it ends in its OOM killer, with
     no message), or an allocation that fails."""
     d = gpt_config.n_embd
-    v = gpt_config.vocab_size
-    b = gpt_config.block_size
-    params = gpt_config.n_layer * (12 * d * d + 13 * d) + 2 * v * d + b * d + 2 * d
+    params = gpt_config.n_layer * (12 * d * d + 13 * d)
+    params += (2 * gpt_config.vocab_size + gpt_config.block_size + 2) * d
     too_large = (
         f"gpt_config: the model does not fit in memory: {params:,} parameters "
         f"({params * 4 / 1e9:,.1f} GB of float32 weights, about 4x that to train with AdamW)"
