@@ -312,10 +312,10 @@ def default_cache_path(
     """data_config.cache_dir if set, else .mingpt-cache/ beside a local corpus when that directory
     is writable, else the user's cache directory. The name depends on the sources and truncate, not
     their contents: a changed corpus replaces its cache instead of adding one."""
-    if cache_dir is None and local_dir is not None and os.access(local_dir, os.W_OK):
-        cache_dir = os.path.join(local_dir, DEFAULT_DIR)
-    elif cache_dir is None:
+    if cache_dir is None:
         cache_dir = storage.user_cache_dir()
+        if local_dir is not None and os.access(local_dir, os.W_OK):
+            cache_dir = os.path.join(local_dir, DEFAULT_DIR)
     name = hashlib.sha256(json.dumps([sources, truncate, VERSION]).encode()).hexdigest()[:16]
     stem = os.path.basename(sources[0].rstrip("/")) or "corpus"
     return os.path.join(cache_dir, f"{stem}-{name}.tokens")
