@@ -184,12 +184,10 @@ def compose_checked(
     composed, before Hydra creates a run directory (a refused config leaves none), and for --cfg,
     which runs no task."""
     cfg = COMPOSE(self, config_name, overrides, run_mode, *args, **kwargs)
-    # --hydra-help composes Hydra's own config alone: no run of ours to check
-    if config_name is None:
-        return cfg
-    if not kwargs.get("validate_sweep_overrides", True):
-        # Hydra.get_mode's probe: it reads hydra.mode and drops any error, then run or multirun
-        # composes again, checked there; checking the probe too cost each start 0.4 s.
+    # --hydra-help composes Hydra's own config alone: no run of ours to check. Hydra.get_mode's
+    # probe (no validate_sweep_overrides) reads hydra.mode and drops any error, then run or multirun
+    # composes again, checked there; checking the probe too cost each start 0.4 s.
+    if config_name is None or not kwargs.get("validate_sweep_overrides", True):
         return cfg
     check_composed(cfg)
     if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
