@@ -72,12 +72,11 @@ def new_run_hint(cfg: TrainerConfig, run_dir: str | None = None) -> str:
     path = cfg.snapshot_path
     if path and ("://" in path or os.path.isabs(path)):
         return "trainer_config.snapshot_path=PATH (a path not used yet)"
-    if run_dir is None:
-        return "trainer_config.run_name=NAME (a name not used yet)"
-    parent, base = os.path.split(os.path.normpath(run_dir))
-    # a sweep's job N is in <run_name>-multirun/N
-    if cfg.run_name not in (base, os.path.basename(parent).removesuffix("-multirun")):
-        return "hydra.run.dir=ANOTHER_DIRECTORY"
+    if run_dir is not None:
+        parent, base = os.path.split(os.path.normpath(run_dir))
+        # a sweep's job N is in <run_name>-multirun/N
+        if cfg.run_name not in (base, os.path.basename(parent).removesuffix("-multirun")):
+            return "hydra.run.dir=ANOTHER_DIRECTORY"
     return "trainer_config.run_name=NAME (a name not used yet)"
 
 
