@@ -56,14 +56,10 @@ class TokenCache:
         `starts[i]` on. One pread per row, not a gather through the memory map: a kernel that maps
         large page-cache folios adds about 1 MB to the process's RSS per window sampled through a
         map; a read copies just the window."""
-        if out.numel() == 0:  # a rank's empty share of the held-out windows
-            return
         item = out.element_size()
-        width = out.shape[1] * item  # bytes per row
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the bytes of `out`, in place
-        for i, start in enumerate(starts.tolist()):
-            row = view[i * width : (i + 1) * width]
-            if os.preadv(self.fd, [row], self.offset + start * item) != width:
+        rows = out.view(torch.uint8).numpy()  # the bytes of `out`, in place, row by row
+        for row, start in zip(rows, starts.tolist(), strict=True):
+            if os.preadv(self.fd, [row], self.offset + start * item) != len(row):
                 raise DataError(f"token cache {self.path} was truncated while in use")
 
     # every token id, read into `device`'s memory by chunks
