@@ -156,7 +156,7 @@ def read_header(f) -> tuple[dict, int]:
     length = int.from_bytes(f.read(8), "little")
     if not 0 < length < 1 << 30:
         raise ValueError("bad header length")
-    header = json.loads(f.read(length).decode("utf-8"))
+    header = json.loads(f.read(length))
     if header.get("version") != VERSION:
         raise ValueError("another cache version")
     offset = -(-(len(MAGIC) + 8 + length) // PAGE) * PAGE  # the header's pages
