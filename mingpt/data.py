@@ -391,9 +391,7 @@ class ResumableSampler(DistributedSampler):
         # the order's first entries, cycled, at positions len(rest) + j: this rank's of them
         if pad:
             j = torch.arange(pad)
-            mine = torch.cat(
-                [mine, order[j % len(order)][(len(rest) + j) % self.num_replicas == self.rank]]
-            )
+            mine = torch.cat([mine, order[j % n][(len(rest) + j) % self.num_replicas == self.rank]])
         return mine
 
     def __iter__(self) -> Iterator[int]:
