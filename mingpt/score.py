@@ -98,13 +98,13 @@ def heldout_windows(
     # A fine-tuned model's corpus may use fewer characters.
     data = data.in_vocabulary(tokenizer.chars)
     moved = compat.corpus_changes(state.get("corpus"), data.fingerprint())
-    if moved and not allow_corpus_change:
-        raise TextError(
-            f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its "
-            "held-out split is not the run's: give the text with path=..., or score the new split "
-            "with allow_corpus_change=true"
-        )
     if moved:
+        if not allow_corpus_change:
+            raise TextError(
+                f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its "
+                "held-out split is not the run's: give the text with path=..., or score the new "
+                "split with allow_corpus_change=true"
+            )
         log.warning(
             "the corpus changed since the snapshot was written (%s): scoring its new held-out "
             "split, which is not the one the run evaluated",
