@@ -290,7 +290,7 @@ def open_cache(path: str) -> TokenCache:
     mapped.madvise(mmap.MADV_RANDOM)  # whole-corpus reads only; no readahead for stray touches
     # keeps `mapped` alive
     dtype = getattr(torch, dtype_for(len(header["vocab"])))
-    tokens = torch.frombuffer(mapped, dtype=torch.uint8)[offset:].view(dtype)
+    tokens = torch.frombuffer(mapped, dtype=dtype, offset=offset)
     cache = TokenCache(
         path, tokens, header["vocab"], header["counts"], fd, offset, header["sources"]
     )
