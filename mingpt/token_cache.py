@@ -138,14 +138,16 @@ def decoded_chunks(source: str) -> Iterator[tuple[bytes, str]]:
                 return
 
 
-def kept_chunks(source: str, keep: int) -> Iterator[np.ndarray]:
-    """The code points of the first `keep` characters, chunk by chunk."""
-    for _, text in decoded_chunks(source):
-        if keep <= 0:
-            return
-        cps = code_points(text[:keep])
-        keep -= len(cps)
-        yield cps
+def kept_chunks(sources: list[str], kept: list[int]) -> Iterator[np.ndarray]:
+    """The code points of the first kept[i] characters of each source, chunk by chunk, source after
+    source."""
+    for source, keep in zip(sources, kept, strict=True):
+        for _, text in decoded_chunks(source):
+            if keep <= 0:
+                break
+            cps = code_points(text[:keep])
+            keep -= len(cps)
+            yield cps
 
 
 def read_header(f) -> tuple[dict, int]:
@@ -233,11 +235,7 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
     if truncate == 1.0:
         counts = sum(c for *_, c in scans)
     else:  # the vocabulary of the kept text alone
-        counts = sum(
-            count(cps)
-            for source, keep in zip(sources, kept, strict=True)
-            for cps in kept_chunks(source, keep)
-        )
+        counts = sum(count(cps) for cps in kept_chunks(sources, kept))
     vocab_cps = np.flatnonzero(counts.numpy())
     dtype = dtype_for(len(vocab_cps))
     lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
@@ -265,11 +263,10 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
         with storage.atomic_open(path) as f:
             f.write(_header_bytes(header))
             digest = hashlib.sha256(_header_bytes(header))
-            for source, keep in zip(sources, kept, strict=True):
-                for cps in kept_chunks(source, keep):
-                    ids = lookup[cps].tobytes()
-                    digest.update(ids)
-                    f.write(ids)
+            for cps in kept_chunks(sources, kept):
+                ids = lookup[cps].tobytes()
+                digest.update(ids)
+                f.write(ids)
             header["digest"] = digest.hexdigest()  # same length as the placeholder
             f.seek(0)
             f.write(_header_bytes(header))
