@@ -29,13 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def fit_to_data(gpt_config: GPTConfig, vocab_size: int, block_size: int) -> GPTConfig:
-    for key, value in (("vocab_size", vocab_size), ("block_size", block_size)):
+    fitted = {"vocab_size": vocab_size, "block_size": block_size}
+    for key, value in fitted.items():
         given = getattr(gpt_config, key)
         if given is not None and given != value:
             raise ConfigError(
                 f"gpt_config.{key}: {given} given, but the data sets it to {value}; leave it unset"
             )
-    return dataclasses.replace(gpt_config, vocab_size=vocab_size, block_size=block_size)
+    return dataclasses.replace(gpt_config, **fitted)
 
 
 def build_model(gpt_config: GPTConfig) -> GPT:
