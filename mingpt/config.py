@@ -40,8 +40,11 @@ def key(
     --help), its valid values (a range such as `>= 1` or `[0, 1)`, or a tuple of choices; null is
     valid where the type allows it), and whether it is operational: it changes how a run is carried
     out, logged or saved, never what it computes."""
-    metadata = {"help": help, "operational": operational, "valid": valid}
-    return field(default=default, **factory, metadata=metadata)
+    return field(
+        default=default,
+        **factory,
+        metadata={"help": help, "operational": operational, "valid": valid},
+    )
 
 
 def _bound(text: str) -> float:
