@@ -64,7 +64,7 @@ class TokenCache:
 
     # every token id, read into `device`'s memory by chunks
     def load(self, device: torch.device) -> torch.Tensor:
-        out = torch.empty(len(self.tokens), dtype=self.tokens.dtype, device=device)
+        out = torch.empty_like(self.tokens, device=device)
         for start in range(0, len(out), CHUNK):
             host = torch.empty(1, min(CHUNK, len(out) - start), dtype=out.dtype)
             self.read_windows(torch.tensor([start]), host)
