@@ -134,9 +134,7 @@ def check_group_overrides(overrides: list[str]) -> None:
     with it."""
     dropped = {item[1:].partition("=")[0] for item in overrides if item.startswith("~")}
     for item in overrides:
-        if item.startswith("~") or "=" not in item:
-            continue
-        key = item.lstrip("+").split("=", 1)[0]
+        key = item.lstrip("+").split("=", 1)[0]  # a `~group` keeps its `~`: it is no choice
         if key in dropped:
             raise ConfigError(
                 f"{item}: ~{key} drops the {key} group and with it this choice; give one of them"
