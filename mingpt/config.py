@@ -60,8 +60,10 @@ def in_range(value: Any, valid: str) -> bool:
     `[0, 1)`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
-    if valid.startswith(">"):  # `>= 1` is `[1, inf)`, `> 0` is `(0, inf)`
-        valid = valid.replace(">= ", "[").replace("> ", "(") + ", inf)"
+    if valid.startswith(">="):
+        return value >= _bound(valid[2:])
+    if valid.startswith(">"):
+        return value > _bound(valid[1:])
     low, high = (_bound(b) for b in valid[1:-1].split(", "))
     above = value > low
     if valid[0] == "[":
