@@ -280,7 +280,11 @@ class CharData:
             and nbytes <= torch.cuda.get_device_properties(device).total_memory // 8
         )
         if placement == "host" or (placement == "auto" and not fits):
-            log.info("batches are read on the host from the %.1f MB token cache", nbytes / 1e6)
+            # in characters: a tiny corpus's megabytes would read 0.0
+            log.info(
+                "batches are read on the host from the token cache of %s characters",
+                f"{len(self.train.tokens):,}",
+            )
             return (
                 HostBatches(self.train, self.cache, device),
                 HostBatches(self.heldout, self.cache, device),

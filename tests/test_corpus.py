@@ -211,7 +211,7 @@ def mapped_rss_kb(path) -> list[int]:
     return sizes
 
 
-def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path):
+def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path, caplog):
     """On a CPU (`auto`) batches are read from the cache file: training and
     held-out batches, windows at the end of each file included, equal the
     corpus's tokens, and none of the cache's memory map becomes resident (a
@@ -229,8 +229,11 @@ def test_batches_are_read_from_the_cache_file_not_through_its_map(tmp_path):
     )
     assert data.train.tokens.dtype == torch.int16
     expected = torch.cat([data.tokenizer.encode(text) for text in texts])  # not read from the cache
-    train, heldout = data.place(torch.device("cpu"))
+    with caplog.at_level(logging.INFO, "mingpt.data"):
+        train, heldout = data.place(torch.device("cpu"))
     assert isinstance(train, HostBatches) and isinstance(heldout, HostBatches)
+    # a size a small corpus does not round to 0.0 MB
+    assert "from the token cache of 5,204 characters" in caplog.text
     for host, windows in ((train, data.train), (heldout, data.heldout)):
         reference = windows.with_tokens(expected)
         order = torch.randperm(len(windows), generator=gen)
