@@ -321,12 +321,13 @@ def checked(
     fs, p = storage.filesystem(directory)
     try:
         with fs.open(f"{p}/{name}", "rb") as f:
-            data = b""
             if whole:
                 # hashed from memory, so that the bytes returned are the bytes checked
                 data = f.read()
-                f = io.BytesIO(data)
-            size, digest = storage.sha256(f)
+                size, digest = storage.sha256(io.BytesIO(data))
+            else:
+                data = b""
+                size, digest = storage.sha256(f)
     except FileNotFoundError:
         raise SnapshotError(f"snapshot {directory} is damaged: {name} is missing") from None
     except storage_errors() as e:
