@@ -189,7 +189,7 @@ class Trainer:
             self.raw_model,
             self.optimizer,
             self.scaler,
-            self._warm_up_ddp,
+            functools.partial(self._warm_up_ddp, ddp),
         )
         if cfg.compile:
             self.model = torch.compile(self.model)
@@ -494,10 +494,9 @@ class Trainer:
             return text
         return None
 
-    def _warm_up_ddp(self) -> None:
-        """One forward and backward of the DDP model, gradients dropped: DDP rebuilds its buckets in
-        backward's order on the next step. Called while the comm hook starts, before compilation:
-        self.model is the DDP wrapper then."""
+    def _warm_up_ddp(self, ddp: torch.nn.Module) -> None:
+        """One forward and backward, gradients dropped: DDP rebuilds its buckets in backward's order
+        on the next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
-        self.model(*self.train_windows.batch(first))[1].backward()
+        ddp(*self.train_windows.batch(first))[1].backward()
         self.optimizer.zero_grad()
