@@ -301,14 +301,14 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable:
 
 def cached_step(
     model: GPT, cache: KVCache, compile: bool, state: Sequence[torch.Tensor]
-) -> Callable:
-    """decode_step over model's step: eager; compiled, on a CPU from its package where this torch
-    makes one (eager, with a warning, where it cannot compile it: no C++ compiler, say); else
-    torch.compile'd, updating cache and `state` in place."""
+) -> tuple[Callable, bool]:
+    """decode_step over model's step, and whether it is compiled: eager; compiled, on a CPU from its
+    package where this torch makes one (eager, with a warning, where it cannot compile it: no C++
+    compiler, say); else torch.compile'd, updating cache and `state` in place."""
     device = cache.k[0].device
     if compile and device.type == "cpu" and can_package():
         try:
-            return functools.partial(decode_step, packaged_step(model, cache))
+            return functools.partial(decode_step, packaged_step(model, cache)), True
         # inductor's and export's errors are RuntimeErrors; a TypeError, a torch whose loader
         # takes other arguments
         except (RuntimeError, TypeError) as e:
@@ -317,8 +317,9 @@ def cached_step(
             compile = False
     if compile:
         step = functools.partial(decode_step, model.step)
-        return compile_for_decoding(step, device, [*cache.k, *cache.v, *state])
-    return functools.partial(decode_step, functools.partial(model.step, linear=step_linear(model)))
+        return compile_for_decoding(step, device, [*cache.k, *cache.v, *state]), True
+    eager = functools.partial(model.step, linear=step_linear(model))
+    return functools.partial(decode_step, eager), False
 
 
 @contextlib.contextmanager
@@ -380,7 +381,7 @@ def generate(
         token = torch.zeros((B, 1), dtype=torch.long, device=idx.device)
         pos = torch.zeros(1, dtype=torch.long, device=idx.device)
         row = torch.zeros(1, dtype=torch.long, device=idx.device)
-        step = cached_step(model, cache, compile, [token, pos, row, noise])
+        step, compiled = cached_step(model, cache, compile, [token, pos, row, noise])
 
     was_training = model.training
     model.eval()
@@ -405,9 +406,10 @@ def generate(
                 else:
                     if r == 0:
                         row.zero_()
-                    # eager: the window alone is read (the token at pos its last); compiled: all
-                    # of the cache
-                    cache.filled = None if compile else n
+                    # Eager: the window alone is read (the token at pos its last). Compiled: all
+                    # of the cache, masked (cache.filled stays None: its shapes must not change).
+                    if not compiled:
+                        cache.filled = n
                     step(token, pos, cache, noise, row, *sampling)
                     out[:, i : i + 1] = token
             n += 1

@@ -24,7 +24,7 @@ from mingpt.command import parse_args
 from mingpt.config import GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
-from mingpt.model import GPT
+from mingpt.model import GPT, KVCache
 from mingpt.snapshot import single_file
 from mingpt.snapshot.reader import load_model
 
@@ -210,6 +210,14 @@ def test_a_compiled_cpu_step_is_kept_and_later_runs_load_it(
     def no_compiler(path, model, cache):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\n(the rest)")
 
+    def store(cache, layer, k, v, pos):
+        if pos is not None:
+            filled.append(cache.filled)
+        return real_store(cache, layer, k, v, pos)
+
+    filled = []
+    real_store = KVCache.store
+    monkeypatch.setattr(KVCache, "store", store)
     monkeypatch.setattr(decoding, "build_package", no_compiler)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
     caplog.clear()
@@ -218,6 +226,8 @@ def test_a_compiled_cpu_step_is_kept_and_later_runs_load_it(
     assert "cannot be compiled here (InvalidCxxCompiler: No working C++ compiler found)" in (
         caplog.text
     )
+    # the eager step it falls back to reads the filled positions alone, not the whole cache
+    assert filled and None not in filled
 
 
 def test_where_onednn_multiplies_a_row_faster_an_eager_step_uses_it(
