@@ -11,15 +11,16 @@ import torch.nn as nn
 from mingpt.config import OptimizerConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on the weights of Linear layers; none on biases, LayerNorm weights and
-    embeddings."""
+def param_groups(model: nn.Module, muon: list[nn.Parameter]) -> list[dict]:
+    """AdamW's groups of the parameters not in `muon`: the weights of Linear layers, which weight
+    decay applies to; then biases, LayerNorm weights and embeddings, which it does not
+    (set_hyperparameters gives each group its weight decay)."""
     decay = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
     # by identity: `in` would compare tensors elementwise
     no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in params if all(p is not m for m in muon)]}
+        for params in (decay, no_decay)
     ]
 
 
@@ -195,11 +196,8 @@ def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Adam
     muon = []
     if cfg.algorithm == "muon":
         muon = [p for name, p in model.named_parameters() if name.startswith("h.") and p.ndim == 2]
-    groups = param_groups(model, cfg.weight_decay)
-    for group in groups:  # by identity, as in param_groups
-        group["params"] = [p for p in group["params"] if all(p is not m for m in muon)]
     # set_hyperparameters gives every group its betas, eps and weight decay.
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=True)
+    optimizer = torch.optim.AdamW(param_groups(model, muon), lr=cfg.learning_rate, fused=True)
     if muon:
         dtype = orthogonalisation_dtype(next(model.parameters()).device)
         optimizer = Combined(optimizer, Muon(muon, cfg.muon_learning_rate, dtype))
