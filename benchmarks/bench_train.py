@@ -327,7 +327,7 @@ def step_rows(config, info, times: dict[str, float], rounds: int) -> list[tuple[
     dtype = amp_policy(tc, info.device.type).dtype
     peak = flops.peak_rate(info.device, dtype) * info.world_size
     side = 1024 if info.device.type == "cpu" else 8192
-    fpt = flops.flops_per_token(GPT(g), g.n_layer, g.n_embd, block)
+    fpt = flops.flops_per_token(GPT(g))
     rows = [
         ("command", " ".join(["python", *sys.argv])),
         (

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from mingpt.metrics import duration
+from mingpt.model import GPT
 
 SLOW_STEP_SECONDS = 1.0
 CPU = torch.device("cpu")
@@ -19,10 +20,12 @@ MEASURE_ABOVE_FLOPS = 1e10
 MFU_ABOVE_FLOPS = 1e9
 
 
-def flops_per_token(model: nn.Module, n_layer: int, n_embd: int, block_size: int) -> float:
-    """Forward and backward FLOPs per token: 6 per Linear weight, plus attention's two matmuls."""
+def flops_per_token(model: GPT) -> float:
+    """Forward and backward FLOPs per token: 6 per Linear weight, plus attention's two matmuls over
+    the model's block."""
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6 * linear + 12 * n_layer * n_embd * block_size
+    g = model.config
+    return 6 * linear + 12 * g.n_layer * g.n_embd * g.block_size
 
 
 def matmul_rate(

@@ -212,8 +212,7 @@ class Trainer:
         self.metrics = Metrics(run_dir, dist_info.is_main_process, self.state.step, tracker)
         block = self.train_windows.block_size
         step_tokens = self.samples_per_step * block
-        g = config.gpt_config
-        flops_per_token = flops.flops_per_token(self.raw_model, g.n_layer, g.n_embd, block)
+        flops_per_token = flops.flops_per_token(self.raw_model)
         peak = functools.partial(
             flops.peak_for_mfu, flops_per_token * step_tokens, dist_info, self.amp.dtype
         )

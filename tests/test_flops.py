@@ -36,7 +36,7 @@ def step_flops(cfg) -> float:
     with torch.device("meta"):  # shapes only
         model = GPT(fit_to_data(g, 65, block))
     tokens = cfg.trainer_config.batch_size * cfg.trainer_config.grad_accum_steps * block
-    return flops.flops_per_token(model, g.n_layer, g.n_embd, block) * tokens
+    return flops.flops_per_token(model) * tokens
 
 
 def test_the_default_run_is_not_measured_and_every_experiment_warns(monkeypatch):
@@ -116,10 +116,7 @@ def test_train_events_carry_mfu_and_peak_memory(small_corpus, monkeypatch, one_t
     trainer.train()
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [e for e in events if e["split"] == "train"]
-    g = cfg.gpt_config
-    per_token = flops.flops_per_token(
-        trainer.raw_model, g.n_layer, g.n_embd, cfg.data_config.block_size
-    )
+    per_token = flops.flops_per_token(trainer.raw_model)
     assert peaks == [torch.float32]  # measured once, in the step's precision
     assert [e["step"] for e in train] == [1, 2]
     for e in train:
