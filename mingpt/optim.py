@@ -133,7 +133,7 @@ def orthogonalise_batch(
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (its arguments, groups and momentum_buffer state, so its snapshots load)
     orthogonalising in `dtype`. In bfloat16 the step is torch's own. In float32, where torch's
-    would still iterate in bfloat16, it is torch's step written out (step_float32)."""
+    would still iterate in bfloat16, it is torch's step written out."""
 
     def __init__(self, params: list[nn.Parameter], lr: float, dtype: torch.dtype):
         super().__init__(params, lr=lr)
@@ -142,7 +142,13 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         """One step. `closure` is Optimizer.step's, and none is ever given (DCP's get_state_dict
-        passes None)."""
+        passes None).
+
+        In float32: torch's step (Nesterov momentum, decoupled weight decay, the learning rate
+        scaled by sqrt(max(1, rows / columns)), torch's default adjust_lr_fn and the only one this
+        takes), with the matrices of one shape orthogonalised as one batch: on a CPU, a few batched
+        products keep both cores busy where many small ones do not. The elementwise work goes
+        through torch's _foreach ops, one call for all the matrices."""
         if self.dtype != torch.float32:
             super().step()
             return
@@ -151,42 +157,29 @@ class Muon(torch.optim.Muon):
             grads = []
             buffers = []
             self._init_group(group, params, grads, buffers)
-            self.step_float32(group, params, grads, buffers)
-
-    def step_float32(
-        self,
-        group: dict,
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        buffers: list[torch.Tensor],
-    ) -> None:
-        """torch's step (Nesterov momentum, decoupled weight decay, the learning rate scaled by
-        sqrt(max(1, rows / columns)), torch's default adjust_lr_fn and the only one this takes),
-        with the matrices of one shape orthogonalised as one batch: on a CPU, a few batched
-        products keep both cores busy where many small ones do not. The elementwise work goes
-        through torch's _foreach ops, one call for all the matrices."""
-        lr = group["lr"]
-        momentum = group["momentum"]
-        # the buffer moves to its average with the gradient; Nesterov's update looks ahead of it
-        torch._foreach_lerp_(buffers, grads, 1 - momentum)
-        if group["nesterov"]:
-            updates = torch._foreach_lerp(grads, buffers, momentum)
-        else:
-            updates = buffers
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        by_shape: dict[torch.Size, list[int]] = {}
-        for i, p in enumerate(params):
-            by_shape.setdefault(p.shape, []).append(i)
-        for (rows, columns), indices in by_shape.items():
-            batch = torch.stack([updates[i] for i in indices])
-            batch = orthogonalise_batch(
-                batch, *group["ns_coefficients"], group["ns_steps"], group["eps"]
-            )
-            torch._foreach_add_(
-                [params[i] for i in indices],
-                batch.unbind(),
-                alpha=-lr * math.sqrt(max(1, rows / columns)),
-            )
+            lr = group["lr"]
+            momentum = group["momentum"]
+            # the buffer moves to its average with the gradient; Nesterov's update looks ahead
+            # of it
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            if group["nesterov"]:
+                updates = torch._foreach_lerp(grads, buffers, momentum)
+            else:
+                updates = buffers
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            by_shape: dict[torch.Size, list[int]] = {}
+            for i, p in enumerate(params):
+                by_shape.setdefault(p.shape, []).append(i)
+            for (rows, columns), indices in by_shape.items():
+                batch = torch.stack([updates[i] for i in indices])
+                batch = orthogonalise_batch(
+                    batch, *group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
+                torch._foreach_add_(
+                    [params[i] for i in indices],
+                    batch.unbind(),
+                    alpha=-lr * math.sqrt(max(1, rows / columns)),
+                )
 
 
 def create_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW | Combined:
