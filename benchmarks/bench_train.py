@@ -297,7 +297,7 @@ def phases(config, data, info, steps: int = 100) -> dict[str, float]:
 def data_pipeline(data, batch_size: int, duration: float = 1.0) -> float:
     """Samples/s of the sampler plus batch gathering through the token cache's memory map
     (data.train.batch); the trainer reads batches with pread instead (data.place: host)."""
-    sampler = ResumableSampler(len(data.train), 1, 0, shuffle=True, seed=0)
+    sampler = ResumableSampler(len(data.train), 1, 0, seed=0)
     n = 0
     start = time.perf_counter()
     while time.perf_counter() - start < duration:

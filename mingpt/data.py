@@ -372,10 +372,8 @@ class ResumableSampler(DistributedSampler):
     `start_index` (global samples consumed) resumes at the next unseen sample, whatever the world
     size now is."""
 
-    def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int):
-        super().__init__(
-            range(dataset_len), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
-        )
+    def __init__(self, dataset_len: int, num_replicas: int, rank: int, seed: int):
+        super().__init__(range(dataset_len), num_replicas=num_replicas, rank=rank, seed=seed)
         self.start_index = 0
 
     def indices(self) -> torch.Tensor:
@@ -384,11 +382,8 @@ class ResumableSampler(DistributedSampler):
         # int32 halves a large epoch's memory; randperm draws the same permutation for either dtype.
         n = len(self.dataset)
         dtype = torch.int32 if n < 2**31 else torch.int64
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g, dtype=dtype)
-        else:
-            order = torch.arange(n, dtype=dtype)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(n, generator=g, dtype=dtype)
         rest = order[self.start_index :]
         mine = rest[self.rank :: self.num_replicas]  # a view: no copy of the epoch's order
         pad = (-len(rest)) % self.num_replicas

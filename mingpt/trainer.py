@@ -194,9 +194,7 @@ class Trainer:
         if cfg.compile:
             self.model = torch.compile(self.model)
         W = dist_info.world_size
-        self.train_sampler = ResumableSampler(
-            len(data.train), W, dist_info.rank, shuffle=True, seed=cfg.seed
-        )
+        self.train_sampler = ResumableSampler(len(data.train), W, dist_info.rank, seed=cfg.seed)
         self.plan = step_plan(cfg, len(data.train), W, self.state)
         self.samples_per_step = self.plan.samples_per_step
         self.total_steps = self.plan.total_steps

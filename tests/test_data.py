@@ -133,12 +133,12 @@ def consumed_and_rest(
     n: int, world: int, start: int, epoch: int = 3
 ) -> tuple[list[int], list[list[int]]]:
     """The epoch's global order from index 0, and each rank's share after `start`."""
-    full = ResumableSampler(n, 1, 0, shuffle=True, seed=7)
+    full = ResumableSampler(n, 1, 0, seed=7)
     full.set_epoch(epoch)
     order = list(full)
     shares = []
     for rank in range(world):
-        s = ResumableSampler(n, world, rank, shuffle=True, seed=7)
+        s = ResumableSampler(n, world, rank, seed=7)
         s.set_epoch(epoch)
         s.start_index = start
         shares.append(list(s))
@@ -174,11 +174,10 @@ def test_sampler_resumes_exactly(world, start):
 
 def test_sampler_order_depends_on_epoch_and_seed():
     def order(epoch, seed):
-        s = ResumableSampler(50, 1, 0, shuffle=True, seed=seed)
+        s = ResumableSampler(50, 1, 0, seed=seed)
         s.set_epoch(epoch)
         return list(s)
 
     assert order(0, 1) == order(0, 1)
     assert order(0, 1) != order(1, 1)
     assert order(0, 1) != order(0, 2)
-    assert list(ResumableSampler(5, 1, 0, shuffle=False, seed=0)) == [0, 1, 2, 3, 4]

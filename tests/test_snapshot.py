@@ -740,9 +740,7 @@ def test_sampler_resumes_with_any_world_size():
     except the 2 that pad the last 124 to a multiple of 3."""
     seen, start = [], 0
     for world, per_rank, stop in ((2, 8, 320), (1, 8, 808), (2, 4, 1000), (3, 8, N_TRAIN)):
-        samplers = [
-            ResumableSampler(N_TRAIN, world, r, shuffle=True, seed=1337) for r in range(world)
-        ]
+        samplers = [ResumableSampler(N_TRAIN, world, r, seed=1337) for r in range(world)]
         orders = []
         for s in samplers:
             s.set_epoch(3)
