@@ -107,10 +107,6 @@ class CharTokenizer:
         self.chars = chars
         self._code_points = token_cache.code_points(chars)
 
-    @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
-        return cls("".join(sorted(set(text))))
-
     @property
     def vocab_size(self) -> int:
         return len(self.chars)

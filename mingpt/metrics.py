@@ -15,9 +15,6 @@ from mingpt.tracking import OFF, Tracker
 
 log = logging.getLogger(__name__)
 
-# Values of a train event that depend on the machine and its load, not on what the run computes.
-MACHINE_KEYS = ("tokens_per_s", "mfu", "peak_mem_mib")
-
 
 class SlowNotice:
     """Whether to announce work (an evaluation, a save) before it starts: the first time, and after

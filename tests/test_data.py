@@ -11,9 +11,14 @@ from mingpt.config import DataConfig
 from mingpt.data import CharTokenizer, DataError, ResumableSampler, TokenWindows, load_data
 
 
+def tokenizer_of(text: str) -> CharTokenizer:
+    """The vocabulary a corpus of `text` gets: its sorted distinct characters."""
+    return CharTokenizer("".join(sorted(set(text))))
+
+
 def test_encode_decode_round_trip_and_sorted_vocabulary(corpus):
     text = corpus.read_text(encoding="utf-8")[:5000]
-    tok = CharTokenizer.from_text(text)
+    tok = tokenizer_of(text)
     assert tok.chars == "".join(sorted(set(text)))
     assert tok.vocab_size == len(set(text))
     ids = tok.encode(text)
@@ -24,7 +29,7 @@ def test_encode_decode_round_trip_and_sorted_vocabulary(corpus):
 
 def test_wide_vocabulary_round_trips():
     text = "".join(chr(0x4E00 + i) for i in range(300)) + "abc"
-    tok = CharTokenizer.from_text(text)
+    tok = tokenizer_of(text)
     assert tok.vocab_size == 303
     assert tok.decode(tok.encode(text)) == text
 
