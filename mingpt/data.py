@@ -241,14 +241,14 @@ class CharData:
     train: TokenWindows
     heldout: TokenWindows
     cache: token_cache.TokenCache  # the file the tokens are read from
-    files: list[tuple[str, int]]  # (source, characters) in corpus order
+    files: list[str]  # the sources as data_config.path spells them, in corpus order
 
     def fingerprint(self) -> list[dict]:
         """The corpus's identity, as snapshots record it: each file's name, size in bytes and
         SHA-256, in order."""
         return [
             {**key, "source": source}
-            for (source, _), key in zip(self.files, self.cache.sources, strict=True)
+            for source, key in zip(self.files, self.cache.sources, strict=True)
         ]
 
     def in_vocabulary(self, chars: str) -> "CharData":
@@ -314,11 +314,10 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         if not build:
             return load_data(cfg, build=True)
         raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
-    files = list(zip(sources, cache.counts, strict=True))
     train = []
     heldout = []
     offset = 0  # of the file in the cache's tokens
-    for source, n in files:
+    for source, n in zip(sources, cache.counts, strict=True):
         n_train = int(n * cfg.train_split)
         for name, part in (("training", n_train), ("held-out", n - n_train)):
             if part < cfg.block_size + 1:
@@ -327,7 +326,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
                     f"data_config.block_size + 1 = {cfg.block_size + 1} "
                     "(check data_config.truncate and train_split)"
                 )
-                if len(files) == 1:
+                if len(sources) == 1:
                     raise DataError(message)
                 log.warning("%s; the file adds no %s windows", message, name)
         train.append((offset, n_train))
@@ -338,7 +337,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
         TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout),
         cache,
-        files,
+        sources,
     )
     for name, windows in (("training", data.train), ("held-out", data.heldout)):
         if len(windows) == 0:

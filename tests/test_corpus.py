@@ -101,7 +101,7 @@ def test_several_files_form_one_corpus_split_per_file(tmp_path):
     data = load_data(cfg_glob)
     assert data.tokenizer.chars == "".join(sorted(set("".join(texts.values()))))
     # glob: sorted
-    assert [os.path.basename(s) for s, _ in data.files] == ["a.txt", "b.txt", "c.txt"]
+    assert [os.path.basename(s) for s in data.files] == ["a.txt", "b.txt", "c.txt"]
     bounds, offset = [], 0
     for text, train, heldout in zip(
         texts.values(), data.train.segments, data.heldout.segments, strict=True
@@ -134,7 +134,7 @@ def test_several_files_form_one_corpus_split_per_file(tmp_path):
             train_split=0.8,
         )
     )
-    assert [os.path.basename(s) for s, _ in listed.files] == ["b.txt", "a.txt", "c.txt"]
+    assert [os.path.basename(s) for s in listed.files] == ["b.txt", "a.txt", "c.txt"]
 
 
 def test_wide_vocabulary_and_byte_order_mark(tmp_path):
@@ -336,11 +336,11 @@ def test_a_glob_leaves_out_hidden_files_as_the_shell_does(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="mingpt.data")
     for pattern in ("*.txt", "**/*.txt"):
         data = load_data(DataConfig(path=str(corpus / pattern), block_size=8, stride=8))
-        assert [f for f, _ in data.files] == [str(corpus / "a.txt")]
+        assert data.files == [str(corpus / "a.txt")]
         assert data.tokenizer.chars == "abcdefgh"
     assert f"{corpus / '*.txt'} matches 1 file(s): a.txt" in caplog.text
     dotted = load_data(DataConfig(path=str(corpus / ".*.txt"), block_size=8, stride=8))
-    assert [f for f, _ in dotted.files] == [str(corpus / ".secret.txt")]
+    assert dotted.files == [str(corpus / ".secret.txt")]
 
 
 def test_a_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
@@ -376,9 +376,7 @@ def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
         # another node's build
         (cache.parent / f"{cache.name}.tmp-1-otherhost-0123abcd").write_bytes(b"\xff")
         second = load_data(cfg)
-        assert (
-            [f for f, _ in second.files] == [f for f, _ in first.files] == [str(corpus / "a.txt")]
-        )
+        assert second.files == first.files == [str(corpus / "a.txt")]
         assert second.tokenizer.chars == "abcdefgh"
 
 
