@@ -9,7 +9,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.config import ConfigError, check, key_lines
 from mingpt.distributed import setup_logging
-from mingpt.storage import reason
+from mingpt.snapshot import SnapshotError
+from mingpt.storage import StorageError, reason
 
 
 class OutputError(ValueError):
@@ -50,8 +51,9 @@ def command(
     argv: list[str] | None = None,
 ) -> None:
     """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first paragraph,
-    the keys of `schema`, then the rest of `doc`; one of `errors` ends the run with one line on
-    stderr and exit status 2, Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
+    the keys of `schema`, then the rest of `doc`; an error of the config, a snapshot, storage or
+    the output, or one of the command's own `errors`, ends the run with one line on stderr and exit
+    status 2, Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
     if argv is None:
         argv = sys.argv[1:]
     try:
@@ -61,7 +63,7 @@ def command(
             return
         setup_logging(rank=0)
         body(argv)
-    except errors as e:
+    except (ConfigError, SnapshotError, StorageError, OutputError, *errors) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:

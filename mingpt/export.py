@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from mingpt.command import OutputError, command, parse_args, write
+from mingpt.command import command, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
-from mingpt.snapshot import SnapshotError, reader, single_file
-from mingpt.storage import StorageError, fsync_dir
+from mingpt.snapshot import reader, single_file
+from mingpt.storage import fsync_dir
 
 FORMATS = ("safetensors", "hf", "snapshot")
 WEIGHTS = reader.EXPORT_WEIGHTS
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         ExportConfig,
         __doc__,
         run,
-        (ConfigError, SnapshotError, StorageError, ExportError, OutputError),
+        (ExportError,),
         argv,
     )
 

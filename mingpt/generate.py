@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from mingpt.command import OutputError, command, parse_args, write
+from mingpt.command import command, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import (
     MIN_TEMPERATURE,
@@ -24,8 +24,8 @@ from mingpt.decoding import (
 from mingpt.distributed import pick_device
 from mingpt.flops import available_memory
 from mingpt.model import GPT
-from mingpt.snapshot import SnapshotError, reader
-from mingpt.storage import StorageError, check_regular, reason, storage_errors
+from mingpt.snapshot import reader
+from mingpt.storage import check_regular, reason, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         GenerateConfig,
         __doc__,
         lambda argv: run(parse_args(argv, GenerateConfig, TEXT_KEYS)),
-        (ConfigError, SnapshotError, StorageError, PromptError, OutputError),
+        (PromptError,),
         argv,
     )
 

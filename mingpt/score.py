@@ -10,13 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from mingpt import evaluation
-from mingpt.command import OutputError, command, parse_args, write
-from mingpt.config import ConfigError, DataConfig, TrainerConfig, check, check_fields, key
+from mingpt.command import command, parse_args, write
+from mingpt.config import DataConfig, TrainerConfig, check, check_fields, key
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig
 from mingpt.snapshot import SnapshotError, compat, reader
-from mingpt.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         ScoreConfig,
         __doc__,
         run,
-        (ConfigError, SnapshotError, StorageError, DataError, TextError, OutputError),
+        (DataError, TextError),
         argv,
     )
 
