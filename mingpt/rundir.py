@@ -228,18 +228,17 @@ class Claim:
     run_dir: str
     snapshot_path: str
     fds: list[int]
-    rank: int
-    log_buffer: logging.handlers.MemoryHandler | None
+    log_buffer: logging.handlers.MemoryHandler | None  # rank 0's alone (hold_log_lines)
     log_file: logging.FileHandler | None = None
-    made: list[str] = dataclasses.field(default_factory=list)  # the lock files it created
-    accepted: bool = False
+    # the lock files it created, taken back if it is refused
+    made: list[str] = dataclasses.field(default_factory=list)
 
-    def accept(self, files: Mapping[str, str | Callable[[], str]] | None = None) -> None:
+    def accept(self, files: Mapping[str, str | Callable[[], str]]) -> None:
         """Every check passed: record the holder, open train.log with the lines logged so far,
-        and write `files` ({path in the run directory: text, or what makes it})."""
-        if self.rank != 0:
+        and write `files` ({path in the run directory: text, or what makes it}); on rank 0 alone."""
+        if self.log_buffer is None:
             return
-        self.accepted = True
+        self.made = []  # accepted: its lock files stay
         info = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -254,11 +253,11 @@ class Claim:
         self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
         self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler
         self.log_file.filters = list(root.handlers[0].filters)  # mingpt's INFO only
-        self.log_buffer.setTarget(self.log_file)  # rank 0 has one (hold_log_lines)
+        self.log_buffer.setTarget(self.log_file)
         self.log_buffer.flush()
         root.removeHandler(self.log_buffer)
         root.addHandler(self.log_file)
-        for name, text in (files or {}).items():
+        for name, text in files.items():
             path = os.path.join(self.run_dir, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
@@ -267,10 +266,9 @@ class Claim:
     def release(self) -> None:
         # A refused job leaves no trace: the lock files it made go while it still holds them (a run
         # directory left empty goes too, in mingpt.cli).
-        if not self.accepted:
-            for path in self.made:
-                with contextlib.suppress(OSError):
-                    os.remove(path)
+        for path in self.made:
+            with contextlib.suppress(OSError):
+                os.remove(path)
         root = logging.getLogger()
         for handler in filter(None, (self.log_buffer, self.log_file)):
             root.removeHandler(handler)
@@ -291,7 +289,7 @@ def claim(
     """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
     the locks, so every rank of a refused job raises the same RunDirError before anything is
     written."""
-    owned = Claim(run_dir, snapshot_path, [], dist_info.rank, log_buffer)
+    owned = Claim(run_dir, snapshot_path, [], log_buffer)
     refusal = None
     try:
         if dist_info.is_main_process:

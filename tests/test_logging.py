@@ -26,8 +26,8 @@ def test_third_party_info_stays_out_of_stderr_and_train_log(tmp_path, capsys, ro
     buffer = hold_log_lines(0)  # as mingpt.run does: lines before the run is accepted are kept
     logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
     logging.getLogger("mingpt.run").info("run directory here")
-    claim = Claim(str(tmp_path), str(tmp_path / "snapshot.pt"), [], 0, buffer)
-    claim.accept()
+    claim = Claim(str(tmp_path), str(tmp_path / "snapshot.pt"), [], buffer)
+    claim.accept({})
     logging.getLogger("botocore.credentials").info("Found credentials again")
     logging.getLogger("s3fs").warning("a third-party warning")
     logging.getLogger("mingpt.trainer").info("a line of ours")
