@@ -19,7 +19,7 @@ from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
-from mingpt.rundir import Claim, check_record, claim, hold_log_lines, new_run_hint, shell_override
+from mingpt.rundir import Claim, claim, hold_log_lines, new_run_hint, shell_override
 from mingpt.snapshot import compat, reader
 from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
@@ -106,8 +106,7 @@ def settle(
     start = 0
     if run.saved:
         start = run.saved["step"]
-    with claim(run.dir, run.snapshot_path, dist_info, log_buffer) as owned:
-        check_record(run.dir, run.snapshot_path, start, dist_info)
+    with claim(run.dir, run.snapshot_path, start, dist_info, log_buffer) as owned:
         yield run, owned
 
 

@@ -283,12 +283,15 @@ class Claim:
 def claim(
     run_dir: str,
     snapshot_path: str,
+    step: int,
     dist_info: DistInfo,
     log_buffer: logging.handlers.MemoryHandler | None,
 ) -> Iterator[Claim]:
-    """Own the run directory (and a local snapshot location) for the body's duration. Rank 0 takes
-    the locks, so every rank of a refused job raises the same RunDirError before anything is
-    written."""
+    """Own the run directory (and a local snapshot location) for the body's duration, its record
+    checked once it is owned: a start from `step` must not cut back the record of another run in
+    `run_dir` (the run whose snapshot its lock file names), nor find a record file of the wrong
+    kind. Rank 0 takes the locks and checks, so every rank of a refused job raises the same
+    RunDirError before anything is written."""
     owned = Claim(run_dir, snapshot_path, [], log_buffer)
     refusal = None
     try:
@@ -300,6 +303,7 @@ def claim(
                         owned.fds.append(fd)
                     if created:
                         owned.made.append(path)
+                refusal = _record_problem(run_dir, snapshot_path, step)
             except RunDirError as e:
                 refusal = str(e)
         _agree(dist_info, refusal)
@@ -333,14 +337,4 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         "overwrite that record: give the snapshot path that run had "
         f"({shell_override('trainer_config.snapshot_path', previous)}), or start this run under "
         "another name (trainer_config.run_name=NAME)"
-    )
-
-
-def check_record(run_dir: str, snapshot_path: str, step: int, dist_info: DistInfo) -> None:
-    """Refuse, on every rank, a start from `step` that would cut back the record of another run
-    in `run_dir` (the run whose snapshot its lock file names), or a record file of the wrong
-    kind."""
-    _agree(
-        dist_info,
-        _record_problem(run_dir, snapshot_path, step) if dist_info.is_main_process else None,
     )

@@ -298,20 +298,24 @@ def test_a_refused_corpus_leaves_no_run_directory(commands, name):
 @pytest.mark.parametrize("name", ["metrics.jsonl", "train.log", "tb"])
 def test_a_record_file_of_the_wrong_kind_is_one_line(tmp_path, name):
     from mingpt.distributed import DistInfo
-    from mingpt.rundir import RunDirError, check_record
+    from mingpt.rundir import RunDirError, claim
 
     path = tmp_path / name
     path.mkdir() if name != "tb" else path.write_text("")
     kind = "a directory" if name == "tb" else "a file"
-    with pytest.raises(
-        RunDirError, match=f"^run directory {tmp_path}: {path} must be {kind}; move it away$"
-    ):
-        check_record(
+    with (
+        pytest.raises(
+            RunDirError, match=f"^run directory {tmp_path}: {path} must be {kind}; move it away$"
+        ),
+        claim(
             str(tmp_path),
             str(tmp_path / "snapshot.pt"),
             0,
             DistInfo(0, 0, 1, 1, torch.device("cpu")),
-        )
+            None,
+        ),
+    ):
+        pass
 
 
 def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(tmp_path):
@@ -319,7 +323,7 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
     same snapshot, so its later events go (a non-UTF-8 or cut line with them)."""
     from mingpt.distributed import DistInfo
     from mingpt.metrics import Metrics
-    from mingpt.rundir import LOCK_FILE, check_record
+    from mingpt.rundir import LOCK_FILE, claim
 
     (tmp_path / LOCK_FILE).write_text(json.dumps({"snapshot": str(tmp_path / "snapshot.pt")}))
     lines = [
@@ -329,9 +333,9 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
         b'{"step": 10, "epo',
     ]
     (tmp_path / "metrics.jsonl").write_bytes(b"".join(lines))
-    check_record(
-        str(tmp_path), str(tmp_path / "snapshot.pt"), 5, DistInfo(0, 0, 1, 1, torch.device("cpu"))
-    )
+    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    with claim(str(tmp_path), str(tmp_path / "snapshot.pt"), 5, cpu, None):
+        pass
     Metrics(str(tmp_path), True, resume_step=5).close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == lines[0]
 
