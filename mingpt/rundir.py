@@ -107,15 +107,6 @@ def check_hydra_settings(hydra_cfg: Any, sweep: bool) -> None:
         )
 
 
-def _agree(dist_info: DistInfo, refusal: str | None) -> None:
-    """Rank 0's decision on every rank: all raise the same RunDirError, or none does."""
-    decision = [refusal]
-    if dist_info.is_distributed:
-        dist.broadcast_object_list(decision, src=0)
-    if decision[0] is not None:
-        raise RunDirError(decision[0])
-
-
 def _holder(fd: int) -> str:
     """Who holds the lock, from what it wrote in the file (none yet, or a dead holder's: a job is
     starting)."""
@@ -293,7 +284,7 @@ def claim(
     kind. Rank 0 takes the locks and checks, so every rank of a refused job raises the same
     RunDirError before anything is written."""
     owned = Claim(run_dir, snapshot_path, [], log_buffer)
-    refusal = None
+    refusal = [None]  # rank 0's, on every rank: all raise the same RunDirError, or none does
     try:
         if dist_info.is_main_process:
             try:
@@ -303,10 +294,13 @@ def claim(
                         owned.fds.append(fd)
                     if created:
                         owned.made.append(path)
-                refusal = _record_problem(run_dir, snapshot_path, step)
+                refusal = [_record_problem(run_dir, snapshot_path, step)]
             except RunDirError as e:
-                refusal = str(e)
-        _agree(dist_info, refusal)
+                refusal = [str(e)]
+        if dist_info.is_distributed:
+            dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise RunDirError(refusal[0])
         yield owned
     finally:
         owned.release()
