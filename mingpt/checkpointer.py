@@ -103,7 +103,6 @@ class Checkpointer:
         meta, own = sharded.load(
             state,
             self.root,
-            own=True,
             check=lambda saved: compat.check_fits(
                 saved, self.config, self.vocab, self.root, self.dist, self.corpus
             ),

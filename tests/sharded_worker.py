@@ -140,7 +140,7 @@ def load(out: str, root: str) -> None:
     model, optimizer = build(seed=2)  # other initial weights, no optimizer state yet
     msd, osd = get_state_dict(model, optimizer)
     tensors = {"model": msd, "optim": osd}
-    meta = sharded.load(tensors, root)
+    meta, _ = sharded.load(tensors, root)
     set_state_dict(
         model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"]
     )

@@ -102,7 +102,7 @@ def test_reshards_to_two_ranks_and_one_process(saved, tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     msd, osd = get_state_dict(model, optimizer)
     tensors = {"model": msd, "optim": osd}
-    meta = sharded.load(tensors, str(root))
+    meta, _ = sharded.load(tensors, str(root))
     set_state_dict(
         model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"]
     )

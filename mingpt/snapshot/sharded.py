@@ -406,12 +406,11 @@ def _dcp_load(flat: dict[str, Any], directory: str, metadata: Metadata, **option
 def load(
     tensors: dict[str, Any],
     root_or_dir: str,
-    own: bool = False,
     check: Callable[[dict[str, Any]], None] | None = None,
-) -> Any:
+) -> tuple[dict[str, Any], Any]:
     """Verify the newest published snapshot of a root (or that directory), which `check(meta)` may
-    refuse, and load it into `tensors` in place, resharded. Returns its meta; with `own`, (meta,
-    this rank's own state, if the snapshot was saved by as many ranks)."""
+    refuse, and load it into `tensors` in place, resharded. Returns (its meta, this rank's own
+    state if the snapshot was saved by as many ranks, else None)."""
     # A save in flight uses the same collectives.
     wait_pending()
     pg = _checkpoint_group()
@@ -436,15 +435,13 @@ def load(
     _check_keys(directory, sorted(flat), _tensor_keys(document["structure"]), metadata)
     ranks = document.get("ranks") or []
     mine = None
-    if own and len(ranks) == _world(pg):
+    if len(ranks) == _world(pg):
         mine = ranks[_rank(pg)]
         flat.update(_empty(directory, _tensor_keys(mine), metadata))
     _dcp_load(flat, directory, metadata)
     loaded = _unflatten(document["structure"], flat)
     tensors.update({key: loaded[key] for key in tensors if key in loaded})
     log.info("loaded sharded snapshot %s (step %s)", directory, document.get("step"))
-    if not own:
-        return document["meta"]
     own_state = None
     if mine is not None:
         own_state = _unflatten(mine, flat)[f"{OWN}{_rank(pg)}"]
