@@ -521,7 +521,7 @@ def run_saver(
 ) -> Callable[[int], Any]:
     """The run's own save (Distributed Checkpoint, each rank its shards) of `model` and `optimizer`
     under `root`, with the trainer's finiteness check: save(step) returns once training may go on;
-    its handle's done() and wait() follow a background write."""
+    the future it returns (done(), result()) follows a background write."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from mingpt.checkpointer import NotFinite

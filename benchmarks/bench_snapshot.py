@@ -185,7 +185,7 @@ def series(args, info) -> dict:
         while one and handle is not None and not handle.done():
             figures["during"].append(small_step(model, info.device))
         if handle is not None:
-            handle.wait()
+            handle.result()
         figures["published"].append(time.perf_counter() - start)
     figures["extra_ram"] = rss("VmHWM") - before
     figures["idle"] = idle + [small_step(model, info.device) for _ in range(idle_steps)]

@@ -102,7 +102,7 @@ def save(out: str, root: str) -> None:
                         p.zero_()
             published = sharded.wait_pending()
         else:
-            published = handle.wait()
+            published = handle.result()
         report["published"].append(os.path.basename(published))
         report.setdefault("latest", []).append(os.path.basename(manifest.latest(root)))
     report["listing"] = sorted(os.listdir(root))

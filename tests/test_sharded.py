@@ -113,8 +113,8 @@ def test_reshards_to_two_ranks_and_one_process(saved, tmp_path):
     # load_full gives the same, and a one-process save (async) round-trips through it.
     full, meta = sharded.load_full(str(root / "step-00000004"))
     assert_same_state(full, reference) and meta["samples_in_epoch"] == 32
-    handle = sharded.save(tensors, meta, str(tmp_path / "one"), 7, keep=1, async_save=True)
-    assert handle.wait() == f"{tmp_path / 'one'}/step-00000007"
+    sharded.save(tensors, meta, str(tmp_path / "one"), 7, keep=1, async_save=True)
+    assert sharded.wait_pending() == f"{tmp_path / 'one'}/step-00000007"
     again, _ = sharded.load_full(str(tmp_path / "one"))
     assert_same_state(again, reference)
 
@@ -278,7 +278,8 @@ ONE_ASYNC_SAVE = """
 import sys, torch
 from mingpt.snapshot import sharded
 state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}}
-print(sharded.save(state, {"note": 1}, sys.argv[1], 3, keep=1, async_save=True).wait())
+sharded.save(state, {"note": 1}, sys.argv[1], 3, keep=1, async_save=True)
+print(sharded.wait_pending())
 """
 
 
@@ -306,7 +307,8 @@ def test_asynchronous_saves_in_a_row(tmp_path):
     root = str(tmp_path / "root")
     for step in (1, 2, 3):
         state = {"model": {"w": torch.full((3, 4), float(step))}}
-        sharded.save(state, {"note": step}, root, step, keep=2, async_save=True).wait()
+        sharded.save(state, {"note": step}, root, step, keep=2, async_save=True)
+        sharded.wait_pending()
     loaded, meta = sharded.load_full(root)
     assert meta == {"note": 3} and torch.equal(loaded["model"]["w"], torch.full((3, 4), 3.0))
 
@@ -359,9 +361,11 @@ def test_a_full_disk_says_so(small_disk, async_save):
     pos 704 vs 598`: the message is the storage's own error, on a real full file system
     (a 256 KB tmpfs), and the published snapshot before it is kept."""
     root = str(small_disk / "snapshots")
-    sharded.save({"w": torch.ones(1000)}, {"step": 1}, root, 1, async_save=async_save).wait()
+    sharded.save({"w": torch.ones(1000)}, {"step": 1}, root, 1, async_save=async_save)
+    sharded.wait_pending()
     with pytest.raises(sharded.StorageError) as failed:
-        sharded.save({"w": torch.ones(100_000)}, {"step": 2}, root, 2, async_save=async_save).wait()
+        sharded.save({"w": torch.ones(100_000)}, {"step": 2}, root, 2, async_save=async_save)
+        sharded.wait_pending()
     assert str(failed.value) == (
         f"cannot save sharded snapshot {root}/step-00000002: [Errno 28] No space left on "
         "device (rank 0); the previous snapshots are unchanged"
@@ -373,7 +377,8 @@ def test_a_first_save_that_fails_says_no_snapshot_is_published(small_disk):
     """With no snapshot before it, the failed save does not claim that earlier ones are kept."""
     root = str(small_disk / "snapshots")
     with pytest.raises(sharded.StorageError) as failed:
-        sharded.save({"w": torch.ones(100_000)}, {"step": 1}, root, 1).wait()
+        sharded.save({"w": torch.ones(100_000)}, {"step": 1}, root, 1)
+        sharded.wait_pending()
     assert str(failed.value) == (
         f"cannot save sharded snapshot {root}/step-00000001: [Errno 28] No space left on "
         f"device (rank 0); no snapshot is published in {root} yet"
@@ -394,7 +399,8 @@ def test_a_failed_save_keeps_its_cause_when_the_root_cannot_be_listed(tmp_path, 
     monkeypatch.setattr(manifest, "publish", full)
     monkeypatch.setattr(manifest, "latest", unlisted)
     with pytest.raises(sharded.StorageError) as failed:
-        sharded.save({"w": torch.ones(10)}, {"step": 1}, root, 1).wait()
+        sharded.save({"w": torch.ones(10)}, {"step": 1}, root, 1)
+        sharded.wait_pending()
     assert str(failed.value) == (
         f"cannot save sharded snapshot {root}/step-00000001: [Errno 28] No space left on "
         "device; the previous snapshots are unchanged"

@@ -86,30 +86,8 @@ def _tensor_keys(structure: Any) -> list[str]:
     return list(looked_up)
 
 
-class SaveHandle:
-    """A save in progress or done: `wait()` returns its directory or raises its StorageError, on
-    every rank alike. `future` gives the error line, or None."""
-
-    def __init__(self, target: str, future: Future):
-        self.target = target
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self) -> str:
-        global _pending
-        # Its outcome is given here: wait_pending() does not give it again.
-        if _pending is self:
-            _pending = None
-        error = self._future.result()
-        if error:
-            raise StorageError(error)
-        return self.target
-
-
 # The one asynchronous save in flight: every save, load and exit waits for it.
-_pending: SaveHandle | None = None
+_pending: Future | None = None
 # Its thread starts at the first submit.
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
 # id -> (the default group, kept so that its id is not reused; its gloo group)
@@ -117,10 +95,13 @@ _groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}
 
 
 def wait_pending() -> str | None:
-    """Wait for the save in flight, if any: its target, or its StorageError (given once)."""
+    """Wait for the save in flight, if any: its directory, or its StorageError (given once)."""
+    global _pending
     if _pending is None:
         return None
-    return _pending.wait()
+    pending = _pending
+    _pending = None
+    return pending.result()
 
 
 def _checkpoint_group() -> dist.ProcessGroup | None:
@@ -238,9 +219,11 @@ def save(
     async_save: bool = True,
     own: Any = None,
     lowest_rank: bool = False,
-) -> SaveHandle:
+) -> Future:
     """Save `tensors` (each rank its shards), `meta` and `own` (each rank's own state) as a new
-    snapshot of `root`, keeping `keep`. Asynchronously, it returns once the state is copied.
+    snapshot of `root`, keeping `keep`. Asynchronously, it returns once the state is copied, with
+    the future of the write, whose outcome wait_pending() gives once: the snapshot's directory, or
+    its StorageError, on every rank alike.
     `lowest_rank`: each plain tensor is written by its first holder (replicas that may differ)."""
     # One save at a time; the previous one's error surfaces here.
     wait_pending()
@@ -282,8 +265,9 @@ def save(
         "process_group": pg,
     }
 
-    def complete() -> str | None:
-        """Wait for the writes, then publish: the error, the same on every rank, or None."""
+    def complete() -> str:
+        """Wait for the writes, then publish: the directory, or the StorageError, the same on
+        every rank."""
         error = None
         try:
             if async_save:
@@ -296,24 +280,23 @@ def save(
             else:
                 error = f"{reason(streams.error)} (rank {_rank(pg)})"
         try:
-            return _publish(directory, root, document, keep, pg, error, streams.error is not None)
-        # One line on this rank too, never lost.
+            _publish(directory, root, document, keep, pg, error, streams.error is not None)
+        # One line, on every rank: any error of this rank's too, never lost.
         except Exception as e:
-            return f"cannot save sharded snapshot {directory}: {reason(e)}"
+            raise StorageError(f"cannot save sharded snapshot {directory}: {reason(e)}") from None
+        return directory
 
     if not async_save:
         written = Future()
         written.set_result(complete())
-        handle = SaveHandle(directory, written)
-        handle.wait()
-        return handle
+        return written
     try:
         upload = dcp.async_save(flat, async_stager=_stager(on_gpu), **options)
     # Staging failed: nothing was started.
     except (Exception, CheckpointException) as e:
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
     global _pending
-    _pending = SaveHandle(directory, _executor.submit(complete))
+    _pending = _executor.submit(complete)
     return _pending
 
 
@@ -325,9 +308,9 @@ def _publish(
     pg,
     error: str | None,
     storage_cause: bool,
-) -> str | None:
+) -> None:
     """Each rank hashes its own shards; rank 0 publishes and prunes. The error, a storage cause
-    before others, or None."""
+    before others, raised on every rank as a StorageError."""
     shards = {}
     if error is None:
         try:
@@ -336,31 +319,31 @@ def _publish(
             error = f"rank {_rank(pg)}: {reason(e)}"
     gathered = _gather((shards, error, storage_cause), pg)
 
-    def failed(error: str) -> str:
-        """The one line of a save that was not published, and what is left of the run's saves."""
+    def failed(error: str) -> StorageError:
+        """Why a save was not published, and what is left of the run's saves."""
         left = "the previous snapshots are unchanged"
         with contextlib.suppress(StorageError):
             if manifest.latest(root) is None:
                 left = f"no snapshot is published in {root} yet"
-        return f"cannot save sharded snapshot {directory}: {error}; {left}"
+        return StorageError(f"{error}; {left}")
 
-    def publish() -> str | None:
-        """Rank 0's part. It raises nothing, so that no rank is left waiting for it."""
+    def publish() -> None:
+        """Rank 0's part. It raises only a StorageError, which _by_rank0 raises on every rank: no
+        rank is left waiting for it."""
         errors = [e for _, e, _ in sorted(gathered, key=lambda g: not g[2]) if e]
         if errors:
-            return failed(errors[0])
+            raise failed(errors[0])
         every_shard = {name: entry for hashes, _, _ in gathered for name, entry in hashes.items()}
         try:
             count = manifest.publish(directory, document, every_shard)
         except storage_errors() as e:
-            return failed(reason(e))
+            raise failed(reason(e)) from None
         except Exception as e:
-            return failed(f"{type(e).__name__}: {reason(e)}")
+            raise failed(f"{type(e).__name__}: {reason(e)}") from None
         manifest.prune(root, os.path.basename(directory), keep)
         log.info("published sharded snapshot %s (%d files)", directory, count)
-        return None
 
-    return _by_rank0(pg, publish)
+    _by_rank0(pg, publish)
 
 
 def _read(directory: str) -> manifest.Published:
