@@ -90,8 +90,6 @@ def _tensor_keys(structure: Any) -> list[str]:
 _pending: Future | None = None
 # Its thread starts at the first submit.
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
-# id -> (the default group, kept so that its id is not reused; its gloo group)
-_groups: dict[int, tuple[Any, dist.ProcessGroup]] = {}
 
 
 def wait_pending() -> str | None:
@@ -104,15 +102,19 @@ def wait_pending() -> str | None:
     return pending.result()
 
 
+# Keyed by the default group itself, which the cache keeps: a later default group (a test's next
+# process group) gets its own.
+@functools.cache
+def _gloo_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
+    return dist.new_group(backend="gloo")
+
+
 def _checkpoint_group() -> dist.ProcessGroup | None:
     """A gloo group of all ranks, made once per default group: the snapshot thread's collectives
     must not share a communicator with the training step's."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    world = dist.group.WORLD
-    if id(world) not in _groups:
-        _groups[id(world)] = (world, dist.new_group(backend="gloo"))
-    return _groups[id(world)][1]
+    return _gloo_group(dist.group.WORLD)
 
 
 def _rank(pg) -> int:
