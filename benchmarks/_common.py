@@ -437,11 +437,11 @@ def stop_check(t: Any) -> None:
 def save_snapshot(t: Any, at_step: int) -> int:
     """The run's own save at `at_step`, waited for until published (a background save included);
     the snapshot's bytes on rank 0 (0 elsewhere)."""
-    from mingpt.snapshot import manifest
+    from mingpt.snapshot import manifest, sharded
 
     t.state.step = at_step  # another position: the save writes again
     t.checkpointer._save(t.state)
-    t.checkpointer.wait()
+    sharded.wait_pending()
     if not t.dist.is_main_process:
         return 0
     newest = manifest.latest(t.snapshot_path)

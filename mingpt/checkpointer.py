@@ -173,8 +173,9 @@ class Checkpointer:
         on_epoch = epoch_ended and state.epoch % self.cfg.save_every == 0
         if last_step or stop or on_time or on_step or on_epoch:
             self._save(state)
+        # Wait for the save in flight (async_save); its StorageError is raised on every rank.
         if last_step or stop:
-            self.wait()
+            sharded.wait_pending()
         # A stop signal that came while the last snapshot was written still stops the run.
         if last_step and not stop:
             stop = self._agree()[0]
@@ -283,10 +284,6 @@ class Checkpointer:
         if all_max(self.dist, [int(not all_finite(local))])[0]:
             raise NotFinite(f"weights are not finite at step {step}, not saving; {self.kept()}")
         return model_state
-
-    def wait(self) -> None:
-        """Wait for the save in flight (async_save); its StorageError is raised on every rank."""
-        sharded.wait_pending()
 
     def finish_in_flight(self) -> None:
         """On the way out with an error: a save still being written completes; its own error is only

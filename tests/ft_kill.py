@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mingpt import trainer  # noqa: E402
 from mingpt.cli import main  # noqa: E402
+from mingpt.snapshot import sharded  # noqa: E402
 
 _train_step = trainer.Trainer.train_step
 
@@ -26,7 +27,7 @@ def train_step_or_die(self, indices):
         and self.dist.rank == int(os.environ["FT_KILL_RANK"])
         and self.state.step == int(os.environ["FT_KILL_STEP"])
     ):
-        self.checkpointer.wait()
+        sharded.wait_pending()
         os.kill(os.getpid(), signal.SIGKILL)
     return _train_step(self, indices)
 
