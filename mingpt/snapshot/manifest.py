@@ -253,29 +253,26 @@ class Published(NamedTuple):
 def read(directory: str) -> Published:
     """A published snapshot's manifest, meta.json and DCP's index, each checked against the
     manifest."""
+    files = _json(directory, MANIFEST, "files")["files"]
+    document = _json(directory, META, "meta", files)
+    metadata = _index(directory, checked(directory, DCP_METADATA, files), files)
+    return Published(files, document, metadata)
+
+
+def _json(directory: str, name: str, key: str, files: dict[str, list] | None = None) -> dict:
+    """A JSON file of the snapshot (checked against `files`) in this format, `key` a mapping in it.
+    A manifest's entry that is not [size, SHA-256] matches no file: reading that file says so."""
     # Outside the try: a SnapshotError is a ValueError.
-    data = checked(directory, MANIFEST)
+    data = checked(directory, name, files)
     try:
-        manifest = json.loads(data)
-        files = manifest["files"]
-        entries_ok = all(isinstance(v, list) and len(v) == 2 for v in files.values())
-        if manifest.get("format") != FORMAT or not entries_ok:
-            raise ValueError(f"format {manifest.get('format')!r}")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SnapshotError(
-            f"snapshot {directory} is damaged: {MANIFEST} cannot be read ({reason(e)})"
-        ) from None
-    document = checked(directory, META, files)
-    try:
-        document = json.loads(document)
-        if document.get("format") != FORMAT or not isinstance(document.get("meta"), dict):
+        document = json.loads(data)
+        if document.get("format") != FORMAT or not isinstance(document.get(key), dict):
             raise ValueError(f"format {document.get('format')!r}")
     except (ValueError, AttributeError) as e:
         raise SnapshotError(
-            f"snapshot {directory} is damaged: {META} cannot be read ({reason(e)})"
+            f"snapshot {directory} is damaged: {name} cannot be read ({reason(e)})"
         ) from None
-    metadata = _index(directory, checked(directory, DCP_METADATA, files), files)
-    return Published(files, document, metadata)
+    return document
 
 
 def _index(directory: str, data: bytes, files: dict[str, list]) -> Metadata:
