@@ -206,7 +206,7 @@ class Checkpointer:
         if self.saved_step == state.step:
             return
         start = time.monotonic()
-        if self.notice.slow and self.dist.is_main_process:
+        if self.notice.slow:
             log.info("saving snapshot %s at step %d", self.root, state.step)
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
         model_state = self._weights(model_state, state.step)
@@ -234,17 +234,12 @@ class Checkpointer:
         self.last_save = time.monotonic()
         seconds = self.last_save - start
         self.notice.took(seconds)
-        if self.dist.is_main_process:
-            background = ""
-            if self.cfg.async_save:
-                background = " (writing on in the background)"
-            log.info(
-                "saved snapshot %s at step %d in %.2f s%s",
-                self.root,
-                state.step,
-                seconds,
-                background,
-            )
+        background = ""
+        if self.cfg.async_save:
+            background = " (writing on in the background)"
+        log.info(
+            "saved snapshot %s at step %d in %.2f s%s", self.root, state.step, seconds, background
+        )
 
     def save_best(self, state: Any) -> None:
         """The weights (with LocalSGD, the replicas' mean) and the record, without optimizer state,
@@ -254,13 +249,12 @@ class Checkpointer:
         sharded.save(
             {"model": model_state}, self._meta(state), best, state.step, keep=1, async_save=False
         )
-        if self.dist.is_main_process:
-            log.info(
-                "saved the best weights so far (held-out loss %.4f at step %d) to %s",
-                state.best_eval_loss,
-                state.step,
-                best,
-            )
+        log.info(
+            "saved the best weights so far (held-out loss %.4f at step %d) to %s",
+            state.best_eval_loss,
+            state.step,
+            best,
+        )
 
     def _meta(self, state: Any) -> dict[str, Any]:
         """A snapshot's record beside its tensors: the run's position, its configs, its vocabulary
