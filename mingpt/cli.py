@@ -189,9 +189,16 @@ def compose_checked(
         return cfg
     check_composed(cfg)
     if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
-        for batch in BasicSweeper.split_arguments(
-            OverridesParser.create().parse_overrides(overrides), None
-        ):
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        for override in parsed:
+            # The sweep's directory (its multirun.yaml) is named by the run name before the
+            # sweep: the default's, while each job would go to a directory of its own name.
+            if override.key_or_group == "trainer_config.run_name" and override.is_sweep_override():
+                raise ConfigError(
+                    f"{override.input_line}: a sweep's jobs share its run name "
+                    "(runs/<run_name>-multirun/N); give each name its own command"
+                )
+        for batch in BasicSweeper.split_arguments(parsed, None):
             for job in batch:
                 check_composed(self.config_loader.load_sweep_config(cfg, list(job)))
         HydraConfig.instance().set_config(cfg)

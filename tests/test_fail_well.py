@@ -653,6 +653,9 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
         ): "trainer_config.batch_size: must be >= 1, got 0",
         # before job 0 runs
         ("-m", "trainer_config.batch_size=1,0"): "trainer_config.batch_size: must be >= 1, got 0",
+        # the sweep's directory and record would go under the default name, each job elsewhere
+        ("-m", "trainer_config.run_name=a,b"): "trainer_config.run_name=a,b: a sweep's jobs share "
+        "its run name",
         (
             "trainer_config.seed=1",
             "--config-dir",
