@@ -260,9 +260,9 @@ def run(config: Config, run_dir: str, files: dict[str, str], notices: Sequence[s
     refuse the run comes before the first write in `run_dir`; then train.log and `files` ({path in
     run_dir: text}) are written."""
     with distributed(config.trainer_config.device) as dist_info:
+        setup_logging(dist_info.rank)
+        log_buffer = hold_log_lines(dist_info.rank)
         try:
-            setup_logging(dist_info.rank)
-            log_buffer = hold_log_lines(dist_info.rank)
             if dist_info.is_main_process:
                 for notice in notices:
                     log.warning(notice)
@@ -275,3 +275,6 @@ def run(config: Config, run_dir: str, files: dict[str, str], notices: Sequence[s
             # group is whole.
             traceback.clear_frames(e.__traceback__)
             raise
+        finally:
+            # refused before its claim took them (Claim.release): the held lines go
+            logging.getLogger().removeHandler(log_buffer)

@@ -4,11 +4,15 @@ lines, other libraries' warnings, not their INFO."""
 from __future__ import annotations
 
 import logging
+import logging.handlers
 
 import pytest
 
+from mingpt.config import Config
 from mingpt.distributed import setup_logging
+from mingpt.run import run
 from mingpt.rundir import Claim, hold_log_lines
+from mingpt.storage import StorageError
 
 
 @pytest.fixture
@@ -44,3 +48,17 @@ def test_third_party_info_stays_out_of_stderr_and_train_log(tmp_path, capsys, ro
             "a line of python -m mingpt.generate",
         ):
             assert line in shown, shown
+
+
+def test_a_run_refused_before_it_claims_its_directory_keeps_no_log_buffer(
+    tmp_path, root_logger, monkeypatch
+):
+    """Lines held for train.log (hold_log_lines) are let go when start-up refuses the run before
+    it owns its directory: a caller in the same process keeps no buffer on the root logger."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("a file where a directory should be\n")
+    config = Config()
+    config.trainer_config.device = "cpu"
+    with pytest.raises(StorageError):
+        run(config, str(tmp_path / "afile" / "run"), {}, [])
+    assert not [h for h in root_logger.handlers if isinstance(h, logging.handlers.MemoryHandler)]
