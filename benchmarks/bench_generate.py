@@ -175,7 +175,7 @@ def floor(model: GPT, device: torch.device, samples: int = 1, compiled: bool = F
     inputs = [torch.randn(samples, m.in_features, device=device) for m in linears]
     linear = F.linear
     if not compiled:
-        linear = decoding.step_linear(model)
+        linear = decoding.step_linear(model, samples)
 
     def matmuls(xs):
         return [linear(x, m.weight, m.bias) for x, m in zip(xs, linears, strict=True)]

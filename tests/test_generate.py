@@ -267,12 +267,27 @@ def test_where_onednn_multiplies_a_row_faster_an_eager_step_uses_it(
     assert decoding.step_linear(model) is F.linear
 
 
-def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread):
+@pytest.mark.parametrize("products", ["blas", "onednn"])
+def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread, monkeypatch, products):
     """A batch of samples with one generator each: every row gets the tokens it
     gets alone with that generator (so sample 1 is unchanged by num_samples),
-    cached or not, and the same seeds give the same batch."""
+    cached or not, and the same seeds give the same batch. With oneDNN's products,
+    a batch's come from weights packed for its rows: the same products."""
     model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
     idx = tokenizer.encode("ROMEO:").long()[None]
+    faster = {"blas": 1.0, "read": 1.0, "onednn": 2.0}
+    if products == "onednn":
+        if decoding.one_row_seconds()["onednn"] == float("inf"):
+            pytest.skip("this torch has no oneDNN that agrees with F.linear")
+        faster = {"blas": 2.0, "read": 1.0, "onednn": 1.0}
+    monkeypatch.setattr(decoding, "one_row_seconds", lambda: faster)
+    if products == "onednn":
+        linear = decoding.step_linear(model, 3)
+        assert linear is not decoding.onednn_linear  # packed for 3 rows
+        for block in model.h:
+            x = torch.randn(3, block.attn.c_attn.in_features)
+            weight, bias = block.attn.c_attn.weight, block.attn.c_attn.bias
+            assert torch.equal(linear(x, weight, bias), decoding.onednn_linear(x, weight, bias))
     for use_cache in (True, False):
         generators = [torch.Generator().manual_seed(seed) for seed in (11, 12, 13)]
         batch = torch.cat(
