@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import sqlite3
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -67,10 +68,13 @@ class TrackerUnavailable(RuntimeError):
 
 def _first_line(e: BaseException) -> str:
     """MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] ...`), not the
-    retry story."""
+    retry story; a database's own error (`(sqlite3.OperationalError) ...`), not SQLAlchemy's
+    preamble."""
     text = str(e).strip()
     if errno := re.search(r"\[Errno -?\d+\][^'\")]*", text):
         return errno.group(0).strip()
+    if database := re.search(r"^\([\w.]+\) .+$", text, re.MULTILINE):
+        return database.group(0)
     line = text.splitlines()[0] if text else ""
     if len(line) > 200:
         line = line[:200] + "..."
@@ -78,20 +82,27 @@ def _first_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """`values` that the environment does not set already, set in os.environ for the body."""
+def _mlflow_calls(values: Mapping[str, str]) -> Iterator[None]:
+    """MLflow's calls: `values` that the environment does not set already, set in os.environ, and
+    MLflow's own log lines held back (its retries' warnings, a database error's traceback): a
+    failure is told by the tracker's one warning."""
     added = {k: v for k, v in values.items() if k not in os.environ}
     os.environ.update(added)
+    mlflow_log = logging.getLogger("mlflow")
+    level = mlflow_log.level
+    mlflow_log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        mlflow_log.setLevel(level)
         for k in added:
             os.environ.pop(k, None)
 
 
 def _check_database_store(uri: str) -> None:
     """A database store needs what MLflow's database stores import, which mlflow-skinny lacks;
-    without it MLflow says only "unsupported model registry URI"."""
+    without it MLflow says only "unsupported model registry URI". A sqlite file is opened here
+    first: one MLflow cannot open costs about 100 s of its retries before it gives up."""
     scheme = uri.partition(":")[0].partition("+")[0]
     missing = [m for m in DATABASE_MODULES if importlib.util.find_spec(m) is None]
     if scheme in ("sqlite", "postgresql", "mysql", "mssql") and missing:
@@ -99,6 +110,18 @@ def _check_database_store(uri: str) -> None:
             f"the MLflow store {uri} is a database, which needs {' and '.join(missing)} "
             f"({INSTALL_HINT})"
         )
+    if scheme != "sqlite":
+        return
+    from sqlalchemy.engine import make_url
+
+    path = make_url(uri).database
+    try:
+        # its directory made, as MLflow makes it
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            db.execute("PRAGMA schema_version")  # reads the file's header
+    except (OSError, sqlite3.Error) as e:
+        raise TrackerUnavailable(f"cannot open the MLflow store {uri} ({path}: {e})") from None
 
 
 def _limits(uri: str) -> dict[str, str]:
@@ -128,7 +151,7 @@ class MlflowTracker(Tracker):
         _check_database_store(self.uri)
         self._env = _limits(self.uri)
         try:
-            with _environment({**self._env, **PROBE_LIMITS}):
+            with _mlflow_calls({**self._env, **PROBE_LIMITS}):
                 self.client = MlflowClient(self.uri)
                 name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
                 experiment = self.client.get_experiment_by_name(name)
@@ -137,7 +160,7 @@ class MlflowTracker(Tracker):
                 f"cannot reach the MLflow tracking store {self.uri} ({_first_line(e)})"
             ) from None
         try:
-            with _environment(self._env):
+            with _mlflow_calls(self._env):
                 if experiment:
                     experiment_id = experiment.experiment_id
                 else:
@@ -154,7 +177,7 @@ class MlflowTracker(Tracker):
                 self._log_params(config, step)
         except Exception as e:
             if self.run_id is not None:  # left RUNNING otherwise
-                with contextlib.suppress(Exception), _environment(self._env):
+                with contextlib.suppress(Exception), _mlflow_calls(self._env):
                     self.client.set_terminated(self.run_id, "FAILED")
             raise TrackerUnavailable(f"MLflow at {self.uri} failed ({_first_line(e)})") from None
         self.failed = False
@@ -208,7 +231,7 @@ class MlflowTracker(Tracker):
         if self.failed:
             return
         try:
-            with _environment(self._env):
+            with _mlflow_calls(self._env):
                 call()
         except Exception as e:
             self.failed = True

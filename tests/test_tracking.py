@@ -369,15 +369,35 @@ def test_start_without_a_store_or_without_mlflow_is_one_warning(tmp_path, caplog
     assert "mlflow is not installed (pip install -e .[mlflow])" in caplog.records[0].getMessage()
 
 
-def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog):
-    uri = (tmp_path / "mlruns").as_uri()
+def break_file_store(store: Path) -> None:
+    shutil.rmtree(store)  # the store goes away
+
+
+def break_sqlite_store(store: Path) -> None:
+    shutil.rmtree(store)  # the database's directory goes away, and a file takes its place
+    store.write_text("")
+
+
+@pytest.mark.parametrize(
+    "uri, break_store",
+    [("file", break_file_store), ("sqlite", break_sqlite_store)],
+    ids=["file", "sqlite"],
+)
+def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog, capfd, uri, break_store):
+    """One warning naming the database's own error, and
+    none of MLflow's log lines (a traceback, for sqlite)."""
+    store = tmp_path / "store"
+    if uri == "file":
+        uri = store.as_uri()
+    else:
+        uri = f"sqlite:///{store / 'runs.db'}"
     with caplog.at_level(logging.WARNING, logger="mingpt"):
         tracker = tracking.start(
             config(tracker_uri=uri), str(tmp_path / "run"), None, 0, enabled=True
         )
         assert tracker.run_id and not caplog.records
         tracker.log("train", 1, {"loss": 4.0, "rank_losses": [4.0], "mfu": None})
-        shutil.rmtree(tmp_path / "mlruns")  # the store goes away
+        break_store(store)
         for step in (2, 3):
             tracker.log("train", step, {"loss": 3.9})
             tracker.text("sample", "text", step)
@@ -386,6 +406,28 @@ def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog):
         len(caplog.records) == 1
         and "training goes on without the tracker" in caplog.records[0].getMessage()
     )
+    if "sqlite" in uri:
+        assert "(sqlite3.OperationalError) attempt to write a readonly database" in (
+            caplog.records[0].getMessage()
+        )
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_sqlite_store_that_cannot_be_opened_is_one_warning_at_once(tmp_path, caplog, capfd):
+    """MLflow retries a database it cannot open for about 100 s, logging each retry; opened first,
+    it is one warning naming the file, and no retry."""
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        tracker = tracking.start(
+            config(tracker_uri=f"sqlite:///{tmp_path}"), str(tmp_path / "run"), None, 0, True
+        )
+    assert tracker is tracking.OFF and [r.levelname for r in caplog.records] == ["WARNING"]
+    assert (
+        f"cannot open the MLflow store sqlite:///{tmp_path} ({tmp_path}: unable to open database "
+        "file); training goes on without it" in caplog.records[0].getMessage()
+    )
+    assert "retried" not in capfd.readouterr().err
+    assert time.monotonic() - started < 60
 
 
 def test_tracker_keys_are_checked():
