@@ -70,6 +70,8 @@ def _first_line(e: BaseException) -> str:
     """MLflow's error in one short line: an HTTP request's OS error (`[Errno 111] ...`), not the
     retry story; a database's own error (`(sqlite3.OperationalError) ...`), not SQLAlchemy's
     preamble."""
+    if isinstance(e, OSError) and e.filename:  # a directory store's: the file it names
+        return str(e)
     text = str(e).strip()
     if errno := re.search(r"\[Errno -?\d+\][^'\")]*", text):
         return errno.group(0).strip()

@@ -413,19 +413,23 @@ def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog, capfd, uri,
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_a_sqlite_store_that_cannot_be_opened_is_one_warning_at_once(tmp_path, caplog, capfd):
-    """MLflow retries a database it cannot open for about 100 s, logging each retry; opened first,
-    it is one warning naming the file, and no retry."""
+@pytest.mark.parametrize("store", ["sqlite", "directory"])
+def test_a_store_that_cannot_be_opened_is_one_warning_naming_it(tmp_path, caplog, capfd, store):
+    """sqlite: MLflow retries a database it cannot open (here a directory) for about 100 s,
+    logging each retry; opened first, it is one warning naming the file, and no retry. A
+    directory store that is a file: the warning names the path."""
+    (tmp_path / "file").write_text("")
+    if store == "sqlite":
+        uri = f"sqlite:///{tmp_path}"
+        expected = f"cannot open the MLflow store {uri} ({tmp_path}: unable to open database file)"
+    else:
+        uri = str(tmp_path / "file")
+        expected = f"[Errno 20] Not a directory: '{tmp_path / 'file'}"
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="mingpt"):
-        tracker = tracking.start(
-            config(tracker_uri=f"sqlite:///{tmp_path}"), str(tmp_path / "run"), None, 0, True
-        )
+        tracker = tracking.start(config(tracker_uri=uri), str(tmp_path / "run"), None, 0, True)
     assert tracker is tracking.OFF and [r.levelname for r in caplog.records] == ["WARNING"]
-    assert (
-        f"cannot open the MLflow store sqlite:///{tmp_path} ({tmp_path}: unable to open database "
-        "file); training goes on without it" in caplog.records[0].getMessage()
-    )
+    assert expected in caplog.records[0].getMessage()
     assert "retried" not in capfd.readouterr().err
     assert time.monotonic() - started < 60
 
