@@ -176,8 +176,12 @@ def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start 
 
 def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
     """None if the cache at `path` is valid: the sources and the ids have the SHA-256s its header
-    records (each read once to compare); else why it is not."""
+    records (each read once to compare); else why it is not. A source that cannot be read is a
+    DataError here, before a build is announced."""
     if not os.path.exists(path):
+        for source in sources:
+            with open_source(source):
+                pass
         return "missing"
     keys = []
     for source in sources:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import pytest
@@ -119,6 +120,19 @@ def test_bad_data_names_the_file(tmp_path, content, problem):
     message = str(e.value)
     assert str(path) in message and problem.format(path=path) in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_a_corpus_that_cannot_be_read_is_not_announced_as_encoded(tmp_path, kind, caplog):
+    """The refusal is the only line: no `token cache ...: missing; encoding the corpus` before it
+    (a missing corpus was announced as being encoded, then refused)."""
+    path = tmp_path / "corpus.txt"
+    if kind == "directory":
+        path.mkdir()
+    caplog.set_level(logging.INFO, logger="mingpt")
+    with pytest.raises(DataError, match=f"^data file .*{path}"):
+        load_data(DataConfig(path=str(path), block_size=8, cache_dir=str(tmp_path / "cache")))
+    assert not [r.getMessage() for r in caplog.records if "token cache" in r.getMessage()]
 
 
 def test_an_unreachable_url_says_why(tmp_path):
