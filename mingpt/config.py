@@ -39,7 +39,7 @@ def key(
     """A config key: its default (or default_factory), its one-line help (docs/configuration.md,
     --help), its valid values (a range such as `>= 1` or `[0, 1)`, or a tuple of choices; null is
     valid where the type allows it), and whether it is operational: it changes how a run is carried
-    out, logged or saved, never what it computes."""
+    out, logged or saved, never what it computes (but for `eval_every` under early stopping)."""
     return field(
         default=default,
         **factory,
@@ -281,7 +281,7 @@ class TrainerConfig:
     eval_every: int = key(
         500,
         "evaluate every this many optimizer steps (0: at the end of each epoch); always at the "
-        "end of the run",
+        "end of the run; with `early_stop_patience` set, it also decides where the run stops",
         operational=True,
         valid=">= 0",
     )
