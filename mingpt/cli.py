@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
+from mingpt.command import silence_stdout
 from mingpt.config import (
     FIELDS,
     Config,
@@ -295,6 +296,13 @@ def check_arguments(argv: list[str]) -> None:
         fail(f"unrecognized arguments: {' '.join(apart)} (see --help)")
 
 
+def prints_only(argv: list[str]) -> bool:
+    """Whether Hydra only prints (--help, --hydra-help, --cfg, --info, --shell-completion), which
+    runs no task and creates no run directory: an OSError then is stdout's."""
+    args, _ = get_args_parser().parse_known_args(argv)
+    return bool(args.help or args.hydra_help or args.cfg or args.info or args.shell_completion)
+
+
 def main() -> None:
     global _in_task
     _in_task = False  # an earlier call in this process may have left its task by an exception
@@ -320,6 +328,11 @@ def main() -> None:
     except OSError as e:
         if _in_task:
             raise
-        fail(f"cannot create the run directory: {e.filename or ''}: {e.strerror or e}")
+        if not prints_only(sys.argv[1:]):
+            fail(f"cannot create the run directory: {e.filename or ''}: {e.strerror or e}")
+        silence_stdout()  # the exit's flush would fail again
+        if isinstance(e, BrokenPipeError):  # `--help | head`: its reader has what it wanted
+            sys.exit(1)
+        fail(f"cannot write to stdout: {e.strerror or e}")
     finally:
         Hydra.compose_config = COMPOSE  # type: ignore[method-assign]

@@ -59,7 +59,7 @@ def command(
     try:
         if any(arg in ("-h", "--help") for arg in argv):
             what, rest = doc.strip().split("\n\n", 1)  # the summary, then the details
-            print(f"usage: {usage}\n\n{what}\n\n{key_lines(schema)}\n\n{rest}".rstrip(), flush=True)
+            write(f"usage: {usage}\n\n{what}\n\n{key_lines(schema)}\n\n{rest}".rstrip() + "\n")
             return
         setup_logging(rank=0)
         body(argv)

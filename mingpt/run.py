@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mingpt import finetune, flops
+from mingpt.command import OutputError, silence_stdout, write
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
@@ -188,7 +189,12 @@ def train(trainer: Trainer) -> None:
         final = trainer.train()
     sample = trainer.sample_for_all()
     if sample is not None:
-        print(f"--- sample after step {trainer.state.step} ---\n{sample}", flush=True)
+        try:
+            write(f"--- sample after step {trainer.state.step} ---\n{sample}\n")
+        except BrokenPipeError:  # `| head`: its reader has what it wanted
+            silence_stdout()
+        except OutputError as e:  # `>/dev/full`: the run is saved; its sample alone is lost
+            log.warning("%s: the sample is not shown", e)
     log.info("%s", summary(trainer, final))
 
 

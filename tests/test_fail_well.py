@@ -746,3 +746,73 @@ def test_a_directory_without_a_snapshot_says_what_it_is(
         and err.count("\n") == 1
     ), err
     assert not (tmp_path / "out").exists()
+
+
+def printed_to(stdout: str, *argv: str) -> subprocess.CompletedProcess:
+    """`python ARGV` with stdout on a full device ("full") or on a pipe whose reader is gone
+    ("closed", as `| head` leaves it once it has its lines)."""
+    if stdout == "full":
+        target = os.open("/dev/full", os.O_WRONLY)
+    else:
+        read, target = os.pipe()
+        os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, *argv],
+            cwd=REPO,
+            env=child_env(),
+            stdout=target,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(target)
+
+
+PRINTING = {
+    "train --help": ["main.py", "--help"],
+    "train --cfg job": ["main.py", "--cfg", "job"],
+    "generate --help": ["-m", "mingpt.generate", "--help"],
+}
+
+
+def test_printing_to_a_full_or_closed_stdout_is_one_line_or_quiet():
+    """What main.py and the commands only print: on a full device one line (main.py said `cannot
+    create the run directory: : No space left on device`, a command's --help ended in a
+    traceback); on a pipe its reader closed (`--help | head`), exit status 1 and nothing said
+    (main.py said `cannot create the run directory: : Broken pipe`)."""
+    cases = [(stdout, argv) for stdout in ("full", "closed") for argv in PRINTING.values()]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda case: printed_to(case[0], *case[1]), cases))
+    for (stdout, argv), proc in zip(cases, results, strict=True):
+        if stdout == "full":
+            assert proc.stderr == "error: cannot write to stdout: No space left on device\n", argv
+            assert proc.returncode == 2, argv
+        else:
+            assert (proc.returncode, proc.stderr) == (1, ""), (argv, proc.stderr[-3000:])
+
+
+def test_a_run_whose_sample_cannot_be_printed_ends_well(tmp_path, small_corpus):
+    """The sample at the end goes to stdout: on a full device one warning, and the run ends as
+    it would (it ended in a traceback, after its snapshot)."""
+    args = on_cpu(
+        [*overrides(small_corpus, "trainer_config.sample_chars=20"), "trainer_config.max_steps=3"]
+    )
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "main.py"), *args],
+            cwd=tmp_path,
+            env=child_env(),
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert warnings[0].endswith(
+        "cannot write to stdout: No space left on device: the sample is not shown"
+    )
+    assert " INFO done at step 3: " in proc.stderr.splitlines()[-1]
