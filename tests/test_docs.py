@@ -1,6 +1,7 @@
 """The documentation against the code: docs/configuration.md's key tables are made
 from the fields of the four config dataclasses, and every relative link in
-README.md and docs/ reaches a file and, with an #anchor, a heading of it."""
+README.md and docs/ reaches a file and, with an #anchor, a heading of it; the tables of stop
+signals, comm hooks and export formats list what the code has."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 from conftest import REPO, child_env
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from mingpt import stopping
 from mingpt.config import (
+    FIELDS,
     Config,
     DataConfig,
     GPTConfig,
@@ -26,6 +29,7 @@ from mingpt.config import (
     key_table,
     markdown,
 )
+from mingpt.export import ExportConfig
 from mingpt.optim import lr_at
 
 SECTIONS = {
@@ -231,3 +235,47 @@ def test_the_layout_names_every_module_of_mingpt_once():
         str(p.relative_to(REPO)) for p in (REPO / "mingpt").rglob("*.py") if p.name != "__init__.py"
     )
     assert sorted(named) == modules
+
+
+def table_rows(doc: str, header: str) -> list[list[str]]:
+    """The body rows of the Markdown table in docs/DOC whose header row starts with `header`, each
+    a list of its cells."""
+    lines = (REPO / "docs" / doc).read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_stop_signal_table_is_the_default_stop_signals():
+    """docs/fault-tolerance.md's table: each default stop signal once, in order, with its exit
+    status."""
+    rows = table_rows("fault-tolerance.md", "| signal |")
+    assert [name for name, *_ in rows] == list(stopping.DEFAULT_SIGNALS)
+    assert [int(status) for *_, status in rows] == [
+        stopping.exit_status(stopping.parse_signal(name)) for name in stopping.DEFAULT_SIGNALS
+    ]
+
+
+@pytest.mark.parametrize(
+    "doc, header, field",
+    [
+        ("training.md", "| `ddp_comm_hook` |", FIELDS["trainer_config.ddp_comm_hook"]),
+        (
+            "generation.md",
+            "| `format` |",
+            {f.name: f for f in dataclasses.fields(ExportConfig)}["format"],
+        ),
+    ],
+    ids=["comm-hooks", "export-formats"],
+)
+def test_a_table_of_choices_has_a_row_for_each(doc, header, field):
+    """The tables of the comm hooks (docs/training.md) and export formats (docs/generation.md)
+    name each valid value of their key once."""
+    named = [
+        value for first, *_ in table_rows(doc, header) for value in re.findall(r"`([^`]+)`", first)
+    ]
+    assert sorted(named) == sorted(field.metadata["valid"])
