@@ -168,6 +168,18 @@ def test_model_presets(name):
     assert cfg.trainer_config == Config().trainer_config  # a model preset touches only the model
 
 
+def test_the_shapes_in_the_docs_are_the_presets():
+    """docs/configuration.md's Presets give each model preset's layers/heads/width."""
+    page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    presets = " ".join(page.split("\n## Presets\n")[1].split("\n## ")[0].split())
+    shown = {}
+    for names, *shape in re.findall(r"((?:`[\w-]+`(?: and )?)+) (\d+)/(\d+)/(\d+)", presets):
+        for name in re.findall(r"`([\w-]+)`", names):
+            shown[name] = tuple(map(int, shape))
+    model = config().gpt_config
+    assert shown == {**PRESETS, "default": (model.n_layer, model.n_head, model.n_embd)}
+
+
 def test_model_preset_can_still_be_overridden():
     g = config("gpt_config=gpt2", "gpt_config.n_layer=2").gpt_config
     assert (g.n_layer, g.n_head, g.n_embd) == (2, 12, 768)
