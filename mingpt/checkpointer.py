@@ -62,6 +62,7 @@ class Checkpointer:
         comm: CommHook,
         vocab: str,
         corpus: list[dict],
+        run_dir: str | None = None,
     ):
         self.config = config
         self.cfg = config.trainer_config
@@ -76,6 +77,7 @@ class Checkpointer:
         self.comm = comm
         self.vocab = vocab
         self.corpus = corpus  # data.CharData.fingerprint: saved, and checked on load
+        self.run_dir = run_dir  # named in a refusal's new run where hydra.run.dir placed it
         # The experiment tracker's run: saved, so that a resumed run continues it.
         self.tracker_run_id: str | None = None
         # The comm hook's state from load: {name, world_size, state: this rank's own}.
@@ -104,7 +106,7 @@ class Checkpointer:
             state,
             self.root,
             check=lambda saved: compat.check_fits(
-                saved, self.config, self.vocab, self.root, self.dist, self.corpus
+                saved, self.config, self.vocab, self.root, self.dist, self.corpus, self.run_dir
             ),
         )
         set_state_dict(

@@ -173,6 +173,7 @@ class Trainer:
             self.comm,
             data.tokenizer.chars,
             data.fingerprint(),
+            run_dir,
         )
         self.state = TrainState.restored(self.checkpointer.load())
 

@@ -69,11 +69,12 @@ def described(changes: dict[str, tuple[Any, Any]]) -> list[str]:
 
 
 def check_same_config(
-    state: dict[str, Any], config: Config, path: str
+    state: dict[str, Any], config: Config, path: str, run_dir: str | None = None
 ) -> dict[str, tuple[Any, Any]]:
     """Refuse a snapshot written with other values of result-affecting keys (those both configs
     have), naming each, unless allow_config_change; never another optimizer, whose state would not
-    load. Returns the changes (config_changes)."""
+    load. Returns the changes (config_changes). `run_dir` (where known) names what a new run
+    changes: hydra.run.dir, where it and not run_name places the run."""
     changes = config_changes(state, config)
     if "optimizer_config.algorithm" in changes:
         algorithm = described({"optimizer_config.algorithm": changes["optimizer_config.algorithm"]})
@@ -86,8 +87,8 @@ def check_same_config(
         own = " ".join(_override(key, old) for key, (old, _) in changes.items())
         raise SnapshotError(
             f"snapshot {path} was written with another config ({'; '.join(described(changes))}): "
-            f"start a new run with {new_run_hint(config.trainer_config)}, continue that run with "
-            f"its own values ({own}), or with the new ones (add "
+            f"start a new run with {new_run_hint(config.trainer_config, run_dir)}, continue that "
+            f"run with its own values ({own}), or with the new ones (add "
             "trainer_config.allow_config_change=true)"
         )
     return changes
@@ -135,9 +136,12 @@ def check_fits(
     path: str,
     dist_info: DistInfo,
     corpus: list[dict],
+    run_dir: str | None = None,
 ) -> None:
     """The snapshot's shapes, vocabulary, corpus and config are this run's, or allowed to differ;
-    rank 0 warns of what changed."""
+    rank 0 warns of what changed. A refusal's new run is named as for `run_dir`
+    (check_same_config)."""
+    new_run = new_run_hint(config.trainer_config, run_dir)
     moved = corpus_changes(state.get("corpus"), corpus)
     saved_vocab = state.get("vocab") or ""
     if moved and saved_vocab != vocab:
@@ -145,7 +149,7 @@ def check_fits(
             f"snapshot {path} was written for another corpus ({'; '.join(moved)}) whose vocabulary "
             f"differs ({len(saved_vocab)} characters in the snapshot, {len(vocab)} now; differs: "
             f"{_differing(saved_vocab, vocab)}), and a model keeps its vocabulary: start a new run "
-            f"with {new_run_hint(config.trainer_config)}, or fine-tune from it "
+            f"with {new_run}, or fine-tune from it "
             "(trainer_config.init_from)"
         )
     source = (state.get("trainer_config") or {}).get("init_from")
@@ -167,17 +171,17 @@ def check_fits(
         raise SnapshotError(
             f"snapshot {path} was written with another config ({'; '.join(changed)}), which gives "
             f"the model another shape or vocabulary: start a new run with "
-            f"{new_run_hint(config.trainer_config)}, or fine-tune from it "
+            f"{new_run}, or fine-tune from it "
             "(trainer_config.init_from)"
         ) from None
     if moved and not config.trainer_config.allow_config_change:
         raise SnapshotError(
             f"snapshot {path} was written for another corpus ({'; '.join(moved)}): its held-out "
             f"split is no longer this corpus's; start a new run with "
-            f"{new_run_hint(config.trainer_config)}, or continue that run on the new corpus (add "
+            f"{new_run}, or continue that run on the new corpus (add "
             "trainer_config.allow_config_change=true)"
         )
-    changes = check_same_config(state, config, path)
+    changes = check_same_config(state, config, path, run_dir)
     if not dist_info.is_main_process:
         return
     # these keys move the held-out split within the same corpus
