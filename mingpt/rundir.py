@@ -168,7 +168,10 @@ def _lock(path: str, what: str, instead: str) -> tuple[int | None, bool]:
 
 def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str, str]]:
     """The lock files of a run, what they guard and what a second job can use instead: in its
-    directory, and beside a local snapshot root outside it."""
+    directory, and beside a local snapshot root. The root's lock is taken wherever the root is,
+    its own run directory included: another run whose snapshot_path names this root (`../a/
+    snapshots`) holds no lock of this directory, and would otherwise write the same root at the
+    same time."""
     paths = [
         (
             os.path.join(run_dir, LOCK_FILE),
@@ -178,14 +181,13 @@ def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str, str]]:
     ]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
         snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))
-        if os.path.dirname(snapshot) != os.path.abspath(run_dir):
-            paths.append(
-                (
-                    f"{snapshot}.lock",
-                    f"snapshot {snapshot_path}",
-                    "another snapshot path (trainer_config.snapshot_path=PATH)",
-                )
+        paths.append(
+            (
+                f"{snapshot}.lock",
+                f"snapshot {snapshot_path}",
+                "another snapshot path (trainer_config.snapshot_path=PATH)",
             )
+        )
     return paths
 
 

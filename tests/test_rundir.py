@@ -467,3 +467,28 @@ def test_a_refusal_in_a_directory_hydra_run_dir_names_suggests_another_directory
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr
         assert "start a new run with hydra.run.dir=ANOTHER_DIRECTORY, " in errors[0], errors[0]
         assert "run_name" not in errors[0]
+
+
+def test_a_snapshot_root_in_another_run_directory_is_claimed_by_its_run_too(tmp_path, corpus):
+    """Job A trains with its snapshots in runs/a/snapshots; job B, in a run directory of its own,
+    names that root (trainer_config.snapshot_path=../a/snapshots). B held no lock A holds, resumed
+    A's snapshot and wrote the same step directories as A: it is refused in one line naming A."""
+    (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], "utf-8")
+    argv = args("trainer_config.max_epochs=1000", "trainer_config.save_every_steps=5")
+    run_a = tmp_path / "runs" / "a"
+    first = launch(tmp_path, on_cpu([*argv, "trainer_config.run_name=a"]), tmp_path / "a.err")
+    try:
+        wait_for(contains(run_a / "train.log", "saved snapshot"), "first snapshot", first)
+        second = run_main(
+            [*argv, "trainer_config.run_name=b", "trainer_config.snapshot_path=../a/snapshots"],
+            tmp_path,
+        )
+        assert first.poll() is None
+    finally:
+        first.kill()
+        first.wait()
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
+    assert f"../a/snapshots is in use by pid {first.pid} on host " in errors[0], errors[0]
+    assert "resumed from" not in second.stderr
+    assert not (tmp_path / "runs" / "b").exists()
