@@ -143,6 +143,10 @@ def test_the_advice_for_a_complete_run_raises_every_limit_that_would_stop_it():
         "trainer_config.max_steps=200"
     )
     assert advice(step=262, epoch=2, max_epochs=2)[1] == "trainer_config.max_epochs=3"
+    # a command that lowered max_steps below the step reached: twice 10 (20) trained nothing
+    assert advice(step=30, epoch=0, max_steps=10, max_epochs=2)[1] == (
+        "trainer_config.max_steps=60"
+    )
 
 
 def test_the_advice_for_a_new_run_changes_what_places_it():
