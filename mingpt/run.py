@@ -20,7 +20,14 @@ from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, build_cache, download_corpus, load_data
 from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
 from mingpt.model import GPT
-from mingpt.rundir import Claim, claim, hold_log_lines, new_run_hint, shell_override
+from mingpt.rundir import (
+    Claim,
+    claim,
+    hold_log_lines,
+    new_run_hint,
+    other_directory_hint,
+    shell_override,
+)
 from mingpt.snapshot import compat, reader
 from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
@@ -107,7 +114,8 @@ def settle(
     start = 0
     if run.saved:
         start = run.saved["step"]
-    with claim(run.dir, run.snapshot_path, start, dist_info, log_buffer) as owned:
+    other = other_directory_hint(config.trainer_config, run.dir)
+    with claim(run.dir, run.snapshot_path, start, dist_info, log_buffer, other) as owned:
         yield run, owned
 
 

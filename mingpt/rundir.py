@@ -29,6 +29,7 @@ from mingpt.metrics import last_step
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
+OTHER_NAME = "another name (trainer_config.run_name=NAME)"  # other_directory_hint's usual answer
 RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
 
 
@@ -72,12 +73,23 @@ def new_run_hint(cfg: TrainerConfig, run_dir: str | None = None) -> str:
     path = cfg.snapshot_path
     if path and ("://" in path or os.path.isabs(path)):
         return "trainer_config.snapshot_path=PATH (a path not used yet)"
-    if run_dir is not None:
-        parent, base = os.path.split(os.path.normpath(run_dir))
-        # a sweep's job N is in <run_name>-multirun/N
-        if cfg.run_name not in (base, os.path.basename(parent).removesuffix("-multirun")):
-            return "hydra.run.dir=ANOTHER_DIRECTORY"
+    if run_dir is not None and not _named_by_run_name(cfg, run_dir):
+        return "hydra.run.dir=ANOTHER_DIRECTORY"
     return "trainer_config.run_name=NAME (a name not used yet)"
+
+
+def other_directory_hint(cfg: TrainerConfig, run_dir: str) -> str:
+    """What gives a job another run directory than `run_dir`: another name, unless hydra.run.dir
+    and not the name places it."""
+    if _named_by_run_name(cfg, run_dir):
+        return "another name (trainer_config.run_name=NAME)"
+    return "another directory (hydra.run.dir=ANOTHER_DIRECTORY)"
+
+
+def _named_by_run_name(cfg: TrainerConfig, run_dir: str) -> bool:
+    parent, base = os.path.split(os.path.normpath(run_dir))
+    # a sweep's job N is in <run_name>-multirun/N
+    return cfg.run_name in (base, os.path.basename(parent).removesuffix("-multirun"))
 
 
 def check_hydra_settings(hydra_cfg: Any, sweep: bool) -> None:
@@ -166,7 +178,9 @@ def _lock(path: str, what: str, instead: str) -> tuple[int | None, bool]:
         os.close(fd)
 
 
-def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str, str]]:
+def lock_paths(
+    run_dir: str, snapshot_path: str, other_directory: str = OTHER_NAME
+) -> list[tuple[str, str, str]]:
     """The lock files of a run, what they guard and what a second job can use instead: in its
     directory, and beside a local snapshot root. The root's lock is taken wherever the root is,
     its own run directory included: another run whose snapshot_path names this root (`../a/
@@ -176,7 +190,7 @@ def lock_paths(run_dir: str, snapshot_path: str) -> list[tuple[str, str, str]]:
         (
             os.path.join(run_dir, LOCK_FILE),
             f"run directory {run_dir}",
-            "another name (trainer_config.run_name=NAME)",
+            other_directory,
         )
     ]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
@@ -279,24 +293,26 @@ def claim(
     step: int,
     dist_info: DistInfo,
     log_buffer: logging.handlers.MemoryHandler | None,
+    other_directory: str = OTHER_NAME,
 ) -> Iterator[Claim]:
     """Own the run directory (and a local snapshot location) for the body's duration, its record
     checked once it is owned: a start from `step` must not cut back the record of another run in
     `run_dir` (the run whose snapshot its lock file names), nor find a record file of the wrong
     kind. Rank 0 takes the locks and checks, so every rank of a refused job raises the same
-    RunDirError before anything is written."""
+    RunDirError before anything is written; its line suggests `other_directory`
+    (other_directory_hint) for this job."""
     owned = Claim(run_dir, snapshot_path, [], log_buffer)
     refusal = [None]  # rank 0's, on every rank: all raise the same RunDirError, or none does
     try:
         if dist_info.is_main_process:
             try:
-                for path, what, instead in lock_paths(run_dir, snapshot_path):
+                for path, what, instead in lock_paths(run_dir, snapshot_path, other_directory):
                     fd, created = _lock(path, what, instead)
                     if fd is not None:
                         owned.fds.append(fd)
                     if created:
                         owned.made.append(path)
-                refusal = [_record_problem(run_dir, snapshot_path, step)]
+                refusal = [_record_problem(run_dir, snapshot_path, step, other_directory)]
             except RunDirError as e:
                 refusal = [str(e)]
         if dist_info.is_distributed:
@@ -312,7 +328,9 @@ def _comparable(snapshot_path: str) -> str:
     return snapshot_path if "://" in snapshot_path else os.path.abspath(snapshot_path)
 
 
-def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
+def _record_problem(
+    run_dir: str, snapshot_path: str, step: int, other_directory: str
+) -> str | None:
     for name, kind in RECORD_FILES.items():
         path = os.path.join(run_dir, name)
         if os.path.lexists(path) and os.path.isdir(path) != (kind == "a directory"):
@@ -331,6 +349,6 @@ def _record_problem(run_dir: str, snapshot_path: str, step: int) -> str | None:
         f"run directory {run_dir} holds the record of a run up to step {last} with the snapshot "
         f"{previous}; this one starts from step {step} with the snapshot {snapshot_path} and would "
         "overwrite that record: give the snapshot path that run had "
-        f"({shell_override('trainer_config.snapshot_path', previous)}), or start this run under "
-        "another name (trainer_config.run_name=NAME)"
+        f"({shell_override('trainer_config.snapshot_path', previous)}), or start this run with "
+        f"{other_directory}"
     )

@@ -492,3 +492,32 @@ def test_a_snapshot_root_in_another_run_directory_is_claimed_by_its_run_too(tmp_
     assert f"../a/snapshots is in use by pid {first.pid} on host " in errors[0], errors[0]
     assert "resumed from" not in second.stderr
     assert not (tmp_path / "runs" / "b").exists()
+
+
+def test_a_directory_in_use_or_of_another_record_under_hydra_run_dir_suggests_another_directory(
+    tmp_path, corpus
+):
+    """Under hydra.run.dir another run_name leaves the job in the same directory: a directory in
+    use, or holding another snapshot's record, suggests another directory instead (the refusals
+    said 'another name' even to a command that gave one)."""
+    (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], "utf-8")
+    mine = tmp_path / "mine"
+    argv = args("trainer_config.max_steps=2", f"hydra.run.dir={mine}")
+    assert run_main(argv, tmp_path).returncode == 0
+    elsewhere = [*argv, f"trainer_config.snapshot_path={tmp_path / 'elsewhere'}"]
+    (record,) = run_each("mingpt.cli", [(tmp_path, on_cpu(elsewhere))])
+    lock = os.open(mine / "run.lock", os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a job that holds the directory
+        (in_use,) = run_each(
+            "mingpt.cli", [(tmp_path, on_cpu([*argv, "trainer_config.run_name=b"]))]
+        )
+    finally:
+        os.close(lock)
+    for proc, says in [
+        (record, "or start this run with another directory (hydra.run.dir=ANOTHER_DIRECTORY)"),
+        (in_use, "or run this one with another directory (hydra.run.dir=ANOTHER_DIRECTORY)"),
+    ]:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        assert errors[0].endswith(says) and "run_name" not in errors[0], errors[0]
