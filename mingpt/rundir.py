@@ -82,7 +82,7 @@ def other_directory_hint(cfg: TrainerConfig, run_dir: str) -> str:
     """What gives a job another run directory than `run_dir`: another name, unless hydra.run.dir
     and not the name places it."""
     if _named_by_run_name(cfg, run_dir):
-        return "another name (trainer_config.run_name=NAME)"
+        return OTHER_NAME
     return "another directory (hydra.run.dir=ANOTHER_DIRECTORY)"
 
 
@@ -179,7 +179,7 @@ def _lock(path: str, what: str, instead: str) -> tuple[int | None, bool]:
 
 
 def lock_paths(
-    run_dir: str, snapshot_path: str, other_directory: str = OTHER_NAME
+    run_dir: str, snapshot_path: str, other_directory: str
 ) -> list[tuple[str, str, str]]:
     """The lock files of a run, what they guard and what a second job can use instead: in its
     directory, and beside a local snapshot root. The root's lock is taken wherever the root is,
