@@ -128,12 +128,7 @@ def check_destination(dst: str, directory: bool) -> str | None:
     if stat.S_ISDIR(info.st_mode):
         if not directory:
             raise ExportError(f"{dst} is a directory: the snapshot format writes one file")
-        others = sorted(set(os.listdir(path)) - {WEIGHTS, CONFIG, VOCAB})
-        if others:
-            raise ExportError(
-                f"{dst} is a directory with other files ({', '.join(others[:3])}): give a new or "
-                "an earlier export's directory"
-            )
+        _check_export_directory(dst, path)
     elif not stat.S_ISREG(info.st_mode):
         raise ExportError(
             f"{dst} is not a regular file or directory (a device, pipe or socket): refusing to "
@@ -147,6 +142,21 @@ def check_destination(dst: str, directory: bool) -> str | None:
             "an earlier export's file)"
         )
     return path
+
+
+def _check_export_directory(dst: str, path: str) -> None:
+    """ExportError unless the directory at `path` holds nothing but an earlier export's files."""
+    try:
+        names = os.listdir(path)
+    # A directory this user may not list: whether it holds other files cannot be known.
+    except OSError as e:
+        raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
+    others = sorted(set(names) - {WEIGHTS, CONFIG, VOCAB})
+    if others:
+        raise ExportError(
+            f"{dst} is a directory with other files ({', '.join(others[:3])}): give a new or an "
+            "earlier export's directory"
+        )
 
 
 def write_directory(dst: str, files: dict[str, bytes]) -> None:

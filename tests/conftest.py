@@ -131,6 +131,30 @@ def small_disk(tmp_path) -> Path:
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.fixture
+def unlistable(tmp_path) -> tuple[Path, list[str]]:
+    """(A directory its user may not list, the command prefix under which that holds): for root,
+    setpriv drops the capabilities that bypass file permissions. The test is skipped where they
+    cannot be dropped."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root, and no setpriv to drop the override of file permissions")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+    locked.chmod(0)
+    probe = subprocess.run(
+        [*prefix, sys.executable, "-c", "import os, sys; os.listdir(sys.argv[1])", str(locked)],
+        capture_output=True,
+    )
+    if probe.returncode == 0:
+        locked.chmod(0o755)
+        pytest.skip("file permissions do not hold here")
+    yield locked, prefix
+    locked.chmod(0o755)  # so that pytest can remove it
+
+
 def read_snapshot(path) -> dict:
     """A snapshot (a root: its newest; or one step directory) read whole in this process, in the
     single file's layout: its record, `model_state`, and `optimizer_state` keyed by parameter

@@ -9,11 +9,13 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_snapshot, run_each
+from conftest import child_env, read_snapshot, run_each
 
 from mingpt.config import GPTConfig
 from mingpt.export import main as export_main
@@ -192,6 +194,23 @@ def test_a_device_node_is_never_replaced(sharded_root, tmp_path, capsys, device,
     assert os.listdir("/dev").count(os.path.basename(device)) == 1 and not list(
         Path("/dev").glob("*.tmp-*")
     )
+
+
+def test_a_destination_that_cannot_be_listed_is_refused_untouched(sharded_root, unlistable):
+    """Whether it holds other files cannot be known: refused in one line (a traceback of
+    os.listdir's PermissionError, before)."""
+    locked, prefix = unlistable
+    result = subprocess.run(
+        [*prefix, sys.executable, "-m", "mingpt.export", str(sharded_root), str(locked)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr == f"error: cannot write {locked}: Permission denied\n"
+    locked.chmod(0o755)
+    assert os.listdir(locked) == []
 
 
 def test_a_file_that_is_not_a_snapshot_is_never_replaced(sharded_root, tmp_path, capsys):

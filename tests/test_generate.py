@@ -658,6 +658,21 @@ def test_prompt_file_not_a_regular_file_is_one_line(bad_runs, workdir, kind):
     ), line
 
 
+def test_a_directory_that_cannot_be_listed_is_one_line(unlistable):
+    """A snapshot_path this user may not list (a traceback of os.listdir's PermissionError,
+    before)."""
+    locked, prefix = unlistable
+    result = subprocess.run(
+        [*prefix, *generate_cmd([f"snapshot_path={locked}"])],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one_error_line(result) == f"error: cannot read snapshot {locked}: Permission denied"
+    assert result.returncode == 2
+
+
 def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_runs):
     line = one_error_line(bad_runs["prompt"])
     assert "'é'" in line and "'€'" in line and "'R'" not in line, line

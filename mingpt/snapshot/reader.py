@@ -21,7 +21,7 @@ from mingpt.config import ConfigError, GPTConfig, TrainerConfig
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
-from mingpt.storage import reason
+from mingpt.storage import StorageError, reason
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,11 @@ def find(path: str) -> str:
     config_file = os.path.join(local, ".hydra", "config.yaml")
     if os.path.isfile(config_file):
         return _run_snapshot(local, config_file)
-    names = os.listdir(local)
+    try:
+        names = os.listdir(local)
+    # A directory this user may not list (its permissions): what is in it cannot be known.
+    except OSError as e:
+        raise StorageError(f"cannot read snapshot {path}: {e.strerror or reason(e)}") from None
     if not names:
         raise SnapshotError(f"{path} is an empty directory; {EXPECTED}")
     if EXPORT_WEIGHTS in names:
