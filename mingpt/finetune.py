@@ -13,7 +13,7 @@ from mingpt.config import Config, ConfigError, DataConfig, GPTConfig
 from mingpt.data import CharData, CharTokenizer, DataError
 from mingpt.snapshot import SnapshotError, reader
 from mingpt.snapshot.compat import FROM_DATA, SHAPE_KEYS
-from mingpt.storage import StorageError, reason
+from mingpt.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def load_weights(model: torch.nn.Module, start: Start) -> None:
         start.weights = None
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
         raise SnapshotError(
-            f"trainer_config.init_from: snapshot {start.source} cannot be loaded: {reason(e)}"
+            f"trainer_config.init_from: snapshot {start.source} cannot be loaded: "
+            f"{reader.load_error(e)}"
         ) from None
     step = start.meta.get("step")
     best = start.meta.get("best_eval_loss")

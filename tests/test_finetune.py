@@ -24,7 +24,7 @@ from test_snapshot import assert_one_error, make_trainer, same_tensors
 from mingpt import stopping
 from mingpt.config import ConfigError
 from mingpt.score import ScoreConfig, score
-from mingpt.snapshot import SnapshotError, manifest, sharded
+from mingpt.snapshot import SnapshotError, manifest, sharded, single_file
 
 # Batch 32 at a constant 0.03: the tiny model gets past the unigram plateau in few steps.
 FAST = [
@@ -188,6 +188,27 @@ def test_the_shape_comes_from_the_snapshot_and_another_is_refused(pretrained, tm
         make_trainer(tmp_path / "b", pretrained.b, source, "gpt_config.n_embd=64")
     with pytest.raises(ConfigError, match=r"^data_config\.block_size: 32 given"):
         make_trainer(tmp_path / "c", pretrained.b, source, "data_config.block_size=32")
+
+
+def test_weights_of_another_shape_than_recorded_are_refused_naming_what_differs(
+    pretrained, tmp_path, one_thread
+):
+    """A snapshot file whose record says 3 layers over 2 layers' weights: the one line says which
+    weights are missing (it ended at load_state_dict's first line, which names only the model)."""
+    state = read_snapshot(pretrained.run_dir / "snapshots")
+    state.pop("optimizer_state")
+    three = tmp_path / "three.pt"
+    single_file.save({**state, "gpt_config": {**state["gpt_config"], "n_layer": 3}}, str(three))
+    with pytest.raises(SnapshotError) as refused:
+        make_trainer(
+            tmp_path / "ft",
+            pretrained.b,
+            "gpt_config.n_layer=3",
+            f"trainer_config.init_from={three}",
+        )
+    line = str(refused.value)
+    assert line.startswith(f"trainer_config.init_from: snapshot {three} cannot be loaded: ")
+    assert 'Missing key(s) in state_dict: "h.2.ln_1.weight"' in line and "\n" not in line, line
 
 
 def test_the_log_names_the_keys_from_the_snapshot_and_the_run_records_them(pretrained, commands):

@@ -141,6 +141,13 @@ def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return weights, meta
 
 
+def load_error(error: BaseException) -> str:
+    """An error of load_state_dict as one line: its first line names only the model, what is wrong
+    follows it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[:2])[:300] or type(error).__name__
+
+
 def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict[str, Any]]:
     """The model of the snapshot that `path` names (float32, in eval mode, on `device`), its
     vocabulary and record."""
@@ -160,8 +167,5 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
             model = GPT(config)
         model.load_state_dict({name: t.float() for name, t in weights.items()}, assign=True)
     except (TypeError, ValueError, RuntimeError) as e:
-        # load_state_dict's first line names only the model: what is wrong follows it
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        why = " ".join(lines[:2])[:300] or type(e).__name__
-        raise SnapshotError(f"snapshot {path} cannot be used: {why}") from None
+        raise SnapshotError(f"snapshot {path} cannot be used: {load_error(e)}") from None
     return model.to(device).eval(), CharTokenizer(vocab), meta
