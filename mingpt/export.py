@@ -213,7 +213,8 @@ def export(config: ExportConfig) -> dict:
 
 
 def overrides(argv: list[str]) -> list[str]:
-    """The short forms as key=value: `SRC DST` for src= and dst=, `--format F` for format=F."""
+    """The short forms as key=value: `SRC DST` for src= and dst= (either may be given as a
+    key=value instead), `--format F` for format=F."""
     out = []
     paths = []
     args = iter(argv)
@@ -230,9 +231,13 @@ def overrides(argv: list[str]) -> list[str]:
             out.append(arg)
         else:
             paths.append(arg)
-    if len(paths) > 2:
-        raise ConfigError(f"{' '.join(paths[2:])}: expected key=value (SRC and DST are given)")
-    return [f"{name}={path}" for name, path in zip(("src", "dst"), paths, strict=False)] + out
+    # A path fills the first of SRC and DST not given as a key=value (`src=A B`: B is DST); were
+    # it to replace one given, that one would be dropped unsaid.
+    free = [name for name in ("src", "dst") if not any(a.startswith(f"{name}=") for a in out)]
+    if len(paths) > len(free):
+        extra = " ".join(paths[len(free) :])
+        raise ConfigError(f"{extra}: expected key=value (SRC and DST are given)")
+    return [f"{name}={path}" for name, path in zip(free, paths, strict=False)] + out
 
 
 def run(argv: list[str]) -> None:

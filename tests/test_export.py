@@ -290,6 +290,22 @@ def test_help_and_the_command_line(tiny_run, tmp_path):
     assert refused.stderr.startswith("error: /dev/full is not a regular file or directory")
 
 
+def test_a_path_beside_a_key_value_fills_the_other_of_src_and_dst(tmp_path, capsys):
+    """`src=A B` exports A to B, `dst=B A` too; a path beyond both is refused. `src=A B dst=C`
+    exported A to C, and B was dropped unsaid (it had been taken as a src that src=A replaced)."""
+    from mingpt.export import overrides
+
+    assert overrides(["src=a", "b"]) == ["dst=b", "src=a"]
+    assert overrides(["dst=b", "a", "--format", "hf"]) == ["src=a", "dst=b", "format=hf"]
+    assert overrides(["a", "b"]) == ["src=a", "dst=b"]
+    assert refused(capsys, ["src=a", "b", "dst=c"]) == (
+        "error: b: expected key=value (SRC and DST are given)"
+    )
+    assert refused(capsys, ["src=a", "dst=c", "b", "d"]) == (
+        "error: b d: expected key=value (SRC and DST are given)"
+    )
+
+
 def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
     """As generate finds it: the snapshot that the run's own .hydra/config.yaml names."""
     from mingpt.snapshot.reader import find as find_snapshot
