@@ -117,6 +117,11 @@ def check_destination(dst: str, directory: bool) -> str | None:
     never replaced.
     """
     if "://" in dst and not dst.startswith("file://"):
+        # Refused here, before the snapshot is read, not once the files are made.
+        if directory:
+            raise ExportError(
+                f"cannot write {dst}: this format writes a local directory, not a URL"
+            )
         return None
     path = os.path.realpath(dst.removeprefix("file://"))
     try:
@@ -162,9 +167,7 @@ def _check_export_directory(dst: str, path: str) -> None:
 def write_directory(dst: str, files: dict[str, bytes]) -> None:
     """Write `files` into a temporary directory beside DST, then rename it to DST (an earlier export
     there is moved aside first, then removed)."""
-    path = check_destination(dst, directory=True)
-    if path is None:
-        raise ExportError(f"cannot write {dst}: this format writes a local directory, not a URL")
+    path = check_destination(dst, directory=True)  # a local path: a URL is refused there
     parent, base = os.path.split(path)
     prefix = f".{base}.tmp-"
     tmp = None

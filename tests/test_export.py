@@ -213,6 +213,16 @@ def test_a_destination_that_cannot_be_listed_is_refused_untouched(sharded_root, 
     assert os.listdir(locked) == []
 
 
+@pytest.mark.parametrize("form", ["safetensors", "hf"])
+def test_a_directory_format_to_a_url_is_refused_before_the_snapshot_is_read(tmp_path, capsys, form):
+    """It was refused once the model was read (the run directory's line, then the error): here the
+    source does not even exist, and the destination alone is named."""
+    line = refused(capsys, [tmp_path / "missing", "memory://out", "--format", form])
+    assert (
+        line == "error: cannot write memory://out: this format writes a local directory, not a URL"
+    )
+
+
 def test_a_file_that_is_not_a_snapshot_is_never_replaced(sharded_root, tmp_path, capsys):
     """A swapped or mistyped DST (here a text of the user's) is refused, not overwritten."""
     text = tmp_path / "corpus.txt"
