@@ -205,9 +205,11 @@ def export(config: ExportConfig) -> dict:
     check_destination(config.dst, directory=config.format != "snapshot")
     if config.format == "snapshot":
         weights, meta = reader.read(config.src)
-        check_destination(config.dst, directory=False)
+        # Where a local DST is a symbolic link, the file it points to is the one checked, and the
+        # one replaced: the link stays.
+        path = check_destination(config.dst, directory=False) or config.dst
         # Streamed to a temporary file, then renamed.
-        single_file.save({"model_state": weights, **meta}, config.dst)
+        single_file.save({"model_state": weights, **meta}, path)
         return meta
     model, tokenizer, meta = reader.load_model(config.src, torch.device("cpu"))
     files = export_files(model, tokenizer, meta.get("step", "?"), config.format == "hf")

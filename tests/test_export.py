@@ -166,6 +166,23 @@ def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(
     assert sorted(os.listdir(tmp_path)) == ["one.pt", "st"]
 
 
+def test_a_snapshot_file_behind_a_symbolic_link_is_replaced_and_the_link_stays(
+    tiny_file, sharded_root, tmp_path
+):
+    """As a directory export behind a link replaces the directory: the link was replaced by a
+    file, and the snapshot it pointed to (the one checked) kept its old weights."""
+    from mingpt.snapshot import single_file
+
+    target = tmp_path / "current.pt"
+    target.write_bytes(tiny_file.read_bytes())
+    link = tmp_path / "link.pt"
+    link.symlink_to(target.name)
+    export(sharded_root, link, "--format", "snapshot")
+    assert link.is_symlink() and os.readlink(link) == target.name
+    assert single_file.load(str(target))["step"] == 3  # sharded_root's, not the tiny run's
+    assert sorted(os.listdir(tmp_path)) == ["current.pt", "link.pt"]
+
+
 def refused(capsys, argv: list[str]) -> str:
     """The one line on stderr of a command that exits with status 2."""
     with pytest.raises(SystemExit) as exit_status:
