@@ -72,6 +72,14 @@ def config_error_line(error: BaseException) -> str:
         return override_error_line(error.override)
     if isinstance(error, yaml.YAMLError):
         return yaml_error_line(error)
+    # Hydra's advice for it comes on lines of its own
+    ambiguous = re.match(r"Ambiguous value for argument '([^=]+)=(.*)'\n", f"{error}\n")
+    if ambiguous:
+        key, value = ambiguous.groups()
+        return (
+            f"{key}={value}: a comma makes several values; for one, quote it "
+            f"({shell_override(key, value)}), or add -m to sweep over them"
+        )
     where = re.match(r"In '([^']+)'", str(error))
     # Hydra's hint for a key the composed config lacks (a config file that sets only some keys)
     append = re.search(r"To append to your config use (\S+)", str(error))

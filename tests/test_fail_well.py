@@ -666,6 +666,9 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
             "all before or all after the options"
         ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
+        # Hydra's advice was on lines of their own, and went
+        ("data_config.path=a,b",): "data_config.path=a,b: a comma makes several values; for one, "
+        "quote it ('data_config.path=\"a,b\"'), or add -m to sweep over them",
         ("experiment=null",): "experiment=null: a config group takes a preset's name; "
         "~experiment drops the preset",
         ("--cfg", "job", "-m", "trainer_config.seed=1,2"): "Only one of --run, --multirun, --cfg",
