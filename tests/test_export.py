@@ -222,7 +222,7 @@ def test_a_destination_that_cannot_be_listed_is_refused_untouched(sharded_root, 
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr == f"error: cannot write {locked}: Permission denied\n"

@@ -767,7 +767,7 @@ def printed_to(stdout: str, *argv: str) -> subprocess.CompletedProcess:
             stdout=target,
             stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
+            timeout=300,
         )
     finally:
         os.close(target)

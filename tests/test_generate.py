@@ -667,7 +667,7 @@ def test_a_directory_that_cannot_be_listed_is_one_line(unlistable):
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert one_error_line(result) == f"error: cannot read snapshot {locked}: Permission denied"
     assert result.returncode == 2
