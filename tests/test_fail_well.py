@@ -412,10 +412,24 @@ def test_storage_that_cannot_be_written_is_one_error(tmp_path):
             storage.StorageError, match=f"cannot write to the snapshot path {snapshot}: "
         ):
             storage.check_writable(str(tmp_path), snapshot)
-    with pytest.raises(
-        storage.StorageError, match=r"cannot save snapshot /sys/snapshot.pt: .*; the file there"
-    ):
+    # no file there before: none is said to be unchanged
+    with pytest.raises(storage.StorageError) as error:
         single_file.save({"step": 1}, "/sys/snapshot.pt")
+    assert str(error.value).startswith("cannot save snapshot /sys/snapshot.pt: ")
+    assert "before" not in str(error.value)
+
+
+def test_a_snapshot_file_that_cannot_be_replaced_is_kept_and_said_so(small_disk):
+    """A full disk: the file there before is kept as it was, and the line says so."""
+    path = small_disk / "snapshot.pt"
+    single_file.save({"step": 1}, str(path))
+    before = path.read_bytes()
+    with pytest.raises(
+        storage.StorageError,
+        match=r"No space left on device.*; the file there before is unchanged$",
+    ):
+        single_file.save({"step": 2, "weights": torch.zeros(100_000)}, str(path))
+    assert path.read_bytes() == before
 
 
 def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):

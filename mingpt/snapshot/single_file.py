@@ -3,6 +3,7 @@ mingpt wrote. One torch.save file at any fsspec URL: the weights as `model_state
 record (its configs, vocabulary, step). Read with its CRC-32s checked and only tensors and plain
 data unpickled."""
 
+import contextlib
 import io
 import pickle
 import re
@@ -47,9 +48,11 @@ def save(state: dict[str, Any], path: str) -> None:
                 if sink.error is not None:
                     raise sink.error
     except storage_errors() as e:
-        raise StorageError(
-            f"cannot save snapshot {path}: {reason(e)}; the file there before is unchanged"
-        ) from None
+        kept = ""
+        with contextlib.suppress(*storage_errors()):
+            if fs.exists(p):
+                kept = "; the file there before is unchanged"
+        raise StorageError(f"cannot save snapshot {path}: {reason(e)}{kept}") from None
 
 
 def is_archive(path: str) -> bool:
