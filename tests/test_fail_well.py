@@ -765,9 +765,9 @@ def test_a_directory_without_a_snapshot_says_what_it_is(
     assert not (tmp_path / "out").exists()
 
 
-def printed_to(stdout: str, *argv: str) -> subprocess.CompletedProcess:
-    """`python ARGV` with stdout on a full device ("full") or on a pipe whose reader is gone
-    ("closed", as `| head` leaves it once it has its lines)."""
+def printed_to(stdout: str, *argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python ARGV` in `cwd` with stdout on a full device ("full") or on a pipe whose reader is
+    gone ("closed", as `| head` leaves it once it has its lines)."""
     if stdout == "full":
         target = os.open("/dev/full", os.O_WRONLY)
     else:
@@ -776,7 +776,7 @@ def printed_to(stdout: str, *argv: str) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(
             [sys.executable, *argv],
-            cwd=REPO,
+            cwd=cwd,
             env=child_env(),
             stdout=target,
             stderr=subprocess.PIPE,
@@ -816,16 +816,7 @@ def test_a_run_whose_sample_cannot_be_printed_ends_well(tmp_path, small_corpus):
     args = on_cpu(
         [*overrides(small_corpus, "trainer_config.sample_chars=20"), "trainer_config.max_steps=3"]
     )
-    with open("/dev/full", "w") as full:
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "main.py"), *args],
-            cwd=tmp_path,
-            env=child_env(),
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=300,
-        )
+    proc = printed_to("full", str(REPO / "main.py"), *args, cwd=tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if " WARNING " in line]
     assert len(warnings) == 1, proc.stderr[-3000:]
