@@ -58,10 +58,12 @@ def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | N
         start = Start(own, saved, resuming=True)
     else:
         try:
-            source = reader.find(config.trainer_config.init_from)
+            source, note = reader.find(config.trainer_config.init_from)
             weights, meta = reader.read(source)
         except (SnapshotError, StorageError) as e:
             raise type(e)(f"trainer_config.init_from: {e}") from None
+        if note:
+            log.info("%s", note)
         start = Start(source, meta, resuming=False, weights=weights)
     shape = _shape_or_refuse(start)
     # key: (this config's value, its default, the source's)

@@ -353,14 +353,15 @@ def test_a_run_directory_names_its_snapshot(tmp_path, capsys):
         (f"{{snapshot_path: {elsewhere}}}", elsewhere),
     ):
         config.write_text(f"trainer_config: {trainer_config}\n")
-        assert find_snapshot(str(run)) == str(found)
+        assert find_snapshot(str(run))[0] == str(found)
     # A run directory of the single-file training format before: its snapshot.pt.
     old = tmp_path / "old"
     (old / ".hydra").mkdir(parents=True)
     (old / ".hydra" / "config.yaml").write_text("trainer_config: {}\n")
     (old / "snapshot.pt").touch()
-    assert find_snapshot(str(old)) == str(old / "snapshot.pt")
-    assert find_snapshot(str(tmp_path)) == str(tmp_path)  # not a run directory: taken as given
+    assert find_snapshot(str(old))[0] == str(old / "snapshot.pt")
+    # not a run directory: taken as given, with nothing to say
+    assert find_snapshot(str(tmp_path)) == (str(tmp_path), "")
     config.write_text("trainer_config: {batch_size: many}\n")
     assert refused(capsys, [run, tmp_path / "out"]) == (
         f"error: run directory {run}: {config} cannot be read "

@@ -281,12 +281,12 @@ def test_a_run_directory_is_found_as_a_file_url_and_by_its_own_snapshot_file(
     from mingpt.snapshot import reader
 
     run_dir = pretrained.run_dir
-    assert reader.find(f"file://{run_dir}") == str(run_dir / "snapshots-best")
+    assert reader.find(f"file://{run_dir}")[0] == str(run_dir / "snapshots-best")
     old = tmp_path / "old"
     (old / ".hydra").mkdir(parents=True)
     (old / ".hydra" / "config.yaml").write_text("trainer_config:\n  snapshot_path: gpt.pt\n")
     shutil.copy(tiny_file, old / "gpt.pt")
-    assert reader.find(str(old)) == str(old / "gpt.pt")
+    assert reader.find(str(old))[0] == str(old / "gpt.pt")
 
 
 def test_a_sharded_snapshot_is_a_source_for_either_parallelism(

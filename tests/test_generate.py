@@ -9,6 +9,7 @@ import codecs
 import copy
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -577,6 +578,9 @@ BAD_SNAPSHOTS = {  # kind -> file name in the work directory
     "unsorted": "unsorted.pt",  # its vocabulary is not sorted: a KeyError on the prompt, before
     "other_shape": "other_shape.pt",  # 3 layers said, 2 held: the reason was torch's header alone
     "bad_yaml": "broken-run",  # a run directory whose config is not YAML: a traceback, before
+    # a run directory whose snapshot is cut in half: the log said which snapshot it took, then the
+    # error, before
+    "damaged_run": "damaged-run",
 }
 
 
@@ -602,6 +606,11 @@ def commands_on(workdir: Path, snapshot: Path) -> dict[str, list[str]]:
     single_file.save({**state, "gpt_config": three}, str(workdir / "other_shape.pt"))
     (workdir / "broken-run" / ".hydra").mkdir(parents=True)
     (workdir / "broken-run" / ".hydra" / "config.yaml").write_text("trainer_config: [oops\n")
+    (workdir / "damaged-run" / ".hydra").mkdir(parents=True)
+    (workdir / "damaged-run" / ".hydra" / "config.yaml").write_text(
+        "trainer_config:\n  snapshot_path: gpt.pt\n"
+    )
+    shutil.copy(workdir / "truncated.pt", workdir / "damaged-run" / "gpt.pt")
     torch.save({"weights": torch.zeros(2)}, workdir / "not_mingpt.pt")
     os.mkfifo(workdir / "snapshot.fifo")
     os.symlink("/dev/zero", workdir / "zero.pt")

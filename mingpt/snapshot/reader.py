@@ -67,8 +67,9 @@ def has_snapshot(root: str) -> bool:
     return manifest.latest(root) is not None
 
 
-def _run_snapshot(run_dir: str, config_file: str) -> str:
-    """A run directory's best weights, else its latest snapshot, where its config puts them."""
+def _run_snapshot(run_dir: str, config_file: str) -> tuple[str, str]:
+    """A run directory's best weights, else its latest snapshot, where its config puts them; and
+    which of the two it is, for the log."""
     try:
         saved = OmegaConf.load(config_file).get("trainer_config") or {}
         merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved)
@@ -80,14 +81,11 @@ def _run_snapshot(run_dir: str, config_file: str) -> str:
     root = resolve_path(snapshot_path, run_dir)
     best = find_best(root)
     if best:
-        log.info(
-            "run directory %s: its best weights, %s (the lowest held-out loss; the latest "
-            "snapshot is %s)",
-            run_dir,
-            best,
-            root,
+        note = (
+            f"run directory {run_dir}: its best weights, {best} (the lowest held-out loss; the "
+            f"latest snapshot is {root})"
         )
-        return best
+        return best, note
     if not has_snapshot(root):
         # a run of an older mingpt: its single file, where its config or the default put it
         old = root
@@ -98,17 +96,17 @@ def _run_snapshot(run_dir: str, config_file: str) -> str:
                 f"{run_dir} is a run directory with no snapshot yet (it saves to {root})"
             )
         root = old
-    log.info("run directory %s: its snapshot is %s (no best weights written yet)", run_dir, root)
-    return root
+    return root, f"run directory {run_dir}: its snapshot is {root} (no best weights written yet)"
 
 
-def find(path: str) -> str:
-    """The snapshot that `path` names: for a run directory (a local directory with
-    .hydra/config.yaml), its best weights, else its latest snapshot, said in the log; any other path
-    as given. A directory that cannot hold a snapshot (empty, an export) is refused."""
+def find(path: str) -> tuple[str, str]:
+    """The snapshot that `path` names, and for a run directory (a local directory with
+    .hydra/config.yaml) a line for the log saying which it took: its best weights, else its latest
+    snapshot. Any other path as given, with no line. A directory that cannot hold a snapshot (empty,
+    an export) is refused."""
     local = path.removeprefix("file://")
     if "://" in local or not os.path.isdir(local):
-        return path
+        return path, ""
     config_file = os.path.join(local, ".hydra", "config.yaml")
     if os.path.isfile(config_file):
         return _run_snapshot(local, config_file)
@@ -123,21 +121,24 @@ def find(path: str) -> str:
         raise SnapshotError(
             f"{path} is an export in safetensors/transformers format, not a snapshot; {EXPECTED}"
         )
-    return path
+    return path, ""
 
 
 def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The weights (CPU tensors under the model's names) and the record of the snapshot that `path`
-    names (`find`), its integrity checked; SnapshotError naming what is wrong."""
-    path = find(path)
+    names (`find`), its integrity checked; SnapshotError naming what is wrong. Which snapshot of a
+    run directory it read is logged once it is read: a refusal is the only line."""
+    path, note = find(path)
     if storage.exists(path, directory=True):
         weights, meta = sharded.load_full(path, part="model")
         single_file.check_structure({"model_state": weights, **meta}, path)
-        return weights, meta
-    meta = single_file.load(path)
-    weights = meta.pop("model_state")
-    # An older file's optimizer state: nothing that reads a snapshot whole uses it.
-    meta.pop("optimizer_state", None)
+    else:
+        meta = single_file.load(path)
+        weights = meta.pop("model_state")
+        # An older file's optimizer state: nothing that reads a snapshot whole uses it.
+        meta.pop("optimizer_state", None)
+    if note:
+        log.info("%s", note)
     return weights, meta
 
 
