@@ -52,7 +52,9 @@ def save(state: dict[str, Any], path: str) -> None:
         with contextlib.suppress(*storage_errors()):
             if fs.exists(p):
                 kept = "; the file there before is unchanged"
-        raise StorageError(f"cannot save snapshot {path}: {reason(e)}{kept}") from None
+        # An OSError's own text names the temporary file that the save writes first.
+        why = getattr(e, "strerror", None) or reason(e)
+        raise StorageError(f"cannot save snapshot {path}: {why}{kept}") from None
 
 
 def is_archive(path: str) -> bool:
