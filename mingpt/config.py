@@ -449,6 +449,13 @@ class TrainerConfig:
             "must be one directory name (not empty, '.' or '..', without '/' or control "
             f"characters such as a newline), got {self.run_name!r}",
         )
+        # A sweep (-m) of run_name NAME is in runs/NAME-multirun: a run of that name would share it.
+        check(
+            not self.run_name.endswith("-multirun"),
+            "trainer_config.run_name",
+            f"must not end in '-multirun', got {self.run_name!r}: runs/{self.run_name} is the "
+            f"directory of the sweep (-m) named {self.run_name.removesuffix('-multirun')!r}",
+        )
         check_fields(self, "trainer_config.")
         per_step = self.batch_size * self.grad_accum_steps
         check(

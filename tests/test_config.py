@@ -101,6 +101,7 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["trainer_config.max_steps=0"], "trainer_config.max_steps"),
         (["trainer_config.run_name=a/b"], "trainer_config.run_name"),
         (["trainer_config.run_name=.."], "trainer_config.run_name"),
+        (["trainer_config.run_name=lr-multirun"], "trainer_config.run_name"),
         (["trainer_config.powersgd_start_step=1"], "trainer_config.powersgd_start_step"),
         (["trainer_config.localsgd_period=1"], "trainer_config.localsgd_period"),
         (["trainer_config.localsgd_start_step=-1"], "trainer_config.localsgd_start_step"),
