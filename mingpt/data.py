@@ -27,9 +27,10 @@ CORPUS_URL = (
 
 def download_corpus(path: str) -> None:
     """Download the tiny-shakespeare corpus to `path`, atomically."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     log.info("downloading %s to %s", CORPUS_URL, path)
     try:
+        # inside the try: a file where its directory should be (`data`) is the user's to fix
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with (
             urllib.request.urlopen(CORPUS_URL, timeout=30) as response,
             storage.atomic_open(path) as f,

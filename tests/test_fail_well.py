@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, on_cpu, run_each
+from conftest import REPO, TINY, child_env, on_cpu, run_each, run_main
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -404,6 +404,15 @@ def test_unwritable_snapshot_location_stops_before_training(snap, runs):
     proc = runs["unwritable"]
     one_error_line(proc, f"cannot write to the snapshot path {work / 'afile' / 'snapshots'}")
     assert "train step" not in proc.stderr and not list(work.glob("runs/unwritable*/metrics.jsonl"))
+
+
+def test_a_file_where_the_default_corpus_directory_should_be_is_one_line(tmp_path):
+    """The default corpus is missing and `data` is a file, so it cannot be downloaded there: one
+    line (the directory's creation was outside the download's error handling: a traceback)."""
+    (tmp_path / "data").write_text("not a directory\n")
+    proc = run_main(["trainer_config.max_steps=1"], tmp_path, timeout=120)
+    one_error_line(proc, "data/input.txt is missing and could not be downloaded", "'data'")
+    assert (tmp_path / "data").read_text() == "not a directory\n"
 
 
 def test_storage_that_cannot_be_written_is_one_error(tmp_path):
