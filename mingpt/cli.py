@@ -293,7 +293,13 @@ def check_arguments(argv: list[str]) -> None:
     """What Hydra's argparse would refuse with its usage banner, refused in one line."""
     parser = get_args_parser()
     parser.error = lambda message: fail(f"{message} (see --help)")  # type: ignore[method-assign]
-    _, apart = parser.parse_known_args(argv)
+    args, apart = parser.parse_known_args(argv)
+    # Hydra ignores a package without --cfg, and the command went on to train
+    if args.package and not args.cfg:
+        fail(
+            f"--package {args.package}: it picks the part of the config that --cfg prints: "
+            "add --cfg job"
+        )
     overrides = [arg for arg in apart if "=" in arg and not arg.startswith("-")]
     if overrides:
         fail(

@@ -691,6 +691,9 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
             "all before or all after the options"
         ),
         ("--cfg",): "argument --cfg/-c: expected one argument",
+        # without --cfg, Hydra ignored it and the command trained
+        ("-p", "data_config"): "--package data_config: it picks the part of the config that "
+        "--cfg prints: add --cfg job",
         # Hydra's advice was on lines of their own, and went
         ("data_config.path=a,b",): "data_config.path=a,b: a comma makes several values; for one, "
         "quote it ('data_config.path=\"a,b\"'), or add -m to sweep over them",
