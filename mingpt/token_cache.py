@@ -30,6 +30,7 @@ CHUNK = 4 << 20  # bytes read and decoded at a time (bounds the memory an encode
 N_CODE_POINTS = 0x110000
 BLANK_DIGEST = "0" * 64  # the header's checksum field while the checksum is computed
 DEFAULT_DIR = ".mingpt-cache"  # beside a local corpus
+STEM_BYTES = 64  # of the corpus's file name, at the start of its cache's name
 OWN_NAME = re.compile(
     rf"{re.escape(DEFAULT_DIR)}|.*-[0-9a-f]{{16}}\.tokens({re.escape(storage.TMP_MARK)}.*)?"
 )
@@ -314,5 +315,8 @@ def default_cache_path(
         if local_dir is not None and os.access(local_dir, os.W_OK):
             cache_dir = os.path.join(local_dir, DEFAULT_DIR)
     name = hashlib.sha256(json.dumps([sources, truncate, VERSION]).encode()).hexdigest()[:16]
-    stem = os.path.basename(sources[0].rstrip("/")) or "corpus"
+    stem = os.path.basename(sources[0].rstrip("/"))
+    # The stem only makes the name readable; whole, a long file name would make it longer than a
+    # file name may be (255 bytes), the temporary's suffix (up to about 90 more) included.
+    stem = stem.encode("utf-8")[:STEM_BYTES].decode("utf-8", "ignore") or "corpus"
     return os.path.join(cache_dir, f"{stem}-{name}.tokens")

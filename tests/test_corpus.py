@@ -362,6 +362,17 @@ def test_a_cache_dir_that_is_a_file_is_named(tmp_path):
         load_data(DataConfig(path=str(tmp_path / "c.txt"), cache_dir=str(tmp_path / "afile")))
 
 
+def test_a_corpus_with_a_name_as_long_as_a_file_system_allows_is_cached(tmp_path):
+    """The cache's name starts with the file's name: a name near 255 bytes made a cache name past
+    them, refused as too long whatever data_config.cache_dir said."""
+    name = "é" * 123 + ".txt"  # 250 bytes
+    (tmp_path / name).write_text("abcdefgh" * 50, encoding="utf-8")
+    data = load_data(DataConfig(path=str(tmp_path / name), block_size=8, stride=8))
+    assert data.tokenizer.chars == "abcdefgh"
+    [cache] = cache_files(tmp_path / ".mingpt-cache")
+    assert cache.name.startswith("éé") and len(cache.name.encode()) < 128
+
+
 def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
     """data_config.path=G/* with the cache in G (cache_dir=G, or the default G/.mingpt-cache/):
     the second run reads the same corpus, not its cache file, a temporary of one or the cache
