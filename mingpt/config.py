@@ -310,7 +310,9 @@ class TrainerConfig:
         200,
         "characters sampled at each evaluation and at the end (0: none)",
         operational=True,
-        valid=">= 0",
+        # a bound: a larger count crashed the run at its first evaluation (torch takes no size
+        # past 64 bits) or stalled it there
+        valid="[0, 2**20]",
     )
     snapshot_path: str | None = key(
         None,

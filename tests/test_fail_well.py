@@ -484,6 +484,9 @@ def composed(*items: str):
         ),
         ("optimizer_config.eps=inf", "optimizer_config.eps"),
         ("optimizer_config.weight_decay=inf", "optimizer_config.weight_decay"),
+        # the run trained, then its first sample ended in a traceback
+        ("trainer_config.sample_chars=99999999999999999999", "trainer_config.sample_chars"),
+        ("trainer_config.sample_chars=10000000000", "trainer_config.sample_chars"),
     ],
 )
 def test_values_torch_cannot_take_are_refused(override, key):
