@@ -318,10 +318,15 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
     train = []
     heldout = []
     offset = 0  # of the file in the cache's tokens
+    # splits with a window, by name: without one, the windows' tensors are not made (a block of
+    # 10**12 did not fit in memory)
+    usable = set()
     for source, n in zip(sources, cache.counts, strict=True):
         n_train = int(n * cfg.train_split)
         for name, part in (("training", n_train), ("held-out", n - n_train)):
-            if part < cfg.block_size + 1:
+            if part >= cfg.block_size + 1:
+                usable.add(name)
+            else:
                 message = (
                     f"{source}: the {name} split has {part} characters, fewer than "
                     f"data_config.block_size + 1 = {cfg.block_size + 1} "
@@ -333,6 +338,11 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         train.append((offset, n_train))
         heldout.append((offset + n_train, n - n_train))
         offset += n
+    for name in ("training", "held-out"):
+        if name not in usable:
+            raise DataError(
+                f"{cfg.path}: no file has a {name} split of data_config.block_size + 1 characters"
+            )
     data = CharData(
         CharTokenizer(cache.vocab),
         TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
@@ -340,11 +350,6 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
         cache,
         sources,
     )
-    for name, windows in (("training", data.train), ("held-out", data.heldout)):
-        if len(windows) == 0:
-            raise DataError(
-                f"{cfg.path}: no file has a {name} split of data_config.block_size + 1 characters"
-            )
     if len(cache.vocab) < 2:
         raise DataError(
             f"{sources[0]}: the corpus has a single distinct character ({cache.vocab!r}): "

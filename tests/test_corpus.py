@@ -167,6 +167,20 @@ def test_unusable_corpora_are_refused_in_one_line(tmp_path):
         load_data(DataConfig(path=str(good), block_size=8, cache_dir="/proc/nope"))
 
 
+@pytest.mark.parametrize("block_size", [10**12, 10**20])
+def test_a_block_longer_than_every_file_of_several_is_refused_in_one_line(tmp_path, block_size):
+    """Each file's too short split is a warning; that none is long enough is the refusal (the
+    windows were made first: a block of 10**12 asked for 8 TB, one past 64 bits overflowed)."""
+    paths = []
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("abcdefgh" * 50, encoding="utf-8")
+        paths.append(str(tmp_path / name))
+    with pytest.raises(
+        DataError, match=r"no file has a training split of data_config.block_size \+ 1 characters"
+    ):
+        load_data(DataConfig(path=paths, block_size=block_size))
+
+
 def test_fifo_corpus_exits_promptly_with_one_line(tmp_path):
     fifo = tmp_path / "corpus.fifo"
     os.mkfifo(fifo)
