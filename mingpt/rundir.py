@@ -194,7 +194,9 @@ def lock_paths(
         )
     ]
     if "://" not in snapshot_path or snapshot_path.startswith("file://"):
-        snapshot = os.path.abspath(snapshot_path.removeprefix("file://"))
+        # Beside the real root: a root named through a symlink is the same root, and must take the
+        # same lock.
+        snapshot = os.path.realpath(snapshot_path.removeprefix("file://"))
         paths.append(
             (
                 f"{snapshot}.lock",
