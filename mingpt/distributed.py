@@ -6,6 +6,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,15 @@ def all_max(info: DistInfo, values: list[int]) -> list[int]:
     tensor = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group)
     return tensor.tolist()
+
+
+def all_gather(info: DistInfo, value: Any) -> list[Any]:
+    """Every rank's `value` (picklable), in rank order."""
+    if not info.is_distributed:
+        return [value]
+    gathered = [None] * info.world_size
+    dist.all_gather_object(gathered, value, group=_control_group)
+    return gathered
 
 
 def global_mean(info: DistInfo, value: torch.Tensor) -> float:

@@ -17,8 +17,8 @@ import torch
 from mingpt import finetune, flops
 from mingpt.command import OutputError, silence_stdout, write
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
-from mingpt.data import CharData, build_cache, download_corpus, load_data
-from mingpt.distributed import DistInfo, barrier, distributed, setup_logging
+from mingpt.data import CharData, DataError, build_cache, download_corpus, load_data
+from mingpt.distributed import DistInfo, all_gather, distributed, setup_logging
 from mingpt.model import GPT
 from mingpt.rundir import (
     Claim,
@@ -105,12 +105,21 @@ def settle(
     check_writable(run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir)
-    # The corpus is downloaded and encoded once per node; the other processes wait.
+    # The corpus is downloaded and encoded once per node; the other processes wait, and stop with
+    # its error: left waiting in a collective, they would end in a stack trace instead.
+    failed = None
     if dist_info.is_local_main_process:
-        if config.data_config.path == DEFAULT_DATA_PATH and not os.path.exists(DEFAULT_DATA_PATH):
-            download_corpus(DEFAULT_DATA_PATH)
-        build_cache(config.data_config)
-    barrier(dist_info)
+        try:
+            if config.data_config.path == DEFAULT_DATA_PATH and not os.path.exists(
+                DEFAULT_DATA_PATH
+            ):
+                download_corpus(DEFAULT_DATA_PATH)
+            build_cache(config.data_config)
+        except DataError as e:
+            failed = e
+    errors = [e for e in all_gather(dist_info, failed) if e is not None]
+    if errors:
+        raise errors[0]
     start = 0
     if run.saved:
         start = run.saved["step"]

@@ -230,6 +230,19 @@ def test_bf16_hook_is_refused_on_gloo(tmp_path, corpus_file):
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
 
+def test_a_missing_corpus_stops_every_rank_in_one_line(tmp_path):
+    """Rank 0 alone reads the corpus (once per node) while rank 1 waits for it: rank 1 stops with
+    rank 0's line too, not with a stack trace of the collective it was left waiting in."""
+    missing = tmp_path / "missing.txt"
+    proc = run_torchrun(2, [*TINY, f"data_config.path={missing}"], tmp_path)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: data file not found: {missing}"], proc.stderr
+    assert "[rank1]: " not in proc.stderr  # a worker's traceback
+    assert f'File "{REPO / "mingpt"}' not in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
 def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
     """Two torchrun agents ("nodes" 0 and 1, one process each) meet at
     127.0.0.1 and train to the end; only rank 0 logs INFO and writes."""
