@@ -28,7 +28,7 @@ from mingpt.rundir import (
     other_directory_hint,
     shell_override,
 )
-from mingpt.snapshot import compat, reader
+from mingpt.snapshot import compat, reader, single_file
 from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
 from mingpt.trainer import Trainer
@@ -89,6 +89,9 @@ def locate(config: Config, run_dir: str) -> Run:
     saved = None
     if reader.has_snapshot(snapshot_path):
         saved = read_meta(snapshot_path)
+        # Its fields are used before the weights are read: one of another type would fail there
+        # as a traceback.
+        single_file.check_record(saved, snapshot_path)
     return Run(run_dir, snapshot_path, saved, finetune.prepare(config, snapshot_path, saved))
 
 

@@ -443,6 +443,43 @@ def test_snapshot_of_another_shape_is_refused(good_snapshot, refused_at_start):
     assert tree_bytes(snapshot) == before
 
 
+def test_a_record_field_of_another_type_is_refused_at_resume(good_snapshot, tmp_path):
+    """A snapshot whose meta.json holds a field of another type, its manifest made to agree (as
+    whoever changed it could): resuming it is refused in one line naming the field, as generate,
+    score and export refuse it, not a traceback from where the field is first used."""
+    tmp, snapshot = good_snapshot
+    good = overrides(f"data_config.path={tmp / 'small.txt'}", "trainer_config.max_steps=6")
+    cases = []
+    for field, value in (("step", "6"), ("trainer_config", "6")):
+        run_dir = tmp_path / field
+        shutil.copytree(snapshot.parent, run_dir, ignore=shutil.ignore_patterns("*.lock"))
+        directory = Path(manifest.latest(str(run_dir / "snapshots")))
+        document = json.loads((directory / manifest.META).read_text())
+        document["meta"][field] = value
+        data = json.dumps(document).encode()
+        (directory / manifest.META).write_bytes(data)
+        # What whoever changed it could do too: make the manifest agree.
+        listed = json.loads((directory / manifest.MANIFEST).read_text())
+        listed["files"][manifest.META] = [len(data), hashlib.sha256(data).hexdigest()]
+        (directory / manifest.MANIFEST).write_text(json.dumps(listed))
+        cases.append((tmp, on_cpu([*good, f"hydra.run.dir={run_dir}"])))
+    score = [f"snapshot_path={run_dir}/snapshots", f"path={tmp / 'small.txt'}", "device=cpu"]
+    cases.append((tmp, score, "mingpt.score"))
+    step, trainer_config, scored = run_each("mingpt.cli", cases)
+    assert_one_error(
+        step, f"snapshot {tmp_path}/step/snapshots is not usable: step must be a whole number"
+    )
+    assert_one_error(
+        trainer_config,
+        f"snapshot {tmp_path}/trainer_config/snapshots is not usable: trainer_config must be a "
+        "mapping, got str",
+    )
+    # score reads it too (its batch size), where generate and export do not
+    assert_one_error(
+        scored, f"snapshot {tmp_path}/trainer_config/snapshots is not usable: trainer_config"
+    )
+
+
 ONE_PROCESS = DistInfo(0, 0, 1, 1, torch.device("cpu"))
 
 

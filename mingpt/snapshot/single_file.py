@@ -23,6 +23,9 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "model_state": ((dict,), "a mapping of names to tensors"),
     "optimizer_state": ((dict,), "a mapping"),
     "gpt_config": ((dict,), "a mapping"),
+    **{
+        key: ((dict,), "a mapping") for key in ("optimizer_config", "data_config", "trainer_config")
+    },
     "vocab": ((str,), "a string"),
     **{key: ((int,), "a whole number >= 0") for key in COUNTS},
     "scaler_state": ((dict,), "a mapping"),
@@ -111,6 +114,14 @@ def check_structure(state: Any, path: str) -> None:
             raise SnapshotError(
                 f"snapshot {path} has non-finite weights (nan or inf in {name}): it cannot be used"
             )
+
+
+def check_record(meta: Any, path: str) -> None:
+    """check_structure for a sharded snapshot's record (its meta.json), read before its weights."""
+    state = meta
+    if isinstance(meta, dict):
+        state = {**meta, "model_state": {}}
+    check_structure(state, path)
 
 
 def _unpickling_error(error: pickle.UnpicklingError, path: str) -> SnapshotError:
