@@ -10,6 +10,7 @@ state, which init_from, generate and score read. DST only ever holds a complete 
 import dataclasses
 import glob
 import json
+import logging
 import os
 import shutil
 import stat
@@ -26,6 +27,8 @@ from mingpt.data import CharTokenizer
 from mingpt.model import GPT
 from mingpt.snapshot import reader, single_file
 from mingpt.storage import fsync_dir
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "hf", "snapshot")
 WEIGHTS = reader.EXPORT_WEIGHTS
@@ -203,17 +206,22 @@ def export(config: ExportConfig) -> dict:
     """Write the export; return the snapshot's record."""
     # Before any work; again when writing.
     check_destination(config.dst, directory=config.format != "snapshot")
+    # Which snapshot of a run directory is read is said once the export is written: a refusal is
+    # the only line.
+    src, note = reader.find(config.src)
     if config.format == "snapshot":
-        weights, meta = reader.read(config.src)
+        weights, meta = reader.read(src)
         # Where a local DST is a symbolic link, the file it points to is the one checked, and the
         # one replaced: the link stays.
         path = check_destination(config.dst, directory=False) or config.dst
         # Streamed to a temporary file, then renamed.
         single_file.save({"model_state": weights, **meta}, path)
-        return meta
-    model, tokenizer, meta = reader.load_model(config.src, torch.device("cpu"))
-    files = export_files(model, tokenizer, meta.get("step", "?"), config.format == "hf")
-    write_directory(config.dst, files)
+    else:
+        model, tokenizer, meta = reader.load_model(src, torch.device("cpu"))
+        files = export_files(model, tokenizer, meta.get("step", "?"), config.format == "hf")
+        write_directory(config.dst, files)
+    if note:
+        log.info("%s", note)
     return meta
 
 

@@ -175,7 +175,10 @@ def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> 
 
 def run(config: GenerateConfig) -> None:
     device = pick_device(config.device, key="device")
-    model, tokenizer, state = reader.load_model(config.snapshot_path, device)
+    # Which snapshot of a run directory is read is said once the prompt fits it: a refusal is the
+    # only line.
+    snapshot, note = reader.find(config.snapshot_path)
+    model, tokenizer, state = reader.load_model(snapshot, device)
     prompt = read_prompt(config)
     unknown = tokenizer.unknown(prompt)
     if unknown:
@@ -185,6 +188,8 @@ def run(config: GenerateConfig) -> None:
         )
     idx = tokenizer.encode(prompt or tokenizer.line_start()).long()[None].to(device)
     check_fits(model, config, device)
+    if note:
+        log.info("%s", note)
     compile = should_compile(config, model, device)
     log.info(
         "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s",

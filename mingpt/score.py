@@ -131,7 +131,10 @@ def _text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: 
 
 def score(config: ScoreConfig) -> Score:
     device = pick_device(config.device, key="device")
-    model, tokenizer, state = reader.load_model(config.snapshot_path, device)
+    # Which snapshot of a run directory is read is said once the text fits it: a refusal is the
+    # only line.
+    snapshot, note = reader.find(config.snapshot_path)
+    model, tokenizer, state = reader.load_model(snapshot, device)
     trainer_config = state.get("trainer_config") or {}
     if config.path:
         windows = _text_windows(config.path, tokenizer, model.config.block_size, device)
@@ -140,6 +143,8 @@ def score(config: ScoreConfig) -> Score:
     else:
         windows, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
+    if note:
+        log.info("%s", note)
     # In batches as the run's evaluation.
     batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
     one_process = DistInfo(0, 0, 1, 1, device)

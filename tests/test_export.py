@@ -192,6 +192,13 @@ def refused(capsys, argv: list[str]) -> str:
     return err.strip()
 
 
+def test_a_failed_write_from_a_run_directory_is_one_line(tiny_run, capsys):
+    """The log said which snapshot of the run directory it took, then the error, before."""
+    _, run_dir = tiny_run
+    line = refused(capsys, [run_dir, "/proc/one.pt", "--format", "snapshot"])
+    assert line.startswith("error: cannot save snapshot /proc/one.pt: "), line
+
+
 @pytest.mark.parametrize("device", ["/dev/null", "/dev/full"])
 @pytest.mark.parametrize("form", ["snapshot", "safetensors", "hf"])
 def test_a_device_node_is_never_replaced(sharded_root, tmp_path, capsys, device, form):

@@ -625,6 +625,12 @@ def commands_on(workdir: Path, snapshot: Path) -> dict[str, list[str]]:
         {override: [f"snapshot_path={snapshot}", *override.split()] for override in BAD_SETTINGS}
     )
     cases["prompt"] = [f"snapshot_path={snapshot}", "prompt=ROMEO: é€"]
+    # The run directory: the log said which of its snapshots it took, then the error, before.
+    cases["prompt-run"] = [f"snapshot_path={snapshot.parent}", "prompt=ROMEO: é€"]
+    cases["prompt_file-run"] = [
+        f"snapshot_path={snapshot.parent}",
+        f"prompt_file={workdir / 'missing.txt'}",
+    ]
     for kind, name in (("fifo", "snapshot.fifo"), ("device", "zero.pt")):
         cases[f"prompt_file-{kind}"] = [
             f"snapshot_path={snapshot}",
@@ -685,6 +691,12 @@ def test_a_directory_that_cannot_be_listed_is_one_line(unlistable):
 def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_runs):
     line = one_error_line(bad_runs["prompt"])
     assert "'é'" in line and "'€'" in line and "'R'" not in line, line
+
+
+def test_a_prompt_that_does_not_fit_a_run_directory_is_one_line(bad_runs, workdir):
+    assert "'é'" in one_error_line(bad_runs["prompt-run"])
+    line = one_error_line(bad_runs["prompt_file-run"])
+    assert line == f"error: prompt_file not found: {workdir / 'missing.txt'}", line
 
 
 @pytest.mark.parametrize("override", BAD_SETTINGS)

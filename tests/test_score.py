@@ -106,6 +106,10 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     assert refused(capsys, [snapshot, f"path={foreign}"]) == (
         f"error: {foreign} has characters outside the snapshot's vocabulary: '~' 'é'"
     )
+    # A run directory: the log said which of its snapshots it took, then the error, before.
+    assert refused(capsys, [f"snapshot_path={run_dir}", f"path={foreign}"]) == (
+        f"error: {foreign} has characters outside the snapshot's vocabulary: '~' 'é'"
+    )
     fifo = tmp_path / "text.fifo"
     os.mkfifo(fifo)  # a read would wait for a writer forever; /dev/zero's would never end
     assert (
