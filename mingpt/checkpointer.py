@@ -10,6 +10,7 @@ so every rank decides alike."""
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -178,6 +179,8 @@ class Checkpointer:
         # Wait for the save in flight (async_save); its StorageError is raised on every rank.
         if last_step or stop:
             sharded.wait_pending()
+        if last_step and self.dist.is_main_process:
+            self._drop_fallback_best()
         # A stop signal that came while the last snapshot was written still stops the run.
         if last_step and not stop:
             stop = self._agree()[0]
@@ -193,6 +196,18 @@ class Checkpointer:
             f"{stopping.describe(stop)} at step {state.step}; {saved} "
             f"({stopping.signal_name(stop)}, exit status {stopping.exit_status(stop)})",
         )
+
+    def _drop_fallback_best(self) -> None:
+        """Once the last step's snapshot is published, a resume no longer falls back to older best
+        weights (save_best): the newest alone stays."""
+        best = best_path(self.root)
+        try:
+            newest = manifest.latest(best)
+        except StorageError as e:
+            log.warning("%s", e)
+            return
+        if newest is not None:
+            manifest.prune(best, os.path.basename(newest), keep=1)
 
     def _agree(self) -> list[int]:
         """[a stop signal some rank received (0: none), whether save_every_minutes passed by rank
@@ -248,8 +263,17 @@ class Checkpointer:
         as the best weights so far; written before this returns."""
         model_state = self._weights(get_model_state_dict(self.model), state.step)
         best = best_path(self.root)
+        # Also kept: the best weights that a resume from the latest snapshot would fall back to,
+        # once it has removed the later ones (_forget_later_best). The save waits for the snapshot
+        # in flight first: saved_step's is published by then.
         sharded.save(
-            {"model": model_state}, self._meta(state), best, state.step, keep=1, async_save=False
+            {"model": model_state},
+            self._meta(state),
+            best,
+            state.step,
+            keep=1,
+            also_keep_at_or_before=self.saved_step,
+            async_save=False,
         )
         log.info(
             "saved the best weights so far (held-out loss %.4f at step %d) to %s",

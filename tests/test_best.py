@@ -138,6 +138,42 @@ def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_set_aside(
     assert max(record["step"] for _, record in events(str(run / "metrics.jsonl"))) == 4
 
 
+def test_a_crash_after_a_later_best_leaves_the_best_that_a_resume_falls_back_to(
+    tmp_path, small_corpus, monkeypatch, one_thread
+):
+    """A new best removed the one before it at once; a resume removes the best weights saved after
+    its snapshot. A crash between a snapshot's next best and the next snapshot then left no best
+    weights, and a second crash before the replayed evaluation lost them for good. The best at or
+    before the latest snapshot is kept beside the newest until the run's last step."""
+    run = tmp_path / "run"
+    best_root = run / "snapshots-best"
+    args = [*BUMPY, "trainer_config.max_steps=40", "trainer_config.save_every_steps=10"]
+    first = make_trainer(run, small_corpus, *args)
+    save_best = first.checkpointer.save_best
+
+    def crash_after_a_best_past_step_10(state):
+        save_best(state)
+        if state.step > 10:
+            raise RuntimeError("killed")
+
+    monkeypatch.setattr(first.checkpointer, "save_best", crash_after_a_best_past_step_10)
+    with pytest.raises(RuntimeError, match="killed"):
+        first.train()
+    crashed_at = first.state.step
+    # the test means something: a best after the snapshot at 10, before the next
+    assert 10 < crashed_at < 20 and manifest.step_of(manifest.latest(str(run / "snapshots"))) == 10
+    monkeypatch.undo()
+    resumed = make_trainer(run, small_corpus, *args)
+    assert resumed.state.step == 10 and 0 < resumed.state.best_step <= 10
+    kept = manifest.latest(str(best_root))
+    assert kept is not None and manifest.step_of(kept) == resumed.state.best_step
+    assert read_snapshot(best_root)["best_eval_loss"] == resumed.state.best_eval_loss
+    resumed.train()
+    # complete: the newest best alone stays
+    assert len(manifest.listing(str(best_root))[1]) == 1
+    assert manifest.step_of(manifest.latest(str(best_root))) == resumed.state.best_step
+
+
 def test_an_evaluation_cut_by_a_stop_writes_no_best(
     tmp_path, small_corpus, monkeypatch, one_thread
 ):

@@ -171,13 +171,17 @@ def _remove(root: str, which: Callable[[list[str], list[str]], list[str]]) -> li
     return chosen
 
 
-def prune(root: str, newest: str, keep: int) -> None:
-    """Remove all but the newest `keep` published snapshots, and the unpublished ones older than
-    `newest` (saves that died); a failure only warns."""
+def prune(root: str, newest: str, keep: int, also_at_or_before: int | None = None) -> None:
+    """Remove all but the newest `keep` published snapshots (and, with `also_at_or_before`, the
+    newest of a step at or before it), and the unpublished ones older than `newest` (saves that
+    died); a failure only warns."""
 
     def old(names: list[str], published: list[str]) -> list[str]:
+        kept = published[-keep:]
+        if also_at_or_before is not None:
+            kept += [n for n in published if order(n)[0] <= also_at_or_before][-1:]
         unpublished = [n for n in names if n not in published and order(n) < order(newest)]
-        return published[:-keep] + unpublished
+        return [n for n in published if n not in kept] + unpublished
 
     _remove(root, old)
 

@@ -218,12 +218,14 @@ def save(
     step: int,
     *,
     keep: int = 2,
+    also_keep_at_or_before: int | None = None,
     async_save: bool = True,
     own: Any = None,
     lowest_rank: bool = False,
 ) -> Future:
     """Save `tensors` (each rank its shards), `meta` and `own` (each rank's own state) as a new
-    snapshot of `root`, keeping `keep`. Asynchronously, it returns once the state is copied, with
+    snapshot of `root`, keeping the newest `keep` (and the newest at or before step
+    `also_keep_at_or_before`). Asynchronously, it returns once the state is copied, with
     the future of the write, whose outcome wait_pending() gives once: the snapshot's directory, or
     its StorageError, on every rank alike.
     `lowest_rank`: each plain tensor is written by its first holder (replicas that may differ)."""
@@ -282,7 +284,15 @@ def save(
             else:
                 error = f"{reason(streams.error)} (rank {_rank(pg)})"
         try:
-            _publish(directory, root, document, keep, pg, error, streams.error is not None)
+            _publish(
+                directory,
+                root,
+                document,
+                (keep, also_keep_at_or_before),
+                pg,
+                error,
+                streams.error is not None,
+            )
         # One line, on every rank: any error of this rank's too, never lost.
         except Exception as e:
             raise StorageError(f"cannot save sharded snapshot {directory}: {reason(e)}") from None
@@ -306,7 +316,7 @@ def _publish(
     directory: str,
     root: str,
     document: bytes,
-    keep: int,
+    keep: tuple[int, int | None],
     pg,
     error: str | None,
     storage_cause: bool,
@@ -342,7 +352,7 @@ def _publish(
             raise failed(reason(e)) from None
         except Exception as e:
             raise failed(f"{type(e).__name__}: {reason(e)}") from None
-        manifest.prune(root, os.path.basename(directory), keep)
+        manifest.prune(root, os.path.basename(directory), *keep)
         log.info("published sharded snapshot %s (%d files)", directory, count)
 
     _by_rank0(pg, publish)
