@@ -152,7 +152,9 @@ class TokenWindows:
             segments = [(0, len(tokens))]
         self.tokens = tokens
         self.block_size = block_size
-        self.stride = stride
+        # A stride past the tokens' end gives each segment its first window alone, as their length
+        # does; torch takes none past 64 bits.
+        self.stride = min(stride, max(1, len(tokens)))
         self.segments = segments
         self.ids = None if ids is None else ids.to(tokens.device)
         counts = torch.tensor(

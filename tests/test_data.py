@@ -95,6 +95,18 @@ def test_batch_targets_are_inputs_shifted_by_one():
     assert y[2, -1].item() <= 99
 
 
+@pytest.mark.parametrize("stride", [10**6, 2**63, 10**20])
+def test_a_stride_past_the_corpus_takes_each_splits_first_window(tmp_path, stride):
+    """Any stride past the corpus's length gives the same windows (one past 64 bits ended the
+    run's first step in an OverflowError)."""
+    path = tmp_path / "c.txt"
+    path.write_text("abcdefgh" * 50, encoding="utf-8")
+    data = load_data(DataConfig(path=str(path), block_size=8, stride=stride))
+    assert len(data.train) == 1
+    x, y = data.train.batch([0])
+    assert data.tokenizer.decode(x[0]) == "abcdefgh" and data.tokenizer.decode(y[0]) == "bcdefgha"
+
+
 @pytest.mark.parametrize(
     "content, problem",
     [
