@@ -6,7 +6,6 @@ root (its newest published snapshot), one snapshot directory, or a single snapsh
 format, or a run of an older mingpt). What is read is the model's weights under their names and the
 run's record (its configs, vocabulary, step), never the optimizer state."""
 
-import logging
 import os
 import posixpath
 from typing import Any
@@ -22,8 +21,6 @@ from mingpt.data import CharTokenizer
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
 from mingpt.storage import StorageError, reason
-
-log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "snapshots"
 # The files of a safetensors or transformers export (mingpt/export.py): a directory that is not a
@@ -126,9 +123,9 @@ def find(path: str) -> tuple[str, str]:
 
 def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The weights (CPU tensors under the model's names) and the record of the snapshot that `path`
-    names (`find`), its integrity checked; SnapshotError naming what is wrong. Which snapshot of a
-    run directory it read is logged once it is read: a refusal is the only line."""
-    path, note = find(path)
+    names (`find`: the caller says which one of a run directory it took, once its input fits),
+    its integrity checked; SnapshotError naming what is wrong."""
+    path, _ = find(path)
     if storage.exists(path, directory=True):
         weights, meta = sharded.load_full(path, part="model")
         single_file.check_structure({"model_state": weights, **meta}, path)
@@ -137,8 +134,6 @@ def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         weights = meta.pop("model_state")
         # An older file's optimizer state: nothing that reads a snapshot whole uses it.
         meta.pop("optimizer_state", None)
-    if note:
-        log.info("%s", note)
     return weights, meta
 
 
