@@ -353,6 +353,20 @@ def test_a_rank_failure_is_reported_with_its_type_and_place():
         sharded._dcp_reason(CheckpointException("save", {0: disk_full}))
         == "[Errno 28] No space left on device (rank 0)"
     )
+    # An object store's, which is no OSError: the line named botocore's httpsession.py:364.
+    botocore = pytest.importorskip("botocore.exceptions")
+
+    def connect() -> None:
+        raise botocore.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+    try:
+        connect()
+    except botocore.EndpointConnectionError as e:
+        unreachable = _wrap_exception(e)
+    assert (
+        sharded._dcp_reason(CheckpointException("save", {0: unreachable}))
+        == 'Could not connect to the endpoint URL: "http://127.0.0.1:9" (rank 0)'
+    )
 
 
 @pytest.mark.parametrize("async_save", [False, True])

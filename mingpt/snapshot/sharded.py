@@ -155,7 +155,7 @@ def _typed(error: BaseException) -> str:
     """An exception as one line with its type, which a KeyError's text (only its key) leaves out; a
     storage error as its text, which says what it is."""
     text = reason(error)
-    if isinstance(error, OSError) or text == type(error).__name__:
+    if isinstance(error, storage_errors()) or text == type(error).__name__:
         return text
     return f"{type(error).__name__}: {text}"
 
@@ -167,8 +167,8 @@ def _dcp_reason(error: BaseException) -> str:
         return _typed(error)
     rank, (inner, stack) = min(error.failures.items())
     at = ""
-    # Where DCP met a storage error says nothing more to the user.
-    if stack and not isinstance(inner, OSError):
+    # Where DCP met a storage error (an object store client's too) says nothing more to the user.
+    if stack and not isinstance(inner, storage_errors()):
         at = f", at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}"
     return f"{_typed(inner)}{at} (rank {rank})"
 
