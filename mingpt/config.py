@@ -231,12 +231,16 @@ class DataConfig:
         if isinstance(self.path, (tuple, ListConfig)):
             self.path = list(self.path)
         paths = self.paths
+        # A file named 1 or 2.5 is read as a number on the command line.
+        hint = ""
+        if isinstance(self.path, int | float) and not isinstance(self.path, bool):
+            hint = f" (a number: for a file of that name, 'data_config.path=\"{self.path}\"')"
         check(
             isinstance(paths, list)
             and len(paths) > 0
             and all(isinstance(p, str) and p for p in paths),
             "data_config.path",
-            f"must be a non-empty path, glob or list of them, got {self.path!r}",
+            f"must be a non-empty path, glob or list of them, got {self.path!r}{hint}",
         )
         check_fields(self, "data_config.")
         check(

@@ -169,6 +169,16 @@ def test_model_presets(name):
     assert cfg.trainer_config == Config().trainer_config  # a model preset touches only the model
 
 
+def test_a_corpus_named_like_a_number_is_told_how_to_quote_it():
+    """data_config.path=1 is read as a number: the refusal gives the override that names the
+    file, and that override does."""
+    with pytest.raises(ConfigError) as e:
+        OmegaConf.to_object(composed("data_config.path=1"))
+    quoted = 'data_config.path="1"'
+    assert str(e.value).endswith(f"(a number: for a file of that name, '{quoted}')"), e.value
+    assert OmegaConf.to_object(composed(quoted)).data_config.path == "1"
+
+
 def test_the_shapes_in_the_docs_are_the_presets():
     """docs/configuration.md's Presets give each model preset's layers/heads/width."""
     page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
