@@ -9,10 +9,8 @@ import os
 import shlex
 from typing import Any
 
-import torch.distributed as dist
-
 from mingpt.config import Config, result_items, value_text
-from mingpt.distributed import DistInfo
+from mingpt.distributed import DistInfo, all_gather
 from mingpt.rundir import new_run_hint, shell_override
 from mingpt.snapshot import SnapshotError, manifest, single_file
 
@@ -202,10 +200,7 @@ def check_fits(
 def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
     """All ranks start from the same step: a snapshot that only some of them see (a node-local path)
     would split the run."""
-    if not dist_info.is_distributed:
-        return
-    steps: list[Any] = [None] * dist_info.world_size
-    dist.all_gather_object(steps, step)
+    steps = all_gather(dist_info, step)
     if len(set(steps)) > 1:
         raise SnapshotError(
             f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "
