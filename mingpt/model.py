@@ -48,10 +48,10 @@ class KVCache:
             return self.k[layer][:, :, : self.filled], self.v[layer][:, :, : self.filled]
         return self.k[layer], self.v[layer]
 
-    def visible(self, pos: torch.Tensor | None) -> torch.Tensor | None:
-        """The attention mask of a token at pos: the cache up to its own position. None for a
-        prompt (pos None), causal over itself, and where only the filled positions are read."""
-        if pos is None or self.filled is not None:
+    def visible(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """The attention mask of a token at pos: the cache up to its own position. None where only
+        the filled positions are read."""
+        if self.filled is not None:
             return None
         return self.positions <= pos
 
@@ -66,12 +66,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        pos: torch.Tensor | None = None,
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
+        """x (B, T, C); with a cache, x is a prompt from position 0, whose keys and values fill it
+        (Block.step goes on from there)."""
         B, T, C = x.shape
         hs = C // self.n_head  # head size
         q, k, v = self.c_attn(x).split(C, dim=2)
@@ -79,17 +77,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        mask = None
         if cache is not None:
-            k, v = cache.store(layer, k, v, pos)
-            mask = cache.visible(pos)
+            k, v = cache.store(layer, k, v, None)
         y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None and T > 1,
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=T > 1
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -122,13 +113,9 @@ class Block(nn.Module):
         }
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        pos: torch.Tensor | None = None,
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer, pos)
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
     def step(
