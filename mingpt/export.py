@@ -90,7 +90,7 @@ def hf_config(model: GPT) -> dict:
     )
 
 
-def export_files(model: GPT, tokenizer: CharTokenizer, step, hf: bool) -> dict[str, bytes]:
+def export_files(model: GPT, tokenizer: CharTokenizer, step: int, hf: bool) -> dict[str, bytes]:
     """The files of a safetensors export (`GPT(GPTConfig(**config.json))` loads its weights as they
     are), or of an hf one: the weights under GPT2LMHeadModel's names, the body under `transformer.`,
     Conv1D's transposed."""
@@ -218,7 +218,7 @@ def export(config: ExportConfig) -> dict:
         single_file.save({"model_state": weights, **meta}, path)
     else:
         model, tokenizer, meta = reader.load_model(src, torch.device("cpu"))
-        files = export_files(model, tokenizer, meta.get("step", "?"), config.format == "hf")
+        files = export_files(model, tokenizer, meta["step"], config.format == "hf")
         write_directory(config.dst, files)
     if note:
         log.info("%s", note)
@@ -256,10 +256,7 @@ def overrides(argv: list[str]) -> list[str]:
 def run(argv: list[str]) -> None:
     config = parse_args(overrides(argv), ExportConfig, ("src", "dst"))
     state = export(config)
-    write(
-        f"exported {config.src} (step {state.get('step', '?')}) as {config.format} to "
-        f"{config.dst}\n"
-    )
+    write(f"exported {config.src} (step {state['step']}) as {config.format} to {config.dst}\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -194,7 +194,7 @@ def run(config: GenerateConfig) -> None:
     log.info(
         "%s: step %s, %.2fM parameters, block_size %d, on %s, %s cache%s",
         config.snapshot_path,
-        state.get("step", "?"),
+        state["step"],
         model.num_params() / 1e6,
         model.config.block_size,
         device,

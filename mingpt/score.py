@@ -55,7 +55,7 @@ class Score:
     loss: float  # mean cross-entropy per scored character, in nats
     tokens: int  # characters scored (the targets of the windows)
     source: str  # what was scored, in words
-    step: object  # the snapshot's step
+    step: int  # the snapshot's step
 
     @property
     def bpc(self) -> float:
@@ -149,7 +149,7 @@ def score(config: ScoreConfig) -> Score:
     batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
     one_process = DistInfo(0, 0, 1, 1, device)
     result = evaluation.evaluate(model, windows, one_process, eval_tokens, batch_size)
-    return Score(result.loss, result.tokens, source, state.get("step", "?"))
+    return Score(result.loss, result.tokens, source, state["step"])
 
 
 def run(argv: list[str]) -> None:
