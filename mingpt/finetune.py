@@ -35,10 +35,11 @@ class Start:
 
 
 def _shape_or_refuse(start: Start) -> dict[str, int]:
-    shape = start.meta.get("gpt_config")
-    vocab = start.meta.get("vocab")
-    shaped = isinstance(shape, dict) and all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
-    sorted_vocab = isinstance(vocab, str) and vocab == "".join(sorted(set(vocab)))
+    # A mapping and a string: the record's check, as either snapshot was read, made them so.
+    shape = start.meta["gpt_config"]
+    vocab = start.meta["vocab"]
+    shaped = all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
+    sorted_vocab = vocab == "".join(sorted(set(vocab)))
     if not shaped or not sorted_vocab or len(vocab) != shape["vocab_size"]:
         raise SnapshotError(
             f"trainer_config.init_from: snapshot {start.named} does not record its model's shape "
@@ -120,7 +121,7 @@ def load_weights(model: torch.nn.Module, start: Start) -> None:
             f"trainer_config.init_from: snapshot {start.source} cannot be loaded: "
             f"{reader.load_error(e)}"
         ) from None
-    step = start.meta.get("step")
+    step = start.meta["step"]
     best = start.meta.get("best_eval_loss")
     loss = ""
     # The source's best loss is its weights' own when it was reached at its last step.
