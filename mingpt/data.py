@@ -16,6 +16,7 @@ from torch.utils.data import DistributedSampler
 
 from mingpt import storage, token_cache
 from mingpt.config import DataConfig
+from mingpt.distributed import SAME_ON_EVERY_RANK
 from mingpt.token_cache import DataError
 
 log = logging.getLogger(__name__)
@@ -336,7 +337,9 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
                 )
                 if len(sources) == 1:
                     raise DataError(message)
-                log.warning("%s; the file adds no %s windows", message, name)
+                log.warning(
+                    "%s; the file adds no %s windows", message, name, extra=SAME_ON_EVERY_RANK
+                )
         train.append((offset, n_train))
         heldout.append((offset + n_train, n - n_train))
         offset += n

@@ -69,8 +69,17 @@ def _own_info(record: logging.LogRecord) -> bool:
     return record.name.partition(".")[0] in ("mingpt", "__main__")
 
 
+# `extra=` of a warning that every rank would log alike: rank 0 logs it alone.
+SAME_ON_EVERY_RANK = {"same_on_every_rank": True}
+
+
+def _rank_specific(record: logging.LogRecord) -> bool:
+    return not getattr(record, "same_on_every_rank", False)
+
+
 def setup_logging(rank: int) -> None:
-    """Rank 0 logs mingpt's INFO to stderr; other ranks, warnings and errors prefixed by rank."""
+    """Rank 0 logs mingpt's INFO to stderr; other ranks, warnings and errors prefixed by rank,
+    except those marked SAME_ON_EVERY_RANK."""
     prefix = ""
     level = logging.INFO
     if rank != 0:
@@ -81,6 +90,8 @@ def setup_logging(rank: int) -> None:
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
     handler.addFilter(_own_info)
+    if rank != 0:
+        handler.addFilter(_rank_specific)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -18,7 +18,13 @@ from mingpt import finetune, flops
 from mingpt.command import OutputError, silence_stdout, write
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, DataError, build_cache, download_corpus, load_data
-from mingpt.distributed import DistInfo, all_gather, distributed, setup_logging
+from mingpt.distributed import (
+    SAME_ON_EVERY_RANK,
+    DistInfo,
+    all_gather,
+    distributed,
+    setup_logging,
+)
 from mingpt.model import GPT
 from mingpt.rundir import (
     Claim,
@@ -189,6 +195,7 @@ def announce(t: Trainer) -> None:
             global_batch,
             n_train,
             n_train,
+            extra=SAME_ON_EVERY_RANK,
         )
     if t.device.type != "cpu" or not t.dist.is_main_process or t.finished():
         return

@@ -23,7 +23,7 @@ from mingpt.checkpointer import Checkpointer, NotFinite
 from mingpt.config import Config, ConfigError, TrainerConfig
 from mingpt.data import CharData, ResumableSampler
 from mingpt.decoding import sample_line
-from mingpt.distributed import DistInfo, all_max, global_mean
+from mingpt.distributed import SAME_ON_EVERY_RANK, DistInfo, all_max, global_mean
 from mingpt.evaluation import Evaluator
 from mingpt.metrics import Metrics, Pace, SlowNotice
 from mingpt.model import GPT
@@ -93,6 +93,7 @@ def amp_policy(cfg: TrainerConfig, device_type: str, bf16_supported: bool = True
             "fp32%s",
             how,
             hint,
+            extra=SAME_ON_EVERY_RANK,
         )
     return AmpPolicy(enabled, dtype, dtype == torch.float16)
 

@@ -9,7 +9,7 @@ import logging.handlers
 import pytest
 
 from mingpt.config import Config
-from mingpt.distributed import setup_logging
+from mingpt.distributed import SAME_ON_EVERY_RANK, setup_logging
 from mingpt.run import run
 from mingpt.rundir import Claim, hold_log_lines
 from mingpt.storage import StorageError
@@ -62,3 +62,12 @@ def test_a_run_refused_before_it_claims_its_directory_keeps_no_log_buffer(
     with pytest.raises(StorageError):
         run(config, str(tmp_path / "afile" / "run"), {}, [])
     assert not [h for h in root_logger.handlers if isinstance(h, logging.handlers.MemoryHandler)]
+
+
+def test_other_ranks_log_their_own_warnings_not_those_every_rank_logs_alike(capsys, root_logger):
+    setup_logging(rank=1)
+    log = logging.getLogger("mingpt.trainer")
+    log.warning("rank 1 cannot write here")
+    log.warning("the same on every rank", extra=SAME_ON_EVERY_RANK)
+    log.info("an info line")
+    assert capsys.readouterr().err.endswith(" WARNING rank 1 cannot write here\n")
