@@ -44,14 +44,6 @@ def download_corpus(path: str) -> None:
         ) from None
 
 
-def read_text(path: str) -> str:
-    """A small UTF-8 text file (fsspec URL or local path), a leading byte-order mark dropped."""
-    text = "".join(text for _, text in token_cache.decoded_chunks(path))
-    if not text:
-        raise DataError(f"data file is empty: {path}")
-    return text
-
-
 def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     """The corpus files named by data_config.path (globs expanded), in order, and the path of their
     token cache."""

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mingpt import evaluation
+from mingpt import evaluation, token_cache
 from mingpt.command import command, parse_args, write
 from mingpt.config import DataConfig, TrainerConfig, check, check_fields, key
-from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data, read_text
+from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig
 from mingpt.snapshot import SnapshotError, compat, reader
@@ -115,14 +115,19 @@ def heldout_windows(
 
 def _text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: torch.device):
     """The text at `path` in windows of `block_size` that do not overlap; one if it is shorter."""
-    text = read_text(path)
-    unknown = tokenizer.unknown(text)
-    if unknown:
-        raise TextError(
-            f"{path} has characters outside the snapshot's vocabulary: "
-            f"{' '.join(repr(c) for c in unknown[:20])}"
-        )
-    tokens = tokenizer.encode(text).to(device)
+    chunks = []
+    # chunk by chunk: a large file is refused at its first unknown character, not once read whole
+    for _, text in token_cache.decoded_chunks(path):
+        unknown = tokenizer.unknown(text)
+        if unknown:
+            raise TextError(
+                f"{path} has characters outside the snapshot's vocabulary: "
+                f"{' '.join(repr(c) for c in unknown[:20])}"
+            )
+        chunks.append(tokenizer.encode(text))
+    tokens = torch.cat(chunks).to(device)
+    if not len(tokens):
+        raise DataError(f"data file is empty: {path}")
     if len(tokens) < 2:
         raise TextError(f"{path} has {len(tokens)} character: nothing to predict")
     block = min(block_size, len(tokens) - 1)

@@ -153,6 +153,32 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
         )
 
 
+def test_a_text_is_read_chunk_by_chunk_and_refused_at_its_first_unknown_character(
+    tiny_run, tmp_path, capsys, monkeypatch
+):
+    """A large file is not read whole before its characters are checked: a chunk with one outside
+    the vocabulary ends the read, before the bytes after it (here: not UTF-8)."""
+    from mingpt import token_cache
+
+    _, run_dir = tiny_run
+    text = tmp_path / "text.txt"
+    text.write_text("ROMEO:\nWhat light through yonder window breaks?\n", encoding="utf-8")
+    whole = score(ScoreConfig(snapshot_path=str(run_dir), path=str(text), device="cpu"))
+    monkeypatch.setattr(token_cache, "CHUNK", 7)
+    chunked = score(ScoreConfig(snapshot_path=str(run_dir), path=str(text), device="cpu"))
+    assert (chunked.loss, chunked.tokens) == (whole.loss, whole.tokens)
+    foreign = tmp_path / "foreign.txt"
+    foreign.write_bytes(b"Romeo~ Romeo\n" + b"Juliet\n" * 10 + b"\xff")
+    assert refused(capsys, [f"snapshot_path={run_dir}", f"path={foreign}"]) == (
+        f"error: {foreign} has characters outside the snapshot's vocabulary: '~'"
+    )
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert refused(capsys, [f"snapshot_path={run_dir}", f"path={empty}"]) == (
+        f"error: data file is empty: {empty}"
+    )
+
+
 @pytest.mark.parametrize("stdout", [None, "/dev/full"], ids=["closed", "full"])
 def test_a_result_that_cannot_be_written_is_one_line_not_lost(
     tiny_run, tmp_path, capsys, monkeypatch, stdout
