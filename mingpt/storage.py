@@ -16,6 +16,10 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<pid>-<host>-<random> (atomic_open)
+# s3fs tries a request that timed out 5 times, and botocore's default (legacy) mode each of those 5
+# times: a store that stops answering held every call for over 6 minutes. The user's fsspec config
+# for s3 (config_kwargs) wins.
+S3_CLIENT = {"retries": {"mode": "standard", "total_max_attempts": 2}}
 
 
 class StorageError(ValueError):
@@ -64,6 +68,8 @@ class Sink:
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The file system of a local path or URL, and the path within it."""
+    options = fsspec.config.conf.setdefault("s3", {})
+    options["config_kwargs"] = {**S3_CLIENT, **options.get("config_kwargs", {})}
     try:
         return fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # s3fs or gcsfs not installed, unknown protocol
@@ -103,13 +109,6 @@ def prepare_parent(fs: fsspec.AbstractFileSystem, p: str, path: str) -> None:
 def check_writable(run_dir: str, snapshot_path: str) -> None:
     """StorageError unless a file can be made and removed in the run directory and beside the
     snapshot root."""
-    fs, p = filesystem(snapshot_path)
-    with contextlib.suppress(*storage_errors()):  # the write probe names the storage's fault
-        if fs.isfile(p):
-            raise StorageError(
-                f"cannot write to the snapshot path {snapshot_path}: it is a file, "
-                "and snapshots are kept in a directory there"
-            )
     tag = uuid.uuid4().hex[:8]
     for label, path, probe in (
         ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{tag}")),
@@ -122,6 +121,15 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
             fs.rm(p)
         except storage_errors() as e:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
+    fs, p = filesystem(snapshot_path)
+    # After the probe, which names the storage's fault: a store that does not answer is not waited
+    # for twice.
+    with contextlib.suppress(*storage_errors()):
+        if fs.isfile(p):
+            raise StorageError(
+                f"cannot write to the snapshot path {snapshot_path}: it is a file, "
+                "and snapshots are kept in a directory there"
+            )
 
 
 def user_cache_dir() -> str:

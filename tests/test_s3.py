@@ -7,8 +7,12 @@ Needs the `test` and `s3` extras (pip install -e ".[test,s3]"), as CI installs t
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import fsspec
 import pytest
@@ -52,6 +56,59 @@ def s3(endpoint, monkeypatch):
     if not fs.exists("runs"):
         fs.mkdir("runs")
     return fs
+
+
+@pytest.fixture
+def hung():
+    """The endpoint of an S3 server with a bucket `runs` that then stops answering (SIGSTOP): it
+    still accepts connections."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "moto did not start"
+            time.sleep(0.1)
+    fs = fsspec.filesystem(
+        "s3", endpoint_url=endpoint, key="test", secret="test", skip_instance_cache=True
+    )
+    fs.mkdir("runs")
+    os.kill(server.pid, signal.SIGSTOP)
+    yield endpoint
+    os.kill(server.pid, signal.SIGCONT)
+    server.terminate()
+    server.wait()
+
+
+def test_a_store_that_stops_answering_fails_the_run_at_start(hung, tmp_path):
+    """One line within botocore's timeouts (shortened here through fsspec's config, as a user would
+    lengthen them), not s3fs's retries of botocore's retries (over 10 minutes by default)."""
+    env = {
+        **child_env(),
+        **CREDENTIALS,
+        "AWS_ENDPOINT_URL": hung,
+        "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 1}}',
+    }
+    args = [*TINY, "trainer_config.max_steps=1", "trainer_config.snapshot_path=s3://runs/r1"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: cannot write to the snapshot path s3://runs/r1: Read ")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
 def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
