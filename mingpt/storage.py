@@ -3,11 +3,14 @@ writability."""
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import socket
 import stat
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -15,11 +18,14 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+log = logging.getLogger(__name__)
+
 TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<pid>-<host>-<random> (atomic_open)
 # s3fs tries a request that timed out 5 times, and botocore's default (legacy) mode each of those 5
 # times: a store that stops answering held every call for over 6 minutes. The user's fsspec config
 # for s3 (config_kwargs) wins.
 S3_CLIENT = {"retries": {"mode": "standard", "total_max_attempts": 2}}
+NOTICE_EVERY = 30.0  # seconds between the lines saying that storage is still waited for
 
 
 class StorageError(ValueError):
@@ -64,6 +70,25 @@ class Sink:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.file, name)
+
+
+@contextlib.contextmanager
+def waiting(what: str) -> Iterator[None]:
+    """While the body runs, a line every NOTICE_EVERY seconds that `what` is still waited for: a
+    store that stops answering holds an upload with no timeout (botocore's bound the wait for an
+    answer once the request is sent), and the others add up to minutes."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def notice() -> None:
+        while not done.wait(NOTICE_EVERY):
+            log.warning("still waiting for %s after %.0f s", what, time.monotonic() - start)
+
+    threading.Thread(target=notice, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -116,9 +141,10 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
     ):
         fs, p = filesystem(probe)
         try:
-            prepare_parent(fs, p, path)
-            fs.pipe_file(p, b"\0")
-            fs.rm(p)
+            with waiting(f"the {label} {path}"):
+                prepare_parent(fs, p, path)
+                fs.pipe_file(p, b"\0")
+                fs.rm(p)
         except storage_errors() as e:
             raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
     fs, p = filesystem(snapshot_path)

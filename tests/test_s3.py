@@ -7,11 +7,13 @@ Needs the `test` and `s3` extras (pip install -e ".[test,s3]"), as CI installs t
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import fsspec
@@ -59,9 +61,9 @@ def s3(endpoint, monkeypatch):
 
 
 @pytest.fixture
-def hung():
-    """The endpoint of an S3 server with a bucket `runs` that then stops answering (SIGSTOP): it
-    still accepts connections."""
+def stoppable():
+    """(the endpoint, the process id) of an S3 server of this test's own with a bucket `runs`:
+    stopped (SIGSTOP), it accepts connections and answers none."""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-p", str(port)],
@@ -81,20 +83,21 @@ def hung():
         "s3", endpoint_url=endpoint, key="test", secret="test", skip_instance_cache=True
     )
     fs.mkdir("runs")
-    os.kill(server.pid, signal.SIGSTOP)
-    yield endpoint
+    yield endpoint, server.pid
     os.kill(server.pid, signal.SIGCONT)
     server.terminate()
     server.wait()
 
 
-def test_a_store_that_stops_answering_fails_the_run_at_start(hung, tmp_path):
+def test_a_store_that_stops_answering_fails_the_run_at_start(stoppable, tmp_path):
     """One line within botocore's timeouts (shortened here through fsspec's config, as a user would
     lengthen them), not s3fs's retries of botocore's retries (over 10 minutes by default)."""
+    endpoint, pid = stoppable
+    os.kill(pid, signal.SIGSTOP)
     env = {
         **child_env(),
         **CREDENTIALS,
-        "AWS_ENDPOINT_URL": hung,
+        "AWS_ENDPOINT_URL": endpoint,
         "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 1}}',
     }
     args = [*TINY, "trainer_config.max_steps=1", "trainer_config.snapshot_path=s3://runs/r1"]
@@ -204,3 +207,45 @@ def test_sharded_snapshots_publish_and_load_through_s3(s3):
     loaded, meta = sharded.load_full("s3://runs/sharded")
     assert meta == {"step": 3} and loaded["extra"] == {"lr": 0.5, "betas": (0.9, 0.99)}
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_to_a_store_that_stops_answering_says_so(stoppable, monkeypatch, asynchronous):
+    """A store stops answering once the snapshot's name is chosen: its upload has no timeout, so a
+    line names the snapshot waited for; the store answers again on that line, and the save
+    completes."""
+    from mingpt.snapshot import sharded
+
+    endpoint, pid = stoppable
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
+    monkeypatch.setattr(storage, "NOTICE_EVERY", 0.1)
+    new_name = manifest.new_name
+
+    def then_stop(root, step):
+        name = new_name(root, step)
+        os.kill(pid, signal.SIGSTOP)
+        return name
+
+    monkeypatch.setattr(manifest, "new_name", then_stop)
+    said = []
+
+    class Resume(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+            os.kill(pid, signal.SIGCONT)
+
+    handler = Resume()
+    logging.getLogger("mingpt.storage").addHandler(handler)
+    # Without a line, the store answers again after a while: the test fails rather than hangs.
+    fallback = threading.Timer(30, os.kill, (pid, signal.SIGCONT))
+    fallback.start()
+    try:
+        sharded.save({"w": torch.zeros(4)}, {}, "s3://runs/hung", 1, async_save=asynchronous)
+        assert sharded.wait_pending() in (None, "s3://runs/hung/step-00000001")
+    finally:
+        fallback.cancel()
+        logging.getLogger("mingpt.storage").removeHandler(handler)
+    assert said[0].startswith("still waiting for snapshot s3://runs/hung/step-00000001 after ")
+    assert manifest.latest("s3://runs/hung") == "s3://runs/hung/step-00000001"

@@ -86,8 +86,8 @@ def _tensor_keys(structure: Any) -> list[str]:
     return list(looked_up)
 
 
-# The one asynchronous save in flight: every save, load and exit waits for it.
-_pending: Future | None = None
+# The one asynchronous save in flight, and its directory: every save, load and exit waits for it.
+_pending: tuple[Future, str] | None = None
 # Its thread starts at the first submit.
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mingpt-snapshot")
 
@@ -97,9 +97,10 @@ def wait_pending() -> str | None:
     global _pending
     if _pending is None:
         return None
-    pending = _pending
+    pending, directory = _pending
     _pending = None
-    return pending.result()
+    with storage.waiting(f"snapshot {directory}"):
+        return pending.result()
 
 
 # Keyed by the default group itself, which the cache keeps: a later default group (a test's next
@@ -300,7 +301,8 @@ def save(
 
     if not async_save:
         written = Future()
-        written.set_result(complete())
+        with storage.waiting(f"snapshot {directory}"):
+            written.set_result(complete())
         return written
     try:
         upload = dcp.async_save(flat, async_stager=_stager(on_gpu), **options)
@@ -308,8 +310,8 @@ def save(
     except (Exception, CheckpointException) as e:
         raise StorageError(f"cannot save sharded snapshot {directory}: {_dcp_reason(e)}") from None
     global _pending
-    _pending = _executor.submit(complete)
-    return _pending
+    _pending = (_executor.submit(complete), directory)
+    return _pending[0]
 
 
 def _publish(
