@@ -197,12 +197,13 @@ def compose_checked(
     if config_name is None or not kwargs.get("validate_sweep_overrides", True):
         return cfg
     check_composed(cfg)
+    # --cfg's package (_global_: all of it): Hydra refuses a missing one in a line of its own,
+    # without `error:`, with exit status 1
     args, _ = get_args_parser().parse_known_args(sys.argv[1:])
-    package = args.package if args.cfg and args.package != "_global_" else None  # _global_: all
-    absent = object()
-    # Hydra refuses it in a line of its own, without `error:`, with exit status 1
-    if package and OmegaConf.select(cfg, package, default=absent) is absent:
-        raise ConfigError(f"--package {package}: no such key in the config")
+    if args.cfg and args.package not in (None, "_global_"):
+        absent = object()
+        if OmegaConf.select(cfg, args.package, default=absent) is absent:
+            raise ConfigError(f"--package {args.package}: no such key in the config")
     if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
         parsed = OverridesParser.create().parse_overrides(overrides)
         for override in parsed:
