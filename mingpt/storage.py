@@ -21,10 +21,11 @@ from fsspec.implementations.local import LocalFileSystem
 log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"  # temporary files are named <target>.tmp-<pid>-<host>-<random> (atomic_open)
-# s3fs tries a request that timed out 5 times, and botocore's default (legacy) mode each of those 5
-# times: a store that stops answering held every call for over 6 minutes. The user's fsspec config
-# for s3 (config_kwargs) wins.
-S3_CLIENT = {"retries": {"mode": "standard", "total_max_attempts": 2}}
+# s3fs tries a request that timed out 5 times, and botocore's legacy retry mode, its default, each
+# of those 5 times: a store that stops answering held every call for over 6 minutes. The standard
+# mode of the AWS SDKs tries 3 times (AWS_MAX_ATTEMPTS), backing off from throttling as S3 asks.
+# The user's fsspec config for s3 (config_kwargs) wins.
+S3_CLIENT = {"retries": {"mode": "standard"}}
 NOTICE_EVERY = 30.0  # seconds between the lines saying that storage is still waited for
 
 
