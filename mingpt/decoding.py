@@ -167,7 +167,8 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
     parameters: not a sharded model's, whose parameters are DTensors.
 
     For several rows, oneDNN multiplies by a copy of the blocks' weights that it packed once for
-    that many rows: the same results, 16 rows' products in two thirds of the time. The copy costs
+    that many rows: 16 rows' products in two thirds of the time, the plain weights' products up to
+    rounding (bitwise with AVX-512 kernels, not with oneDNN's AVX2 ones). The copy costs
     the weights' size in memory for the generation; one row gains nothing from it."""
     weight = model.lm_head.weight
     if type(weight) is not nn.Parameter or weight.dtype != torch.float32:
