@@ -96,6 +96,13 @@ class GenerateConfig:
             "temperature",
             f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}",
         )
+        # sample i must be what a one-sample run with seed+i-1 gives, and such a seed is valid
+        last = self.seed + self.num_samples - 1
+        check(
+            last < 2**63,
+            "seed",
+            f"sample {self.num_samples} would use seed {last}, above 2**63 - 1",
+        )
         check(
             self.use_cache or self.compile != "true",
             "compile",
