@@ -90,6 +90,12 @@ def write(text: str) -> None:
     # BrokenPipeError (`| head`) is not an error of ours.
     except BrokenPipeError:
         raise
+    # A character the encoding of stdout lacks (PYTHONIOENCODING=ascii, a latin-1 locale).
+    except UnicodeEncodeError as e:
+        raise OutputError(
+            f"stdout's encoding, {e.encoding}, cannot write {e.object[e.start : e.end]!a} "
+            "(PYTHONIOENCODING=utf-8 sets one that can)"
+        ) from None
     # `>/dev/full`, say.
     except OSError as e:
         silence_stdout()

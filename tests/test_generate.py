@@ -693,6 +693,29 @@ def test_a_directory_that_cannot_be_listed_is_one_line(unlistable):
     assert result.returncode == 2
 
 
+def test_text_that_the_encoding_of_stdout_lacks_is_one_line(tmp_path):
+    """A character of the text that stdout's encoding cannot write (a traceback of
+    UnicodeEncodeError, before)."""
+    config = {"n_layer": 1, "n_head": 1, "n_embd": 8, "vocab_size": 3, "block_size": 8}
+    state = {
+        "model_state": GPT(GPTConfig(**config)).state_dict(),
+        "gpt_config": config,
+        "vocab": "abé",
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 1,
+    }
+    single_file.save(state, str(tmp_path / "accented.pt"))
+    env = {**child_env(), "PYTHONIOENCODING": "ascii"}
+    args = [f"snapshot_path={tmp_path / 'accented.pt'}", "prompt=aé", "max_new_tokens=2"]
+    result = subprocess.run(
+        generate_cmd(args), env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: stdout's encoding, ascii, cannot write '\\xe9'"), line
+
+
 def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_runs):
     line = one_error_line(bad_runs["prompt"])
     assert "'é'" in line and "'€'" in line and "'R'" not in line, line
