@@ -92,15 +92,16 @@ def waiting(what: str) -> Iterator[None]:
         done.set()
 
 
-def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The file system of a local path or URL, and the path within it."""
+def filesystem(path: str, what: str = "snapshot path") -> tuple[fsspec.AbstractFileSystem, str]:
+    """The file system of a local path or URL (`what` names it in an error), and the path within
+    it."""
     options = fsspec.config.conf.setdefault("s3", {})
     options["config_kwargs"] = {**S3_CLIENT, **options.get("config_kwargs", {})}
     try:
         return fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # s3fs or gcsfs not installed, unknown protocol
         raise StorageError(
-            f"cannot use snapshot path {path}: {e} "
+            f"cannot use {what} {path}: {e} "
             '(s3:// and gs:// need pip install -e ".[s3]" or ".[gcs]")'
         ) from None
 
@@ -223,7 +224,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
 def check_regular(path: str, label: str) -> None:
     """StorageError if the local `path` exists and is not a regular file (a FIFO would block a
     read); URLs pass."""
-    fs, p = filesystem(path)
+    fs, p = filesystem(path, label)
     if not is_local(fs):
         return
     try:

@@ -716,6 +716,14 @@ def test_text_that_the_encoding_of_stdout_lacks_is_one_line(tmp_path):
     assert line.startswith("error: stdout's encoding, ascii, cannot write '\\xe9'"), line
 
 
+def test_a_prompt_file_of_an_unknown_protocol_names_prompt_file():
+    """It said "cannot use snapshot path", of a snapshot path that was fine."""
+    from mingpt.storage import StorageError
+
+    with pytest.raises(StorageError, match=r"^cannot use prompt_file nosuch://x: Protocol not"):
+        generate_cli.read_prompt(GenerateConfig(prompt_file="nosuch://x"))
+
+
 def test_prompt_outside_the_vocabulary_is_one_line_naming_the_characters(bad_runs):
     line = one_error_line(bad_runs["prompt"])
     assert "'é'" in line and "'€'" in line and "'R'" not in line, line
