@@ -15,6 +15,7 @@ import tempfile
 import time
 import timeit
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -300,12 +301,25 @@ def build_package(path: Path, model: GPT, cache: KVCache) -> Callable:
     return step
 
 
+def check_package(path: Path) -> None:
+    """RuntimeError if a file of the package does not match its CRC-32: torch's loader runs the
+    shared library in it unchecked, and a damaged one can crash the process."""
+    try:
+        with zipfile.ZipFile(path) as package:
+            damaged = package.testzip()
+    except (OSError, zipfile.BadZipFile) as e:
+        raise RuntimeError(str(e)) from None
+    if damaged is not None:
+        raise RuntimeError(f"{damaged} is damaged")
+
+
 def packaged_step(model: GPT, cache: KVCache) -> Callable:
     """model's step over cache from its package, compiled first where none is kept (or the one
     kept does not load: it is compiled again)."""
     path = package_path(model, cache.k[0].size(0), cache.k[0].dtype)
     if path.exists():
         try:
+            check_package(path)
             return load_package(path, model)
         except RuntimeError as e:
             log.warning("the compiled decoding step in %s does not load (%s)", path, e)

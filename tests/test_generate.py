@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,29 @@ def test_a_compiled_cpu_step_is_kept_and_later_runs_load_it(
     )
     # the eager step it falls back to reads the filled positions alone, not the whole cache
     assert filled and None not in filled
+
+
+def test_a_damaged_kept_step_is_compiled_again_not_loaded(monkeypatch, tmp_path, caplog):
+    """torch's loader runs the shared library of a kept package unchecked: a damaged one crashed
+    the process. One whose files do not match their CRC-32 is compiled again, with a warning."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=5, block_size=4))
+    cache = KVCache.empty(model.config, 1, torch.device("cpu"), torch.float32)
+    path = decoding.package_path(model, 1)
+    path.parent.mkdir(parents=True)
+    with zipfile.ZipFile(path, "w") as package:  # stored: the bytes as written
+        package.writestr("step/model.so", b"\x7fELF" + bytes(100))
+    data = path.read_bytes()
+    at = data.index(b"\x7fELF") + 50
+    path.write_bytes(data[:at] + b"\x01" + data[at + 1 :])
+    loaded = []
+    built = []
+    monkeypatch.setattr(decoding, "load_package", lambda path, model: loaded.append(path))
+    monkeypatch.setattr(decoding, "build_package", lambda path, model, cache: built.append(path))
+    with caplog.at_level(logging.WARNING, "mingpt.decoding"):
+        decoding.packaged_step(model, cache)
+    assert loaded == [] and built == [path]
+    assert "does not load (step/model.so is damaged)" in caplog.text
 
 
 def test_where_onednn_multiplies_a_row_faster_an_eager_step_uses_it(
