@@ -64,7 +64,9 @@ def command(
         setup_logging(rank=0)
         body(argv)
     except (ConfigError, SnapshotError, StorageError, OutputError, *errors) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # With stderr closed (`2>&-`), print would write the line to stdout, into the output.
+        if sys.stderr is not None:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

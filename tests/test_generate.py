@@ -740,6 +740,19 @@ def test_text_that_the_encoding_of_stdout_lacks_is_one_line(tmp_path):
     assert line.startswith("error: stdout's encoding, ascii, cannot write '\\xe9'"), line
 
 
+def test_with_stderr_closed_an_error_stays_out_of_stdout(tmp_path):
+    """print(file=None) writes to stdout: the error line went into the text's stream."""
+    result = subprocess.run(
+        ["sh", "-c", 'exec "$@" 2>&-', "sh", *generate_cmd(["temperature=-1"])],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+
+
 def test_a_prompt_file_of_an_unknown_protocol_names_prompt_file():
     """It said "cannot use snapshot path", of a snapshot path that was fine."""
     from mingpt.storage import StorageError
