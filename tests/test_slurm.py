@@ -12,7 +12,8 @@ user would, on CPU with a tiny model. Two paths, each end to end:
   and it resumes.
 
 Each run must end COMPLETED with every step trained exactly once (metrics.jsonl),
-and the output of both attempts kept in the job's .out file.
+and the output of both attempts kept in the job's .out file. Without SLURM (srun and scontrol
+stubbed), the torchrun command the script starts, as the variables its header names set it.
 
 Skips, with the reason, where the daemons are not installed (`.ci/run` installs
 them on Debian) or cannot start (they run as root here).
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, child_env, free_port
+from conftest import CPU, REPO, TINY, child_env, free_port
 
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -406,3 +407,57 @@ def test_preemption_with_grace_time_requeues_and_resumes(cluster, corpus_path):
     assert f"job {job.id} was preempted: requeueing it" in job.out.read_text()
     urgent_state = Job(cluster, urgent, urgent_out, cluster.root).show()["JobState"]
     assert urgent_state == "COMPLETED", urgent_state
+
+
+def test_the_script_reads_the_variables_its_header_names():
+    script = (REPO / "scripts" / "slurm.sbatch").read_text(encoding="utf-8")
+    named = re.search(r"the environment sets the launch: (.+?)\.\n", script, re.S).group(1)
+    read = {name for name in re.findall(r"\$\{(\w+):-", script) if not name.startswith("SLURM_")}
+    assert read == set(re.findall(r"[A-Z_]{4,}", named))
+
+
+@pytest.mark.parametrize(
+    "env, launch",
+    [
+        ({}, ["--nproc_per_node=gpu", "--rdzv-endpoint=node0:20042", "--numa-binding=node"]),
+        (
+            {"NPROC_PER_NODE": "4", "RUN_NAME": "big", "MASTER_PORT": "29500"},
+            ["--nproc_per_node=4", "--rdzv-endpoint=node0:29500"],
+        ),
+        ({"NUMA_BINDING": "socket"}, ["--nproc_per_node=gpu", "--numa-binding=socket"]),
+    ],
+)
+def test_the_script_starts_torchrun_on_main_py(tmp_path, env, launch):
+    """Without SLURM (srun and scontrol stubbed): the torchrun command the script starts, as its
+    variables set it, and main.py's arguments, which compose."""
+    (tmp_path / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho node0; echo node1\n")  # show hostnames
+    for stub in tmp_path.iterdir():
+        stub.chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_NUM_NODES": "2"}
+    out = subprocess.run(
+        ["bash", "scripts/slurm.sbatch", CPU],
+        cwd=REPO,
+        env={**child_env(), **slurm, **env, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    assert out[:2] == ["--kill-on-bad-exit=1", "torchrun"] and "--nnodes=2" in out
+    assert set(launch) <= set(out)
+    numa = [arg for arg in out if arg.startswith("--numa-binding")]
+    assert numa == [arg for arg in launch if arg.startswith("--numa-binding")]
+    run_name = env.get("RUN_NAME", "slurm-42")
+    main = out[out.index("main.py") + 1 :]
+    assert main == [f"trainer_config.run_name={run_name}", CPU]
+    composed = subprocess.run(
+        [sys.executable, "main.py", *main, "--cfg", "job"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert f"run_name: {run_name}" in composed
