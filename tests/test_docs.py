@@ -1,7 +1,8 @@
 """The documentation against the code: docs/configuration.md's key tables are made
 from the fields of the four config dataclasses, and every relative link in
 README.md and docs/ reaches a file and, with an #anchor, a heading of it; the tables of stop
-signals, comm hooks and export formats list what the code has."""
+signals, comm hooks and export formats list what the code has, and the timeouts and thresholds
+they cite are the code's."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from conftest import REPO, child_env
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from mingpt import stopping
+from mingpt import decoding, generate, stopping, storage, torch_fixes, tracking
 from mingpt.config import (
     FIELDS,
     Config,
@@ -279,3 +280,43 @@ def test_a_table_of_choices_has_a_row_for_each(doc, header, field):
         value for first, *_ in table_rows(doc, header) for value in re.findall(r"`([^`]+)`", first)
     ]
     assert sorted(named) == sorted(field.metadata["valid"])
+
+
+def doc_text(name: str) -> str:
+    """docs/NAME with its line breaks as spaces."""
+    return " ".join((REPO / "docs" / name).read_text(encoding="utf-8").split())
+
+
+def shutdown_timeout() -> str:
+    script = (REPO / "scripts" / "slurm.sbatch").read_text(encoding="utf-8")
+    return re.search(r"--shutdown-timeout=(\d+)", script).group(1)
+
+
+@pytest.mark.parametrize(
+    "doc, phrase",
+    [
+        ("generation.md", f"compiles one from {generate.COMPILE_PAYS_AFTER['cpu']:,} characters"),
+        ("generation.md", f"CUDA graphs from {generate.COMPILE_PAYS_AFTER['cuda']:,} characters"),
+        (
+            "generation.md",
+            f"then up to {decoding.CHUNK_TOKENS}, or whatever {decoding.CHUNK_SECONDS} s brought",
+        ),
+        ("training.md", f"a line every {storage.NOTICE_EVERY:g} s names the path"),
+        (
+            "fault-tolerance.md",
+            f"cannot join within {torch_fixes.INIT_AFTER_RESTART_SECONDS} s says so",
+        ),
+        ("fault-tolerance.md", f"keep `--shutdown-timeout` ({shutdown_timeout()} s in the script)"),
+        (
+            "tracking.md",
+            f"tried once with a {tracking.PROBE_LIMITS['MLFLOW_HTTP_REQUEST_TIMEOUT']} s timeout",
+        ),
+        (
+            "tracking.md",
+            f"retried once with {tracking.HTTP_LIMITS['MLFLOW_HTTP_REQUEST_TIMEOUT']} s each",
+        ),
+    ],
+)
+def test_a_number_the_docs_cite_is_the_codes(doc, phrase):
+    """Timeouts, intervals and thresholds that the docs give in words are the constants in use."""
+    assert phrase in doc_text(doc)
