@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, child_env
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 from mingpt import decoding, generate, stopping, storage, torch_fixes, tracking
 from mingpt.config import (
@@ -320,3 +321,21 @@ def shutdown_timeout() -> str:
 def test_a_number_the_docs_cite_is_the_codes(doc, phrase):
     """Timeouts, intervals and thresholds that the docs give in words are the constants in use."""
     assert phrase in doc_text(doc)
+
+
+def test_the_model_presets_shapes_in_the_docs_are_the_presets():
+    """docs/configuration.md's Presets give each model preset's layers/heads/width."""
+    page = doc_text("configuration.md")
+    presets = page.split(" ## Presets ")[1].split(" ## ")[0]
+    cited = {
+        name: shape
+        for *names, shape in re.findall(r"`([\w-]+)`(?: and `([\w-]+)`)? (\d+/\d+/\d+)", presets)
+        for name in names
+        if name
+    }
+    shapes = {"default": GPTConfig()}
+    for path in (REPO / "conf" / "gpt_config").glob("*.yaml"):
+        shapes[path.stem] = GPTConfig(**OmegaConf.to_container(OmegaConf.load(path)))
+    assert cited == {
+        name: f"{cfg.n_layer}/{cfg.n_head}/{cfg.n_embd}" for name, cfg in shapes.items()
+    }
