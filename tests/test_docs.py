@@ -339,3 +339,29 @@ def test_the_model_presets_shapes_in_the_docs_are_the_presets():
     assert cited == {
         name: f"{cfg.n_layer}/{cfg.n_head}/{cfg.n_embd}" for name, cfg in shapes.items()
     }
+
+
+def migration_cells(cfg) -> list[str]:
+    """The start of each cell that docs/training.md's migration table gives for a config."""
+    opt, data = cfg.optimizer_config, cfg.data_config
+    warmup = f"{opt.warmup_steps} warmup steps" if opt.warmup_steps else "no warmup"
+    decay = f", {opt.lr_schedule} decay to {opt.min_lr_ratio:.0%}"
+    return [
+        f"({opt.betas[0]}, {opt.betas[1]})",
+        f"{opt.lr_schedule}, {warmup}" if opt.lr_schedule == "constant" else warmup + decay,
+        str(cfg.gpt_config.dropout),
+        "one at every character" if data.stride == 1 else f"one every {data.stride} characters",
+        "",  # the held-out split: how, not a value
+        cfg.trainer_config.amp_dtype,
+        f"{cfg.gpt_config.n_layer}/{cfg.gpt_config.n_head}/{cfg.gpt_config.n_embd}, "
+        f"{data.block_size}, {cfg.trainer_config.batch_size}, {data.truncate:.0%}",
+    ]
+
+
+def test_the_migration_table_has_the_presets_and_defaults_values():
+    """The tutorial's column is experiment=ddp-tutorial's, the default's the dataclasses'."""
+    tutorial = OmegaConf.create(main_py_output("--cfg", "job", "experiment=ddp-tutorial"))
+    rows = table_rows("training.md", "| setting | tutorial |")
+    for column, cfg in [(1, tutorial), (2, OmegaConf.structured(Config))]:
+        for row, cell in zip(rows, migration_cells(cfg), strict=True):
+            assert row[column].startswith(cell), (row, cell)
