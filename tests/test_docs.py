@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -365,3 +366,30 @@ def test_the_migration_table_has_the_presets_and_defaults_values():
     for column, cfg in [(1, tutorial), (2, OmegaConf.structured(Config))]:
         for row, cell in zip(rows, migration_cells(cfg), strict=True):
             assert row[column].startswith(cell), (row, cell)
+
+
+def training_commands() -> list[tuple[str, list[str]]]:
+    """Each main.py command in a bash block of docs/ or BENCHMARKS.md: its page and overrides."""
+    found = []
+    for page in [*documents()[1:], REPO / "BENCHMARKS.md"]:
+        text = page.read_text(encoding="utf-8")
+        for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if "main.py" in words:
+                    args = words[words.index("main.py") + 1 :]
+                    found.append((page.name, [a for a in args if "=" in a and a[0] != "-"]))
+    return found
+
+
+def test_a_documented_training_command_names_its_run_or_is_the_default_runs():
+    """Without a run name of its own a command meets runs/default (the Quick start's run): it may
+    only change how that run is carried out (operational keys), or continue it deliberately."""
+    assert len(training_commands()) > 10
+    for page, overrides in training_commands():
+        keys = [arg.split("=")[0] for arg in overrides]
+        assert set(keys) <= {*FIELDS, *SECTIONS, "experiment", "hydra.run.dir"}, (page, keys)
+        named = {"trainer_config.run_name", "hydra.run.dir", "experiment"} & set(keys)
+        changed = [k for k in keys if k not in FIELDS or not FIELDS[k].metadata["operational"]]
+        deliberate = "trainer_config.allow_config_change=true" in overrides
+        assert named or deliberate or not changed, (page, overrides)
