@@ -294,9 +294,29 @@ def shutdown_timeout() -> str:
     return re.search(r"--shutdown-timeout=(\d+)", script).group(1)
 
 
+def preset(group: str, name: str):
+    return OmegaConf.load(REPO / "conf" / group / f"{name}.yaml")
+
+
+MUON = preset("optimizer_config", "muon")
+QUICK = preset("experiment", "gpu-quick")
+QUICK_MODEL = preset("gpt_config", "gpu-quick")
+
+
 @pytest.mark.parametrize(
     "doc, phrase",
     [
+        (
+            "training.md",
+            f"the preset sets `optimizer_config.algorithm={MUON.algorithm}`, and "
+            f"`warmup_steps={MUON.warmup_steps}` and `muon_momentum={MUON.muon_momentum}`",
+        ),
+        (
+            "configuration.md",
+            f"a {QUICK_MODEL.n_layer}/{QUICK_MODEL.n_head}/{QUICK_MODEL.n_embd} model with block "
+            f"{QUICK.data_config.block_size} for one GPU ({QUICK.trainer_config.amp_dtype}, "
+            f"compiled, {QUICK.trainer_config.max_steps:,} steps)",
+        ),
         ("generation.md", f"compiles one from {generate.COMPILE_PAYS_AFTER['cpu']:,} characters"),
         ("generation.md", f"CUDA graphs from {generate.COMPILE_PAYS_AFTER['cuda']:,} characters"),
         (
