@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -67,9 +68,24 @@ def without_timing(events: list[dict]) -> list[dict]:
     return [{k: v for k, v in e.items() if k not in MACHINE_KEYS} for e in events]
 
 
+def documented_keys() -> dict[str, set[str]]:
+    """The keys that docs/run-directory.md's Metrics give every event and train and eval events,
+    outside parentheses (where `muon_lr`, a Muon run's, is)."""
+    text = (REPO / "docs" / "run-directory.md").read_text(encoding="utf-8")
+    text = text.split("\n## Metrics\n")[1].split(". The eval `loss`")[0]
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", "", text)
+    every, rest = text.split("Train events add")
+    train, evals = rest.split("Eval events add")
+    keys = {part: set(re.findall(r"`(\w+)`", part)) for part in (every, train, evals)}
+    return {"train": keys[every] | keys[train], "eval": keys[every] | keys[evals]}
+
+
 def test_run_writes_metrics(first_run):
     proc, run_dir = first_run
     events = records(run_dir)
+    for split, keys in documented_keys().items():
+        assert {key for e in events if e["split"] == split for key in e} == keys, split
     assert all({"step", "epoch", "split", "loss"} <= e.keys() for e in events)
     train = [e for e in events if e["split"] == "train"]
     evals = [e for e in events if e["split"] == "eval"]
