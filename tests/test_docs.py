@@ -388,18 +388,35 @@ def test_the_migration_table_has_the_presets_and_defaults_values():
             assert row[column].startswith(cell), (row, cell)
 
 
-def training_commands() -> list[tuple[str, list[str]]]:
-    """Each main.py command in a bash block of docs/ or BENCHMARKS.md: its page and overrides."""
+def commands(*programs: str) -> list[tuple[str, list[str]]]:
+    """Each command of one of `programs` in a bash block of docs/ or BENCHMARKS.md: its page and
+    its key=value arguments."""
     found = []
     for page in [*documents()[1:], REPO / "BENCHMARKS.md"]:
         text = page.read_text(encoding="utf-8")
         for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)
-                if "main.py" in words:
-                    args = words[words.index("main.py") + 1 :]
+                if at := [i for i, word in enumerate(words) if word in programs]:
+                    args = words[at[0] + 1 :]
                     found.append((page.name, [a for a in args if "=" in a and a[0] != "-"]))
     return found
+
+
+def training_commands() -> list[tuple[str, list[str]]]:
+    return commands("main.py")
+
+
+@pytest.mark.parametrize(
+    "tool,schema",
+    [("generate", "GenerateConfig"), ("score", "ScoreConfig"), ("export", "ExportConfig")],
+)
+def test_a_documented_commands_keys_are_its_fields(tool, schema):
+    fields = dataclasses.fields(getattr(importlib.import_module(f"mingpt.{tool}"), schema))
+    found = commands(f"mingpt.{tool}", f"mingpt-{tool}")
+    assert found
+    for page, args in found:
+        assert {arg.split("=")[0] for arg in args} <= {f.name for f in fields}, (page, args)
 
 
 def test_a_documented_training_command_names_its_run_or_is_the_default_runs():
