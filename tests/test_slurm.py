@@ -431,7 +431,9 @@ def test_the_script_starts_torchrun_on_main_py(tmp_path, env, launch):
     """Without SLURM (srun and scontrol stubbed): the torchrun command the script starts, as its
     variables set it, and main.py's arguments, which compose."""
     (tmp_path / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    (tmp_path / "scontrol").write_text("#!/bin/sh\necho node0; echo node1\n")  # show hostnames
+    # show hostnames: more than a pipe holds, which the script must read to the end (taking the
+    # first line through head, it died of SIGPIPE under pipefail)
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho node0; seq -f node%g 1 50000\n")
     for stub in tmp_path.iterdir():
         stub.chmod(0o755)
     slurm = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_NUM_NODES": "2"}
