@@ -196,7 +196,9 @@ def compose_checked(
     # composes again, checked there; checking the probe too cost each start 0.4 s.
     if config_name is None or not kwargs.get("validate_sweep_overrides", True):
         return cfg
-    check_composed(cfg)
+    sweep = run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper")
+    if not sweep:  # a sweep's jobs are checked each, below
+        check_composed(cfg)
     # --cfg's package (_global_: all of it): Hydra refuses a missing one in a line of its own,
     # without `error:`, with exit status 1
     args, _ = get_args_parser().parse_known_args(sys.argv[1:])
@@ -204,7 +206,7 @@ def compose_checked(
         absent = object()
         if OmegaConf.select(cfg, args.package, default=absent) is absent:
             raise ConfigError(f"--package {args.package}: no such key in the config")
-    if run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper"):
+    if sweep:
         parsed = OverridesParser.create().parse_overrides(overrides)
         for override in parsed:
             # The sweep's directory (its multirun.yaml) is named by the run name before the
@@ -214,9 +216,25 @@ def compose_checked(
                     f"{override.input_line}: a sweep's jobs share its run name "
                     "(runs/<run_name>-multirun/N); give each name its own command"
                 )
-        for batch in BasicSweeper.split_arguments(parsed, None):
-            for job in batch:
-                check_composed(self.config_loader.load_sweep_config(cfg, list(job)))
+        # Each job as the launcher runs it, its number set (a value may name ${hydra:job.num}),
+        # and in a run directory of its own: jobs sharing one would resume or refuse each other's.
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        dirs: dict[str, int] = {}
+        for num, job in enumerate(jobs):
+            job_cfg = self.config_loader.load_sweep_config(cfg, list(job))
+            with open_dict(job_cfg):
+                job_cfg.hydra.job.num = num
+            check_composed(job_cfg)
+            paths = job_cfg.hydra.sweep
+            where = os.path.normpath(os.path.join(str(paths.dir), str(paths.subdir)))
+            if where in dirs:
+                setting = OmegaConf.to_container(paths, resolve=False)["subdir"]
+                raise RunDirError(
+                    f"hydra.sweep.subdir: {setting!r} puts jobs {dirs[where]} and {num} of the "
+                    f"sweep in one run directory, {where}: give each job its own, as "
+                    "'hydra.sweep.subdir=${hydra.job.num}' (the default) does"
+                )
+            dirs[where] = num
         HydraConfig.instance().set_config(cfg)
     return cfg
 

@@ -684,6 +684,13 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
         # the sweep's directory and record would go under the default name, each job elsewhere
         ("-m", "trainer_config.run_name=a,b"): "trainer_config.run_name=a,b: a sweep's jobs share "
         "its run name",
+        # one directory for every job: each would resume or refuse the job's before it
+        (
+            "-m",
+            "hydra.sweep.subdir=same",
+            "trainer_config.log_every=5,10",
+        ): "hydra.sweep.subdir: 'same' puts jobs 0 and 1 of the sweep in one run directory, "
+        "runs/default-multirun/same",
         (
             "trainer_config.seed=1",
             "--config-dir",
