@@ -97,20 +97,25 @@ def check_hydra_settings(hydra_cfg: Any, sweep: bool) -> None:
     directory that is empty or named by the clock (Hydra's default, where a config file of the
     user's names none), and a job that changes into its run directory."""
     node = "sweep" if sweep else "run"
-    key = f"hydra.{node}.dir"
     # as written: Hydra resolves ${now:...} when it makes the directory
-    setting = str(OmegaConf.to_container(hydra_cfg[node], resolve=False)["dir"])
-    if not setting.strip():
+    settings = OmegaConf.to_container(hydra_cfg[node], resolve=False)
+    if not str(settings["dir"]).strip():
         raise RunDirError(
-            f"{key}: must not be empty (it would put the run into the current directory)"
+            f"hydra.{node}.dir: must not be empty (it would put the run into the current directory)"
         )
-    if "${now:" in setting:
-        ours = "runs/${trainer_config.run_name}" + "-multirun" * sweep
-        raise RunDirError(
-            f"{key}: {setting} is named by the clock, so the same command would start over in a "
-            f"new directory instead of resuming: name it by the run, as in '{key}={ours}' (on the "
-            "command line, or in the config file)"
-        )
+    ours = {"dir": "runs/${trainer_config.run_name}" + "-multirun" * sweep}
+    # a sweep's job N is in its subdir
+    if sweep:
+        ours["subdir"] = "${hydra.job.num}"
+    for name, default in ours.items():
+        key = f"hydra.{node}.{name}"
+        setting = str(settings[name])
+        if "${now:" in setting:
+            raise RunDirError(
+                f"{key}: {setting} is named by the clock, so the same command would start over in "
+                f"a new directory instead of resuming: name it by the run, as in "
+                f"'{key}={default}' (on the command line, or in the config file)"
+            )
     if hydra_cfg.job.chdir:
         raise RunDirError(
             "hydra.job.chdir: true moves each process into its run directory, where relative paths "
