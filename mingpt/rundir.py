@@ -258,7 +258,7 @@ class Claim:
             "pid": os.getpid(),
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-            "snapshot": _comparable(self.snapshot_path),
+            "snapshot": _comparable(self.snapshot_path, self.run_dir),
         }
         for fd in self.fds:
             os.ftruncate(fd, 0)
@@ -331,8 +331,15 @@ def claim(
         owned.release()
 
 
-def _comparable(snapshot_path: str) -> str:
-    return snapshot_path if "://" in snapshot_path else os.path.abspath(snapshot_path)
+def _comparable(snapshot_path: str, run_dir: str) -> str:
+    """A local root inside the run directory relative to it, as snapshot_path names it: the record
+    stays its run's when the directory is copied or moved."""
+    if "://" in snapshot_path:
+        return snapshot_path
+    inside = os.path.relpath(snapshot_path, run_dir)
+    if inside.startswith(".."):
+        return os.path.abspath(snapshot_path)
+    return inside
 
 
 def _record_problem(
@@ -349,7 +356,9 @@ def _record_problem(
         open(os.path.join(run_dir, LOCK_FILE), "rb") as f,
     ):
         previous = json.loads(f.read()).get("snapshot")
-    if last is None or last <= step or previous in (None, _comparable(snapshot_path)):
+    # an older mingpt's lock file names the root by its absolute path
+    ours = (None, _comparable(snapshot_path, run_dir), os.path.abspath(snapshot_path))
+    if last is None or last <= step or previous in ours:
         # nothing to cut back, or a killed attempt of this run: its events after the snapshot go
         return None
     return (

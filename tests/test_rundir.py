@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -338,6 +339,20 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
         pass
     Metrics(str(tmp_path), True, resume_step=5).close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == lines[0]
+
+
+def test_a_copied_run_directory_continues_its_run_where_it_is(tmp_path, workdir, finished_run):
+    """A copy of a run directory (or one moved) whose last attempt was killed after its snapshot:
+    its own snapshots, so the attempt's later events go, as they would where the run was."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    step = read_snapshot(copy / "snapshots")["step"]
+    with open(copy / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step + 1, "epoch": 1, "split": "train", "loss": 1.0}) + "\n")
+    argv = args("trainer_config.max_epochs=1", "trainer_config.run_name=done")
+    proc = run_main([*argv, f"hydra.run.dir={copy}"], workdir)
+    assert proc.returncode == 0 and "run already complete" in proc.stderr, proc.stderr
+    assert steps(copy, "train")[-1] == step
 
 
 def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir, small_disk):
