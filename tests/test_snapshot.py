@@ -39,7 +39,7 @@ from conftest import (
 from omegaconf import OmegaConf
 
 from mingpt import storage
-from mingpt.config import Config
+from mingpt.config import Config, DataConfig
 from mingpt.data import ResumableSampler
 from mingpt.distributed import DistInfo
 from mingpt.run import build
@@ -571,6 +571,18 @@ def test_allowed_config_changes_are_warned_of_the_moved_split_apart(caplog):
         .getMessage()
         .endswith("data_config.train_split: 0.8 -> 0.9; trainer_config.max_epochs: 5 -> 2")
     )
+
+
+def test_the_same_corpus_under_another_path_is_no_config_change():
+    corpus = [{"source": "corpus.txt", "size": 10, "sha256": "x"}]
+    saved = dataclasses.asdict(Config(data_config=DataConfig(path="corpus.txt")))
+    saved["gpt_config"]["vocab_size"] = 3
+    state = {**saved, "vocab": "abc", "corpus": corpus}
+    config = Config(data_config=DataConfig(path="./data/corpus.txt"))
+    config.gpt_config.vocab_size = 3
+    moved = [{**corpus[0], "source": "data/corpus.txt"}]
+    compat.check_fits(state, config, "abc", "runs/x/snapshots", ONE_PROCESS, moved)
+    assert state["data_config"]["path"] == "corpus.txt"  # the caller's record is left as it was
 
 
 def test_corpus_changes_name_each_file():

@@ -141,6 +141,10 @@ def check_fits(
     (check_same_config)."""
     new_run = new_run_hint(config.trainer_config, run_dir)
     moved = corpus_changes(state.get("corpus"), corpus)
+    if isinstance(state.get("corpus"), list) and not moved:
+        # the same texts in the same order: a path spelled otherwise (./a.txt, the file moved) is
+        # no change
+        state = {**state, "data_config": {**state["data_config"], "path": config.data_config.path}}
     saved_vocab = state.get("vocab") or ""
     if moved and saved_vocab != vocab:
         raise SnapshotError(
