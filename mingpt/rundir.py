@@ -68,10 +68,10 @@ def _hydra_quoted(value: str) -> str:
 
 def new_run_hint(cfg: TrainerConfig, run_dir: str | None = None) -> str:
     """What to add for a new run instead of this one: a name not used yet, unless the name does
-    not place its snapshots (an absolute or URL snapshot_path, shared by every name) or its run
-    directory `run_dir` (hydra.run.dir names it)."""
+    not place its snapshots (a snapshot_path that is absolute, a URL or leads out of the run
+    directory: shared by every name) or its run directory `run_dir` (hydra.run.dir names it)."""
     path = cfg.snapshot_path
-    if path and ("://" in path or os.path.isabs(path)):
+    if path and ("://" in path or os.path.isabs(path) or os.path.normpath(path).startswith("..")):
         return "trainer_config.snapshot_path=PATH (a path not used yet)"
     if run_dir is not None and not _named_by_run_name(cfg, run_dir):
         return "hydra.run.dir=ANOTHER_DIRECTORY"

@@ -155,8 +155,9 @@ def test_the_advice_for_a_new_run_changes_what_places_it():
     assert advice("runs/r-multirun/1", step=262, epoch=2)[0].startswith("trainer_config.run_name")
     assert advice("elsewhere/dir", step=262, epoch=2)[0] == "hydra.run.dir=ANOTHER_DIRECTORY"
     # snapshots outside the run directory are shared by every name
-    shared = advice(step=262, epoch=2, snapshot_path="/shared/snaps")[0]
-    assert shared.startswith("trainer_config.snapshot_path=PATH")
+    for path in ("/shared/snaps", "../other/snapshots"):
+        shared = advice(step=262, epoch=2, snapshot_path=path)[0]
+        assert shared.startswith("trainer_config.snapshot_path=PATH"), path
 
 
 @pytest.mark.parametrize("lockstep", [False, True], ids=["replicas", "sharded"])
