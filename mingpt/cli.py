@@ -241,9 +241,17 @@ def compose_checked(
 
 def refuse(message: str) -> NoReturn:
     """A refused task leaves no run directory: the one Hydra made for it goes if nothing is in it
-    (rundir.Claim takes back a lock file it made)."""
+    (rundir.Claim takes back a lock file it made), and a sweep's too where the multirun.yaml Hydra
+    wrote is all that is in it (no job of it ran)."""
+    hydra_cfg = HydraConfig.get()
     with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
-        os.rmdir(HydraConfig.get().runtime.output_dir)
+        os.rmdir(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        sweep_dir = hydra_cfg.sweep.dir
+        with contextlib.suppress(OSError):
+            if os.listdir(sweep_dir) == ["multirun.yaml"]:
+                os.remove(os.path.join(sweep_dir, "multirun.yaml"))
+                os.rmdir(sweep_dir)
     fail(message)
 
 

@@ -189,6 +189,12 @@ REFUSED_CORPORA = {  # id: (a corpus of this text, else the work directory's; ov
         "fewer than data_config.block_size + 1",
     ),
     "missing-file": (None, ["data_config.path=missing.txt"], "data file not found: missing.txt"),
+    # the sweep's directory goes too, with the multirun.yaml Hydra wrote
+    "missing-file-sweep": (
+        None,
+        ["data_config.path=missing.txt", "trainer_config.seed=1,2", "-m"],
+        "data file not found: missing.txt",
+    ),
 }
 
 
