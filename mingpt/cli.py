@@ -207,7 +207,10 @@ def compose_checked(
         if OmegaConf.select(cfg, args.package, default=absent) is absent:
             raise ConfigError(f"--package {args.package}: no such key in the config")
     if sweep:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        # the sweeper's params (hydra.sweeper.params of a config file) before the command line's,
+        # as BasicSweeper takes them
+        params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.params or {}).items()]
+        parsed = OverridesParser.create().parse_overrides([*params, *overrides])
         for override in parsed:
             # The sweep's directory (its multirun.yaml) is named by the run name before the
             # sweep: the default's, while each job would go to a directory of its own name.

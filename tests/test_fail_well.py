@@ -636,6 +636,11 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
         "# @package _global_\ntrainer_config:\n\tmax_epochs: 1\n"
     )
     (conf / "mine.yaml").write_text("trainer_config:\n  max_epochs: [\n")
+    # a sweep of its own: Hydra's sweeper takes these values beside the command line's
+    (conf / "experiment" / "sweep.yaml").write_text(
+        "# @package _global_\nhydra:\n  sweeper:\n    params:\n"
+        "      trainer_config.batch_size: 1,0\n"
+    )
     work = tmp_path / "work"
     work.mkdir()
     return {  # argv: what its one line says
@@ -684,6 +689,13 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
         # the sweep's directory and record would go under the default name, each job elsewhere
         ("-m", "trainer_config.run_name=a,b"): "trainer_config.run_name=a,b: a sweep's jobs share "
         "its run name",
+        # before job 0 runs
+        (
+            "--config-dir",
+            str(conf),
+            "-m",
+            "experiment=sweep",
+        ): "trainer_config.batch_size: must be >= 1, got 0",
         # one directory for every job: each would resume or refuse the job's before it
         (
             "-m",
