@@ -4,6 +4,7 @@ calls."""
 
 import contextlib
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -108,12 +109,16 @@ def _give_up(restart: int) -> None:
     os._exit(2)
 
 
+_groups = itertools.count()
+
+
 @contextlib.contextmanager
 def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
     """The store to join the process group with (None: env://). One torchrun agent sharing its
-    store: each restart's keys under their own prefix. Several, whose restart counts can differ: a
-    restarted worker that cannot join in INIT_AFTER_RESTART_SECONDS ends with one line naming the
-    fix instead of waiting silently."""
+    store: each restart's keys under their own prefix, and each group's of the process (a sweep's
+    jobs: a group under an earlier one's keys waits on its stale addresses forever). Several,
+    whose restart counts can differ: a restarted worker that cannot join in
+    INIT_AFTER_RESTART_SECONDS ends with one line naming the fix instead of waiting silently."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
@@ -124,7 +129,7 @@ def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
             is_master=False,
             timeout=default_pg_timeout,
         )
-        yield dist.PrefixStore(f"mingpt/attempt-{restart}", store)
+        yield dist.PrefixStore(f"mingpt/attempt-{restart}/group-{next(_groups)}", store)
         return
     if not (shared and restart):
         yield None

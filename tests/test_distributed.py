@@ -243,6 +243,17 @@ def test_a_missing_corpus_stops_every_rank_in_one_line(tmp_path):
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
+def test_a_sweep_under_torchrun_gives_each_job_a_process_group(tmp_path, corpus_file):
+    """The jobs of a sweep run one after another in the same processes: the second joined the
+    first's keys in torchrun's store and waited there forever."""
+    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_steps=2"]
+    proc = run_torchrun(2, [*args, "trainer_config.seed=1,2", "-m"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in ("0", "1"):
+        snapshot = read_snapshot(tmp_path / "runs" / "default-multirun" / job / "snapshots")
+        assert snapshot["world_size"] == 2 and snapshot["step"] == 2
+
+
 def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
     """Two torchrun agents ("nodes" 0 and 1, one process each) meet at
     127.0.0.1 and train to the end; only rank 0 logs INFO and writes."""
