@@ -237,15 +237,17 @@ def on_cpu(args: list[str]) -> list[str]:
     return [*args, cpu]
 
 
-def run_main(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_main(
+    args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python main.py ARGS` in `cwd` (a scratch directory: runs/ lands there), on
-    the CPU unless ARGS name another device. The deadline is many times a tiny run's
-    seconds: a 60-step run that takes 8 s alone once ran past 120 s on a machine
-    loaded several times over."""
+    the CPU unless ARGS name another device, with `env` added to its environment. The
+    deadline is many times a tiny run's seconds: a 60-step run that takes 8 s alone
+    once ran past 120 s on a machine loaded several times over."""
     return subprocess.run(
         [sys.executable, str(REPO / "main.py"), *on_cpu(args)],
         cwd=cwd,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from conftest import REPO, TINY, child_env, free_port  # noqa: E402
+from conftest import TINY, free_port, run_main  # noqa: E402
 
 from mingpt import storage, token_cache  # noqa: E402
 from mingpt.data import DataError  # noqa: E402
@@ -95,20 +95,13 @@ def test_a_store_that_stops_answering_fails_the_run_at_start(stoppable, tmp_path
     endpoint, pid = stoppable
     os.kill(pid, signal.SIGSTOP)
     env = {
-        **child_env(),
         **CREDENTIALS,
         "AWS_ENDPOINT_URL": endpoint,
         "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 1}}',
     }
     args = [*TINY, "trainer_config.max_steps=1", "trainer_config.snapshot_path=s3://runs/r1"]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # about 25 s: s3fs's 5 tries of botocore's 3, each a 1 s timeout and a back-off
+    proc = run_main(args, tmp_path, timeout=180, env=env)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: cannot write to the snapshot path s3://runs/r1: Read ")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
@@ -116,7 +109,7 @@ def test_a_store_that_stops_answering_fails_the_run_at_start(stoppable, tmp_path
 
 def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
     s3.pipe("runs/small.txt", corpus.read_bytes()[:20_000])
-    env = {**child_env(), **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}  # as docs/training.md says
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}  # as docs/training.md says
     args = [
         *TINY,
         "trainer_config.device=cpu",
@@ -125,14 +118,7 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
         "data_config.path=s3://runs/small.txt",
         "trainer_config.snapshot_path=s3://runs/run1/snapshots",
     ]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = run_main(args, tmp_path, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert reader.read("s3://runs/run1/snapshots")[1]["step"] == 2
     # The best weights beside the snapshots (through s3:// too); no probe or temporary file left.
