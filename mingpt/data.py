@@ -174,7 +174,9 @@ class TokenWindows:
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.tokens.device)
         if len(self.segments) == 1:  # without a search: a batch's cost, for the common case
             return idx * self.stride + self.segments[0][0]
-        seg = torch.searchsorted(self._first, idx, right=True) - 1
+        # contiguous: a rank's share of the held-out windows is a strided view, which searchsorted
+        # copies with a warning
+        seg = torch.searchsorted(self._first, idx.contiguous(), right=True) - 1
         return self._seg_start[seg] + (idx - self._first[seg]) * self.stride
 
     # the windows, as stored, on the device

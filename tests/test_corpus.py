@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import time
+import warnings
 
 import pytest
 import torch
@@ -210,6 +211,22 @@ def test_host_batches_match_device_batches_with_and_without_prefetch(tmp_path, c
         host.prefetch(steps[k + 2])  # the wrong batch prefetched: the next is gathered anew
     for a, b in zip(host.batch(steps[5]), data.train.batch(steps[5]), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_ranks_share_of_the_windows_of_several_files_is_gathered_without_a_warning():
+    """Evaluation gives a rank every W-th chosen window, a strided view: torch's searchsorted over
+    the files' windows warned of copying it, once in every process of a run of several files."""
+    windows = TokenWindows(torch.arange(100), 4, 4, [(0, 30), (30, 3), (33, 67)])
+    share = spread(len(windows), 0)[1::2]
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # else torch warns once per process
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            x, _ = windows.batch(share)
+    finally:
+        torch.set_warn_always(warn_always)
+    assert x[:, 0].tolist() == [4, 12, 20, 33, 41, 49, 57, 65, 73, 81, 89]
 
 
 def mapped_rss_kb(path) -> list[int]:
