@@ -31,6 +31,7 @@ from mingpt.config import (
     register_configs,
 )
 from mingpt.data import DataError
+from mingpt.distributed import peer_ended
 from mingpt.run import run
 from mingpt.rundir import RunDirError, check_hydra_settings, shell_override
 from mingpt.snapshot import SnapshotError
@@ -285,8 +286,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     except stopping.Stopped as e:
         say_and_exit(str(e), e.status, every_rank=False)
     # Hydra would print "Error executing job with overrides: ..." on the way out
-    except BaseException:
+    except BaseException as e:
         stopping.park_if_exiting()
+        stopping.park_if_peer_ended(peer_ended(e))
         raise
     _in_task = False  # an OSError from inside a task keeps its traceback: a bug
 

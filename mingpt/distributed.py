@@ -4,6 +4,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,14 @@ def distributed(device_preference: str) -> Iterator[DistInfo]:
         if dist.is_initialized():
             gc.collect()  # objects in reference cycles that hold the group go while it is whole
             dist.destroy_process_group()
+
+
+def peer_ended(error: BaseException) -> bool:
+    """Whether `error` is gloo's for a connection that another rank's process closed or reset."""
+    return (
+        isinstance(error, RuntimeError)
+        and re.search(r"by peer|Broken pipe", str(error)) is not None
+    )
 
 
 def all_max(info: DistInfo, values: list[int]) -> list[int]:

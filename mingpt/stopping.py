@@ -135,6 +135,23 @@ def park_if_exiting() -> None:
         threading.Event().wait()
 
 
+# How long a worker whose peer ended waits for torchrun to stop it (on another node, torchrun
+# learns of the failure through the rendezvous).
+PEER_ENDED_WAIT_S = 60.0
+
+
+def park_if_peer_ended(peer_ended: bool) -> None:
+    """For the main thread on its way out because a collective failed as another worker ended (that
+    worker says why): under torchrun, wait for the signal with which torchrun stops this one, which
+    ends it with one line instead of a traceback of the collective. Returns if none comes."""
+    if not peer_ended or "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return
+    # The signal came while the step still ran, and asked for a stop that will not come.
+    if _state.requested:
+        exit_now(_state.requested, again=False)
+    threading.Event().wait(PEER_ENDED_WAIT_S)
+
+
 def tell_launcher(line: str) -> None:
     """Under torchrun (which sets TORCHELASTIC_ERROR_FILE), the worker's one error line into that
     file, in the JSON of torch.distributed.elastic's ErrorHandler, so that torchrun's failure

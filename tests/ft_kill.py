@@ -2,6 +2,7 @@
 (TORCHELASTIC_RESTART_COUNT=0) rank FT_KILL_RANK SIGKILLs itself as it starts
 optimizer step FT_KILL_STEP + 1: a sudden death at a known step, after the last save is published
 (on a GPU a step can be shorter than a background save's write; a death during one is tested apart).
+With FT_KILL_ERROR=TEXT it raises a DataError of that text instead: an error of that rank alone.
 
     FT_KILL_RANK=1 FT_KILL_STEP=13 torchrun --max-restarts=1 ... tests/ft_kill.py [overrides ...]
 """
@@ -16,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mingpt import trainer  # noqa: E402
 from mingpt.cli import main  # noqa: E402
+from mingpt.data import DataError  # noqa: E402
 from mingpt.snapshot import sharded  # noqa: E402
 
 _train_step = trainer.Trainer.train_step
@@ -27,6 +29,8 @@ def train_step_or_die(self, indices):
         and self.dist.rank == int(os.environ["FT_KILL_RANK"])
         and self.state.step == int(os.environ["FT_KILL_STEP"])
     ):
+        if "FT_KILL_ERROR" in os.environ:
+            raise DataError(os.environ["FT_KILL_ERROR"])
         sharded.wait_pending()
         os.kill(os.getpid(), signal.SIGKILL)
     return _train_step(self, indices)

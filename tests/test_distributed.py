@@ -243,6 +243,20 @@ def test_a_missing_corpus_stops_every_rank_in_one_line(tmp_path):
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
+def test_a_rank_that_fails_alone_stops_the_others_without_a_traceback(tmp_path, corpus_file):
+    """Rank 1 meets an error of its own mid-run and says it in one line; rank 0, in a collective
+    whose connections rank 1 closed on its way out, waits for torchrun to stop it (one line), where
+    it printed gloo's "Connection closed by peer" with a traceback."""
+    env = {**child_env(), "FT_KILL_RANK": "1", "FT_KILL_STEP": "3", "FT_KILL_ERROR": "unreadable"}
+    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_steps=20"]
+    cmd = torchrun_cmd(2, "--standalone") + [str(REPO / "tests" / "ft_kill.py"), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "[rank 1] error: unreadable" in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert "[rank0]: " not in proc.stderr, proc.stderr[-3000:]
+    assert "Error executing job" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_sweep_under_torchrun_gives_each_job_a_process_group(tmp_path, corpus_file):
     """The jobs of a sweep run one after another in the same processes: the second joined the
     first's keys in torchrun's store and waited there forever."""
