@@ -162,8 +162,11 @@ def tell_launcher(line: str) -> None:
             "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
         }
     }
-    with (
-        contextlib.suppress(KeyError, OSError),
-        open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f,
-    ):
-        json.dump(record, f)
+    with contextlib.suppress(KeyError, OSError):
+        path = os.environ["TORCHELASTIC_ERROR_FILE"]
+        # Written aside, then renamed: torchrun reads the file once the process has ended, which can
+        # be while the signals' thread writes it (an empty file crashed torchrun, no restart).
+        part = f"{path}.{threading.get_native_id()}"
+        with open(part, "w") as f:
+            json.dump(record, f)
+        os.replace(part, path)

@@ -359,6 +359,25 @@ def test_a_signal_while_an_error_rises_gives_its_one_line_only(tmp_path, data):
     assert "Error executing job" not in stderr and "Traceback" not in stderr, stderr[-3000:]
 
 
+def test_the_launchers_error_file_is_never_left_empty(tmp_path, monkeypatch):
+    """A worker stopped by torchrun as it says its own error wrote the file twice, from two threads;
+    the process could end between one's truncation and its write, and torchrun, reading an empty
+    file, crashed instead of restarting the workers."""
+    from mingpt import stopping
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    stopping.tell_launcher("error: the first")
+
+    def ended(*args, **kwargs):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(stopping.json, "dump", ended)
+    with pytest.raises(SystemExit):
+        stopping.tell_launcher("error: stopped by SIGTERM, exiting at once")
+    assert "error: the first" in error_file.read_text()
+
+
 # ----------------------------------------------------------- config, display
 
 
