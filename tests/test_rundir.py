@@ -490,36 +490,60 @@ def test_a_refusal_in_a_directory_hydra_run_dir_names_suggests_another_directory
         assert "run_name" not in errors[0]
 
 
-@pytest.mark.parametrize("named", ["relative", "symlink"])
-def test_a_snapshot_root_of_another_run_is_claimed_by_its_run_too(tmp_path, corpus, named):
-    """Job A trains with its snapshots in runs/a/snapshots; job B, in a run directory of its own,
-    names that root: as ../a/snapshots (B held no lock A holds, resumed A's snapshot and wrote the
-    same step directories as A), or through a symlink (a root moved to a larger disk and linked
-    back: B's lock was beside the link). B is refused in one line naming A, before it resumes or
-    writes."""
-    (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], "utf-8")
+@pytest.fixture(scope="module")
+def claimed(tmp_path_factory, corpus) -> dict:
+    """Job A trains with its snapshots in runs/a/snapshots; while it holds them, job B-NAMED names
+    that root, each way (see the test), one after another in one process: {named: (B's finished
+    run, the root it named, its run directory, A's pid, the directory they ran in)}."""
+    cwd = tmp_path_factory.mktemp("claimed")
+    (cwd / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], "utf-8")
     argv = args("trainer_config.max_epochs=1000", "trainer_config.save_every_steps=5")
-    run_a = tmp_path / "runs" / "a"
-    root = "../a/snapshots"
-    if named == "symlink":
-        alias = tmp_path / "alias"
-        alias.symlink_to(run_a / "snapshots", target_is_directory=True)
-        root = str(alias)
-    first = launch(tmp_path, on_cpu([*argv, "trainer_config.run_name=a"]), tmp_path / "a.err")
+    run_a = cwd / "runs" / "a"
+    alias = cwd / "alias"
+    alias.symlink_to(run_a / "snapshots", target_is_directory=True)
+    roots = {"relative": "../a/snapshots", "symlink": str(alias)}
+    first = launch(cwd, on_cpu([*argv, "trainer_config.run_name=a"]), cwd / "a.err")
     try:
         wait_for(contains(run_a / "train.log", "saved snapshot"), "first snapshot", first)
-        second = run_main(
-            [*argv, "trainer_config.run_name=b", f"trainer_config.snapshot_path={root}"], tmp_path
+        finished = run_each(
+            "mingpt.cli",
+            [
+                (
+                    cwd,
+                    on_cpu(
+                        [
+                            *argv,
+                            f"trainer_config.run_name=b-{named}",
+                            f"trainer_config.snapshot_path={root}",
+                        ]
+                    ),
+                )
+                for named, root in roots.items()
+            ],
         )
         assert first.poll() is None
     finally:
         first.kill()
         first.wait()
+    return {
+        named: (proc, roots[named], cwd / "runs" / f"b-{named}", first.pid, cwd)
+        for named, proc in zip(roots, finished, strict=True)
+    }
+
+
+@pytest.mark.parametrize("named", ["relative", "symlink"])
+def test_a_snapshot_root_of_another_run_is_claimed_by_its_run_too(claimed, named):
+    """Job A trains with its snapshots in runs/a/snapshots; job B, in a run directory of its own,
+    names that root: as ../a/snapshots (B held no lock A holds, resumed A's snapshot and wrote the
+    same step directories as A), or through a symlink (a root moved to a larger disk and linked
+    back: B's lock was beside the link). B is refused in one line naming A, before it resumes or
+    writes."""
+    second, root, run_b, holder, cwd = claimed[named]
     errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
     assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
-    assert f"{root} is in use by pid {first.pid} on host " in errors[0], errors[0]
+    assert f"{root} is in use by pid {holder} on host " in errors[0], errors[0]
     assert "resumed from" not in second.stderr
-    assert not (tmp_path / "runs" / "b").exists() and not (tmp_path / "alias.lock").exists()
+    assert not run_b.exists() and not (cwd / "alias.lock").exists()
 
 
 def test_a_directory_in_use_or_of_another_record_under_hydra_run_dir_suggests_another_directory(
