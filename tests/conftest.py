@@ -21,6 +21,11 @@ SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 # rank CUDA (and refuse a second rank on a 1-GPU host). First, so a later override wins.
 CPU = "trainer_config.device=cpu"
 
+# Seconds a real process (one that imports torch and runs) may take before a test calls it hung:
+# many times a tiny run's seconds. A 60-step run that takes 8 s alone once ran past 120 s on a
+# machine loaded several times over; shorter deadlines failed healthy runs there.
+RUN_DEADLINE = 300
+
 # A model and run small enough to train in seconds on one CPU core.
 TINY = [
     CPU,
@@ -238,12 +243,10 @@ def on_cpu(args: list[str]) -> list[str]:
 
 
 def run_main(
-    args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str], cwd: Path, timeout: float = RUN_DEADLINE, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """`python main.py ARGS` in `cwd` (a scratch directory: runs/ lands there), on
-    the CPU unless ARGS name another device, with `env` added to its environment. The
-    deadline is many times a tiny run's seconds: a 60-step run that takes 8 s alone
-    once ran past 120 s on a machine loaded several times over."""
+    the CPU unless ARGS name another device, with `env` added to its environment."""
     return subprocess.run(
         [sys.executable, str(REPO / "main.py"), *on_cpu(args)],
         cwd=cwd,
@@ -286,7 +289,9 @@ for cwd, argv, module in cases:
 
 
 def run_each(
-    module: str, cases: list[tuple[Path, list[str]] | tuple[Path, list[str], str]], timeout=300
+    module: str,
+    cases: list[tuple[Path, list[str]] | tuple[Path, list[str], str]],
+    timeout=RUN_DEADLINE,
 ) -> list[subprocess.CompletedProcess]:
     """What `python -m MODULE ARGV` in CWD gives for each (CWD, ARGV) of `cases`, or (CWD, ARGV,
     ITS MODULE) for another command (module "-c": `python -c ARGV[0] ARGV[1:]`): its exit status,
@@ -328,7 +333,9 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra]
 
 
-def run_torchrun(nproc: int, args: list[str], cwd: Path, torchrun_args=(), timeout: float = 180):
+def run_torchrun(
+    nproc: int, args: list[str], cwd: Path, torchrun_args=(), timeout: float = RUN_DEADLINE
+):
     """`torchrun --standalone --nproc_per_node=N main.py ARGS` in `cwd`, on the CPU
     (gloo) unless ARGS name another device."""
     cmd = torchrun_cmd(nproc, "--standalone", *torchrun_args) + [
@@ -432,6 +439,7 @@ __all__ = [
     "REPO",
     "TINY",
     "TINY_RUN",
+    "RUN_DEADLINE",
     "fake_cuda_env",
     "real_cuda",
     "free_port",

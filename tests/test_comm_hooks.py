@@ -17,7 +17,16 @@ import subprocess
 import pytest
 import test_distributed
 import torch
-from conftest import REPO, TINY, child_env, fake_cuda_env, read_snapshot, run_dir_of, torchrun_cmd
+from conftest import (
+    REPO,
+    RUN_DEADLINE,
+    TINY,
+    child_env,
+    fake_cuda_env,
+    read_snapshot,
+    run_dir_of,
+    torchrun_cmd,
+)
 from omegaconf import OmegaConf
 from test_distributed import FAST, run_worker
 
@@ -274,7 +283,9 @@ def test_sigkilled_compressed_run_on_a_gpu_host_resumes_bitwise_with_and_without
         str(REPO / "tests" / "ft_kill.py"),
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = run_dir_of(tmp_path, args)
     log = (run_dir / "train.log").read_text()

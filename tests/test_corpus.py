@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import TINY, run_main
+from conftest import RUN_DEADLINE, TINY, run_main
 from omegaconf import OmegaConf
 
 from mingpt.config import Config, DataConfig
@@ -186,7 +186,7 @@ def test_fifo_corpus_exits_promptly_with_one_line(tmp_path):
     fifo = tmp_path / "corpus.fifo"
     os.mkfifo(fifo)
     start = time.monotonic()
-    proc = run_main([*TINY, f"data_config.path={fifo}"], tmp_path, timeout=120)  # a hang fails here
+    proc = run_main([*TINY, f"data_config.path={fifo}"], tmp_path)  # a hang fails here
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: data file is not a regular file: {fifo} is a FIFO"], proc.stderr[
@@ -443,7 +443,11 @@ def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path)
         "with storage.atomic_open(sys.argv[1]) as f:\n    f.write(b'half')\n    os._exit(130)\n"
     )
     subprocess.run(
-        [sys.executable, "-c", stopped, path], cwd=REPO, env=child_env(), check=False, timeout=120
+        [sys.executable, "-c", stopped, path],
+        cwd=REPO,
+        env=child_env(),
+        check=False,
+        timeout=RUN_DEADLINE,
     )
     [dead] = [p for p in (tmp_path / "cache").iterdir()]
     assert dead.name.startswith(os.path.basename(path) + ".tmp-"), dead.name

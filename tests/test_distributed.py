@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    RUN_DEADLINE,
     TINY,
     child_env,
     free_port,
@@ -65,7 +66,7 @@ def run_worker(tmp_path, corpus_file, nproc: int, jobs: list[dict], env=None) ->
         env=env or child_env(),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=RUN_DEADLINE,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {
@@ -297,7 +298,7 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
         for node in (0, 1)
     ]
     try:
-        outputs = [agent.communicate(timeout=180) for agent in agents]
+        outputs = [agent.communicate(timeout=RUN_DEADLINE) for agent in agents]
     finally:
         for agent in agents:
             agent.kill()

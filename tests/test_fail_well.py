@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, child_env, on_cpu, run_each, run_main
+from conftest import REPO, RUN_DEADLINE, TINY, child_env, on_cpu, run_each, run_main
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -191,7 +191,13 @@ def runs(snap, tmp_path_factory) -> dict:
     def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
         kwargs.setdefault("stdout", subprocess.PIPE)
         return subprocess.run(
-            args, cwd=work, env=env, stderr=subprocess.PIPE, text=True, timeout=180, **kwargs
+            args,
+            cwd=work,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=RUN_DEADLINE,
+            **kwargs,
         )
 
     # refused at start: one process for the three and refused_invocations' (each run is mostly
@@ -410,7 +416,7 @@ def test_a_file_where_the_default_corpus_directory_should_be_is_one_line(tmp_pat
     """The default corpus is missing and `data` is a file, so it cannot be downloaded there: one
     line (the directory's creation was outside the download's error handling: a traceback)."""
     (tmp_path / "data").write_text("not a directory\n")
-    proc = run_main(["trainer_config.max_steps=1"], tmp_path, timeout=120)
+    proc = run_main(["trainer_config.max_steps=1"], tmp_path)
     one_error_line(proc, "data/input.txt is missing and could not be downloaded", "'data'")
     assert (tmp_path / "data").read_text() == "not a directory\n"
 
@@ -540,7 +546,7 @@ def test_a_model_too_large_for_memory_is_one_line(n_embd, ends):
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=RUN_DEADLINE,
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert re.match(rf"gpt_config: the model does not fit in memory: {ends}\n$", proc.stdout), (

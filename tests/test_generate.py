@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, child_env, on_cpu, read_snapshot, run_dir_of, run_each
+from conftest import RUN_DEADLINE, TINY, child_env, on_cpu, read_snapshot, run_dir_of, run_each
 
 import mingpt.generate as generate_cli
 from mingpt import decoding
@@ -71,7 +71,12 @@ def generate_cmd(args: list[str]) -> list[str]:
 
 def run_generate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        generate_cmd(args), cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=120
+        generate_cmd(args),
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
     )
 
 
@@ -733,7 +738,7 @@ def test_text_that_the_encoding_of_stdout_lacks_is_one_line(tmp_path):
     env = {**child_env(), "PYTHONIOENCODING": "ascii"}
     args = [f"snapshot_path={tmp_path / 'accented.pt'}", "prompt=aé", "max_new_tokens=2"]
     result = subprocess.run(
-        generate_cmd(args), env=env, capture_output=True, text=True, timeout=120
+        generate_cmd(args), env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     line = result.stderr.strip().splitlines()[-1]
@@ -748,7 +753,7 @@ def test_with_stderr_closed_an_error_stays_out_of_stdout(tmp_path):
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=RUN_DEADLINE,
     )
     assert result.returncode == 2 and result.stdout == ""
 

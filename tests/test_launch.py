@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY, child_env, read_snapshot, run_dir_of
+from conftest import REPO, RUN_DEADLINE, TINY, child_env, read_snapshot, run_dir_of
 
 from mingpt.cli import take_local_rank_argument
 
@@ -68,7 +68,7 @@ def test_legacy_launcher_trains_with_two_processes(tmp_path, corpus):
         *args,
     ]
     proc = subprocess.run(
-        cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180
+        cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=RUN_DEADLINE
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unrecognized arguments" not in proc.stderr

@@ -17,7 +17,16 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, TINY, child_env, on_cpu, read_snapshot, run_dir_of, run_each
+from conftest import (
+    REPO,
+    RUN_DEADLINE,
+    TINY,
+    child_env,
+    on_cpu,
+    read_snapshot,
+    run_dir_of,
+    run_each,
+)
 
 EXTRA = [*TINY, "trainer_config.max_steps=6", "trainer_config.device=cpu"]
 
@@ -171,7 +180,9 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     launcher = scale[1 : scale.index("main.py")]
     args = [*main_args(scale), *EXTRA]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(REPO / "main.py"), *args]
-    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    second = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "already complete" not in second.stderr
     run_dir = run_dir_of(tmp_path, args)

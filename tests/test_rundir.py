@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    RUN_DEADLINE,
     TINY,
     child_env,
     on_cpu,
@@ -28,8 +29,6 @@ from conftest import (
     run_main,
     run_torchrun,
 )
-
-DEADLINE = 150  # seconds: generous, the machine is shared
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +50,10 @@ def steps(run_dir: Path, split: str) -> list[int]:
 
 
 def wait_for(predicate, what: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + DEADLINE
+    deadline = time.monotonic() + RUN_DEADLINE
     while not predicate():
         assert proc.poll() is None, f"the job ended (status {proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {DEADLINE} s"
+        assert time.monotonic() < deadline, f"no {what} within {RUN_DEADLINE} s"
         time.sleep(0.1)
 
 

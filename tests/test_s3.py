@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from conftest import TINY, free_port, run_main  # noqa: E402
+from conftest import RUN_DEADLINE, TINY, free_port, run_main  # noqa: E402
 
 from mingpt import storage, token_cache  # noqa: E402
 from mingpt.data import DataError  # noqa: E402
@@ -71,7 +71,7 @@ def stoppable():
         stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + RUN_DEADLINE
     while True:
         try:
             socket.create_connection(("127.0.0.1", port)).close()
@@ -101,7 +101,7 @@ def test_a_store_that_stops_answering_fails_the_run_at_start(stoppable, tmp_path
     }
     args = [*TINY, "trainer_config.max_steps=1", "trainer_config.snapshot_path=s3://runs/r1"]
     # about 25 s: s3fs's 5 tries of botocore's 3, each a 1 s timeout and a back-off
-    proc = run_main(args, tmp_path, timeout=180, env=env)
+    proc = run_main(args, tmp_path, env=env)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: cannot write to the snapshot path s3://runs/r1: Read ")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
@@ -118,7 +118,7 @@ def test_a_run_reads_and_saves_through_s3(s3, endpoint, tmp_path, corpus):
         "data_config.path=s3://runs/small.txt",
         "trainer_config.snapshot_path=s3://runs/run1/snapshots",
     ]
-    proc = run_main(args, tmp_path, timeout=180, env=env)
+    proc = run_main(args, tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert reader.read("s3://runs/run1/snapshots")[1]["step"] == 2
     # The best weights beside the snapshots (through s3:// too); no probe or temporary file left.

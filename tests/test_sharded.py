@@ -21,14 +21,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.snapshot import SnapshotError, manifest, sharded
-from tests.conftest import REPO, child_env, fake_cuda_env, torchrun_cmd
+from tests.conftest import REPO, RUN_DEADLINE, child_env, fake_cuda_env, torchrun_cmd
 
 WORKER = str(REPO / "tests" / "sharded_worker.py")
 
 
 def launch(nproc: int, mode: str, out: Path, root: Path) -> None:
     cmd = torchrun_cmd(nproc, "--standalone") + [WORKER, mode, str(out), str(root)]
-    result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        cmd, env=child_env(), capture_output=True, text=True, timeout=RUN_DEADLINE
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -292,7 +294,7 @@ def test_async_save_of_a_cpu_state_on_a_gpu_host(tmp_path):
         env=fake_cuda_env(gpus=1),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=RUN_DEADLINE,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(root / "step-00000003")

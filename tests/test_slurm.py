@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CPU, REPO, TINY, child_env, free_port
+from conftest import CPU, REPO, RUN_DEADLINE, TINY, child_env, free_port
 
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -175,15 +175,14 @@ class Cluster:
             f"--log-file={munge_dir}/munged.log",
             f"--seed-file={munge_dir}/munged.seed",
         )
-        self.wait("munged to listen", lambda: socket_path.exists(), deadline=30)
+        self.wait("munged to listen", lambda: socket_path.exists())
         self.daemon("slurmctld", "-D", "-i")
         self.wait(
             "slurmctld to answer",
             lambda: "is UP" in self.cmd("scontrol", "ping", check=False),
-            deadline=60,
         )
         self.daemon("slurmd", "-D", "-N", self.host)
-        self.wait("the node to be idle", self.idle, deadline=60)
+        self.wait("the node to be idle", self.idle)
 
     def idle(self) -> bool:
         return self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False).split()[:1] == ["idle"]
@@ -443,7 +442,7 @@ def test_the_script_starts_torchrun_on_main_py(tmp_path, env, launch):
         env={**child_env(), **slurm, **env, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=RUN_DEADLINE,
         check=True,
     ).stdout.splitlines()
     assert out[:2] == ["--kill-on-bad-exit=1", "torchrun"] and "--nnodes=2" in out
@@ -459,7 +458,7 @@ def test_the_script_starts_torchrun_on_main_py(tmp_path, env, launch):
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=RUN_DEADLINE,
         check=True,
     ).stdout
     assert f"run_name: {run_name}" in composed

@@ -27,6 +27,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    RUN_DEADLINE,
     TINY,
     child_env,
     on_cpu,
@@ -671,7 +672,7 @@ def kill_writer(tmp_path, path, started, *mode: str) -> None:
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + RUN_DEADLINE
         while not started():
             assert writer.poll() is None, writer.stderr.read().decode()
             assert time.monotonic() < deadline, "the writer never started a save"
@@ -832,7 +833,7 @@ def recorded_part(tmp_path, record, nproc: int, *extra: str) -> str:
         env={**child_env(), "FT_RECORD_DIR": str(record)},
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=RUN_DEADLINE,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
