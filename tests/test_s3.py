@@ -77,6 +77,8 @@ def stoppable():
             socket.create_connection(("127.0.0.1", port)).close()
             break
         except OSError:
+            # a server that ended (its port taken meanwhile) is not waited for
+            assert server.poll() is None, f"moto ended with status {server.returncode}"
             assert time.monotonic() < deadline, "moto did not start"
             time.sleep(0.1)
     fs = fsspec.filesystem(
