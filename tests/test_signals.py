@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, child_env, free_port, read_snapshot, torchrun_cmd
+from conftest import REPO, RUN_DEADLINE, child_env, free_port, read_snapshot, torchrun_cmd
 from test_snapshot import overrides, same_tensors, train_events
 
 # 141 steps per epoch in one process (batch 8), 71 with two; the runs end 10 steps into
@@ -323,6 +323,42 @@ def test_second_ctrl_c_exits_at_once(runs):
         in stderr
     )
     assert not (run_dir / "snapshots").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["-m", "mingpt.generate"], ["-m", "mingpt.score"], ["-m", "mingpt.export"], ["mingpt-score"]],
+)
+def test_ctrl_c_while_a_command_imports_torch_exits_at_once(tmp_path, command):
+    """Ctrl-C as torch imports numpy: a KeyboardInterrupt there printed a traceback, or was caught
+    by torch's import and the command went on to its end."""
+    if command[0] != "-m":
+        command = [str(Path(sys.executable).parent / command[0])]
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", *command, f"snapshot_path={tmp_path}"],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # -X importtime: a line as each module's import ends; torch's imports numpy
+        ended = []
+        for line in proc.stderr:
+            ended.append(line.rsplit("|", 1)[-1].strip())
+            if ended[-1].startswith("numpy"):
+                break
+        os.kill(proc.pid, signal.SIGINT)
+        stderr = proc.communicate(timeout=RUN_DEADLINE)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert ended[-1].startswith("numpy") and "torch" not in ended, ended
+    assert proc.returncode == 130, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if not line.startswith("import time:")]
+    assert said == ["error: interrupted, exiting at once"], stderr[-3000:]
 
 
 # ------------------------------------------------- torchrun's failure summary
