@@ -130,7 +130,7 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
     """Refuse a generation that cannot fit in memory, naming the key to change. One sample holds its
     random stream and the noise drawn ahead, its KV cache, a window's largest activations (one
     layer's MLP and attention scores, twice), a few rows of logits, and its tokens: two int64 per
-    new character."""
+    new character (generate's, and their concatenation that run decodes)."""
     c = model.config
     item = next(model.parameters()).element_size()
     stream = len(torch.Generator(device).get_state()) + noise_rows(c.vocab_size) * c.vocab_size * 4
@@ -139,11 +139,12 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
         cache = 2 * c.n_layer * c.block_size * c.n_embd * item
     activations = 2 * c.block_size * (4 * c.n_embd + c.n_head * c.block_size) * 4
     fixed = stream + cache + activations + 4 * c.vocab_size * 4
-    tokens = 2 * 8 * config.max_new_tokens
+    per_token = 2 * torch.long.itemsize
+    tokens = per_token * config.max_new_tokens
     free = available_memory(device)
     gib = 2**30
     if fixed + tokens > free:
-        most = max(0, (free - fixed) // 16)
+        most = max(0, (free - fixed) // per_token)
         raise ConfigError(
             f"max_new_tokens: {config.max_new_tokens:,} characters need about "
             f"{(fixed + tokens) / gib:,.1f} GiB on {device}, more than the {free / gib:,.1f} GiB "
@@ -233,9 +234,11 @@ def run(config: GenerateConfig) -> None:
     for chunk in new_tokens:
         write(tokenizer.decode(chunk[0].tolist()))
         chunks.append(chunk)
-    # The other samples follow when it ends.
-    for i, new in enumerate(torch.cat(chunks, dim=1).tolist()):
-        text = prompt + tokenizer.decode(new)
+    # The other samples follow when it ends, a sample's list of tokens at a time (a list of all
+    # held another 8 bytes a character of each sample, beyond what check_fits counts).
+    tokens = torch.cat(chunks, dim=1)
+    for i in range(n):
+        text = prompt + tokenizer.decode(tokens[i].tolist())
         out = ""
         if i:
             out = "\n" + header.format(i + 1) + text

@@ -812,6 +812,40 @@ def test_a_generation_too_large_for_memory_names_the_key_to_change():
     check_fits(model, GenerateConfig(max_new_tokens=1000, num_samples=3), cpu)
 
 
+def test_samples_hold_no_more_than_check_fits_counts(snapshot, monkeypatch, one_thread):
+    """check_fits counts two int64 tensors a character of each sample: past them, a sample adds
+    no Python objects a character. The samples after the first were decoded from one list of all
+    of them, 8 bytes more a character of each (24 against the 16 counted: a num_samples let
+    through could run out of memory)."""
+    import tracemalloc
+
+    check_fits = generate_cli.check_fits
+
+    def checked(*args):
+        check_fits(*args)
+        tracemalloc.reset_peak()  # from here on: what check_fits is to count
+
+    monkeypatch.setattr(generate_cli, "check_fits", checked)
+    peaks = {}
+    with open(os.devnull, "w") as devnull:
+        monkeypatch.setattr(sys, "stdout", devnull)
+        for n in (1, 1, 65):  # the first imports what decoding needs
+            config = GenerateConfig(
+                snapshot_path=str(snapshot),
+                max_new_tokens=1000,
+                num_samples=n,
+                device="cpu",
+                compile="false",
+            )
+            tracemalloc.start()
+            try:
+                generate_cli.run(config)
+                peaks[n] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+    assert peaks[65] - peaks[1] < 64 * 1000, peaks
+
+
 def test_a_prompt_file_is_read_as_it_is(tmp_path):
     """Its CRLF line ends and lone CRs stay (universal newlines made them LF: other text than the
     corpus holds); a byte-order mark at its start goes, as the corpus's does (it was refused as a
