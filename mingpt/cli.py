@@ -180,6 +180,26 @@ def check_composed(cfg: DictConfig) -> None:
     checked_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), cfg.hydra)
 
 
+def check_package(cfg: DictConfig) -> None:
+    """--cfg's package (_global_: all of it): Hydra refuses a missing one, and one whose value is
+    null (printed here), in a line of its own, without `error:`, with exit status 1."""
+    args, _ = get_args_parser().parse_known_args(sys.argv[1:])
+    if not args.cfg or args.package in (None, "_global_"):
+        return
+    absent = object()
+    value = absent
+    # in the part that --cfg prints: job, all but hydra; hydra, hydra alone
+    if args.cfg == "all" or (args.package.split(".")[0] == "hydra") == (args.cfg == "hydra"):
+        value = OmegaConf.select(cfg, args.package, default=absent)
+    if value is absent:
+        raise ConfigError(
+            f"--package {args.package}: no such key in the config that --cfg {args.cfg} prints"
+        )
+    if value is None:  # as the whole config shows it
+        print("null")
+        sys.exit(0)
+
+
 def compose_checked(
     self: Hydra,
     config_name: str | None,
@@ -200,13 +220,7 @@ def compose_checked(
     sweep = run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper")
     if not sweep:  # a sweep's jobs are checked each, below
         check_composed(cfg)
-    # --cfg's package (_global_: all of it): Hydra refuses a missing one in a line of its own,
-    # without `error:`, with exit status 1
-    args, _ = get_args_parser().parse_known_args(sys.argv[1:])
-    if args.cfg and args.package not in (None, "_global_"):
-        absent = object()
-        if OmegaConf.select(cfg, args.package, default=absent) is absent:
-            raise ConfigError(f"--package {args.package}: no such key in the config")
+    check_package(cfg)
     if sweep:
         # the sweeper's params (hydra.sweeper.params of a config file) before the command line's,
         # as BasicSweeper takes them

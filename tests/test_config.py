@@ -8,7 +8,7 @@ import re
 import shlex
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_each
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -388,3 +388,17 @@ def test_every_config_folder_is_a_declared_package_with_its_yaml_files():
     }
     assert folders <= set(setuptools["packages"])
     assert all(setuptools["package-data"][name] == ["*.yaml"] for name in folders)
+
+
+def test_cfg_package_prints_a_null_value(tmp_path):
+    """`--cfg job -p KEY` prints the value of KEY, null too (Hydra took a null value for a missing
+    key: its line, without `error:`, and exit status 1)."""
+    cases = [["--cfg", part, "-p", "trainer_config.max_steps"] for part in ("job", "all")]
+    cases.append(["--cfg", "job", "-p", "trainer_config.batch_size"])
+    results = run_each("mingpt.cli", [(tmp_path, argv) for argv in cases])
+    assert [(r.returncode, r.stdout, r.stderr) for r in results] == [
+        (0, "null\n", ""),
+        (0, "null\n", ""),
+        (0, "12\n", ""),
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -730,7 +730,11 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
         "quote it ('data_config.path=\"a,b\"'), or add -m to sweep over them",
         ("experiment=null",): "experiment=null: a config group takes a preset's name; "
         "~experiment drops the preset",
-        ("--cfg", "job", "-p", "nope"): "--package nope: no such key in the config",
+        ("--cfg", "job", "-p", "nope"): "--package nope: no such key in the config that --cfg job "
+        "prints",
+        # Hydra's own line, without `error:`: the key is in the config, not in the part printed
+        ("--cfg", "job", "-p", "hydra.run.dir"): "--package hydra.run.dir: no such key in the "
+        "config that --cfg job prints",
         ("--cfg", "job", "-m", "trainer_config.seed=1,2"): "Only one of --run, --multirun, --cfg",
         ("-m", "--info"): "Only one of --run, --multirun, --cfg",
     }
