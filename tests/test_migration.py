@@ -69,6 +69,22 @@ def test_tutorial_config_file_trains_with_its_values(commands):
     assert o["betas"] == [0.9, 0.99] and t["amp_dtype"] == "bf16"
 
 
+def test_a_config_file_of_ones_own_leaves_no_file_of_hydras_in_the_run_directory(commands):
+    """The file leaves Hydra's logging and .hydra/ at Hydra's defaults: its file handler left an
+    empty <job>.log beside train.log, and its .hydra/ files were written before any check, so the
+    refused command after the run rewrote the run's record of its config and overrides."""
+    user_dir, proc = commands["again"]
+    assert proc.returncode == 2 and "gpt_config.n_embd: 32 -> 16" in proc.stderr, proc.stderr
+    assert [p.name for p in user_dir.glob("*.log")] == ["train.log"]
+    assert sorted(p.name for p in (user_dir / ".hydra").iterdir()) == [
+        "config.yaml",
+        "overrides.yaml",
+    ]
+    assert "n_embd: 32\n" in (user_dir / ".hydra" / "config.yaml").read_text()
+    overrides = (user_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "trainer_config.batch_size=4" in overrides and "n_embd" not in overrides
+
+
 SCHEMA_ERRORS = {  # id: (an edit of the file, what its one line says)
     "not-a-number": (
         ("n_embd: 32", "n_embd: wide"),
@@ -95,10 +111,10 @@ def test_tutorial_config_file_is_checked_against_the_schema(commands, name):
 def commands(tmp_path_factory, corpus, tiny_file) -> dict:
     """What this module's commands gave, in one process (each is mostly importing torch), each in
     a directory of its own. "tutorial": (the user's directory, what main.py said) for 3 steps with
-    the tutorial's file; each id of SCHEMA_ERRORS: (the user's directory, what main.py said) for
-    that edit of the file; and a run directory of the old single-file format, its snapshot named
-    by trainer_config.snapshot_path or not: {named: (the directory, its files before, what main.py
-    said, what generate said)}."""
+    the tutorial's file; "again": the same for that command with another n_embd after it; each id
+    of SCHEMA_ERRORS: (the user's directory, what main.py said) for that edit of the file; and a
+    run directory of the old single-file format, its snapshot named by trainer_config.snapshot_path
+    or not: {named: (the directory, its files before, what main.py said, what generate said)}."""
     user_dir = make_user_dir(tmp_path_factory.mktemp("tutorial"), corpus)
     # Keys the file lacks are added with +, as for any config without this project's defaults list.
     tutorial = user_args(user_dir, "+trainer_config.max_steps=3", "trainer_config.batch_size=4")
@@ -119,9 +135,12 @@ def commands(tmp_path_factory, corpus, tiny_file) -> dict:
         trains.append((run.parent, on_cpu([*TINY, f"hydra.run.dir={run}", *named_path])))
         sample = [f"snapshot_path={run}", "max_new_tokens=5", "device=cpu"]
         samples.append((run.parent, sample, "mingpt.generate"))
-    cases = [(user_dir, on_cpu(tutorial)), *((d, on_cpu(user_args(d))) for d in dirs.values())]
+    # then refused there: the model of another shape
+    again = [*tutorial, "gpt_config.n_embd=16"]
+    cases = [(user_dir, on_cpu(tutorial)), (user_dir, on_cpu(again))]
+    cases += [(d, on_cpu(user_args(d))) for d in dirs.values()]
     results = run_each("mingpt.cli", [*cases, *trains, *samples])
-    given = {"tutorial": (user_dir, results.pop(0))}
+    given = {"tutorial": (user_dir, results.pop(0)), "again": (user_dir, results.pop(0))}
     given.update((name, (dirs[name], results.pop(0))) for name in dirs)
     refused, sampled = results[: len(trains)], results[len(trains) :]
     given.update((named, (*runs[named], refused[i], sampled[i])) for i, named in enumerate(runs))
