@@ -46,7 +46,8 @@ COMPOSE = Hydra.compose_config
 # conf/config.yaml's, whatever the primary config (a user's own, --config-name): the run logs as
 # mingpt sets up (Hydra's file handler left an empty <job>.log in the run directory), and mingpt
 # writes .hydra/ once the run is accepted (Hydra's, before any check: a refused command rewrote
-# an existing run's). Overrides, so that each job of a sweep has them too.
+# an existing run's). Overrides, so that each job of a sweep has them too; first, so that the
+# user's own overrides of these keys still win.
 OWN_HYDRA = ["hydra/job_logging=none", "hydra.output_subdir=null"]
 
 
@@ -216,7 +217,7 @@ def compose_checked(
     """Hydra.compose_config while main runs: each config (each job of a sweep) is checked once
     composed, before Hydra creates a run directory (a refused config leaves none), and for --cfg,
     which runs no task."""
-    cfg = COMPOSE(self, config_name, [*overrides, *OWN_HYDRA], run_mode, *args, **kwargs)
+    cfg = COMPOSE(self, config_name, [*OWN_HYDRA, *overrides], run_mode, *args, **kwargs)
     # --hydra-help composes Hydra's own config alone: no run of ours to check. Hydra.get_mode's
     # probe (no validate_sweep_overrides) reads hydra.mode and drops any error, then run or multirun
     # composes again, checked there; checking the probe too cost each start 0.4 s.
