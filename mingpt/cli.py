@@ -62,11 +62,8 @@ def say_and_exit(line: str, status: int, every_rank: bool = True) -> NoReturn:
     summary names the rank itself); with `every_rank` False (a stop the user asked for, the same
     line on every rank) rank 0 alone says it there. A stop says so without `error:`; its status
     still tells a script."""
-    rank = int(os.environ.get("RANK", "0"))
-    if not rank:
-        sys.stderr.write(f"{line}\n")
-    elif every_rank:
-        sys.stderr.write(f"[rank {rank}] {line}\n")
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"{stopping.headed(line)}\n")
     sys.stderr.flush()
     stopping.tell_launcher(line)
     sys.exit(status)

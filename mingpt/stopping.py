@@ -123,7 +123,7 @@ def exit_now(signum: int, again: bool) -> None:
     line = f"error: {what}, exiting at once"
     tell_launcher(line)
     with contextlib.suppress(OSError):
-        os.write(sys.stderr.fileno(), (line + "\n").encode())
+        os.write(sys.stderr.fileno(), (headed(line) + "\n").encode())
     os._exit(exit_status(signum))
 
 
@@ -150,6 +150,15 @@ def park_if_peer_ended(peer_ended: bool) -> None:
     if _state.requested:
         exit_now(_state.requested, again=False)
     threading.Event().wait(PEER_ENDED_WAIT_S)
+
+
+def headed(line: str) -> str:
+    """`line` as this process says it on stderr: headed by its rank beyond rank 0, as its log lines
+    are (torchrun's failure summary names the rank itself)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:
+        return f"[rank {rank}] {line}"
+    return line
 
 
 def tell_launcher(line: str) -> None:

@@ -258,6 +258,21 @@ def test_a_rank_that_fails_alone_stops_the_others_without_a_traceback(tmp_path, 
     assert "Error executing job" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_worker_that_torchrun_stops_says_so_under_its_rank(tmp_path, corpus_file):
+    """Rank 0 dies (SIGKILL) mid-run and torchrun stops rank 1 with SIGTERM: rank 1's one line is
+    headed by its rank, as its other error lines are (it was not, and read as rank 0's)."""
+    env = {**child_env(), "FT_KILL_RANK": "0", "FT_KILL_STEP": "3"}
+    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_steps=20"]
+    cmd = torchrun_cmd(2, "--standalone") + [str(REPO / "tests" / "ft_kill.py"), *args]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.splitlines()
+    assert "[rank 1] error: stopped by SIGTERM, exiting at once" in lines, proc.stderr[-3000:]
+    assert "error: stopped by SIGTERM, exiting at once" not in lines, proc.stderr[-3000:]
+
+
 def test_a_sweep_under_torchrun_gives_each_job_a_process_group(tmp_path, corpus_file):
     """The jobs of a sweep run one after another in the same processes: the second joined the
     first's keys in torchrun's store and waited there forever."""
