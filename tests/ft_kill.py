@@ -1,8 +1,11 @@
 """Test helper: main.py, except that in the first attempt of a torchrun job
 (TORCHELASTIC_RESTART_COUNT=0) rank FT_KILL_RANK SIGKILLs itself as it starts
 optimizer step FT_KILL_STEP + 1: a sudden death at a known step, after the last save is published
-(on a GPU a step can be shorter than a background save's write; a death during one is tested apart).
+(on a GPU a step can be shorter than a background save's write).
 With FT_KILL_ERROR=TEXT it raises a DataError of that text instead: an error of that rank alone.
+With FT_KILL_IN=NAME it dies instead in the next save, once the one in flight is published, as it
+calls mingpt.snapshot.manifest's NAME: `shard_hashes` (every rank, its shards written, before rank
+0 publishes) or `prune` (rank 0, once it has published).
 
     FT_KILL_RANK=1 FT_KILL_STEP=13 torchrun --max-restarts=1 ... tests/ft_kill.py [overrides ...]
 """
@@ -18,12 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mingpt import trainer  # noqa: E402
 from mingpt.cli import main  # noqa: E402
 from mingpt.data import DataError  # noqa: E402
-from mingpt.snapshot import sharded  # noqa: E402
+from mingpt.snapshot import manifest, sharded  # noqa: E402
 
 _train_step = trainer.Trainer.train_step
+_armed = False  # FT_KILL_IN: the step was reached; the next call of that function dies
 
 
 def train_step_or_die(self, indices):
+    global _armed
     if (
         os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
         and self.dist.rank == int(os.environ["FT_KILL_RANK"])
@@ -32,11 +37,26 @@ def train_step_or_die(self, indices):
         if "FT_KILL_ERROR" in os.environ:
             raise DataError(os.environ["FT_KILL_ERROR"])
         sharded.wait_pending()
+        if "FT_KILL_IN" in os.environ:
+            _armed = True
+            return _train_step(self, indices)
         os.kill(os.getpid(), signal.SIGKILL)
     return _train_step(self, indices)
 
 
+def dies_when_armed(function):
+    def wrapper(*args, **kwargs):
+        if _armed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
 trainer.Trainer.train_step = train_step_or_die
+if "FT_KILL_IN" in os.environ:
+    name = os.environ["FT_KILL_IN"]
+    setattr(manifest, name, dies_when_armed(getattr(manifest, name)))
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from mingpt import storage, torch_fixes
+from mingpt.distributed import peer_ended
 from mingpt.snapshot import SnapshotError, manifest
 from mingpt.storage import StorageError, reason, storage_errors
 
@@ -296,7 +297,7 @@ def save(
             )
         # One line, on every rank: any error of this rank's too, never lost.
         except Exception as e:
-            raise StorageError(f"cannot save sharded snapshot {directory}: {reason(e)}") from None
+            raise _failure(directory, e) from None
         return directory
 
     if not async_save:
@@ -312,6 +313,15 @@ def save(
     global _pending
     _pending = (_executor.submit(complete), directory)
     return _pending[0]
+
+
+def _failure(directory: str, error: Exception) -> Exception:
+    """What a save that failed in `error` raises: a StorageError, but another rank's end as it is.
+    torchrun stops this rank next; the storage is not at fault, and rank 0 may have published the
+    snapshot already."""
+    if peer_ended(error):
+        return error
+    return StorageError(f"cannot save sharded snapshot {directory}: {reason(error)}")
 
 
 def _publish(
