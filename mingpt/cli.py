@@ -35,7 +35,7 @@ from mingpt.distributed import peer_ended
 from mingpt.run import run
 from mingpt.rundir import RunDirError, check_hydra_settings, shell_override
 from mingpt.snapshot import SnapshotError
-from mingpt.storage import StorageError, reason
+from mingpt.storage import StorageError, atomic_open, reason
 from mingpt.trainer import TrainingError
 
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
@@ -156,6 +156,9 @@ def check_group_overrides(overrides: list[str]) -> None:
 
 register_configs()
 _in_task = False  # an OSError outside a task is Hydra failing to create the run directory
+# The multirun.yaml of an earlier sweep in the directory of the one starting, which Hydra's sweeper
+# writes over before any job is checked: put back if the new sweep is refused.
+_earlier_sweep: bytes | None = None
 
 
 def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list[str]]:
@@ -220,6 +223,8 @@ def compose_checked(
     # composes again, checked there; checking the probe too cost each start 0.4 s.
     if config_name is None or not kwargs.get("validate_sweep_overrides", True):
         return cfg
+    global _earlier_sweep
+    _earlier_sweep = None
     sweep = run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper")
     if not sweep:  # a sweep's jobs are checked each, below
         check_composed(cfg)
@@ -257,18 +262,24 @@ def compose_checked(
                 )
             dirs[where] = num
         HydraConfig.instance().set_config(cfg)
+        record = os.path.join(str(cfg.hydra.sweep.dir), "multirun.yaml")
+        with contextlib.suppress(OSError), open(record, "rb") as f:
+            _earlier_sweep = f.read()
     return cfg
 
 
 def refuse(message: str) -> NoReturn:
     """A refused task leaves no run directory: the one Hydra made for it goes if nothing is in it
     (rundir.Claim takes back a lock file it made), and a sweep's too where the multirun.yaml Hydra
-    wrote is all that is in it (no job of it ran)."""
+    wrote is all that is in it (no job of it ran). An earlier sweep's multirun.yaml is put back."""
     hydra_cfg = HydraConfig.get()
     with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
         os.rmdir(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = hydra_cfg.sweep.dir
+        if _earlier_sweep is not None:
+            with atomic_open(os.path.join(sweep_dir, "multirun.yaml")) as f:
+                f.write(_earlier_sweep)
         with contextlib.suppress(OSError):
             if os.listdir(sweep_dir) == ["multirun.yaml"]:
                 os.remove(os.path.join(sweep_dir, "multirun.yaml"))

@@ -572,3 +572,22 @@ def test_a_directory_in_use_or_of_another_record_under_hydra_run_dir_suggests_an
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr
         assert errors[0].endswith(says) and "run_name" not in errors[0], errors[0]
+
+
+def test_a_refused_sweep_leaves_the_earlier_sweeps_record(workdir, tmp_path):
+    """Hydra's sweeper writes the sweep's multirun.yaml before any job is checked: a sweep refused
+    in the directory of an earlier one replaced that sweep's record of what it ran."""
+    sweep = [
+        *TINY,
+        f"data_config.path={workdir / 'corpus.txt'}",
+        "trainer_config.max_steps=1",
+        "trainer_config.seed=1",
+    ]
+    first = run_main([*sweep, "-m"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = tmp_path / "runs" / "default-multirun" / "multirun.yaml"
+    before = record.read_bytes()
+    refused = run_main([*sweep, "gpt_config.n_embd=48", "-m"], tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "was written with another config" in refused.stderr, refused.stderr[-3000:]
+    assert record.read_bytes() == before
