@@ -239,6 +239,13 @@ def can_package() -> bool:
     return loader is not None and "user_managed" in (loader.load_constants.__doc__ or "")
 
 
+def by_reference(model: GPT) -> bool:
+    """Whether a package can compute with weights given at load time: inductor writes a 1-D tensor
+    of at most 8 elements into the code as numbers (GraphLowering.can_inline_constant), so the step
+    of a model with n_embd <= 8 would keep the weights it was compiled with."""
+    return all(p.dim() != 1 or p.numel() > 8 for p in model.parameters())
+
+
 def package_path(model: GPT, batch_size: int, cache_dtype: torch.dtype | None = None) -> Path:
     """Where the package of model's step for batch_size rows, a cache in cache_dtype (None: the
     parameters'), is kept: a name derived from everything the compiled code depends on. Inductor
@@ -330,10 +337,10 @@ def cached_step(
     model: GPT, cache: KVCache, compile: bool, state: Sequence[torch.Tensor]
 ) -> tuple[Callable, bool]:
     """decode_step over model's step, and whether it is compiled: eager; compiled, on a CPU from its
-    package where this torch makes one (eager, with a warning, where it cannot compile it: no C++
-    compiler, say); else torch.compile'd, updating cache and `state` in place."""
+    package where this torch makes one for the model (eager, with a warning, where it cannot compile
+    it: no C++ compiler, say); else torch.compile'd, updating cache and `state` in place."""
     device = cache.k[0].device
-    if compile and device.type == "cpu" and can_package():
+    if compile and device.type == "cpu" and can_package() and by_reference(model):
         try:
             return functools.partial(decode_step, packaged_step(model, cache)), True
         # inductor's and export's errors are RuntimeErrors; a TypeError, a torch whose loader

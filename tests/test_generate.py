@@ -169,6 +169,29 @@ def test_cache_gives_the_tokens_of_full_recomputation_past_block_size(snapshot, 
     assert model.training  # generate restores the mode it found
 
 
+@pytest.mark.parametrize("n_embd", [8, 16])
+def test_a_package_is_built_only_for_weights_it_takes_at_load_time(n_embd, monkeypatch, caplog):
+    """Inductor writes a 1-D tensor of at most 8 elements into the code: the package of a model with
+    n_embd 8 kept its compile-time weights, and failed to load (a warning, and an eager step).
+    Such a model's step is torch.compile'd instead."""
+    from torch._inductor.graph import GraphLowering
+
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=n_embd, block_size=8, vocab_size=5)
+    model = GPT(config)
+    inlined = any(GraphLowering.can_inline_constant(p) for p in model.parameters())
+    assert decoding.by_reference(model) == (not inlined)
+    assert inlined == (n_embd == 8)
+    packaged = []
+    monkeypatch.setattr(decoding, "can_package", lambda: True)
+    monkeypatch.setattr(decoding, "packaged_step", lambda *a: packaged.append(a) or model.step)
+    monkeypatch.setattr(decoding, "compile_for_decoding", lambda step, device, static: step)
+    cache = KVCache.empty(config, 1, "cpu")
+    with caplog.at_level(logging.WARNING, "mingpt.decoding"):
+        _, compiled = decoding.cached_step(model, cache, True, [])
+    assert compiled and caplog.text == ""
+    assert bool(packaged) == (not inlined)
+
+
 @pytest.mark.skipif(not decoding.can_package(), reason="this torch loads no AOTInductor package")
 def test_a_compiled_cpu_step_is_kept_and_later_runs_load_it(
     snapshot, corpus, one_thread, monkeypatch, caplog, tmp_path
