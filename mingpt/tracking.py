@@ -139,6 +139,9 @@ def _limits(uri: str) -> dict[str, str]:
 class MlflowTracker(Tracker):
     """The run's record in MLflow, through its client (no global active run)."""
 
+    # metric name: the last step that an earlier attempt of the run logged it at
+    logged: Mapping[str, int] = {}
+
     def __init__(self, config: Any, run_dir: str, run_id: str | None, step: int):
         try:
             import mlflow
@@ -196,7 +199,7 @@ class MlflowTracker(Tracker):
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client.get_run(run_id)
+            run = self.client.get_run(run_id)
         except MlflowException:
             log.warning(
                 "MLflow run %s (saved in the snapshot) is not in %s: starting a new MLflow run",
@@ -206,6 +209,12 @@ class MlflowTracker(Tracker):
             return None
         self.client.update_run(run_id, status="RUNNING")
         self.client.set_tag(run_id, "mingpt.resumed_at_step", str(step))
+        # An attempt killed after its snapshot logged steps that this one does again: MLflow cannot
+        # delete values, so those steps are not logged twice (bitwise resume: the same values).
+        self.logged = {
+            key: max(m.step for m in self.client.get_metric_history(run_id, key))
+            for key in run.data.metrics
+        }
         return run_id
 
     def _log_params(self, config: Any, step: int) -> None:
@@ -251,7 +260,7 @@ class MlflowTracker(Tracker):
         metrics = [
             Metric(f"{split}/{key}", float(value), now, step)
             for key, value in values.items()
-            if isinstance(value, (int, float))
+            if isinstance(value, (int, float)) and self.logged.get(f"{split}/{key}", -1) < step
         ]
         if metrics:
             self._call(
