@@ -139,8 +139,8 @@ def _limits(uri: str) -> dict[str, str]:
 class MlflowTracker(Tracker):
     """The run's record in MLflow, through its client (no global active run)."""
 
-    # metric name: the last step that an earlier attempt of the run logged it at
-    logged: Mapping[str, int] = {}
+    # (split/loss, step): the loss an earlier attempt logged after the step this one resumed from
+    redone: Mapping[tuple[str, int], float] = {}
 
     def __init__(self, config: Any, run_dir: str, run_id: str | None, step: int):
         try:
@@ -209,11 +209,15 @@ class MlflowTracker(Tracker):
             return None
         self.client.update_run(run_id, status="RUNNING")
         self.client.set_tag(run_id, "mingpt.resumed_at_step", str(step))
-        # An attempt killed after its snapshot logged steps that this one does again: MLflow cannot
-        # delete values, so those steps are not logged twice (bitwise resume: the same values).
-        self.logged = {
-            key: max(m.step for m in self.client.get_metric_history(run_id, key))
+        # An attempt killed after its snapshot logged steps that this one does again, and MLflow
+        # cannot delete values: an event of the same loss (bitwise resume) is not logged twice; one
+        # of another (another config or number of ranks) is, the later value this run's.
+        self.redone = {
+            (key, m.step): m.value
             for key in run.data.metrics
+            if key.endswith("/loss")
+            for m in self.client.get_metric_history(run_id, key)
+            if m.step > step
         }
         return run_id
 
@@ -256,11 +260,14 @@ class MlflowTracker(Tracker):
     def log(self, split: str, step: int, values: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
 
+        held = self.redone.get((f"{split}/loss", step))
+        if held is not None and held == values.get("loss"):
+            return
         now = int(time.time() * 1000)
         metrics = [
             Metric(f"{split}/{key}", float(value), now, step)
             for key, value in values.items()
-            if isinstance(value, (int, float)) and self.logged.get(f"{split}/{key}", -1) < step
+            if isinstance(value, (int, float))
         ]
         if metrics:
             self._call(

@@ -256,11 +256,14 @@ def test_resumed_runs_continue_one_mlflow_run(tracked, monkeypatch):
     assert store.samples[run_id] == [f"samples/step_{step:07d}.txt" for step in (30, 40)]
 
 
-def test_a_killed_run_resumed_logs_each_step_once(cwd, monkeypatch):
+@pytest.mark.parametrize("change", [[], ["optimizer_config.learning_rate=1e-4"]])
+def test_a_killed_run_resumed_logs_each_step_once(cwd, monkeypatch, change):
     """A run SIGKILLed at step 35 resumes from its snapshot at step 20 and does steps 21 to 35
     again: MLflow cannot delete the values the killed attempt logged for them, so the resumed run
     logs those steps no more (train 25 to 35, eval 30: they were logged twice). Each step is in
-    MLflow once, with the values that metrics.jsonl records (bitwise resume: the same)."""
+    MLflow once, with the values that metrics.jsonl records (bitwise resume: the same). Resumed
+    with another learning rate, those steps' values differ: they are logged again (MLflow kept the
+    killed attempt's alone, not what metrics.jsonl records), MLflow's later value the new one."""
     args = args_for(cwd, "trainer_config.max_steps=50", "trainer_config.save_every_steps=20")
     killed = subprocess.run(
         [sys.executable, str(REPO / "tests" / "ft_kill.py"), *on_cpu(args)],
@@ -276,16 +279,20 @@ def test_a_killed_run_resumed_logs_each_step_once(cwd, monkeypatch):
         timeout=DEADLINE,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = run_main(args, cwd)
+    if change:
+        change = [*change, "trainer_config.allow_config_change=true"]
+    resumed = run_main([*args, *change], cwd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continued at step 20" in resumed.stderr
     store = Store(cwd, monkeypatch)
     history, run_dir = store.history[store.only_run().info.run_id], cwd / "runs" / "t"
-    assert steps_of(history["train/loss"]) == list(range(5, 55, 5))
-    assert steps_of(history["eval/loss"]) == [10, 20, 30, 40, 50]
-    for split in ("train", "eval"):
-        assert same(history[f"{split}/loss"], recorded(run_dir, split))
-    assert same(history["train/grad_norm"], recorded(run_dir, "train", "grad_norm"))
+    again = {"train": [25, 30, 35], "eval": [30]} if change else {"train": [], "eval": []}
+    for split, steps in {"train": range(5, 55, 5), "eval": range(10, 60, 10)}.items():
+        for key in ("loss", "grad_norm") if split == "train" else ("loss",):
+            logged = history[f"{split}/{key}"]
+            assert sorted(steps_of(logged)) == sorted([*steps, *again[split]])
+            last = sorted(dict(logged).items())  # each step's later value (in the order logged)
+            assert same(last, recorded(run_dir, split, key))
 
 
 def test_only_rank_0_logs_under_torchrun(cwd, monkeypatch):
