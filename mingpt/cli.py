@@ -194,8 +194,9 @@ def check_package(cfg: DictConfig) -> None:
         return
     absent = object()
     value = absent
-    # in the part that --cfg prints: job, all but hydra; hydra, hydra alone
-    if args.cfg == "all" or (args.package.split(".")[0] == "hydra") == (args.cfg == "hydra"):
+    # --cfg job prints all but hydra; --cfg hydra, hydra alone; --cfg all, both
+    in_hydra = args.package.split(".")[0] == "hydra"
+    if args.cfg == "all" or in_hydra == (args.cfg == "hydra"):
         value = OmegaConf.select(cfg, args.package, default=absent)
     if value is absent:
         raise ConfigError(
