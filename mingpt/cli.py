@@ -91,6 +91,10 @@ def config_error_line(error: BaseException) -> str:
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+            # a key given without its section (max_epochs=3)
+            meant = [key for key in FIELDS if key.endswith(f".{cause.full_key}")]
+            if meant:
+                line += f" (did you mean {' or '.join(meant)}?)"
             if append and cause.full_key in FIELDS:
                 line += f" (this config has no such key yet: add it with {append.group(1)})"
             if where:
