@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
-from mingpt.command import silence_stdout
+from mingpt.command import silence_stdout, typed
 from mingpt.config import (
     FIELDS,
     Config,
@@ -158,7 +158,18 @@ def check_group_overrides(overrides: list[str]) -> None:
             )
 
 
+def usage() -> str:
+    """--help's first line, with the command as typed: torchrun runs main.py, or with --no-python an
+    installed mingpt-train."""
+    command, launched = "python main.py", "main.py"
+    if typed("train") != command:
+        command, launched = typed("train"), f"--no-python {typed('train')}"
+    args = "[key=value ...]"
+    return f"{command} {args}  (one process; or torchrun [options] {launched} {args})"
+
+
 register_configs()
+OmegaConf.register_new_resolver("mingpt.usage", usage, replace=True)
 _in_task = False  # an OSError outside a task is Hydra failing to create the run directory
 # The multirun.yaml of an earlier sweep in the directory of the one starting, which Hydra's sweeper
 # writes over before any job is checked: put back if the new sweep is refused.

@@ -13,6 +13,17 @@ from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason
 
 
+def typed(tool: str) -> str:
+    """The command of `tool` (train, generate, score, export) as the user types it: an installed
+    mingpt-train has them as mingpt-TOOL (its Python may not be the one `python` runs), a clone as
+    `python main.py` and `python -m mingpt.TOOL`."""
+    if os.path.basename(sys.argv[0]).startswith("mingpt-"):
+        return f"mingpt-{tool}"
+    if tool == "train":
+        return "python main.py"
+    return f"python -m mingpt.{tool}"
+
+
 class OutputError(ValueError):
     """The output cannot be written to stdout (closed, or a full device)."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from mingpt.command import command, parse_args, write
+from mingpt.command import command, parse_args, typed, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
@@ -261,7 +261,7 @@ def run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     command(
-        "python -m mingpt.export src=SRC dst=DST [format=safetensors|hf|snapshot]",
+        f"{typed('export')} src=SRC dst=DST [format=safetensors|hf|snapshot]",
         ExportConfig,
         __doc__,
         run,

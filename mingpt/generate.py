@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from mingpt.command import command, parse_args, write
+from mingpt.command import command, parse_args, typed, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import (
     MIN_TEMPERATURE,
@@ -252,7 +252,7 @@ def run(config: GenerateConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     command(
-        "python -m mingpt.generate [key=value ...]",
+        f"{typed('generate')} [key=value ...]",
         GenerateConfig,
         __doc__,
         lambda argv: run(parse_args(argv, GenerateConfig, TEXT_KEYS)),

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mingpt import finetune, flops
-from mingpt.command import OutputError, silence_stdout, write
+from mingpt.command import OutputError, silence_stdout, typed, write
 from mingpt.config import DEFAULT_DATA_PATH, Config, ConfigError, GPTConfig
 from mingpt.data import CharData, DataError, build_cache, download_corpus, load_data
 from mingpt.distributed import (
@@ -251,7 +251,7 @@ def summary(t: Trainer, final: float | None) -> str:
         stopped = " (stopped early)"
     source = "the best" if best else "it"
     sampled = shell_override("snapshot_path", shown(best or t.snapshot_path), verbatim=True)
-    command = f"python -m mingpt.generate {sampled}"
+    command = f"{typed('generate')} {sampled}"
     return (
         f"done at step {state.step}{stopped}: {', '.join(losses) or 'no held-out loss'} | snapshot "
         f"{shown(t.snapshot_path)} | sample from {source}: {command}"

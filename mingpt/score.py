@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from mingpt import evaluation, token_cache
-from mingpt.command import command, parse_args, write
+from mingpt.command import command, parse_args, typed, write
 from mingpt.config import DataConfig, TrainerConfig, check, check_fields, key
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data
 from mingpt.distributed import DistInfo, pick_device
@@ -171,7 +171,7 @@ def run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     command(
-        "python -m mingpt.score [key=value ...]",
+        f"{typed('score')} [key=value ...]",
         ScoreConfig,
         __doc__,
         run,

@@ -20,6 +20,7 @@ import torch
 
 from mingpt import comm_hooks, evaluation, flops, parallel, stopping, tracking
 from mingpt.checkpointer import Checkpointer, NotFinite
+from mingpt.command import typed
 from mingpt.config import Config, ConfigError, TrainerConfig
 from mingpt.data import CharData, ResumableSampler
 from mingpt.decoding import sample_line
@@ -422,8 +423,8 @@ class Trainer:
                 if last_step and self.dist.is_main_process:
                     score = shell_override("snapshot_path", self.snapshot_path, verbatim=True)
                     log.warning(
-                        "the run ends without its final held-out loss: python -m mingpt.score %s "
-                        "gives it",
+                        "the run ends without its final held-out loss: %s %s gives it",
+                        typed("score"),
                         score,
                     )
                 return math.nan

@@ -142,12 +142,31 @@ def test_example_log_lines_have_the_default_runs_learning_rate():
     "tool,schema",
     [("generate", "GenerateConfig"), ("score", "ScoreConfig"), ("export", "ExportConfig")],
 )
-def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys):
+def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys, monkeypatch):
     module = importlib.import_module(f"mingpt.{tool}")
     module.main(["--help"])
     help = capsys.readouterr().out
     assert help.startswith(f"usage: python -m mingpt.{tool} ")
     assert key_lines(getattr(module, schema)) in help
+    # installed, it is named as typed: its usage said `python -m mingpt.X`
+    monkeypatch.setattr(sys, "argv", [f"/venv/bin/mingpt-{tool}"])
+    module.main(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: mingpt-{tool} ")
+
+
+def test_the_installed_training_commands_help_names_it():
+    """`mingpt-train --help` said `usage: python main.py`, a file an installed copy has not."""
+    script = Path(sys.executable).with_name("mingpt-train")
+    if not script.exists():
+        pytest.skip("mingpt is not installed in this environment")
+    result = subprocess.run(
+        [str(script), "--help"], env=child_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert result.stdout.startswith(
+        "usage: mingpt-train [key=value ...]  (one process; or torchrun [options] --no-python "
+        "mingpt-train [key=value ...])\n"
+    ), result.stdout
 
 
 def main_py_output(*args: str) -> str:
