@@ -174,6 +174,9 @@ _in_task = False  # an OSError outside a task is Hydra failing to create the run
 # The multirun.yaml of an earlier sweep in the directory of the one starting, which Hydra's sweeper
 # writes over before any job is checked: put back if the new sweep is refused.
 _earlier_sweep: bytes | None = None
+# The directories above the run's (a sweep's) that Hydra creates with it (runs/), the deepest first:
+# a refused task takes them back too where they are empty.
+_made_above: list[str] = []
 
 
 def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list[str]]:
@@ -281,13 +284,20 @@ def compose_checked(
         record = os.path.join(str(cfg.hydra.sweep.dir), "multirun.yaml")
         with contextlib.suppress(OSError), open(record, "rb") as f:
             _earlier_sweep = f.read()
+    _made_above.clear()
+    top = cfg.hydra.sweep.dir if run_mode == RunMode.MULTIRUN else cfg.hydra.run.dir
+    parent = os.path.dirname(os.path.abspath(str(top)))
+    while not os.path.exists(parent):
+        _made_above.append(parent)
+        parent = os.path.dirname(parent)
     return cfg
 
 
 def refuse(message: str) -> NoReturn:
     """A refused task leaves no run directory: the one Hydra made for it goes if nothing is in it
     (rundir.Claim takes back a lock file it made), and a sweep's too where the multirun.yaml Hydra
-    wrote is all that is in it (no job of it ran). An earlier sweep's multirun.yaml is put back."""
+    wrote is all that is in it (no job of it ran), with those Hydra made above them (runs/). An
+    earlier sweep's multirun.yaml is put back."""
     hydra_cfg = HydraConfig.get()
     with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
         os.rmdir(hydra_cfg.runtime.output_dir)
@@ -300,6 +310,9 @@ def refuse(message: str) -> NoReturn:
             if os.listdir(sweep_dir) == ["multirun.yaml"]:
                 os.remove(os.path.join(sweep_dir, "multirun.yaml"))
                 os.rmdir(sweep_dir)
+    with contextlib.suppress(OSError):  # not empty: another run's, or gone with another rank's
+        for path in _made_above:
+            os.rmdir(path)
     fail(message)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, RUN_DEADLINE, TINY, child_env, on_cpu, run_each, run_main
+from conftest import REPO, RUN_DEADLINE, TINY, child_env, free_port, on_cpu, run_each, run_main
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -419,6 +419,15 @@ def test_a_file_where_the_default_corpus_directory_should_be_is_one_line(tmp_pat
     proc = run_main(["trainer_config.max_steps=1"], tmp_path)
     one_error_line(proc, "data/input.txt is missing and could not be downloaded", "'data'")
     assert (tmp_path / "data").read_text() == "not a directory\n"
+
+
+def test_a_failed_download_of_the_default_corpus_leaves_nothing_behind(tmp_path):
+    """No network (a proxy that refuses): one line, and no directory of the run's; an empty data/
+    and runs/ were left for the next attempt to find."""
+    proxy = {"https_proxy": f"http://127.0.0.1:{free_port()}", "no_proxy": ""}
+    proc = run_main(["trainer_config.max_steps=1"], tmp_path, env=proxy)
+    one_error_line(proc, "data/input.txt is missing and could not be downloaded")
+    assert not list(tmp_path.iterdir())
 
 
 def test_storage_that_cannot_be_written_is_one_error(tmp_path):
