@@ -208,12 +208,13 @@ def announce(t: Trainer) -> None:
 
 
 def train(trainer: Trainer) -> None:
-    """Train the run to its end, or say that it is complete; print a sample and the closing line."""
-    final = None
+    """Train the run to its end and print a sample, or say that it is complete (no sample: it would
+    be the one its end printed, from the same weights and seed); then the closing line."""
     if trainer.finished():
         log.info("%s", already_complete(trainer))
-    else:
-        final = trainer.train()
+        log.info("%s", summary(trainer, None))
+        return
+    final = trainer.train()
     sample = trainer.sample_for_all()
     if sample is not None:
         try:
