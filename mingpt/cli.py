@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import Container, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
@@ -29,6 +29,7 @@ from mingpt.config import (
     check_known_keys,
     drop_ignored_keys,
     register_configs,
+    value_text,
 )
 from mingpt.data import DataError
 from mingpt.distributed import peer_ended
@@ -205,8 +206,8 @@ def check_composed(cfg: DictConfig) -> None:
 
 
 def check_package(cfg: DictConfig) -> None:
-    """--cfg's package (_global_: all of it): Hydra refuses a missing one, and one whose value is
-    null (printed here), in a line of its own, without `error:`, with exit status 1."""
+    """--cfg's package (_global_: all of it): Hydra refuses a missing one in a line of its own,
+    without `error:`, with exit status 1; one value is printed here."""
     args, _ = get_args_parser().parse_known_args(sys.argv[1:])
     if not args.cfg or args.package in (None, "_global_"):
         return
@@ -220,8 +221,11 @@ def check_package(cfg: DictConfig) -> None:
         raise ConfigError(
             f"--package {args.package}: no such key in the config that --cfg {args.cfg} prints"
         )
-    if value is None:  # as the whole config shows it
-        print("null")
+    # One value, resolved in the whole config, written as in it (null, true): Hydra resolves it in
+    # the part --cfg prints (hydra.run.dir's ${trainer_config.run_name} is outside --cfg hydra's)
+    # and took null for a missing key.
+    if not isinstance(value, Container):
+        print(value_text(value))
         sys.exit(0)
 
 

@@ -390,15 +390,23 @@ def test_every_config_folder_is_a_declared_package_with_its_yaml_files():
     assert all(setuptools["package-data"][name] == ["*.yaml"] for name in folders)
 
 
-def test_cfg_package_prints_a_null_value(tmp_path):
+def test_cfg_package_prints_one_value(tmp_path):
     """`--cfg job -p KEY` prints the value of KEY, null too (Hydra took a null value for a missing
-    key: its line, without `error:`, and exit status 1)."""
+    key: its line, without `error:`, and exit status 1); hydra.run.dir resolved in the whole config
+    (Hydra failed on its ${trainer_config.run_name}, outside the part --cfg hydra prints); a value
+    set only in a run, one error line."""
     cases = [["--cfg", part, "-p", "trainer_config.max_steps"] for part in ("job", "all")]
     cases.append(["--cfg", "job", "-p", "trainer_config.batch_size"])
+    cases.append(["--cfg", "hydra", "-p", "hydra.run.dir"])
+    cases.append(["--cfg", "hydra", "-p", "hydra.sweep.subdir"])  # ${hydra.job.num}
     results = run_each("mingpt.cli", [(tmp_path, argv) for argv in cases])
-    assert [(r.returncode, r.stdout, r.stderr) for r in results] == [
+    assert [(r.returncode, r.stdout, r.stderr) for r in results[:-1]] == [
         (0, "null\n", ""),
         (0, "null\n", ""),
         (0, "12\n", ""),
+        (0, "runs/default\n", ""),
     ]
+    unset = results[-1]
+    assert unset.returncode == 2 and unset.stdout == "", unset.stderr
+    assert unset.stderr.startswith("error: hydra.sweep.subdir: ") and unset.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
