@@ -162,9 +162,10 @@ def check_group_overrides(overrides: list[str]) -> None:
 def usage() -> str:
     """--help's first line, with the command as typed: torchrun runs main.py, or with --no-python an
     installed mingpt-train."""
-    command, launched = "python main.py", "main.py"
-    if typed("train") != command:
-        command, launched = typed("train"), f"--no-python {typed('train')}"
+    command = typed("train")
+    launched = "main.py"
+    if command != "python main.py":  # an installed script: torchrun runs it as it is
+        launched = f"--no-python {command}"
     args = "[key=value ...]"
     return f"{command} {args}  (one process; or torchrun [options] {launched} {args})"
 
