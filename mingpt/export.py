@@ -1,6 +1,6 @@
 """Export a snapshot for other tools (also: mingpt-export).
 
-`python -m mingpt.export SRC DST [--format FORMAT]` is short for `src=SRC dst=DST format=FORMAT`.
+The arguments `SRC DST [--format FORMAT]` are short for `src=SRC dst=DST format=FORMAT`.
 safetensors: DST a directory of model.safetensors (the float32 weights under the model's own names),
 config.json (the GPTConfig) and vocab.json (each character's token id); hf: a directory that
 transformers' GPT2LMHeadModel.from_pretrained(DST) loads; snapshot: one snapshot file (local path or
