@@ -83,7 +83,7 @@ class Checkpointer:
         self.tracker_run_id: str | None = None
         # The comm hook's state from load: {name, world_size, state: this rank's own}.
         self.comm_state: dict[str, Any] | None = None
-        self.saved_step: int | None = None  # of the last snapshot written or loaded
+        self.saved_meta: dict[str, Any] = {}  # the record of the last snapshot written or loaded
         self.last_save = time.monotonic()
         self.notice = SlowNotice()
 
@@ -124,7 +124,7 @@ class Checkpointer:
         if isinstance(about, dict):
             self.comm_state = {**about, "state": own}
         self.tracker_run_id = meta.get("tracker_run_id")
-        self.saved_step = meta["step"]
+        self.saved_meta = meta
         log.info(
             "resumed from %s: epoch %d, %d samples into it, step %d",
             self.root,
@@ -219,8 +219,10 @@ class Checkpointer:
         return all_max(self.dist, [stopping.stop_requested(), on_time])
 
     def _save(self, state: Any) -> None:
-        """A snapshot at `state`'s step (once per step), never of non-finite weights."""
-        if self.saved_step == state.step:
+        """A snapshot at `state`'s step (once per step, unless the position changed: an evaluation
+        that a stop cut short, done on resume), never of non-finite weights."""
+        position = dataclasses.asdict(state)
+        if all(self.saved_meta.get(name) == value for name, value in position.items()):
             return
         start = time.monotonic()
         if self.notice.slow:
@@ -247,7 +249,7 @@ class Checkpointer:
             own=own,
             lowest_rank=self.comm.replicas_differ,
         )
-        self.saved_step = state.step
+        self.saved_meta = meta
         self.last_save = time.monotonic()
         seconds = self.last_save - start
         self.notice.took(seconds)
@@ -265,14 +267,14 @@ class Checkpointer:
         best = best_path(self.root)
         # Also kept: the best weights that a resume from the latest snapshot would fall back to,
         # once it has removed the later ones (_forget_later_best). The save waits for the snapshot
-        # in flight first: saved_step's is published by then.
+        # in flight first: the last saved is published by then.
         sharded.save(
             {"model": model_state},
             self._meta(state),
             best,
             state.step,
             keep=1,
-            also_keep_at_or_before=self.saved_step,
+            also_keep_at_or_before=self.saved_meta.get("step"),
             async_save=False,
         )
         log.info(
@@ -315,6 +317,6 @@ class Checkpointer:
 
     def kept(self) -> str:
         """What is left to resume from, truthfully."""
-        if self.saved_step is None:
+        if "step" not in self.saved_meta:
             return f"no snapshot was written yet ({self.root})"
-        return f"the last good snapshot is kept at {self.root}, step {self.saved_step}"
+        return f"the last good snapshot is kept at {self.root}, step {self.saved_meta['step']}"

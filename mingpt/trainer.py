@@ -20,7 +20,6 @@ import torch
 
 from mingpt import comm_hooks, evaluation, flops, parallel, stopping, tracking
 from mingpt.checkpointer import Checkpointer, NotFinite
-from mingpt.command import typed
 from mingpt.config import Config, ConfigError, TrainerConfig
 from mingpt.data import CharData, ResumableSampler
 from mingpt.decoding import sample_line
@@ -29,7 +28,6 @@ from mingpt.evaluation import Evaluator
 from mingpt.metrics import Metrics, Pace, SlowNotice
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, set_lr
-from mingpt.rundir import shell_override
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +47,9 @@ class TrainState:
     best_step: int = 0  # the step of the evaluation that gave best_eval_loss
     evals_without_improvement: int = 0  # in a row, by early_stop_min_delta: early stopping's count
     stopped_early: bool = False  # early stopping ended the run here
+    # A stop signal cut short the evaluation of this step's weights: the resumed run does it first,
+    # so that its loss, best weights and early stopping are the uninterrupted run's.
+    eval_due: bool = False
 
     @classmethod
     def restored(cls, saved: dict | None) -> "TrainState":
@@ -220,7 +221,9 @@ class Trainer:
         self.pace = Pace(step_tokens * W, flops_per_token, peak, self.state.step)
 
     def finished(self) -> bool:
-        """Out of steps (or epochs), or stopped early."""
+        """Out of steps (or epochs), or stopped early, with no evaluation left to do."""
+        if self.state.eval_due:
+            return False
         return self.state.step >= self.total_steps or self.evaluator.stopped_early(self.state)
 
     def train(self) -> float:
@@ -231,7 +234,11 @@ class Trainer:
         status = "FAILED"  # how the run ended, for the experiment tracker
         try:
             with stopping.graceful(), self._profiler() as profiler:
-                while True:
+                last_step = state.step >= self.total_steps
+                # The evaluation of the step resumed from, which a stop cut short, comes first.
+                if state.eval_due:
+                    last_step = self._after_step(True, last_step, epoch_ended=False)
+                while not last_step:
                     # One optimizer step over this rank's share of the next global batch.
                     indices = next(batches)
                     loss, grad_norm, lr = self.train_step(indices)
@@ -241,19 +248,9 @@ class Trainer:
                     self.metrics.show_progress(state.step, self.total_steps)
                     if last_step or state.step % self.cfg.log_every == 0:
                         self._log_train(loss, grad_norm, lr)
-                    # Evaluation and saving are not training: the pace leaves them out.
-                    with self.pace.paused():
-                        if last_step or self.evaluator.due(state.step, epoch_ended):
-                            self.evaluate(last_step)
-                        # An early stop makes this step the last.
-                        last_step = last_step or self.evaluator.stopped_early(state)
-                        # The checkpointer decides whether a snapshot is due, and stops the run on a
-                        # stop signal.
-                        with self._weights_finite():
-                            self.checkpointer.save(state, last_step, epoch_ended)
+                    evaluate = last_step or self.evaluator.due(state.step, epoch_ended)
+                    last_step = self._after_step(evaluate, last_step, epoch_ended)
                     profiler.step()
-                    if last_step:
-                        break
             status = "FINISHED"
             return self.evaluator.last
         except stopping.Stopped:
@@ -264,6 +261,20 @@ class Trainer:
             raise
         finally:
             self.metrics.close(status)
+
+    def _after_step(self, evaluate: bool, last_step: bool, epoch_ended: bool) -> bool:
+        """Evaluate (where due) and save (where the checkpointer finds it due, and on a stop
+        signal, which stops the run); returns whether the run ends at this step: an early stop
+        ends it too. They are not training: the pace leaves them out."""
+        state = self.state
+        with self.pace.paused():
+            if evaluate:
+                self.evaluate(last_step)
+            last_step = last_step or self.evaluator.stopped_early(state)
+            # An evaluation that a stop cut short leaves the run to do: its end is not reached.
+            with self._weights_finite():
+                self.checkpointer.save(state, last_step and not state.eval_due, epoch_ended)
+        return last_step
 
     def _profiler(self) -> contextlib.AbstractContextManager:
         """With profile_steps, torch.profiler over that many steps after one of warm-up, each rank's
@@ -415,18 +426,12 @@ class Trainer:
                 lockstep=self.fsdp,
                 stop_requested=self._stop_check(),
             )
+            state.eval_due = result.interrupted
             if result.interrupted:
                 log.info(
-                    "evaluation at step %d interrupted by a stop signal: not recorded", state.step
+                    "evaluation at step %d interrupted by a stop signal: the resumed run does it",
+                    state.step,
                 )
-                # the run is complete: nothing will evaluate these weights but a command
-                if last_step and self.dist.is_main_process:
-                    score = shell_override("snapshot_path", self.snapshot_path, verbatim=True)
-                    log.warning(
-                        "the run ends without its final held-out loss: %s %s gives it",
-                        typed("score"),
-                        score,
-                    )
                 return math.nan
             # The weights of the last update are not finite: no log, no sample.
             if not math.isfinite(result.loss):

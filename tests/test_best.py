@@ -174,39 +174,58 @@ def test_a_crash_after_a_later_best_leaves_the_best_that_a_resume_falls_back_to(
     assert manifest.step_of(manifest.latest(str(best_root))) == resumed.state.best_step
 
 
-def test_an_evaluation_cut_by_a_stop_writes_no_best(
+def test_an_evaluation_cut_by_a_stop_is_done_by_the_resumed_run(
     tmp_path, small_corpus, monkeypatch, one_thread
 ):
-    trainer = make_trainer(tmp_path, small_corpus, *BUMPY, "trainer_config.max_steps=40")
+    """A stop during the evaluation at step 12 writes no best (the evaluation has no loss); the
+    resumed run does that evaluation before its next step, so that its losses and best weights are
+    the uninterrupted run's (the best was at step 12: it was lost, and step 4's kept)."""
+    args = [*BUMPY, "trainer_config.max_steps=16"]
+    reference = make_trainer(tmp_path / "ref", small_corpus, *args)
+    reference.train()
+    trainer = make_trainer(tmp_path / "run", small_corpus, *args)
     monkeypatch.setattr(
-        stopping, "stop_requested", lambda: signal.SIGTERM if trainer.state.step >= 4 else 0
+        stopping, "stop_requested", lambda: signal.SIGTERM if trainer.state.step >= 12 else 0
     )
     with pytest.raises(stopping.Stopped):
         trainer.train()
-    assert trainer.state.step == 4 and trainer.state.best_step == 0
-    assert not (tmp_path / "snapshots-best").exists()
+    assert trainer.state.step == 12 and trainer.state.best_step == 4
+    monkeypatch.undo()
+    resumed = make_trainer(tmp_path / "run", small_corpus, *args)
+    assert resumed.state.eval_due and not resumed.finished()
+    resumed.train()
+    assert eval_losses(tmp_path / "run") == eval_losses(tmp_path / "ref")
+    best = read_snapshot(tmp_path / "run" / "snapshots-best")
+    expected = read_snapshot(tmp_path / "ref" / "snapshots-best")
+    # the test means something: the evaluation cut short was the best
+    assert best["best_step"] == expected["best_step"] == 12
+    assert same_tensors(best["model_state"], expected["model_state"])
 
 
-def test_a_stop_in_the_final_evaluation_says_the_run_is_complete_and_how_to_score_it(
-    tmp_path, small_corpus, monkeypatch, caplog, one_thread
+def test_a_stop_in_the_final_evaluation_leaves_it_to_the_resumed_run(
+    tmp_path, small_corpus, monkeypatch, one_thread
 ):
-    """At the last step there is nothing to resume: the stop's line says the run is complete (it
-    said the same command resumes it, which then found it complete), and a warning gives the
-    command for the held-out loss it ends without."""
-    trainer = make_trainer(tmp_path, small_corpus, *BUMPY, "trainer_config.max_steps=6")
+    """At the last step, the stop's line says the same command resumes the run: the resumed run
+    evaluates the last step's weights and ends there, and the command after that finds the run
+    complete."""
+    args = [*BUMPY, "trainer_config.max_steps=6"]
+    trainer = make_trainer(tmp_path, small_corpus, *args)
     monkeypatch.setattr(
         stopping, "stop_requested", lambda: signal.SIGTERM if trainer.state.step >= 6 else 0
     )
     with pytest.raises(stopping.Stopped) as stopped:
         trainer.train()
     assert str(stopped.value) == (
-        f"stopped by SIGTERM at step 6; the run is complete and saved in {tmp_path / 'snapshots'} "
-        "(SIGTERM, exit status 143)"
+        f"stopped by SIGTERM at step 6; the run is saved in {tmp_path / 'snapshots'} and the same "
+        "command resumes it (SIGTERM, exit status 143)"
     )
-    root = tmp_path / "snapshots"
-    assert f"without its final held-out loss: python -m mingpt.score snapshot_path={root}" in (
-        caplog.text
-    )
+    monkeypatch.undo()
+    resumed = make_trainer(tmp_path, small_corpus, *args)
+    assert not resumed.finished()
+    final = resumed.train()
+    assert resumed.state.step == 6 and eval_losses(tmp_path)[6] == final
+    again = make_trainer(tmp_path, small_corpus, *args)
+    assert again.finished() and not again.state.eval_due and again.state.step == 6
 
 
 def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog, one_thread):

@@ -272,7 +272,7 @@ def test_ctrl_c_outside_training_exits_at_once(runs, moment):
 
 @pytest.mark.parametrize("moment", ["eval", "save"])
 def test_ctrl_c_during_training_saves_and_stops(runs, moment):
-    """During the evaluation at step 5 (dropped: not recorded) the run stops at
+    """During the evaluation at step 5 (left to the resumed run) the run stops at
     step 5; during the save at step 5, after step 6 (the next step boundary)."""
     status, stderr, run_dir = runs[moment]
     step = 5 if moment == "eval" else 6
@@ -283,7 +283,9 @@ def test_ctrl_c_during_training_saves_and_stops(runs, moment):
     assert "Traceback" not in stderr and f"train step {step + 1} " not in stderr  # it did not go on
     assert read_snapshot(run_dir / "snapshots")["step"] == step
     if moment == "eval":
-        assert "evaluation at step 5 interrupted by a stop signal: not recorded" in stderr
+        assert (
+            "evaluation at step 5 interrupted by a stop signal: the resumed run does it" in stderr
+        )
         assert "eval step" not in stderr
 
 

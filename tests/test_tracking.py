@@ -242,9 +242,9 @@ def test_resumed_runs_continue_one_mlflow_run(tracked, monkeypatch):
     history = store.history[run_id]
     # The first run had no tracker: its steps are in metrics.jsonl only.
     assert steps_of(history["train/loss"]) == [15, 20, 25, 30, 35, 40]
-    # The evaluation at step 20 was cut short by the stop (not recorded anywhere).
+    # The evaluation at step 20, which the stop cut short, was done by the resumed run.
     assert same(history["eval/loss"], [e for e in recorded(run_dir, "eval") if e[0] > 10])
-    assert steps_of(history["eval/loss"]) == [30, 40]
+    assert steps_of(history["eval/loss"]) == [20, 30, 40]
     assert same(history["train/loss"], recorded(run_dir, "train")[2:])
     # MLflow's params cannot change: the new max_steps is logged beside the first.
     params = run.data.params
@@ -253,7 +253,7 @@ def test_resumed_runs_continue_one_mlflow_run(tracked, monkeypatch):
         and params["trainer_config.max_steps:step20"] == "40"
     )
     assert run.data.tags["mingpt.resumed_at_step"] == "20"
-    assert store.samples[run_id] == [f"samples/step_{step:07d}.txt" for step in (30, 40)]
+    assert store.samples[run_id] == [f"samples/step_{step:07d}.txt" for step in (20, 30, 40)]
 
 
 @pytest.mark.parametrize("change", [[], ["optimizer_config.learning_rate=1e-4"]])
