@@ -99,10 +99,10 @@ def test_a_store_that_stops_answering_fails_the_run_at_start(stoppable, tmp_path
     env = {
         **CREDENTIALS,
         "AWS_ENDPOINT_URL": endpoint,
-        "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 1}}',
+        "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 0.2}}',
     }
     args = [*TINY, "trainer_config.max_steps=1", "trainer_config.snapshot_path=s3://runs/r1"]
-    # about 25 s: s3fs's 5 tries of botocore's 3, each a 1 s timeout and a back-off
+    # about 15 s: s3fs's 5 tries of botocore's 3, each a 0.2 s timeout and a back-off (most of it)
     proc = run_main(args, tmp_path, env=env)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: cannot write to the snapshot path s3://runs/r1: Read ")
