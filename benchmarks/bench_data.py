@@ -25,6 +25,7 @@ beside the time of a nano model's training step on such a batch.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import resource
@@ -98,6 +99,13 @@ OPTIONS.add_argument(
     help="--gather: training steps timed per batch shape, the first a warm-up (at least 2)",
 )
 OPTIONS.add_argument(
+    "--blocks",
+    type=positive,
+    nargs="+",
+    default=[64, 1024],
+    help="--gather: the block sizes timed, each with batches of 12 and 64",
+)
+OPTIONS.add_argument(
     "--dir",
     type=writable_dir,
     help="where the corpus and cache go (default: a temporary directory, removed)",
@@ -166,7 +174,9 @@ def worker(corpus: str, cache_dir: str, t0: float) -> None:
         os.write(sys.stdout.fileno(), (json.dumps(figures) + "\n").encode())
 
 
-def gather_costs(corpus: str, cache_dir: str, repeats: int, n_steps: int) -> None:
+def gather_costs(
+    corpus: str, cache_dir: str, repeats: int, n_steps: int, blocks: list[int]
+) -> None:
     """Microseconds to read a batch of random windows from the cache file (pread) and through the
     memory map, alternating, and a nano model's training step on such a batch (the page cache warm:
     the cache was just built or verified, which reads it whole)."""
@@ -187,7 +197,7 @@ def gather_costs(corpus: str, cache_dir: str, repeats: int, n_steps: int) -> Non
     )
     print("|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
-    for batch_size, block in ((12, 64), (64, 64), (12, 1024), (64, 1024)):
+    for block, batch_size in itertools.product(blocks, (12, 64)):
         windows = TokenWindows(cache.tokens, block, 1)  # a window at every position
         host = HostBatches(windows, cache, torch.device("cpu"))
         reads = {"pread": host.batch, "map": windows.batch}
@@ -272,7 +282,9 @@ def main() -> None:
             f"CPU, {STEPS} steps"
         )
         if args.gather:
-            gather_costs(corpus, os.path.join(work, "cache-1"), args.repeats, args.steps)
+            gather_costs(
+                corpus, os.path.join(work, "cache-1"), args.repeats, args.steps, args.blocks
+            )
             return
         print(machine(threads=1))
         cases(corpus, work, args.nproc, bool(args.corpus))

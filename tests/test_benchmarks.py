@@ -33,8 +33,11 @@ SMOKE = {
         (1, ["--size-mb", "1", "--nproc", "1", "--dir", "TMP"], "| 1 | warm |"),
         (
             1,
-            ["--size-mb", "1", "--gather", "--repeats", "4", "--steps", "2", "--dir", "TMP"],
-            "| 64 x 1024 |",
+            [
+                *("--size-mb", "1", "--gather", "--repeats", "4", "--steps", "2", "--blocks", "64"),
+                *("--dir", "TMP"),
+            ],
+            "| 64 x 64 |",
         ),
     ],
     "bench_generate.py": [
@@ -111,6 +114,7 @@ REFUSED = {
     "bench_data.py": [
         (["--size-mb", "1", "--nproc", "0"], "argument --nproc: expected a number >= 1, got 0"),
         (["--size-mb", "-1"], "argument --size-mb: expected a number >= 1, got -1"),
+        (["--gather", "--blocks", "0"], "argument --blocks: expected a number >= 1, got 0"),
         (["--gather", "--steps", "1"], "argument --steps: expected a number >= 2, got 1"),
         (["--corpus", "TMP/none.txt"], "argument --corpus: TMP/none.txt: no such file"),
         (["--dir", "DATA"], "argument --dir: DATA: not a directory"),
