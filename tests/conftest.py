@@ -318,6 +318,10 @@ def run_each(
     ]
 
 
+# A run_each case's `python -c` code: a copy of directory ARGV[1] at ARGV[2].
+COPY = "import shutil, sys\nshutil.copytree(sys.argv[1], sys.argv[2])\n"
+
+
 def run_dir_of(cwd: Path, args: list[str]) -> Path:
     """The run directory `python main.py ARGS` started in `cwd` uses: Hydra's
     hydra.run.dir composed from ARGS (runs/<run_name>, whatever the other values)."""
@@ -435,6 +439,7 @@ def environment_unchanged(request):
 
 
 __all__ = [
+    "COPY",
     "CPU",
     "REPO",
     "TINY",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    COPY,
     REPO,
     TINY,
     child_env,
@@ -169,9 +170,6 @@ def test_identical_invocation_finds_the_finished_run(first_run, refused):
 
 
 # Copies a directory, between two commands of one run_each process.
-COPY = "import shutil, sys\nshutil.copytree(sys.argv[1], sys.argv[2])\n"
-
-
 def longer(workdir: Path, copy: Path) -> list[str]:
     return args(workdir, "trainer_config.max_epochs=3", f"hydra.run.dir={copy}")
 

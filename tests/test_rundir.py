@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    COPY,
     REPO,
     RUN_DEADLINE,
     TINY,
@@ -554,9 +555,10 @@ def test_a_directory_in_use_or_of_another_record_under_hydra_run_dir_suggests_an
     (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], "utf-8")
     mine = tmp_path / "mine"
     argv = args("trainer_config.max_steps=2", f"hydra.run.dir={mine}")
-    assert run_main(argv, tmp_path).returncode == 0
     elsewhere = [*argv, f"trainer_config.snapshot_path={tmp_path / 'elsewhere'}"]
-    (record,) = run_each("mingpt.cli", [(tmp_path, on_cpu(elsewhere))])
+    # the run, then the refusal, in one process
+    run, record = run_each("mingpt.cli", [(tmp_path, on_cpu(argv)), (tmp_path, on_cpu(elsewhere))])
+    assert run.returncode == 0, run.stderr[-3000:]
     lock = os.open(mine / "run.lock", os.O_RDWR)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a job that holds the directory
@@ -583,11 +585,20 @@ def test_a_refused_sweep_leaves_the_earlier_sweeps_record(workdir, tmp_path):
         "trainer_config.max_steps=1",
         "trainer_config.seed=1",
     ]
-    first = run_main([*sweep, "-m"], tmp_path)
+    sweep_dir = tmp_path / "runs" / "default-multirun"
+    before = tmp_path / "before"
+    # One process for the two sweeps, a python -c copy of the first's directory between them (each
+    # start is mostly importing torch).
+    first, copied, refused = run_each(
+        "mingpt.cli",
+        [
+            (tmp_path, on_cpu([*sweep, "-m"])),
+            (tmp_path, [COPY, str(sweep_dir), str(before)], "-c"),
+            (tmp_path, on_cpu([*sweep, "gpt_config.n_embd=48", "-m"])),
+        ],
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    record = tmp_path / "runs" / "default-multirun" / "multirun.yaml"
-    before = record.read_bytes()
-    refused = run_main([*sweep, "gpt_config.n_embd=48", "-m"], tmp_path)
+    assert copied.returncode == 0, copied.stderr[-3000:]
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "was written with another config" in refused.stderr, refused.stderr[-3000:]
-    assert record.read_bytes() == before
+    assert (sweep_dir / "multirun.yaml").read_bytes() == (before / "multirun.yaml").read_bytes()

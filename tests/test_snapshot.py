@@ -26,6 +26,7 @@ import fsspec
 import pytest
 import torch
 from conftest import (
+    COPY,
     REPO,
     RUN_DEADLINE,
     TINY,
@@ -269,9 +270,6 @@ def good_snapshot(refused_at_start):
 
 
 # Copies a directory, between two commands of one run_each process.
-COPY = "import shutil, sys\nshutil.copytree(sys.argv[1], sys.argv[2])\n"
-
-
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_a_corpus_that_grew_since_the_snapshot_is_refused_naming_it(
     tmp_path, small_corpus, caplog, one_thread, parallelism
