@@ -95,7 +95,14 @@ class Pace:
 
 
 class Metrics:
-    def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, tracker: Tracker = OFF):
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        resume_step: int = 0,
+        tracker: Tracker = OFF,
+        eval_due: bool = False,
+    ):
         self.enabled = enabled
         self.tracker = tracker
         self.run_dir = run_dir
@@ -113,9 +120,14 @@ class Metrics:
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         # The events a killed run logged after the snapshot it resumes from go; TensorBoard hides
-        # its own (purge_step).
+        # its own (purge_step). With `eval_due` the snapshot's step is evaluated again: an
+        # evaluation of it that a killed run logged goes too.
         found = list(events(path))
-        keep = [line for line, record in found if record["step"] <= resume_step]
+        keep = []
+        for line, record in found:
+            redone = eval_due and record["step"] == resume_step and record["split"] == "eval"
+            if record["step"] <= resume_step and not redone:
+                keep.append(line)
         if resume_step == 0 and found:
             _set_aside(path)
         with open(path, "wb") as f:

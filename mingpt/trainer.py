@@ -211,7 +211,9 @@ class Trainer:
         )
         if tracker.run_id:
             self.checkpointer.tracker_run_id = tracker.run_id
-        self.metrics = Metrics(run_dir, dist_info.is_main_process, self.state.step, tracker)
+        self.metrics = Metrics(
+            run_dir, dist_info.is_main_process, self.state.step, tracker, self.state.eval_due
+        )
         block = self.train_windows.block_size
         step_tokens = self.samples_per_step * block
         flops_per_token = flops.flops_per_token(self.raw_model)

@@ -43,6 +43,11 @@ def eval_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["split"] == "eval"}
 
 
+def logged(run_dir) -> list[tuple[str, int, float]]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [(r["split"], r["step"], r["loss"]) for r in records]
+
+
 def test_best_weights_survive_a_stop_and_resume(
     tmp_path, small_corpus, monkeypatch, caplog, one_thread
 ):
@@ -179,7 +184,8 @@ def test_an_evaluation_cut_by_a_stop_is_done_by_the_resumed_run(
 ):
     """A stop during the evaluation at step 12 writes no best (the evaluation has no loss); the
     resumed run does that evaluation before its next step, so that its losses and best weights are
-    the uninterrupted run's (the best was at step 12: it was lost, and step 4's kept)."""
+    the uninterrupted run's (the best was at step 12: it was lost, and step 4's kept), logged once
+    when a crash after it leaves it to the next resume."""
     args = [*BUMPY, "trainer_config.max_steps=16"]
     reference = make_trainer(tmp_path / "ref", small_corpus, *args)
     reference.train()
@@ -191,10 +197,17 @@ def test_an_evaluation_cut_by_a_stop_is_done_by_the_resumed_run(
         trainer.train()
     assert trainer.state.step == 12 and trainer.state.best_step == 4
     monkeypatch.undo()
+    # A crash after that evaluation, before the next snapshot: the next resume does it again, and
+    # the crashed attempt's event of it goes.
+    crashed = make_trainer(tmp_path / "run", small_corpus, *args)
+    monkeypatch.setattr(crashed, "train_step", lambda indices: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        crashed.train()
+    assert eval_losses(tmp_path / "run")[12] == eval_losses(tmp_path / "ref")[12]
     resumed = make_trainer(tmp_path / "run", small_corpus, *args)
     assert resumed.state.eval_due and not resumed.finished()
     resumed.train()
-    assert eval_losses(tmp_path / "run") == eval_losses(tmp_path / "ref")
+    assert logged(tmp_path / "run") == logged(tmp_path / "ref")
     best = read_snapshot(tmp_path / "run" / "snapshots-best")
     expected = read_snapshot(tmp_path / "ref" / "snapshots-best")
     # the test means something: the evaluation cut short was the best
