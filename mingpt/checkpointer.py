@@ -98,7 +98,7 @@ class Checkpointer:
             start = manifest.step_of(newest)
         compat.check_same_start(self.dist, start, self.root)
         if newest is None:
-            self._forget_later_best(0)
+            self._forget_later_best(None)
             return None
         # The layout to load into: this run's shards and parameter names.
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
@@ -132,19 +132,20 @@ class Checkpointer:
             meta["samples_in_epoch"],
             meta["step"],
         )
-        self._forget_later_best(meta["step"])
+        self._forget_later_best(self._evaluated_step())
         return meta
 
-    def _forget_later_best(self, start: int) -> None:
-        """Best weights saved after the step the run starts from are not this run's, and pruning
-        would keep them over its own (the highest step stays). Resuming, they are an attempt's that
-        stopped before its next snapshot, and the replayed steps evaluate again: removed, as
-        metrics.jsonl is cut back. Starting afresh, they may be all that is left of a model whose
-        snapshots were deleted: moved aside, not removed. Once nothing can refuse the run."""
+    def _forget_later_best(self, evaluated: int | None) -> None:
+        """Best weights saved after the last step evaluated by the snapshot the run starts from
+        (None: it starts afresh) are not this run's, and pruning would keep them over its own (the
+        highest step stays). Resuming, they are an attempt's that stopped before its next snapshot,
+        and the replayed steps evaluate again: removed, as metrics.jsonl is cut back. Starting
+        afresh, they may be all that is left of a model whose snapshots were deleted: moved aside,
+        not removed. Once nothing can refuse the run."""
         if not self.dist.is_main_process:
             return
         best = best_path(self.root)
-        if start == 0:
+        if evaluated is None:
             if manifest.latest(best) is None:
                 return
             aside = manifest.set_aside(best)
@@ -156,15 +157,22 @@ class Checkpointer:
                     aside,
                 )
             return
-        removed = manifest.remove_after(best, start)
+        removed = manifest.remove_after(best, evaluated)
         if removed:
             log.info(
                 "removed %s from %s: best weights of an attempt that stopped before its next "
                 "snapshot; this run resumes from step %d",
                 ", ".join(removed),
                 best,
-                start,
+                self.saved_meta["step"],
             )
+
+    def _evaluated_step(self) -> int | None:
+        """The last step whose evaluation the last snapshot written or loaded accounts for: its own,
+        unless a stop cut that short (eval_due: the resumed run does it); None before the first."""
+        if "step" not in self.saved_meta:
+            return None
+        return self.saved_meta["step"] - int(self.saved_meta.get("eval_due", False))
 
     def save(self, state: Any, last_step: bool, epoch_ended: bool) -> None:
         """After every step, on every rank: save `state` (the trainer's TrainState) if a snapshot is
@@ -274,7 +282,7 @@ class Checkpointer:
             best,
             state.step,
             keep=1,
-            also_keep_at_or_before=self.saved_meta.get("step"),
+            also_keep_at_or_before=self._evaluated_step(),
             async_save=False,
         )
         log.info(

@@ -206,6 +206,10 @@ def test_an_evaluation_cut_by_a_stop_is_done_by_the_resumed_run(
     assert eval_losses(tmp_path / "run")[12] == eval_losses(tmp_path / "ref")[12]
     resumed = make_trainer(tmp_path / "run", small_corpus, *args)
     assert resumed.state.eval_due and not resumed.finished()
+    # The crashed attempt's best weights of step 12 went too: the newest, they stood for the run's
+    # best, step 4's.
+    best_root = str(tmp_path / "run" / "snapshots-best")
+    assert manifest.step_of(manifest.latest(best_root)) == resumed.state.best_step == 4
     resumed.train()
     assert logged(tmp_path / "run") == logged(tmp_path / "ref")
     best = read_snapshot(tmp_path / "run" / "snapshots-best")
