@@ -239,7 +239,9 @@ class Trainer:
                 last_step = state.step >= self.total_steps
                 # The evaluation of the step resumed from, which a stop cut short, comes first.
                 if state.eval_due:
-                    last_step = self._after_step(True, last_step, epoch_ended=False)
+                    last_step = self._after_step(
+                        evaluate=True, last_step=last_step, epoch_ended=False
+                    )
                 while not last_step:
                     # One optimizer step over this rank's share of the next global batch.
                     indices = next(batches)
