@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mingpt import storage
+from mingpt.config import SECTIONS
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
@@ -21,14 +22,9 @@ REQUIRED_KEYS = ("model_state", "gpt_config", "vocab", *COUNTS)
 # What each field must be: (accepted types, in words).
 FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "model_state": ((dict,), "a mapping of names to tensors"),
-    "optimizer_state": ((dict,), "a mapping"),
-    "gpt_config": ((dict,), "a mapping"),
-    **{
-        key: ((dict,), "a mapping") for key in ("optimizer_config", "data_config", "trainer_config")
-    },
+    **{key: ((dict,), "a mapping") for key in ("optimizer_state", *SECTIONS, "scaler_state")},
     "vocab": ((str,), "a string"),
     **{key: ((int,), "a whole number >= 0") for key in COUNTS},
-    "scaler_state": ((dict,), "a mapping"),
     "best_eval_loss": ((float, int), "a number"),
 }
 
