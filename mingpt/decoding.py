@@ -471,9 +471,9 @@ def sample_line(
     stop_requested: Callable[[], int] | None,
     cache_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """n_chars of text after the start of a line, seeded by `seed`; None once `stop_requested()`,
-    asked every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks agree). The cache is
-    kept in `cache_dtype` (generate's)."""
+    """n_chars (>= 1) of text after the start of a line, seeded by `seed`; None once
+    `stop_requested()`, asked every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks
+    agree). The cache is kept in `cache_dtype` (generate's)."""
     device = next(model.parameters()).device
     prompt = tokenizer.line_start()
     tokens = []
@@ -493,6 +493,4 @@ def sample_line(
             if stop_requested is not None and stop_requested():
                 return None
             tokens.append(chunk)
-    if not tokens:
-        return prompt
     return prompt + tokenizer.decode(torch.cat(tokens, dim=1)[0].tolist())
