@@ -39,8 +39,9 @@ class KVCache:
         tensor: one token there, and the first `filled` positions, or else the whole cache
         (`visible` says which positions count)."""
         if pos is None:
-            self.k[layer].index_copy_(2, self.positions[0, : k.size(2)], k)
-            self.v[layer].index_copy_(2, self.positions[0, : v.size(2)], v)
+            T = k.size(2)
+            self.k[layer][:, :, :T] = k
+            self.v[layer][:, :, :T] = v
             return k, v
         self.k[layer].index_copy_(2, pos, k)
         self.v[layer].index_copy_(2, pos, v)
