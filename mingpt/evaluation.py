@@ -29,6 +29,14 @@ class EvalResult:
     tokens: int
     interrupted: bool  # some rank saw a stop request and left early: the result is not recorded
 
+    @property
+    def bpc(self) -> float:  # bits per character
+        return self.loss / math.log(2)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
 
 def chosen_windows(n_windows: int, block_size: int, eval_tokens: int) -> torch.Tensor:
     """The held-out windows evaluated: all (eval_tokens 0), or at most eval_tokens' worth spread

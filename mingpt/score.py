@@ -4,7 +4,6 @@ A file, or the run's held-out split exactly as the run evaluated it, in non-over
 block_size, each predicted from its own start, in float32 (docs/generation.md)."""
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -51,19 +50,9 @@ class TextError(ValueError):
 
 
 @dataclass(frozen=True)
-class Score:
-    loss: float  # mean cross-entropy per scored character, in nats
-    tokens: int  # characters scored (the targets of the windows)
+class Score(evaluation.EvalResult):  # loss per scored character, in nats; tokens: those scored
     source: str  # what was scored, in words
     step: int  # the snapshot's step
-
-    @property
-    def bpc(self) -> float:
-        return self.loss / math.log(2)
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.loss)
 
 
 def heldout_windows(
@@ -154,7 +143,7 @@ def score(config: ScoreConfig) -> Score:
     batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
     one_process = DistInfo(0, 0, 1, 1, device)
     result = evaluation.evaluate(model, windows, one_process, eval_tokens, batch_size)
-    return Score(result.loss, result.tokens, source, state["step"])
+    return Score(**vars(result), source=source, step=state["step"])
 
 
 def run(argv: list[str]) -> None:

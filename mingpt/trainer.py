@@ -451,8 +451,8 @@ class Trainer:
                 state.step,
                 state.epoch,
                 loss=result.loss,
-                bpc=result.loss / math.log(2),
-                perplexity=math.exp(result.loss),
+                bpc=result.bpc,
+                perplexity=result.perplexity,
                 rank_losses=result.rank_losses,
                 tokens=result.tokens,
             )
