@@ -1,6 +1,7 @@
 """The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes,
 run.py runs."""
 
+import argparse
 import contextlib
 import os
 import re
@@ -389,8 +390,9 @@ def take_local_rank_argument(argv: list[str]) -> list[str]:
     return rest
 
 
-def check_arguments(argv: list[str]) -> None:
-    """What Hydra's argparse would refuse with its usage banner, refused in one line."""
+def check_arguments(argv: list[str]) -> argparse.Namespace:
+    """What Hydra's argparse would refuse with its usage banner, refused in one line; the options
+    given."""
     parser = get_args_parser()
     parser.error = lambda message: fail(f"{message} (see --help)")  # type: ignore[method-assign]
     args, apart = parser.parse_known_args(argv)
@@ -408,20 +410,14 @@ def check_arguments(argv: list[str]) -> None:
         )
     if apart:
         fail(f"unrecognized arguments: {' '.join(apart)} (see --help)")
-
-
-def prints_only(argv: list[str]) -> bool:
-    """Whether Hydra only prints (--help, --hydra-help, --cfg, --info, --shell-completion), which
-    runs no task and creates no run directory: an OSError then is stdout's."""
-    args, _ = get_args_parser().parse_known_args(argv)
-    return bool(args.help or args.hydra_help or args.cfg or args.info or args.shell_completion)
+    return args
 
 
 def main() -> None:
     global _in_task
     _in_task = False  # an earlier call in this process may have left its task by an exception
     sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
-    check_arguments(sys.argv[1:])
+    args = check_arguments(sys.argv[1:])
     # composition errors reach us, not Hydra's multi-line report
     os.environ["HYDRA_FULL_ERROR"] = "1"
     stopping.install()  # main.py did it already, before its imports
@@ -442,7 +438,9 @@ def main() -> None:
     except OSError as e:
         if _in_task:
             raise
-        if not prints_only(sys.argv[1:]):
+        # Where Hydra only prints (--help, --hydra-help, --cfg, --info, --shell-completion), it
+        # runs no task and creates no run directory: the OSError then is stdout's.
+        if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion):
             fail(f"cannot create the run directory: {e.filename or ''}: {e.strerror or e}")
         silence_stdout()  # the exit's flush would fail again
         if isinstance(e, BrokenPipeError):  # `--help | head`: its reader has what it wanted
