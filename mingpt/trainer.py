@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 import os
+import socket
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -295,10 +296,30 @@ class Trainer:
         return torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
+            on_trace_ready=self._write_trace,
             record_shapes=True,
             profile_memory=True,
         )
+
+    def _write_trace(self, profiler: torch.profiler.profile) -> None:
+        """This rank's trace in profile/, named as TensorBoard's profiler plugin names it. Not worth
+        the run, as the metrics are not: a trace that cannot be written (a full disk, a file where
+        profile/ should be) costs a warning, and its partial file goes."""
+        trace_dir = os.path.join(self.run_dir, "profile")
+        name = f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json"
+        path = os.path.join(trace_dir, name)
+        try:
+            os.makedirs(trace_dir, exist_ok=True)
+            profiler.export_chrome_trace(path)
+            # The profiler says a failed write on stderr alone, and leaves PATH.tmp.
+            why = "the profiler could not write it"
+            if os.path.exists(path):
+                return
+        except OSError as e:
+            why = str(e)
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        log.warning("cannot write the profiler's trace %s (%s): training goes on", path, why)
 
     def _batches(self) -> Iterator[torch.Tensor]:
         """This rank's samples for each step, from the run's position on, epoch after epoch."""

@@ -89,6 +89,32 @@ def test_profile_steps_writes_each_ranks_trace_into_the_run_directory(
     assert "aten::addmm" in names or "aten::mm" in names
 
 
+def test_a_profile_trace_that_cannot_be_written_costs_a_warning(
+    tmp_path, small_corpus, small_disk, one_thread, caplog
+):
+    """A file where profile/ should be, and a full disk (where the profiler said its failure on
+    stderr alone and left a partial .tmp file): one warning each, and the run trains to its end."""
+    caplog.set_level(logging.WARNING, logger="mingpt")
+    dotlist = [
+        *TINY,
+        f"data_config.path={small_corpus}",
+        "trainer_config.max_steps=3",
+        "trainer_config.profile_steps=1",
+        "trainer_config.sample_chars=0",
+    ]
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "profile").write_text("")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "profile").symlink_to(small_disk)
+    for run_dir in (blocked, tmp_path / "full"):
+        train_here(dotlist, run_dir)
+        assert '"step": 3' in (run_dir / "metrics.jsonl").read_text()
+    warnings = [r.getMessage() for r in caplog.records if "profiler's trace" in r.getMessage()]
+    assert len(warnings) == 2 and "File exists" in warnings[0], warnings
+    assert "training goes on" in warnings[1] and not list(small_disk.iterdir())
+
+
 def test_the_train_log_shows_muons_learning_rate_and_no_missing_value(
     tmp_path, small_corpus, one_thread, caplog
 ):
