@@ -282,14 +282,24 @@ class Trainer:
         return last_step
 
     def _profiler(self) -> contextlib.AbstractContextManager:
-        """With profile_steps, torch.profiler over that many steps after one of warm-up, each rank's
-        trace written into profile/ in the run directory; else a profiler that records nothing."""
+        """With profile_steps, torch.profiler over that many steps (at most those left) after one of
+        warm-up, each rank's trace written into profile/ in the run directory; else a profiler that
+        records nothing."""
         steps = self.cfg.profile_steps
-        if not steps:
+        first = self.state.step + 2
+        # The run's end cuts the window short.
+        last = min(first + steps - 1, self.total_steps)
+        if last < first:
+            if steps:
+                log.warning(
+                    "trainer_config.profile_steps: the run ends at step %d, with no step after the "
+                    "warm-up one: nothing is profiled",
+                    self.total_steps,
+                    extra=SAME_ON_EVERY_RANK,
+                )
             return contextlib.nullcontext(types.SimpleNamespace(step=lambda: None))
         trace_dir = os.path.join(self.run_dir, "profile")
-        first = self.state.step + 2
-        log.info("profiling steps %d to %d into %s", first, first + steps - 1, trace_dir)
+        log.info("profiling steps %d to %d into %s", first, last, trace_dir)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -67,11 +67,12 @@ def train_here(dotlist: list[str], run_dir) -> None:
 
 
 def test_profile_steps_writes_each_ranks_trace_into_the_run_directory(
-    tmp_path, small_corpus, one_thread
+    tmp_path, small_corpus, one_thread, caplog
 ):
     """trainer_config.profile_steps=2: the two steps after one of warm-up are recorded, and their
     trace is written into profile/ in the run directory as the Chrome trace JSON that Perfetto
-    and TensorBoard's profiler open, with the step's matrix products in it."""
+    and TensorBoard's profiler open, with the step's matrix products in it. A run with no step
+    left after the warm-up one says so and writes no trace."""
     dotlist = [
         *TINY,
         f"data_config.path={small_corpus}",
@@ -87,6 +88,13 @@ def test_profile_steps_writes_each_ranks_trace_into_the_run_directory(
         "ProfilerStep#2",
     }
     assert "aten::addmm" in names or "aten::mm" in names
+    # Resumed one step before its end: no step after the warm-up one, and no trace of none.
+    train_here(
+        [*dotlist, "trainer_config.max_steps=6", "trainer_config.allow_config_change=true"],
+        tmp_path,
+    )
+    assert len(list((tmp_path / "profile").iterdir())) == 1
+    assert "the run ends at step 6, with no step after the warm-up one" in caplog.text
 
 
 def test_a_profile_trace_that_cannot_be_written_costs_a_warning(
