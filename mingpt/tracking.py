@@ -5,6 +5,7 @@ goes on without it."""
 import contextlib
 import dataclasses
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -223,7 +224,8 @@ class MlflowTracker(Tracker):
 
     def _log_params(self, config: Any, step: int) -> None:
         """The config as params, one per key. MLflow's params cannot change: a resumed run logs each
-        changed value as `key:step<N>`, N the step it resumed from (MLflow's names take no `@`)."""
+        changed value as `key:step<N>`, N the step it resumed from (MLflow's names take no `@`), and
+        where a killed attempt from N logged another, as `key:step<N>:2` (`:3`, ...)."""
         from mlflow.entities import Param
 
         logged = self.client.get_run(self.run_id).data.params
@@ -233,10 +235,14 @@ class MlflowTracker(Tracker):
                 name = f"{section}.{key}"
                 text = value if isinstance(value, str) else json.dumps(value)
                 text = text[:6000]
+                resumed = f"{name}:step{step}"
+                names = itertools.chain(
+                    [name, resumed], (f"{resumed}:{n}" for n in itertools.count(2))
+                )
+                # the first name that is free, or that holds this value already
+                name = next(n for n in names if logged.get(n, text) == text)
                 if name not in logged:
                     new.append(Param(name, text))
-                elif logged[name] != text:
-                    new.append(Param(f"{name}:step{step}", text))
         # MLflow takes at most 100 params a batch, values of 6000 characters
         for i in range(0, len(new), 100):
             self.client.log_batch(self.run_id, params=new[i : i + 100])

@@ -24,7 +24,7 @@ mlflow = pytest.importorskip(
 )
 
 from mingpt import tracking  # noqa: E402
-from mingpt.config import Config, ConfigError, TrainerConfig  # noqa: E402
+from mingpt.config import Config, ConfigError, OptimizerConfig, TrainerConfig  # noqa: E402
 from mingpt.metrics import events  # noqa: E402
 from mingpt.snapshot.sharded import read_meta as read  # noqa: E402
 
@@ -496,3 +496,33 @@ def test_a_run_id_the_store_lacks_starts_a_new_run(tmp_path, caplog):
     assert tracker.run_id and tracker.run_id != "0123456789abcdef"
     assert len(caplog.records) == 1 and "0123456789abcdef" in caplog.records[0].getMessage()
     tracker.close()
+
+
+def test_attempts_resumed_from_one_step_with_other_values_keep_the_tracker(
+    tmp_path, caplog, monkeypatch
+):
+    """Attempts resumed from step 7 with other learning rates, each killed before its next
+    snapshot: MLflow keeps each value as a param of its own (it refused the second, and the
+    tracker was off for the run, its MLflow run FAILED); a value logged already is not again."""
+    uri = store_uri(tmp_path)
+    run_dir = str(tmp_path / "run")
+    first = tracking.start(config(tracker_uri=uri), run_dir, None, 0, enabled=True)
+    first.close()
+    for lr in (1e-3, 2e-3, 1e-3):
+        resumed = Config(
+            optimizer_config=OptimizerConfig(learning_rate=lr),
+            trainer_config=TrainerConfig(tracker="mlflow", tracker_uri=uri),
+        )
+        with caplog.at_level(logging.WARNING, logger="mingpt"):
+            tracker = tracking.start(resumed, run_dir, first.run_id, 7, enabled=True)
+        assert tracker.run_id == first.run_id, caplog.text
+        tracker.close()
+    assert not caplog.records
+    run = Store(tmp_path, monkeypatch).only_run()
+    params = {k: v for k, v in run.data.params.items() if k.startswith("optimizer_config.learn")}
+    assert params == {
+        "optimizer_config.learning_rate": "0.003",
+        "optimizer_config.learning_rate:step7": "0.001",
+        "optimizer_config.learning_rate:step7:2": "0.002",
+    }
+    assert run.info.status == "FINISHED"
