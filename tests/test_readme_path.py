@@ -123,7 +123,7 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     # Then, one after another as typed: the same command again; What next's train-longer command;
     # its fine-tuning, on the text its line makes first. One process for the three main.py
     # commands (each is mostly importing torch), as `python main.py` runs them.
-    made = subprocess.run(readme_line(r"^head -c"), shell=True, cwd=tmp_path, env=child_env())
+    made = subprocess.run(readme_line(r"^tail -c"), shell=True, cwd=tmp_path, env=child_env())
     assert made.returncode == 0 and (tmp_path / "mytext.txt").stat().st_size > 0
     # The README's command for the Quick start's run, with the tiny run's own bound raised as the
     # "already complete" line says: it continues runs/default.
