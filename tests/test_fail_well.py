@@ -765,8 +765,8 @@ def test_refused_invocations_say_one_line_and_write_nothing(runs):
 
 @pytest.fixture(scope="module")
 def not_snapshots(snap, tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """Directories given where a snapshot is read that
-    hold none: {case: (path, what the line says)}."""
+    """Directories given where a snapshot is read that hold none, and a file of one:
+    {case: (path, what the line says)}."""
     work = tmp_path_factory.mktemp("not-snapshots")
     (work / "empty").mkdir()
     cases = {"empty": (work / "empty", "is an empty directory; expected a snapshot directory")}
@@ -786,11 +786,17 @@ def not_snapshots(snap, tmp_path_factory) -> dict[str, tuple[Path, str]]:
             run_dir,
             f"is a run directory with no snapshot yet (it saves to {run_dir / 'snapshots'})",
         )
+    # one file of a snapshot directory: a .distcp file is a torch file, which was called damaged
+    step = next(snap[1].glob("step-*"))
+    cases["distcp"] = (
+        next(step.glob("*.distcp")),
+        f"is one file of the snapshot {step}: give that directory",
+    )
     return cases
 
 
 @pytest.mark.parametrize("tool", ["generate", "score", "export", "init_from"])
-@pytest.mark.parametrize("case", ["empty", "safetensors", "hf", "run-ddp", "run-fsdp"])
+@pytest.mark.parametrize("case", ["empty", "safetensors", "hf", "run-ddp", "run-fsdp", "distcp"])
 def test_a_directory_without_a_snapshot_says_what_it_is(
     not_snapshots, tool, case, capsys, monkeypatch, tmp_path
 ):

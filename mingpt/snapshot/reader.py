@@ -102,6 +102,12 @@ def find(path: str) -> tuple[str, str]:
     snapshot. Any other path as given, with no line. A directory that cannot hold a snapshot (empty,
     an export) is refused."""
     local = path.removeprefix("file://")
+    # A file of a snapshot directory is not a snapshot file: a .distcp would be called damaged.
+    folder, name = posixpath.split(path)
+    if name in (manifest.MANIFEST, manifest.META, manifest.DCP_METADATA) or name.endswith(
+        ".distcp"
+    ):
+        raise SnapshotError(f"{path} is one file of the snapshot {folder}: give that directory")
     if "://" in local or not os.path.isdir(local):
         return path, ""
     config_file = os.path.join(local, ".hydra", "config.yaml")
