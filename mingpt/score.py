@@ -103,7 +103,8 @@ def heldout_windows(
 
 
 def _text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: torch.device):
-    """The text at `path` in windows of `block_size` that do not overlap; one if it is shorter."""
+    """The text at `path` in windows of `block_size` that do not overlap, and the characters after
+    the last whole one as a shorter window: each character after the first is predicted once."""
     chunks = []
     # chunk by chunk: a large file is refused at its first unknown character, not once read whole
     for _, text in token_cache.decoded_chunks(path):
@@ -119,8 +120,13 @@ def _text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: 
         raise DataError(f"data file is empty: {path}")
     if len(tokens) < 2:
         raise TextError(f"{path} has {len(tokens)} character: nothing to predict")
-    block = min(block_size, len(tokens) - 1)
-    return TokenWindows(tokens, block, block)
+    targets = len(tokens) - 1
+    block = min(block_size, targets)
+    windows = [TokenWindows(tokens, block, block)]
+    whole = targets // block * block
+    if whole < targets:
+        windows.append(TokenWindows(tokens[whole:], targets - whole, 1))
+    return windows
 
 
 def score(config: ScoreConfig) -> Score:
@@ -135,15 +141,26 @@ def score(config: ScoreConfig) -> Score:
         source = config.path
         eval_tokens = 0  # all of it
     else:
-        windows, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
+        heldout, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
+        windows = [heldout]
         eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
     if note:
         log.info("%s", note)
     # In batches as the run's evaluation.
     batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
     one_process = DistInfo(0, 0, 1, 1, device)
-    result = evaluation.evaluate(model, windows, one_process, eval_tokens, batch_size)
-    return Score(**vars(result), source=source, step=state["step"])
+    results = [evaluation.evaluate(model, w, one_process, eval_tokens, batch_size) for w in windows]
+    tokens = sum(r.tokens for r in results)
+    loss = sum(r.loss * r.tokens for r in results) / tokens
+    # one process: its loss is the only rank's
+    return Score(
+        loss=loss,
+        rank_losses=[loss],
+        tokens=tokens,
+        interrupted=False,
+        source=source,
+        step=state["step"],
+    )
 
 
 def run(argv: list[str]) -> None:

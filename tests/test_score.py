@@ -69,16 +69,18 @@ def test_a_text_file_is_scored_window_by_window(tiny_run, tmp_path, one_thread):
     path = tmp_path / "text.txt"
     path.write_text(text, encoding="utf-8")
     result = score(ScoreConfig(snapshot_path=str(run_dir), path=str(path), device="cpu"))
-    # Two whole windows of block_size, each predicted from
-    # its own start; the 4 characters after them are not.
+    # Two whole windows of block_size, each predicted from its own start, then the 4 characters
+    # after them, predicted from the last whole window's last character.
     tokens = tokenizer.encode(text).long()
     windows = torch.stack([tokens[i * block : (i + 1) * block + 1] for i in range(2)])
     with torch.no_grad():
         logits, _ = model(windows[:, :-1])
+        tail, _ = model(tokens[None, 2 * block : -1])
     expected = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1)
+        torch.cat([logits.reshape(-1, logits.size(-1)), tail[0]]),
+        torch.cat([windows[:, 1:].reshape(-1), tokens[2 * block + 1 :]]),
     ).item()
-    assert result.tokens == 2 * block and result.loss == pytest.approx(expected, rel=1e-6)
+    assert result.tokens == 2 * block + 4 and result.loss == pytest.approx(expected, rel=1e-6)
     assert result.perplexity == pytest.approx(
         math.exp(expected), rel=1e-6
     ) and result.source == str(path)
