@@ -351,7 +351,11 @@ def _hydra_main(cfg: DictConfig) -> None:
     # Hydra would print "Error executing job with overrides: ..." on the way out
     except BaseException as e:
         stopping.park_if_exiting()
-        stopping.park_if_peer_ended(peer_ended(e))
+        if peer_ended(e):
+            stopping.park_if_peer_ended()
+            # No signal came (the worker that ended was on another node, whose torchrun alone saw
+            # it): one line, not the collective's traceback.
+            fail("another worker of this job ended, so this one cannot go on (its output says why)")
         raise
     _in_task = False  # an OSError from inside a task keeps its traceback: a bug
 

@@ -140,11 +140,11 @@ def park_if_exiting() -> None:
 PEER_ENDED_WAIT_S = 60.0
 
 
-def park_if_peer_ended(peer_ended: bool) -> None:
+def park_if_peer_ended() -> None:
     """For the main thread on its way out because a collective failed as another worker ended (that
     worker says why): under torchrun, wait for the signal with which torchrun stops this one, which
     ends it with one line instead of a traceback of the collective. Returns if none comes."""
-    if not peer_ended or "TORCHELASTIC_ERROR_FILE" not in os.environ:
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
         return
     # The signal came while the step still ran, and asked for a stop that will not come.
     if _state.requested:

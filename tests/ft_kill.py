@@ -2,7 +2,9 @@
 (TORCHELASTIC_RESTART_COUNT=0) rank FT_KILL_RANK SIGKILLs itself as it starts
 optimizer step FT_KILL_STEP + 1: a sudden death at a known step, after the last save is published
 (on a GPU a step can be shorter than a background save's write).
-With FT_KILL_ERROR=TEXT it raises a DataError of that text instead: an error of that rank alone.
+With FT_KILL_ERROR=TEXT it raises a DataError of that text instead: an error of that rank alone;
+with FT_KILL_ERROR=peer, gloo's error of a collective whose peer's process ended (on another node:
+no signal of this node's torchrun follows, and the wait for one is cut to 0.1 s).
 With FT_KILL_IN=NAME it dies instead in the next save, once the one in flight is published, as it
 calls mingpt.snapshot.manifest's NAME: `shard_hashes` (every rank, its shards written, before rank
 0 publishes) or `prune` (rank 0, once it has published).
@@ -18,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mingpt import trainer  # noqa: E402
+from mingpt import stopping, trainer  # noqa: E402
 from mingpt.cli import main  # noqa: E402
 from mingpt.data import DataError  # noqa: E402
 from mingpt.snapshot import manifest, sharded  # noqa: E402
@@ -34,6 +36,9 @@ def train_step_or_die(self, indices):
         and self.dist.rank == int(os.environ["FT_KILL_RANK"])
         and self.state.step == int(os.environ["FT_KILL_STEP"])
     ):
+        if os.environ.get("FT_KILL_ERROR") == "peer":
+            stopping.PEER_ENDED_WAIT_S = 0.1
+            raise RuntimeError("Read error [127.0.0.1]:1: Connection reset by peer")
         if "FT_KILL_ERROR" in os.environ:
             raise DataError(os.environ["FT_KILL_ERROR"])
         sharded.wait_pending()

@@ -258,6 +258,31 @@ def test_a_rank_that_fails_alone_stops_the_others_without_a_traceback(tmp_path, 
     assert "Error executing job" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_worker_whose_peer_ended_on_another_node_says_so_in_one_line(tmp_path, corpus_file):
+    """A collective fails as a worker on another node ended, and no signal of this node's torchrun,
+    which saw nothing, follows: after its wait for one the worker ends in one line, also in
+    torchrun's error file, where it printed the collective's traceback (one process, whose
+    collective's failure tests/ft_kill.py plays)."""
+    error_file = tmp_path / "error.json"
+    env = {
+        **child_env(),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_ERROR_FILE": str(error_file),
+        "FT_KILL_RANK": "0",
+        "FT_KILL_STEP": "3",
+        "FT_KILL_ERROR": "peer",
+    }
+    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_steps=20"]
+    cmd = [sys.executable, str(REPO / "tests" / "ft_kill.py"), *args]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
+    )
+    line = "error: another worker of this job ended, so this one cannot go on (its output says why)"
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == line, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert line in error_file.read_text()
+
+
 def test_a_worker_that_torchrun_stops_says_so_under_its_rank(tmp_path, corpus_file):
     """Rank 0 dies (SIGKILL) mid-run and torchrun stops rank 1 with SIGTERM: rank 1's one line is
     headed by its rank, as its other error lines are (it was not, and read as rank 0's)."""
