@@ -98,18 +98,38 @@ def setup_logging(rank: int) -> None:
     root.setLevel(level)
 
 
+def launcher_number(name: str, default: int) -> int:
+    """The launcher's variable `name` (torchrun sets it); set by hand or by another launcher, a
+    value that is no number is refused in one line, where int() gave a traceback."""
+    value = os.environ.get(name, str(default))
+    if not re.fullmatch(r"-?\d+", value):
+        raise ConfigError(f"{name}={value} in the environment is not a number (torchrun sets it)")
+    return int(value)
+
+
 @contextlib.contextmanager
 def distributed(device_preference: str) -> Iterator[DistInfo]:
     """Join torchrun's process group (if any) and leave it at exit, also when the body raises."""
     global _control_group
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = launcher_number("LOCAL_RANK", 0)
     info = DistInfo(
-        int(os.environ.get("RANK", 0)),
+        launcher_number("RANK", 0),
         local_rank,
-        int(os.environ.get("WORLD_SIZE", 1)),
-        int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        launcher_number("WORLD_SIZE", 1),
+        launcher_number("LOCAL_WORLD_SIZE", 1),
         pick_device(device_preference, local_rank),
     )
+    names = ("MASTER_ADDR", "MASTER_PORT")
+    if info.is_distributed:
+        launcher_number("MASTER_PORT", 0)
+    # torch's errors for these are tracebacks, and a rank beyond the world waits forever
+    unset = info.is_distributed and not all(name in os.environ for name in names)
+    if unset or not 0 <= info.rank < info.world_size:
+        address = " ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in names)
+        raise ConfigError(
+            f"RANK={info.rank} of WORLD_SIZE={info.world_size}, {address} in the environment: "
+            "start the processes with torchrun, which sets them (docs/training.md)"
+        )
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.is_distributed:

@@ -155,8 +155,8 @@ def park_if_peer_ended() -> None:
 def headed(line: str) -> str:
     """`line` as this process says it on stderr: headed by its rank beyond rank 0, as its log lines
     are (torchrun's failure summary names the rank itself)."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank:
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
         return f"[rank {rank}] {line}"
     return line
 

@@ -4,13 +4,17 @@ which passes `--local-rank=N` to the script."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO, RUN_DEADLINE, TINY, child_env, read_snapshot, run_dir_of
 
+from mingpt import stopping
 from mingpt.cli import take_local_rank_argument
+from mingpt.config import ConfigError
+from mingpt.distributed import distributed
 
 
 @pytest.mark.parametrize(
@@ -51,6 +55,27 @@ def test_bad_local_rank_argument_is_one_line(argv, says, monkeypatch, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"WORLD_SIZE": "x"}, "WORLD_SIZE=x in the environment is not a number"),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR=(unset) MASTER_PORT=(unset)"),
+        ({"WORLD_SIZE": "0"}, "RANK=0 of WORLD_SIZE=0,"),
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "p"}, "MASTER_PORT=p in the"),
+    ],
+)
+def test_launcher_variables_set_by_hand_are_refused_in_one_line(env, says, monkeypatch):
+    """Without torchrun, these were tracebacks of int() or torch's rendezvous."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(says)), distributed("cpu"):
+        pass
+    monkeypatch.setenv("RANK", "x")
+    assert stopping.headed("error: e") == "[rank x] error: e"
 
 
 def test_legacy_launcher_trains_with_two_processes(tmp_path, corpus):
