@@ -99,11 +99,18 @@ RESTART_FIX = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch
 INIT_AFTER_RESTART_SECONDS = 300
 
 
-def _give_up(restart: int) -> None:
+def _give_up(restart: int, by_hand: bool) -> None:
     """Run by a timer while the main thread waits in C to join the group: only os._exit ends it."""
+    who = f"restart {restart}"
+    fix = RESTART_FIX
+    if by_hand:
+        who = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
+        fix = (
+            f"is every rank started, with MASTER_ADDR={os.environ['MASTER_ADDR']} "
+            f"MASTER_PORT={os.environ['MASTER_PORT']}? (torchrun sets them)"
+        )
     line = (
-        f"error: restart {restart} could not join the process group in "
-        f"{INIT_AFTER_RESTART_SECONDS} s: {RESTART_FIX}\n"
+        f"error: {who} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: {fix}\n"
     )
     os.write(sys.stderr.fileno(), line.encode())
     os._exit(2)
@@ -131,10 +138,12 @@ def restart_store(world_size: int) -> Iterator["dist.Store | None"]:
         )
         yield dist.PrefixStore(f"mingpt/attempt-{restart}/group-{next(_groups)}", store)
         return
-    if not (shared and restart):
+    # started without torchrun: a wrong MASTER_ADDR or MASTER_PORT waited 30 minutes in silence
+    by_hand = "TORCHELASTIC_RUN_ID" not in os.environ
+    if not ((shared and restart) or by_hand):
         yield None
         return
-    timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, _give_up, (restart,))
+    timer = threading.Timer(INIT_AFTER_RESTART_SECONDS, _give_up, (restart, by_hand))
     timer.daemon = True
     timer.start()
     try:
