@@ -187,7 +187,11 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
             if is_local(fs):  # the bytes reach the disk before the new name points at them
                 f.flush()
                 os.fsync(f.fileno())
-        fs.mv(tmp, path)  # a rename on local disks; object stores publish whole objects
+        if is_local(fs):
+            # a rename: fs.mv would move the file into a directory at `path`, and say nothing
+            os.replace(tmp, path)
+        else:
+            fs.mv(tmp, path)  # object stores publish whole objects
     finally:
         # renamed already, or the write's own error says more
         with contextlib.suppress(*storage_errors()):

@@ -481,3 +481,13 @@ def test_a_glob_that_gains_a_character_is_refused_naming_the_corpus_change(
     message = str(refused.value)
     assert "was written for another corpus (" in message and "b.txt added" in message, message
     assert "differs: '\u00a7'" in message and "\n" not in message
+
+
+def test_a_directory_where_a_file_is_written_is_neither_replaced_nor_written_into(tmp_path):
+    from mingpt import storage
+
+    (tmp_path / "x").mkdir()
+    with pytest.raises(IsADirectoryError), storage.atomic_open(str(tmp_path / "x")) as f:
+        f.write(b"data")
+    assert os.listdir(tmp_path / "x") == []
+    assert os.listdir(tmp_path) == ["x"]  # the temporary is gone
