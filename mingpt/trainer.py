@@ -53,11 +53,25 @@ class TrainState:
     eval_due: bool = False
 
     @classmethod
-    def restored(cls, saved: dict | None) -> "TrainState":
-        """The position a snapshot's record holds (a fresh one without a snapshot)."""
+    def restored(cls, saved: dict | None, epoch_samples: int) -> "TrainState":
+        """The position a snapshot's record holds (a fresh one without a snapshot), in epochs of
+        `epoch_samples` samples."""
         if saved is None:
             return cls()
-        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+        state = cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+        # A corpus or stride changed since (allow_config_change) may leave the epoch fewer samples
+        # than it consumed: it is over. Its rest, none, was no step, and the run never ended.
+        if state.samples_in_epoch >= epoch_samples:
+            log.warning(
+                "the epoch resumed has %d training windows, fewer than the %d it consumed: "
+                "it is over",
+                epoch_samples,
+                state.samples_in_epoch,
+                extra=SAME_ON_EVERY_RANK,
+            )
+            state.epoch += 1
+            state.samples_in_epoch = 0
+        return state
 
     def advance(self, samples: int, epoch_samples: int) -> bool:
         """Count one step over `samples` global samples; returns whether it ended the epoch."""
@@ -179,7 +193,7 @@ class Trainer:
             data.fingerprint(),
             run_dir,
         )
-        self.state = TrainState.restored(self.checkpointer.load())
+        self.state = TrainState.restored(self.checkpointer.load(), len(data.train))
 
         ddp = None
         self.model = self.raw_model  # what the step calls

@@ -356,6 +356,31 @@ def test_host_gathered_multi_file_run_resumes_exactly_and_reports_bpc(tmp_path, 
     assert final["bpc"] == pytest.approx(final["loss"] / math.log(2), rel=1e-12)
 
 
+def test_a_resume_past_the_end_of_an_epoch_with_fewer_windows_starts_the_next(
+    tmp_path, small_corpus, one_thread, caplog
+):
+    """A larger stride (allow_config_change) leaves the epoch 9 windows, fewer than the 12 it
+    consumed: it is over, and the run trains its next epoch, not spinning without a step."""
+    common = ["trainer_config.batch_size=4", "trainer_config.max_epochs=2"]
+    make_trainer(
+        tmp_path, str(small_corpus), *common, "data_config.stride=1", "trainer_config.max_steps=3"
+    ).train()
+    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
+        resumed = make_trainer(
+            tmp_path,
+            str(small_corpus),
+            *common,
+            "data_config.stride=2000",
+            "trainer_config.allow_config_change=true",
+        )
+    assert len(resumed.data.train) == 9
+    assert "the epoch resumed has 9 training windows, fewer than the 12" in caplog.text
+    assert (resumed.state.epoch, resumed.state.samples_in_epoch) == (1, 0)
+    assert resumed.total_steps == 3 + 3
+    resumed.train()
+    assert (resumed.state.step, resumed.state.epoch) == (6, 2)
+
+
 def test_a_glob_leaves_out_hidden_files_as_the_shell_does(tmp_path, caplog):
     """`*.txt` never reads a dotfile or a file in a dot directory (an editor's backup, .DS_Store,
     a .git directory): it trained on them, silently; `.*` asks for them. The matches are logged."""
