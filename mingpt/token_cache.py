@@ -160,7 +160,7 @@ def read_header(f) -> tuple[dict, int]:
     if not 0 < length < 1 << 30:
         raise ValueError("bad header length")
     header = json.loads(f.read(length))
-    if header.get("version") != VERSION:
+    if not isinstance(header, dict) or header.get("version") != VERSION:
         raise ValueError("another cache version")
     offset = -(-(len(MAGIC) + 8 + length) // PAGE) * PAGE  # the header's pages
     dtype = dtype_for(len(header["vocab"]))

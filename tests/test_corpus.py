@@ -64,7 +64,9 @@ def test_cache_is_reused_and_rebuilt_when_the_corpus_changes(tmp_path, caplog):
     assert cache_files(tmp_path / "cache") == [cache]  # replaced, not added
 
 
-@pytest.mark.parametrize("damage", ["flip-token", "cut", "garbage-header", "vocabulary"])
+@pytest.mark.parametrize(
+    "damage", ["flip-token", "cut", "garbage-header", "vocabulary", "not-an-object"]
+)
 def test_damaged_cache_is_rebuilt_never_used(tmp_path, caplog, damage):
     corpus = tmp_path / "c.txt"
     text = "the quick brown fox jumps over the lazy dog\n" * 20
@@ -80,6 +82,8 @@ def test_damaged_cache_is_rebuilt_never_used(tmp_path, caplog, damage):
     elif damage == "vocabulary":  # still valid JSON, one character another: every id misread
         start = raw.index(b'"vocab": "') + len(b'"vocab": "')
         raw[start + raw[start:].index(b"q")] = ord("Q")
+    elif damage == "not-an-object":  # the magic, then a header that is JSON but no object
+        raw[14:] = (3).to_bytes(8, "little") + b"[1]"
     else:
         raw[20:40] = b"x" * 20
     cache.write_bytes(bytes(raw))
