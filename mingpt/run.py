@@ -146,6 +146,16 @@ def build(
         run = locate(config, run)
     if data is None:
         data = load_data(config.data_config)
+    # Each node encodes its own copy of the corpus: one that differs would train the nodes on
+    # different texts, silently where the vocabularies agree.
+    corpora = all_gather(dist_info, data.fingerprint())
+    for rank, corpus in enumerate(corpora):
+        changes = compat.corpus_changes(corpora[0], corpus)
+        if changes:
+            raise DataError(
+                f"rank {rank} reads another corpus than rank 0 ({'; '.join(changes)}): every node "
+                "needs the same copy of data_config.path"
+            )
     if run.start is not None:
         data = finetune.fit_data(data, run.start, config.data_config.path)
     config.gpt_config = fit_to_data(

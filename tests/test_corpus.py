@@ -305,6 +305,23 @@ def make_trainer(run_dir, corpus_paths, *extra: str) -> Trainer:
     return build(config, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
 
 
+def test_a_node_whose_copy_of_the_corpus_differs_is_refused(tmp_path, small_corpus, monkeypatch):
+    """Each node encodes its own copy of the corpus: rank 0's copy of other content (rank 1 is this
+    process) is refused in one line naming the file, not trained on beside rank 1's."""
+
+    def gather(info, fingerprint):
+        return [[{**f, "sha256": "0" * 64} for f in fingerprint], fingerprint]
+
+    monkeypatch.setattr("mingpt.run.all_gather", gather)
+    size = small_corpus.stat().st_size
+    with pytest.raises(DataError) as refused:
+        make_trainer(tmp_path / "run", str(small_corpus))
+    assert str(refused.value) == (
+        f"rank 1 reads another corpus than rank 0 ({small_corpus}: other content (same size, "
+        f"{size} bytes)): every node needs the same copy of data_config.path"
+    )
+
+
 def test_a_batch_larger_than_the_corpus_is_said_at_start(tmp_path, corpus, caplog):
     """The start line gives the configured global batch; each step then takes fewer windows."""
     part = tmp_path / "part.txt"
