@@ -24,12 +24,14 @@ from mingpt import stopping
 from mingpt.command import silence_stdout, typed
 from mingpt.config import (
     FIELDS,
+    SECTIONS,
     Config,
     ConfigError,
     check,
     check_known_keys,
     drop_ignored_keys,
     register_configs,
+    unknown_key,
     value_text,
 )
 from mingpt.data import DataError
@@ -93,10 +95,9 @@ def config_error_line(error: BaseException) -> str:
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-            # a key given without its section (max_epochs=3)
-            meant = [key for key in FIELDS if key.endswith(f".{cause.full_key}")]
-            if meant:
-                line += f" (did you mean {' or '.join(meant)}?)"
+            # OmegaConf's ConfigKeyError or ConfigAttributeError: a key no section has
+            if isinstance(cause, KeyError | AttributeError) and cause.full_key not in FIELDS:
+                line = unknown_key(cause.full_key, [*SECTIONS, *FIELDS])
             if append and cause.full_key in FIELDS:
                 line += f" (this config has no such key yet: add it with {append.group(1)})"
             if where:

@@ -5,9 +5,9 @@ import sys
 from collections.abc import Callable
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from mingpt.config import ConfigError, check, key_lines
+from mingpt.config import ConfigError, check, key_lines, unknown_key
 from mingpt.distributed import setup_logging
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason
@@ -44,6 +44,8 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(rest))
         values = OmegaConf.to_container(merged, resolve=True)
+    except ConfigKeyError as e:
+        raise ConfigError(unknown_key(e.full_key, schema.__dataclass_fields__)) from None
     except OmegaConfBaseException as e:
         message = reason(e)
         key = getattr(e, "full_key", None)

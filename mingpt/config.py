@@ -4,13 +4,14 @@ operational; __post_init__ checks each value against its field, then what spans 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import pathlib
 import re
 import sys
 import textwrap
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -555,13 +556,27 @@ def check_known_keys(cfg: Mapping) -> None:
     """Reject keys the dataclasses do not declare: Hydra's `+key=value` adds keys past OmegaConf's
     check."""
     for name, section in cfg.items():
-        check(name in SECTIONS, name, "unknown key")
+        if name not in SECTIONS:
+            raise ConfigError(unknown_key(name, SECTIONS))
         for key in section:
-            check(
-                f"{name}.{key}" in FIELDS,
-                f"{name}.{key}",
-                f"unknown key (not a field of {SECTIONS[name].__name__})",
-            )
+            if f"{name}.{key}" not in FIELDS:
+                raise ConfigError(unknown_key(f"{name}.{key}", FIELDS))
+
+
+def unknown_key(key: str, known: Collection[str]) -> str:
+    """The line for a key a command does not have: the `known` keys with the name (after the last
+    dot) closest to its name are suggested, so a key given without its section, or in another one,
+    gets its own."""
+    section, _, name = key.rpartition(".")
+    names: dict[str, list[str]] = {}
+    for known_key in known:
+        names.setdefault(known_key.rpartition(".")[2], []).append(known_key)
+    close = difflib.get_close_matches(name, names, n=1)
+    meant = [known_key for close_name in close for known_key in names[close_name]]
+    # a name that two sections have (block_size): the one of the section given
+    meant = [known_key for known_key in meant if known_key.startswith(f"{section}.")] or meant
+    hint = f"did you mean {' or '.join(meant)}? " if meant else ""
+    return f"unknown key {key} ({hint}see --help)"
 
 
 def drop_ignored_keys(cfg: MutableMapping) -> list[str]:

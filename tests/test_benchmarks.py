@@ -108,7 +108,10 @@ SMOKE = {
 REFUSED = {
     "bench_comm.py": [
         (["--world", "2"], "unrecognized arguments: --world 2"),
-        ([*MODEL, "gpt_config.n_layr=1"], "gpt_config.n_layr: Key 'n_layr' not in 'GPTConfig'"),
+        (
+            [*MODEL, "gpt_config.n_layr=1"],
+            "unknown key gpt_config.n_layr (did you mean gpt_config.n_layer?",
+        ),
         (MODEL, "run it under torchrun with 2 or more processes"),
     ],
     "bench_data.py": [
@@ -147,7 +150,10 @@ REFUSED = {
         (["--nanogpt", "EMPTY"], "argument --nanogpt: EMPTY: no model.py in it"),
         (["--nanogpt", "NANOGPT", "--seeds", "0"], "argument --seeds: expected a number >= 1"),
         (["--nanogpt", "NANOGPT", "--out", "DATA"], "argument --out: DATA: not a directory"),
-        (["--nanogpt", "NANOGPT", "x=gpt_config.n_layr=1"], "Key 'n_layr' not in 'GPTConfig'"),
+        (
+            ["--nanogpt", "NANOGPT", "x=gpt_config.n_layr=1"],
+            "unknown key gpt_config.n_layr (did you mean gpt_config.n_layer?",
+        ),
         (["--nanogpt", "NANOGPT", "lr"], "'lr': a variant is NAME=key=value,key=value"),
     ],
     "bench_snapshot.py": [
@@ -164,7 +170,10 @@ REFUSED = {
         (["--nanogpt", "TMP"], "argument --nanogpt: TMP: no such directory"),
         (["--nanogpt", "EMPTY"], "argument --nanogpt: EMPTY: no model.py in it"),
         (["stray"], "unrecognized arguments: stray"),
-        ([*MODEL, "gpt_config.n_layr=2"], "gpt_config.n_layr: Key 'n_layr' not in 'GPTConfig'"),
+        (
+            [*MODEL, "gpt_config.n_layr=2"],
+            "unknown key gpt_config.n_layr (did you mean gpt_config.n_layer?",
+        ),
         ([*MODEL, "gpt_config.n_layer=abc"], "gpt_config.n_layer: Value 'abc' of type 'str'"),
         ([*MODEL, "gpt_config=none"], "Could not find 'gpt_config/none'"),
         ([*MODEL, "gpt_config.n_head=3"], "gpt_config.n_embd: 16 is not divisible by"),

@@ -279,8 +279,7 @@ def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
         "error: --level=3: expected key=value (SRC and DST are given)"
     )
     assert (
-        refused(capsys, [f"src={snapshot}", "level=3"])
-        == "error: Key 'level' not in 'ExportConfig'"
+        refused(capsys, [f"src={snapshot}", "level=3"]) == "error: unknown key level (see --help)"
     )
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

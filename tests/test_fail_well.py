@@ -599,7 +599,7 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     with pytest.raises(HydraException) as e:
         composed(f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo")
     line = cli.config_error_line(e.value)
-    assert line == "in experiment/typo: trainer_config.nope: Key 'nope' not in 'TrainerConfig'"
+    assert line == "in experiment/typo: unknown key trainer_config.nope (see --help)"
 
 
 def test_a_key_missing_from_a_config_file_of_ones_own_is_told_how_to_add(tmp_path):
@@ -618,8 +618,52 @@ def test_a_key_missing_from_a_config_file_of_ones_own_is_told_how_to_add(tmp_pat
     with pytest.raises(HydraException) as e:
         composed("trainer_config.epochs=3")
     assert cli.config_error_line(e.value) == (
-        "trainer_config.epochs: Key 'epochs' not in 'TrainerConfig'"
+        "unknown key trainer_config.epochs (did you mean trainer_config.max_epochs? see --help)"
     )
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "trainer_config.max_step",
+            "trainer_config.max_step (did you mean trainer_config.max_steps? see --help)",
+        ),
+        # without its section, in another
+        ("max_step", "max_step (did you mean trainer_config.max_steps? see --help)"),
+        (
+            "gpt_config.max_steps",
+            "gpt_config.max_steps (did you mean trainer_config.max_steps? see --help)",
+        ),
+        ("trainer_confg.max_steps", "trainer_confg (did you mean trainer_config? see --help)"),
+        (
+            "block_size",
+            "block_size (did you mean gpt_config.block_size or data_config.block_size? see --help)",
+        ),
+        # a name two sections have: the one of the section given
+        (
+            "data_config.block_sze",
+            "data_config.block_sze (did you mean data_config.block_size? see --help)",
+        ),
+        # Hydra's + adds it past OmegaConf
+        (
+            "+trainer_config.max_step",
+            "trainer_config.max_step (did you mean trainer_config.max_steps? see --help)",
+        ),
+        ("hydra.run.dirr", "hydra.run.dirr (see --help)"),
+    ],
+)
+def test_an_unknown_key_is_named_with_the_closest_keys(override, line):
+    """The line named a dataclass (Key 'max_step' not in 'Config') and suggested no key."""
+    with pytest.raises((HydraException, ConfigError)) as e:
+        cli.check_known_keys(composed(f"{override}=3"))
+    assert cli.config_error_line(e.value) == f"unknown key {line}"
+
+
+def test_an_unknown_key_of_generate_is_named_with_the_closest_key():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["max_new_token=5"], GenerateConfig)
+    assert str(e.value) == "unknown key max_new_token (did you mean max_new_tokens? see --help)"
 
 
 def test_interpolation_error_is_one_line(runs):

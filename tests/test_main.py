@@ -251,7 +251,10 @@ def test_multirun_puts_each_job_in_its_own_directory_and_the_same_seed_repeats(
 BAD_OVERRIDES = {  # id: (override, what the one line names)
     "unknown-key": ("trainer_config.epochs=3", "trainer_config.epochs"),
     "bad-value": ("trainer_config.batch_size=0", "trainer_config.batch_size"),
-    "key-without-section": ("max_epochs=3", "(did you mean trainer_config.max_epochs?)"),
+    "key-without-section": (
+        "max_epochs=3",
+        "unknown key max_epochs (did you mean trainer_config.max_epochs? see --help)",
+    ),
     "unknown-preset": ("gpt_config=gpt-huge", "gpt_config/gpt-huge"),
     # Hydra's `+` adds keys past OmegaConf
     "added-key": ("+trainer_config.max_epoch=5", "trainer_config.max_epoch"),

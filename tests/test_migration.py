@@ -92,7 +92,7 @@ SCHEMA_ERRORS = {  # id: (an edit of the file, what its one line says)
     ),
     "unknown-key": (
         ("use_amp: True", "use_amp: True\n  epochs: 3"),
-        "error: trainer_config.epochs: unknown key",
+        "error: unknown key trainer_config.epochs (did you mean trainer_config.max_epochs?",
     ),
 }
 

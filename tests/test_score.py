@@ -143,7 +143,9 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     assert refused(capsys, [f"snapshot_path={tmp_path / 'none.pt'}"]) == (
         f"error: snapshot not found: {tmp_path / 'none.pt'}"
     )
-    assert refused(capsys, [snapshot, "batch=3"]) == "error: Key 'batch' not in 'ScoreConfig'"
+    assert refused(capsys, [snapshot, "batch=3"]) == (
+        "error: unknown key batch (did you mean path? see --help)"
+    )
     assert (
         refused(capsys, [snapshot, "device=tpu"])
         == "error: device: 'tpu' is not one of auto, cpu, cuda"
