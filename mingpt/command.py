@@ -9,8 +9,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from mingpt.config import ConfigError, check, key_lines, unknown_key
 from mingpt.distributed import setup_logging
-from mingpt.snapshot import SnapshotError
+from mingpt.snapshot import SnapshotError, reader
 from mingpt.storage import StorageError, reason
+
+# Where a training run of the default settings is, and generate's and score's default snapshot.
+DEFAULT_RUN = "runs/default"
 
 
 def typed(tool: str) -> str:
@@ -22,6 +25,17 @@ def typed(tool: str) -> str:
     if tool == "train":
         return "python main.py"
     return f"python -m mingpt.{tool}"
+
+
+def find_snapshot(path: str, key: str) -> tuple[str, str]:
+    """reader.find, saying what to do where `path` (given as `key`) is the default run and it is not
+    there: a first command outside the directory that trained."""
+    if path == DEFAULT_RUN and not os.path.exists(path):
+        raise SnapshotError(
+            f"snapshot not found: {path} (no run here: train one with {typed('train')}, or give "
+            f"{key}=PATH)"
+        )
+    return reader.find(path)
 
 
 class OutputError(ValueError):

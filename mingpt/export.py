@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from mingpt.command import command, parse_args, typed, write
+from mingpt.command import command, find_snapshot, parse_args, typed, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
@@ -208,7 +208,7 @@ def export(config: ExportConfig) -> dict:
     check_destination(config.dst, directory=config.format != "snapshot")
     # Which snapshot of a run directory is read is said once the export is written: a refusal is
     # the only line.
-    src, note = reader.find(config.src)
+    src, note = find_snapshot(config.src, "src")
     if config.format == "snapshot":
         weights, meta = reader.read(src)
         # Where a local DST is a symbolic link, the file it points to is the one checked, and the

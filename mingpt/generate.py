@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from mingpt.command import command, parse_args, typed, write
+from mingpt.command import DEFAULT_RUN, command, find_snapshot, parse_args, typed, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import (
     MIN_TEMPERATURE,
@@ -45,7 +45,7 @@ class PromptError(ValueError):
 
 @dataclass
 class GenerateConfig:
-    snapshot_path: str = key("runs/default", f"the snapshot to sample from: {reader.HELP}")
+    snapshot_path: str = key(DEFAULT_RUN, f"the snapshot to sample from: {reader.HELP}")
     prompt: str = key("", "text to continue, taken verbatim (empty: start of a new line)")
     prompt_file: str = key("", "read the prompt from this file instead (local path or fsspec URL)")
     max_new_tokens: int = key(500, "characters to generate per sample", valid=">= 0")
@@ -185,7 +185,7 @@ def run(config: GenerateConfig) -> None:
     device = pick_device(config.device, key="device")
     # Which snapshot of a run directory is read is said once the prompt fits it: a refusal is the
     # only line.
-    snapshot, note = reader.find(config.snapshot_path)
+    snapshot, note = find_snapshot(config.snapshot_path, "snapshot_path")
     model, tokenizer, state = reader.load_model(snapshot, device)
     prompt = read_prompt(config)
     unknown = tokenizer.unknown(prompt)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from mingpt import evaluation, token_cache
-from mingpt.command import command, parse_args, typed, write
+from mingpt.command import command, find_snapshot, parse_args, typed, write
 from mingpt.config import DataConfig, TrainerConfig, check, check_fields, key
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data
 from mingpt.distributed import DistInfo, pick_device
@@ -133,7 +133,7 @@ def score(config: ScoreConfig) -> Score:
     device = pick_device(config.device, key="device")
     # Which snapshot of a run directory is read is said once the text fits it: a refusal is the
     # only line.
-    snapshot, note = reader.find(config.snapshot_path)
+    snapshot, note = find_snapshot(config.snapshot_path, "snapshot_path")
     model, tokenizer, state = reader.load_model(snapshot, device)
     trainer_config = state.get("trainer_config") or {}
     if config.path:

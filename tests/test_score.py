@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import child_env
 
+from mingpt import export, generate
 from mingpt.score import ScoreConfig, main, score
 from mingpt.snapshot.reader import load_model
 
@@ -98,6 +99,27 @@ def refused(capsys, argv: list[str]) -> str:
     err = capsys.readouterr().err
     assert exit_status.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     return err.strip()
+
+
+@pytest.mark.parametrize(
+    "command, argv, key",
+    [
+        (main, [], "snapshot_path"),
+        (generate.main, [], "snapshot_path"),
+        (export.main, ["src=runs/default", "dst=out"], "src"),
+    ],
+    ids=["score", "generate", "export"],
+)
+def test_no_run_here_says_to_train_first(command, argv, key, tmp_path, monkeypatch, capsys):
+    """Outside a directory that trained, runs/default (the default snapshot_path, and the docs'
+    src) was only "not found"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        command(argv)
+    assert capsys.readouterr().err == (
+        "error: snapshot not found: runs/default (no run here: train one with python main.py, or "
+        f"give {key}=PATH)\n"
+    )
 
 
 def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
