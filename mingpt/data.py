@@ -331,8 +331,9 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
             if part >= cfg.block_size + 1:
                 usable.add(name)
             else:
+                plural = "" if part == 1 else "s"
                 message = (
-                    f"{source}: the {name} split has {part} characters, fewer than "
+                    f"{source}: the {name} split has {part} character{plural}, fewer than "
                     f"data_config.block_size + 1 = {cfg.block_size + 1} "
                     "(check data_config.truncate and train_split)"
                 )

@@ -247,7 +247,9 @@ def run(config: GenerateConfig) -> None:
         write(out)
     seconds = time.perf_counter() - started
     chars = config.max_new_tokens * n
-    log.info("%d characters in %.2f s (%.1f/s)", chars, seconds, chars / max(seconds, 1e-9))
+    plural = "" if chars == 1 else "s"
+    rate = chars / max(seconds, 1e-9)
+    log.info("%d character%s in %.2f s (%.1f/s)", chars, plural, seconds, rate)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -166,7 +166,8 @@ def score(config: ScoreConfig) -> Score:
 def run(argv: list[str]) -> None:
     config = parse_args(argv, ScoreConfig, TEXT_KEYS)
     result = score(config)
-    scored = f"{result.tokens:,} characters scored"
+    plural = "" if result.tokens == 1 else "s"
+    scored = f"{result.tokens:,} character{plural} scored"
     write(
         f"{config.snapshot_path} (step {result.step}) on {result.source}: {scored}\n"
         f"loss        {result.loss:.6f} nats per character\n"

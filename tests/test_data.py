@@ -119,8 +119,17 @@ def test_a_stride_past_the_corpus_takes_each_splits_first_window(tmp_path, strid
         ),  # counted with the mark
         (b"x" * 40, "held-out split has 4 characters"),  # 36 train, 4 held out < 9
         (b"x" * 9 + b"y" * 70, "training split has 7 characters"),  # train_split 0.1 of 79
+        (b"x" * 10, "held-out split has 1 character, fewer"),  # it said 1 characters
     ],
-    ids=["missing", "empty", "not-utf8", "not-utf8-after-bom", "short-heldout", "short-train"],
+    ids=[
+        "missing",
+        "empty",
+        "not-utf8",
+        "not-utf8-after-bom",
+        "short-heldout",
+        "short-train",
+        "one-held-out",
+    ],
 )
 def test_bad_data_names_the_file(tmp_path, content, problem):
     path = tmp_path / "corpus.txt"

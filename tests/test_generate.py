@@ -869,6 +869,16 @@ def test_samples_hold_no_more_than_check_fits_counts(snapshot, monkeypatch, one_
     assert peaks[65] - peaks[1] < 64 * 1000, peaks
 
 
+def test_one_character_generated_is_said_in_the_singular(tiny_run, capsys, caplog):
+    """The closing log line said 1 characters in ..."""
+    config = GenerateConfig(
+        snapshot_path=str(tiny_run[1]), max_new_tokens=1, device="cpu", compile="false"
+    )
+    with caplog.at_level(logging.INFO, "mingpt.generate"):
+        generate_cli.run(config)
+    assert caplog.messages[-1].startswith("1 character in "), caplog.messages
+
+
 def test_a_prompt_file_is_read_as_it_is(tmp_path):
     """Its CRLF line ends and lone CRs stay (universal newlines made them LF: other text than the
     corpus holds); a byte-order mark at its start goes, as the corpus's does (it was refused as a

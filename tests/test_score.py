@@ -62,6 +62,15 @@ def test_held_out_split_scores_as_the_runs_last_evaluation(
     assert perplexity == pytest.approx(final["perplexity"], abs=1e-5)
 
 
+def test_one_character_scored_is_said_in_the_singular(tiny_run, tmp_path, capsys):
+    """It said 1 characters scored."""
+    _, run_dir = tiny_run
+    path = tmp_path / "two.txt"
+    path.write_text("RO", encoding="utf-8")
+    main([f"snapshot_path={run_dir}", f"path={path}", "device=cpu"])
+    assert capsys.readouterr().out.splitlines()[0].endswith(": 1 character scored")
+
+
 def test_a_text_file_is_scored_window_by_window(tiny_run, tmp_path, one_thread):
     _, run_dir = tiny_run
     model, tokenizer, _ = load_model(str(run_dir), torch.device("cpu"))
