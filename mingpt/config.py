@@ -567,7 +567,8 @@ def unknown_key(key: str, known: Collection[str]) -> str:
     """The line for a key a command does not have: the `known` keys with the name (after the last
     dot) closest to its name are suggested, so a key given without its section, or in another one,
     gets its own."""
-    section, _, name = key.rpartition(".")
+    section = key.rpartition(".")[0]
+    name = key.rpartition(".")[2]
     names: dict[str, list[str]] = {}
     for known_key in known:
         names.setdefault(known_key.rpartition(".")[2], []).append(known_key)
