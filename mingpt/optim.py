@@ -213,18 +213,21 @@ def set_lr(
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int, peak: float | None = None) -> float:
     """Learning rate for optimizer step `step` (0-based) of a run of total_steps: linear warmup over
     warmup_steps to `peak` (learning_rate unless given), then constant; or cosine decay to
-    min_lr_ratio * peak at total_steps; or (wsd) constant, then over the run's last
-    cooldown_fraction a linear decay to that floor at total_steps."""
+    min_lr_ratio * peak at the last step, total_steps - 1; or (wsd) constant, then over the run's
+    last cooldown_fraction a linear decay to that floor at the last step."""
     peak = cfg.learning_rate if peak is None else peak
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return peak
     floor = cfg.min_lr_ratio * peak
+    # The decay ends at the last step the run takes: ending at total_steps, it never reached the
+    # floor, and a wsd cooldown shorter than one step never started.
+    last = total_steps - 1
     if cfg.lr_schedule == "wsd":
-        left = max(0.0, 1.0 - step / total_steps)  # of the run
+        left = max(0.0, 1.0 - step / max(1, last))  # of the run
         return floor + min(1.0, left / cfg.cooldown_fraction) * (peak - floor)
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, last - cfg.warmup_steps))
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
 
 

@@ -75,14 +75,14 @@ def test_cosine_schedule_values():
     cfg = OptimizerConfig(
         learning_rate=1.0, warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1
     )
-    total = 110
+    total = 111  # steps 0 to 110
     assert lr_at(0, cfg, total) == pytest.approx(0.1)  # warmup: (step + 1) / warmup_steps
     assert lr_at(4, cfg, total) == pytest.approx(0.5)
     assert lr_at(9, cfg, total) == pytest.approx(1.0)
     assert lr_at(10, cfg, total) == pytest.approx(1.0)  # the peak, then decay
     assert lr_at(60, cfg, total) == pytest.approx(0.55)  # half way: midpoint of peak and floor
     assert lr_at(35, cfg, total) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
-    assert lr_at(110, cfg, total) == pytest.approx(0.1)  # the floor, and it stays there
+    assert lr_at(110, cfg, total) == pytest.approx(0.1)  # the floor at the last step
     assert lr_at(500, cfg, total) == pytest.approx(0.1)
     rates = [lr_at(s, cfg, total) for s in range(10, 111)]
     assert all(a >= b for a, b in pairwise(rates))
@@ -95,9 +95,28 @@ def test_constant_schedule_and_no_warmup():
     no_warmup = OptimizerConfig(
         learning_rate=2e-3, warmup_steps=0, lr_schedule="cosine", min_lr_ratio=0.0
     )
-    assert lr_at(0, no_warmup, 100) == pytest.approx(2e-3)
-    assert lr_at(50, no_warmup, 100) == pytest.approx(1e-3)
-    assert lr_at(100, no_warmup, 100) == pytest.approx(0.0)
+    assert lr_at(0, no_warmup, 101) == pytest.approx(2e-3)
+    assert lr_at(50, no_warmup, 101) == pytest.approx(1e-3)
+    assert lr_at(100, no_warmup, 101) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "schedule, steps, expected",
+    [
+        ({"lr_schedule": "cosine"}, 3, [1.0, 0.5, 0.0]),
+        ({"lr_schedule": "cosine", "warmup_steps": 2}, 4, [0.5, 1.0, 1.0, 0.0]),
+        ({"lr_schedule": "wsd", "cooldown_fraction": 1.0}, 3, [1.0, 0.5, 0.0]),
+        # a cooldown shorter than a step: only the last step is on the floor
+        ({"lr_schedule": "wsd", "cooldown_fraction": 0.1}, 4, [1.0, 1.0, 1.0, 0.0]),
+        ({"lr_schedule": "cosine"}, 1, [1.0]),
+    ],
+)
+def test_decay_reaches_the_floor_at_the_last_step(schedule, steps, expected):
+    """The run's steps are 0 to steps - 1: the last one it takes is on the floor."""
+    cfg = OptimizerConfig(
+        **{"learning_rate": 1.0, "warmup_steps": 0, "min_lr_ratio": 0.0, **schedule}
+    )
+    assert [lr_at(s, cfg, steps) for s in range(steps)] == pytest.approx(expected)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -284,7 +303,7 @@ def test_wsd_schedule_values():
         cooldown_fraction=0.5,
         min_lr_ratio=0.1,
     )
-    total = 100
+    total = 101  # steps 0 to 100
     assert lr_at(0, cfg, total) == pytest.approx(0.1)  # warmup as for cosine
     assert lr_at(9, cfg, total) == pytest.approx(1.0)
     assert all(lr_at(s, cfg, total) == 1.0 for s in (10, 30, 50))  # flat to the cooldown
@@ -296,8 +315,8 @@ def test_wsd_schedule_values():
     assert all(a >= b for a, b in pairwise(rates))
     # the default cooldown: the last 60% of the run
     default = OptimizerConfig(learning_rate=1.0, warmup_steps=0, lr_schedule="wsd")
-    assert lr_at(40, default, 100) == 1.0 and lr_at(41, default, 100) < 1.0
-    assert lr_at(70, default, 100) == pytest.approx(0.1 + 0.9 * 30 / 60)
+    assert lr_at(40, default, 101) == 1.0 and lr_at(41, default, 101) < 1.0
+    assert lr_at(70, default, 101) == pytest.approx(0.1 + 0.9 * 30 / 60)
 
 
 def test_muon_momentum_warmup_reaches_the_groups(model):
