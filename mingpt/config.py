@@ -144,7 +144,9 @@ class OptimizerConfig:
         valid=">= 0",
     )
     betas: tuple[float, float] = key((0.9, 0.99), "AdamW betas")
-    eps: float = key(1e-8, "AdamW epsilon", valid="> 0")
+    # float32's smallest normal number: AdamW computes in float32, where a smaller eps can round to
+    # 0, and a parameter whose gradient is still 0 then steps by 0 / 0 (eps=1e-300 diverged)
+    eps: float = key(1e-8, "AdamW epsilon", valid=">= 1e-38")
     lr_schedule: str = key(
         "cosine",
         "`cosine`: linear warmup, then cosine decay to `min_lr_ratio * learning_rate` at the "

@@ -87,6 +87,7 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["optimizer_config.muon_learning_rate=0"], "optimizer_config.muon_learning_rate"),
         (["optimizer_config.muon_momentum=1.0"], "optimizer_config.muon_momentum"),
         (["optimizer_config.cooldown_fraction=0"], "optimizer_config.cooldown_fraction"),
+        (["optimizer_config.eps=1e-300"], "optimizer_config.eps"),
         (
             ["optimizer_config.muon_momentum_warmup_steps=-1"],
             "optimizer_config.muon_momentum_warmup_steps",
