@@ -874,6 +874,16 @@ def test_a_directory_without_a_snapshot_says_what_it_is(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_snapshot_file_named_like_a_file_of_a_snapshot_directory_is_read(tiny_file, tmp_path):
+    """Export's dst may be any name: one away from a snapshot's own files is a snapshot file."""
+    from mingpt.snapshot import reader
+
+    for name in ("meta.json", "model.distcp"):
+        path = str(tmp_path / name)
+        shutil.copy(tiny_file, path)
+        assert reader.read(path)[1]["step"] == 60
+
+
 def printed_to(stdout: str, *argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python ARGV` in `cwd` with stdout on a full device ("full") or on a pipe whose reader is
     gone ("closed", as `| head` leaves it once it has its lines)."""

@@ -103,10 +103,11 @@ def find(path: str) -> tuple[str, str]:
     an export) is refused."""
     local = path.removeprefix("file://")
     # A file of a snapshot directory is not a snapshot file: a .distcp would be called damaged.
+    # Only beside a snapshot's own files: an export may be named meta.json or x.distcp.
     folder, name = posixpath.split(path)
-    if name in (manifest.MANIFEST, manifest.META, manifest.DCP_METADATA) or name.endswith(
-        ".distcp"
-    ):
+    marks = (manifest.MANIFEST, manifest.DCP_METADATA)
+    named_as_part = name in (*marks, manifest.META) or name.endswith(".distcp")
+    if named_as_part and any(storage.exists(posixpath.join(folder, mark)) for mark in marks):
         raise SnapshotError(f"{path} is one file of the snapshot {folder}: give that directory")
     if "://" in local or not os.path.isdir(local):
         return path, ""
