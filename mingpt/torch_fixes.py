@@ -104,7 +104,8 @@ def _give_up(restart: int, by_hand: bool) -> None:
     who = f"restart {restart}"
     fix = RESTART_FIX
     if by_hand:
-        who = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
+        # rank 0 may be started without RANK, which defaults to 0
+        who = f"rank {os.environ.get('RANK', 0)} of {os.environ['WORLD_SIZE']}"
         fix = (
             f"is every rank started, with MASTER_ADDR={os.environ['MASTER_ADDR']} "
             f"MASTER_PORT={os.environ['MASTER_PORT']}? (torchrun sets them)"

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import REPO, RUN_DEADLINE, TINY, child_env, free_port, read_snapshot, run_dir_of
 
-from mingpt import stopping
+from mingpt import stopping, torch_fixes
 from mingpt.cli import take_local_rank_argument
 from mingpt.config import ConfigError
 from mingpt.distributed import distributed
@@ -98,6 +98,18 @@ def test_a_rank_started_by_hand_that_cannot_join_says_so_in_one_line():
         "error: rank 1 of 2 could not join the process group in 1 s: is every rank started, with "
         f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}? (torchrun sets them)\n"
     )
+
+
+def test_rank_0_started_by_hand_without_rank_that_cannot_join_says_so(monkeypatch, capfd):
+    """RANK defaults to 0: its timer ended in a KeyError, and rank 0 waited 30 minutes."""
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in {"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    torch_fixes._give_up(0, True)
+    assert exits == [2]
+    assert capfd.readouterr().err.startswith("error: rank 0 of 2 could not join")
 
 
 def test_legacy_launcher_trains_with_two_processes(tmp_path, corpus):
