@@ -49,7 +49,7 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
     text = {}
     rest = []
     for arg in argv:
-        check("=" in arg, arg, "expected key=value")
+        check("=" in arg and not arg.startswith("="), arg, "expected key=value")
         key, value = arg.split("=", 1)
         if key in text_keys:
             text[key] = value

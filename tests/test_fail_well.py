@@ -664,6 +664,8 @@ def test_an_unknown_key_of_generate_is_named_with_the_closest_key():
     with pytest.raises(ConfigError) as e:
         parse_args(["max_new_token=5"], GenerateConfig)
     assert str(e.value) == "unknown key max_new_token (did you mean max_new_tokens? see --help)"
+    with pytest.raises(ConfigError, match=r"^=3: expected key=value$"):
+        parse_args(["=3"], GenerateConfig)
 
 
 def test_interpolation_error_is_one_line(runs):
