@@ -119,10 +119,8 @@ def distributed(device_preference: str) -> Iterator[DistInfo]:
         launcher_number("LOCAL_WORLD_SIZE", 1),
         pick_device(device_preference, local_rank),
     )
-    names = ("MASTER_ADDR", "MASTER_PORT")
-    if info.is_distributed:
-        launcher_number("MASTER_PORT", 0)
     # torch's errors for these are tracebacks, and a rank beyond the world waits forever
+    names = ("MASTER_ADDR", "MASTER_PORT")
     unset = info.is_distributed and not all(name in os.environ for name in names)
     if unset or not 0 <= info.rank < info.world_size:
         address = " ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in names)
@@ -130,6 +128,8 @@ def distributed(device_preference: str) -> Iterator[DistInfo]:
             f"RANK={info.rank} of WORLD_SIZE={info.world_size}, {address} in the environment: "
             "start the processes with torchrun, which sets them (docs/training.md)"
         )
+    if info.is_distributed:
+        launcher_number("MASTER_PORT", 0)  # a number, or one line
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.is_distributed:

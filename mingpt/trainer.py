@@ -320,27 +320,28 @@ class Trainer:
         return torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
-            on_trace_ready=self._write_trace,
+            on_trace_ready=functools.partial(self._write_trace, trace_dir),
             record_shapes=True,
             profile_memory=True,
         )
 
-    def _write_trace(self, profiler: torch.profiler.profile) -> None:
-        """This rank's trace in profile/, named as TensorBoard's profiler plugin names it. Not worth
-        the run, as the metrics are not: a trace that cannot be written (a full disk, a file where
-        profile/ should be) costs a warning, and its partial file goes."""
-        trace_dir = os.path.join(self.run_dir, "profile")
+    @staticmethod
+    def _write_trace(trace_dir: str, profiler: torch.profiler.profile) -> None:
+        """This rank's trace in trace_dir, named as TensorBoard's profiler plugin names it. Not
+        worth the run, as the metrics are not: a trace that cannot be written (a full disk, a file
+        where trace_dir should be) costs a warning, and its partial file goes."""
         name = f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json"
         path = os.path.join(trace_dir, name)
         try:
             os.makedirs(trace_dir, exist_ok=True)
             profiler.export_chrome_trace(path)
-            # The profiler says a failed write on stderr alone, and leaves PATH.tmp.
-            why = "the profiler could not write it"
-            if os.path.exists(path):
-                return
         except OSError as e:
             why = str(e)
+        else:
+            if os.path.exists(path):
+                return
+            # The profiler says a failed write on stderr alone, and leaves PATH.tmp.
+            why = "the profiler could not write it"
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
         log.warning("cannot write the profiler's trace %s (%s): training goes on", path, why)
