@@ -12,7 +12,8 @@ import torch
 from mingpt.config import Config, ConfigError, DataConfig, GPTConfig
 from mingpt.data import CharData, CharTokenizer, DataError
 from mingpt.snapshot import SnapshotError, reader
-from mingpt.snapshot.compat import FROM_DATA, SHAPE_KEYS
+from mingpt.snapshot.compat import FROM_DATA
+from mingpt.snapshot.single_file import SHAPE_KEYS
 from mingpt.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -34,20 +35,6 @@ class Start:
         return f"{self.source} ({why})"
 
 
-def _shape_or_refuse(start: Start) -> dict[str, int]:
-    # A mapping and a string: the record's check, as either snapshot was read, made them so.
-    shape = start.meta["gpt_config"]
-    vocab = start.meta["vocab"]
-    shaped = all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
-    sorted_vocab = vocab == "".join(sorted(set(vocab)))
-    if not shaped or not sorted_vocab or len(vocab) != shape["vocab_size"]:
-        raise SnapshotError(
-            f"trainer_config.init_from: snapshot {start.named} does not record its model's shape "
-            "and vocabulary (gpt_config, and vocab: its sorted distinct characters)"
-        )
-    return shape
-
-
 def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | None:
     """With trainer_config.init_from (None without): the source, or the run's own snapshot at `own`
     if it has one (`saved`, its record). Before any data is read, `config` takes the snapshot's
@@ -66,7 +53,8 @@ def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | N
         if note:
             log.info("%s", note)
         start = Start(source, meta, resuming=False, weights=weights)
-    shape = _shape_or_refuse(start)
+    # whole, as reader.read checked it or this run wrote it (its meta.json checked on reading)
+    shape = start.meta["gpt_config"]
     # key: (this config's value, its default, the source's)
     given = {
         f"gpt_config.{k}": (getattr(config.gpt_config, k), getattr(GPTConfig(), k), shape[k])

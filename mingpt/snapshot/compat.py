@@ -16,7 +16,6 @@ from mingpt.snapshot import SnapshotError, manifest, single_file
 
 log = logging.getLogger(__name__)
 
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
 # Set by the data, not by the user: the corpus gives the vocabulary, data_config.block_size the
 # model's block.
 FROM_DATA = ("gpt_config.vocab_size", "gpt_config.block_size")
@@ -33,7 +32,7 @@ def check_compatible(
     state: dict[str, Any], gpt_config: dict[str, Any], vocab: str, path: str
 ) -> None:
     """Stop with one line naming the first difference between a snapshot's model and this run's."""
-    for key in SHAPE_KEYS:
+    for key in single_file.SHAPE_KEYS:
         saved = state["gpt_config"].get(key)
         current = gpt_config.get(key)
         if saved != current:

@@ -141,6 +141,7 @@ def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         weights = meta.pop("model_state")
         # An older file's optimizer state: nothing that reads a snapshot whole uses it.
         meta.pop("optimizer_state", None)
+    single_file.check_model(meta, path)
     return weights, meta
 
 
@@ -155,20 +156,13 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
     """The model of the snapshot that `path` names (float32, in eval mode, on `device`), its
     vocabulary and record."""
     weights, meta = read(path)
-    vocab = meta["vocab"]  # a string: read checked its structure
+    # its vocabulary fits its shape: read checked the record (single_file.check_model)
     try:
         config = GPTConfig(**meta["gpt_config"])
-        if len(vocab) != config.vocab_size:
-            raise ValueError(
-                f"its vocabulary does not match gpt_config.vocab_size={config.vocab_size}"
-            )
-        # token i is the i-th character in sorted order (data.CharTokenizer)
-        if vocab != "".join(sorted(set(vocab))):
-            raise ValueError("its vocabulary is not sorted distinct characters")
         # No time spent initialising weights about to be replaced.
         with torch.device("meta"):
             model = GPT(config)
         model.load_state_dict({name: t.float() for name, t in weights.items()}, assign=True)
     except (TypeError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"snapshot {path} cannot be used: {load_error(e)}") from None
-    return model.to(device).eval(), CharTokenizer(vocab), meta
+    return model.to(device).eval(), CharTokenizer(meta["vocab"]), meta

@@ -18,6 +18,7 @@ from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
 COUNTS = ("epoch", "samples_in_epoch", "step")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
 REQUIRED_KEYS = ("model_state", "gpt_config", "vocab", *COUNTS)
 # What each field must be: (accepted types, in words).
 FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -110,6 +111,20 @@ def check_structure(state: Any, path: str) -> None:
             raise SnapshotError(
                 f"snapshot {path} has non-finite weights (nan or inf in {name}): it cannot be used"
             )
+
+
+def check_model(meta: dict[str, Any], path: str) -> None:
+    """SnapshotError unless a record that check_structure passed gives its model's whole shape, and
+    a vocabulary of gpt_config.vocab_size sorted distinct characters: what a model is built from."""
+    shape = meta["gpt_config"]
+    vocab = meta["vocab"]
+    shaped = all(isinstance(shape.get(k), int) for k in SHAPE_KEYS)
+    # token i is the i-th character in sorted order (data.CharTokenizer)
+    if not shaped or vocab != "".join(sorted(set(vocab))) or len(vocab) != shape["vocab_size"]:
+        raise SnapshotError(
+            f"snapshot {path} is not usable: it does not record its model's shape and vocabulary "
+            "(gpt_config, and vocab: its sorted distinct characters, gpt_config.vocab_size of them)"
+        )
 
 
 def check_record(meta: Any, path: str) -> None:
