@@ -139,16 +139,24 @@ def decoded_chunks(source: str) -> Iterator[tuple[bytes, str]]:
                 return
 
 
-def kept_chunks(sources: list[str], kept: list[int]) -> Iterator[np.ndarray]:
+def kept_chunks(scans: list[dict], kept: list[int]) -> Iterator[np.ndarray]:
     """The code points of the first kept[i] characters of each source, chunk by chunk, source after
-    source."""
-    for source, keep in zip(sources, kept, strict=True):
-        for _, text in decoded_chunks(source):
-            if keep <= 0:
-                break
-            cps = code_points(text[:keep])
+    source. Each source is read to its end and must still be the bytes its scan ({"source", "size",
+    "sha256"}) hashed, else a DataError: a file edited during a build would leave the new text's
+    ids under the old text's checksum, trusted by the next run that finds the old text."""
+    for scan, keep in zip(scans, kept, strict=True):
+        digest = hashlib.sha256()
+        size = 0
+        for raw, text in decoded_chunks(scan["source"]):
+            digest.update(raw)
+            size += len(raw)
+            cps = code_points(text[: max(keep, 0)])
             keep -= len(cps)
             yield cps
+        if (size, digest.hexdigest()) != (scan["size"], scan["sha256"]):
+            raise DataError(
+                f"data file {scan['source']} changed while its token cache was built; run again"
+            )
 
 
 def read_header(f) -> tuple[dict, int]:
@@ -226,7 +234,7 @@ def _scan(source: str) -> tuple[dict, int, torch.Tensor]:
 
 def ensure(path: str, sources: list[str], truncate: float) -> None:
     """Build the cache at `path` (atomically) unless a valid one is there. A build reads each source
-    twice (thrice when truncated: the vocabulary is that of the kept text)."""
+    twice (thrice when truncated: the vocabulary is that of the kept text), whole each time."""
     why = _why_rebuild(path, sources, truncate)
     if why is None:
         log.info("token cache %s is up to date", path)
@@ -236,18 +244,19 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
         level = logging.WARNING
     log.log(level, "token cache %s: %s; encoding the corpus", path, why)
     scans = [_scan(source) for source in sources]
+    keys = [key for key, _, _ in scans]
     kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
     if truncate == 1.0:
         counts = sum(c for *_, c in scans)
     else:  # the vocabulary of the kept text alone
-        counts = sum(count(cps) for cps in kept_chunks(sources, kept))
+        counts = sum(count(cps) for cps in kept_chunks(keys, kept))
     vocab_cps = np.flatnonzero(counts.numpy())
     dtype = dtype_for(len(vocab_cps))
     lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
     lookup[vocab_cps] = np.arange(len(vocab_cps), dtype=dtype)
     header = {
         "version": VERSION,
-        "sources": [key for key, _, _ in scans],
+        "sources": keys,
         "truncate": truncate,
         "vocab": "".join(map(chr, vocab_cps.tolist())),
         "dtype": dtype,
@@ -268,7 +277,7 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
         with storage.atomic_open(path) as f:
             f.write(_header_bytes(header))
             digest = hashlib.sha256(_header_bytes(header))
-            for cps in kept_chunks(sources, kept):
+            for cps in kept_chunks(keys, kept):
                 ids = lookup[cps].tobytes()
                 digest.update(ids)
                 f.write(ids)

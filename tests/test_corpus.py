@@ -64,6 +64,41 @@ def test_cache_is_reused_and_rebuilt_when_the_corpus_changes(tmp_path, caplog):
     assert cache_files(tmp_path / "cache") == [cache]  # replaced, not added
 
 
+@pytest.mark.parametrize("truncate", [1.0, 0.5])
+def test_a_corpus_edited_while_its_cache_is_built_is_refused_never_cached(
+    tmp_path, monkeypatch, truncate
+):
+    """The file is rewritten (same size, a character the scan never saw) right after its scan, so
+    the encode reads other bytes than those checksummed: no cache records them, and once the edit is
+    undone the next build encodes the text as it is."""
+    from mingpt import token_cache
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefgh" * 50, encoding="utf-8")
+    cfg = DataConfig(
+        path=str(corpus),
+        block_size=8,
+        stride=8,
+        cache_dir=str(tmp_path / "cache"),
+        truncate=truncate,
+    )
+    scan = token_cache._scan
+
+    def scan_then_edit(source):
+        scanned = scan(source)
+        corpus.write_text("zzzzzzzz" * 50, encoding="utf-8")
+        return scanned
+
+    monkeypatch.setattr(token_cache, "_scan", scan_then_edit)
+    with pytest.raises(DataError, match="c.txt changed while its token cache was built"):
+        load_data(cfg)
+    assert list(tmp_path.rglob("*.tokens*")) == []  # neither a cache nor its temporary
+    monkeypatch.undo()
+    corpus.write_text("abcdefgh" * 50, encoding="utf-8")
+    data = load_data(cfg)
+    assert data.tokenizer.decode(data.train.tokens) == ("abcdefgh" * 50)[: len(data.train.tokens)]
+
+
 @pytest.mark.parametrize(
     "damage", ["flip-token", "cut", "garbage-header", "vocabulary", "not-an-object"]
 )
