@@ -195,13 +195,13 @@ def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
     keys = []
     for source in sources:
         with open_source(source) as f:
-            keys.append(storage.sha256(f))
+            keys.append((source, *storage.sha256(f)))
     try:
         with open(path, "rb") as f:
             header, offset = read_header(f)
             f.seek(offset)
             if (
-                keys != [(h["size"], h["sha256"]) for h in header["sources"]]
+                keys != [(h["source"], h["size"], h["sha256"]) for h in header["sources"]]
                 or header["truncate"] != truncate
             ):
                 return "the corpus changed"
@@ -317,8 +317,9 @@ def default_cache_path(
     sources: list[str], truncate: float, cache_dir: str | None, local_dir: str | None
 ) -> str:
     """data_config.cache_dir if set, else .mingpt-cache/ beside a local corpus when that directory
-    is writable, else the user's cache directory. The name depends on the sources and truncate, not
-    their contents: a changed corpus replaces its cache instead of adding one."""
+    is writable, else the user's cache directory. The name depends on the sources (the patterns of
+    data_config.path) and truncate, not the files or their contents: a changed corpus replaces its
+    cache instead of adding one."""
     if cache_dir is None:
         cache_dir = storage.user_cache_dir()
         if local_dir is not None and os.access(local_dir, os.W_OK):
@@ -328,4 +329,5 @@ def default_cache_path(
     # The stem only makes the name readable; whole, a long file name would make it longer than a
     # file name may be (255 bytes), the temporary's suffix (up to about 90 more) included.
     stem = stem.encode("utf-8")[:STEM_BYTES].decode("utf-8", "ignore") or "corpus"
+    stem = re.sub(r"[][*?]+", "_", stem)  # a glob's pattern: no wildcard in a file's name
     return os.path.join(cache_dir, f"{stem}-{name}.tokens")

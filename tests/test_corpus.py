@@ -503,6 +503,29 @@ def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
         assert second.tokenizer.chars == "abcdefgh"
 
 
+def test_a_glob_that_matches_other_files_replaces_its_cache(tmp_path):
+    """One cache per pattern, not one per set of files it ever matched; a process that opened the
+    replaced cache reads it still, and one that opens the cache after a build reads the files that
+    build encoded, whatever the glob matches by then."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    cfg = DataConfig(path=str(texts / "*.txt"), block_size=8, stride=8)
+    first = load_data(cfg)
+    (texts / "b.txt").write_text("zyxwvuts" * 50, encoding="utf-8")
+    second = load_data(cfg)
+    assert second.files == [str(texts / "a.txt"), str(texts / "b.txt")]
+    (texts / "b.txt").rename(texts / "c.txt")  # the same bytes under another name
+    third = load_data(cfg)
+    assert third.files == [str(texts / "a.txt"), str(texts / "c.txt")]
+    (texts / "d.txt").write_text("0123" * 50, encoding="utf-8")
+    assert load_data(cfg, build=False).files == third.files
+    assert [p.name for p in cache_files(texts / ".mingpt-cache")] == [
+        os.path.basename(third.cache.path)
+    ]
+    assert text_of(first, first.train.segments[0]) == ("abcdefgh" * 50)[:360]
+
+
 def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path):
     """Ctrl-C during a build ends the process at once (os._exit, no cleanup): the
     next build removes the temporary of a dead process on this host, never one of
