@@ -217,6 +217,18 @@ class Trainer:
         self.plan = step_plan(cfg, len(data.train), W, self.state)
         self.samples_per_step = self.plan.samples_per_step
         self.total_steps = self.plan.total_steps
+        warmup = config.optimizer_config.warmup_steps
+        if warmup and warmup >= self.total_steps:
+            log.warning(
+                "optimizer_config.warmup_steps=%d covers the whole run of %d steps "
+                "(trainer_config.max_steps=%s, max_epochs=%d): the learning rate rises to the "
+                "end and reaches optimizer_config.learning_rate at the last step or never",
+                warmup,
+                self.total_steps,
+                cfg.max_steps,
+                cfg.max_epochs,
+                extra=SAME_ON_EVERY_RANK,
+            )
         tracker = tracking.start(
             config,
             run_dir,

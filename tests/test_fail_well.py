@@ -935,7 +935,11 @@ def test_a_run_whose_sample_cannot_be_printed_ends_well(tmp_path, small_corpus):
     """The sample at the end goes to stdout: on a full device one warning, and the run ends as
     it would (it ended in a traceback, after its snapshot)."""
     args = on_cpu(
-        [*overrides(small_corpus, "trainer_config.sample_chars=20"), "trainer_config.max_steps=3"]
+        [
+            *overrides(small_corpus, "trainer_config.sample_chars=20"),
+            "trainer_config.max_steps=3",
+            "optimizer_config.warmup_steps=2",  # shorter than the run: its one warning is stdout's
+        ]
     )
     proc = printed_to("full", str(REPO / "main.py"), *args, cwd=tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

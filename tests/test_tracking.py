@@ -37,6 +37,8 @@ ARGS = [
     "trainer_config.tracker=mlflow",
     "trainer_config.eval_every=10",
     "trainer_config.save_every_minutes=null",
+    # shorter than the runs (10 steps and more), which say no warning
+    "optimizer_config.warmup_steps=5",
 ]
 
 

@@ -123,6 +123,32 @@ def test_a_profile_trace_that_cannot_be_written_costs_a_warning(
     assert "training goes on" in warnings[1] and not list(small_disk.iterdir())
 
 
+@pytest.mark.parametrize(("warmup", "warned"), [(5, True), (4, True), (3, False), (0, False)])
+def test_a_warmup_as_long_as_the_run_is_said_at_start(
+    tmp_path, small_corpus, caplog, warmup, warned
+):
+    """The learning rate of a 4-step run with a warmup of 4 or more steps never decays from its
+    peak, nor reaches it before the last step: one warning naming both keys."""
+    dotlist = [
+        *TINY,
+        f"data_config.path={small_corpus}",
+        f"optimizer_config.warmup_steps={warmup}",
+        "trainer_config.max_steps=4",
+    ]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
+        build(OmegaConf.to_object(config), DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path))
+    said = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    if warned:
+        assert said == [
+            f"optimizer_config.warmup_steps={warmup} covers the whole run of 4 steps "
+            "(trainer_config.max_steps=4, max_epochs=2): the learning rate rises to the end and "
+            "reaches optimizer_config.learning_rate at the last step or never"
+        ]
+    else:
+        assert said == []
+
+
 def test_the_train_log_shows_muons_learning_rate_and_no_missing_value(
     tmp_path, small_corpus, one_thread, caplog
 ):
