@@ -234,17 +234,17 @@ def run(config: GenerateConfig) -> None:
     for chunk in new_tokens:
         write(tokenizer.decode(chunk[0].tolist()))
         chunks.append(chunk)
-    # The other samples follow when it ends, a sample's list of tokens at a time (a list of all
-    # held another 8 bytes a character of each sample, beyond what check_fits counts).
+    # The other samples follow when it ends, decoded a piece at a time: a sample's list of ids and
+    # text whole held some 20 bytes a character beyond what check_fits counts (a list of all of
+    # them, 8 more a character of each), and sample 1, streamed already, was decoded again whole.
     tokens = torch.cat(chunks, dim=1)
     for i in range(n):
-        text = prompt + tokenizer.decode(tokens[i].tolist())
-        out = ""
         if i:
-            out = "\n" + header.format(i + 1) + text
-        if not text.endswith("\n"):
-            out += "\n"
-        write(out)
+            write("\n" + header.format(i + 1) + prompt)
+            for piece in tokens[i].split(1 << 14):
+                write(tokenizer.decode(piece.tolist()))
+        if (tokenizer.decode(tokens[i, -1:].tolist()) or prompt[-1:]) != "\n":
+            write("\n")
     seconds = time.perf_counter() - started
     chars = config.max_new_tokens * n
     plural = "" if chars == 1 else "s"

@@ -869,6 +869,48 @@ def test_samples_hold_no_more_than_check_fits_counts(snapshot, monkeypatch, one_
     assert peaks[65] - peaks[1] < 64 * 1000, peaks
 
 
+def test_the_samples_are_decoded_at_the_end_a_piece_at_a_time(snapshot, monkeypatch):
+    """Past check_fits's two int64 a character, a sample holds no Python object a character: sample
+    1 (streamed already) was decoded again whole, and each other one whole, its list of ids and its
+    text some 20 bytes a character that a max_new_tokens let through might not find. The model is
+    not run: the generation is its chunks of id 1, as decoding.generate yields them."""
+    import tracemalloc
+
+    new = 300_000
+
+    def generated(model, idx, max_new_tokens, *args):
+        out = torch.ones(idx.size(0), max_new_tokens, dtype=torch.long)
+        yield out[:, :1]
+        for start in range(1, max_new_tokens, decoding.CHUNK_TOKENS):
+            yield out[:, start : start + decoding.CHUNK_TOKENS]
+
+    check_fits = generate_cli.check_fits
+
+    def checked(*args):
+        check_fits(*args)
+        tracemalloc.reset_peak()  # from here on: what check_fits is to count
+
+    monkeypatch.setattr(generate_cli, "generate", generated)
+    monkeypatch.setattr(generate_cli, "check_fits", checked)
+    with open(os.devnull, "w") as devnull:
+        monkeypatch.setattr(sys, "stdout", devnull)
+        for max_new_tokens in (1, new):  # the first imports what generating needs
+            config = GenerateConfig(
+                snapshot_path=str(snapshot),
+                max_new_tokens=max_new_tokens,
+                num_samples=2,
+                device="cpu",
+                compile="false",
+            )
+            tracemalloc.start()
+            try:
+                generate_cli.run(config)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+    assert peak < 6 * new, peak  # a piece's list and text, the chunks' views: about 0.7 MB
+
+
 def test_one_character_generated_is_said_in_the_singular(tiny_run, capsys, caplog):
     """The closing log line said 1 characters in ..."""
     config = GenerateConfig(
