@@ -234,16 +234,17 @@ def run(config: GenerateConfig) -> None:
     for chunk in new_tokens:
         write(tokenizer.decode(chunk[0].tolist()))
         chunks.append(chunk)
-    # The other samples follow when it ends, decoded a piece at a time: a sample's list of ids and
-    # text whole held some 20 bytes a character beyond what check_fits counts (a list of all of
-    # them, 8 more a character of each), and sample 1, streamed already, was decoded again whole.
+    # The other samples follow when it ends, decoded a piece at a time: whole, a sample's list of
+    # ids and its text would hold some 20 bytes a character beyond what check_fits counts.
     tokens = torch.cat(chunks, dim=1)
     for i in range(n):
         if i:
             write("\n" + header.format(i + 1) + prompt)
             for piece in tokens[i].split(1 << 14):
                 write(tokenizer.decode(piece.tolist()))
-        if (tokenizer.decode(tokens[i, -1:].tolist()) or prompt[-1:]) != "\n":
+        # a sample of no new character ends as its prompt does
+        last = tokenizer.decode(tokens[i, -1:].tolist()) or prompt[-1:]
+        if last != "\n":
             write("\n")
     seconds = time.perf_counter() - started
     chars = config.max_new_tokens * n
