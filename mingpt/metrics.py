@@ -119,21 +119,28 @@ class Metrics:
 
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        # The events a killed run logged after the snapshot it resumes from go; TensorBoard hides
-        # its own (purge_step). With `eval_due` the snapshot's step is evaluated again: an
-        # evaluation of it that a killed run logged goes too.
+        # The events a killed run logged after the snapshot it resumes from go. With `eval_due` the
+        # snapshot's step is evaluated again: an evaluation of it that a killed run logged goes too.
         found = list(events(path))
         keep = []
         for line, record in found:
             redone = eval_due and record["step"] == resume_step and record["split"] == "eval"
             if record["step"] <= resume_step and not redone:
-                keep.append(line)
+                keep.append((line, record))
         if resume_step == 0 and found:
             _set_aside(path)
         with open(path, "wb") as f:
-            f.writelines(keep)
+            f.writelines(line for line, _ in keep)
         threading.excepthook = _quiet_tensorboard_thread
-        self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1)
+        # TensorBoard hides its own from purge_step on: from the step resumed from where its
+        # evaluation is done again, whose kept events are then written again.
+        purge_step = resume_step + 1
+        if eval_due:
+            purge_step = resume_step
+        self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
+        for _, record in keep:
+            if record["step"] == purge_step:
+                self._scalars(record)
         # Open for the run's whole length, closed by close().
         self._jsonl = open(path, "ab")  # noqa: SIM115
 
@@ -152,11 +159,15 @@ class Metrics:
 
         def write() -> None:
             self._append_line(json.dumps(record) + "\n")
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self._writer.add_scalar(f"{split}/{key}", value, step)
+            self._scalars(record)
 
         self._write(write)
+
+    def _scalars(self, record: dict[str, Any]) -> None:
+        """A metrics.jsonl record's numbers, to TensorBoard."""
+        for key, value in record.items():
+            if key not in ("step", "epoch", "split") and isinstance(value, (int, float)):
+                self._writer.add_scalar(f"{record['split']}/{key}", value, record["step"])
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.tracker.text(tag, text, step)

@@ -210,15 +210,16 @@ class MlflowTracker(Tracker):
             return None
         self.client.update_run(run_id, status="RUNNING")
         self.client.set_tag(run_id, "mingpt.resumed_at_step", str(step))
-        # An attempt killed after its snapshot logged steps that this one does again, and MLflow
-        # cannot delete values: an event of the same loss (bitwise resume) is not logged twice; one
-        # of another (another config or number of ranks) is, the later value this run's.
+        # An attempt killed after its snapshot logged steps that this one does again (and the
+        # snapshot's own evaluation, where a stop cut it short), and MLflow cannot delete values: an
+        # event of the same loss (bitwise resume) is not logged twice; one of another (another
+        # config or number of ranks) is, the later value this run's.
         self.redone = {
             (key, m.step): m.value
             for key in run.data.metrics
             if key.endswith("/loss")
             for m in self.client.get_metric_history(run_id, key)
-            if m.step > step
+            if m.step >= step
         }
         return run_id
 

@@ -21,7 +21,7 @@ from conftest import (
     run_torchrun,
     tree_bytes,
 )
-from test_snapshot import make_trainer, same_tensors
+from test_snapshot import make_trainer, same_tensors, tensorboard_losses
 
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
@@ -185,8 +185,9 @@ def test_an_evaluation_cut_by_a_stop_is_done_by_the_resumed_run(
     """A stop during the evaluation at step 12 writes no best (the evaluation has no loss); the
     resumed run does that evaluation before its next step, so that its losses and best weights are
     the uninterrupted run's (the best was at step 12: it was lost, and step 4's kept), logged once
-    when a crash after it leaves it to the next resume."""
-    args = [*BUMPY, "trainer_config.max_steps=16"]
+    when a crash after it leaves it to the next resume (TensorBoard too, beside step 12's train
+    event, which no resume logs again)."""
+    args = [*BUMPY, "trainer_config.max_steps=16", "trainer_config.log_every=4"]
     reference = make_trainer(tmp_path / "ref", small_corpus, *args)
     reference.train()
     trainer = make_trainer(tmp_path / "run", small_corpus, *args)
@@ -212,6 +213,10 @@ def test_an_evaluation_cut_by_a_stop_is_done_by_the_resumed_run(
     assert manifest.step_of(manifest.latest(best_root)) == resumed.state.best_step == 4
     resumed.train()
     assert logged(tmp_path / "run") == logged(tmp_path / "ref")
+    for tag in ("eval/loss", "train/loss"):
+        assert tensorboard_losses(tmp_path / "run", tag) == tensorboard_losses(
+            tmp_path / "ref", tag
+        )
     best = read_snapshot(tmp_path / "run" / "snapshots-best")
     expected = read_snapshot(tmp_path / "ref" / "snapshots-best")
     # the test means something: the evaluation cut short was the best

@@ -958,12 +958,12 @@ def train_events(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
 
 
-def tensorboard_losses(run_dir) -> list[tuple[int, float]]:
+def tensorboard_losses(run_dir, tag: str = "train/loss") -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
-    return [(e.step, e.value) for e in events.Scalars("train/loss")]
+    return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
 def final_state(run_dir) -> tuple[int, dict, dict]:

@@ -528,3 +528,18 @@ def test_attempts_resumed_from_one_step_with_other_values_keep_the_tracker(
         "optimizer_config.learning_rate:step7:2": "0.002",
     }
     assert run.info.status == "FINISHED"
+
+
+def test_an_evaluation_a_stop_cut_short_is_logged_once(tmp_path, monkeypatch):
+    """A stop cut the evaluation at step 7 short: the attempt resumed from 7 evaluated it and was
+    killed before its next snapshot, and the next attempt evaluates it again (bitwise, the same
+    loss). MLflow holds it once."""
+    uri = store_uri(tmp_path)
+    run_dir = str(tmp_path / "run")
+    stopped = tracking.start(config(tracker_uri=uri), run_dir, None, 0, enabled=True)
+    stopped.close("KILLED")
+    for _ in range(2):
+        tracker = tracking.start(config(tracker_uri=uri), run_dir, stopped.run_id, 7, enabled=True)
+        tracker.log("eval", 7, {"loss": 1.5})
+        tracker.close()
+    assert Store(tmp_path, monkeypatch).history[stopped.run_id]["eval/loss"] == [(7, 1.5)]
