@@ -102,6 +102,7 @@ class Metrics:
         resume_step: int = 0,
         tracker: Tracker = OFF,
         eval_due: bool = False,
+        sample_due: bool = False,
     ):
         self.enabled = enabled
         self.tracker = tracker
@@ -133,9 +134,9 @@ class Metrics:
             f.writelines(line for line, _ in keep)
         threading.excepthook = _quiet_tensorboard_thread
         # TensorBoard hides its own from purge_step on: from the step resumed from where its
-        # evaluation is done again, whose kept events are then written again.
+        # evaluation or sample is done again, whose kept events are then written again.
         purge_step = resume_step + 1
-        if eval_due:
+        if eval_due or sample_due:
             purge_step = resume_step
         self._writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
         for _, record in keep:

@@ -51,6 +51,7 @@ class TrainState:
     # A stop signal cut short the evaluation of this step's weights: the resumed run does it first,
     # so that its loss, best weights and early stopping are the uninterrupted run's.
     eval_due: bool = False
+    sample_due: bool = False  # the same for the sample after it, once its loss is recorded
 
     @classmethod
     def restored(cls, saved: dict | None, epoch_samples: int) -> "TrainState":
@@ -239,7 +240,12 @@ class Trainer:
         if tracker.run_id:
             self.checkpointer.tracker_run_id = tracker.run_id
         self.metrics = Metrics(
-            run_dir, dist_info.is_main_process, self.state.step, tracker, self.state.eval_due
+            run_dir,
+            dist_info.is_main_process,
+            self.state.step,
+            tracker,
+            self.state.eval_due,
+            self.state.sample_due,
         )
         block = self.train_windows.block_size
         step_tokens = self.samples_per_step * block
@@ -250,8 +256,8 @@ class Trainer:
         self.pace = Pace(step_tokens * W, flops_per_token, peak, self.state.step)
 
     def finished(self) -> bool:
-        """Out of steps (or epochs), or stopped early, with no evaluation left to do."""
-        if self.state.eval_due:
+        """Out of steps (or epochs), or stopped early, with no evaluation (or sample) left to do."""
+        if self.state.eval_due or self.state.sample_due:
             return False
         return self.state.step >= self.total_steps or self.evaluator.stopped_early(self.state)
 
@@ -264,11 +270,10 @@ class Trainer:
         try:
             with stopping.graceful(), self._profiler() as profiler:
                 last_step = state.step >= self.total_steps
-                # The evaluation of the step resumed from, which a stop cut short, comes first.
-                if state.eval_due:
-                    last_step = self._after_step(
-                        evaluate=True, last_step=last_step, epoch_ended=False
-                    )
+                # The evaluation (or its sample) of the step resumed from, which a stop cut short,
+                # comes first.
+                if state.eval_due or state.sample_due:
+                    last_step = self._after_step(state.eval_due, last_step, epoch_ended=False)
                 while not last_step:
                     # One optimizer step over this rank's share of the next global batch.
                     indices = next(batches)
@@ -301,10 +306,15 @@ class Trainer:
         with self.pace.paused():
             if evaluate:
                 self.evaluate(last_step)
+            elif state.sample_due:
+                with self.comm.mean_weights():
+                    self._record_sample()
             last_step = last_step or self.evaluator.stopped_early(state)
-            # An evaluation that a stop cut short leaves the run to do: its end is not reached.
+            # An evaluation or sample that a stop cut short leaves the run to do: its end is not
+            # reached.
+            cut_short = state.eval_due or state.sample_due
             with self._weights_finite():
-                self.checkpointer.save(state, last_step and not state.eval_due, epoch_ended)
+                self.checkpointer.save(state, last_step and not cut_short, epoch_ended)
         return last_step
 
     def _profiler(self) -> contextlib.AbstractContextManager:
@@ -514,19 +524,31 @@ class Trainer:
                 rank_losses=result.rank_losses,
                 tokens=result.tokens,
             )
-            if cfg.sample_chars and (self.dist.is_main_process or self.fsdp):
-                text = self.sample(self._stop_check())
-                # The step boundary right after stops the run.
-                if text is None:
-                    log.info(
-                        "sample at step %d interrupted by a stop signal: not recorded", state.step
-                    )
-                else:
-                    self.metrics.text("sample", text, state.step)
+            self._record_sample()
         seconds = time.monotonic() - start
         if self.eval_notice.took(seconds):
             log.info("evaluation at step %d took %.1f s", state.step, seconds)
         return result.loss
+
+    def _record_sample(self) -> None:
+        """The evaluation's sample, recorded. One that a stop cuts short (the step boundary right
+        after stops the run) is left to the resumed run, as an evaluation is (sample_due)."""
+        state = self.state
+        state.sample_due = False
+        if not self.cfg.sample_chars:
+            return
+        text = ""
+        if self.dist.is_main_process or self.fsdp:
+            text = self.sample(self._stop_check())
+        # Rank 0's outcome on every rank: each saves the same position.
+        state.sample_due = bool(all_max(self.dist, [int(text is None)])[0])
+        if state.sample_due:
+            log.info(
+                "sample at step %d interrupted by a stop signal: the resumed run does it",
+                state.step,
+            )
+        elif text:
+            self.metrics.text("sample", text, state.step)
 
     def _stop_check(self) -> Callable[[], int]:
         """What evaluation and sampling ask for a stop request: this rank's; with a sharded model,

@@ -250,6 +250,49 @@ def test_a_stop_in_the_final_evaluation_leaves_it_to_the_resumed_run(
     assert again.finished() and not again.state.eval_due and again.state.step == 6
 
 
+def test_a_sample_cut_by_a_stop_is_done_by_the_resumed_run(
+    tmp_path, small_corpus, monkeypatch, one_thread
+):
+    """A stop during the sample after the last step's evaluation (its loss recorded): the run is
+    not complete, and the resumed run samples that step, with the same text, before it ends; again
+    after a crash before its snapshot. What TensorBoard shows (its plugins' reader), as
+    metrics.jsonl, is the uninterrupted run's record, each step's once."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    args = [*BUMPY, "trainer_config.max_steps=8", "trainer_config.sample_chars=10"]
+    make_trainer(tmp_path / "ref", small_corpus, *args).train()
+    trainer = make_trainer(tmp_path / "run", small_corpus, *args)
+    sample = trainer.sample
+    sampling = []
+
+    def sample_at_8(stop):
+        if trainer.state.step == 8:
+            sampling.append(stop)
+        return sample(stop)
+
+    monkeypatch.setattr(trainer, "sample", sample_at_8)
+    monkeypatch.setattr(stopping, "stop_requested", lambda: signal.SIGTERM if sampling else 0)
+    with pytest.raises(stopping.Stopped, match="at step 8; the run is saved in"):
+        trainer.train()
+    monkeypatch.undo()
+    crashed = make_trainer(tmp_path / "run", small_corpus, *args)
+    assert not crashed.finished()
+    monkeypatch.setattr(crashed.checkpointer, "save", lambda *_: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        crashed.train()
+    make_trainer(tmp_path / "run", small_corpus, *args).train()
+    assert make_trainer(tmp_path / "run", small_corpus, *args).finished()
+    assert logged(tmp_path / "run") == logged(tmp_path / "ref")
+    shown = {}
+    for name in ("run", "ref"):
+        events = EventAccumulator(str(tmp_path / name / "tb"))
+        events.Reload()
+        tags = ("sample/text_summary", "eval/loss")
+        shown[name] = [[(e.step, e.tensor_proto) for e in events.Tensors(tag)] for tag in tags]
+    assert [step for step, _ in shown["ref"][0]] == [4, 8]
+    assert shown["run"] == shown["ref"]
+
+
 def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog, one_thread):
     """No evaluation after the first lowers the loss by 10: with a patience of 2
     the run stops at the third evaluation, saves there, and counts as finished."""

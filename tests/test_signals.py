@@ -290,14 +290,16 @@ def test_ctrl_c_during_training_saves_and_stops(runs, moment):
 
 
 def test_ctrl_c_during_an_evaluations_sample_stops_at_once(runs):
-    """The sample after the evaluation at step 5 is cut short (not recorded), like
-    the evaluation: the run saves at step 5 and stops without sampling on."""
+    """The sample after the evaluation at step 5 is cut short, like the evaluation
+    (the resumed run does it): the run saves at step 5 and stops without sampling on."""
     status, stderr, run_dir = runs["generating"]
     assert status == 130, stderr[-3000:]
     assert stderr.splitlines()[-1].startswith("interrupted at step 5; the run is saved in"), stderr[
         -3000:
     ]
-    assert "sample at step 5 interrupted by a stop signal: not recorded" in stderr, stderr[-3000:]
+    assert "sample at step 5 interrupted by a stop signal: the resumed run does it" in stderr, (
+        stderr[-3000:]
+    )
     assert "Traceback" not in stderr and "train step 6 " not in stderr
     assert read_snapshot(run_dir / "snapshots")["step"] == 5
 
