@@ -21,7 +21,7 @@ from conftest import (
     run_torchrun,
     tree_bytes,
 )
-from test_snapshot import make_trainer, same_tensors, tensorboard_losses
+from test_snapshot import make_trainer, same_tensors, tensorboard_in_order, tensorboard_losses
 
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
@@ -285,8 +285,9 @@ def test_a_sample_cut_by_a_stop_is_done_by_the_resumed_run(
     assert logged(tmp_path / "run") == logged(tmp_path / "ref")
     shown = {}
     for name in ("run", "ref"):
-        events = EventAccumulator(str(tmp_path / name / "tb"))
-        events.Reload()
+        with tensorboard_in_order(tmp_path / name) as ordered:
+            events = EventAccumulator(ordered)
+            events.Reload()
         tags = ("sample/text_summary", "eval/loss")
         shown[name] = [[(e.step, e.tensor_proto) for e in events.Tensors(tag)] for tag in tags]
     assert [step for step, _ in shown["ref"][0]] == [4, 8]

@@ -7,6 +7,7 @@ Tiny model, 20,000-character corpus: 1,124 training windows of 16 tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,9 +18,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -958,11 +961,28 @@ def train_events(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
 
 
+@contextlib.contextmanager
+def tensorboard_in_order(run_dir) -> Iterator[str]:
+    """A directory of the run's TensorBoard files, named in the order they were written, which a
+    restart's purge depends on: a file's name ends in its time in seconds and a counter of the
+    process, and by name ...10 comes before ...9 (several attempts in one test's second)."""
+
+    def written(path: Path) -> tuple[int, int]:
+        parts = path.name.split(".")
+        return int(parts[3]), int(parts[-1])
+
+    with tempfile.TemporaryDirectory() as ordered:
+        for i, path in enumerate(sorted((run_dir / "tb").iterdir(), key=written)):
+            os.symlink(path, os.path.join(ordered, f"events.out.tfevents.{i:06d}"))
+        yield ordered
+
+
 def tensorboard_losses(run_dir, tag: str = "train/loss") -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tb"))
-    events.Reload()
+    with tensorboard_in_order(run_dir) as ordered:
+        events = EventAccumulator(ordered)
+        events.Reload()
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
