@@ -407,15 +407,21 @@ def test_the_migration_table_has_the_presets_and_defaults_values():
             assert row[column].startswith(cell), (row, cell)
 
 
-def commands(*programs: str) -> list[tuple[str, list[str]]]:
-    """Each command of one of `programs` in a bash block of docs/ or BENCHMARKS.md: its page and
-    its key=value arguments."""
+def commands(*programs: str, launcher: str = "") -> list[tuple[str, list[str]]]:
+    """Each command of one of `programs` (started by `launcher`, where given) in a bash block of
+    docs/ or BENCHMARKS.md: its page and its key=value arguments."""
     found = []
     for page in [*documents()[1:], REPO / "BENCHMARKS.md"]:
         text = page.read_text(encoding="utf-8")
         for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)
+                if "-c" in words:
+                    # sh -c 'SCRIPT' sh ARGS: the script's words, then the arguments it passes on
+                    script = words.index("-c") + 1
+                    words[script : script + 1] = shlex.split(words[script])
+                if launcher and launcher not in words:
+                    continue
                 if at := [i for i, word in enumerate(words) if word in programs]:
                     args = words[at[0] + 1 :]
                     found.append((page.name, [a for a in args if "=" in a and a[0] != "-"]))
@@ -424,6 +430,16 @@ def commands(*programs: str) -> list[tuple[str, list[str]]]:
 
 def training_commands() -> list[tuple[str, list[str]]]:
     return commands("main.py")
+
+
+def test_a_documented_torchrun_command_names_its_run():
+    """The number of processes is no part of a run: unnamed, a torchrun command would meet the
+    Quick start's finished runs/default."""
+    found = commands("main.py", launcher="torchrun")
+    assert len(found) > 5
+    for page, overrides in found:
+        keys = {arg.split("=")[0] for arg in overrides}
+        assert keys & {"trainer_config.run_name", "experiment"}, (page, overrides)
 
 
 @pytest.mark.parametrize(
