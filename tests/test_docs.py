@@ -34,6 +34,7 @@ from mingpt.config import (
 )
 from mingpt.export import ExportConfig
 from mingpt.optim import lr_at
+from mingpt.trainer import TrainState
 
 SECTIONS = {
     "gpt_config": GPTConfig,
@@ -270,6 +271,15 @@ def table_rows(doc: str, header: str) -> list[list[str]]:
             break
         rows.append([cell.strip() for cell in line.strip("|").split("|")])
     return rows
+
+
+def test_what_a_snapshot_holds_names_every_field_of_the_runs_position():
+    """The fields of TrainState, which every snapshot records, are each named in
+    docs/fault-tolerance.md's list."""
+    page = doc_text("fault-tolerance.md")
+    section = page.split(" ## What a snapshot holds ")[1].split(" ## ")[0]
+    named = set(re.findall(r"`(\w+)`", section))
+    assert {f.name for f in dataclasses.fields(TrainState)} <= named
 
 
 def test_the_stop_signal_table_is_the_default_stop_signals():
