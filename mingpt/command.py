@@ -9,6 +9,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from mingpt.config import ConfigError, check, key_lines, unknown_key
 from mingpt.distributed import setup_logging
+from mingpt.rundir import LOCK_FILE
 from mingpt.snapshot import SnapshotError, reader
 from mingpt.storage import StorageError, reason
 
@@ -31,10 +32,11 @@ def find_snapshot(path: str, key: str) -> tuple[str, str]:
     """reader.find, saying what to do where `path` (given as `key`) is the default run and it is not
     there: a first command outside the directory that trained."""
     if path == DEFAULT_RUN and not os.path.exists(path):
-        raise SnapshotError(
-            f"snapshot not found: {path} (no run here: train one with {typed('train')}, or give "
-            f"{key}=PATH)"
-        )
+        hint = f"no run here: train one with {typed('train')}, or give {key}=PATH"
+        # Inside a run directory (cd runs/NAME, or a config whose hydra.run.dir is ./)
+        if os.path.exists(LOCK_FILE):
+            hint = f"this directory is a run's: give {key}=."
+        raise SnapshotError(f"snapshot not found: {path} ({hint})")
     return reader.find(path)
 
 

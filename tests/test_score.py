@@ -131,6 +131,15 @@ def test_no_run_here_says_to_train_first(command, argv, key, tmp_path, monkeypat
     )
 
 
+def test_inside_a_run_directory_says_to_give_it(tiny_run, monkeypatch, capsys):
+    """In runs/NAME (or a directory a config's hydra.run.dir: ./ trained in), the hint was to
+    train a run first."""
+    monkeypatch.chdir(tiny_run[1])
+    assert refused(capsys, []) == (
+        "error: snapshot not found: runs/default (this directory is a run's: give snapshot_path=.)"
+    )
+
+
 def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     _, run_dir = tiny_run
     snapshot = f"snapshot_path={run_dir / 'snapshots'}"
