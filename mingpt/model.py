@@ -67,10 +67,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, last: bool = False
     ) -> torch.Tensor:
         """x (B, T, C); with a cache, x is a prompt from position 0, whose keys and values fill it
-        (Block.step goes on from there)."""
+        (Block.step goes on from there). last: the output of the last position alone (B, 1, C)."""
         B, T, C = x.shape
         hs = C // self.n_head  # head size
         q, k, v = self.c_attn(x).split(C, dim=2)
@@ -80,10 +80,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
         if cache is not None:
             k, v = cache.store(layer, k, v, None)
+        if last:
+            q = q[:, :, -1:]
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=T > 1
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=q.size(2) > 1
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, q.size(2), C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -114,9 +116,10 @@ class Block(nn.Module):
         }
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, last: bool = False
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+        y = self.attn(self.ln_1(x), cache, layer, last)
+        x = x[:, -y.size(1) :] + y  # last: the last position alone
         return x + self.mlp(self.ln_2(x))
 
     def step(
@@ -180,7 +183,9 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, vocab) and, with targets, the mean cross-entropy. With a
-        cache, idx is a prompt whose keys and values fill it from position 0 for `step` to go on."""
+        cache, idx is a prompt whose keys and values fill it from position 0 for `step` to go on,
+        and the logits are its last position's alone (B, 1, vocab), the one decoding reads: the last
+        block computes only keys and values for the others (an eighth of a 6-layer forward)."""
         T = idx.size(1)
         if self.config.block_size < T:
             raise ValueError(
@@ -189,7 +194,10 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
         checkpointing = self.checkpoint_blocks and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
-            x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x, cache, i)
+            if checkpointing:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, cache, i, cache is not None and i == len(self.h) - 1)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
