@@ -34,6 +34,17 @@ def shard(model: GPT, dist_info: DistInfo, mixed_precision: torch.dtype | None) 
         register_fsdp_forward_method(unit, "step")
 
 
+def gather_outside_inference(model: nn.Module) -> None:
+    """Gather and free each FSDP unit's parameters once, outside inference mode: FSDP makes a
+    unit's buffers for its gathered parameters at its first gather and keeps them. Made in a
+    sample's inference mode (a resumed run's sample, before any step), they would be inference
+    tensors, which the next training step's gather cannot write."""
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+            unit.reshard()
+
+
 def replicate(model: GPT, dist_info: DistInfo, comm: CommHook) -> DDP:
     """DDP around the model, with its comm hook's options; DDP copies rank 0's weights to every
     rank."""

@@ -564,6 +564,8 @@ class Trainer:
         seed = self.cfg.seed + self.state.step
         # A sharded model computes in its mixed-precision policy's dtype, its keys and values too.
         cache_dtype = None
+        if self.fsdp:
+            parallel.gather_outside_inference(self.raw_model)
         if self.fsdp and self.amp.enabled:
             cache_dtype = self.amp.dtype
         return sample_line(

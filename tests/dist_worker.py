@@ -2,7 +2,8 @@
 
     [torchrun ...] python tests/dist_worker.py OUT_DIR JOBS_JSON
 
-JOBS_JSON is a list of {"name": str, "overrides": [dotlist], "train": bool}.
+JOBS_JSON is a list of {"name": str, "overrides": [dotlist], "train": bool, "sample_first":
+bool}: with sample_first, the job samples before anything else (a resumed run's sample due).
 All jobs run one after the other in the same process group (one launch, many
 checks). Job NAME writes OUT_DIR/NAME/rank<r>.pt with the rank's final weights,
 and the held-out loss at the initial weights; rank 0's metrics.jsonl (and the
@@ -39,12 +40,16 @@ def full_weights(trainer) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def run_job(dist_info, out_dir: str, name: str, overrides: list[str], train: bool) -> None:
+def run_job(
+    dist_info, out_dir: str, name: str, overrides: list[str], train: bool, sample_first: bool
+) -> None:
     config: Config = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
     )
     run_dir = os.path.join(out_dir, name)
     trainer = build(config, dist_info, run_dir)
+    if sample_first:
+        trainer.sample()
     result = {"init": full_weights(trainer), "eval_init": trainer.evaluate()}
     if train:
         trainer.train()  # evaluates at the end and closes the metrics
@@ -60,7 +65,14 @@ def main() -> None:
     with distributed("cpu") as dist_info:
         setup_logging(dist_info.rank)
         for job in jobs:
-            run_job(dist_info, out_dir, job["name"], job["overrides"], job.get("train", True))
+            run_job(
+                dist_info,
+                out_dir,
+                job["name"],
+                job["overrides"],
+                job.get("train", True),
+                job.get("sample_first", False),
+            )
 
 
 if __name__ == "__main__":

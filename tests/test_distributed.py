@@ -51,8 +51,13 @@ CAPPED = "trainer_config.eval_tokens=800"
 FSDP = "trainer_config.parallelism=fsdp"
 
 
-def job(name: str, *overrides: str, train: bool = True) -> dict:
-    return {"name": name, "overrides": [*TINY, *FAST, *overrides], "train": train}
+def job(name: str, *overrides: str, train: bool = True, sample_first: bool = False) -> dict:
+    return {
+        "name": name,
+        "overrides": [*TINY, *FAST, *overrides],
+        "train": train,
+        "sample_first": sample_first,
+    }
 
 
 def run_worker(tmp_path, corpus_file, nproc: int, jobs: list[dict], env=None) -> dict:
@@ -124,6 +129,13 @@ def runs(tmp_path_factory, corpus_file):
                     "trainer_config.use_amp=true",
                     "trainer_config.amp_on_cpu=true",
                     "trainer_config.sample_chars=8",
+                ),
+                job(
+                    "fsdp_sample_first",
+                    "trainer_config.batch_size=4",
+                    FSDP,
+                    "trainer_config.sample_chars=8",
+                    sample_first=True,
                 ),
             ],
         ),
@@ -431,6 +443,16 @@ def test_fsdp_under_amp_samples_at_its_evaluations(runs):
     _, results = runs
     for rank in results[2]["fsdp_amp"]:
         assert math.isfinite(rank["eval_init"]) and rank["state"]
+
+
+def test_fsdp_trains_after_a_sample_before_its_first_step(runs):
+    """A resumed run's sample due comes before its first step: FSDP's buffers for the gathered
+    parameters, made at the first gather, were then inference tensors, and the first training
+    step's gather into them ended the run (inplace update to inference tensor)."""
+    _, results = runs
+    for rank, result in enumerate(results[2]["fsdp_sample_first"]):
+        for key, tensor in results[2]["fsdp"][rank]["state"].items():
+            assert torch.equal(result["state"][key], tensor), key
 
 
 def test_fsdp_eval_is_exact_when_ranks_have_unequal_shares(runs):
