@@ -219,7 +219,8 @@ class Trainer:
         self.samples_per_step = self.plan.samples_per_step
         self.total_steps = self.plan.total_steps
         warmup = config.optimizer_config.warmup_steps
-        if warmup and warmup >= self.total_steps:
+        # A run complete already (its command again) trains no step: no warmup to speak of.
+        if self.state.step < self.total_steps <= warmup:
             log.warning(
                 "optimizer_config.warmup_steps=%d covers the whole run of %d steps "
                 "(trainer_config.max_steps=%s, max_epochs=%d): the learning rate rises to the "

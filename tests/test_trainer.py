@@ -149,6 +149,20 @@ def test_a_warmup_as_long_as_the_run_is_said_at_start(
         assert said == []
 
 
+def test_a_complete_run_says_no_warmup_warning(tmp_path, small_corpus, caplog, one_thread):
+    """The same command again finds the run complete, with no step to train: no warmup warning
+    beside its line."""
+    dotlist = [*TINY, f"data_config.path={small_corpus}", "trainer_config.max_steps=2"]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    dist_info = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    build(OmegaConf.to_object(config), dist_info, str(tmp_path)).train()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
+        again = build(OmegaConf.to_object(config), dist_info, str(tmp_path))
+    assert again.finished()
+    assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]
+
+
 def test_the_train_log_shows_muons_learning_rate_and_no_missing_value(
     tmp_path, small_corpus, one_thread, caplog
 ):
