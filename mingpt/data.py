@@ -69,7 +69,7 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
             else:
                 sources.append(fs.unstrip_protocol(m))
     # named by the patterns, not their matches: a glob that matches other files replaces its cache
-    keys = [p if "://" in p else os.path.abspath(p) for p in cfg.paths]
+    keys = [token_cache.canonical(p) for p in cfg.paths]
     return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
 
 
@@ -309,19 +309,27 @@ def build_cache(cfg: DataConfig) -> tuple[list[str], str]:
     return sources, path
 
 
+def _encoded(sources: list[str], cache: token_cache.TokenCache) -> list[str]:
+    """The files `cache` encoded, as data_config.path spells them (`sources`) unless a glob expanded
+    again matches others since."""
+    encoded = [s["source"] for s in cache.sources]
+    if [token_cache.canonical(s) for s in sources] == encoded:
+        return sources
+    return encoded
+
+
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
     """Open the corpus's token cache (building it first unless `build` is False: another process of
     the node did) and split it: the first train_split of each file trains, the rest of it is held
     out."""
-    _, path = build_cache(cfg) if build else cache_location(cfg)
+    sources, path = build_cache(cfg) if build else cache_location(cfg)
     try:
         cache = token_cache.open_cache(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         if not build:
             return load_data(cfg, build=True)
         raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
-    # the files encoded: a glob expanded again may match others since
-    sources = [s["source"] for s in cache.sources]
+    sources = _encoded(sources, cache)
     train = []
     heldout = []
     offset = 0  # of the file in the cache's tokens

@@ -183,6 +183,14 @@ def _header_bytes(header: dict) -> bytes:  # padded to a page, so the ids start 
     return head.ljust(-(-len(head) // PAGE) * PAGE, b"\0")
 
 
+def canonical(source: str) -> str:
+    """A source's name as a cache records it: a local path made absolute, the same file however a
+    run spells it, from whichever directory."""
+    if "://" in source:
+        return source
+    return os.path.abspath(source)
+
+
 def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
     """None if the cache at `path` is valid: the sources and the ids have the SHA-256s its header
     records (each read once to compare); else why it is not. A source that cannot be read is a
@@ -195,7 +203,7 @@ def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
     keys = []
     for source in sources:
         with open_source(source) as f:
-            keys.append((source, *storage.sha256(f)))
+            keys.append((canonical(source), *storage.sha256(f)))
     try:
         with open(path, "rb") as f:
             header, offset = read_header(f)
@@ -229,7 +237,8 @@ def _scan(source: str) -> tuple[dict, int, torch.Tensor]:
         counts += count(code_points(text))
     if not n_chars:
         raise DataError(f"data file is empty: {source}")
-    return {"source": source, "size": size, "sha256": digest.hexdigest()}, n_chars, counts
+    key = {"source": canonical(source), "size": size, "sha256": digest.hexdigest()}
+    return key, n_chars, counts
 
 
 def ensure(path: str, sources: list[str], truncate: float) -> None:

@@ -526,6 +526,25 @@ def test_a_glob_that_matches_other_files_replaces_its_cache(tmp_path):
     assert text_of(first, first.train.segments[0]) == ("abcdefgh" * 50)[:360]
 
 
+def test_a_file_spelled_otherwise_reuses_its_cache(tmp_path, monkeypatch, caplog):
+    """The cache of data/c.txt serves ./data/c.txt, and c.txt from data/, as it is: the same file
+    however spelled, named as this run spells it."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "c.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    load_data(DataConfig(path="data/c.txt", block_size=8, stride=8))
+    [cache] = cache_files(tmp_path / "data" / ".mingpt-cache")
+    built = cache.stat().st_ino
+    caplog.set_level(logging.INFO, logger="mingpt.token_cache")
+    assert load_data(DataConfig(path="./data/c.txt", block_size=8, stride=8)).files == [
+        "./data/c.txt"
+    ]
+    monkeypatch.chdir(tmp_path / "data")
+    assert load_data(DataConfig(path="c.txt", block_size=8, stride=8)).files == ["c.txt"]
+    assert cache.stat().st_ino == built
+    assert [r.getMessage().endswith("is up to date") for r in caplog.records] == [True, True]
+
+
 def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path):
     """Ctrl-C during a build ends the process at once (os._exit, no cleanup): the
     next build removes the temporary of a dead process on this host, never one of
