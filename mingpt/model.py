@@ -119,7 +119,9 @@ class Block(nn.Module):
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, last: bool = False
     ) -> torch.Tensor:
         y = self.attn(self.ln_1(x), cache, layer, last)
-        x = x[:, -y.size(1) :] + y  # last: the last position alone
+        if last:  # the last position alone goes on
+            x = x[:, -1:]
+        x = x + y
         return x + self.mlp(self.ln_2(x))
 
     def step(
