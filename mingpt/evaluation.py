@@ -105,7 +105,6 @@ class Evaluator:
 
     def __init__(self, cfg: TrainerConfig):
         self.cfg = cfg
-        self.last = math.nan  # the held-out loss of the last evaluation recorded
 
     def due(self, step: int, epoch_ended: bool) -> bool:
         """Whether to evaluate after `step`: every eval_every steps, or with eval_every 0 at each
@@ -128,7 +127,7 @@ class Evaluator:
         evaluations in a row that did not lower it by early_stop_min_delta. Returns whether the loss
         is a new best."""
         cfg = self.cfg
-        self.last = loss
+        state.last_eval_loss = loss
         # Evaluating: not stopped (a larger patience trains on).
         state.stopped_early = False
         improved = loss < state.best_eval_loss

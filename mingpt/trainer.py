@@ -46,6 +46,9 @@ class TrainState:
     step: int = 0  # optimizer steps done
     best_eval_loss: float = math.inf
     best_step: int = 0  # the step of the evaluation that gave best_eval_loss
+    # The held-out loss of the last evaluation recorded (None: none yet), for the closing line of a
+    # resumed run that only redoes that evaluation's sample.
+    last_eval_loss: float | None = None
     evals_without_improvement: int = 0  # in a row, by early_stop_min_delta: early stopping's count
     stopped_early: bool = False  # early stopping ended the run here
     # A stop signal cut short the evaluation of this step's weights: the resumed run does it first,
@@ -262,7 +265,7 @@ class Trainer:
             return False
         return self.state.step >= self.total_steps or self.evaluator.stopped_early(self.state)
 
-    def train(self) -> float:
+    def train(self) -> float | None:
         """Train from the run's position to its last step; returns the final held-out loss. A stop
         signal saves and stops the run at the next step boundary (stopping.Stopped)."""
         state = self.state
@@ -289,7 +292,7 @@ class Trainer:
                     last_step = self._after_step(evaluate, last_step, epoch_ended)
                     profiler.step()
             status = "FINISHED"
-            return self.evaluator.last
+            return state.last_eval_loss
         except stopping.Stopped:
             status = "KILLED"  # after a snapshot: a resume continues the run
             raise

@@ -130,7 +130,7 @@ def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_set_aside(
     assert best["step"] == best["best_step"] == 4 and best["gpt_config"]["n_embd"] == 16
     assert same_tensors(best["model_state"], again.raw_model.state_dict())
     assert f"best {again.state.best_eval_loss:.4f} at step 4 (" in summary(
-        again, again.evaluator.last
+        again, again.state.last_eval_loss
     )
     (aside,) = run.glob("snapshots-best-set-aside-*")
     assert f"moved the best weights in {run / 'snapshots-best'} to {aside}" in caplog.text
@@ -256,11 +256,12 @@ def test_a_sample_cut_by_a_stop_is_done_by_the_resumed_run(
     """A stop during the sample after the last step's evaluation (its loss recorded): the run is
     not complete, and the resumed run samples that step, with the same text, before it ends; again
     after a crash before its snapshot. What TensorBoard shows (its plugins' reader), as
-    metrics.jsonl, is the uninterrupted run's record, each step's once."""
+    metrics.jsonl, is the uninterrupted run's record, each step's once, and the closing line has
+    the held-out loss of the step's evaluation, which the resumed run did not do again."""
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 
     args = [*BUMPY, "trainer_config.max_steps=8", "trainer_config.sample_chars=10"]
-    make_trainer(tmp_path / "ref", small_corpus, *args).train()
+    final = make_trainer(tmp_path / "ref", small_corpus, *args).train()
     trainer = make_trainer(tmp_path / "run", small_corpus, *args)
     sample = trainer.sample
     sampling = []
@@ -280,7 +281,8 @@ def test_a_sample_cut_by_a_stop_is_done_by_the_resumed_run(
     monkeypatch.setattr(crashed.checkpointer, "save", lambda *_: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         crashed.train()
-    make_trainer(tmp_path / "run", small_corpus, *args).train()
+    resumed = make_trainer(tmp_path / "run", small_corpus, *args)
+    assert f"done at step 8: held-out loss {final:.4f}, best " in summary(resumed, resumed.train())
     assert make_trainer(tmp_path / "run", small_corpus, *args).finished()
     assert logged(tmp_path / "run") == logged(tmp_path / "ref")
     shown = {}
