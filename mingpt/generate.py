@@ -25,7 +25,7 @@ from mingpt.distributed import pick_device
 from mingpt.flops import available_memory
 from mingpt.model import GPT
 from mingpt.snapshot import reader
-from mingpt.storage import check_regular, reason, storage_errors
+from mingpt.storage import check_regular, filesystem, reason, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
 # eager step on oneDNN); cuda: estimated (BENCHMARKS.md). A CPU step compiled by an earlier run is
 # loaded whatever the length.
 COMPILE_PAYS_AFTER = {"cpu": 10000, "cuda": 6000}
+# The host memory that reading and encoding a prompt_file takes at its peak, per byte of the file:
+# measured for ASCII, the most characters a byte (its text, and the encoding's arrays of each
+# character's code point and id).
+PROMPT_BYTES_PER_BYTE = 25
 
 
 class PromptError(ValueError):
@@ -110,10 +114,34 @@ class GenerateConfig:
         )
 
 
+def check_prompt_fits(path: str) -> None:
+    """Refuse a prompt_file too large to read and encode in the host's memory by its size, before it
+    is read: read, it ended in a MemoryError's traceback (or the kernel's kill)."""
+    fs, p = filesystem(path, "prompt_file")
+    try:
+        size = fs.size(p)
+    # missing or unreadable: reading it says which
+    except (*storage_errors(), ValueError):
+        return
+    # A server that does not say.
+    if size is None:
+        return
+    need = PROMPT_BYTES_PER_BYTE * size
+    free = available_memory(torch.device("cpu"))
+    if need <= free:
+        return
+    gib = 2**30
+    raise ConfigError(
+        f"prompt_file: {path} has {size / gib:,.1f} GiB; reading and encoding it takes about "
+        f"{need / gib:,.1f} GiB, more than the {free / gib:,.1f} GiB available"
+    )
+
+
 def read_prompt(config: GenerateConfig) -> str:
     if not config.prompt_file:
         return config.prompt
     check_regular(config.prompt_file, "prompt_file")
+    check_prompt_fits(config.prompt_file)
     try:
         # newline="": the text as it is, a \r\n included; utf-8-sig: a byte-order mark at the
         # start is not text (the corpus is read so)

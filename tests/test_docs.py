@@ -348,6 +348,7 @@ QUICK_MODEL = preset("gpt_config", "gpu-quick")
         ),
         ("generation.md", f"compiles one from {generate.COMPILE_PAYS_AFTER['cpu']:,} characters"),
         ("generation.md", f"CUDA graphs from {generate.COMPILE_PAYS_AFTER['cuda']:,} characters"),
+        ("generation.md", f"in memory (about {generate.PROMPT_BYTES_PER_BYTE} bytes a byte of"),
         (
             "generation.md",
             f"then up to {decoding.CHUNK_TOKENS}, or whatever {decoding.CHUNK_SECONDS} s brought",

@@ -688,6 +688,10 @@ def commands_on(workdir: Path, snapshot: Path) -> dict[str, list[str]]:
         f"snapshot_path={snapshot.parent}",
         f"prompt_file={workdir / 'missing.txt'}",
     ]
+    # a terabyte, sparse: nothing on disk
+    with open(workdir / "huge.txt", "wb") as huge:
+        huge.truncate(2**40)
+    cases["prompt_file-huge"] = [f"snapshot_path={snapshot}", f"prompt_file={workdir / 'huge.txt'}"]
     for kind, name in (("fifo", "snapshot.fifo"), ("device", "zero.pt")):
         cases[f"prompt_file-{kind}"] = [
             f"snapshot_path={snapshot}",
@@ -727,6 +731,15 @@ def test_prompt_file_not_a_regular_file_is_one_line(bad_runs, workdir, kind):
     assert (
         line
         == f"error: prompt_file is not a regular file: {workdir / BAD_SNAPSHOTS[kind]} is {what}"
+    ), line
+
+
+def test_a_prompt_file_larger_than_memory_is_one_line_before_it_is_read(bad_runs, workdir):
+    """Refused by its size: read, it ended in a MemoryError's traceback."""
+    line = one_error_line(bad_runs["prompt_file-huge"])
+    assert line.startswith(
+        f"error: prompt_file: {workdir / 'huge.txt'} has 1,024.0 GiB; reading and encoding it "
+        "takes about 25,600.0 GiB, more than the "
     ), line
 
 
