@@ -49,18 +49,26 @@ class Tracker:
 OFF = Tracker()
 
 
-def start(config: Any, run_dir: str, run_id: str | None, step: int, enabled: bool) -> Tracker:
+def start(
+    config: Any, run_dir: str, run_id: str | None, step: int, enabled: bool, complete: bool = False
+) -> Tracker:
     """The tracker `config.trainer_config.tracker` names, continuing the tracker run `run_id` (saved
     in the snapshot; None: a new run) at `step`. OFF where none is asked for, off rank 0, or where
-    it cannot start."""
+    it cannot start, and for a `complete` run, which trains nothing: it only ends `run_id` where an
+    attempt killed after its last snapshot left it RUNNING."""
     cfg = config.trainer_config
     if not enabled or cfg.tracker is None:
         return OFF
+    if complete and run_id is None:
+        return OFF
     try:
-        return MlflowTracker(config, run_dir, run_id, step)
+        tracker = MlflowTracker(config, run_dir, run_id, step, complete)
     except TrackerUnavailable as e:
         log.warning("trainer_config.tracker=%s: %s; training goes on without it", cfg.tracker, e)
         return OFF
+    if complete:
+        return OFF
+    return tracker
 
 
 class TrackerUnavailable(RuntimeError):
@@ -143,7 +151,7 @@ class MlflowTracker(Tracker):
     # (split/loss, step): the loss an earlier attempt logged after the step this one resumed from
     redone: Mapping[tuple[str, int], float] = {}
 
-    def __init__(self, config: Any, run_dir: str, run_id: str | None, step: int):
+    def __init__(self, config: Any, run_dir: str, run_id: str | None, step: int, complete: bool):
         try:
             import mlflow
             from mlflow.tracking import MlflowClient
@@ -167,6 +175,9 @@ class MlflowTracker(Tracker):
             ) from None
         try:
             with _mlflow_calls(self._env):
+                if complete:
+                    self._end_left_running(run_id)
+                    return
                 if experiment:
                     experiment_id = experiment.experiment_id
                 else:
@@ -222,6 +233,20 @@ class MlflowTracker(Tracker):
             if m.step >= step
         }
         return run_id
+
+    def _end_left_running(self, run_id: str) -> None:
+        """The snapshot's tracker run, of a run complete, ended FINISHED where it is RUNNING: an
+        attempt was killed after its last snapshot, before it ended it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:  # not in this store: nothing of it to end
+            return
+        if run.info.status != "RUNNING":
+            return
+        self.client.set_terminated(run_id, "FINISHED")
+        log.info("MLflow run %s, left running by a killed attempt, ended FINISHED", run_id)
 
     def _log_params(self, config: Any, step: int) -> None:
         """The config as params, one per key. MLflow's params cannot change: a resumed run logs each

@@ -239,7 +239,8 @@ class Trainer:
             run_dir,
             self.checkpointer.tracker_run_id,
             self.state.step,
-            enabled=dist_info.is_main_process and not self.finished(),
+            dist_info.is_main_process,
+            self.finished(),
         )
         if tracker.run_id:
             self.checkpointer.tracker_run_id = tracker.run_id

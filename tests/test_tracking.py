@@ -543,3 +543,32 @@ def test_an_evaluation_a_stop_cut_short_is_logged_once(tmp_path, monkeypatch):
         tracker.log("eval", 7, {"loss": 1.5})
         tracker.close()
     assert Store(tmp_path, monkeypatch).history[stopped.run_id]["eval/loss"] == [(7, 1.5)]
+
+
+def test_a_run_killed_after_its_last_snapshot_ends_its_mlflow_run_once_found_complete(
+    cwd, monkeypatch, caplog, one_thread
+):
+    """A run killed after its last snapshot, before it ended its MLflow run, left that RUNNING:
+    the command again, which finds the run complete and trains nothing, ends it FINISHED."""
+    from test_snapshot import make_trainer
+
+    from mingpt.run import train
+
+    args = [
+        f"trainer_config.tracker_uri={store_uri(cwd)}",
+        "trainer_config.tracker=mlflow",
+        "trainer_config.max_steps=4",
+        "optimizer_config.warmup_steps=2",
+    ]
+    killed = make_trainer(cwd / "run", cwd / "small.txt", *args)
+    with monkeypatch.context() as kill:
+        kill.setattr(killed.metrics.tracker, "close", lambda status: None)
+        killed.train()
+    assert Store(cwd, monkeypatch).only_run().info.status == "RUNNING"
+    again = make_trainer(cwd / "run", cwd / "small.txt", *args)
+    assert again.finished()
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        train(again)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    run = Store(cwd, monkeypatch).only_run()
+    assert run.info.status == "FINISHED" and run.info.run_id == killed.metrics.tracker.run_id
