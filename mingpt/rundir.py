@@ -225,7 +225,16 @@ def hold_log_lines(rank: int) -> logging.handlers.MemoryHandler | None:
 class _LogFile(logging.FileHandler):
     """train.log: a line it cannot write costs one warning, and the log goes on on stderr only."""
 
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Once a write failed, no line is tried again: while the held lines are flushed into this
+        # file, the warning is held behind them and came back here, failed, and warned again.
+        if not self.failed:
+            super().emit(record)
+
     def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
         logging.getLogger().removeHandler(self)
         log.warning(
             "cannot write %s (%s): the log goes on on stderr only",

@@ -481,6 +481,28 @@ def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
     assert [(e["split"], e["step"]) for e in events] == [("train", 5), ("train", 6), ("eval", 6)]
 
 
+def test_a_train_log_that_cannot_be_written_from_its_first_line_costs_one_warning(
+    tmp_path, small_corpus
+):
+    """train.log on a full device from the run's start (as a disk that fills as the run starts):
+    one warning, and the run trains to the end. The lines held until the run was accepted were
+    flushed into the file with the warning held behind them, which failed and warned again: over
+    a million warnings, then a RecursionError's traceback."""
+    run_dir = tmp_path / "runs" / "full-log"
+    run_dir.mkdir(parents=True)
+    (run_dir / "train.log").symlink_to("/dev/full")
+    args = overrides(small_corpus, "trainer_config.run_name=full-log", "trainer_config.max_steps=2")
+    proc = run_main(args, tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "cannot write" in line]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert warnings[0].endswith(
+        f"cannot write {run_dir / 'train.log'} ([Errno 28] No space left on device): "
+        "the log goes on on stderr only"
+    )
+    assert " INFO done at step 2: " in proc.stderr.splitlines()[-1]
+
+
 # ------------------------------------------------- tracebacks, now one line
 
 
