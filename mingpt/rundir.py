@@ -261,7 +261,6 @@ class Claim:
         and write `files` ({path in the run directory: text, or what makes it}); on rank 0 alone."""
         if self.log_buffer is None:
             return
-        self.made = []  # accepted: its lock files stay
         info = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -269,22 +268,29 @@ class Claim:
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
             "snapshot": _comparable(self.snapshot_path, self.run_dir),
         }
-        for fd in self.fds:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        root = logging.getLogger()
-        self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
-        self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler
-        self.log_file.filters = list(root.handlers[0].filters)  # mingpt's INFO only
-        self.log_buffer.setTarget(self.log_file)
-        self.log_buffer.flush()
-        root.removeHandler(self.log_buffer)
-        root.addHandler(self.log_file)
-        for name, text in files.items():
-            path = os.path.join(self.run_dir, name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text() if callable(text) else text)
+        # A disk that filled since the start's probe (a traceback, before)
+        try:
+            for fd in self.fds:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+            root = logging.getLogger()
+            self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
+            self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler
+            self.log_file.filters = list(root.handlers[0].filters)  # mingpt's INFO only
+            self.log_buffer.setTarget(self.log_file)
+            self.log_buffer.flush()
+            root.removeHandler(self.log_buffer)
+            root.addHandler(self.log_file)
+            for name, text in files.items():
+                path = os.path.join(self.run_dir, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text() if callable(text) else text)
+        except OSError as e:
+            raise RunDirError(
+                f"cannot write to the run directory {self.run_dir}: {e.strerror or e}"
+            ) from None
+        self.made = []  # accepted: its lock files stay
 
     def release(self) -> None:
         # A refused job leaves no trace: the lock files it made go while it still holds them (a run

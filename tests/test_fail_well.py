@@ -11,9 +11,11 @@ the command-line runs go two at a time.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
+import logging.handlers
 import math
 import os
 import re
@@ -479,6 +481,29 @@ def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
     ]
     # Resumed at step 3: logged at 5 and at the last step, evaluated, then the save failed.
     assert [(e["split"], e["step"]) for e in events] == [("train", 5), ("train", 6), ("eval", 6)]
+
+
+def test_a_disk_full_when_the_run_is_accepted_is_one_error(small_disk, tmp_path):
+    """The run directory's file system fills between the start's probe and the run's first writes
+    (its lock file's record of the holder, .hydra/): one error naming the run directory (an
+    OSError's traceback, before), and the lock file it made is taken back."""
+    from mingpt.rundir import LOCK_FILE, RunDirError, claim
+
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    held = logging.handlers.MemoryHandler(capacity=10)
+    with claim(str(run_dir), str(tmp_path / "snapshots"), 0, cpu, held) as owned:
+        with contextlib.suppress(OSError), open(small_disk / "filler", "wb") as filler:
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+        with pytest.raises(
+            RunDirError,
+            match=f"^cannot write to the run directory {run_dir}: No space left on device$",
+        ):
+            owned.accept({".hydra/config.yaml": "trainer_config: {}\n"})
+    assert not (run_dir / LOCK_FILE).exists()
 
 
 def test_a_train_log_that_cannot_be_written_from_its_first_line_costs_one_warning(
