@@ -138,17 +138,27 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
     snapshot root."""
     tag = uuid.uuid4().hex[:8]
     for label, path, probe in (
-        ("run directory", run_dir, os.path.join(run_dir, f".write-probe-{tag}")),
-        ("snapshot path", snapshot_path, f"{snapshot_path}{TMP_MARK}probe-{tag}"),
+        ("run directory", run_dir, f"/.write-probe-{tag}"),
+        ("snapshot path", snapshot_path, f"{TMP_MARK}probe-{tag}"),
     ):
-        fs, p = filesystem(probe)
+        # errors name the path given, not the probe's
+        fs, p = filesystem(path, label)
+        p += probe
         try:
             with waiting(f"the {label} {path}"):
                 prepare_parent(fs, p, path)
                 fs.pipe_file(p, b"\0")
                 fs.rm(p)
         except storage_errors() as e:
-            raise StorageError(f"cannot write to the {label} {path}: {reason(e)}") from None
+            # On a full disk the probe is made and its write fails: it stayed, in a directory
+            # that was the user's or would have been taken back empty.
+            if is_local(fs):
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+            why = reason(e)
+            if getattr(e, "filename", None) == p:  # the probe's name is none of the user's
+                why = e.strerror
+            raise StorageError(f"cannot write to the {label} {path}: {why}") from None
     fs, p = filesystem(snapshot_path)
     # After the probe, which names the storage's fault: a store that does not answer is not waited
     # for twice.

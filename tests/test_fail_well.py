@@ -438,6 +438,13 @@ def test_storage_that_cannot_be_written_is_one_error(tmp_path):
             storage.StorageError, match=f"cannot write to the snapshot path {snapshot}: "
         ):
             storage.check_writable(str(tmp_path), snapshot)
+    # the path given, not the name of the probe beside it (it named that)
+    with pytest.raises(
+        storage.StorageError, match="^cannot write to the snapshot path /sys/x: Permission denied$"
+    ):
+        storage.check_writable(str(tmp_path), "/sys/x")
+    with pytest.raises(storage.StorageError, match="^cannot use snapshot path nosuch://x: "):
+        storage.check_writable(str(tmp_path), "nosuch://x")
     # no file there before: none is said to be unchanged; the temporary file the save writes
     # first is not what the user named
     for snapshot in ("/sys/snapshot.pt", "/proc/x"):
@@ -483,6 +490,28 @@ def test_a_save_that_fails_part_way_keeps_the_snapshot_and_the_logs(snap, runs):
     assert [(e["split"], e["step"]) for e in events] == [("train", 5), ("train", 6), ("eval", 6)]
 
 
+def test_a_full_disk_at_the_start_is_one_error_and_leaves_no_probe(small_disk, tmp_path):
+    """The start's probe of the run directory was made, its write failed, and it stayed: a hidden
+    file in the run directory, which was then not taken back as empty."""
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    fill(small_disk)
+    with pytest.raises(
+        storage.StorageError,
+        match=rf"^cannot write to the run directory {run_dir}: \[Errno 28\] No space left on",
+    ):
+        storage.check_writable(str(run_dir), str(tmp_path / "snapshots"))
+    assert list(run_dir.iterdir()) == []
+
+
+def fill(disk: Path) -> None:
+    """Fill the file system of `disk` to its last byte."""
+    with contextlib.suppress(OSError), open(disk / "filler", "wb") as filler:
+        while True:
+            filler.write(b"\0" * 4096)
+            filler.flush()
+
+
 def test_a_disk_full_when_the_run_is_accepted_is_one_error(small_disk, tmp_path):
     """The run directory's file system fills between the start's probe and the run's first writes
     (its lock file's record of the holder, .hydra/): one error naming the run directory (an
@@ -494,10 +523,7 @@ def test_a_disk_full_when_the_run_is_accepted_is_one_error(small_disk, tmp_path)
     cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
     held = logging.handlers.MemoryHandler(capacity=10)
     with claim(str(run_dir), str(tmp_path / "snapshots"), 0, cpu, held) as owned:
-        with contextlib.suppress(OSError), open(small_disk / "filler", "wb") as filler:
-            while True:
-                filler.write(b"\0" * 4096)
-                filler.flush()
+        fill(small_disk)
         with pytest.raises(
             RunDirError,
             match=f"^cannot write to the run directory {run_dir}: No space left on device$",
