@@ -295,7 +295,10 @@ class Trainer:
             status = "FINISHED"
             return state.last_eval_loss
         except stopping.Stopped:
-            status = "KILLED"  # after a snapshot: a resume continues the run
+            # After a snapshot: a resume continues the run, unless the stop came once it was done.
+            status = "KILLED"
+            if self.finished():
+                status = "FINISHED"
             raise
         except Exception:
             self.checkpointer.finish_in_flight()

@@ -572,3 +572,35 @@ def test_a_run_killed_after_its_last_snapshot_ends_its_mlflow_run_once_found_com
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     run = Store(cwd, monkeypatch).only_run()
     assert run.info.status == "FINISHED" and run.info.run_id == killed.metrics.tracker.run_id
+
+
+def test_a_run_stopped_once_complete_ends_its_mlflow_run_finished(cwd, monkeypatch, one_thread):
+    """A stop signal that comes while the last step's snapshot is written stops a complete run:
+    its MLflow run ends FINISHED, not KILLED, as nothing is left for a resume to do."""
+    from test_snapshot import make_trainer
+
+    from mingpt import stopping
+
+    args = [
+        f"trainer_config.tracker_uri={store_uri(cwd)}",
+        "trainer_config.tracker=mlflow",
+        "trainer_config.max_steps=4",
+        "optimizer_config.warmup_steps=2",
+    ]
+    trainer = make_trainer(cwd / "run", cwd / "small.txt", *args)
+    evaluate = trainer.evaluate
+    evaluated = []
+
+    def evaluate_then_stop(last_step=False):
+        loss = evaluate(last_step)
+        evaluated.append(last_step)
+        return loss
+
+    monkeypatch.setattr(trainer, "evaluate", evaluate_then_stop)
+    # asked for once the last step's evaluation is done: while its snapshot is written
+    monkeypatch.setattr(
+        stopping, "stop_requested", lambda: signal.SIGTERM if True in evaluated else 0
+    )
+    with pytest.raises(stopping.Stopped, match="at step 4; the run is complete"):
+        trainer.train()
+    assert Store(cwd, monkeypatch).only_run().info.status == "FINISHED"
