@@ -545,14 +545,9 @@ def test_an_evaluation_a_stop_cut_short_is_logged_once(tmp_path, monkeypatch):
     assert Store(tmp_path, monkeypatch).history[stopped.run_id]["eval/loss"] == [(7, 1.5)]
 
 
-def test_a_run_killed_after_its_last_snapshot_ends_its_mlflow_run_once_found_complete(
-    cwd, monkeypatch, caplog, one_thread
-):
-    """A run killed after its last snapshot, before it ended its MLflow run, left that RUNNING:
-    the command again, which finds the run complete and trains nothing, ends it FINISHED."""
+def four_tracked_steps(cwd: Path):
+    """A Trainer of 4 steps in cwd/run, tracked by MLflow in cwd's store."""
     from test_snapshot import make_trainer
-
-    from mingpt.run import train
 
     args = [
         f"trainer_config.tracker_uri={store_uri(cwd)}",
@@ -560,12 +555,22 @@ def test_a_run_killed_after_its_last_snapshot_ends_its_mlflow_run_once_found_com
         "trainer_config.max_steps=4",
         "optimizer_config.warmup_steps=2",
     ]
-    killed = make_trainer(cwd / "run", cwd / "small.txt", *args)
+    return make_trainer(cwd / "run", cwd / "small.txt", *args)
+
+
+def test_a_run_killed_after_its_last_snapshot_ends_its_mlflow_run_once_found_complete(
+    cwd, monkeypatch, caplog, one_thread
+):
+    """A run killed after its last snapshot, before it ended its MLflow run, left that RUNNING:
+    the command again, which finds the run complete and trains nothing, ends it FINISHED."""
+    from mingpt.run import train
+
+    killed = four_tracked_steps(cwd)
     with monkeypatch.context() as kill:
         kill.setattr(killed.metrics.tracker, "close", lambda status: None)
         killed.train()
     assert Store(cwd, monkeypatch).only_run().info.status == "RUNNING"
-    again = make_trainer(cwd / "run", cwd / "small.txt", *args)
+    again = four_tracked_steps(cwd)
     assert again.finished()
     with caplog.at_level(logging.WARNING, logger="mingpt"):
         train(again)
@@ -577,17 +582,9 @@ def test_a_run_killed_after_its_last_snapshot_ends_its_mlflow_run_once_found_com
 def test_a_run_stopped_once_complete_ends_its_mlflow_run_finished(cwd, monkeypatch, one_thread):
     """A stop signal that comes while the last step's snapshot is written stops a complete run:
     its MLflow run ends FINISHED, not KILLED, as nothing is left for a resume to do."""
-    from test_snapshot import make_trainer
-
     from mingpt import stopping
 
-    args = [
-        f"trainer_config.tracker_uri={store_uri(cwd)}",
-        "trainer_config.tracker=mlflow",
-        "trainer_config.max_steps=4",
-        "optimizer_config.warmup_steps=2",
-    ]
-    trainer = make_trainer(cwd / "run", cwd / "small.txt", *args)
+    trainer = four_tracked_steps(cwd)
     evaluate = trainer.evaluate
     evaluated = []
 
