@@ -47,6 +47,9 @@ def parse_signal(name: str) -> int:
     signum = getattr(signal.Signals, "SIG" + name.removeprefix("SIG"), None)
     if signum is None or signum in (signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"{name!r} is not a signal that can be handled")
+    # Sent in a run's normal course (a child process ended, a terminal resized): none asks to stop.
+    if signum in (signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT):
+        raise ValueError(f"{name!r} comes without a request to stop: the run would stop at random")
     return int(signum)
 
 

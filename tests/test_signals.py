@@ -432,6 +432,8 @@ def test_stop_signals_and_save_every_minutes_are_checked():
     for kwargs, says in [
         ({"stop_signals": ["SIGKILL"]}, "'SIGKILL' is not a signal that can be handled"),
         ({"stop_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal"),
+        ({"stop_signals": ["SIGCHLD"]}, "'SIGCHLD' comes without a request to stop"),
+        ({"stop_signals": ["WINCH"]}, "'WINCH' comes without a request to stop"),
         ({"stop_signals": ["SIGTERM", "TERM"]}, "lists a signal twice"),
         ({"save_every_minutes": 0.0}, "save_every_minutes: must be a finite number > 0 or null"),
     ]:
