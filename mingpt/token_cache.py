@@ -4,6 +4,7 @@ length, the header padded to a page, then the ids, file after file."""
 
 import codecs
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -109,7 +110,12 @@ def open_source(path: str) -> Iterator[BinaryIO]:
             raise DataError(
                 f"cannot fetch data file {path}: {storage.reason(e.__cause__)}"
             ) from None
-        raise DataError(f"data file not found: {path}") from None
+        missing = f"data file not found: {path}"
+        # Here a glob's characters are a name's: data_config.path's globs were expanded before,
+        # and score reads the one file it is given.
+        if glob.has_magic(path):
+            missing += " (one file's name: no glob is expanded here)"
+        raise DataError(missing) from None
     # an unreachable object store included
     except (*storage.storage_errors(), ValueError, ImportError) as e:
         raise DataError(f"cannot read data file {path}: {storage.reason(e)}") from None

@@ -165,11 +165,15 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
         refused(capsys, [f"snapshot_path={fifo}"])
         == f"error: snapshot is not a regular file: {fifo} is a FIFO"
     )
-    # a name with glob characters too: fsspec's error then has a cause, as a failed fetch's has
-    for missing in (tmp_path / "missing.txt", tmp_path / "missing[1].txt"):
-        assert (
-            refused(capsys, [snapshot, f"path={missing}"])
-            == f"error: data file not found: {missing}"
+    missing = tmp_path / "missing.txt"
+    assert (
+        refused(capsys, [snapshot, f"path={missing}"]) == f"error: data file not found: {missing}"
+    )
+    # a name with glob characters too (fsspec's error then has a cause, as a failed fetch's has),
+    # and a glob, which score does not expand
+    for missing in (tmp_path / "missing[1].txt", tmp_path / "*.txt"):
+        assert refused(capsys, [snapshot, f"path={missing}"]) == (
+            f"error: data file not found: {missing} (one file's name: no glob is expanded here)"
         )
     # the held-out split of the run's relative corpus, from another directory
     with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit):
