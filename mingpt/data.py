@@ -68,6 +68,13 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
                 sources.append(m)
             else:
                 sources.append(fs.unstrip_protocol(m))
+    # Listed again, or matched by a glob beside its own name, a file would be trained on twice.
+    seen = {}
+    for source in sources:
+        file = token_cache.canonical(source)
+        if file in seen:
+            raise DataError(f"data_config.path names {seen[file]} twice: list each file once")
+        seen[file] = source
     # named by the patterns, not their matches: a glob that matches other files replaces its cache
     keys = [token_cache.canonical(p) for p in cfg.paths]
     return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
