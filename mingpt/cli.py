@@ -301,18 +301,29 @@ def compose_checked(
 
 
 def refuse(message: str) -> NoReturn:
-    """A refused task leaves no run directory: the one Hydra made for it goes if nothing is in it
-    (rundir.Claim takes back a lock file it made), and a sweep's too where the multirun.yaml Hydra
-    wrote is all that is in it (no job of it ran), with those Hydra made above them (runs/). An
-    earlier sweep's multirun.yaml is put back."""
+    """A refused task leaves no run directory (take_back_run_dir); an earlier sweep's
+    multirun.yaml is put back."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and _earlier_sweep is not None:
+        with atomic_open(os.path.join(hydra_cfg.sweep.dir, "multirun.yaml")) as f:
+            f.write(_earlier_sweep)
+    take_back_run_dir()
+    fail(message)
+
+
+def take_back_run_dir() -> None:
+    """The run directory Hydra made for the task goes if nothing is in it (rundir.Claim takes back
+    a lock file it made), and a sweep's too where the multirun.yaml Hydra wrote is all that is in
+    it (no job of it ran), with those Hydra made above them (runs/)."""
+    # stopping.exit_at_once calls it at any time: before a task Hydra made none, after one it holds
+    # the run's files
+    if not _in_task:
+        return
     hydra_cfg = HydraConfig.get()
     with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
         os.rmdir(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = hydra_cfg.sweep.dir
-        if _earlier_sweep is not None:
-            with atomic_open(os.path.join(sweep_dir, "multirun.yaml")) as f:
-                f.write(_earlier_sweep)
         with contextlib.suppress(OSError):
             if os.listdir(sweep_dir) == ["multirun.yaml"]:
                 os.remove(os.path.join(sweep_dir, "multirun.yaml"))
@@ -320,7 +331,6 @@ def refuse(message: str) -> NoReturn:
     with contextlib.suppress(OSError):  # not empty: another run's, or gone with another rank's
         for path in _made_above:
             os.rmdir(path)
-    fail(message)
 
 
 @hydra.main(config_path=CONF_PATH, config_name="config", version_base=None)
@@ -426,6 +436,8 @@ def main() -> None:
     # composition errors reach us, not Hydra's multi-line report
     os.environ["HYDRA_FULL_ERROR"] = "1"
     stopping.install()  # main.py did it already, before its imports
+    # os._exit skips refuse's cleanup: a stop or a failed join before the run is accepted
+    stopping.take_back = take_back_run_dir
     Hydra.compose_config = compose_checked  # type: ignore[method-assign]
     try:
         _hydra_main()

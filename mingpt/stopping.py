@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ def parse_signal(name: str) -> int:
 _state = types.SimpleNamespace(
     signals=set(), previous={}, graceful=False, requested=0, watching=False, exiting=False
 )
+# The command line's (cli.take_back_run_dir): a run directory Hydra made, while it is empty.
+take_back: Callable[[], None] | None = None
 
 
 def install(signals: Sequence[str] = STARTUP_SIGNALS) -> None:
@@ -127,7 +130,17 @@ def exit_now(signum: int, again: bool) -> None:
     tell_launcher(line)
     with contextlib.suppress(OSError):
         os.write(sys.stderr.fileno(), (headed(line) + "\n").encode())
-    os._exit(exit_status(signum))
+    exit_at_once(exit_status(signum))
+
+
+def exit_at_once(status: int) -> NoReturn:
+    """End the process with `status`, skipping every cleanup that could hang; a run not yet
+    accepted still leaves no empty run directory behind (`take_back`), as a refused one."""
+    try:
+        if take_back is not None:
+            take_back()
+    finally:  # whatever it raises: the process must end
+        os._exit(status)
 
 
 def park_if_exiting() -> None:

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.constants import default_pg_timeout
 
+from mingpt import stopping
+
 
 class _View(types.SimpleNamespace):
     """`_target` with the other keyword arguments in place of its attributes, for a copied
@@ -114,7 +116,7 @@ def _give_up(restart: int, by_hand: bool) -> None:
         f"error: {who} could not join the process group in {INIT_AFTER_RESTART_SECONDS} s: {fix}\n"
     )
     os.write(sys.stderr.fileno(), line.encode())
-    os._exit(2)
+    stopping.exit_at_once(2)
 
 
 _groups = itertools.count()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, RUN_DEADLINE, TINY, child_env, free_port, read_snapshot, run_dir_of
+from conftest import CPU, REPO, RUN_DEADLINE, TINY, child_env, free_port, read_snapshot, run_dir_of
 
 from mingpt import stopping, torch_fixes
 from mingpt.cli import take_local_rank_argument
@@ -78,22 +78,28 @@ def test_launcher_variables_set_by_hand_are_refused_in_one_line(env, says, monke
     assert stopping.headed("error: e") == "[rank x] error: e"
 
 
-def test_a_rank_started_by_hand_that_cannot_join_says_so_in_one_line():
-    """Without torchrun, a MASTER_PORT where no rank 0 listens waited 30 minutes in silence."""
+def test_a_rank_started_by_hand_that_cannot_join_says_so_in_one_line(tmp_path):
+    """Without torchrun, a MASTER_PORT where no rank 0 listens waited 30 minutes in silence. The
+    run was not accepted: it leaves no run directory (the timer's os._exit left runs/default)."""
     port = free_port()
     env = {**child_env(), "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(port)
     env.pop("TORCHELASTIC_RUN_ID", None)
     code = (
-        "from mingpt import distributed, torch_fixes\n"
+        "from mingpt import cli, torch_fixes\n"
         "torch_fixes.INIT_AFTER_RESTART_SECONDS = 1\n"
-        "with distributed.distributed('cpu'):\n"
-        "    pass"
+        "cli.main()"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
+        [sys.executable, "-c", code, CPU],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
     )
     assert proc.returncode == 2
+    assert os.listdir(tmp_path) == []
     assert proc.stderr == (
         "error: rank 1 of 2 could not join the process group in 1 s: is every rank started, with "
         f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}? (torchrun sets them)\n"

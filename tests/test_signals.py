@@ -259,12 +259,15 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
 
 @pytest.mark.parametrize("moment", ["import", "init", "load", "sample"])
 def test_ctrl_c_outside_training_exits_at_once(runs, moment):
-    """Before training (nothing to save) and after the last save (nothing to lose)."""
+    """Before training (nothing to save) and after the last save (nothing to lose). Before the run
+    is accepted (joining the group), no run directory is left (os._exit left runs/init, empty)."""
     status, stderr, run_dir = runs[moment]
     assert status == 130, stderr[-3000:]
     assert stderr.splitlines()[-1] == "error: interrupted, exiting at once", stderr[-3000:]
     assert "Traceback" not in stderr
-    if moment == "sample":
+    if moment in ("import", "init"):
+        assert not run_dir.exists()
+    elif moment == "sample":
         assert read_snapshot(run_dir / "snapshots")["step"] == 8
     else:
         assert not (run_dir / "snapshots").exists()
