@@ -68,12 +68,18 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
                 sources.append(m)
             else:
                 sources.append(fs.unstrip_protocol(m))
-    # Listed again, or matched by a glob beside its own name, a file would be trained on twice.
+    # Listed again, matched by a glob beside its own name, or named by a link to it, a file would
+    # be trained on twice.
     seen = {}
     for source in sources:
-        file = token_cache.canonical(source)
+        file = source
+        if "://" not in source:
+            file = os.path.realpath(source)
         if file in seen:
-            raise DataError(f"data_config.path names {seen[file]} twice: list each file once")
+            raise DataError(
+                f"data_config.path names one file twice, as {seen[file]} and {source}: "
+                "list each file once"
+            )
         seen[file] = source
     # named by the patterns, not their matches: a glob that matches other files replaces its cache
     keys = [token_cache.canonical(p) for p in cfg.paths]

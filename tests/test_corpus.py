@@ -203,10 +203,15 @@ def test_unusable_corpora_are_refused_in_one_line(tmp_path):
         load_data(DataConfig(path=str(tmp_path / "nothing-*.txt"), block_size=8))
     good = tmp_path / "good.txt"
     good.write_text("abcdefgh" * 50, encoding="utf-8")
-    # the same file twice: listed again, or matched by a glob beside its name
-    for paths in ([str(good), str(good)], [str(good), str(tmp_path / "*.txt")]):
-        with pytest.raises(DataError, match=r"^data_config.path names .*good.txt twice: list each"):
-            load_data(DataConfig(path=paths, block_size=8))
+    # the same file twice: listed again, matched by a glob beside its name, or through a link
+    alias = tmp_path / "alias"
+    alias.symlink_to(good)
+    for again, named in ((good, good), (tmp_path / "*.txt", good), (alias, alias)):
+        with pytest.raises(DataError) as e:
+            load_data(DataConfig(path=[str(good), str(again)], block_size=8))
+        assert str(e.value) == (
+            f"data_config.path names one file twice, as {good} and {named}: list each file once"
+        )
     with pytest.raises(DataError, match=r"^cannot write the token cache /proc/nope/"):
         load_data(DataConfig(path=str(good), block_size=8, cache_dir="/proc/nope"))
 
