@@ -498,3 +498,17 @@ def test_a_documented_training_command_of_max_steps_trains_past_its_warmup():
                 assert config.optimizer_config.warmup_steps < steps, (page, overrides)
                 checked += 1
     assert checked
+
+
+def test_a_documented_cpu_torchrun_command_gives_each_process_its_threads():
+    """A command that starts a number of CPU processes sets OMP_NUM_THREADS: without it torchrun
+    sets one thread each and says so in a banner of its own, which the reader does not expect."""
+    found = 0
+    for page in [*documents(), REPO / "BENCHMARKS.md"]:
+        text = page.read_text(encoding="utf-8")
+        for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if re.search(r"--nproc_per_node[= ]\d", line):
+                    found += 1
+                    assert line.startswith("OMP_NUM_THREADS="), (page.name, line)
+    assert found > 5
