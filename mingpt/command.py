@@ -28,6 +28,13 @@ def typed(tool: str) -> str:
     return f"python -m mingpt.{tool}"
 
 
+def other_form(tool: str) -> str:
+    """The other way to type the command of `tool` (generate, score, export) than `typed`'s."""
+    if typed(tool).startswith("mingpt-"):
+        return f"python -m mingpt.{tool}"
+    return f"mingpt-{tool}"
+
+
 def find_snapshot(path: str, key: str) -> tuple[str, str]:
     """reader.find, saying what to do where `path` (given as `key`) is the default run and it is not
     there: a first command outside the directory that trained."""
@@ -72,15 +79,17 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
 
 
 def command(
-    usage: str,
+    tool: str,
+    arguments: str,
     schema: type,
     doc: str,
     body: Callable[[list[str]], None],
     errors: tuple[type[BaseException], ...],
     argv: list[str] | None = None,
 ) -> None:
-    """Run `body(argv)` with logging on stderr. `--help` prints `usage`, `doc`'s first paragraph,
-    the keys of `schema`, then the rest of `doc`; an error of the config, a snapshot, storage or
+    """Run `body(argv)` with logging on stderr. `--help` prints the usage (the command of `tool`
+    as typed, then `arguments`), `doc`'s first paragraph naming the command's other form, the keys
+    of `schema`, then the rest of `doc`; an error of the config, a snapshot, storage or
     the output, or one of the command's own `errors`, ends the run with one line on stderr and exit
     status 2, Ctrl-C with 130, a closed pipe (`| head`) with 1 and no message."""
     if argv is None:
@@ -88,6 +97,8 @@ def command(
     try:
         if any(arg in ("-h", "--help") for arg in argv):
             what, rest = doc.strip().split("\n\n", 1)  # the summary, then the details
+            usage = f"{typed(tool)} {arguments}"
+            what = f"{what.removesuffix('.')} (also: {other_form(tool)})."
             write(f"usage: {usage}\n\n{what}\n\n{key_lines(schema)}\n\n{rest}".rstrip() + "\n")
             return
         setup_logging(rank=0)

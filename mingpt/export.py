@@ -1,4 +1,4 @@
-"""Export a snapshot for other tools (also: mingpt-export).
+"""Export a snapshot for other tools.
 
 The arguments `SRC DST [--format FORMAT]` are short for `src=SRC dst=DST format=FORMAT`.
 safetensors: DST a directory of model.safetensors (the float32 weights under the model's own names),
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from mingpt.command import command, find_snapshot, parse_args, typed, write
+from mingpt.command import command, find_snapshot, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
@@ -261,7 +261,8 @@ def run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     command(
-        f"{typed('export')} src=SRC dst=DST [format=safetensors|hf|snapshot]",
+        "export",
+        "src=SRC dst=DST [format=safetensors|hf|snapshot]",
         ExportConfig,
         __doc__,
         run,

@@ -1,4 +1,4 @@
-"""Generate text from a snapshot and stream it to stdout (also: mingpt-generate).
+"""Generate text from a snapshot and stream it to stdout.
 
 Only the text goes to stdout; logs and a one-line error (exit status 2) go to stderr
 (docs/generation.md)."""
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from mingpt.command import DEFAULT_RUN, command, find_snapshot, parse_args, typed, write
+from mingpt.command import DEFAULT_RUN, command, find_snapshot, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import (
     MIN_TEMPERATURE,
@@ -283,7 +283,8 @@ def run(config: GenerateConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     command(
-        f"{typed('generate')} [key=value ...]",
+        "generate",
+        "[key=value ...]",
         GenerateConfig,
         __doc__,
         lambda argv: run(parse_args(argv, GenerateConfig, TEXT_KEYS)),

@@ -1,4 +1,4 @@
-"""Score a text under a snapshot: loss, bits per character, perplexity (also: mingpt-score).
+"""Score a text under a snapshot: loss, bits per character, perplexity.
 
 A file, or the run's held-out split exactly as the run evaluated it, in non-overlapping windows of
 block_size, each predicted from its own start, in float32 (docs/generation.md)."""
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from mingpt import evaluation, token_cache
-from mingpt.command import command, find_snapshot, parse_args, typed, write
+from mingpt.command import command, find_snapshot, parse_args, write
 from mingpt.config import DataConfig, TrainerConfig, check, check_fields, key
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data
 from mingpt.distributed import DistInfo, pick_device
@@ -178,7 +178,8 @@ def run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     command(
-        f"{typed('score')} [key=value ...]",
+        "score",
+        "[key=value ...]",
         ScoreConfig,
         __doc__,
         run,

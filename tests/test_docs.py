@@ -149,10 +149,14 @@ def test_each_commands_help_lists_its_keys_from_the_fields(tool, schema, capsys,
     help = capsys.readouterr().out
     assert help.startswith(f"usage: python -m mingpt.{tool} ")
     assert key_lines(getattr(module, schema)) in help
-    # installed, it is named as typed: its usage said `python -m mingpt.X`
+    assert f"(also: mingpt-{tool}).\n" in help
+    # installed, it is named as typed: its usage said `python -m mingpt.X`, and its summary then
+    # named the command it was as the other way to type it
     monkeypatch.setattr(sys, "argv", [f"/venv/bin/mingpt-{tool}"])
     module.main(["--help"])
-    assert capsys.readouterr().out.startswith(f"usage: mingpt-{tool} ")
+    help = capsys.readouterr().out
+    assert help.startswith(f"usage: mingpt-{tool} ")
+    assert f"(also: python -m mingpt.{tool}).\n" in help and f"also: mingpt-{tool}" not in help
 
 
 def test_the_installed_training_commands_help_names_it():
