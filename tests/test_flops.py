@@ -11,7 +11,7 @@ from conftest import REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mingpt import flops
+from mingpt import flops, metrics
 from mingpt.cli import CONF_DIR
 from mingpt.data import load_data
 from mingpt.distributed import DistInfo
@@ -122,3 +122,24 @@ def test_train_events_carry_mfu_and_peak_memory(small_corpus, monkeypatch, one_t
     for e in train:
         assert e["mfu"] == pytest.approx(e["tokens_per_s"] * per_token / QUIET_2_CORES, rel=1e-3)
         assert 0 < e["mfu"] < 1 and e["peak_mem_mib"] > 100  # torch alone takes more
+
+
+def test_a_peak_measured_under_load_is_measured_again_once_the_pace_exceeds_it(monkeypatch):
+    """A CPU's peak measured while other work held its cores is below the pace its steps reach
+    later, and MFU came out above 1: the peak is then measured again, and the higher kept."""
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    peaks = [500.0, 2000.0, 4000.0]
+    measured = []
+
+    def peak() -> float:
+        measured.append(peaks[len(measured)])
+        return measured[-1]
+
+    # 100 tokens a step, 10 FLOPs a token: a step a second is 1,000 FLOP/s
+    pace = metrics.Pace(100, 10, peak, step=0)
+    now[0] = 1.0
+    assert pace.event(1, 10).mfu == 0.5  # 1,000 over 500 was 2: measured again, 2,000
+    now[0] = 2.0
+    assert pace.event(2, 10).mfu == 0.5
+    assert measured == [500.0, 2000.0]
