@@ -62,11 +62,13 @@ def start(
     if complete and run_id is None:
         return OFF
     try:
-        tracker = MlflowTracker(config, run_dir, run_id, step, complete)
+        tracker = MlflowTracker(config)
+        if complete:
+            tracker.end_left_running(run_id)
+            return OFF
+        tracker.begin(config, run_dir, run_id, step)
     except TrackerUnavailable as e:
         log.warning("trainer_config.tracker=%s: %s; training goes on without it", cfg.tracker, e)
-        return OFF
-    if complete:
         return OFF
     return tracker
 
@@ -151,7 +153,8 @@ class MlflowTracker(Tracker):
     # (split/loss, step): the loss an earlier attempt logged after the step this one resumed from
     redone: Mapping[tuple[str, int], float] = {}
 
-    def __init__(self, config: Any, run_dir: str, run_id: str | None, step: int, complete: bool):
+    def __init__(self, config: Any):
+        """A client of the store that config names, its experiment found; no run yet."""
         try:
             import mlflow
             from mlflow.tracking import MlflowClient
@@ -164,24 +167,24 @@ class MlflowTracker(Tracker):
         self.uri = config.trainer_config.tracker_uri or mlflow.get_tracking_uri()
         _check_database_store(self.uri)
         self._env = _limits(self.uri)
+        self.experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         try:
             with _mlflow_calls({**self._env, **PROBE_LIMITS}):
                 self.client = MlflowClient(self.uri)
-                name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
-                experiment = self.client.get_experiment_by_name(name)
+                self.experiment = self.client.get_experiment_by_name(self.experiment_name)
         except Exception as e:  # MLflow raises many types for a store it cannot use
             raise TrackerUnavailable(
                 f"cannot reach the MLflow tracking store {self.uri} ({_first_line(e)})"
             ) from None
+
+    def begin(self, config: Any, run_dir: str, run_id: str | None, step: int) -> None:
+        """Continue the tracker run `run_id` (None: a new run) at `step`, and log the config."""
         try:
             with _mlflow_calls(self._env):
-                if complete:
-                    self._end_left_running(run_id)
-                    return
-                if experiment:
-                    experiment_id = experiment.experiment_id
+                if self.experiment:
+                    experiment_id = self.experiment.experiment_id
                 else:
-                    experiment_id = self.client.create_experiment(name)
+                    experiment_id = self.client.create_experiment(self.experiment_name)
                 if run_id:
                     self.run_id = self._continue(run_id, step)
                 if self.run_id is None:
@@ -201,7 +204,7 @@ class MlflowTracker(Tracker):
         log.info(
             "tracking in MLflow at %s: experiment %s, run %s%s",
             self.uri,
-            name,
+            self.experiment_name,
             self.run_id,
             f" (continued at step {step})" if run_id == self.run_id else "",
         )
@@ -234,18 +237,22 @@ class MlflowTracker(Tracker):
         }
         return run_id
 
-    def _end_left_running(self, run_id: str) -> None:
-        """The snapshot's tracker run, of a run complete, ended FINISHED where it is RUNNING: an
+    def end_left_running(self, run_id: str) -> None:
+        """The tracker run `run_id` of a run complete, ended FINISHED where it is RUNNING: an
         attempt was killed after its last snapshot, before it ended it."""
         from mlflow.exceptions import MlflowException
 
         try:
-            run = self.client.get_run(run_id)
-        except MlflowException:  # not in this store: nothing of it to end
-            return
-        if run.info.status != "RUNNING":
-            return
-        self.client.set_terminated(run_id, "FINISHED")
+            with _mlflow_calls(self._env):
+                try:
+                    run = self.client.get_run(run_id)
+                except MlflowException:  # not in this store: nothing of it to end
+                    return
+                if run.info.status != "RUNNING":
+                    return
+                self.client.set_terminated(run_id, "FINISHED")
+        except Exception as e:
+            raise TrackerUnavailable(f"MLflow at {self.uri} failed ({_first_line(e)})") from None
         log.info("MLflow run %s, left running by a killed attempt, ended FINISHED", run_id)
 
     def _log_params(self, config: Any, step: int) -> None:
