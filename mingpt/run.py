@@ -222,7 +222,7 @@ def train(trainer: Trainer) -> None:
     be the one its end printed, from the same weights and seed); then the closing line."""
     if trainer.finished():
         log.info("%s", already_complete(trainer))
-        log.info("%s", summary(trainer, None))
+        log.info("%s", summary(trainer, trainer.state.last_eval_loss))
         return
     final = trainer.train()
     sample = trainer.sample_for_all()

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from mingpt.config import Config, ConfigError, GPTConfig, TrainerConfig
 from mingpt.distributed import DistInfo
 from mingpt.evaluation import Evaluator
-from mingpt.run import already_complete, build
+from mingpt.run import already_complete, build, summary, train
 from mingpt.trainer import StepPlan, TrainState, amp_policy, step_plan
 
 
@@ -149,18 +149,24 @@ def test_a_warmup_as_long_as_the_run_is_said_at_start(
         assert said == []
 
 
-def test_a_complete_run_says_no_warmup_warning(tmp_path, small_corpus, caplog, one_thread):
+def test_a_complete_run_says_no_warmup_warning_and_closes_as_its_end_did(
+    tmp_path, small_corpus, caplog, one_thread
+):
     """The same command again finds the run complete, with no step to train: no warmup warning
-    beside its line."""
+    beside its line, and its closing line is the one the run ended with, held-out loss included."""
     dotlist = [*TINY, f"data_config.path={small_corpus}", "trainer_config.max_steps=2"]
     config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
     dist_info = DistInfo(0, 0, 1, 1, torch.device("cpu"))
-    build(OmegaConf.to_object(config), dist_info, str(tmp_path)).train()
+    first = build(OmegaConf.to_object(config), dist_info, str(tmp_path))
+    closing = summary(first, first.train())
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
+    with caplog.at_level(logging.INFO, logger="mingpt"):
         again = build(OmegaConf.to_object(config), dist_info, str(tmp_path))
-    assert again.finished()
+        assert again.finished()
+        train(again)
     assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert "held-out loss" in closing
+    assert caplog.messages[-1] == closing
 
 
 def test_the_train_log_shows_muons_learning_rate_and_no_missing_value(
