@@ -21,7 +21,7 @@ from omegaconf import Container, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import stopping
-from mingpt.command import silence_stdout, typed
+from mingpt.command import freeze_startup_objects, silence_stdout, typed
 from mingpt.config import (
     FIELDS,
     SECTIONS,
@@ -431,6 +431,7 @@ def check_arguments(argv: list[str]) -> argparse.Namespace:
 def main() -> None:
     global _in_task
     _in_task = False  # an earlier call in this process may have left its task by an exception
+    freeze_startup_objects()
     sys.argv[1:] = take_local_rank_argument(sys.argv[1:])
     args = check_arguments(sys.argv[1:])
     # composition errors reach us, not Hydra's multi-line report
