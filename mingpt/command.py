@@ -82,9 +82,9 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
 def freeze_startup_objects() -> None:
     """Leave the objects the imports made (torch's hundreds of thousands) out of the garbage
     collector's passes: they live as long as the process, and scanning them, in its full passes and
-    in the last one at exit, cost each command close to a second of CPU (on an Intel Xeon,
-    `import torch` alone took 2.8 s with it, 2.0 without). Once a process: a second command in it
-    (a test's) would keep the first's garbage from the collector for good."""
+    in the last one at exit, cost each command close to a second of CPU (on an Intel Xeon, a
+    process that only imports torch took 2.8 CPU-s, 2.0 with them frozen). Once a process: a
+    second command in it (a test's) would keep the first's garbage from the collector for good."""
     if gc.get_freeze_count() == 0:
         gc.freeze()
 
