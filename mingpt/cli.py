@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import Container, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt import stopping
+from mingpt import rundir, stopping
 from mingpt.command import freeze_startup_objects, silence_stdout, typed
 from mingpt.config import (
     FIELDS,
@@ -312,13 +312,16 @@ def refuse(message: str) -> NoReturn:
 
 
 def take_back_run_dir() -> None:
-    """The run directory Hydra made for the task goes if nothing is in it (rundir.Claim takes back
-    a lock file it made), and a sweep's too where the multirun.yaml Hydra wrote is all that is in
-    it (no job of it ran), with those Hydra made above them (runs/)."""
+    """The run directory Hydra made for the task goes if nothing is in it once the lock files of a
+    run not accepted are taken back, and a sweep's too where the multirun.yaml Hydra wrote is all
+    that is in it (no job of it ran), with those Hydra made above them (runs/)."""
     # stopping.exit_at_once calls it at any time: before a task Hydra made none, after one it holds
     # the run's files
     if not _in_task:
         return
+    # refuse's Claim.release did it already; exit_at_once skips it
+    if rundir.held is not None:
+        rundir.held.take_back()
     hydra_cfg = HydraConfig.get()
     with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
         os.rmdir(hydra_cfg.runtime.output_dir)

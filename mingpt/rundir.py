@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
 OTHER_NAME = "another name (trainer_config.run_name=NAME)"  # other_directory_hint's usual answer
 RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a directory"}
+# The claim held (claim's body): a process ended at once (stopping.exit_at_once) skips its
+# release, and takes back the lock files it made through this.
+held: "Claim | None" = None
 
 
 class RunDirError(ValueError):
@@ -292,12 +295,15 @@ class Claim:
             ) from None
         self.made = []  # accepted: its lock files stay
 
-    def release(self) -> None:
-        # A refused job leaves no trace: the lock files it made go while it still holds them (a run
-        # directory left empty goes too, in mingpt.cli).
+    def take_back(self) -> None:
+        """A job not accepted leaves no trace: the lock files it made go while it still holds them
+        (a run directory left empty goes too, in mingpt.cli)."""
         for path in self.made:
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+    def release(self) -> None:
+        self.take_back()
         root = logging.getLogger()
         for handler in filter(None, (self.log_buffer, self.log_file)):
             root.removeHandler(handler)
@@ -323,7 +329,9 @@ def claim(
     kind. Rank 0 takes the locks and checks, so every rank of a refused job raises the same
     RunDirError before anything is written; its line suggests `other_directory`
     (other_directory_hint) for this job."""
+    global held
     owned = Claim(run_dir, snapshot_path, [], log_buffer)
+    held = owned
     refusal = [None]  # rank 0's, on every rank: all raise the same RunDirError, or none does
     try:
         if dist_info.is_main_process:
@@ -343,6 +351,7 @@ def claim(
             raise RunDirError(refusal[0])
         yield owned
     finally:
+        held = None
         owned.release()
 
 
