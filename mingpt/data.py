@@ -54,7 +54,7 @@ def download_corpus(path: str) -> None:
 def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     """The corpus files named by data_config.path (globs expanded), in order, and the path of their
     token cache."""
-    sources = []
+    named = {}  # {each file, by its name in its file system: the name given it}
     local_dir = None  # the first file's directory, if it is local: the cache's default place
     for i, pattern in enumerate(cfg.paths):
         fs, stripped, matches = _expand(pattern)
@@ -62,25 +62,21 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
         if i == 0 and local:
             local_dir = os.path.dirname(os.path.abspath(matches[0]))
         for m in matches:
+            source = fs.unstrip_protocol(m)
             if m == stripped:
-                sources.append(pattern)  # a file named without a glob, spelled as given
+                source = pattern  # a file named without a glob, spelled as given
             elif local:
-                sources.append(m)
-            else:
-                sources.append(fs.unstrip_protocol(m))
-    # Listed again, matched by a glob beside its own name, or named by a link to it, a file would
-    # be trained on twice.
-    seen = {}
-    for source in sources:
-        file = source
-        if "://" not in source:
-            file = os.path.realpath(source)
-        if file in seen:
-            raise DataError(
-                f"data_config.path names one file twice, as {seen[file]} and {source}: "
-                "list each file once"
-            )
-        seen[file] = source
+                source = m
+            # Listed again, matched by a glob beside its own name, or named by a link to it or a
+            # URL (file://), a file would be trained on twice.
+            file = os.path.realpath(m) if local else fs.unstrip_protocol(m)
+            if file in named:
+                raise DataError(
+                    f"data_config.path names one file twice, as {named[file]} and {source}: "
+                    "list each file once"
+                )
+            named[file] = source
+    sources = list(named.values())
     # named by the patterns, not their matches: a glob that matches other files replaces its cache
     keys = [token_cache.canonical(p) for p in cfg.paths]
     return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)

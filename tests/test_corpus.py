@@ -203,10 +203,12 @@ def test_unusable_corpora_are_refused_in_one_line(tmp_path):
         load_data(DataConfig(path=str(tmp_path / "nothing-*.txt"), block_size=8))
     good = tmp_path / "good.txt"
     good.write_text("abcdefgh" * 50, encoding="utf-8")
-    # the same file twice: listed again, matched by a glob beside its name, or through a link
+    # the same file twice: listed again, matched by a glob beside its name, through a link, or as
+    # a URL
     alias = tmp_path / "alias"
     alias.symlink_to(good)
-    for again, named in ((good, good), (tmp_path / "*.txt", good), (alias, alias)):
+    url = f"file://{good}"
+    for again, named in ((good, good), (tmp_path / "*.txt", good), (alias, alias), (url, url)):
         with pytest.raises(DataError) as e:
             load_data(DataConfig(path=[str(good), str(again)], block_size=8))
         assert str(e.value) == (
