@@ -142,4 +142,8 @@ def test_a_peak_measured_under_load_is_measured_again_once_the_pace_exceeds_it(m
     assert pace.event(1, 10).mfu == 0.5  # 1,000 over 500 was 2: measured again, 2,000
     now[0] = 2.0
     assert pace.event(2, 10).mfu == 0.5
+    # Above the peak again (it overestimates: a causal attention's FLOPs, say): not measured again,
+    # each measuring costs the run 0.2 s.
+    now[0] = 2.25
+    assert pace.event(3, 10).mfu == 2.0
     assert measured == [500.0, 2000.0]
