@@ -3,8 +3,8 @@
 snapshot, also after a SIGKILL under torchrun.
 
 One module-scoped launch of tests/dist_worker.py runs the uninterrupted
-references and the LocalSGD jobs; each SIGKILL test is one torchrun job with a
-restart, on a simulated GPU host.
+references, the LocalSGD jobs and a PowerSGD run resumed; the SIGKILL test is one
+torchrun job with a restart, on a simulated GPU host.
 """
 
 from __future__ import annotations
@@ -85,6 +85,17 @@ def runs(tmp_path_factory, corpus_file):
             job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}")
             for hook, keys in POWERSGD.items()
         ),
+        # Saved at step 10, compressing since step 3, and resumed by a new DDP of the same ranks.
+        *(
+            job(
+                f"powersgd_{part}",
+                *POWERSGD["powersgd"],
+                f"trainer_config.snapshot_path={tmp / 'powersgd-resumed'}",
+                f"trainer_config.max_steps={steps}",
+                "trainer_config.allow_config_change=true",
+            )
+            for part, steps in (("to_10", 10), ("from_10", POWERSGD_STEPS))
+        ),
     ]
     return tmp, run_worker(tmp, corpus_file, 2, jobs)
 
@@ -134,6 +145,22 @@ def test_localsgd_resumes_bitwise_and_saving_or_evaluating_changes_nothing(runs)
         for k, v in hook["ranks"][0]["model_state"].items()
     }
     torch.testing.assert_close(snapshot["model_state"], mean, rtol=0, atol=1e-6)
+
+
+def test_powersgd_resumes_bitwise_from_a_save_mid_compression(runs):
+    """Saved at step 10 (compressing since step 3), each rank's error feedback, the warm-start P
+    and Q and the random state of Q's starts are restored in a new DDP: the resumed run ends
+    bitwise where the uninterrupted run ended (after a SIGKILL and a restart: the test below)."""
+    tmp, results = runs
+    for rank in (0, 1):
+        # it resumed the save at step 10, not a fresh start
+        assert same(
+            results["powersgd_from_10"][rank]["init"], results["powersgd_to_10"][rank]["state"]
+        )
+        assert same(results["powersgd_from_10"][rank]["state"], results["powersgd"][rank]["state"])
+    snapshot = read_snapshot(tmp / "powersgd-resumed")
+    assert snapshot["step"] == POWERSGD_STEPS and snapshot["comm_hook"]["name"] == "powersgd"
+    assert len(snapshot["comm_hook"]["ranks"][1]["error"]) >= 1
 
 
 def test_localsgd_evaluates_the_mean_and_converges_like_ddp(runs, corpus_file):
@@ -246,26 +273,21 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
     assert loaded == [{"iter": 9}]
 
 
-# torchrun's store across restarts, one setting a hook: its shared one (the variable unset: on one
-# node mingpt keeps each attempt's keys apart) and a fresh one per attempt (the variable set, as
-# docs/fault-tolerance.md says for several nodes). Restarted workers that read the dead ones'
-# addresses fail to connect or wait forever (pytorch#135712): the run would not end.
-@pytest.mark.parametrize(
-    ("hook", "fresh_store"),
-    [("powersgd", True), ("batched_powersgd", False)],
-    ids=["powersgd-fresh-store", "batched_powersgd-shared-store"],
-)
-def test_sigkilled_compressed_run_on_a_gpu_host_resumes_bitwise_with_and_without_a_fresh_store(
-    runs, corpus_file, tmp_path, hook, fresh_store
-):
-    """Rank 1 dies as it starts step 14 (compressing since step 3); torchrun restarts
-    both, and they join the process group again; they resume from the save at step 10 (or 5)
-    with each rank's error feedback and the warm-start P and Q, and end bitwise where the
+# torchrun's store across restarts: its shared one (TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset: on one
+# node mingpt keeps each attempt's keys apart). Restarted workers that read the dead ones' addresses
+# fail to connect or wait forever (pytorch#135712): the run would not end. A fresh store per attempt
+# (the variable set, as docs/fault-tolerance.md says for several nodes) is taken by test_snapshot's
+# SIGKILL tests; PowerSGD's (not batched) state across a resume by the test above.
+def test_sigkilled_compressed_run_on_a_gpu_host_resumes_bitwise(runs, corpus_file, tmp_path):
+    """Rank 1 dies as it starts step 14 (compressing with batched PowerSGD since step 3); torchrun
+    restarts both, and they join the process group again; they resume from the save at step 10 (or
+    5) with each rank's error feedback and the warm-start P and Q, and end bitwise where the
     uninterrupted run ended on a CPU host.
 
     The job is a gloo/CPU job on a host where torch.cuda.is_available() (simulated): torch's
     PowerSGD hooks synchronize CUDA whenever it is available, also for CPU gradients ("Expected
     a cuda device, but got: cpu"). The run must go on and end as on a CPU host."""
+    hook = "batched_powersgd"
     _, results = runs
     args = [
         *TINY,
@@ -277,8 +299,6 @@ def test_sigkilled_compressed_run_on_a_gpu_host_resumes_bitwise_with_and_without
     ]
     env = fake_cuda_env(gpus=2, env={**child_env(), "FT_KILL_RANK": "1", "FT_KILL_STEP": "13"})
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    if fresh_store:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = torchrun_cmd(2, "--standalone", "--max-restarts=1") + [
         str(REPO / "tests" / "ft_kill.py"),
         *args,
