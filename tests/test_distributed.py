@@ -295,68 +295,6 @@ def test_a_worker_whose_peer_ended_on_another_node_says_so_in_one_line(tmp_path,
     assert line in error_file.read_text()
 
 
-def test_a_worker_that_torchrun_stops_says_so_under_its_rank(tmp_path, corpus_file):
-    """Rank 0 dies (SIGKILL) mid-run and torchrun stops rank 1 with SIGTERM: rank 1's one line is
-    headed by its rank, as its other error lines are (it was not, and read as rank 0's)."""
-    env = {**child_env(), "FT_KILL_RANK": "0", "FT_KILL_STEP": "3"}
-    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_steps=20"]
-    cmd = torchrun_cmd(2, "--standalone") + [str(REPO / "tests" / "ft_kill.py"), *args]
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
-    )
-    assert proc.returncode != 0
-    lines = proc.stderr.splitlines()
-    assert "[rank 1] error: stopped by SIGTERM, exiting at once" in lines, proc.stderr[-3000:]
-    assert "error: stopped by SIGTERM, exiting at once" not in lines, proc.stderr[-3000:]
-
-
-# Rank 1 dies before rank 0 publishes, or rank 0 once it has published: each moment with one of
-# the two ways to save, so that both are taken (a torchrun job each costs some 25 CPU seconds).
-# After publishing, in the background, is the case that also warned about the snapshot rank 0 had
-# published.
-@pytest.mark.parametrize(
-    ("dies", "in_", "resumed", "async_save"),
-    [(1, "shard_hashes", 10, False), (0, "prune", 15, True)],
-    ids=["before-publishing-in-step", "after-publishing-background"],
-)
-def test_a_worker_killed_during_a_save_leaves_the_other_to_torchrun(
-    tmp_path, corpus_file, async_save, dies, in_, resumed
-):
-    """One rank is SIGKILLed in the save at step 15, before rank 0 publishes it or just after: the
-    other's collectives of the save fail as its peer is gone. It said that as a storage fault
-    ("cannot save sharded snapshot ...: Connection closed by peer"; in the background, a warning,
-    also about the snapshot rank 0 had published); it waits for torchrun to stop it instead, with
-    the one line of a worker torchrun stops, and the restart resumes from the last snapshot
-    published."""
-    env = {**child_env(), "FT_KILL_RANK": str(dies), "FT_KILL_STEP": "11", "FT_KILL_IN": in_}
-    args = [
-        *TINY,
-        f"data_config.path={corpus_file}",
-        "trainer_config.save_every_steps=5",
-        "trainer_config.max_steps=20",
-        "optimizer_config.warmup_steps=5",  # shorter than the run, which says no warning
-        f"trainer_config.async_save={str(async_save).lower()}",
-    ]
-    # torchrun looks at its workers every 3 s, not 0.1 s: the survivor meets its failed collective
-    # before torchrun stops it (else the signal could come first, and hide what it said).
-    cmd = torchrun_cmd(2, "--standalone", "--max-restarts=1", "--monitor-interval=3") + [
-        str(REPO / "tests" / "ft_kill.py"),
-        *args,
-    ]
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    survivor = "error: stopped by SIGTERM, exiting at once"
-    if dies == 0:
-        survivor = f"[rank 1] {survivor}"
-    assert survivor in proc.stderr.splitlines(), proc.stderr[-3000:]
-    assert "cannot save" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr[-3000:]
-    log = (run_dir_of(tmp_path, args) / "train.log").read_text()
-    assert log.count("resumed from") == 1 and f"into it, step {resumed}\n" in log, log[-3000:]
-    assert read_snapshot(run_dir_of(tmp_path, args) / "snapshots")["step"] == 20
-
-
 def test_a_sweep_under_torchrun_gives_each_job_a_process_group(tmp_path, corpus_file):
     """The jobs of a sweep run one after another in the same processes: the second joined the
     first's keys in torchrun's store and waited there forever."""
