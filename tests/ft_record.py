@@ -3,10 +3,11 @@
     FT_RECORD_DIR=DIR [torchrun ...] python tests/ft_record.py [overrides ...]
 
 Runs the real training CLI (mingpt.cli.main). Each rank appends one line per
-optimizer step to DIR/samples-rank<r>.txt ("epoch step i i i ...": the training
-samples of its share of the step) and one line per snapshot save it takes part
-in to DIR/saves-rank<r>.txt (the step saved; best-saves-rank<r>.txt for the best
-weights). Nothing else changes.
+optimizer step to DIR/PARALLELISM/samples-rank<r>.txt ("epoch step i i i ...": the
+training samples of its share of the step) and one line per snapshot save it takes
+part in to DIR/PARALLELISM/saves-rank<r>.txt (the step saved; best-saves-rank<r>.txt
+for the best weights): a sweep over trainer_config.parallelism records each job apart.
+Nothing else changes.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ RECORD_DIR = os.environ["FT_RECORD_DIR"]
 RANK = int(os.environ.get("RANK", 0))
 
 
-def _append(name: str, line: str) -> None:
-    with open(os.path.join(RECORD_DIR, f"{name}-rank{RANK}.txt"), "a", encoding="utf-8") as f:
+def _append(parallelism: str, name: str, line: str) -> None:
+    directory = os.path.join(RECORD_DIR, parallelism)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{name}-rank{RANK}.txt"), "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
 
@@ -35,6 +38,7 @@ _save = sharded.save
 
 def recording_train_step(self, indices):
     _append(
+        self.cfg.parallelism,
         "samples",
         f"{self.state.epoch} {self.state.step} " + " ".join(map(str, indices.tolist())),
     )
@@ -43,7 +47,10 @@ def recording_train_step(self, indices):
 
 def recording_save(tensors, meta, root, step, *args, **kwargs):
     # the best weights apart
-    _append("best-saves" if root.rstrip("/").endswith("-best") else "saves", str(step))
+    name = "saves"
+    if root.rstrip("/").endswith("-best"):
+        name = "best-saves"
+    _append(meta["trainer_config"]["parallelism"], name, str(step))
     return _save(tensors, meta, root, step, *args, **kwargs)
 
 
@@ -52,5 +59,4 @@ trainer.Trainer.train_step = recording_train_step
 sharded.save = recording_save
 
 if __name__ == "__main__":
-    os.makedirs(RECORD_DIR, exist_ok=True)
     main()

@@ -817,96 +817,79 @@ def read_samples(record_dir) -> Counter:
     return counts
 
 
-def recorded_part(tmp_path, record, nproc: int, *extra: str) -> str:
-    """One part of an epoch through main.py (tests/ft_record.py records each rank's
-    samples and saves in `record`); returns its log."""
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory, corpus) -> tuple[Path, list[str]]:
+    """(the record, the parts' logs): one epoch trained through main.py by 2 processes (steps
+    1-10), then 1 (to step 70), then 4 (to the end), sharing a file:// snapshot, as a sweep of
+    both parallelisms (tests/ft_record.py records each rank's samples and saves apart): a
+    launch for both, and each job's snapshot of its own (snapshot_path names the parallelism)."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    (tmp / "small.txt").write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    record = tmp / "record"
     args = overrides(
+        f"data_config.path={tmp / 'small.txt'}",
         "trainer_config.max_epochs=1",
         "trainer_config.save_every_steps=7",
         # each part has its own max_steps
         "trainer_config.allow_config_change=true",
-        *extra,
+        f"trainer_config.snapshot_path={elastic_url(tmp, '${trainer_config.parallelism}')}",
+        "trainer_config.parallelism=ddp,fsdp",
     )
-    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc, "--standalone")
-    proc = subprocess.run(
-        [*launcher, str(REPO / "tests" / "ft_record.py"), *args],
-        cwd=tmp_path,
-        env={**child_env(), "FT_RECORD_DIR": str(record)},
-        capture_output=True,
-        text=True,
-        timeout=RUN_DEADLINE,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stderr
-
-
-def test_elastic_resume_2_to_1_to_2_sees_each_sample_once(tmp_path, small_corpus):
-    """One epoch trained through main.py by 2 processes (steps 1-10), then 1
-    (to step 70), then 2 again (to the end), sharing a file:// snapshot. The
-    ranks together train on every sample of the epoch exactly once, and every
-    rank takes part in each save: every 7 steps and at the end of each part."""
-    url = f"file://{tmp_path / 'shared' / 'snapshots'}"
-    record = tmp_path / "record"
-
-    def part(nproc: int, max_steps: str) -> str:
-        return recorded_part(
-            tmp_path,
-            record,
-            nproc,
-            f"data_config.path={small_corpus}",
-            f"trainer_config.snapshot_path={url}",
-            f"trainer_config.max_steps={max_steps}",
+    logs = []
+    # 10 steps of 16 samples: 160; 60 steps of 8: 640; 484 left: 15 steps of 32 and one of 4
+    for nproc, max_steps in ((2, "10"), (1, "70"), (4, "null")):
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher = torchrun_cmd(nproc, "--standalone")
+        proc = subprocess.run(
+            [
+                *launcher,
+                str(REPO / "tests" / "ft_record.py"),
+                "-m",
+                *args,
+                f"trainer_config.max_steps={max_steps}",
+            ],
+            cwd=tmp,
+            env={**child_env(), "FT_RECORD_DIR": str(record)},
+            capture_output=True,
+            text=True,
+            timeout=RUN_DEADLINE,
         )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs.append(proc.stderr)
+    return record, logs
 
-    part(2, "10")  # 10 steps of 16 samples: 160
-    assert "resumed from file://" in part(1, "70")  # 60 steps of 8: 640
-    log = part(2, "null")  # 484 left: 30 steps of 16 and one of 4
-    assert f"resumed from {url}: epoch 0, 640 samples into it, step 70" in log
+
+def elastic_url(tmp: Path, parallelism: str) -> str:
+    return f"file://{tmp / 'shared' / parallelism / 'snapshots'}"
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_elastic_resume_2_to_1_to_4_sees_each_sample_once(elastic, parallelism):
+    """The ranks together train on every sample of the epoch exactly once, and every rank takes
+    part in each save: every 7 steps and at the end of each part. FSDP2's sharded snapshots are
+    resharded by every load."""
+    record, logs = elastic
+    url = elastic_url(record.parent, parallelism)
+    assert f"resumed from {url}: epoch 0, 160 samples into it, step 10" in logs[1]
+    assert f"resumed from {url}: epoch 0, 640 samples into it, step 70" in logs[2]
     final = read_snapshot(url)
     assert (final["step"], final["epoch"], final["samples_in_epoch"], final["world_size"]) == (
-        101,
-        1,
-        0,
-        2,
-    )
-    assert read_samples(record) == Counter(range(N_TRAIN))
-    saves = {
-        rank: [int(s) for s in (record / f"saves-rank{rank}.txt").read_text().split()]
-        for rank in (0, 1)
-    }
-    assert saves[0] == [7, 10, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 101]
-    assert saves[1] == [7, 10, 77, 84, 91, 98, 101]  # the parts on 2 processes
-
-
-def test_fsdp_elastic_resume_2_to_1_to_4_sees_each_sample_once(tmp_path, small_corpus):
-    """The same with FSDP2 and sharded snapshots, which every load reshards:
-    2 processes (steps 1-10), 1 (to step 70), then 4 (to the end)."""
-    root = tmp_path / "shared" / "snapshots"
-    record = tmp_path / "record"
-
-    def part(nproc: int, max_steps: str) -> str:
-        return recorded_part(
-            tmp_path,
-            record,
-            nproc,
-            f"data_config.path={small_corpus}",
-            f"trainer_config.snapshot_path={root}",
-            f"trainer_config.max_steps={max_steps}",
-            "trainer_config.parallelism=fsdp",
-        )
-
-    part(2, "10")  # 10 steps of 16 samples: 160
-    assert "resumed from" in part(1, "70")  # 60 steps of 8: 640
-    log = part(4, "null")  # 484 left: 15 steps of 32 and one of 4
-    assert f"resumed from {root}: epoch 0, 640 samples into it, step 70" in log
-    _, meta = sharded.load_full(str(root))
-    assert (meta["step"], meta["epoch"], meta["samples_in_epoch"], meta["world_size"]) == (
         86,
         1,
         0,
         4,
     )
+    assert final["trainer_config"]["parallelism"] == parallelism
+    record = record / parallelism
     assert read_samples(record) == Counter(range(N_TRAIN))
+    saves = {
+        rank: [int(s) for s in (record / f"saves-rank{rank}.txt").read_text().split()]
+        for rank in range(4)
+    }
+    assert saves[0] == [7, 10, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 86]
+    assert saves[1] == [7, 10, 77, 84, 86]  # the parts on 2 and 4 processes
+    assert saves[2] == saves[3] == [77, 84, 86]  # the part on 4
 
 
 # The key test: a worker SIGKILLed mid-epoch, in a save, torchrun restarts, the run ends bitwise
