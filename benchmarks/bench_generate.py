@@ -50,7 +50,7 @@ from torch import nn
 
 from mingpt import decoding
 from mingpt.config import GPTConfig
-from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
+from mingpt.generate import GenerateConfig, compile_pays_after, should_compile
 from mingpt.model import GPT
 
 
@@ -335,7 +335,7 @@ def main() -> None:
     # the command's own rule, asked about one long sample before any step is kept
     policy = "eager unless an earlier run kept a compiled step"
     if should_compile(GenerateConfig(max_new_tokens=10**9), model, device):
-        policy = f"compiled from {COMPILE_PAYS_AFTER['cpu']:,} characters, or where kept"
+        policy = f"compiled from {compile_pays_after(device):,} characters, or where kept"
     compiling = None if args.no_compile else compile_seconds(model, device)
     table = rows(model, device, args)
     secs = measure(table, n, args.rounds)

@@ -32,11 +32,11 @@ log = logging.getLogger(__name__)
 # Free text, taken verbatim.
 TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
 # compile=auto compiles the step from this many new characters per sample, where compiling costs
-# less than it saves. cpu: measured, one sample (a batch gains too little: never), and only where
-# one-row products lag (an AMD EPYC: 21 s with cold caches against 2 ms a character saved over an
-# eager step on oneDNN); cuda: estimated (BENCHMARKS.md). A CPU step compiled by an earlier run is
-# loaded whatever the length.
-COMPILE_PAYS_AFTER = {"cpu": 10000, "cuda": 6000}
+# less than it saves (BENCHMARKS.md). On a CPU, one sample only (a batch gains too little: never).
+# "cpu": where one-row products lag (an AMD EPYC: 21 s with cold caches against 2 ms a character
+# saved over an eager step on oneDNN); "cpu, products keep up": an Intel Xeon, 17 to 23 s against
+# 0.4 ms; cuda: estimated. A CPU step compiled by an earlier run is loaded whatever the length.
+COMPILE_PAYS_AFTER = {"cpu": 10000, "cpu, products keep up": 50000, "cuda": 6000}
 # The host memory that reading and encoding a prompt_file takes at its peak, per byte of the file:
 # measured for ASCII, the most characters a byte (its text, and the encoding's arrays of each
 # character's code point and id).
@@ -187,6 +187,14 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
         )
 
 
+def compile_pays_after(device: torch.device) -> float:
+    """The characters per sample from which compile=auto compiles on device (inf: never)."""
+    kind = device.type
+    if kind == "cpu" and not one_row_products_lag():
+        kind = "cpu, products keep up"
+    return COMPILE_PAYS_AFTER.get(kind, math.inf)
+
+
 def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> bool:
     if config.compile != "auto":
         return config.compile == "true"
@@ -196,10 +204,7 @@ def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> 
     # A step compiled by an earlier run loads in milliseconds.
     if device.type == "cpu" and can_package() and package_path(model, 1).exists():
         return True
-    # Where a CPU's one-row products keep up with its memory, a compiled step is hardly faster.
-    if device.type == "cpu" and not one_row_products_lag():
-        return False
-    if config.max_new_tokens < COMPILE_PAYS_AFTER.get(device.type, math.inf):
+    if config.max_new_tokens < compile_pays_after(device):
         if device.type == "cpu" and can_package():
             log.info(
                 "compile=true compiles the decoding step for this model shape once (about 20 s): "

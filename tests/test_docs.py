@@ -351,6 +351,11 @@ QUICK_MODEL = preset("gpt_config", "gpu-quick")
             f"compiled, {QUICK.trainer_config.max_steps:,} steps)",
         ),
         ("generation.md", f"compiles one from {generate.COMPILE_PAYS_AFTER['cpu']:,} characters"),
+        (
+            "generation.md",
+            "Elsewhere it compiles one from "
+            f"{generate.COMPILE_PAYS_AFTER['cpu, products keep up']:,} characters",
+        ),
         ("generation.md", f"CUDA graphs from {generate.COMPILE_PAYS_AFTER['cuda']:,} characters"),
         ("generation.md", f"in memory (about {generate.PROMPT_BYTES_PER_BYTE} bytes a byte of"),
         (

@@ -533,10 +533,10 @@ def test_a_kept_step_is_named_by_the_cpu_model_and_instruction_sets_not_the_cloc
 
 
 def test_compile_auto_compiles_where_it_pays(monkeypatch, tmp_path, caplog):
-    """compile=auto (the default): the step is compiled for a text long enough for
-    compiling to pay on the device type, on a CPU for one sample and only where one-row products
-    lag behind the memory, and on a CPU whatever the length where an earlier run kept the
-    compiled step (until then, a line says how to compile one); true and false as said."""
+    """compile=auto (the default): the step is compiled for a text long enough for compiling to
+    pay on the device type, on a CPU for one sample and from more characters where one-row
+    products keep up with the memory, and on a CPU whatever the length where an earlier run kept
+    the compiled step (until then, a line says how to compile one); true and false as said."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -546,8 +546,10 @@ def test_compile_auto_compiles_where_it_pays(monkeypatch, tmp_path, caplog):
 
     assert isinstance(generate_cli.one_row_products_lag(), bool)  # this CPU's, measured
     monkeypatch.setattr(generate_cli, "one_row_products_lag", lambda: False)
-    assert not compiles(cpu, "max_new_tokens=100000")
-    assert compiles(cpu, "max_new_tokens=100000", "compile=true")
+    keeping_up = COMPILE_PAYS_AFTER["cpu, products keep up"]
+    assert compiles(cpu, f"max_new_tokens={keeping_up}")
+    assert not compiles(cpu, f"max_new_tokens={keeping_up - 1}")
+    assert compiles(cpu, "max_new_tokens=1", "compile=true")
     assert compiles(cuda, "max_new_tokens=100000")
     monkeypatch.setattr(generate_cli, "one_row_products_lag", lambda: True)
     assert parse_args([], GenerateConfig).compile == "auto"
