@@ -195,6 +195,11 @@ def compile_pays_after(device: torch.device) -> float:
     return COMPILE_PAYS_AFTER.get(kind, math.inf)
 
 
+def kept_step(model: GPT, device: torch.device, batch_size: int) -> bool:
+    """Whether an earlier run kept a compiled step for model's shape and batch_size on this CPU."""
+    return device.type == "cpu" and can_package() and package_path(model, batch_size).exists()
+
+
 def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> bool:
     if config.compile != "auto":
         return config.compile == "true"
@@ -202,7 +207,7 @@ def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> 
     if not config.use_cache or (device.type == "cpu" and config.num_samples > 1):
         return False
     # A step compiled by an earlier run loads in milliseconds.
-    if device.type == "cpu" and can_package() and package_path(model, 1).exists():
+    if kept_step(model, device, 1):
         return True
     if config.max_new_tokens < compile_pays_after(device):
         if device.type == "cpu" and can_package():
@@ -243,6 +248,8 @@ def run(config: GenerateConfig) -> None:
         ", compiled step" if compile else "",
     )
     n = config.num_samples
+    # where this run compiles the step, compiling is in the closing line's time
+    compiling = compile and not kept_step(model, device, n)
     # One random stream per sample, so that sample i is the text of a one-sample run with seed + i -
     # 1.
     generators = [torch.Generator(device).manual_seed(config.seed + i) for i in range(n)]
@@ -279,11 +286,18 @@ def run(config: GenerateConfig) -> None:
         last = tokenizer.decode(tokens[i, -1:].tolist()) or prompt[-1:]
         if last != "\n":
             write("\n")
-    seconds = time.perf_counter() - started
-    chars = config.max_new_tokens * n
+    say_done(config.max_new_tokens * n, time.perf_counter() - started, compiling)
+
+
+def say_done(chars: int, seconds: float, compiling: bool) -> None:
+    """The closing line: how many characters in how long, and whether compiling the step is in
+    that time."""
     plural = "" if chars == 1 else "s"
     rate = chars / max(seconds, 1e-9)
-    log.info("%d character%s in %.2f s (%.1f/s)", chars, plural, seconds, rate)
+    included = ""
+    if compiling:
+        included = ", compiling the step included"
+    log.info("%d character%s in %.2f s (%.1f/s%s)", chars, plural, seconds, rate, included)
 
 
 def main(argv: list[str] | None = None) -> None:

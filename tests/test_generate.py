@@ -926,14 +926,26 @@ def test_the_samples_are_decoded_at_the_end_a_piece_at_a_time(snapshot, monkeypa
     assert peak < 6 * new, peak  # a piece's list and text, the chunks' views: about 0.7 MB
 
 
-def test_one_character_generated_is_said_in_the_singular(tiny_run, capsys, caplog):
-    """The closing log line said 1 characters in ..."""
+def test_the_closing_line_says_one_character_and_compiling(
+    tiny_run, capsys, caplog, monkeypatch, tmp_path
+):
+    """The closing log line said 1 characters in ...; and its rate hid the seconds of compiling
+    the step, where the run compiled it."""
     config = GenerateConfig(
         snapshot_path=str(tiny_run[1]), max_new_tokens=1, device="cpu", compile="false"
     )
     with caplog.at_level(logging.INFO, "mingpt.generate"):
         generate_cli.run(config)
     assert caplog.messages[-1].startswith("1 character in "), caplog.messages
+    assert "compiling" not in caplog.messages[-1]
+    # compiled here (a stand-in for the compiler: the eager step)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(decoding, "build_package", lambda path, model, cache: model.step)
+    config.compile = "true"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "mingpt.generate"):
+        generate_cli.run(config)
+    assert caplog.messages[-1].endswith("/s, compiling the step included)"), caplog.messages
 
 
 def test_a_prompt_file_is_read_as_it_is(tmp_path):
