@@ -112,8 +112,8 @@ def open_source(path: str) -> Iterator[BinaryIO]:
             ) from None
         missing = f"data file not found: {path}"
         # Here a glob's characters are a name's: data_config.path's globs were expanded before,
-        # and score reads the one file it is given.
-        if glob.has_magic(path):
+        # and score reads the one file it is given; not so in an HTTP URL, where `?` starts a query.
+        if glob.has_magic(path) and fsspec.utils.get_protocol(path) not in ("http", "https"):
             missing += " (one file's name: no glob is expanded here)"
         raise DataError(missing) from None
     # an unreachable object store included

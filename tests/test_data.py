@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import http.server
 import logging
 import socket
+import threading
 
 import pytest
 import torch
 
+from mingpt import token_cache
 from mingpt.config import DataConfig
 from mingpt.data import CharTokenizer, DataError, ResumableSampler, TokenWindows, load_data
 
@@ -167,6 +170,30 @@ def test_an_unreachable_url_says_why(tmp_path):
         DataError, match=rf"^cannot fetch data file {url}: Cannot connect to host 127.0.0.1:{port}"
     ):
         load_data(DataConfig(path=url, block_size=8, cache_dir=str(tmp_path)))
+
+
+class NotFound(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self):
+        self.send_error(404)
+
+    do_GET = do_HEAD
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_missing_url_with_a_query_is_not_called_a_glob():
+    """A `?` in an HTTP URL starts its query: a missing file there is not found, with no hint that
+    the name may be a glob."""
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound) as server:
+        threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_port}/x.txt?version=2"
+        try:
+            with pytest.raises(DataError) as e, token_cache.open_source(url):
+                pass
+        finally:
+            server.shutdown()
+    assert str(e.value) == f"data file not found: {url}"
 
 
 def consumed_and_rest(
