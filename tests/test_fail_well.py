@@ -327,6 +327,10 @@ WRONG_FIELDS = {
     ),
     "epoch": ("0", "epoch must be a whole number >= 0, got str"),
     "step": (-1, "step must be a whole number >= 0, got -1"),
+    "best_step": (True, "best_step must be a whole number >= 0, got bool"),
+    "last_eval_loss": ("1.5", "last_eval_loss must be a number or null, got str"),
+    "stopped_early": (1, "stopped_early must be true or false, got int"),
+    "eval_due": ("false", "eval_due must be true or false, got str"),
 }
 
 

@@ -18,6 +18,8 @@ from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
 COUNTS = ("epoch", "samples_in_epoch", "step")
+# the counts, those a record may lack too
+WHOLE_NUMBERS = (*COUNTS, "best_step", "evals_without_improvement")
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
 REQUIRED_KEYS = ("model_state", "gpt_config", "vocab", *COUNTS)
 # What each field must be: (accepted types, in words).
@@ -25,8 +27,10 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "model_state": ((dict,), "a mapping of names to tensors"),
     **{key: ((dict,), "a mapping") for key in ("optimizer_state", *SECTIONS, "scaler_state")},
     "vocab": ((str,), "a string"),
-    **{key: ((int,), "a whole number >= 0") for key in COUNTS},
+    **{key: ((int,), "a whole number >= 0") for key in WHOLE_NUMBERS},
     "best_eval_loss": ((float, int), "a number"),
+    "last_eval_loss": ((float, int, type(None)), "a number or null"),
+    **{key: ((bool,), "true or false") for key in ("stopped_early", "eval_due", "sample_due")},
 }
 
 
@@ -93,11 +97,12 @@ def check_structure(state: Any, path: str) -> None:
         if key not in state:
             continue
         value = state[key]
-        if not isinstance(value, types) or isinstance(value, bool):
+        # isinstance takes True for an int: no count or number
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise SnapshotError(
                 f"snapshot {path} is not usable: {key} must be {what}, got {type(value).__name__}"
             )
-        if key in COUNTS and value < 0:
+        if key in WHOLE_NUMBERS and value < 0:
             raise SnapshotError(f"snapshot {path} is not usable: {key} must be {what}, got {value}")
     for name, tensor in state["model_state"].items():
         is_float = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
