@@ -46,8 +46,9 @@ class TrainState:
     step: int = 0  # optimizer steps done
     best_eval_loss: float = math.inf
     best_step: int = 0  # the step of the evaluation that gave best_eval_loss
-    # The held-out loss of the last evaluation recorded (None: none yet), for the closing line of a
-    # resumed run that only redoes that evaluation's sample.
+    # The held-out loss of this step's weights (None: not evaluated), for the closing line of a run
+    # found complete (a lowered max_steps can end it at a step that was not evaluated) or resumed
+    # only to redo that evaluation's sample.
     last_eval_loss: float | None = None
     evals_without_improvement: int = 0  # in a row, by early_stop_min_delta: early stopping's count
     stopped_early: bool = False  # early stopping ended the run here
@@ -80,6 +81,7 @@ class TrainState:
     def advance(self, samples: int, epoch_samples: int) -> bool:
         """Count one step over `samples` global samples; returns whether it ended the epoch."""
         self.step += 1
+        self.last_eval_loss = None
         self.samples_in_epoch = min(epoch_samples, self.samples_in_epoch + samples)
         if self.samples_in_epoch < epoch_samples:
             return False

@@ -93,6 +93,14 @@ def test_best_weights_survive_a_stop_and_resume(
     with pytest.raises(stopping.Stopped):
         first.train()
     monkeypatch.undo()
+    # Made complete there by a lower max_steps, the run ends at a step no evaluation saw: its
+    # closing line has no held-out loss (it had step best_step's, as if of this step's weights).
+    lower = [f"trainer_config.max_steps={stop_at}", "trainer_config.allow_config_change=true"]
+    complete = make_trainer(tmp_path / "resumed", small_corpus, *args, *lower)
+    assert complete.finished()
+    assert summary(complete, complete.state.last_eval_loss).startswith(
+        f"done at step {stop_at}: best {losses[best_step]:.4f} at step {best_step} ("
+    )
     kept = tree_bytes(tmp_path / "resumed" / "snapshots-best")
     caplog.set_level(logging.INFO, logger="mingpt")
     resumed = make_trainer(tmp_path / "resumed", small_corpus, *args)
