@@ -68,7 +68,10 @@ def start(
             return OFF
         tracker.begin(config, run_dir, run_id, step)
     except TrackerUnavailable as e:
-        log.warning("trainer_config.tracker=%s: %s; training goes on without it", cfg.tracker, e)
+        then = "training goes on without it"
+        if complete:
+            then = f"MLflow run {run_id} is left as it is (the run is complete: nothing trains)"
+        log.warning("trainer_config.tracker=%s: %s; %s", cfg.tracker, e, then)
         return OFF
     return tracker
 

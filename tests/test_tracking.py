@@ -395,6 +395,22 @@ def test_start_without_a_store_or_without_mlflow_is_one_warning(tmp_path, caplog
     assert tracker is tracking.OFF
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "Connection refused" in caplog.records[0].getMessage()
+    # A complete run, which only ends its MLflow run where it was left running: nothing trains.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        tracker = tracking.start(
+            config(tracker_uri="http://127.0.0.1:1"),
+            str(tmp_path),
+            "a1",
+            4,
+            enabled=True,
+            complete=True,
+        )
+    assert tracker is tracking.OFF
+    (said,) = caplog.messages
+    assert "Connection refused" in said and said.endswith(
+        "; MLflow run a1 is left as it is (the run is complete: nothing trains)"
+    )
     # mlflow not importable (a module that refuses to import, first on the path): one warning too.
     (tmp_path / "hidden" / "mlflow").mkdir(parents=True)
     (tmp_path / "hidden" / "mlflow" / "__init__.py").write_text(
