@@ -283,8 +283,11 @@ class MlflowTracker(Tracker):
         for i in range(0, len(new), 100):
             self.client.log_batch(self.run_id, params=new[i : i + 100])
 
-    def _call(self, what: str, call: Any) -> None:
-        """A failure of the tracker costs one warning; then tracking is off, the run goes on."""
+    def _call(
+        self, what: str, call: Any, then: str = "training goes on without the tracker"
+    ) -> None:
+        """A failure of the tracker costs one warning, which ends saying `then` (what follows);
+        tracking is off from there."""
         if self.failed:
             return
         try:
@@ -292,12 +295,7 @@ class MlflowTracker(Tracker):
                 call()
         except Exception as e:
             self.failed = True
-            log.warning(
-                "MLflow at %s failed %s (%s): training goes on without the tracker",
-                self.uri,
-                what,
-                _first_line(e),
-            )
+            log.warning("MLflow at %s failed %s (%s): %s", self.uri, what, _first_line(e), then)
 
     def log(self, split: str, step: int, values: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -324,5 +322,10 @@ class MlflowTracker(Tracker):
         )
 
     def close(self, status: str = "FINISHED") -> None:
-        self._call("ending the run", lambda: self.client.set_terminated(self.run_id, status))
+        # at the run's end, or its attempt's: nothing trains after it
+        self._call(
+            "ending the run",
+            lambda: self.client.set_terminated(self.run_id, status),
+            f"MLflow run {self.run_id} is left RUNNING",
+        )
         self.failed = True  # nothing after the end

@@ -470,6 +470,19 @@ def test_a_store_failing_mid_run_costs_one_warning(tmp_path, caplog, capfd, uri,
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_store_failing_at_the_end_says_the_mlflow_run_stays_running(tmp_path, caplog):
+    """Ending the MLflow run is the tracker's last call: nothing trains after it."""
+    uri = (tmp_path / "store").as_uri()
+    tracker = tracking.start(config(tracker_uri=uri), str(tmp_path / "run"), None, 0, enabled=True)
+    break_file_store(tmp_path / "store")
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        tracker.close()
+    (said,) = caplog.messages
+    assert said.startswith(f"MLflow at {uri} failed ending the run (") and said.endswith(
+        f"): MLflow run {tracker.run_id} is left RUNNING"
+    )
+
+
 @pytest.mark.parametrize("store", ["sqlite", "directory"])
 def test_a_store_that_cannot_be_opened_is_one_warning_naming_it(tmp_path, caplog, capfd, store):
     """sqlite: MLflow retries a database it cannot open (here a directory) for about 100 s,
