@@ -87,8 +87,11 @@ def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
     glob's matches in order, the token cache's own files left out."""
     try:
         fs, stripped = fsspec.core.url_to_fs(pattern)
+        name = pattern
+        if fsspec.utils.get_protocol(pattern) in ("http", "https"):
+            name = pattern.split("?")[0]  # the query's `?` is no glob's
         # A file named x[1].txt is that file, not a glob for x1.txt.
-        if not glob.has_magic(pattern) or fs.isfile(stripped):
+        if not glob.has_magic(name) or fs.isfile(stripped):
             return fs, stripped, [stripped]
         matches = [
             m

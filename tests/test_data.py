@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from mingpt import token_cache
+from mingpt import data, token_cache
 from mingpt.config import DataConfig
 from mingpt.data import CharTokenizer, DataError, ResumableSampler, TokenWindows, load_data
 
@@ -184,13 +184,15 @@ class NotFound(http.server.BaseHTTPRequestHandler):
 
 def test_a_missing_url_with_a_query_is_not_called_a_glob():
     """A `?` in an HTTP URL starts its query: a missing file there is not found, with no hint that
-    the name may be a glob."""
+    the name may be a glob; and data_config.path names that one file (it was a glob that matched
+    nothing)."""
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound) as server:
         threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
         url = f"http://127.0.0.1:{server.server_port}/x.txt?version=2"
         try:
             with pytest.raises(DataError) as e, token_cache.open_source(url):
                 pass
+            assert data._expand(url)[2] == [url]
         finally:
             server.shutdown()
     assert str(e.value) == f"data file not found: {url}"
