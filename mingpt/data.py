@@ -87,11 +87,8 @@ def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
     glob's matches in order, the token cache's own files left out."""
     try:
         fs, stripped = fsspec.core.url_to_fs(pattern)
-        name = pattern
-        if fsspec.utils.get_protocol(pattern) in ("http", "https"):
-            name = pattern.split("?")[0]  # the query's `?` is no glob's
         # A file named x[1].txt is that file, not a glob for x1.txt.
-        if not glob.has_magic(name) or fs.isfile(stripped):
+        if not storage.is_glob(pattern) or fs.isfile(stripped):
             return fs, stripped, [stripped]
         matches = [
             m
@@ -312,7 +309,7 @@ def build_cache(cfg: DataConfig) -> tuple[list[str], str]:
     cache_location's result."""
     sources, path = cache_location(cfg)
     # What a glob matched, once per node (the processes that wait expand it again, silently).
-    if any(glob.has_magic(pattern) for pattern in cfg.paths):
+    if any(storage.is_glob(pattern) for pattern in cfg.paths):
         names = ", ".join(os.path.basename(source) for source in sources[:5])
         if len(sources) > 5:
             names += ", ..."

@@ -2,6 +2,7 @@
 writability."""
 
 import contextlib
+import glob
 import hashlib
 import logging
 import os
@@ -108,6 +109,13 @@ def filesystem(path: str, what: str = "snapshot path") -> tuple[fsspec.AbstractF
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
+
+
+def is_glob(path: str) -> bool:
+    """Whether path has a glob's characters; in an HTTP(S) URL a `?` starts the query."""
+    if fsspec.utils.get_protocol(path) in ("http", "https"):
+        path = path.split("?")[0]
+    return glob.has_magic(path)
 
 
 def exists(path: str, directory: bool = False) -> bool:  # with `directory`: is a directory

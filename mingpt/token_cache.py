@@ -4,7 +4,6 @@ length, the header padded to a page, then the ids, file after file."""
 
 import codecs
 import contextlib
-import glob
 import hashlib
 import json
 import logging
@@ -112,8 +111,8 @@ def open_source(path: str) -> Iterator[BinaryIO]:
             ) from None
         missing = f"data file not found: {path}"
         # Here a glob's characters are a name's: data_config.path's globs were expanded before,
-        # and score reads the one file it is given; not so in an HTTP URL, where `?` starts a query.
-        if glob.has_magic(path) and fsspec.utils.get_protocol(path) not in ("http", "https"):
+        # and score reads the one file it is given.
+        if storage.is_glob(path):
             missing += " (one file's name: no glob is expanded here)"
         raise DataError(missing) from None
     # an unreachable object store included
