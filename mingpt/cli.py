@@ -175,8 +175,10 @@ def usage() -> str:
 register_configs()
 OmegaConf.register_new_resolver("mingpt.usage", usage, replace=True)
 _in_task = False  # an OSError outside a task is Hydra failing to create the run directory
-# The multirun.yaml of an earlier sweep in the directory of the one starting, which Hydra's sweeper
-# writes over before any job is checked: put back if the new sweep is refused.
+# A sweep's multirun.yaml, which Hydra's sweeper writes before any job is checked, and what it
+# wrote over (an earlier sweep's record): taken back, or put back, while no job of the sweep was
+# accepted.
+_record: str | None = None
 _earlier_sweep: bytes | None = None
 # The directories above the run's (a sweep's) that Hydra creates with it (runs/), the deepest first:
 # a refused task takes them back too where they are empty.
@@ -249,8 +251,10 @@ def compose_checked(
     # composes again, checked there; checking the probe too cost each start 0.4 s.
     if config_name is None or not kwargs.get("validate_sweep_overrides", True):
         return cfg
-    global _earlier_sweep
+    global _record, _earlier_sweep
+    _record = None
     _earlier_sweep = None
+    rundir.accepted = False
     sweep = run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper")
     if not sweep:  # a sweep's jobs are checked each, below
         check_composed(cfg)
@@ -288,11 +292,13 @@ def compose_checked(
                 )
             dirs[where] = num
         HydraConfig.instance().set_config(cfg)
-        record = os.path.join(str(cfg.hydra.sweep.dir), "multirun.yaml")
-        with contextlib.suppress(OSError), open(record, "rb") as f:
-            _earlier_sweep = f.read()
     _made_above.clear()
-    top = cfg.hydra.sweep.dir if run_mode == RunMode.MULTIRUN else cfg.hydra.run.dir
+    top = cfg.hydra.run.dir
+    if run_mode == RunMode.MULTIRUN:
+        top = cfg.hydra.sweep.dir
+        _record = os.path.join(str(top), "multirun.yaml")
+        with contextlib.suppress(OSError), open(_record, "rb") as f:
+            _earlier_sweep = f.read()
     parent = os.path.dirname(os.path.abspath(str(top)))
     while not os.path.exists(parent):
         _made_above.append(parent)
@@ -301,36 +307,33 @@ def compose_checked(
 
 
 def refuse(message: str) -> NoReturn:
-    """A refused task leaves no run directory (take_back_run_dir); an earlier sweep's
-    multirun.yaml is put back."""
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN and _earlier_sweep is not None:
-        with atomic_open(os.path.join(hydra_cfg.sweep.dir, "multirun.yaml")) as f:
-            f.write(_earlier_sweep)
+    """A refused task leaves no trace (take_back_run_dir)."""
     take_back_run_dir()
     fail(message)
 
 
 def take_back_run_dir() -> None:
-    """The run directory Hydra made for the task goes if nothing is in it once the lock files of a
-    run not accepted are taken back, and a sweep's too where the multirun.yaml Hydra wrote is all
-    that is in it (no job of it ran), with those Hydra made above them (runs/)."""
-    # stopping.exit_at_once calls it at any time: before a task Hydra made none, after one it holds
-    # the run's files
-    if not _in_task:
-        return
+    """What a command not accepted made goes: the lock files of its run, the run directory Hydra
+    made for the task if nothing is left in it, and while no job of a sweep was accepted, the
+    multirun.yaml its sweeper wrote (an earlier sweep's put back) and the sweep's directory if it
+    is then empty; with the directories Hydra made above them (runs/)."""
     # refuse's Claim.release did it already; exit_at_once skips it
     if rundir.held is not None:
         rundir.held.take_back()
-    hydra_cfg = HydraConfig.get()
-    with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
-        os.rmdir(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        sweep_dir = hydra_cfg.sweep.dir
-        with contextlib.suppress(OSError):
-            if os.listdir(sweep_dir) == ["multirun.yaml"]:
-                os.remove(os.path.join(sweep_dir, "multirun.yaml"))
-                os.rmdir(sweep_dir)
+    # stopping.exit_at_once calls it at any time: before a task Hydra made none, after one it holds
+    # the run's files
+    if _in_task:
+        with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
+            os.rmdir(HydraConfig.get().runtime.output_dir)
+    if _record is not None and not rundir.accepted:
+        if _earlier_sweep is None:
+            with contextlib.suppress(OSError):
+                os.remove(_record)
+        else:
+            with atomic_open(_record) as f:
+                f.write(_earlier_sweep)
+        with contextlib.suppress(OSError):  # not empty: an earlier sweep's
+            os.rmdir(os.path.dirname(_record))
     with contextlib.suppress(OSError):  # not empty: another run's, or gone with another rank's
         for path in _made_above:
             os.rmdir(path)

@@ -34,6 +34,9 @@ RECORD_FILES = {"metrics.jsonl": "a file", "train.log": "a file", "tb": "a direc
 # The claim held (claim's body): a process ended at once (stopping.exit_at_once) skips its
 # release, and takes back the lock files it made through this.
 held: "Claim | None" = None
+# Whether a run of this process was accepted (on every rank): a sweep's multirun.yaml is then the
+# record of a sweep that ran (mingpt.cli keeps it).
+accepted = False
 
 
 class RunDirError(ValueError):
@@ -262,7 +265,9 @@ class Claim:
     def accept(self, files: Mapping[str, str | Callable[[], str]]) -> None:
         """Every check passed: record the holder, open train.log with the lines logged so far,
         and write `files` ({path in the run directory: text, or what makes it}); on rank 0 alone."""
+        global accepted
         if self.log_buffer is None:
+            accepted = True
             return
         info = {
             "host": socket.gethostname(),
@@ -294,6 +299,7 @@ class Claim:
                 f"cannot write to the run directory {self.run_dir}: {e.strerror or e}"
             ) from None
         self.made = []  # accepted: its lock files stay
+        accepted = True
 
     def take_back(self) -> None:
         """A job not accepted leaves no trace: the lock files it made go while it still holds them

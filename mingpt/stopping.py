@@ -57,8 +57,8 @@ def parse_signal(name: str) -> int:
 _state = types.SimpleNamespace(
     signals=set(), previous={}, graceful=False, requested=0, watching=False, exiting=False
 )
-# The command line's (cli.take_back_run_dir): the lock files of a run not yet accepted, and the
-# run directory Hydra made for it once it is empty.
+# The command line's (cli.take_back_run_dir): the lock files of a run not yet accepted, the run
+# directory Hydra made for it once it is empty, and a sweep's record while none of its jobs was.
 take_back: Callable[[], None] | None = None
 
 

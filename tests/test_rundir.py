@@ -576,29 +576,86 @@ def test_a_directory_in_use_or_of_another_record_under_hydra_run_dir_suggests_an
         assert errors[0].endswith(says) and "run_name" not in errors[0], errors[0]
 
 
-def test_a_refused_sweep_leaves_the_earlier_sweeps_record(workdir, tmp_path):
-    """Hydra's sweeper writes the sweep's multirun.yaml before any job is checked: a sweep refused
-    in the directory of an earlier one replaced that sweep's record of what it ran."""
-    sweep = [
-        *TINY,
-        f"data_config.path={workdir / 'corpus.txt'}",
-        "trainer_config.max_steps=1",
-        "trainer_config.seed=1",
-    ]
-    sweep_dir = tmp_path / "runs" / "default-multirun"
-    before = tmp_path / "before"
-    # One process for the two sweeps, a python -c copy of the first's directory between them (each
-    # start is mostly importing torch).
-    first, copied, refused = run_each(
-        "mingpt.cli",
-        [
-            (tmp_path, on_cpu([*sweep, "-m"])),
-            (tmp_path, [COPY, str(sweep_dir), str(before)], "-c"),
-            (tmp_path, on_cpu([*sweep, "gpt_config.n_embd=48", "-m"])),
-        ],
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert copied.returncode == 0, copied.stderr[-3000:]
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "was written with another config" in refused.stderr, refused.stderr[-3000:]
-    assert (sweep_dir / "multirun.yaml").read_bytes() == (before / "multirun.yaml").read_bytes()
+# A run_each case's `python -c` code: mingpt.cli's main on the overrides ARGV[2:], ended at once
+# (stopping.exit_at_once, as by Ctrl-C) at ARGV[1]: "load", as a job's corpus loads (before its run
+# is accepted), or "launch", as a sweep launches its jobs (after Hydra's sweeper wrote its
+# multirun.yaml); with os._exit, which would end the process of every case, raising SystemExit.
+STOPPED = """
+import os, sys
+from hydra.core.plugins import Plugins
+from mingpt import cli, run, stopping
+
+def stop(*args, **kwargs):
+    stopping.exit_at_once(130)
+
+class Launcher:
+    launch = stop
+
+real_exit = os._exit
+real_load = run.load_data
+real_launcher = Plugins.instantiate_launcher
+os._exit = sys.exit
+if sys.argv.pop(1) == "load":
+    run.load_data = stop
+else:
+    Plugins.instantiate_launcher = lambda *args, **kwargs: Launcher()
+try:
+    cli.main()
+finally:
+    os._exit = real_exit
+    run.load_data = real_load
+    Plugins.instantiate_launcher = real_launcher
+"""
+FILE_COPY = "import shutil, sys\nshutil.copy(sys.argv[1], sys.argv[2])\n"
+
+
+@pytest.fixture(scope="module")
+def not_accepted(workdir, tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """The commands of the test below, one after another in one process (each start is mostly
+    importing torch), in one directory with python -c copies between them: (that directory,
+    {name: its process})."""
+    cwd = tmp_path_factory.mktemp("not-accepted")
+    sweep = [*TINY, "trainer_config.max_steps=1", "trainer_config.seed=1"]
+    corpus = f"data_config.path={workdir / 'corpus.txt'}"
+    sweep_dir = cwd / "runs" / "default-multirun"
+    other = on_cpu([*sweep, corpus, "gpt_config.n_embd=48,64", "-m"])
+    cases = {
+        "first": (cwd, on_cpu([*sweep, corpus, "-m"])),
+        "copied": (cwd, [COPY, str(sweep_dir), str(cwd / "before")], "-c"),
+        "refused": (cwd, on_cpu([*sweep, corpus, "gpt_config.n_embd=48", "-m"])),
+        "stopped": (cwd, [STOPPED, "load", *other], "-c"),
+        "stopped at launch": (cwd, [STOPPED, "launch", *other], "-c"),
+        "kept": (cwd, [FILE_COPY, str(sweep_dir / "multirun.yaml"), str(cwd / "kept.yaml")], "-c"),
+        # job 0 is the first sweep's, complete; job 1 is refused
+        "ran": (cwd, on_cpu([*sweep, f"{corpus},missing.txt", "-m"])),
+        "new stopped at launch": (
+            cwd,
+            [STOPPED, "launch", *on_cpu([*sweep, corpus, "trainer_config.run_name=new", "-m"])],
+            "-c",
+        ),
+    }
+    return cwd, dict(zip(cases, run_each("mingpt.cli", list(cases.values())), strict=True))
+
+
+def test_a_sweeps_record_is_of_the_sweep_that_ran(workdir, not_accepted):
+    """Hydra's sweeper writes a sweep's multirun.yaml before any job is checked. In the directory
+    of an earlier sweep, one refused, or stopped at once before its first job is accepted, leaves
+    the earlier sweep's record (a stop left the new one's); one whose job 0 ran keeps its own when
+    a later job is refused (the earlier sweep's was put back). A new sweep stopped before its jobs
+    leaves no directory (it left the one of its multirun.yaml)."""
+    cwd, procs = not_accepted
+    for name, status in [("first", 0), ("copied", 0), ("refused", 2), ("kept", 0)]:
+        assert procs[name].returncode == status, (name, procs[name].stderr[-3000:])
+    for name in ("stopped", "stopped at launch", "new stopped at launch"):
+        assert procs[name].returncode == 130, (name, procs[name].stderr[-3000:])
+    assert "was written with another config" in procs["refused"].stderr, procs["refused"].stderr
+    assert (cwd / "kept.yaml").read_bytes() == (cwd / "before" / "multirun.yaml").read_bytes()
+    ran = procs["ran"]
+    assert ran.returncode == 2 and "run already complete" in ran.stderr, ran.stderr[-3000:]
+    assert ran.stderr.splitlines()[-1] == "error: data file not found: missing.txt", ran.stderr
+    sweep_dir = cwd / "runs" / "default-multirun"
+    corpus = f"data_config.path={workdir / 'corpus.txt'}"
+    assert f"- {corpus},missing.txt\n" in (sweep_dir / "multirun.yaml").read_text()
+    # the directory Hydra made for job 1 is gone
+    assert sorted(path.name for path in sweep_dir.iterdir()) == ["0", "multirun.yaml"]
+    assert sorted(path.name for path in (cwd / "runs").iterdir()) == ["default-multirun"]
