@@ -180,9 +180,9 @@ _in_task = False  # an OSError outside a task is Hydra failing to create the run
 # accepted.
 _record: str | None = None
 _earlier_sweep: bytes | None = None
-# The directories above the run's (a sweep's) that Hydra creates with it (runs/), the deepest first:
-# a refused task takes them back too where they are empty.
-_made_above: list[str] = []
+# The directories Hydra is to make for the command (a sweep's jobs', runs/), the deepest first: a
+# command not accepted takes them back where they are empty; one there before (the user's) stays.
+_made: list[str] = []
 
 
 def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list[str]]:
@@ -255,6 +255,7 @@ def compose_checked(
     _record = None
     _earlier_sweep = None
     rundir.accepted = False
+    _made.clear()
     sweep = run_mode == RunMode.MULTIRUN and cfg.hydra.sweeper._target_.endswith(".BasicSweeper")
     if not sweep:  # a sweep's jobs are checked each, below
         check_composed(cfg)
@@ -291,18 +292,18 @@ def compose_checked(
                     "'hydra.sweep.subdir=${hydra.job.num}' (the default) does"
                 )
             dirs[where] = num
+        _made.extend(where for where in dirs if not os.path.exists(where))
         HydraConfig.instance().set_config(cfg)
-    _made_above.clear()
     top = cfg.hydra.run.dir
     if run_mode == RunMode.MULTIRUN:
         top = cfg.hydra.sweep.dir
         _record = os.path.join(str(top), "multirun.yaml")
         with contextlib.suppress(OSError), open(_record, "rb") as f:
             _earlier_sweep = f.read()
-    parent = os.path.dirname(os.path.abspath(str(top)))
-    while not os.path.exists(parent):
-        _made_above.append(parent)
-        parent = os.path.dirname(parent)
+    path = os.path.abspath(str(top))
+    while not os.path.exists(path):
+        _made.append(path)
+        path = os.path.dirname(path)
     return cfg
 
 
@@ -313,18 +314,13 @@ def refuse(message: str) -> NoReturn:
 
 
 def take_back_run_dir() -> None:
-    """What a command not accepted made goes: the lock files of its run, the run directory Hydra
-    made for the task if nothing is left in it, and while no job of a sweep was accepted, the
-    multirun.yaml its sweeper wrote (an earlier sweep's put back) and the sweep's directory if it
-    is then empty; with the directories Hydra made above them (runs/)."""
+    """What a command not accepted made goes: the lock files of its run, while no job of a sweep
+    was accepted the multirun.yaml its sweeper wrote (an earlier sweep's put back), and the
+    directories Hydra made for it that are left empty. stopping.exit_at_once calls it at any time:
+    a directory not made yet, or holding a run's files, stays."""
     # refuse's Claim.release did it already; exit_at_once skips it
     if rundir.held is not None:
         rundir.held.take_back()
-    # stopping.exit_at_once calls it at any time: before a task Hydra made none, after one it holds
-    # the run's files
-    if _in_task:
-        with contextlib.suppress(OSError):  # not empty: a run's files, or another job's lock
-            os.rmdir(HydraConfig.get().runtime.output_dir)
     if _record is not None and not rundir.accepted:
         if _earlier_sweep is None:
             with contextlib.suppress(OSError):
@@ -332,10 +328,9 @@ def take_back_run_dir() -> None:
         else:
             with atomic_open(_record) as f:
                 f.write(_earlier_sweep)
-        with contextlib.suppress(OSError):  # not empty: an earlier sweep's
-            os.rmdir(os.path.dirname(_record))
-    with contextlib.suppress(OSError):  # not empty: another run's, or gone with another rank's
-        for path in _made_above:
+    for path in _made:
+        # not empty: a run's files, another job's lock; or gone with another rank's
+        with contextlib.suppress(OSError):
             os.rmdir(path)
 
 

@@ -611,7 +611,7 @@ FILE_COPY = "import shutil, sys\nshutil.copy(sys.argv[1], sys.argv[2])\n"
 
 @pytest.fixture(scope="module")
 def not_accepted(workdir, tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    """The commands of the test below, one after another in one process (each start is mostly
+    """The commands of the two tests below, one after another in one process (each start is mostly
     importing torch), in one directory with python -c copies between them: (that directory,
     {name: its process})."""
     cwd = tmp_path_factory.mktemp("not-accepted")
@@ -619,6 +619,8 @@ def not_accepted(workdir, tmp_path_factory) -> tuple[Path, dict[str, subprocess.
     corpus = f"data_config.path={workdir / 'corpus.txt'}"
     sweep_dir = cwd / "runs" / "default-multirun"
     other = on_cpu([*sweep, corpus, "gpt_config.n_embd=48,64", "-m"])
+    (cwd / "mine").mkdir()
+    (cwd / "my-sweep").mkdir()
     cases = {
         "first": (cwd, on_cpu([*sweep, corpus, "-m"])),
         "copied": (cwd, [COPY, str(sweep_dir), str(cwd / "before")], "-c"),
@@ -631,6 +633,15 @@ def not_accepted(workdir, tmp_path_factory) -> tuple[Path, dict[str, subprocess.
         "new stopped at launch": (
             cwd,
             [STOPPED, "launch", *on_cpu([*sweep, corpus, "trainer_config.run_name=new", "-m"])],
+            "-c",
+        ),
+        "refused in mine": (
+            cwd,
+            on_cpu([*TINY, "data_config.path=missing.txt", "hydra.run.dir=mine"]),
+        ),
+        "stopped in my sweep": (
+            cwd,
+            [STOPPED, "load", *on_cpu([*sweep, corpus, "hydra.sweep.dir=my-sweep", "-m"])],
             "-c",
         ),
     }
@@ -659,3 +670,15 @@ def test_a_sweeps_record_is_of_the_sweep_that_ran(workdir, not_accepted):
     # the directory Hydra made for job 1 is gone
     assert sorted(path.name for path in sweep_dir.iterdir()) == ["0", "multirun.yaml"]
     assert sorted(path.name for path in (cwd / "runs").iterdir()) == ["default-multirun"]
+
+
+def test_a_directory_the_user_made_stays(not_accepted):
+    """hydra.run.dir (hydra.sweep.dir) naming an empty directory the user made: a command refused,
+    or stopped at once, before its run is accepted took it back as if Hydra had made it. Only what
+    the command made goes: its lock files, a sweep's multirun.yaml and job directory."""
+    cwd, procs = not_accepted
+    refused = procs["refused in mine"]
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.splitlines()[-1] == "error: data file not found: missing.txt"
+    assert procs["stopped in my sweep"].returncode == 130, procs["stopped in my sweep"].stderr
+    assert list((cwd / "mine").iterdir()) == [] and list((cwd / "my-sweep").iterdir()) == []
