@@ -307,6 +307,8 @@ class Claim:
         for path in self.made:
             with contextlib.suppress(OSError):
                 os.remove(path)
+        # once: a later call (the release after an exit_at_once) must not remove another's
+        self.made = []
 
     def release(self) -> None:
         self.take_back()
