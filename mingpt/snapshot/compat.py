@@ -77,7 +77,8 @@ def check_same_config(
         algorithm = described({"optimizer_config.algorithm": changes["optimizer_config.algorithm"]})
         raise SnapshotError(
             f"snapshot {path} holds another optimizer's state ({algorithm[0]}): keep its "
-            "optimizer_config.algorithm, or fine-tune from it in a new run "
+            f"optimizer_config.algorithm, start a new run with "
+            f"{new_run_hint(config.trainer_config, run_dir)}, or fine-tune from it in one "
             "(trainer_config.init_from)"
         )
     if changes and not config.trainer_config.allow_config_change:
