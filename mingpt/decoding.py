@@ -85,6 +85,8 @@ def pick(
         sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
         # the tokens before it already reach top_p
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        # The most likely is kept: a top_p below float32's range compares as 0, and dropped all.
+        drop[..., 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return (logits + noise).argmax(dim=-1, keepdim=True)
 

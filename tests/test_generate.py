@@ -608,6 +608,13 @@ def test_top_p_keeps_the_smallest_set_reaching_it():
     assert draws(logits, top_p=1.0) == {0, 1, 2, 3}
 
 
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
+    """top_p=1e-300 is in (0, 1] but 0 in float32: every token was dropped, and the argmax of
+    -inf alone was token 0 (a newline) at every step."""
+    logits = torch.tensor([0.05, 0.15, 0.3, 0.5]).log().tolist()
+    assert draws(logits, top_p=1e-300) == {3}
+
+
 # ------------------------------------------------------------------- bad input
 
 BAD_SETTINGS = {  # override -> the key the error must name
