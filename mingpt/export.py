@@ -144,7 +144,7 @@ def check_destination(dst: str, directory: bool) -> str | None:
         )
     elif directory:
         raise ExportError(f"{dst} is a file: this format writes a directory")
-    elif not single_file.is_archive(path):
+    elif not single_file.is_snapshot_file(path):
         raise ExportError(
             f"{dst} is a file that is not a snapshot: refusing to replace it (give a new path, or "
             "an earlier export's file)"

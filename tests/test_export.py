@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -138,13 +139,14 @@ def test_safetensors_export_rebuilds_the_model(source, tmp_path):
 
 
 def test_snapshot_format_from_a_run_directory_and_over_an_earlier_export(
-    tiny_run, tmp_path, capsys
+    tiny_run, sharded_root, tmp_path, capsys
 ):
     from mingpt.snapshot import single_file
 
     _, run_dir = tiny_run
     dst = tmp_path / "one.pt"
-    dst.write_bytes(b"PK\x03\x04 an earlier export")  # an earlier snapshot file is replaced
+    export(sharded_root, dst, "--format", "snapshot")  # an earlier snapshot file is replaced
+    capsys.readouterr()
     export(run_dir, dst, "--format", "snapshot")  # a run directory: its best weights
     exported, original = single_file.load(str(dst)), read_snapshot(run_dir / "snapshots-best")
     assert (
@@ -257,6 +259,20 @@ def test_a_file_that_is_not_a_snapshot_is_never_replaced(sharded_root, tmp_path,
         "path, or an earlier export's file)"
     )
     assert text.read_text() == "ROMEO: the user's own text\n"
+    # A zip archive (a .docx or .jar is one too), or another program's torch file, starts as a
+    # snapshot file does: it was replaced.
+    archive = tmp_path / "backup.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("notes.txt", "the user's own notes")
+    checkpoint = tmp_path / "ckpt.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "iter_num": 5}, checkpoint)
+    for mine in (archive, checkpoint):
+        before = mine.read_bytes()
+        assert refused(capsys, [sharded_root, mine, "--format", "snapshot"]) == (
+            f"error: {mine} is a file that is not a snapshot: refusing to replace it (give a new "
+            "path, or an earlier export's file)"
+        )
+        assert mine.read_bytes() == before
 
 
 def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):

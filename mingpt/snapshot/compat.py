@@ -222,7 +222,7 @@ def check_not_a_file(snapshot_path: str | None, run_dir: str, root: str) -> None
         path = os.path.join(run_dir, OLD_DEFAULT_PATH)
     if "://" in path or not os.path.isfile(path) or manifest.latest(root):
         return
-    if not single_file.is_archive(path):
+    if not single_file.is_snapshot_file(path):
         return
     raise SnapshotError(
         f"{path} is a single snapshot file (an export, or a run of an older mingpt): a run resumes "

@@ -61,14 +61,16 @@ def save(state: dict[str, Any], path: str) -> None:
         raise StorageError(f"cannot save snapshot {path}: {why}{kept}") from None
 
 
-def is_archive(path: str) -> bool:
-    """Whether the local file at `path` starts as torch.save's zip archive does: a snapshot file,
-    not some other file of the user's."""
+def is_snapshot_file(path: str) -> bool:
+    """Whether the local file at `path` is a snapshot file, not some other file of the user's: a zip
+    archive (torch.save writes one) or another program's torch file. Its record alone is read, the
+    tensors mapped, not loaded."""
     try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
-    except OSError:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    # Any file at all: torch.load on one that is not its own raises many types.
+    except Exception:
         return False
+    return isinstance(state, dict) and all(key in state for key in REQUIRED_KEYS)
 
 
 def verify(data: bytes, name: str) -> None:
