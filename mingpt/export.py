@@ -153,7 +153,7 @@ def check_destination(dst: str, directory: bool) -> str | None:
 
 
 def _check_export_directory(dst: str, path: str) -> None:
-    """ExportError unless the directory at `path` holds nothing but an earlier export's files."""
+    """ExportError unless the directory at `path` is empty or an earlier export's."""
     try:
         names = os.listdir(path)
     # A directory this user may not list: whether it holds other files cannot be known.
@@ -164,6 +164,13 @@ def _check_export_directory(dst: str, path: str) -> None:
         raise ExportError(
             f"{dst} is a directory with other files ({', '.join(others[:3])}): give a new or an "
             "earlier export's directory"
+        )
+    # An export's files are renamed into place together: some of them alone are another program's.
+    missing = sorted({WEIGHTS, CONFIG, VOCAB} - set(names))
+    if names and missing:
+        raise ExportError(
+            f"{dst} is not an earlier export (no {', '.join(missing)}): give a new or an earlier "
+            "export's directory"
         )
 
 

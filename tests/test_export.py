@@ -319,6 +319,14 @@ def test_bad_input_is_one_line(sharded_root, tiny_file, tmp_path, capsys):
         == f"error: {blocker} is a file: this format writes a directory"
     )
     assert (mine / "notes.txt").read_text() == "keep me" and blocker.read_text() == "x"
+    # A file of an export's name alone is another program's (an export has all three): it was
+    # replaced, with the directory.
+    (mine / "notes.txt").rename(mine / "config.json")
+    assert refused(capsys, [snapshot, mine, "--format", "hf"]) == (
+        f"error: {mine} is not an earlier export (no model.safetensors, vocab.json): give a new "
+        "or an earlier export's directory"
+    )
+    assert os.listdir(mine) == ["config.json"] and (mine / "config.json").read_text() == "keep me"
     # no temporary left behind
     assert sorted(os.listdir(tmp_path)) == ["a-file", "damaged.pt", "mine"]
 
