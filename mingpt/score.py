@@ -10,7 +10,7 @@ import torch
 
 from mingpt import evaluation, token_cache
 from mingpt.command import command, find_snapshot, parse_args, write
-from mingpt.config import DataConfig, TrainerConfig, check, check_fields, key
+from mingpt.config import DataConfig, TrainerConfig, check, check_fields, in_range, key
 from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig
@@ -55,6 +55,19 @@ class Score(evaluation.EvalResult):  # loss per scored character, in nats; token
     step: int  # the snapshot's step
 
 
+def evaluated_with(state: dict, name: str) -> int:
+    """The run's trainer_config.NAME (eval_tokens or batch_size), checked as its config checked it:
+    a crafted record's (0, -5, a string) reached torch, a traceback, or scored too few windows."""
+    field = TrainerConfig.__dataclass_fields__[name]
+    value = (state.get("trainer_config") or {}).get(name, field.default)
+    if not isinstance(value, int) or not in_range(value, field.metadata["valid"]):
+        raise SnapshotError(
+            f"the snapshot's trainer_config.{name} cannot be used: {value!r}, not a whole number "
+            f"{field.metadata['valid']}"
+        )
+    return value
+
+
 def heldout_windows(
     state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool
 ):
@@ -66,8 +79,15 @@ def heldout_windows(
         )
     try:
         data_config = DataConfig(**state["data_config"])
-    # A key this version does not know.
-    except TypeError as e:
+        # The windows the model reads: longer than its context, they ended in a traceback.
+        context = state["gpt_config"]["block_size"]
+        check(
+            data_config.block_size <= context,
+            "data_config.block_size",
+            f"{data_config.block_size}, longer than the model's block_size {context}",
+        )
+    # A key this version does not know, or a value no run has (a ConfigError).
+    except (TypeError, ValueError) as e:
         raise SnapshotError(
             f"the snapshot's data_config cannot be used ({e}): give the text with path=..."
         ) from None
@@ -135,19 +155,18 @@ def score(config: ScoreConfig) -> Score:
     # only line.
     snapshot, note = find_snapshot(config.snapshot_path, "snapshot_path")
     model, tokenizer, state = reader.load_model(snapshot, device)
-    trainer_config = state.get("trainer_config") or {}
+    # In batches as the run's evaluation; its settings checked before the text is read.
+    batch_size = 4 * evaluated_with(state, "batch_size")
     if config.path:
         windows = _text_windows(config.path, tokenizer, model.config.block_size, device)
         source = config.path
         eval_tokens = 0  # all of it
     else:
+        eval_tokens = evaluated_with(state, "eval_tokens")
         heldout, source = heldout_windows(state, tokenizer, device, config.allow_corpus_change)
         windows = [heldout]
-        eval_tokens = trainer_config.get("eval_tokens", TrainerConfig.eval_tokens)
     if note:
         log.info("%s", note)
-    # In batches as the run's evaluation.
-    batch_size = 4 * trainer_config.get("batch_size", TrainerConfig.batch_size)
     one_process = DistInfo(0, 0, 1, 1, device)
     results = [evaluation.evaluate(model, w, one_process, eval_tokens, batch_size) for w in windows]
     tokens = sum(r.tokens for r in results)

@@ -201,6 +201,39 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
         )
 
 
+def test_a_record_whose_settings_no_run_has_is_one_line(
+    tiny_run, tiny_file, tmp_path, monkeypatch, capsys
+):
+    """A crafted record's batch_size (0, or a string) reached torch, a traceback, as did windows
+    longer than the model's context; a negative eval_tokens scored one window in silence."""
+    from mingpt.snapshot import single_file
+
+    cwd, _ = tiny_run
+    monkeypatch.chdir(cwd)  # the run's data_config.path is relative to where it ran
+    text = tmp_path / "text.txt"
+    text.write_text("ROMEO: what is this thing\n")
+    crafted = tmp_path / "crafted.pt"
+    cases = [
+        ("trainer_config", "batch_size", 0, [f"path={text}"], "0, not a whole number >= 1"),
+        ("trainer_config", "batch_size", "12", [], "'12', not a whole number >= 1"),
+        ("trainer_config", "eval_tokens", -5, [], "-5, not a whole number >= 0"),
+    ]
+    for section, name, value, argv, problem in cases:
+        state = single_file.load(str(tiny_file))
+        state[section][name] = value
+        single_file.save(state, str(crafted))
+        assert refused(capsys, [f"snapshot_path={crafted}", *argv]) == (
+            f"error: the snapshot's {section}.{name} cannot be used: {problem}"
+        )
+    state = single_file.load(str(tiny_file))
+    state["data_config"]["block_size"] = 999
+    single_file.save(state, str(crafted))
+    assert refused(capsys, [f"snapshot_path={crafted}"]) == (
+        "error: the snapshot's data_config cannot be used (data_config.block_size: 999, longer "
+        "than the model's block_size 16): give the text with path=..."
+    )
+
+
 def test_a_text_is_read_chunk_by_chunk_and_refused_at_its_first_unknown_character(
     tiny_run, tmp_path, capsys, monkeypatch
 ):
