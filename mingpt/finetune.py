@@ -5,6 +5,7 @@ source is not read."""
 import dataclasses
 import logging
 import math
+import os
 from typing import Any
 
 import torch
@@ -35,18 +36,25 @@ class Start:
         return f"{self.source} ({why})"
 
 
-def prepare(config: Config, own: str, saved: dict[str, Any] | None) -> Start | None:
+def prepare(config: Config, run_dir: str, own: str, saved: dict[str, Any] | None) -> Start | None:
     """With trainer_config.init_from (None without): the source, or the run's own snapshot at `own`
-    if it has one (`saved`, its record). Before any data is read, `config` takes the snapshot's
-    shape and data_config.block_size, said in the log; a key set to neither its default nor the
-    snapshot's is refused."""
+    if it has one (`saved`, its record), for a run in `run_dir`. Before any data is read, `config`
+    takes the snapshot's shape and data_config.block_size, said in the log; a key set to neither
+    its default nor the snapshot's is refused."""
     if not config.trainer_config.init_from:
         return None
     if saved is not None:
         start = Start(own, saved, resuming=True)
     else:
+        init_from = config.trainer_config.init_from
+        # the run's own place, which has no snapshot yet: said so, not "an empty directory"
+        if os.path.realpath(init_from) in (os.path.realpath(run_dir), os.path.realpath(own)):
+            raise SnapshotError(
+                f"trainer_config.init_from: {init_from} is this run's own, which has no snapshot "
+                "yet: give the run or snapshot to start from"
+            )
         try:
-            source, note = reader.find(config.trainer_config.init_from)
+            source, note = reader.find(init_from)
             weights, meta = reader.read(source)
         except (SnapshotError, StorageError) as e:
             raise type(e)(f"trainer_config.init_from: {e}") from None

@@ -98,7 +98,9 @@ def locate(config: Config, run_dir: str) -> Run:
         # Its fields are used before the weights are read: one of another type would fail there
         # as a traceback.
         single_file.check_record(saved, snapshot_path)
-    return Run(run_dir, snapshot_path, saved, finetune.prepare(config, snapshot_path, saved))
+    return Run(
+        run_dir, snapshot_path, saved, finetune.prepare(config, run_dir, snapshot_path, saved)
+    )
 
 
 @contextlib.contextmanager

@@ -931,7 +931,7 @@ def test_a_directory_without_a_snapshot_says_what_it_is(
         config = Config()
         config.trainer_config.init_from = str(path)
         with pytest.raises(SnapshotError) as refused:
-            prepare(config, str(tmp_path / "snapshot.pt"), None)
+            prepare(config, str(tmp_path / "run"), str(tmp_path / "snapshot.pt"), None)
         assert str(refused.value).startswith(f"trainer_config.init_from: {path} {says}"), str(
             refused.value
         )
@@ -951,6 +951,24 @@ def test_a_directory_without_a_snapshot_says_what_it_is(
         and err.count("\n") == 1
     ), err
     assert not (tmp_path / "out").exists()
+
+
+def test_init_from_naming_the_runs_own_place_says_so(tmp_path):
+    """trainer_config.init_from naming the new run's own directory (or snapshot path) said "... is
+    an empty directory": the one the command had just made."""
+    from mingpt.finetune import prepare
+
+    run_dir = tmp_path / "runs" / "x"
+    run_dir.mkdir(parents=True)
+    for given in (run_dir, run_dir / "snapshots"):
+        config = Config()
+        config.trainer_config.init_from = str(given)
+        with pytest.raises(SnapshotError) as refused:
+            prepare(config, str(run_dir), str(run_dir / "snapshots"), None)
+        assert str(refused.value) == (
+            f"trainer_config.init_from: {given} is this run's own, which has no snapshot yet: "
+            "give the run or snapshot to start from"
+        )
 
 
 def test_a_snapshot_file_named_like_a_file_of_a_snapshot_directory_is_read(tiny_file, tmp_path):
