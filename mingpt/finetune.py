@@ -50,8 +50,8 @@ def prepare(config: Config, run_dir: str, own: str, saved: dict[str, Any] | None
         # the run's own place, which has no snapshot yet: said so, not "an empty directory"
         if os.path.realpath(init_from) in (os.path.realpath(run_dir), os.path.realpath(own)):
             raise SnapshotError(
-                f"trainer_config.init_from: {init_from} is this run's own, which has no snapshot "
-                "yet: give the run or snapshot to start from"
+                f"trainer_config.init_from: {init_from} is this run itself, which has no snapshot "
+                "yet: give another run or snapshot to start from"
             )
         try:
             source, note = reader.find(init_from)

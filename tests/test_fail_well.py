@@ -966,8 +966,8 @@ def test_init_from_naming_the_runs_own_place_says_so(tmp_path):
         with pytest.raises(SnapshotError) as refused:
             prepare(config, str(run_dir), str(run_dir / "snapshots"), None)
         assert str(refused.value) == (
-            f"trainer_config.init_from: {given} is this run's own, which has no snapshot yet: "
-            "give the run or snapshot to start from"
+            f"trainer_config.init_from: {given} is this run itself, which has no snapshot yet: "
+            "give another run or snapshot to start from"
         )
 
 
