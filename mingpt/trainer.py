@@ -260,7 +260,7 @@ class Trainer:
         peak = functools.partial(
             flops.peak_for_mfu, flops_per_token * step_tokens, dist_info, self.amp.dtype
         )
-        self.pace = Pace(step_tokens * W, flops_per_token, peak, self.state.step)
+        self.pace = Pace(step_tokens * W, flops_per_token, peak, self.state.step, self.device.type)
 
     def finished(self) -> bool:
         """Out of steps (or epochs), or stopped early, with no evaluation (or sample) left to do."""

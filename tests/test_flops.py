@@ -147,3 +147,35 @@ def test_a_peak_measured_under_load_is_measured_again_once_the_pace_exceeds_it(m
     now[0] = 2.25
     assert pace.event(3, 10).mfu == 2.0
     assert measured == [500.0, 2000.0]
+
+
+def test_a_pace_that_falls_far_below_the_best_for_two_long_events_warns_once(monkeypatch, caplog):
+    """Cores taken by other work slow a CPU run several-fold and nothing said so: two events in a
+    row of 5 s+ at under a third of the best pace warn, naming the fix; a short or lone slow event
+    (a recompile) does not."""
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    pace = metrics.Pace(100, 10, lambda: 1e6, step=0)
+    # (time, step) of each event, 100 tokens a step; the first (start-up) is no reference
+    events = [
+        (9.0, 1),
+        (10.0, 2),
+        (20.0, 3),
+        (21.0, 13),
+        (21.5, 14),
+        (31.5, 15),
+        (41.5, 16),
+        (51.5, 17),
+    ]
+    warned = []
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        for t, step in events:
+            now[0] = t
+            pace.event(step, 100)
+            warned.append(len(caplog.records))
+    # 100 tokens/s at step 2; a lone slow event (10/s), then 1,000/s; a short slow event (0.5 s);
+    # then three long ones in a row: one warning, at the second
+    assert warned == [0, 0, 0, 0, 0, 0, 1, 1]
+    message = caplog.records[0].getMessage()
+    assert "training slowed to 10 tokens/s by step 16, under a third of the 1000" in message
+    assert "OMP_NUM_THREADS" in message
