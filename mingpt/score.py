@@ -11,10 +11,11 @@ import torch
 from mingpt import evaluation, token_cache
 from mingpt.command import command, find_snapshot, parse_args, write
 from mingpt.config import DataConfig, TrainerConfig, check, check_fields, in_range, key
-from mingpt.data import CharTokenizer, DataError, TokenWindows, load_data
+from mingpt.data import CharTokenizer, DataError, TokenWindows, cache_location, load_data
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig
 from mingpt.snapshot import SnapshotError, compat, reader
+from mingpt.storage import sha256
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,16 @@ def evaluated_with(state: dict, name: str) -> int:
     return value
 
 
+def _fingerprint(data_config: DataConfig) -> list[dict]:
+    """The corpus as data.CharData.fingerprint has it, from its files (each read once)."""
+    files = []
+    for source in cache_location(data_config)[0]:
+        with token_cache.open_source(source) as f:
+            size, digest = sha256(f)
+        files.append({"source": source, "size": size, "sha256": digest})
+    return files
+
+
 def heldout_windows(
     state: dict, tokenizer: CharTokenizer, device: torch.device, allow_corpus_change: bool
 ):
@@ -92,6 +103,20 @@ def heldout_windows(
             f"the snapshot's data_config cannot be used ({e}): give the text with path=..."
         ) from None
     try:
+        # Compared before its token cache is checked or built: a refusal is the only line.
+        moved = compat.corpus_changes(state.get("corpus"), _fingerprint(data_config))
+        if moved:
+            if not allow_corpus_change:
+                raise TextError(
+                    f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so "
+                    "its held-out split is not the run's: give the text with path=..., or score "
+                    "the new split with allow_corpus_change=true"
+                )
+            log.warning(
+                "the corpus changed since the snapshot was written (%s): scoring its new "
+                "held-out split, which is not the one the run evaluated",
+                "; ".join(moved),
+            )
         data = load_data(data_config)
     except DataError as e:
         raise DataError(
@@ -105,19 +130,6 @@ def heldout_windows(
         )
     # A fine-tuned model's corpus may use fewer characters.
     data = data.in_vocabulary(tokenizer.chars)
-    moved = compat.corpus_changes(state.get("corpus"), data.fingerprint())
-    if moved:
-        if not allow_corpus_change:
-            raise TextError(
-                f"the corpus changed since the snapshot was written ({'; '.join(moved)}), so its "
-                "held-out split is not the run's: give the text with path=..., or score the new "
-                "split with allow_corpus_change=true"
-            )
-        log.warning(
-            "the corpus changed since the snapshot was written (%s): scoring its new held-out "
-            "split, which is not the one the run evaluated",
-            "; ".join(moved),
-        )
     _, heldout = data.place(device, data_config.placement)
     return heldout, f"the held-out split of {data_config.path}"
 

@@ -309,23 +309,20 @@ def test_a_corpus_changed_since_the_snapshot_is_refused_unless_allowed(
     tiny_run, tmp_path, monkeypatch, capsys, one_thread
 ):
     """The held-out split is rebuilt from the snapshot's data_config: on a corpus that grew
-    since, it is another split, refused naming the file, or scored with a warning."""
+    since, it is another split, refused naming the file, or scored with a warning. The refusal is
+    the only line: it came after the lines of the new corpus's token cache, before."""
     cwd, run_dir = tiny_run
     text = (cwd / "small.txt").read_text(encoding="utf-8")
     (tmp_path / "small.txt").write_text(text + text[:3000], encoding="utf-8")
     shutil.copytree(run_dir / "snapshots", tmp_path / "snapshots")
     monkeypatch.chdir(tmp_path)
     before, after = len(text.encode()), (tmp_path / "small.txt").stat().st_size
-    with pytest.raises(SystemExit) as exit_status:
-        # builds the new corpus's token cache (an INFO line)
-        main(["snapshot_path=snapshots", "device=cpu"])
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert exit_status.value.code == 2 and errors == [
+    assert refused(capsys, ["snapshot_path=snapshots", "device=cpu"]) == (
         "error: the corpus changed since the snapshot was written "
         f"(small.txt: {before} -> {after} bytes), so its "
         "held-out split is not the run's: give the text with path=..., or score the new split with "
         "allow_corpus_change=true"
-    ]
+    )
     main(["snapshot_path=snapshots", "device=cpu", "allow_corpus_change=true"])
     out, err = capsys.readouterr()
     assert out.startswith("snapshots (step 60) on the held-out split of small.txt")
