@@ -113,6 +113,8 @@ def command(
             what = f"{what.removesuffix('.')} (also: {other_form(tool)})."
             write(f"usage: {usage}\n\n{what}\n\n{key_lines(schema)}\n\n{rest}".rstrip() + "\n")
             return
+        # stdout closed (`>&-`): refused before the work, not at its first write
+        write("")
         setup_logging(rank=0)
         body(argv)
     except (ConfigError, SnapshotError, StorageError, OutputError, *errors) as e:

@@ -803,6 +803,19 @@ def test_with_stderr_closed_an_error_stays_out_of_stdout(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
 
 
+def test_with_stdout_closed_the_refusal_comes_before_the_snapshot_is_read(tmp_path):
+    """`>&-`: the snapshot was found (here: not) and loaded before the first write found out."""
+    result = subprocess.run(
+        ["sh", "-c", 'exec "$@" >&-', "sh", *generate_cmd([f"snapshot_path={tmp_path / 'none'}"])],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "error: stdout is closed: nowhere to write the output\n"
+
+
 def test_a_prompt_file_of_an_unknown_protocol_names_prompt_file():
     """It said "cannot use snapshot path", of a snapshot path that was fine."""
     from mingpt.storage import StorageError
