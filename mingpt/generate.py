@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import fsspec
 import torch
+from omegaconf import BooleanNode
+from omegaconf.errors import ValidationError
 
 from mingpt.command import DEFAULT_RUN, command, find_snapshot, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
@@ -81,12 +83,21 @@ class GenerateConfig:
         "auto",
         "compile the decoding step: faster per character, but compiling takes seconds (on a CPU "
         "once per model shape and machine: later runs load it); auto: where a compiled step is "
-        "kept, or max_new_tokens is long enough for compiling to pay on this device; true or false",
-        valid=("auto", "true", "false"),
+        "kept, or max_new_tokens is long enough for compiling to pay on this device; or a boolean "
+        "as use_cache takes one (true, yes, on, 1; false, no, off, 0)",
     )
 
     def __post_init__(self) -> None:
-        self.compile = str(self.compile).lower()  # `compile=true` arrives as the boolean True
+        # `compile=yes` arrives as the string 'True', `compile=1` as '1'
+        self.compile = str(self.compile).lower()
+        if self.compile != "auto":
+            try:
+                self.compile = str(BooleanNode().validate_and_convert(self.compile)).lower()
+            except ValidationError:
+                raise ConfigError(
+                    f"compile: {self.compile!r} is neither auto nor a boolean (true, yes, on, 1; "
+                    "false, no, off, 0)"
+                ) from None
         check_fields(self)
         check(bool(self.snapshot_path), "snapshot_path", "must not be empty")
         check(

@@ -23,7 +23,7 @@ from conftest import RUN_DEADLINE, TINY, child_env, on_cpu, read_snapshot, run_d
 import mingpt.generate as generate_cli
 from mingpt import decoding
 from mingpt.command import parse_args
-from mingpt.config import GPTConfig
+from mingpt.config import ConfigError, GPTConfig
 from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
 from mingpt.model import GPT, KVCache
@@ -576,6 +576,21 @@ def test_compile_auto_compiles_where_it_pays(monkeypatch, tmp_path, caplog):
         assert not compiles(cpu, "max_new_tokens=1", "compile=false")
         assert not compiles(cpu, "max_new_tokens=1", "num_samples=2")
         assert not compiles(cpu, "max_new_tokens=1", "use_cache=false")
+
+
+def test_compile_takes_auto_or_a_boolean_as_use_cache_does():
+    """compile=yes and compile=on were taken as true, compile=1 refused, naming true and false
+    alone."""
+    for value, spellings in (("true", "true yes on 1 Y"), ("false", "False no OFF 0 n")):
+        for spelling in spellings.split():
+            config = parse_args([f"compile={spelling}", f"use_cache={spelling}"], GenerateConfig)
+            assert (config.compile, config.use_cache) == (value, value == "true")
+    assert parse_args(["compile=AUTO"], GenerateConfig).compile == "auto"
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["compile=maybe"], GenerateConfig)
+    assert str(refused.value) == (
+        "compile: 'maybe' is neither auto nor a boolean (true, yes, on, 1; false, no, off, 0)"
+    )
 
 
 # ---------------------------------------------------------------- the filters
