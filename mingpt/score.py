@@ -139,7 +139,7 @@ def _text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: 
     the last whole one as a shorter window: each character after the first is predicted once."""
     chunks = []
     # chunk by chunk: a large file is refused at its first unknown character, not once read whole
-    for _, text in token_cache.decoded_chunks(path):
+    for _, text in token_cache.decoded_chunks(path, "path"):
         unknown = tokenizer.unknown(text)
         if unknown:
             raise TextError(
@@ -149,7 +149,7 @@ def _text_windows(path: str, tokenizer: CharTokenizer, block_size: int, device: 
         chunks.append(tokenizer.encode(text))
     tokens = torch.cat(chunks).to(device)
     if not len(tokens):
-        raise DataError(f"data file is empty: {path}")
+        raise DataError(f"path is empty: {path}")
     if len(tokens) < 2:
         raise TextError(f"{path} has {len(tokens)} character: nothing to predict")
     targets = len(tokens) - 1

@@ -91,12 +91,12 @@ def count(cps: np.ndarray) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def open_source(path: str) -> Iterator[BinaryIO]:
+def open_source(path: str, what: str = "data file") -> Iterator[BinaryIO]:
     """A corpus file (fsspec URL or local path) opened for reading; failing to open or read it, or a
     local file that is not regular (a FIFO would block the read forever, /dev/zero never ends), is
-    one DataError."""
+    one DataError naming it as `what` (score's: its key)."""
     try:
-        storage.check_regular(path, "data file")
+        storage.check_regular(path, what)
         with fsspec.open(path, "rb") as f:
             yield f
     except (DataError, storage.StorageError) as e:  # the body's own, or check_regular's
@@ -106,10 +106,8 @@ def open_source(path: str) -> Iterator[BinaryIO]:
         # connection's error as its cause; for a name with glob characters the cause is the
         # missing file's own error
         if e.__cause__ is not None and not isinstance(e.__cause__, FileNotFoundError):
-            raise DataError(
-                f"cannot fetch data file {path}: {storage.reason(e.__cause__)}"
-            ) from None
-        missing = f"data file not found: {path}"
+            raise DataError(f"cannot fetch {what} {path}: {storage.reason(e.__cause__)}") from None
+        missing = f"{what} not found: {path}"
         # Here a glob's characters are a name's: data_config.path's globs were expanded before,
         # and score reads the one file it is given.
         if storage.is_glob(path):
@@ -117,15 +115,15 @@ def open_source(path: str) -> Iterator[BinaryIO]:
         raise DataError(missing) from None
     # an unreachable object store included
     except (*storage.storage_errors(), ValueError, ImportError) as e:
-        raise DataError(f"cannot read data file {path}: {storage.reason(e)}") from None
+        raise DataError(f"cannot read {what} {path}: {storage.reason(e)}") from None
 
 
-def decoded_chunks(source: str) -> Iterator[tuple[bytes, str]]:
+def decoded_chunks(source: str, what: str = "data file") -> Iterator[tuple[bytes, str]]:
     """(raw bytes, decoded text) chunk by chunk, ending with an empty chunk. A byte-order mark at
     the start of the file is dropped; bytes that are not UTF-8 end it with a DataError."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
     offset = 0  # of `raw` in the file, for the error's byte number
-    with open_source(source) as f:
+    with open_source(source, what) as f:
         while True:
             raw = f.read(CHUNK)
             # bytes before the error's start: those the decoder held back, or the mark it dropped
@@ -136,7 +134,7 @@ def decoded_chunks(source: str) -> Iterator[tuple[bytes, str]]:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as e:
                 raise DataError(
-                    f"data file is not UTF-8 text: {source} (byte {before + e.start})"
+                    f"{what} is not UTF-8 text: {source} (byte {before + e.start})"
                 ) from None
             offset += len(raw)
             yield raw, text

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import child_env
+from conftest import child_env, free_port
 
 from mingpt import export, generate
 from mingpt.score import ScoreConfig, main, score
@@ -156,24 +156,27 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     os.mkfifo(fifo)  # a read would wait for a writer forever; /dev/zero's would never end
     assert (
         refused(capsys, [snapshot, f"path={fifo}"])
-        == f"error: data file is not a regular file: {fifo} is a FIFO"
+        == f"error: path is not a regular file: {fifo} is a FIFO"
     )
     assert refused(capsys, [snapshot, "path=/dev/zero"]) == (
-        "error: data file is not a regular file: /dev/zero is a device or socket"
+        "error: path is not a regular file: /dev/zero is a device or socket"
     )
     assert (
         refused(capsys, [f"snapshot_path={fifo}"])
         == f"error: snapshot is not a regular file: {fifo} is a FIFO"
     )
+    # path= named as its key, as prompt_file= is: "data file", before
     missing = tmp_path / "missing.txt"
-    assert (
-        refused(capsys, [snapshot, f"path={missing}"]) == f"error: data file not found: {missing}"
+    assert refused(capsys, [snapshot, f"path={missing}"]) == f"error: path not found: {missing}"
+    url = f"http://127.0.0.1:{free_port()}/text.txt"  # a port nothing listens on
+    assert refused(capsys, [snapshot, f"path={url}"]).startswith(
+        f"error: cannot fetch path {url}: "
     )
     # a name with glob characters too (fsspec's error then has a cause, as a failed fetch's has),
     # and a glob, which score does not expand
     for missing in (tmp_path / "missing[1].txt", tmp_path / "*.txt"):
         assert refused(capsys, [snapshot, f"path={missing}"]) == (
-            f"error: data file not found: {missing} (one file's name: no glob is expanded here)"
+            f"error: path not found: {missing} (one file's name: no glob is expanded here)"
         )
     # the held-out split of the run's relative corpus, from another directory
     with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit):
@@ -256,7 +259,7 @@ def test_a_text_is_read_chunk_by_chunk_and_refused_at_its_first_unknown_characte
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     assert refused(capsys, [f"snapshot_path={run_dir}", f"path={empty}"]) == (
-        f"error: data file is empty: {empty}"
+        f"error: path is empty: {empty}"
     )
 
 
