@@ -27,6 +27,7 @@ from mingpt.config import Config
 from mingpt.distributed import DistInfo, all_max, barrier
 from mingpt.metrics import SlowNotice
 from mingpt.optim import set_hyperparameters
+from mingpt.rundir import shown
 from mingpt.snapshot import compat, manifest, sharded
 from mingpt.snapshot.reader import best_path
 from mingpt.storage import StorageError
@@ -196,9 +197,9 @@ class Checkpointer:
             return
         # The snapshot is complete on every rank before any rank leaves.
         barrier(self.dist)
-        saved = f"the run is saved in {self.root} and the same command resumes it"
+        saved = f"the run is saved in {shown(self.root)} and the same command resumes it"
         if last_step:
-            saved = f"the run is complete and saved in {self.root}"
+            saved = f"the run is complete and saved in {shown(self.root)}"
         raise stopping.Stopped(
             stop,
             f"{stopping.describe(stop)} at step {state.step}; {saved} "

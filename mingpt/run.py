@@ -33,6 +33,7 @@ from mingpt.rundir import (
     new_run_hint,
     other_directory_hint,
     shell_override,
+    shown,
 )
 from mingpt.snapshot import compat, reader, single_file
 from mingpt.snapshot.sharded import read_meta
@@ -236,13 +237,6 @@ def train(trainer: Trainer) -> None:
         except OutputError as e:  # `>/dev/full`: the run is saved; its sample alone is lost
             log.warning("%s: the sample is not shown", e)
     log.info("%s", summary(trainer, final))
-
-
-def shown(path: str) -> str:
-    """`path` as typed from the directory the run started in, when it is inside that directory."""
-    if "://" in path or os.path.relpath(path).startswith(".."):
-        return path
-    return os.path.relpath(path)
 
 
 def summary(t: Trainer, final: float | None) -> str:

@@ -44,6 +44,13 @@ class RunDirError(ValueError):
     names it."""
 
 
+def shown(path: str) -> str:
+    """`path` as typed from the directory the run started in, when it is inside that directory."""
+    if "://" in path or os.path.relpath(path).startswith(".."):
+        return path
+    return os.path.relpath(path)
+
+
 def shell_override(key: str, value: str, verbatim: bool = False) -> str:
     """`key=value` as one bash word that gives the command `value` back, whatever it holds. Hydra
     reads `=`, `,`, spaces, `~`, quotes and `${` in a value as syntax: such a value is quoted for

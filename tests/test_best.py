@@ -237,17 +237,19 @@ def test_a_stop_in_the_final_evaluation_leaves_it_to_the_resumed_run(
 ):
     """At the last step, the stop's line says the same command resumes the run: the resumed run
     evaluates the last step's weights and ends there, and the command after that finds the run
-    complete."""
+    complete. The line names the snapshot from the directory the run started in, as the closing
+    line does (it named it by its absolute path)."""
     args = [*BUMPY, "trainer_config.max_steps=6"]
     trainer = make_trainer(tmp_path, small_corpus, *args)
     monkeypatch.setattr(
         stopping, "stop_requested", lambda: signal.SIGTERM if trainer.state.step >= 6 else 0
     )
+    monkeypatch.chdir(tmp_path.parent)
     with pytest.raises(stopping.Stopped) as stopped:
         trainer.train()
     assert str(stopped.value) == (
-        f"stopped by SIGTERM at step 6; the run is saved in {tmp_path / 'snapshots'} and the same "
-        "command resumes it (SIGTERM, exit status 143)"
+        f"stopped by SIGTERM at step 6; the run is saved in {tmp_path.name}/snapshots and the "
+        "same command resumes it (SIGTERM, exit status 143)"
     )
     monkeypatch.undo()
     resumed = make_trainer(tmp_path, small_corpus, *args)

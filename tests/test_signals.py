@@ -222,7 +222,7 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     # said once, by rank 0: every rank stops with the same line
     assert (
         stderr.count(
-            f"stopped by SIGTERM at step {step}; the run is saved in {run_dir / 'snapshots'} "
+            f"stopped by SIGTERM at step {step}; the run is saved in runs/{run_dir.name}/snapshots "
             "and the same command resumes it (SIGTERM, exit status 143)\n"
         )
         == 1
@@ -312,7 +312,7 @@ def test_sighup_saves_and_stops_like_sigterm(runs):
     status, stderr, run_dir = runs["hangup"]
     assert status == 129, stderr[-3000:]
     assert stderr.splitlines()[-1] == (
-        f"stopped by SIGHUP at step 5; the run is saved in {run_dir / 'snapshots'} "
+        f"stopped by SIGHUP at step 5; the run is saved in runs/{run_dir.name}/snapshots "
         "and the same command resumes it (SIGHUP, exit status 129)"
     ), stderr[-3000:]
     assert read_snapshot(run_dir / "snapshots")["step"] == 5
