@@ -360,10 +360,8 @@ def _publish(
         every_shard = {name: entry for hashes, _, _ in gathered for name, entry in hashes.items()}
         try:
             count = manifest.publish(directory, document, every_shard)
-        except storage_errors() as e:
-            raise failed(reason(e)) from None
         except Exception as e:
-            raise failed(f"{type(e).__name__}: {reason(e)}") from None
+            raise failed(_typed(e)) from None
         manifest.prune(root, os.path.basename(directory), *keep)
         log.info("published sharded snapshot %s (%d files)", directory, count)
 
