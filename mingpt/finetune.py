@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mingpt.config import Config, ConfigError, DataConfig, GPTConfig
+from mingpt.config import FIELDS, Config, ConfigError
 from mingpt.data import CharData, CharTokenizer, DataError
 from mingpt.snapshot import SnapshotError, reader
 from mingpt.snapshot.compat import FROM_DATA
@@ -63,19 +63,12 @@ def prepare(config: Config, run_dir: str, own: str, saved: dict[str, Any] | None
         start = Start(source, meta, resuming=False, weights=weights)
     # whole, as reader.read checked it or this run wrote it (its meta.json checked on reading)
     shape = start.meta["gpt_config"]
-    # key: (this config's value, its default, the source's)
-    given = {
-        f"gpt_config.{k}": (getattr(config.gpt_config, k), getattr(GPTConfig(), k), shape[k])
-        for k in SHAPE_KEYS
-    }
-    given["data_config.block_size"] = (
-        config.data_config.block_size,
-        DataConfig().block_size,
-        shape["block_size"],
-    )
     taken = []
-    for key, (value, default, theirs) in given.items():
-        if value != theirs and value != default:
+    for key in [f"gpt_config.{k}" for k in SHAPE_KEYS] + ["data_config.block_size"]:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        theirs = shape[name]
+        if value != theirs and value != FIELDS[key].default:
             raise ConfigError(
                 f"{key}: {value} given, but the model of {start.named} has {theirs}: a fine-tuned "
                 f"model keeps its shape; leave {key} unset"
