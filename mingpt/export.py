@@ -23,7 +23,6 @@ from safetensors.torch import save as safetensors_bytes
 
 from mingpt.command import command, find_snapshot, parse_args, write
 from mingpt.config import ConfigError, check, check_fields, key
-from mingpt.data import CharTokenizer
 from mingpt.model import GPT
 from mingpt.snapshot import reader, single_file
 from mingpt.storage import fsync_dir
@@ -90,13 +89,13 @@ def hf_config(model: GPT) -> dict:
     )
 
 
-def export_files(model: GPT, tokenizer: CharTokenizer, step: int, hf: bool) -> dict[str, bytes]:
-    """The files of a safetensors export (`GPT(GPTConfig(**config.json))` loads its weights as they
-    are), or of an hf one: the weights under GPT2LMHeadModel's names, the body under `transformer.`,
-    Conv1D's transposed."""
+def export_files(model: GPT, meta: dict, hf: bool) -> dict[str, bytes]:
+    """The files, from a model (float32 on the CPU, as reader.load_model builds it) and its
+    snapshot's record, of a safetensors export (`GPT(GPTConfig(**config.json))` loads its weights
+    as they are), or of an hf one: the weights under GPT2LMHeadModel's names, the body under
+    `transformer.`, Conv1D's transposed."""
     weights = {}
     for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().float().cpu()
         if hf and name != "lm_head.weight":
             # h.<i>.attn.c_attn(.weight)
             if name.removesuffix(".weight").split(".", 2)[-1] in CONV1D:
@@ -105,10 +104,12 @@ def export_files(model: GPT, tokenizer: CharTokenizer, step: int, hf: bool) -> d
         weights[name] = tensor.contiguous()
     config = hf_config(model) if hf else dataclasses.asdict(model.config)
     return {
-        WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt", "mingpt_step": str(step)}),
+        WEIGHTS: safetensors_bytes(
+            weights, metadata={"format": "pt", "mingpt_step": str(meta["step"])}
+        ),
         CONFIG: json.dumps(config, indent=1).encode(),
         VOCAB: json.dumps(
-            {c: i for i, c in enumerate(tokenizer.chars)}, ensure_ascii=False, indent=1
+            {c: i for i, c in enumerate(meta["vocab"])}, ensure_ascii=False, indent=1
         ).encode(),
     }
 
@@ -224,8 +225,8 @@ def export(config: ExportConfig) -> dict:
         # Streamed to a temporary file, then renamed.
         single_file.save({"model_state": weights, **meta}, path)
     else:
-        model, tokenizer, meta = reader.load_model(src, torch.device("cpu"))
-        files = export_files(model, tokenizer, meta["step"], config.format == "hf")
+        model, _, meta = reader.load_model(src, torch.device("cpu"))
+        files = export_files(model, meta, config.format == "hf")
         write_directory(config.dst, files)
     if note:
         log.info("%s", note)
