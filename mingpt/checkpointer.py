@@ -105,7 +105,7 @@ class Checkpointer:
             state,
             self.root,
             check=lambda saved: compat.check_fits(
-                saved, self.config, self.vocab, self.root, self.dist, self.corpus, self.run_dir
+                saved, self.config, self.vocab, self.root, self.corpus, self.run_dir
             ),
         )
         set_state_dict(

@@ -482,9 +482,6 @@ def test_a_record_field_of_another_type_is_refused_at_resume(good_snapshot, tmp_
     )
 
 
-ONE_PROCESS = DistInfo(0, 0, 1, 1, torch.device("cpu"))
-
-
 @pytest.mark.parametrize("key", ["truncate", "block_size"])
 def test_a_changed_data_key_that_changes_the_model_is_named_not_what_follows(key):
     """data_config.truncate changes the vocabulary, data_config.block_size the model's block: the
@@ -509,7 +506,7 @@ def test_a_changed_data_key_that_changes_the_model_is_named_not_what_follows(key
     state = {**saved, "vocab": "abc", "corpus": None}
     config.trainer_config.allow_config_change = True
     with pytest.raises(SnapshotError) as e:
-        compat.check_fits(state, config, vocab, "runs/x/snapshots", ONE_PROCESS, [])
+        compat.check_fits(state, config, vocab, "runs/x/snapshots", [])
     assert str(e.value) == (
         f"snapshot runs/x/snapshots was written with another config ({change}), which gives the "
         "model another shape or vocabulary: start a new run with trainer_config.run_name=NAME (a "
@@ -564,7 +561,7 @@ def test_allowed_config_changes_are_warned_of_the_moved_split_apart(caplog):
     config.gpt_config.vocab_size = 3
     config.trainer_config.allow_config_change = True
     with caplog.at_level(logging.WARNING, logger="mingpt.snapshot.compat"):
-        compat.check_fits(state, config, "abc", "runs/x/snapshots", ONE_PROCESS, [])
+        compat.check_fits(state, config, "abc", "runs/x/snapshots", [])
     assert [r.getMessage().split(":", 1)[0] for r in caplog.records] == [
         "continuing runs/x/snapshots on a changed corpus or split (data_config.train_split",
         "continuing runs/x/snapshots with a changed config",
@@ -585,7 +582,7 @@ def test_the_same_corpus_under_another_path_is_no_config_change():
     config = Config(data_config=DataConfig(path="./data/corpus.txt"))
     config.gpt_config.vocab_size = 3
     moved = [{**corpus[0], "source": "data/corpus.txt"}]
-    compat.check_fits(state, config, "abc", "runs/x/snapshots", ONE_PROCESS, moved)
+    compat.check_fits(state, config, "abc", "runs/x/snapshots", moved)
     assert state["data_config"]["path"] == "corpus.txt"  # the caller's record is left as it was
 
 

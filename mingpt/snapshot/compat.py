@@ -10,7 +10,7 @@ import shlex
 from typing import Any
 
 from mingpt.config import Config, result_items, value_text
-from mingpt.distributed import DistInfo, all_gather
+from mingpt.distributed import SAME_ON_EVERY_RANK, DistInfo, all_gather
 from mingpt.rundir import new_run_hint, shell_override
 from mingpt.snapshot import SnapshotError, manifest, single_file
 
@@ -132,12 +132,11 @@ def check_fits(
     config: Config,
     vocab: str,
     path: str,
-    dist_info: DistInfo,
     corpus: list[dict],
     run_dir: str | None = None,
 ) -> None:
     """The snapshot's shapes, vocabulary, corpus and config are this run's, or allowed to differ;
-    rank 0 warns of what changed. A refusal's new run is named as for `run_dir`
+    rank 0 warns of what changed (SAME_ON_EVERY_RANK). A refusal's new run is named as for `run_dir`
     (check_same_config)."""
     new_run = new_run_hint(config.trainer_config, run_dir)
     moved = corpus_changes(state.get("corpus"), corpus)
@@ -184,8 +183,6 @@ def check_fits(
             "trainer_config.allow_config_change=true)"
         )
     changes = check_same_config(state, config, path, run_dir)
-    if not dist_info.is_main_process:
-        return
     # these keys move the held-out split within the same corpus
     split = ("data_config.train_split", "data_config.truncate")
     moved += described({key: change for key, change in changes.items() if key in split})
@@ -196,9 +193,15 @@ def check_fits(
             "be trained on",
             path,
             "; ".join(moved),
+            extra=SAME_ON_EVERY_RANK,
         )
     if changes:
-        log.warning("continuing %s with a changed config: %s", path, "; ".join(described(changes)))
+        log.warning(
+            "continuing %s with a changed config: %s",
+            path,
+            "; ".join(described(changes)),
+            extra=SAME_ON_EVERY_RANK,
+        )
 
 
 def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:

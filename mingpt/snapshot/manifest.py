@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from mingpt import storage
+from mingpt.distributed import SAME_ON_EVERY_RANK
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, reason, storage_errors
 
@@ -84,14 +84,14 @@ def _name_lies(fs, p: str, root: str, name: str) -> bool:
     said = order(name)[0]
     if inside == said:
         return False
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        log.warning(
-            "ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray "
-            "copy or a renamed directory?); it is neither resumed nor removed",
-            f"{root.rstrip('/')}/{name}",
-            said,
-            inside,
-        )
+    log.warning(
+        "ignoring sharded snapshot %s: its name says step %d but it holds step %s (a stray copy or "
+        "a renamed directory?); it is neither resumed nor removed",
+        f"{root.rstrip('/')}/{name}",
+        said,
+        inside,
+        extra=SAME_ON_EVERY_RANK,
+    )
     return True
 
 
