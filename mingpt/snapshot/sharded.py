@@ -254,14 +254,11 @@ def save(
     name = _by_rank0(pg, lambda: manifest.new_name(root, step))
     directory = f"{root.rstrip('/')}/{name}"
     on_gpu = any(v.device.type == "cuda" for v in flat.values())
-    writer_options = {}
+    writer = FsspecWriter(directory, sync_files=storage.is_local(storage.filesystem(root)[0]))
     if not on_gpu:
         # DCP's overlapping loader takes CUDA streams whenever the host has CUDA: a CPU state takes
         # the plain one.
-        writer_options["per_thread_copy_ahead"] = 0
-    writer = FsspecWriter(
-        directory, sync_files=storage.is_local(storage.filesystem(root)[0]), **writer_options
-    )
+        writer.per_thread_copy_ahead = 0
     streams = _Streams()
     streams.fs = writer.fs.fs
     writer.fs = streams
