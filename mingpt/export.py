@@ -15,7 +15,6 @@ import os
 import shutil
 import stat
 import tempfile
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -196,7 +195,7 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
         fsync_dir(tmp)
         if os.path.isdir(path):
-            old = os.path.join(parent, f"{prefix}old-{uuid.uuid4().hex[:8]}")
+            old = f"{tmp}-old"  # beside the new one, whose name mkdtemp made unique
             os.rename(path, old)
         os.rename(tmp, path)
         fsync_dir(parent)
