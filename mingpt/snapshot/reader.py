@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import storage
-from mingpt.config import ConfigError, GPTConfig, TrainerConfig
+from mingpt.config import GPTConfig, TrainerConfig
 from mingpt.data import CharTokenizer
 from mingpt.model import GPT
 from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
@@ -71,7 +71,8 @@ def _run_snapshot(run_dir: str, config_file: str) -> tuple[str, str]:
         saved = OmegaConf.load(config_file).get("trainer_config") or {}
         merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), saved)
         snapshot_path = OmegaConf.to_object(merged).snapshot_path
-    except (OmegaConfBaseException, ConfigError, OSError, ValueError, yaml.YAMLError) as e:
+    # TrainerConfig's own check raises a ConfigError, a ValueError
+    except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as e:
         raise SnapshotError(
             f"run directory {run_dir}: {config_file} cannot be read ({reason(e)})"
         ) from None
