@@ -79,11 +79,10 @@ def _run_snapshot(run_dir: str, config_file: str) -> tuple[str, str]:
     root = resolve_path(snapshot_path, run_dir)
     best = find_best(root)
     if best:
-        note = (
+        return best, (
             f"run directory {run_dir}: its best weights, {best} (the lowest held-out loss; the "
             f"latest snapshot is {root})"
         )
-        return best, note
     if not has_snapshot(root):
         # a run of an older mingpt: its single file, where its config or the default put it
         old = root
