@@ -111,13 +111,10 @@ def load_weights(model: torch.nn.Module, start: Start) -> None:
             f"{reader.load_error(e)}"
         ) from None
     step = start.meta["step"]
-    best = start.meta.get("best_eval_loss")
+    # a number where the record has one (reader.read checked it)
+    best = start.meta.get("best_eval_loss", math.inf)
     loss = ""
     # The source's best loss is its weights' own when it was reached at its last step.
-    if (
-        isinstance(best, (int, float))
-        and math.isfinite(best)
-        and start.meta.get("best_step") == step
-    ):
+    if math.isfinite(best) and start.meta.get("best_step") == step:
         loss = f", held-out loss {best:.4f}"
     log.info("initialised from %s (step %s%s)", start.source, step, loss)
