@@ -41,12 +41,12 @@ def prepare(config: Config, run_dir: str, own: str, saved: dict[str, Any] | None
     if it has one (`saved`, its record), for a run in `run_dir`. Before any data is read, `config`
     takes the snapshot's shape and data_config.block_size, said in the log; a key set to neither
     its default nor the snapshot's is refused."""
-    if not config.trainer_config.init_from:
+    init_from = config.trainer_config.init_from
+    if not init_from:
         return None
     if saved is not None:
         start = Start(own, saved, resuming=True)
     else:
-        init_from = config.trainer_config.init_from
         # the run's own place, which has no snapshot yet: said so, not "an empty directory"
         if os.path.realpath(init_from) in (os.path.realpath(run_dir), os.path.realpath(own)):
             raise SnapshotError(
