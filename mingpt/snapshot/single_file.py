@@ -134,12 +134,10 @@ def check_model(meta: dict[str, Any], path: str) -> None:
         )
 
 
-def check_record(meta: Any, path: str) -> None:
-    """check_structure for a sharded snapshot's record (its meta.json), read before its weights."""
-    state = meta
-    if isinstance(meta, dict):
-        state = {**meta, "model_state": {}}
-    check_structure(state, path)
+def check_record(meta: dict[str, Any], path: str) -> None:
+    """check_structure for a sharded snapshot's record (its meta.json, where reading it found a
+    mapping), read before its weights."""
+    check_structure({**meta, "model_state": {}}, path)
 
 
 def _unpickling_error(error: pickle.UnpicklingError, path: str) -> SnapshotError:
