@@ -61,7 +61,7 @@ class Checkpointer:
         comm: CommHook,
         vocab: str,
         corpus: list[dict],
-        run_dir: str | None = None,
+        run_dir: str,
     ):
         self.config = config
         self.cfg = config.trainer_config
