@@ -40,8 +40,9 @@ def resolve_path(snapshot_path: str | None, run_dir: str) -> str:
     """A run's snapshot root: a relative local path lives in the run directory; URLs and absolute
     paths are kept."""
     path = snapshot_path or DEFAULT_PATH
-    if "://" in path or os.path.isabs(path):
+    if "://" in path:
         return path
+    # an absolute path as it is
     return os.path.join(run_dir, path)
 
 
