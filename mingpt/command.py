@@ -29,13 +29,6 @@ def typed(tool: str) -> str:
     return f"python -m mingpt.{tool}"
 
 
-def other_form(tool: str) -> str:
-    """The other way to type the command of `tool` (generate, score, export) than `typed`'s."""
-    if typed(tool).startswith("mingpt-"):
-        return f"python -m mingpt.{tool}"
-    return f"mingpt-{tool}"
-
-
 def find_snapshot(path: str, key: str) -> tuple[str, str]:
     """reader.find, saying what to do where `path` (given as `key`) is the default run and it is not
     there: a first command outside the directory that trained."""
@@ -109,8 +102,12 @@ def command(
     try:
         if any(arg in ("-h", "--help") for arg in argv):
             what, rest = doc.strip().split("\n\n", 1)  # the summary, then the details
+            # the other way to type the command than `typed`'s
+            other = f"mingpt-{tool}"
+            if typed(tool) == other:
+                other = f"python -m mingpt.{tool}"
+            what = f"{what.removesuffix('.')} (also: {other})."
             usage = f"{typed(tool)} {arguments}"
-            what = f"{what.removesuffix('.')} (also: {other_form(tool)})."
             write(f"usage: {usage}\n\n{what}\n\n{key_lines(schema)}\n\n{rest}".rstrip() + "\n")
             return
         # stdout closed (`>&-`): refused before the work, not at its first write
