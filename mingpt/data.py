@@ -370,19 +370,18 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
             raise DataError(
                 f"{cfg.path}: no file has a {name} split of data_config.block_size + 1 characters"
             )
-    data = CharData(
+    if len(cache.vocab) < 2:
+        raise DataError(
+            f"{sources[0]}: the corpus has a single distinct character ({cache.vocab!r}): "
+            "there is nothing to learn"
+        )
+    return CharData(
         CharTokenizer(cache.vocab),
         TokenWindows(cache.tokens, cfg.block_size, cfg.stride, train),
         TokenWindows(cache.tokens, cfg.block_size, cfg.block_size, heldout),
         cache,
         sources,
     )
-    if len(cache.vocab) < 2:
-        raise DataError(
-            f"{sources[0]}: the corpus has a single distinct character ({cache.vocab!r}): "
-            "there is nothing to learn"
-        )
-    return data
 
 
 # min(n, k) indices spread evenly over range(n) (k <= 0: all of them)
