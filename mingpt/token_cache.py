@@ -142,21 +142,30 @@ def decoded_chunks(source: str, what: str = "data file") -> Iterator[tuple[bytes
                 return
 
 
+def hashed_chunks(source: str, key: dict) -> Iterator[str]:
+    """decoded_chunks' text; once the source is read to its end, `key` holds its entry in the
+    header: {"source", "size", "sha256"}."""
+    digest = hashlib.sha256()
+    size = 0
+    for raw, text in decoded_chunks(source):
+        digest.update(raw)
+        size += len(raw)
+        yield text
+    key.update(source=canonical(source), size=size, sha256=digest.hexdigest())
+
+
 def kept_chunks(scans: list[dict], kept: list[int]) -> Iterator[np.ndarray]:
     """The code points of the first kept[i] characters of each source, chunk by chunk, source after
     source. Each source is read to its end and must still be the bytes its scan ({"source", "size",
     "sha256"}) hashed, else a DataError: a file edited during a build would leave the new text's
     ids under the old text's checksum, trusted by the next run that finds the old text."""
     for scan, keep in zip(scans, kept, strict=True):
-        digest = hashlib.sha256()
-        size = 0
-        for raw, text in decoded_chunks(scan["source"]):
-            digest.update(raw)
-            size += len(raw)
+        key = {}
+        for text in hashed_chunks(scan["source"], key):
             cps = code_points(text[: max(keep, 0)])
             keep -= len(cps)
             yield cps
-        if (size, digest.hexdigest()) != (scan["size"], scan["sha256"]):
+        if key != scan:
             raise DataError(
                 f"data file {scan['source']} changed while its token cache was built; run again"
             )
@@ -229,18 +238,14 @@ def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
 def _scan(source: str) -> tuple[dict, int, torch.Tensor]:
     """A source's entry in the header ({"source", "size", "sha256"}), its length in characters and
     how often each code point occurs in it, from one read."""
-    digest = hashlib.sha256()
-    size = 0
+    key = {}
     n_chars = 0
     counts = 0
-    for raw, text in decoded_chunks(source):
-        digest.update(raw)
-        size += len(raw)
+    for text in hashed_chunks(source, key):
         n_chars += len(text)
         counts += count(code_points(text))
     if not n_chars:
         raise DataError(f"data file is empty: {source}")
-    key = {"source": canonical(source), "size": size, "sha256": digest.hexdigest()}
     return key, n_chars, counts
 
 
