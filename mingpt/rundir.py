@@ -151,24 +151,21 @@ def _holder(fd: int) -> str:
     return f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')}{run_id}"
 
 
-def _open(path: str, what: str) -> tuple[int, bool]:
-    """The lock file `path` open, and whether this call created it (check_writable made its
-    directory)."""
-    try:
-        try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
-    except OSError as e:
-        raise RunDirError(f"cannot use {what}: {e.filename}: {e.strerror}") from None
-
-
 def _lock(path: str, what: str, instead: str) -> tuple[int | None, bool]:
     """A descriptor holding an exclusive flock on `path` (None where the file system refuses locks:
     Lustre mounted without flock or localflock), and whether this call created the file; or
     RunDirError naming the holder and what to give `instead`."""
     while True:
-        fd, created = _open(path, what)
+        # whether this call creates the file (check_writable made its directory)
+        created = True
+        try:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                created = False
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"cannot use {what}: {e.filename}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
