@@ -58,9 +58,9 @@ def build_model(gpt_config: GPTConfig) -> GPT:
     """The model, or ConfigError with its size when its weights do not fit in memory: more than the
     host has available (an allocation that the kernel grants beyond it ends in its OOM killer, with
     no message), or an allocation that fails."""
-    d = gpt_config.n_embd
-    params = gpt_config.n_layer * (12 * d * d + 13 * d)
-    params += (2 * gpt_config.vocab_size + gpt_config.block_size + 2) * d
+    # counted on the meta device, which allocates nothing: the model's own shape, not a formula
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(gpt_config).parameters())
     too_large = (
         f"gpt_config: the model does not fit in memory: {params:,} parameters "
         f"({params * 4 / 1e9:,.1f} GB of float32 weights, about 4x that to train with AdamW)"
