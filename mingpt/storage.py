@@ -199,13 +199,14 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
     if fs is None:
         fs, path = filesystem(path)
     tmp = f"{path}{TMP_MARK}{os.getpid()}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    local = is_local(fs)
     try:
         with fs.open(tmp, "wb") as f:
             yield f
-            if is_local(fs):  # the bytes reach the disk before the new name points at them
+            if local:  # the bytes reach the disk before the new name points at them
                 f.flush()
                 os.fsync(f.fileno())
-        if is_local(fs):
+        if local:
             # a rename: fs.mv would move the file into a directory at `path`, and say nothing
             os.replace(tmp, path)
         else:
@@ -214,7 +215,7 @@ def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Itera
         # renamed already, or the write's own error says more
         with contextlib.suppress(*storage_errors()):
             fs.rm(tmp)
-    if is_local(fs):
+    if local:
         fsync_dir(fs._parent(path))
 
 
