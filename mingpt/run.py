@@ -10,7 +10,6 @@ import os
 import re
 import traceback
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -86,7 +85,7 @@ def build_model(gpt_config: GPTConfig) -> GPT:
 class Run:  # what start-up settled
     dir: str
     snapshot_path: str
-    saved: dict[str, Any] | None  # what its newest snapshot holds besides tensors (None: none yet)
+    step: int  # the step its newest snapshot reached (0: none yet)
     start: finetune.Start | None  # the fine-tuning source
 
 
@@ -94,13 +93,15 @@ def locate(config: Config, run_dir: str) -> Run:
     """What the run starts from; a fine-tuning source gives `config` the model's shape."""
     snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
     saved = None
+    step = 0
     if reader.has_snapshot(snapshot_path):
         saved = read_meta(snapshot_path)
         # Its fields are used before the weights are read: one of another type would fail there
         # as a traceback.
         single_file.check_record(saved, snapshot_path)
+        step = saved["step"]
     return Run(
-        run_dir, snapshot_path, saved, finetune.prepare(config, run_dir, snapshot_path, saved)
+        run_dir, snapshot_path, step, finetune.prepare(config, run_dir, snapshot_path, saved)
     )
 
 
@@ -132,11 +133,8 @@ def settle(
     errors = [e for e in all_gather(dist_info, failed) if e is not None]
     if errors:
         raise errors[0]
-    start = 0
-    if run.saved:
-        start = run.saved["step"]
     other = other_directory_hint(config.trainer_config, run.dir)
-    with claim(run.dir, run.snapshot_path, start, dist_info, log_buffer, other) as owned:
+    with claim(run.dir, run.snapshot_path, run.step, dist_info, log_buffer, other) as owned:
         yield run, owned
 
 
