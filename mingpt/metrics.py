@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from mingpt.distributed import SAME_ON_EVERY_RANK
 from mingpt.tracking import OFF, Tracker
 
 log = logging.getLogger(__name__)
@@ -42,20 +41,16 @@ class PaceEvent(NamedTuple):
     tokens_per_s: float  # since the last event
     mfu: float | None  # None where no peak is known
     note: str  # for the log line: the time elapsed and the ETA
-
-
-# What a pace that fell far below the run's best points to, by device type.
-BUSY_HINT = {
-    "cpu": "this machine's CPU cores: stopped with Ctrl-C, the run continues from its snapshot "
-    "when the same command runs again with OMP_NUM_THREADS set to the cores left idle",
-    "cuda": "this machine's GPU",
-}
+    # The best tokens/s of the run so far, where this event is the second in a row, of 5 s or more
+    # each, at under a third of it (else None): on a CPU, most often other work on its cores,
+    # where torch's threads wait for each other. One slow event alone can be a recompile.
+    slowed_from: float | None = None
 
 
 class Pace:
     """For the train events: tokens/s since the last event, evaluations and saves excluded
     (`paused`); MFU against a peak measured at the first event (once again where the pace exceeds
-    it); the time elapsed and the ETA; a warning when the pace falls far below the run's best."""
+    it); the time elapsed and the ETA; whether the pace fell far below the run's best."""
 
     def __init__(
         self,
@@ -63,7 +58,6 @@ class Pace:
         flops_per_token: float,
         peak_flops: Callable[[], float],
         step: int,
-        device_type: str = "cpu",
     ):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -74,7 +68,6 @@ class Pace:
         # (time, step) of the first event, whose window holds the start-up and compilation.
         self._pace_from: tuple[float, int] | None = None
         self._measured_again = False
-        self._busy_hint = BUSY_HINT[device_type]
         self._best_pace = 0.0  # tokens/s, of the events after the first
         self._slow_events = 0  # in a row
 
@@ -93,6 +86,7 @@ class Pace:
         tokens = (step - self._window_step) * self.tokens_per_step
         tokens_per_s = tokens / (now - self._window_start)
         note = f"elapsed {duration(now - self.started)}"
+        slowed_from = None
         if self._pace_from is None:
             self._peak = self._peak_flops()
             self._pace_from = (time.perf_counter(), step)
@@ -101,7 +95,8 @@ class Pace:
             since, first = self._pace_from
             left = (now - since) / (step - first) * (total_steps - step)
             note += f" eta {duration(left)}"
-            self._notice_slowdown(now - self._window_start, tokens_per_s, step)
+            if self._slowed(now - self._window_start, tokens_per_s):
+                slowed_from = self._best_pace
         mfu = None
         if self._peak:
             mfu = tokens_per_s * self.flops_per_token / self._peak
@@ -113,27 +108,17 @@ class Pace:
             mfu = tokens_per_s * self.flops_per_token / self._peak
         self._window_start = time.perf_counter()
         self._window_step = step
-        return PaceEvent(tokens_per_s, mfu, note)
+        return PaceEvent(tokens_per_s, mfu, note, slowed_from)
 
-    def _notice_slowdown(self, seconds: float, tokens_per_s: float, step: int) -> None:
-        """Warn when two events in a row, 5 s or more each, ran at under a third of the best pace
-        so far: on a CPU, most often other work on its cores, where torch's threads wait for each
-        other. One slow event alone can be a recompile, or a short window's noise."""
+    def _slowed(self, seconds: float, tokens_per_s: float) -> bool:
+        """Whether this event, `seconds` long, is the second in a row of 5 s or more at under a
+        third of the best pace so far (PaceEvent.slowed_from)."""
         if seconds >= 5 and 3 * tokens_per_s < self._best_pace:
             self._slow_events += 1
         else:
             self._slow_events = 0
         self._best_pace = max(self._best_pace, tokens_per_s)
-        if self._slow_events == 2:
-            log.warning(
-                "training slowed to %.0f tokens/s by step %d, under a third of the %.0f it ran at "
-                "before: other work may be holding %s",
-                tokens_per_s,
-                step,
-                self._best_pace,
-                self._busy_hint,
-                extra=SAME_ON_EVERY_RANK,
-            )
+        return self._slow_events == 2
 
 
 class Metrics:

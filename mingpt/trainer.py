@@ -33,6 +33,14 @@ from mingpt.optim import create_optimizer, set_lr
 log = logging.getLogger(__name__)
 
 
+# What a pace far below the run's best points to (metrics.PaceEvent.slowed_from), by device type.
+BUSY_HINT = {
+    "cpu": "this machine's CPU cores: stopped with Ctrl-C, the run continues from its snapshot "
+    "when the same command runs again with OMP_NUM_THREADS set to the cores left idle",
+    "cuda": "this machine's GPU",
+}
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (the loss diverged, say); the message says what is kept."""
 
@@ -260,7 +268,7 @@ class Trainer:
         peak = functools.partial(
             flops.peak_for_mfu, flops_per_token * step_tokens, dist_info, self.amp.dtype
         )
-        self.pace = Pace(step_tokens * W, flops_per_token, peak, self.state.step, self.device.type)
+        self.pace = Pace(step_tokens * W, flops_per_token, peak, self.state.step)
 
     def finished(self) -> bool:
         """Out of steps (or epochs), or stopped early, with no evaluation (or sample) left to do."""
@@ -442,6 +450,16 @@ class Trainer:
         if not math.isfinite(grad_norm):
             grad_norm = None
         pace = self.pace.event(state.step, self.total_steps)
+        if pace.slowed_from is not None:
+            log.warning(
+                "training slowed to %.0f tokens/s by step %d, under a third of the %.0f it ran at "
+                "before: other work may be holding %s",
+                pace.tokens_per_s,
+                state.step,
+                pace.slowed_from,
+                BUSY_HINT[self.device.type],
+                extra=SAME_ON_EVERY_RANK,
+            )
         self.metrics.log(
             "train",
             state.step,
