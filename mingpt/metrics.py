@@ -97,15 +97,15 @@ class Pace:
             note += f" eta {duration(left)}"
             if self._slowed(now - self._window_start, tokens_per_s):
                 slowed_from = self._best_pace
-        mfu = None
-        if self._peak:
-            mfu = tokens_per_s * self.flops_per_token / self._peak
+        flops_per_s = tokens_per_s * self.flops_per_token
         # Above the peak: it was measured while other work slowed the device (a CPU's shared
         # cores), so it is measured again, once (each costs the run 0.2 s), and the higher kept.
-        if mfu is not None and mfu > 1 and not self._measured_again:
+        if self._peak and flops_per_s > self._peak and not self._measured_again:
             self._measured_again = True
             self._peak = max(self._peak, self._peak_flops())
-            mfu = tokens_per_s * self.flops_per_token / self._peak
+        mfu = None
+        if self._peak:
+            mfu = flops_per_s / self._peak
         self._window_start = time.perf_counter()
         self._window_step = step
         return PaceEvent(tokens_per_s, mfu, note, slowed_from)
