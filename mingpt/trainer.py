@@ -161,22 +161,21 @@ class Trainer:
         snapshot_path: str,
     ):
         cfg = config.trainer_config
+        device = dist_info.device
         self.config = config
         self.cfg = cfg
         self.dist = dist_info
         self.data = data
-        self.device = dist_info.device
+        self.device = device
         self.run_dir = run_dir
         self.snapshot_path = snapshot_path
-        self.train_windows, self.eval_windows = data.place(
-            self.device, config.data_config.placement
-        )
+        self.train_windows, self.eval_windows = data.place(device, config.data_config.placement)
         self.comm = comm_hooks.create(cfg, dist_info)
-        on_cuda = self.device.type == "cuda"
+        on_cuda = device.type == "cuda"
         if on_cuda:
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
-        self.amp = amp_policy(cfg, self.device.type, not on_cuda or torch.cuda.is_bf16_supported())
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp.scaler)
+        self.amp = amp_policy(cfg, device.type, not on_cuda or torch.cuda.is_bf16_supported())
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp.scaler)
         # A single process never shards.
         self.fsdp = cfg.parallelism == "fsdp" and dist_info.is_distributed
         # Sharded before the optimizer is built, and on the CPU: only this rank's shards go to the
@@ -184,22 +183,23 @@ class Trainer:
         if self.fsdp:
             parallel.shard(model, dist_info, self.amp.dtype if self.amp.enabled else None)
         model.checkpoint_blocks = cfg.activation_checkpointing
-        self.raw_model = model.to(self.device)
-        self.optimizer = create_optimizer(self.raw_model, config.optimizer_config)
+        # Moved in place: `model` is the raw model from here on.
+        self.raw_model = model.to(device)
+        self.optimizer = create_optimizer(model, config.optimizer_config)
         # The first step whose loss was not finite (0: none yet), kept on the device: no host sync
         # per step.
-        self.nonfinite_step = torch.zeros((), dtype=torch.long, device=self.device)
+        self.nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
         self.eval_notice = SlowNotice()
         self.evaluator = Evaluator(cfg)
 
         # Resume: the newest snapshot's weights, optimizer state and position, where the run has
         # one. With ddp before DDP wraps the model (DDP copies rank 0's weights), with fsdp once the
         # model is sharded.
-        self.checkpointer = Checkpointer(
+        checkpointer = Checkpointer(
             config,
             dist_info,
             snapshot_path,
-            self.raw_model,
+            model,
             self.optimizer,
             self.scaler,
             self.comm,
@@ -207,19 +207,22 @@ class Trainer:
             data.fingerprint(),
             run_dir,
         )
-        self.state = TrainState.restored(self.checkpointer.load(), len(data.train))
+        self.checkpointer = checkpointer
+        n_train = len(data.train)
+        state = TrainState.restored(checkpointer.load(), n_train)
+        self.state = state
 
         ddp = None
-        self.model = self.raw_model  # what the step calls
+        self.model = model  # what the step calls
         if dist_info.is_distributed and not self.fsdp:
-            ddp = parallel.replicate(self.raw_model, dist_info, self.comm)
+            ddp = parallel.replicate(model, dist_info, self.comm)
             self.model = ddp
         # In one process too: there a hook's state saved by several ranks is said to go unused.
         self.comm.start(
             ddp,
-            self.checkpointer.comm_state,
-            self.state.step,
-            self.raw_model,
+            checkpointer.comm_state,
+            state.step,
+            model,
             self.optimizer,
             self.scaler,
             functools.partial(self._warm_up_ddp, ddp),
@@ -227,13 +230,13 @@ class Trainer:
         if cfg.compile:
             self.model = torch.compile(self.model)
         W = dist_info.world_size
-        self.train_sampler = ResumableSampler(len(data.train), W, dist_info.rank, seed=cfg.seed)
-        self.plan = step_plan(cfg, len(data.train), W, self.state)
+        self.train_sampler = ResumableSampler(n_train, W, dist_info.rank, seed=cfg.seed)
+        self.plan = step_plan(cfg, n_train, W, state)
         self.samples_per_step = self.plan.samples_per_step
         self.total_steps = self.plan.total_steps
         warmup = config.optimizer_config.warmup_steps
         # A run complete already (its command again) trains no step: no warmup to speak of.
-        if self.state.step < self.total_steps <= warmup:
+        if state.step < self.total_steps <= warmup:
             log.warning(
                 "optimizer_config.warmup_steps=%d covers the whole run of %d steps "
                 "(trainer_config.max_steps=%s, max_epochs=%d): the learning rate rises to the "
@@ -247,28 +250,27 @@ class Trainer:
         tracker = tracking.start(
             config,
             run_dir,
-            self.checkpointer.tracker_run_id,
-            self.state.step,
+            checkpointer.tracker_run_id,
+            state.step,
             dist_info.is_main_process,
             self.finished(),
         )
         if tracker.run_id:
-            self.checkpointer.tracker_run_id = tracker.run_id
+            checkpointer.tracker_run_id = tracker.run_id
         self.metrics = Metrics(
             run_dir,
             dist_info.is_main_process,
-            self.state.step,
+            state.step,
             tracker,
-            self.state.eval_due,
-            self.state.sample_due,
+            state.eval_due,
+            state.sample_due,
         )
-        block = self.train_windows.block_size
-        step_tokens = self.samples_per_step * block
-        flops_per_token = flops.flops_per_token(self.raw_model)
+        step_tokens = self.samples_per_step * self.train_windows.block_size
+        flops_per_token = flops.flops_per_token(model)
         peak = functools.partial(
             flops.peak_for_mfu, flops_per_token * step_tokens, dist_info, self.amp.dtype
         )
-        self.pace = Pace(step_tokens * W, flops_per_token, peak, self.state.step)
+        self.pace = Pace(step_tokens * W, flops_per_token, peak, state.step)
 
     def finished(self) -> bool:
         """Out of steps (or epochs), or stopped early, with no evaluation (or sample) left to do."""
