@@ -596,8 +596,8 @@ class Trainer:
         cache_dtype = None
         if self.fsdp:
             parallel.gather_outside_inference(self.raw_model)
-        if self.fsdp and self.amp.enabled:
-            cache_dtype = self.amp.dtype
+            if self.amp.enabled:
+                cache_dtype = self.amp.dtype
         return sample_line(
             self.raw_model, self.data.tokenizer, seed, self.cfg.sample_chars, stop, cache_dtype
         )
