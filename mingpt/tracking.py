@@ -140,16 +140,6 @@ def _check_database_store(uri: str) -> None:
         raise TrackerUnavailable(f"cannot open the MLflow store {uri} ({path}: {e})") from None
 
 
-def _limits(uri: str) -> dict[str, str]:
-    """The environment MLflow's calls run with for the store `uri`: HTTP_LIMITS, and for a directory
-    (a path or a file: URI) the consent MLflow 3 asks for before it uses one."""
-    env = dict(HTTP_LIMITS)
-    path = "://" not in uri and not uri.startswith(("sqlite:", "databricks", "uc:"))
-    if path or uri.startswith("file:"):
-        env["MLFLOW_ALLOW_FILE_STORE"] = "true"
-    return env
-
-
 class MlflowTracker(Tracker):
     """The run's record in MLflow, through its client (no global active run)."""
 
@@ -167,17 +157,23 @@ class MlflowTracker(Tracker):
             ) from None
         except Exception as e:  # an installation that is broken
             raise TrackerUnavailable(f"mlflow cannot be imported ({_first_line(e)})") from None
-        self.uri = config.trainer_config.tracker_uri or mlflow.get_tracking_uri()
-        _check_database_store(self.uri)
-        self._env = _limits(self.uri)
+        uri = config.trainer_config.tracker_uri or mlflow.get_tracking_uri()
+        self.uri = uri
+        _check_database_store(uri)
+        # The environment MLflow's calls run with: HTTP_LIMITS, and for a directory store (a path or
+        # a file: URI) the consent MLflow 3 asks for before it uses one.
+        self._env = dict(HTTP_LIMITS)
+        path = "://" not in uri and not uri.startswith(("sqlite:", "databricks", "uc:"))
+        if path or uri.startswith("file:"):
+            self._env["MLFLOW_ALLOW_FILE_STORE"] = "true"
         self.experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         try:
             with _mlflow_calls({**self._env, **PROBE_LIMITS}):
-                self.client = MlflowClient(self.uri)
+                self.client = MlflowClient(uri)
                 self.experiment = self.client.get_experiment_by_name(self.experiment_name)
         except Exception as e:  # MLflow raises many types for a store it cannot use
             raise TrackerUnavailable(
-                f"cannot reach the MLflow tracking store {self.uri} ({_first_line(e)})"
+                f"cannot reach the MLflow tracking store {uri} ({_first_line(e)})"
             ) from None
 
     def begin(self, config: Any, run_dir: str, run_id: str | None, step: int) -> None:
