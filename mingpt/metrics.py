@@ -186,7 +186,15 @@ class Metrics:
         record = {"step": step, "epoch": epoch, "split": split, **values}
 
         def write() -> None:
-            self._append_line(json.dumps(record) + "\n")
+            # A whole line or none: a write cut short (a full disk) is taken back.
+            offset = self._jsonl.seek(0, os.SEEK_END)
+            try:
+                self._jsonl.write(f"{json.dumps(record)}\n".encode())
+                self._jsonl.flush()
+            except OSError:
+                with contextlib.suppress(OSError, ValueError):
+                    self._jsonl.truncate(offset)
+                raise
             self._scalars(record)
 
         self._write(write)
@@ -201,17 +209,6 @@ class Metrics:
         self.tracker.text(tag, text, step)
         # Markdown would reflow the sample; a code block keeps its lines.
         self._write(lambda: self._writer.add_text(tag, f"```\n{text}\n```", step))
-
-    def _append_line(self, line: str) -> None:
-        """A whole line or none: a write cut short (a full disk) is taken back."""
-        offset = self._jsonl.seek(0, os.SEEK_END)
-        try:
-            self._jsonl.write(line.encode())
-            self._jsonl.flush()
-        except OSError:
-            with contextlib.suppress(OSError, ValueError):
-                self._jsonl.truncate(offset)
-            raise
 
     def _write(self, write: Callable[[], None]) -> None:
         """Not worth the run: a storage error (a full disk, a removed directory) costs one warning;
