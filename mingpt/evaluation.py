@@ -38,12 +38,12 @@ class EvalResult:
         return math.exp(self.loss)
 
 
-def chosen_windows(n_windows: int, block_size: int, eval_tokens: int) -> torch.Tensor:
-    """The held-out windows evaluated: all (eval_tokens 0), or at most eval_tokens' worth spread
-    evenly."""
+def chosen_windows(windows, eval_tokens: int) -> torch.Tensor:
+    """The indices of the held-out `windows` evaluated: all (eval_tokens 0), or at most
+    eval_tokens' worth spread evenly."""
     if eval_tokens == 0:
-        return spread(n_windows, 0)
-    return spread(n_windows, max(1, eval_tokens // block_size))
+        return spread(len(windows), 0)
+    return spread(len(windows), max(1, eval_tokens // windows.block_size))
 
 
 @torch.no_grad()
@@ -60,7 +60,7 @@ def evaluate(
     """`model` on `windows` (TokenWindows or HostBatches) in chunks of `batch_size` windows. With
     `lockstep` (a sharded model: every forward is a collective) every rank runs as many forwards,
     and `stop_requested` must give every rank the same answer (it is asked before each chunk)."""
-    chosen = chosen_windows(len(windows), windows.block_size, eval_tokens).to(windows.tokens.device)
+    chosen = chosen_windows(windows, eval_tokens).to(windows.tokens.device)
     W = dist_info.world_size
     rank = dist_info.rank
     chunks = list(chosen[rank::W].split(batch_size))

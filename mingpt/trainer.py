@@ -515,7 +515,7 @@ class Trainer:
         start = time.monotonic()
         self._check_diverged(state.step)
         if self.eval_notice.slow:
-            n = len(evaluation.chosen_windows(len(windows), windows.block_size, cfg.eval_tokens))
+            n = len(evaluation.chosen_windows(windows, cfg.eval_tokens))
             log.info("evaluating at step %d on %d held-out windows", state.step, n)
         with self.comm.mean_weights():
             result = evaluation.evaluate(
