@@ -43,6 +43,7 @@ COMPILE_PAYS_AFTER = {"cpu": 10000, "cpu, products keep up": 50000, "cuda": 6000
 # measured for ASCII, the most characters a byte (its text, and the encoding's arrays of each
 # character's code point and id).
 PROMPT_BYTES_PER_BYTE = 25
+GIB = 2**30
 
 
 class PromptError(ValueError):
@@ -141,10 +142,9 @@ def check_prompt_fits(path: str) -> None:
     free = available_memory(torch.device("cpu"))
     if need <= free:
         return
-    gib = 2**30
     raise ConfigError(
-        f"prompt_file: {path} has {size / gib:,.1f} GiB; reading and encoding it takes about "
-        f"{need / gib:,.1f} GiB, more than the {free / gib:,.1f} GiB available"
+        f"prompt_file: {path} has {size / GIB:,.1f} GiB; reading and encoding it takes about "
+        f"{need / GIB:,.1f} GiB, more than the {free / GIB:,.1f} GiB available"
     )
 
 
@@ -181,19 +181,18 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
     per_token = 2 * torch.long.itemsize
     tokens = per_token * config.max_new_tokens
     free = available_memory(device)
-    gib = 2**30
     if fixed + tokens > free:
         most = max(0, (free - fixed) // per_token)
         raise ConfigError(
             f"max_new_tokens: {config.max_new_tokens:,} characters need about "
-            f"{(fixed + tokens) / gib:,.1f} GiB on {device}, more than the {free / gib:,.1f} GiB "
+            f"{(fixed + tokens) / GIB:,.1f} GiB on {device}, more than the {free / GIB:,.1f} GiB "
             f"available; at most {most:,} fit"
         )
     need = (fixed + tokens) * config.num_samples
     if need > free:
         raise ConfigError(
-            f"num_samples: {config.num_samples:,} samples need about {need / gib:,.1f} GiB on "
-            f"{device}, more than the {free / gib:,.1f} GiB available; at most "
+            f"num_samples: {config.num_samples:,} samples need about {need / GIB:,.1f} GiB on "
+            f"{device}, more than the {free / GIB:,.1f} GiB available; at most "
             f"{free // (fixed + tokens):,} fit"
         )
 
