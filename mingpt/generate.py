@@ -296,12 +296,10 @@ def run(config: GenerateConfig) -> None:
         last = tokenizer.decode(tokens[i, -1:].tolist()) or prompt[-1:]
         if last != "\n":
             write("\n")
-    say_done(config.max_new_tokens * n, time.perf_counter() - started, compiling)
-
-
-def say_done(chars: int, seconds: float, compiling: bool) -> None:
-    """The closing line: how many characters in how long, and whether compiling the step is in
-    that time."""
+    # The closing line: how many characters in how long, and whether compiling the step is in
+    # that time.
+    seconds = time.perf_counter() - started
+    chars = config.max_new_tokens * n
     plural = "" if chars == 1 else "s"
     rate = chars / max(seconds, 1e-9)
     included = ""
