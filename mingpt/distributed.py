@@ -128,11 +128,10 @@ def distributed(device_preference: str) -> Iterator[DistInfo]:
             f"RANK={info.rank} of WORLD_SIZE={info.world_size}, {address} in the environment: "
             "start the processes with torchrun, which sets them (docs/training.md)"
         )
-    if info.is_distributed:
-        launcher_number("MASTER_PORT", 0)  # a number, or one line
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.is_distributed:
+        launcher_number("MASTER_PORT", 0)  # a number, or one line
         with torch_fixes.restart_store(info.world_size) as store:
             dist.init_process_group(
                 info.backend,
