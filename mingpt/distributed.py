@@ -74,10 +74,6 @@ def _own_info(record: logging.LogRecord) -> bool:
 SAME_ON_EVERY_RANK = {"same_on_every_rank": True}
 
 
-def _rank_specific(record: logging.LogRecord) -> bool:
-    return not getattr(record, "same_on_every_rank", False)
-
-
 def setup_logging(rank: int) -> None:
     """Rank 0 logs mingpt's INFO to stderr; other ranks, warnings and errors prefixed by rank,
     except those marked SAME_ON_EVERY_RANK."""
@@ -92,7 +88,7 @@ def setup_logging(rank: int) -> None:
     )
     handler.addFilter(_own_info)
     if rank != 0:
-        handler.addFilter(_rank_specific)
+        handler.addFilter(lambda record: not getattr(record, "same_on_every_rank", False))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
