@@ -215,15 +215,15 @@ class PostLocalSGD(CommHook):
     @contextlib.contextmanager
     def mean_weights(self):
         named = list(self.model.named_parameters(remove_duplicate=False))
-        own = [p.data for _, p in named]
+        own = {name: p.data for name, p in named}
         mean = self._mean()
         for name, p in named:
             p.data = mean[name]
         try:
             yield
         finally:
-            for (_, p), data in zip(named, own, strict=True):
-                p.data = data
+            for name, p in named:
+                p.data = own[name]
 
     def model_state(self, state):
         return {**state, **self._mean()}
