@@ -15,7 +15,6 @@ from mingpt.data import CharTokenizer, DataError, TokenWindows, cache_location, 
 from mingpt.distributed import DistInfo, pick_device
 from mingpt.generate import GenerateConfig
 from mingpt.snapshot import SnapshotError, compat, reader
-from mingpt.storage import sha256
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +69,11 @@ def evaluated_with(state: dict, name: str) -> int:
 
 
 def _fingerprint(data_config: DataConfig) -> list[dict]:
-    """The corpus as data.CharData.fingerprint has it, from its files (each read once)."""
-    files = []
-    for source in cache_location(data_config)[0]:
-        with token_cache.open_source(source) as f:
-            size, digest = sha256(f)
-        files.append({"source": source, "size": size, "sha256": digest})
-    return files
+    """The corpus as data.CharData.fingerprint has it: its files by the names data_config.path gives
+    them."""
+    sources = cache_location(data_config)[0]
+    keys = token_cache.source_keys(sources)
+    return [{**key, "source": source} for source, key in zip(sources, keys, strict=True)]
 
 
 def heldout_windows(

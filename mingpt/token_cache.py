@@ -203,6 +203,17 @@ def canonical(source: str) -> str:
     return os.path.abspath(source)
 
 
+def source_keys(sources: list[str]) -> list[dict]:
+    """Each source's entry in a cache's header, {"source", "size", "sha256"}, from one read of it;
+    a DataError when it cannot be read."""
+    keys = []
+    for source in sources:
+        with open_source(source) as f:
+            size, digest = storage.sha256(f)
+        keys.append({"source": canonical(source), "size": size, "sha256": digest})
+    return keys
+
+
 def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
     """None if the cache at `path` is valid: the sources and the ids have the SHA-256s its header
     records (each read once to compare); else why it is not. A source that cannot be read is a
@@ -212,18 +223,12 @@ def _why_rebuild(path: str, sources: list[str], truncate: float) -> str | None:
             with open_source(source):
                 pass
         return "missing"
-    keys = []
-    for source in sources:
-        with open_source(source) as f:
-            keys.append((canonical(source), *storage.sha256(f)))
+    keys = source_keys(sources)
     try:
         with open(path, "rb") as f:
             header, offset = read_header(f)
             f.seek(offset)
-            if (
-                keys != [(h["source"], h["size"], h["sha256"]) for h in header["sources"]]
-                or header["truncate"] != truncate
-            ):
+            if keys != header["sources"] or header["truncate"] != truncate:
                 return "the corpus changed"
             # The checksum covers the header too (its own field blank): a vocabulary changed in
             # place would misread every id.
