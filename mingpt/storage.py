@@ -111,6 +111,12 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def glob_after(fs: fsspec.AbstractFileSystem, prefix: str, pattern: str) -> list[str]:
+    """The paths of `fs` that are `prefix` followed by what the glob `pattern` matches. `prefix` is
+    a name, not a pattern: a run directory named x[1] holds no x1/."""
+    return fs.glob(glob.escape(prefix) + pattern)
+
+
 def is_glob(path: str) -> bool:
     """Whether path has a glob's characters; in an HTTP(S) URL a `?` starts the query."""
     if fsspec.utils.get_protocol(path) in ("http", "https"):

@@ -77,6 +77,23 @@ def test_publication_pruning_and_async_saves(saved):
     assert sorted(listed) == files[:3] + ["meta.json"]
 
 
+def test_a_root_whose_path_has_glob_characters_is_published_listed_and_pruned(tmp_path):
+    """A run named x[1]: its path is a name, not a pattern. Taken as one, no snapshot of it was
+    published (its shards missing from the manifest), so a restart began afresh and pruning removed
+    the snapshot it should have resumed."""
+    run = tmp_path / "run[1]*?"
+    root = str(run / "snapshots")
+    model = torch.nn.Linear(4, 4)
+    meta = {"gpt_config": {}, "vocab": "ab", "epoch": 0, "samples_in_epoch": 0}
+    for step in (1, 2):
+        tensors = {"model": model.state_dict()}
+        sharded.save(tensors, {**meta, "step": step}, root, step, keep=1, async_save=False)
+    assert manifest.latest(root) == f"{root}/step-00000002"
+    assert os.listdir(root) == ["step-00000002"]
+    listed = json.loads((run / "snapshots" / "step-00000002" / "manifest.json").read_text())
+    assert sorted(listed["files"]) == [".metadata", "__0_0.distcp", "meta.json"]
+
+
 def test_background_write_failure_surfaces_on_every_rank(saved):
     _, _, report, _ = saved
     first, second = report["errors"]

@@ -60,7 +60,7 @@ def listing(root: str, every_name: bool = False) -> tuple[list[str], list[str]]:
             return [], []
         entries = [os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)]
         names = [name for name in entries if order(name)]
-        manifests = fs.glob(f"{p.rstrip('/')}/step-*/{MANIFEST}")
+        manifests = storage.glob_after(fs, p.rstrip("/"), f"/step-*/{MANIFEST}")
         published = {os.path.basename(os.path.dirname(m.rstrip("/"))) for m in manifests}
         published &= set(names)
         lying = set()
@@ -131,7 +131,7 @@ def shard_hashes(directory: str, rank: int) -> dict[str, list]:
     process without a process group)."""
     fs, p = storage.filesystem(directory)
     hashes = {}
-    for path in fs.glob(f"{p}/__{rank}_*.distcp"):
+    for path in storage.glob_after(fs, p, f"/__{rank}_*.distcp"):
         with fs.open(path, "rb") as f:
             hashes[os.path.basename(path)] = list(storage.sha256(f))
     return hashes

@@ -41,7 +41,7 @@ def save(state: dict[str, Any], path: str) -> None:
     try:
         storage.prepare_parent(fs, p, path)
         # Left by a save that was killed.
-        for stale in fs.glob(f"{p}{storage.TMP_MARK}*"):
+        for stale in storage.glob_after(fs, p, f"{storage.TMP_MARK}*"):
             fs.rm(stale)
         with storage.atomic_open(p, fs) as f:
             # torch.save hides a failed write's cause.
