@@ -262,6 +262,14 @@ def overrides(argv: list[str]) -> list[str]:
 
 def run(argv: list[str]) -> None:
     config = parse_args(overrides(argv), ExportConfig, ("src", "dst"))
+    # fsspec's memory:// ends with the process (in-process library use keeps it): the command would
+    # say it exported to a file already gone. A directory format refuses any URL.
+    check(
+        config.format != "snapshot" or not config.dst.startswith("memory://"),
+        "dst",
+        "memory:// ends with the command, and the export with it: give a path or a URL that "
+        "outlives it",
+    )
     state = export(config)
     write(f"exported {config.src} (step {state['step']}) as {config.format} to {config.dst}\n")
 

@@ -14,6 +14,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from conftest import child_env, read_snapshot, run_each
@@ -247,6 +248,16 @@ def test_a_directory_format_to_a_url_is_refused_before_the_snapshot_is_read(tmp_
     assert (
         line == "error: cannot write memory://out: this format writes a local directory, not a URL"
     )
+
+
+def test_a_snapshot_to_memory_is_refused_as_it_would_end_with_the_command(tiny_file, capsys):
+    """The command said it exported, and the file was gone with the process."""
+    line = refused(capsys, [tiny_file, "memory://export.pt", "--format", "snapshot"])
+    assert line == (
+        "error: dst: memory:// ends with the command, and the export with it: give a path or a "
+        "URL that outlives it"
+    )
+    assert not fsspec.filesystem("memory").exists("/export.pt")
 
 
 def test_a_file_that_is_not_a_snapshot_is_never_replaced(sharded_root, tmp_path, capsys):
