@@ -42,6 +42,9 @@ from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, atomic_open, reason
 from mingpt.trainer import TrainingError
 
+# The keys whose values are text (a run name, a path, a URI): one typed as a number becomes text
+# again (check_text_overrides).
+TEXT_KEYS = frozenset(key for key, f in FIELDS.items() if f.type in ("str", "str | None"))
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 CONF_PATH = CONF_DIR if os.path.isdir(CONF_DIR) else "pkg://mingpt.conf"
@@ -161,6 +164,29 @@ def check_group_overrides(overrides: list[str]) -> None:
             )
 
 
+def check_text_overrides(overrides: list[str]) -> None:
+    """A value of a text key (a run name, a path) that the command line reads as a number or a
+    boolean becomes text again, but not as typed: `trainer_config.run_name=3e-4` named the run
+    directory runs/0.0003. Refused, with the quoting that keeps the value as typed."""
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if key not in TEXT_KEYS or override.is_delete():
+            continue
+        value = override.value()
+        if not isinstance(value, int | float):  # a bool is an int
+            continue
+        typed = override.input_line.split("=", 1)[1].strip()
+        if str(value) == typed:  # 2024 stays '2024'
+            continue
+        kind = "a number"
+        if isinstance(value, bool):
+            kind = "a boolean"
+        raise ConfigError(
+            f"{override.input_line}: {typed} is read as {kind}, so the value would be "
+            f"{str(value)!r}; to keep it as typed, quote it: {shell_override(key, typed)}"
+        )
+
+
 def usage() -> str:
     """--help's first line, with the command as typed: torchrun runs main.py, or with --no-python an
     installed mingpt-train."""
@@ -190,6 +216,7 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
     in place)."""
     check_hydra_settings(hydra_cfg, sweep=hydra_cfg.mode == RunMode.MULTIRUN)
     check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
+    check_text_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
     with open_dict(cfg):
         notices = drop_ignored_keys(cfg)
     # and a user's own file need not build on base_config: the schema goes under it
@@ -265,6 +292,8 @@ def compose_checked(
         # as BasicSweeper takes them
         params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.params or {}).items()]
         parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+        # as typed: the sweeper gives each job its values written anew (3e-4 as 0.0003)
+        check_text_overrides(overrides)
         for override in parsed:
             # The sweep's directory (its multirun.yaml) is named by the run name before the
             # sweep: the default's, while each job would go to a directory of its own name.

@@ -762,6 +762,32 @@ def test_dropping_a_group_and_choosing_from_it_is_refused():
     cli.check_group_overrides(["gpt_config=gpt2"])
 
 
+def test_a_name_or_path_read_as_a_number_is_refused_with_the_quoting_that_keeps_it():
+    """OmegaConf makes the number of a text key text again, not as typed: run_name=3e-4 named the
+    run directory runs/0.0003, true named it runs/True."""
+    cases = {
+        "trainer_config.run_name=3e-4": "3e-4 is read as a number, so the value would be "
+        "'0.0003'; to keep it as typed, quote it: 'trainer_config.run_name=\"3e-4\"'",
+        "trainer_config.run_name=true": "true is read as a boolean, so the value would be 'True'",
+        "+trainer_config.snapshot_path=1.50": "so the value would be '1.5'",
+        "trainer_config.init_from=1_000": "so the value would be '1000'",
+    }
+    for override, says in cases.items():
+        with pytest.raises(ConfigError) as e:
+            cli.check_text_overrides(["trainer_config.seed=1", override])
+        assert str(e.value).startswith(f"{override}: ") and says in str(e.value), e.value
+    # what comes back as typed, quoted values, and keys that are no text
+    cli.check_text_overrides(
+        [
+            "trainer_config.run_name=2024",
+            "trainer_config.run_name=inf",
+            'trainer_config.run_name="3e-4"',
+            "trainer_config.max_steps=1_000",
+            "~trainer_config.init_from",
+        ]
+    )
+
+
 def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
     """Invocations refused at start, each in tmp_path/work beside config files in tmp_path/conf
     that are not valid YAML: {argv: what its one line says}."""
@@ -804,6 +830,13 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
             "trainer_config.run_name=../escape",
         ): "trainer_config.run_name: must be one directory name",
         ("trainer_config.run_name=a/b",): "trainer_config.run_name: must be one directory name",
+        # the run directory was runs/0.0003; in a sweep each job's, as the sweeper writes it
+        ("trainer_config.run_name=3e-4",): "trainer_config.run_name=3e-4: 3e-4 is read as a number",
+        (
+            "-m",
+            "trainer_config.run_name=1e3",
+            "trainer_config.seed=1,2",
+        ): "trainer_config.run_name=1e3: 1e3 is read as a number",
         ("trainer_config.run_name=''",): "trainer_config.run_name: must be one directory name",
         (
             'trainer_config.run_name="a\nb"',
