@@ -200,7 +200,9 @@ def canonical(source: str) -> str:
     run spells it, from whichever directory."""
     if "://" in source:
         return source
-    return os.path.abspath(source)
+    # fsspec, which opens the file, reads a leading `~` as the home directory: the name recorded
+    # must be the file it read, which a build opens again
+    return os.path.abspath(os.path.expanduser(source))
 
 
 def source_keys(sources: list[str]) -> list[dict]:

@@ -556,6 +556,27 @@ def test_a_file_spelled_otherwise_reuses_its_cache(tmp_path, monkeypatch, caplog
     assert [r.getMessage().endswith("is up to date") for r in caplog.records] == [True, True]
 
 
+def test_a_path_under_the_home_directory_written_with_a_tilde_is_read_and_cached(
+    tmp_path, monkeypatch, caplog
+):
+    """`~/c.txt` (quoted, so the shell leaves it) is the file in the home directory, as fsspec opens
+    it: the build read it there and then looked for a `~` directory in the current one."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "c.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    cfg = DataConfig(path="~/c.txt", block_size=8, stride=8)
+    data = load_data(cfg)
+    assert data.files == ["~/c.txt"]
+    assert data.cache.sources[0]["source"] == str(home / "c.txt")
+    assert data.tokenizer.decode(data.cache.tokens) == "abcdefgh" * 50
+    assert len(cache_files(home / ".mingpt-cache")) == 1
+    caplog.set_level(logging.INFO, logger="mingpt.token_cache")
+    load_data(cfg)
+    assert [r.getMessage().endswith("is up to date") for r in caplog.records] == [True]
+
+
 def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path):
     """Ctrl-C during a build ends the process at once (os._exit, no cleanup): the
     next build removes the temporary of a dead process on this host, never one of
