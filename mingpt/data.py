@@ -55,12 +55,12 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     """The corpus files named by data_config.path (globs expanded), in order, and the path of their
     token cache."""
     named = {}  # {each file, by its name in its file system: the name given it}
-    local_dir = None  # the first file's directory, if it is local: the cache's default place
+    local_dir = None  # the first pattern's directory, if it is local: the cache's default place
     for i, pattern in enumerate(cfg.paths):
         fs, stripped, matches = _expand(pattern)
         local = storage.is_local(fs)
         if i == 0 and local:
-            local_dir = os.path.dirname(os.path.abspath(matches[0]))
+            local_dir = _pattern_directory(stripped, matches)
         for m in matches:
             source = fs.unstrip_protocol(m)
             if m == stripped:
@@ -100,6 +100,20 @@ def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
     if not matches:
         raise DataError(f"no data file matches {pattern}")
     return fs, stripped, matches
+
+
+def _pattern_directory(stripped: str, matches: list[str]) -> str:
+    """The directory of a local file, or of a glob the deepest one before its first wildcard: not
+    the directory of a glob's first match, which can become another (`**/*.txt` finding a file in
+    a new directory first), and with it the cache's default place, leaving the old cache behind."""
+    if matches == [stripped]:
+        return os.path.dirname(os.path.abspath(stripped))
+    fixed = []
+    for part in os.path.dirname(stripped).split("/"):
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return os.path.abspath("/".join(fixed) or "/")
 
 
 def _hidden(match: str, pattern: str) -> bool:

@@ -537,6 +537,26 @@ def test_a_glob_that_matches_other_files_replaces_its_cache(tmp_path):
     assert text_of(first, first.train.segments[0]) == ("abcdefgh" * 50)[:360]
 
 
+def test_a_recursive_glob_that_finds_a_file_in_another_directory_first_replaces_its_cache(
+    tmp_path,
+):
+    """The default cache of `texts/**/*.txt` is in texts/, the directory the glob starts from, not
+    beside its first match: a new first match in a new directory built a second cache there and
+    left the first."""
+    texts = tmp_path / "texts"
+    (texts / "b").mkdir(parents=True)
+    (texts / "b" / "b.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    cfg = DataConfig(path=str(texts / "**" / "*.txt"), block_size=8, stride=8)
+    load_data(cfg)
+    (texts / "a").mkdir()
+    (texts / "a" / "a.txt").write_text("zyxwvuts" * 50, encoding="utf-8")
+    data = load_data(cfg)
+    assert data.files == [str(texts / "a" / "a.txt"), str(texts / "b" / "b.txt")]
+    assert sorted(tmp_path.rglob("*.tokens")) == [
+        texts / ".mingpt-cache" / os.path.basename(data.cache.path)
+    ]
+
+
 def test_a_file_spelled_otherwise_reuses_its_cache(tmp_path, monkeypatch, caplog):
     """The cache of data/c.txt serves ./data/c.txt, and c.txt from data/, as it is: the same file
     however spelled, named as this run spells it."""
