@@ -123,10 +123,11 @@ def settle(
     failed = None
     if dist_info.is_local_main_process:
         try:
-            if config.data_config.path == DEFAULT_DATA_PATH and not os.path.exists(
-                DEFAULT_DATA_PATH
-            ):
-                download_corpus(DEFAULT_DATA_PATH)
+            path = config.data_config.path
+            # however spelled: the tutorial's config file names it ./data/input.txt
+            default = isinstance(path, str) and os.path.normpath(path) == DEFAULT_DATA_PATH
+            if default and not os.path.exists(path):
+                download_corpus(path)
             build_cache(config.data_config)
         except DataError as e:
             failed = e

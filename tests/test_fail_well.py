@@ -427,12 +427,17 @@ def test_a_file_where_the_default_corpus_directory_should_be_is_one_line(tmp_pat
     assert (tmp_path / "data").read_text() == "not a directory\n"
 
 
-def test_a_failed_download_of_the_default_corpus_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("path", [None, "./data/input.txt"])
+def test_a_failed_download_of_the_default_corpus_leaves_nothing_behind(tmp_path, path):
     """No network (a proxy that refuses): one line, and no directory of the run's; an empty data/
-    and runs/ were left for the next attempt to find."""
+    and runs/ were left for the next attempt to find. The default spelled as the PyTorch DDP
+    tutorial's config file has it is downloaded too (it was only 'data file not found')."""
     proxy = {"https_proxy": f"http://127.0.0.1:{free_port()}", "no_proxy": ""}
-    proc = run_main(["trainer_config.max_steps=1"], tmp_path, env=proxy)
-    one_error_line(proc, "data/input.txt is missing and could not be downloaded")
+    overrides = ["trainer_config.max_steps=1"]
+    if path is not None:
+        overrides.append(f"data_config.path={path}")
+    proc = run_main(overrides, tmp_path, env=proxy)
+    one_error_line(proc, f"{path or 'data/input.txt'} is missing and could not be downloaded")
     assert not list(tmp_path.iterdir())
 
 
