@@ -348,6 +348,9 @@ def default_cache_path(
         cache_dir = storage.user_cache_dir()
         if local_dir is not None and os.access(local_dir, os.W_OK):
             cache_dir = os.path.join(local_dir, DEFAULT_DIR)
+    # as in data_config.path (canonical): a leading `~` is the home directory, not a directory
+    # named `~` made in the current one
+    cache_dir = os.path.expanduser(cache_dir)
     name = hashlib.sha256(json.dumps([sources, truncate, VERSION]).encode()).hexdigest()[:16]
     stem = os.path.basename(sources[0].rstrip("/"))
     # The stem only makes the name readable; whole, a long file name would make it longer than a

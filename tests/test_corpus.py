@@ -576,7 +576,7 @@ def test_a_file_spelled_otherwise_reuses_its_cache(tmp_path, monkeypatch, caplog
     assert [r.getMessage().endswith("is up to date") for r in caplog.records] == [True, True]
 
 
-def test_a_path_under_the_home_directory_written_with_a_tilde_is_read_and_cached(
+def test_a_path_under_the_home_directory_written_with_a_tilde_is_read_and_cached_there(
     tmp_path, monkeypatch, caplog
 ):
     """`~/c.txt` (quoted, so the shell leaves it) is the file in the home directory, as fsspec opens
@@ -595,6 +595,10 @@ def test_a_path_under_the_home_directory_written_with_a_tilde_is_read_and_cached
     caplog.set_level(logging.INFO, logger="mingpt.token_cache")
     load_data(cfg)
     assert [r.getMessage().endswith("is up to date") for r in caplog.records] == [True]
+    # data_config.cache_dir alike: the cache went into a directory named ~ in the current one
+    load_data(DataConfig(path="~/c.txt", block_size=8, stride=8, cache_dir="~/cache"))
+    assert len(cache_files(home / "cache")) == 1
+    assert not (tmp_path / "~").exists()
 
 
 def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path):
