@@ -512,6 +512,10 @@ def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
         second = load_data(cfg)
         assert second.files == first.files == [str(corpus / "a.txt")]
         assert second.tokenizer.chars == "abcdefgh"
+    # a cache_dir of its own in G, which the first run made: the second took it for a data file
+    cfg = DataConfig(path=str(corpus / "*"), block_size=8, stride=8, cache_dir=str(corpus / "c"))
+    assert load_data(cfg).files == load_data(cfg).files == [str(corpus / "a.txt")]
+    assert len(cache_files(corpus / "c")) == 1
 
 
 def test_a_glob_that_matches_other_files_replaces_its_cache(tmp_path):
