@@ -39,7 +39,7 @@ from mingpt.distributed import peer_ended
 from mingpt.run import run
 from mingpt.rundir import RunDirError, check_hydra_settings, shell_override
 from mingpt.snapshot import SnapshotError
-from mingpt.storage import StorageError, atomic_open, reason
+from mingpt.storage import StorageError, atomic_open, is_glob, reason
 from mingpt.trainer import TrainingError
 
 # The keys whose values are text (a run name, a path, a URI): one typed as a number becomes text
@@ -222,12 +222,23 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
     # and a user's own file need not build on base_config: the schema goes under it
     check_known_keys(cfg)
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+    snapshot_path = str(config.trainer_config.snapshot_path)
     # fsspec's memory:// ends with the process (in-process library use keeps it)
     check(
-        not str(config.trainer_config.snapshot_path).startswith("memory://"),
+        not snapshot_path.startswith("memory://"),
         "trainer_config.snapshot_path",
         "memory:// ends with the command, and its snapshots with it: give a path or a URL that "
         "outlives it",
+    )
+    # An object store's rm reads [, * and ? in a path as a pattern: pruning step-N of exp[1]/ would
+    # delete exp1/'s too.
+    check(
+        "://" not in snapshot_path
+        or snapshot_path.startswith("file://")
+        or not is_glob(snapshot_path),
+        "trainer_config.snapshot_path",
+        f"{snapshot_path}: an object store reads [, * and ? as a pattern when it deletes old "
+        "snapshots: name it without them",
     )
     return config, notices
 

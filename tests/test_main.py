@@ -277,6 +277,11 @@ BAD_OVERRIDES = {  # id: (override, what the one line names)
         "trainer_config.snapshot_path=memory://snaps",
         "trainer_config.snapshot_path: memory:// ends with the command",
     ),
+    # pruning would delete the snapshots of the run whose path the pattern matches (s3://b/x1/...)
+    "glob-in-url": (
+        "trainer_config.snapshot_path='s3://bucket/x[1]'",
+        "trainer_config.snapshot_path: s3://bucket/x[1]: an object store reads [, * and ? as a",
+    ),
     "sqlite-in-memory": (
         "trainer_config.tracker_uri=sqlite:///",
         "trainer_config.tracker_uri: sqlite:/// names no database file",
