@@ -94,6 +94,17 @@ def test_a_root_whose_path_has_glob_characters_is_published_listed_and_pruned(tm
     assert sorted(listed["files"]) == [".metadata", "__0_0.distcp", "meta.json"]
 
 
+def test_a_root_under_the_home_directory_written_with_a_tilde_is_there(monkeypatch, tmp_path):
+    """`~/snaps` was a directory named ~ in the run directory, where init_from, generate and the
+    corpus's keys read a leading ~ as the home directory."""
+    from mingpt.snapshot.reader import resolve_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_path("~/snaps", "runs/x") == str(tmp_path / "snaps")
+    assert resolve_path("snaps", "runs/x") == "runs/x/snaps"
+    assert resolve_path(None, "runs/x") == "runs/x/snapshots"
+
+
 def test_background_write_failure_surfaces_on_every_rank(saved):
     _, _, report, _ = saved
     first, second = report["errors"]

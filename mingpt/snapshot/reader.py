@@ -38,12 +38,12 @@ HELP = (
 
 def resolve_path(snapshot_path: str | None, run_dir: str) -> str:
     """A run's snapshot root: a relative local path lives in the run directory; URLs and absolute
-    paths are kept."""
+    paths are kept, and a leading `~` is the home directory, as in the other keys' paths."""
     path = snapshot_path or DEFAULT_PATH
     if "://" in path:
         return path
     # an absolute path as it is
-    return os.path.join(run_dir, path)
+    return os.path.join(run_dir, os.path.expanduser(path))
 
 
 def best_path(root: str) -> str:
