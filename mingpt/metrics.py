@@ -157,8 +157,17 @@ class Metrics:
                 keep.append((line, record))
         if resume_step == 0 and found:
             _set_aside(path)
-        with open(path, "wb") as f:
-            f.writelines(line for line, _ in keep)
+        kept = b"".join(line for line, _ in keep)
+        with open(path, "a+b") as f:
+            f.seek(0)
+            # The kept events are the file's first lines, unless a damaged line or a dropped
+            # evaluation came before one: cut in one call, the file is never without them, as it
+            # was while written anew (a kill, or a full disk, then lost the run's record).
+            if f.read(len(kept)) == kept:
+                f.truncate(len(kept))
+            else:
+                f.truncate(0)
+                f.write(kept)
         threading.excepthook = _quiet_tensorboard_thread
         # TensorBoard hides its own from purge_step on: from the step resumed from where its
         # evaluation or sample is done again, whose kept events are then written again.

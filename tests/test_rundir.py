@@ -347,6 +347,31 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
     assert (tmp_path / "metrics.jsonl").read_bytes() == lines[0]
 
 
+def test_the_cut_back_never_writes_the_kept_events_anew(tmp_path):
+    """Written anew, the kept events were gone from the file until the write ended: here a
+    file-size limit below their size stops it (as a kill, or a full disk, would), and the run's
+    record was lost."""
+    note = "x" * 200
+    lines = [
+        json.dumps({"step": i, "epoch": 0, "split": "train", "note": note}) + "\n" for i in range(9)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+    code = (
+        "import resource, sys; from mingpt.metrics import Metrics; "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512)); "
+        "Metrics(sys.argv[1], True, resume_step=5).close()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:6])
+
+
 def test_a_copied_run_directory_continues_its_run_where_it_is(tmp_path, workdir, finished_run):
     """A copy of a run directory (or one moved) whose last attempt was killed after its snapshot:
     its own snapshots, so the attempt's later events go, as they would where the run was."""
