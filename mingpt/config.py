@@ -294,8 +294,8 @@ class TrainerConfig:
     )
     eval_tokens: int = key(
         131_072,
-        "evaluate on at most this many held-out tokens, whole windows spread evenly over the "
-        "split, for any number of processes (0: all)",
+        "evaluate on at most this many held-out tokens (but one window at least), whole windows "
+        "spread evenly over the split, for any number of processes (0: all)",
         valid=">= 0",
     )
     early_stop_patience: int | None = key(
