@@ -177,6 +177,7 @@ class Checkpointer:
         due; at the last step and on a stop signal, wait until it is written. On a stop signal, stop
         the run (Stopped)."""
         stop, on_time = self._agree()
+        self._say_stop_from_elsewhere(stop, state.step)
         every_steps = self.cfg.save_every_steps
         on_step = every_steps is not None and state.step % every_steps == 0
         on_epoch = epoch_ended and state.epoch % self.cfg.save_every == 0
@@ -190,6 +191,7 @@ class Checkpointer:
         # A stop signal that came while the last snapshot was written still stops the run.
         if last_step and not stop:
             stop = self._agree()[0]
+            self._say_stop_from_elsewhere(stop, state.step)
         if not stop:
             return
         # The snapshot is complete on every rank before any rank leaves.
@@ -202,6 +204,17 @@ class Checkpointer:
             f"{stopping.describe(stop)} at step {state.step}; {saved} "
             f"({stopping.signal_name(stop)}, exit status {stopping.exit_status(stop)})",
         )
+
+    def _say_stop_from_elsewhere(self, stop: int, step: int) -> None:
+        """Rank 0 logs a stop signal that only other ranks received (one sent to a worker, or to
+        another node's torchrun): their own line goes to their stderr alone, and train.log would
+        show a save and an end without their reason."""
+        if stop and not stopping.stop_requested() and self.dist.is_main_process:
+            log.warning(
+                "%s received by another rank: stopping at step %d, after saving a snapshot",
+                stopping.signal_name(stop),
+                step,
+            )
 
     def _drop_fallback_best(self) -> None:
         """Once the last step's snapshot is published, a resume no longer falls back to older best

@@ -460,3 +460,38 @@ def test_progress_bar_on_a_terminal_shows_rate_and_eta(tmp_path, capsys):
     metrics.close()
     err = capsys.readouterr().err
     assert "5/10" in err and "step/s" in err and "<" in err  # position, rate, remaining time
+
+
+def test_a_stop_that_only_another_rank_received_is_in_rank_0s_log(
+    tmp_path, small_corpus, monkeypatch, caplog, one_thread
+):
+    """A signal sent to one worker, or to another node's torchrun, reaches rank 0 only through the
+    step's all-reduce (here: that rank's SIGTERM in it from step 3 on). Rank 0's log, train.log,
+    says which signal stops the run, as the signalled rank says it on its own stderr."""
+    import logging
+
+    from test_snapshot import make_trainer
+
+    from mingpt import stopping
+    from mingpt.checkpointer import Checkpointer
+
+    run_dir = tmp_path / "run"
+    trainer = make_trainer(
+        run_dir, small_corpus, "trainer_config.max_steps=10", "optimizer_config.warmup_steps=0"
+    )
+    agree = Checkpointer._agree
+
+    def another_rank_signalled(self):
+        stop, on_time = agree(self)
+        if trainer.state.step >= 3:
+            stop = signal.SIGTERM
+        return [stop, on_time]
+
+    monkeypatch.setattr(Checkpointer, "_agree", another_rank_signalled)
+    with caplog.at_level(logging.WARNING, logger="mingpt"), pytest.raises(stopping.Stopped):
+        trainer.train()
+    assert stopping.stop_requested() == 0  # this process received none
+    assert caplog.messages == [
+        "SIGTERM received by another rank: stopping at step 3, after saving a snapshot"
+    ]
+    assert read_snapshot(run_dir / "snapshots")["step"] == 3
