@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt import torch_fixes
 from mingpt.config import ConfigError, TrainerConfig
-from mingpt.distributed import DistInfo
+from mingpt.distributed import DistInfo, all_gather
 
 log = logging.getLogger(__name__)
 
@@ -261,15 +261,18 @@ def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
             "trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "
             f"this run uses {dist_info.backend}: use fp16, powersgd or none"
         )
-    if (
-        name == "post_local_sgd"
-        and cfg.localsgd_group == "node"
-        and dist_info.world_size % dist_info.local_world_size
-    ):
-        raise ConfigError(
-            "trainer_config.localsgd_group: node needs the same number of processes on every "
-            f"node ({dist_info.world_size} ranks, {dist_info.local_world_size} on this node)"
-        )
+    if name == "post_local_sgd" and cfg.localsgd_group == "node":
+        # Every node's count, on every rank: one node's own can divide the world size while
+        # another's differs (nodes of 1, 1 and 2 processes), and ranks that build subgroups of
+        # different sizes hang at the first averaging; refused on some nodes only, the others
+        # waited for them.
+        sizes = sorted(set(all_gather(dist_info, dist_info.local_world_size)))
+        if len(sizes) > 1 or dist_info.world_size % sizes[0]:
+            raise ConfigError(
+                "trainer_config.localsgd_group: node needs the same number of processes on every "
+                f"node ({dist_info.world_size} ranks; processes per node: "
+                f"{', '.join(map(str, sizes))})"
+            )
     if name in ("powersgd", "batched_powersgd"):
         return PowerSGD(name, cfg, dist_info)
     if name == "post_local_sgd":

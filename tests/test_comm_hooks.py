@@ -355,3 +355,26 @@ def test_torch_fixes_change_nothing_in_torch(monkeypatch):
     if torch_fixes._orthogonalize_takes_only_batches():
         with pytest.raises(AssertionError):
             powerSGD_hook._orthogonalize(torch.randn(6, 2))  # torch's own still has the bug
+
+
+@pytest.mark.parametrize("per_rank", [[1, 1, 2, 2], [2, 2, 2]], ids=["nodes-1-1-2", "world-3"])
+def test_localsgd_per_node_refuses_nodes_of_unequal_sizes_on_every_rank(monkeypatch, per_rank):
+    """localsgd_group=node groups a node's ranks: with nodes of 1, 1 and 2 processes each node's
+    own count divides the 4 ranks, but its ranks built other subgroups than the rest and the job
+    hung at its first averaging. Every rank sees every node's count (the gathered local world
+    sizes, given here) and refuses alike, before any subgroup."""
+    from mingpt import comm_hooks
+    from mingpt.config import ConfigError, TrainerConfig
+
+    monkeypatch.setattr(comm_hooks, "all_gather", lambda info, value: per_rank)
+    cfg = TrainerConfig(ddp_comm_hook="post_local_sgd", localsgd_group="node")
+    world = len(per_rank)
+    sizes = ", ".join(map(str, sorted(set(per_rank))))
+    for rank, local in enumerate(per_rank):
+        info = DistInfo(rank, 0, world, local, torch.device("cpu"))
+        with pytest.raises(ConfigError) as refused:
+            comm_hooks.create(cfg, info)
+        assert str(refused.value) == (
+            "trainer_config.localsgd_group: node needs the same number of processes on every node "
+            f"({world} ranks; processes per node: {sizes})"
+        )
