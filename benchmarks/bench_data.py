@@ -41,6 +41,7 @@ from _common import (
     Plain,
     at_least,
     existing_file,
+    fail,
     launch,
     machine,
     parser,
@@ -175,17 +176,27 @@ def worker(corpus: str, cache_dir: str, t0: float) -> None:
 
 
 def gather_costs(
-    corpus: str, cache_dir: str, repeats: int, n_steps: int, blocks: list[int]
+    corpus: str, cache_dir: str, repeats: int, n_steps: int, blocks: list[int], heading: str
 ) -> None:
     """Microseconds to read a batch of random windows from the cache file (pread) and through the
     memory map, alternating, and a nano model's training step on such a batch (the page cache warm:
-    the cache was just built or verified, which reads it whole)."""
+    the cache was just built or verified, which reads it whole). `heading` is printed once the
+    corpus is found to hold a window of every block size."""
     torch.set_num_threads(1)
     config = training_config(
         [], [*NANO, f"data_config.cache_dir={cache_dir}", f"data_config.path={corpus}"]
     )
     build_cache(config.data_config)
     cache = token_cache.open_cache(cache_location(config.data_config)[1])
+    # A block of the whole corpus or more has no window to read: torch's sampling of none failed
+    # with a traceback after the table's heading.
+    longest = max(blocks)
+    if len(cache.tokens) < longest + 1:
+        fail(
+            f"argument --blocks: {corpus} has {len(cache.tokens)} characters, fewer than a block "
+            f"of {longest} + 1"
+        )
+    print(heading)
     print(machine(threads=1))
     print(
         f"{len(cache.tokens) / 1e6:.0f} M tokens, {cache.tokens.dtype}; one process, one thread; "
@@ -227,6 +238,13 @@ def gather_costs(
             f"| {pread / step / 10:.2f}% |",
             flush=True,
         )
+
+
+def check_corpus(corpus: str, cache_dir: str) -> None:
+    """Read the corpus as a case's processes read it (a user error ends the script)."""
+    config = training_config([], [*NANO, f"data_config.cache_dir={cache_dir}"])
+    config.data_config.path = corpus
+    load_data(config.data_config)
 
 
 def run_case(corpus: str, cache_dir: str, nproc: int) -> list[dict]:
@@ -277,15 +295,26 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     try:
         corpus, label = corpus_of(args, work)
-        print(
+        heading = (
             f"corpus: {label}, {os.path.getsize(corpus) / 1e6:.1f} MB; nano model, batch 12 x 64, "
             f"CPU, {STEPS} steps"
         )
         if args.gather:
             gather_costs(
-                corpus, os.path.join(work, "cache-1"), args.repeats, args.steps, args.blocks
+                corpus,
+                os.path.join(work, "cache-1"),
+                args.repeats,
+                args.steps,
+                args.blocks,
+                heading,
             )
             return
+        if args.corpus:
+            # A given corpus the runs cannot read (not UTF-8 text, no window of a block) is refused
+            # here in one line, not as a failed case in the middle of the table. Its cache, built
+            # here, is the one the first case's warm-up run would build.
+            check_corpus(corpus, os.path.join(work, f"cache-{args.nproc[0]}"))
+        print(heading)
         print(machine(threads=1))
         cases(corpus, work, args.nproc, bool(args.corpus))
     finally:

@@ -104,7 +104,7 @@ SMOKE = {
 }
 
 # Bad input that each script refuses in one line, before any work: (arguments, a part of the line).
-# DATA, TMP and NANOGPT as in SMOKE, EMPTY an empty directory.
+# DATA, TMP and NANOGPT as in SMOKE, EMPTY an empty directory, SHORT a file of 12 characters.
 REFUSED = {
     "bench_comm.py": [
         (["--world", "2"], "unrecognized arguments: --world 2"),
@@ -121,6 +121,15 @@ REFUSED = {
         (["--gather", "--steps", "1"], "argument --steps: expected a number >= 2, got 1"),
         (["--corpus", "TMP/none.txt"], "argument --corpus: TMP/none.txt: no such file"),
         (["--dir", "DATA"], "argument --dir: DATA: not a directory"),
+        # a corpus the cases cannot read: refused before the table, not as a failed case in it
+        (
+            ["--corpus", "SHORT", "--nproc", "1", "--dir", "TMP"],
+            "SHORT: the training split has 10 characters, fewer than",
+        ),
+        (
+            ["--corpus", "DATA", "--gather", "--blocks", "64", "30000", "--dir", "TMP"],
+            "argument --blocks: DATA has 20000 characters, fewer than a block of 30000 + 1",
+        ),
     ],
     "bench_generate.py": [
         (["--shape", "6/6"], "argument --shape: expected layers/heads/dims"),
@@ -289,12 +298,19 @@ print(json.dumps({"helps": answers, "runs": statuses}))
 
 
 def prepared(args: list[str], cwd: Path, data: Path) -> list[str]:
-    """A case's arguments with DATA, TMP, NANOGPT and EMPTY made paths in `cwd`."""
+    """A case's arguments with DATA, TMP, NANOGPT, EMPTY and SHORT made paths in `cwd`."""
     nanogpt = cwd / "nanogpt"
     nanogpt.mkdir(exist_ok=True)
     (nanogpt / "model.py").write_text(NANOGPT_STANDIN)
     (cwd / "empty").mkdir(exist_ok=True)
-    places = {"DATA": data, "TMP": cwd / "scratch", "NANOGPT": nanogpt, "EMPTY": cwd / "empty"}
+    (cwd / "short.txt").write_text("hello world\n", encoding="utf-8")
+    places = {
+        "DATA": data,
+        "TMP": cwd / "scratch",
+        "NANOGPT": nanogpt,
+        "EMPTY": cwd / "empty",
+        "SHORT": cwd / "short.txt",
+    }
     for name, path in places.items():
         args = [a.replace(name, str(path)) for a in args]
     return args
