@@ -144,9 +144,11 @@ def run(world: int, parallelism: str, checkpointing: str, steps: int, overrides:
 def main() -> None:
     args, overrides = parse(OPTIONS)
     overrides = with_defaults(DEFAULTS, overrides)
-    # What a worker would refuse (a value, a device this machine lacks), refused before any launch.
+    # What a worker would refuse (a value, a device this machine lacks, a corpus it cannot read),
+    # refused before any launch: a corpus refused by every worker made each row "failed", exit 0.
     config = training_config([], overrides)
     pick_device(config.trainer_config.device)
+    load_data(config.data_config)  # its token cache built here, as the workers would build it
     print(machine(threads=int(THREADS)))
     print(f"{' '.join(overrides)}; {args.steps} steps; figures per rank (the largest rank)")
     print(

@@ -152,6 +152,8 @@ REFUSED = {
         (["--steps", "1"], "argument --steps: expected a number >= 2, got 1"),
         (["--parallelism", "tp"], "argument --parallelism: invalid choice: 'tp'"),
         (["gpt_config.n_layer=0"], "gpt_config.n_layer: must be >= 1, got 0"),
+        (["data_config.path=TMP/none.txt"], "data file not found: TMP/none.txt"),
+        (["data_config.path=SHORT"], "SHORT: the training split has 10 characters, fewer than"),
     ],
     "bench_quality.py": [
         ([], "the following arguments are required: --nanogpt"),
