@@ -241,6 +241,16 @@ def main() -> None:
         name, eq, overrides = given.partition("=")
         if not (name and eq):
             OPTIONS.error(f"{given!r}: a variant is NAME=key=value,key=value")
+        # A row's name keys its runs, its step time and its directories in --out: a second variant
+        # of a name replaced the first, and one named as a run of every table took its place (as
+        # nanogpt, its step time became nanoGPT's, against which every row is compared).
+        if name == "nanogpt" or name in VARIANTS:
+            OPTIONS.error(
+                f"{given!r}: {name} is a run of every table (nanogpt, {', '.join(VARIANTS)}): give "
+                "the variant another NAME"
+            )
+        if name in variants:
+            OPTIONS.error(f"{given!r}: a variant named {name} is given twice")
         variants[name] = overrides.split(",") if overrides else []
     # Each variant's overrides composed (a key or value main.py would refuse ends here, before any
     # training): its optimizer algorithm, whose step is timed.

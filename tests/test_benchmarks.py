@@ -166,6 +166,16 @@ REFUSED = {
             "unknown key gpt_config.n_layr (did you mean gpt_config.n_layer?",
         ),
         (["--nanogpt", "NANOGPT", "lr"], "'lr': a variant is NAME=key=value,key=value"),
+        # a row's name keys its runs and step time: none replaces another
+        (
+            ["--nanogpt", "NANOGPT", "nanogpt=optimizer_config=muon"],
+            "nanogpt is a run of every table (nanogpt, adamw, muon)",
+        ),
+        (["--nanogpt", "NANOGPT", "adamw="], "adamw is a run of every table"),
+        (
+            ["--nanogpt", "NANOGPT", "lr=", "lr=optimizer_config.learning_rate=1e-2"],
+            "'lr=optimizer_config.learning_rate=1e-2': a variant named lr is given twice",
+        ),
     ],
     "bench_snapshot.py": [
         (["--saves", "0"], "argument --saves: expected a number >= 1, got 0"),
