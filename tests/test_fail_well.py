@@ -607,7 +607,8 @@ mapped = next(
     int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:")
 )
 resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**28, resource.getrlimit(resource.RLIMIT_AS)[1]))
-shape = GPTConfig(n_layer=1, n_head=1, n_embd=int(sys.argv[1]), vocab_size=1, block_size=1)
+n_embd, n_layer = (int(arg) for arg in sys.argv[1:])
+shape = GPTConfig(n_layer=n_layer, n_head=1, n_embd=n_embd, vocab_size=1, block_size=1)
 try:
     run.build_model(shape)
 except ConfigError as e:
@@ -620,20 +621,23 @@ except ConfigError as e:
     not Path("/proc/self/status").exists(), reason="needs Linux's /proc to cap the address space"
 )
 @pytest.mark.parametrize(
-    "n_embd, ends",
+    "n_embd, n_layer, ends",
     [
         # More than the host has: refused before any allocation, which the kernel may grant and
         # then end in its OOM killer, with no message (it did at 24 GB for n_embd=99,999,999).
-        (3_000_000, r"108,000,0\d\d,000,00\d parameters .*; [\d,.]+ GB available"),
+        (3_000_000, 1, r"108,000,0\d\d,000,00\d parameters .*; [\d,.]+ GB available"),
+        # A million blocks: counted from one, not built (even on the meta device a million
+        # modules would take the process's 256 MB and more).
+        (3000, 1_000_000, r"108,039,000,015,000 parameters .*; [\d,.]+ GB available"),
         # 1 GB of weights, within what the host has; the allocation fails (256 MB left to the
         # process's address space).
-        (4600, r"254,002,800 parameters .*; allocating \d+ bytes failed"),
+        (4600, 1, r"254,002,800 parameters .*; allocating \d+ bytes failed"),
     ],
-    ids=["more-than-available", "allocation-fails"],
+    ids=["more-than-available", "a-million-layers", "allocation-fails"],
 )
-def test_a_model_too_large_for_memory_is_one_line(n_embd, ends):
+def test_a_model_too_large_for_memory_is_one_line(n_embd, n_layer, ends):
     proc = subprocess.run(
-        [sys.executable, "-c", TOO_LARGE, str(n_embd)],
+        [sys.executable, "-c", TOO_LARGE, str(n_embd), str(n_layer)],
         env=child_env(),
         capture_output=True,
         text=True,
