@@ -306,8 +306,9 @@ class TrainerConfig:
     )
     early_stop_min_delta: float = key(
         0.0,
-        "the least drop of the held-out loss that counts as an improvement for "
-        "`early_stop_patience` (the best weights are kept at any drop)",
+        "the least drop of the held-out loss, below the best loss at the last improvement "
+        "counted, that counts as an improvement for `early_stop_patience` (the best weights "
+        "are kept at any drop)",
         valid=">= 0",
     )
     log_every: int = key(

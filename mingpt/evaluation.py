@@ -131,8 +131,12 @@ class Evaluator:
         # Evaluating: not stopped (a larger patience trains on).
         state.stopped_early = False
         improved = loss < state.best_eval_loss
-        if improved and state.best_eval_loss - loss >= cfg.early_stop_min_delta:
+        # Measured from the best loss at the count's last restart, not from the latest best: drops
+        # each smaller than min_delta that add up to it are an improvement too.
+        reference = state.early_stop_reference
+        if loss < reference and reference - loss >= cfg.early_stop_min_delta:
             state.evals_without_improvement = 0
+            state.early_stop_reference = loss
         else:
             state.evals_without_improvement += 1
         if improved:

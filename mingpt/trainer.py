@@ -59,6 +59,9 @@ class TrainState:
     # only to redo that evaluation's sample.
     last_eval_loss: float | None = None
     evals_without_improvement: int = 0  # in a row, by early_stop_min_delta: early stopping's count
+    # The best loss when that count last restarted: a loss below it by early_stop_min_delta is an
+    # improvement, however many smaller drops of the best loss came between.
+    early_stop_reference: float = math.inf
     stopped_early: bool = False  # early stopping ended the run here
     # A stop signal cut short the evaluation of this step's weights: the resumed run does it first,
     # so that its loss, best weights and early stopping are the uninterrupted run's.
@@ -72,6 +75,9 @@ class TrainState:
         if saved is None:
             return cls()
         state = cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+        # A snapshot of an older mingpt counted from its best loss.
+        if "early_stop_reference" not in saved:
+            state.early_stop_reference = state.best_eval_loss
         # A corpus or stride changed since (allow_config_change) may leave the epoch fewer samples
         # than it consumed: it is over. Its rest, none, was no step, and the run never ended.
         if state.samples_in_epoch >= epoch_samples:

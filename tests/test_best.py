@@ -25,9 +25,11 @@ from test_snapshot import make_trainer, same_tensors, tensorboard_in_order, tens
 
 from mingpt import stopping
 from mingpt.config import ConfigError, TrainerConfig
+from mingpt.evaluation import Evaluator
 from mingpt.metrics import events
 from mingpt.run import summary, train
 from mingpt.snapshot import manifest, reader
+from mingpt.trainer import TrainState
 
 BUMPY = [
     "trainer_config.eval_every=4",
@@ -361,6 +363,23 @@ def test_early_stopping_keys_are_validated():
             ConfigError, match="trainer_config.early_stop_min_delta: must be a finite number >= 0"
         ):
             TrainerConfig(early_stop_min_delta=bad)
+
+
+def test_early_stopping_counts_small_drops_that_add_up_to_min_delta():
+    """A loss falling 0.01 per evaluation falls by min_delta 0.015 every second one: an
+    improvement, so a patience of 2 never stops it; each drop is still a new best. A plateau
+    after it stops the run; an older snapshot's record, without the reference, counts from its
+    best loss."""
+    evaluator = Evaluator(TrainerConfig(early_stop_patience=2, early_stop_min_delta=0.015))
+    state = TrainState()
+    for k, loss in enumerate([3.0, 2.99, 2.98, 2.97, 2.96, 2.95]):
+        assert evaluator.record(state, loss, last_step=False)
+        assert state.best_eval_loss == loss and not state.stopped_early
+        assert state.evals_without_improvement == k % 2
+    assert not evaluator.record(state, 2.951, last_step=False)
+    assert state.stopped_early and state.evals_without_improvement == 2
+    older = {"epoch": 0, "samples_in_epoch": 0, "step": 8, "best_eval_loss": 2.0}
+    assert TrainState.restored(older, 100).early_stop_reference == 2.0
 
 
 def test_best_path_is_beside_the_snapshot():

@@ -29,6 +29,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "vocab": ((str,), "a string"),
     **{key: ((int,), "a whole number >= 0") for key in WHOLE_NUMBERS},
     "best_eval_loss": ((float, int), "a number"),
+    "early_stop_reference": ((float, int), "a number"),
     "last_eval_loss": ((float, int, type(None)), "a number or null"),
     **{key: ((bool,), "true or false") for key in ("stopped_early", "eval_due", "sample_due")},
 }
