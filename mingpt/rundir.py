@@ -22,6 +22,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
+from mingpt import storage
 from mingpt.config import TrainerConfig
 from mingpt.distributed import DistInfo
 from mingpt.metrics import last_step
@@ -296,8 +297,11 @@ class Claim:
             for name, text in files.items():
                 path = os.path.join(self.run_dir, name)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(text() if callable(text) else text)
+                # Replaced whole: generate, score and export read .hydra/config.yaml to find the
+                # run's snapshots, also while a restart of the run writes it, and a write that
+                # fails (a full disk) must leave the run's earlier one as it was.
+                with storage.atomic_open(path) as f:
+                    f.write((text() if callable(text) else text).encode("utf-8"))
         except OSError as e:
             raise RunDirError(
                 f"cannot write to the run directory {self.run_dir}: {e.strerror or e}"

@@ -3,6 +3,7 @@ run; paths in suggested commands that paste back."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -413,6 +414,37 @@ def test_a_full_run_directory_costs_a_warning_not_the_run(tmp_path, workdir, sma
     text = (small_disk / "run" / "metrics.jsonl").read_bytes()
     assert text.endswith(b"\n") and all(json.loads(line)["step"] < 60 for line in text.splitlines())
     assert read_snapshot(snapshot)["step"] == 60
+
+
+def test_a_start_on_a_full_disk_leaves_the_runs_config_whole(tmp_path, small_disk):
+    """.hydra/config.yaml tells generate, score and export where a run directory's snapshots are,
+    and every start of the run writes it again: it is replaced whole. Written in place, a reader
+    during a restart found it empty (and looked for the snapshots in the default place), and a start
+    that met a full disk left it cut, an error line for every later reader."""
+    import logging.handlers
+
+    from mingpt.distributed import DistInfo
+    from mingpt.rundir import LOCK_FILE, RunDirError, claim
+
+    run_dir = small_disk / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    config = run_dir / ".hydra" / "config.yaml"
+    before = "trainer_config:\n  snapshot_path: /elsewhere/snapshots\n"
+    config.write_text(before)
+    # the holder's record of an earlier start: rewritten in the pages it has
+    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "h", "since": "x" * 200}))
+    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    held = logging.handlers.MemoryHandler(capacity=10)
+    with claim(str(run_dir), str(tmp_path / "snapshots"), 0, cpu, held) as owned:
+        with contextlib.suppress(OSError), open(small_disk / "filler", "wb") as filler:
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+        with pytest.raises(RunDirError, match="No space left on device$"):
+            # a config longer than the one it replaces: more pages than its own
+            owned.accept({".hydra/config.yaml": before + "#" * 20000 + "\n"})
+    assert config.read_text() == before
+    assert os.listdir(config.parent) == ["config.yaml"]
 
 
 # Paths a user may have: Hydra's syntax (= , : spaces quotes [ ] { } ~ ${), the shell's ($ ! * ' "
