@@ -96,7 +96,7 @@ class TrainState:
         """Count one step over `samples` global samples; returns whether it ended the epoch."""
         self.step += 1
         self.last_eval_loss = None
-        self.samples_in_epoch = min(epoch_samples, self.samples_in_epoch + samples)
+        self.samples_in_epoch += samples
         if self.samples_in_epoch < epoch_samples:
             return False
         self.epoch += 1
