@@ -6,7 +6,6 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +52,7 @@ def evaluate(
     dist_info: DistInfo,
     eval_tokens: int,
     batch_size: int,
-    autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     lockstep: bool = False,
     stop_requested: Callable[[], int] = lambda: 0,
 ) -> EvalResult:

@@ -25,7 +25,6 @@ from mingpt.config import Config, ConfigError, TrainerConfig
 from mingpt.data import CharData, ResumableSampler
 from mingpt.decoding import sample_line
 from mingpt.distributed import SAME_ON_EVERY_RANK, DistInfo, all_max, global_mean
-from mingpt.evaluation import Evaluator
 from mingpt.metrics import Metrics, Pace, SlowNotice
 from mingpt.model import GPT
 from mingpt.optim import create_optimizer, set_lr
@@ -196,7 +195,7 @@ class Trainer:
         # per step.
         self.nonfinite_step = torch.zeros((), dtype=torch.long, device=device)
         self.eval_notice = SlowNotice()
-        self.evaluator = Evaluator(cfg)
+        self.evaluator = evaluation.Evaluator(cfg)
 
         # Resume: the newest snapshot's weights, optimizer state and position, where the run has
         # one. With ddp before DDP wraps the model (DDP copies rank 0's weights), with fsdp once the
