@@ -40,9 +40,10 @@ class EvalResult:
 def chosen_windows(windows, eval_tokens: int) -> torch.Tensor:
     """The indices of the held-out `windows` evaluated: all (eval_tokens 0), or at most
     eval_tokens' worth spread evenly."""
-    if eval_tokens == 0:
-        return spread(len(windows), 0)
-    return spread(len(windows), max(1, eval_tokens // windows.block_size))
+    count = 0  # all
+    if eval_tokens:
+        count = max(1, eval_tokens // windows.block_size)
+    return spread(len(windows), count)
 
 
 @torch.no_grad()
