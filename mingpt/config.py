@@ -66,13 +66,12 @@ def in_range(value: Any, valid: str) -> bool:
     if valid.startswith(">"):
         return value > _bound(valid[1:])
     low, high = (_bound(b) for b in valid[1:-1].split(", "))
-    above = value > low
-    if valid[0] == "[":
-        above = value >= low
-    below = value < high
-    if valid[-1] == "]":
-        below = value <= high
-    return above and below
+    # at a bound, its bracket says whether the interval holds it
+    if value == low:
+        return valid[0] == "["
+    if value == high:
+        return valid[-1] == "]"
+    return low < value < high
 
 
 def _nullable(f: dataclasses.Field) -> bool:
