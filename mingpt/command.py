@@ -65,9 +65,8 @@ def parse_args(argv: list[str], schema: type, text_keys: tuple[str, ...] = ()):
         raise ConfigError(unknown_key(e.full_key, schema.__dataclass_fields__)) from None
     except OmegaConfBaseException as e:
         message = reason(e)
-        key = getattr(e, "full_key", None)
-        if key and key not in message:
-            message = f"{key}: {message}"
+        if e.full_key and e.full_key not in message:
+            message = f"{e.full_key}: {message}"
         raise ConfigError(message) from None
     return schema(**{**values, **text})
 
