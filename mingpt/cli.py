@@ -215,8 +215,9 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
     """`cfg` as a Config, every key and value checked, and the notices of its ignored keys (dropped
     in place)."""
     check_hydra_settings(hydra_cfg, sweep=hydra_cfg.mode == RunMode.MULTIRUN)
-    check_group_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
-    check_text_overrides(OmegaConf.to_container(hydra_cfg.overrides.task))
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task)
+    check_group_overrides(overrides)
+    check_text_overrides(overrides)
     with open_dict(cfg):
         notices = drop_ignored_keys(cfg)
     # and a user's own file need not build on base_config: the schema goes under it
