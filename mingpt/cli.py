@@ -316,10 +316,11 @@ def compose_checked(
                 )
         # Each job as the launcher runs it, its number set (a value may name ${hydra:job.num}),
         # and in a run directory of its own: jobs sharing one would resume or refuse each other's.
-        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        # without a batch size, all the jobs come in one batch
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
         dirs: dict[str, int] = {}
         for num, job in enumerate(jobs):
-            job_cfg = self.config_loader.load_sweep_config(cfg, list(job))
+            job_cfg = self.config_loader.load_sweep_config(cfg, job)
             with open_dict(job_cfg):
                 job_cfg.hydra.job.num = num
             check_composed(job_cfg)
