@@ -571,11 +571,10 @@ def unknown_key(key: str, known: Collection[str]) -> str:
     gets its own."""
     section = key.rpartition(".")[0]
     name = key.rpartition(".")[2]
-    names: dict[str, list[str]] = {}
-    for known_key in known:
-        names.setdefault(known_key.rpartition(".")[2], []).append(known_key)
+    names = [known_key.rpartition(".")[2] for known_key in known]
     close = difflib.get_close_matches(name, names, n=1)
-    meant = [known_key for close_name in close for known_key in names[close_name]]
+    # every known key of that name
+    meant = [known_key for known_key in known if known_key.rpartition(".")[2] in close]
     # a name that two sections have (block_size): the one of the section given
     meant = [known_key for known_key in meant if known_key.startswith(f"{section}.")] or meant
     hint = f"did you mean {' or '.join(meant)}? " if meant else ""
