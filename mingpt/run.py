@@ -284,9 +284,9 @@ def already_complete(t: Trainer) -> str:
             f"{state.best_step})"
         )
     elif cfg.max_steps is not None and state.step >= cfg.max_steps:
-        # from the step reached, where this command lowered max_steps below it: twice the lower
-        # limit could be no more steps at all
-        steps = 2 * max(cfg.max_steps, state.step)
+        # from the step reached, at or past max_steps: where this command lowered max_steps below
+        # it, twice the lower limit could be no more steps at all
+        steps = 2 * state.step
         further.append(f"trainer_config.max_steps={steps}")
         # and the epochs those steps take, where max_epochs would stop them sooner
         epochs = math.ceil(steps / t.plan.steps_per_epoch)
