@@ -174,9 +174,11 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
     rounding (bitwise with AVX-512 kernels, not with oneDNN's AVX2 ones). The copy costs
     the weights' size in memory for the generation; one row gains nothing from it."""
     weight = model.lm_head.weight
-    if type(weight) is not nn.Parameter or weight.dtype != torch.float32:
-        return F.linear
-    if weight.device.type != "cpu":
+    if (
+        type(weight) is not nn.Parameter
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+    ):
         return F.linear
     seconds = one_row_seconds()
     if seconds["onednn"] >= 0.8 * seconds["blas"]:
