@@ -32,6 +32,8 @@ FORMATS = ("safetensors", "hf", "snapshot")
 WEIGHTS = reader.EXPORT_WEIGHTS
 CONFIG = "config.json"
 VOCAB = "vocab.json"
+# a directory export's files, and nothing else
+EXPORT_FILES = {WEIGHTS, CONFIG, VOCAB}
 # GPT-2 keeps their weights as (in, out)
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
@@ -155,18 +157,18 @@ def check_destination(dst: str, directory: bool) -> str | None:
 def _check_export_directory(dst: str, path: str) -> None:
     """ExportError unless the directory at `path` is empty or an earlier export's."""
     try:
-        names = os.listdir(path)
+        names = set(os.listdir(path))
     # A directory this user may not list: whether it holds other files cannot be known.
     except OSError as e:
         raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
-    others = sorted(set(names) - {WEIGHTS, CONFIG, VOCAB})
+    others = sorted(names - EXPORT_FILES)
     if others:
         raise ExportError(
             f"{dst} is a directory with other files ({', '.join(others[:3])}): give a new or an "
             "earlier export's directory"
         )
     # An export's files are renamed into place together: some of them alone are another program's.
-    missing = sorted({WEIGHTS, CONFIG, VOCAB} - set(names))
+    missing = sorted(EXPORT_FILES - names)
     if names and missing:
         raise ExportError(
             f"{dst} is not an earlier export (no {', '.join(missing)}): give a new or an earlier "
