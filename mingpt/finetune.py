@@ -76,10 +76,10 @@ def prepare(config: Config, run_dir: str, own: str, saved: dict[str, Any] | None
         # set by the data, not by the source: left out of the log line
         if key in FROM_DATA:
             continue
+        said = f"{key}={theirs}"
         if value != theirs:
-            taken.append(f"{key}={theirs} (replacing {value})")
-        else:
-            taken.append(f"{key}={theirs}")
+            said += f" (replacing {value})"
+        taken.append(said)
     log.info("the model's shape from %s: %s", start.named, ", ".join(taken))
     config.gpt_config = dataclasses.replace(config.gpt_config, **{k: shape[k] for k in SHAPE_KEYS})
     config.data_config = dataclasses.replace(config.data_config, block_size=shape["block_size"])
