@@ -197,12 +197,13 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
         )
 
 
-def compile_pays_after(device: torch.device) -> float:
-    """The characters per sample from which compile=auto compiles on device (inf: never)."""
+def compile_pays_after(device: torch.device) -> int:
+    """The characters per sample from which compile=auto compiles on device (a CPU or a GPU, as
+    pick_device gives)."""
     kind = device.type
     if kind == "cpu" and not one_row_products_lag():
         kind = "cpu, products keep up"
-    return COMPILE_PAYS_AFTER.get(kind, math.inf)
+    return COMPILE_PAYS_AFTER[kind]
 
 
 def kept_step(model: GPT, device: torch.device, batch_size: int) -> bool:
