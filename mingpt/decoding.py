@@ -473,7 +473,7 @@ def sample_line(
     seed: int,
     n_chars: int,
     stop_requested: Callable[[], int] | None,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None,
 ) -> str | None:
     """n_chars (>= 1) of text after the start of a line, seeded by `seed`; None once
     `stop_requested()`, asked every STOP_CHECK_EVERY tokens (by count, so a sharded model's ranks
