@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import platform
-import shutil
 import tempfile
 import time
 import timeit
@@ -305,8 +304,8 @@ def build_package(path: Path, model: GPT, cache: KVCache) -> Callable:
         step = load_package(Path(built), model)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(built, "rb") as package, atomic_open(str(path)) as f:
-                shutil.copyfileobj(package, f)
+            with atomic_open(str(path)) as f:
+                f.write(Path(built).read_bytes())
         except OSError as e:
             log.warning("the compiled decoding step cannot be kept in %s: %s", path.parent, e)
     return step
