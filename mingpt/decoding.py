@@ -24,7 +24,7 @@ from torch import nn
 
 from mingpt import model as model_code
 from mingpt.model import GPT, KVCache
-from mingpt.storage import atomic_open, user_cache_dir
+from mingpt.storage import atomic_open, reason, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -349,8 +349,9 @@ def cached_step(
         # inductor's and export's errors are RuntimeErrors; a TypeError, a torch whose loader
         # takes other arguments
         except (RuntimeError, TypeError) as e:
-            reason = str(e).strip().splitlines()[0]
-            log.warning("the decoding step cannot be compiled here (%s): it runs eagerly", reason)
+            log.warning(
+                "the decoding step cannot be compiled here (%s): it runs eagerly", reason(e)
+            )
             compile = False
     if compile:
         step = functools.partial(decode_step, model.step)
