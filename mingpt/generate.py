@@ -241,7 +241,7 @@ def run(config: GenerateConfig) -> None:
     if unknown:
         raise PromptError(
             "prompt has characters outside the snapshot's vocabulary: "
-            + " ".join(repr(c) for c in unknown)
+            + " ".join(map(repr, unknown))
         )
     idx = tokenizer.encode(prompt or tokenizer.line_start()).long()[None].to(device)
     check_fits(model, config, device)
