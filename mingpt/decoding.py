@@ -406,19 +406,20 @@ def generate(
     row gets what it would alone. The model is in eval mode until the generator is exhausted or
     closed."""
     B, T = idx.shape
+    device = idx.device
     block_size = model.config.block_size
     sampling = (temperature, top_k, top_p)
     rows = noise_rows(model.config.vocab_size)
-    noise = torch.empty(B, rows, model.config.vocab_size, device=idx.device)
-    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=idx.device)
+    noise = torch.empty(B, rows, model.config.vocab_size, device=device)
+    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     cache = None
     # the cache, the newest token, its position and noise row: decode_step's state, on the device
     if use_cache:
         dtype = cache_dtype or next(model.parameters()).dtype
-        cache = KVCache.empty(model.config, B, idx.device, dtype)
-        token = torch.zeros((B, 1), dtype=torch.long, device=idx.device)
-        pos = torch.zeros(1, dtype=torch.long, device=idx.device)
-        row = torch.zeros(1, dtype=torch.long, device=idx.device)
+        cache = KVCache.empty(model.config, B, device, dtype)
+        token = torch.zeros((B, 1), dtype=torch.long, device=device)
+        pos = torch.zeros(1, dtype=torch.long, device=device)
+        row = torch.zeros(1, dtype=torch.long, device=device)
         step, compiled = cached_step(model, cache, compile, [token, pos, row, noise])
 
     was_training = model.training
