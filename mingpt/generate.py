@@ -107,8 +107,7 @@ class GenerateConfig:
             "give prompt or prompt_file, not both",
         )
         check(
-            math.isfinite(self.temperature)
-            and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+            self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf,
             "temperature",
             f"must be 0 or a finite number >= {MIN_TEMPERATURE:.3g}, got {self.temperature}",
         )
