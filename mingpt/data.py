@@ -159,7 +159,7 @@ class CharTokenizer:
         KeyError, naming it."""
         cps = token_cache.code_points(text)
         ids = np.searchsorted(self._code_points, cps)
-        wrong = self._code_points[ids.clip(max=len(self.chars) - 1)] != cps
+        wrong = self._code_points[ids.clip(max=self.vocab_size - 1)] != cps
         if wrong.any():
             raise KeyError(chr(int(cps[wrong.argmax()])))
         return torch.from_numpy(ids.astype(token_cache.dtype_for(self.vocab_size)))
