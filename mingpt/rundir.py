@@ -80,7 +80,7 @@ def _hydra_quoted(value: str) -> str:
     return f'"{value}"'
 
 
-def new_run_hint(cfg: TrainerConfig, run_dir: str | None = None) -> str:
+def new_run_hint(cfg: TrainerConfig, run_dir: str | None) -> str:
     """What to add for a new run instead of this one: a name not used yet, unless the name does
     not place its snapshots (a snapshot_path that is absolute, a URL or leads out of the run
     directory: shared by every name) or its run directory `run_dir` (hydra.run.dir names it)."""
