@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, RUN_DEADLINE, child_env, fake_cuda_env, torchrun_cmd
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mingpt.config import ConfigError, TrainerConfig
 from mingpt.snapshot import SnapshotError, manifest, sharded
-from tests.conftest import REPO, RUN_DEADLINE, child_env, fake_cuda_env, torchrun_cmd
 
 WORKER = str(REPO / "tests" / "sharded_worker.py")
 
