@@ -203,7 +203,9 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
+            # In float32 whatever the logits' dtype: under FSDP's bf16 policy (no autocast, which
+            # would cast it so) a bf16 loss was rounded to a few digits, and biased by its sum.
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
         return logits, loss
 
     def step(
