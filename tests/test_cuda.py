@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -211,7 +212,7 @@ def test_generate_cli_on_cuda(tmp_path, small_corpus):
     trained(tmp_path, small_corpus, "trainer_config.max_steps=3")
     snapshot = run_dir_of(tmp_path, args(small_corpus, "trainer_config.max_steps=3")) / "snapshots"
     cmd = [
-        "python",
+        sys.executable,  # this interpreter: `python` on PATH may be another, without torch
         "-m",
         "mingpt.generate",
         f"snapshot_path={snapshot}",
