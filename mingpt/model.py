@@ -30,7 +30,7 @@ class KVCache:
     def empty(cls, config: GPTConfig, batch_size: int, device, dtype=torch.float32) -> "KVCache":
         shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
         k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        v = [torch.zeros_like(layer) for layer in k]
         return cls(k, v)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None):
