@@ -130,7 +130,7 @@ class Block(nn.Module):
         cache: KVCache,
         layer: int,
         pos: torch.Tensor,
-        linear: Callable = F.linear,
+        linear: Callable,
     ) -> torch.Tensor:
         """forward for one position per row, x (B, C), at pos: the same arithmetic on the same
         weights, written on the tensors, with `linear` for F.linear. A decoding step is a few
