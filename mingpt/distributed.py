@@ -77,18 +77,17 @@ SAME_ON_EVERY_RANK = {"same_on_every_rank": True}
 def setup_logging(rank: int) -> None:
     """Rank 0 logs mingpt's INFO to stderr; other ranks, warnings and errors prefixed by rank,
     except those marked SAME_ON_EVERY_RANK."""
+    handler = logging.StreamHandler()  # on stderr
+    handler.addFilter(_own_info)
     prefix = ""
     level = logging.INFO
     if rank != 0:
         prefix = f"[rank {rank}] "
         level = logging.WARNING
-    handler = logging.StreamHandler()  # on stderr
+        handler.addFilter(lambda record: not getattr(record, "same_on_every_rank", False))
     handler.setFormatter(
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
-    handler.addFilter(_own_info)
-    if rank != 0:
-        handler.addFilter(lambda record: not getattr(record, "same_on_every_rank", False))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
