@@ -67,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, last: bool = False
+        self, x: torch.Tensor, cache: KVCache | None, layer: int, last: bool
     ) -> torch.Tensor:
         """x (B, T, C); with a cache, x is a prompt from position 0, whose keys and values fill it
         (Block.step goes on from there). last: the output of the last position alone (B, 1, C)."""
