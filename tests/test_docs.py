@@ -14,12 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO, child_env
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from mingpt import decoding, generate, stopping, storage, torch_fixes, tracking
+from mingpt import decoding, generate, stopping, storage, token_cache, torch_fixes, tracking
 from mingpt.config import (
     FIELDS,
     Config,
@@ -43,6 +44,8 @@ SECTIONS = {
     "trainer_config": TrainerConfig,
 }
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+# the default run's optimizer steps per epoch on tiny shakespeare (its first log line says so)
+STEPS_PER_EPOCH = 1308
 
 
 def test_the_key_tables_are_made_from_the_fields():
@@ -123,7 +126,7 @@ def test_example_log_lines_have_the_default_runs_learning_rate():
     schedule's for the step that line ends (steps done - 1, 0-based). A line
     from an older schedule once said 0.0021 at step 2050, where the run has
     0.0006244."""
-    total = 2 * 1308  # the default run's steps (its first log line says so)
+    total = TrainerConfig().max_epochs * STEPS_PER_EPOCH
     shown = [
         (int(step), lr)
         for doc in documents()
@@ -322,6 +325,23 @@ def doc_text(name: str) -> str:
     return " ".join((REPO / "docs" / name).read_text(encoding="utf-8").split())
 
 
+def signal_lead_minutes() -> str:
+    """How long before the time limit scripts/slurm.sbatch asks for SIGUSR1, in the words the docs
+    use."""
+    script = (REPO / "scripts" / "slurm.sbatch").read_text(encoding="utf-8")
+    seconds = int(re.search(r"--signal=B:USR1@(\d+)", script).group(1))
+    return {300: "five minutes"}.get(seconds, f"{seconds} s")
+
+
+def id_widths() -> str:
+    """The token cache's bytes per id at the largest vocabulary of each width and just past the
+    last, in docs/data.md's words: a width or a boundary that moved reads otherwise."""
+    small, middle, large = (
+        np.dtype(token_cache.dtype_for(n)).itemsize for n in (2**8, 2**15, 2**15 + 1)
+    )
+    return f"{small} byte each up to {2**8} characters, {middle} up to {2**15:,}, else {large}"
+
+
 def shutdown_timeout() -> str:
     script = (REPO / "scripts" / "slurm.sbatch").read_text(encoding="utf-8")
     return re.search(r"--shutdown-timeout=(\d+)", script).group(1)
@@ -364,6 +384,30 @@ QUICK_MODEL = preset("gpt_config", "gpu-quick")
         ),
         ("training.md", f"a line every {storage.NOTICE_EVERY:g} s names the path"),
         (
+            "training.md",
+            "a process that cannot join the others within "
+            f"{torch_fixes.INIT_AFTER_RESTART_SECONDS} s says so",
+        ),
+        ("training.md", f"died waits up to {stopping.PEER_ENDED_WAIT_S:g} s for its own torchrun"),
+        (
+            "training.md",
+            f"last `cooldown_fraction` ({OptimizerConfig().cooldown_fraction} by default)",
+        ),
+        (
+            "training.md",
+            f"`optimizer_config.warmup_steps` of {OptimizerConfig().warmup_steps}, the default",
+        ),
+        (
+            "training.md",
+            f"the default {OptimizerConfig().warmup_steps} steps would outlast it",
+        ),
+        (
+            "fault-tolerance.md",
+            f"`trainer_config.save_every_minutes` (default {TrainerConfig().save_every_minutes:g})",
+        ),
+        ("fault-tolerance.md", f"asks for SIGUSR1 {signal_lead_minutes()} before the time limit"),
+        ("data.md", f"the token ids ({id_widths()})"),
+        (
             "fault-tolerance.md",
             f"cannot join within {torch_fixes.INIT_AFTER_RESTART_SECONDS} s says so",
         ),
@@ -381,6 +425,28 @@ QUICK_MODEL = preset("gpt_config", "gpu-quick")
 def test_a_number_the_docs_cite_is_the_codes(doc, phrase):
     """Timeouts, intervals and thresholds that the docs give in words are the constants in use."""
     assert phrase in doc_text(doc)
+
+
+def test_the_text_keys_in_the_docs_are_those_taken_verbatim():
+    """docs/generation.md names the keys of generate whose values are taken verbatim."""
+    named = re.search(r"\*\*Text keys\.\*\* (.*?) take the rest of", doc_text("generation.md"))
+    assert set(re.findall(r"`(\w+)`", named.group(1))) == set(generate.TEXT_KEYS)
+
+
+def test_the_readmes_default_run_is_the_defaults():
+    """The Quick start describes the default run by its shape, batch, epochs and log interval, and
+    the context the exported model sees."""
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    model, data, trainer = GPTConfig(), DataConfig(), TrainerConfig()
+    steps = trainer.max_epochs * STEPS_PER_EPOCH
+    for phrase in [
+        f"(a {model.n_layer}-layer, {model.n_embd}-dim model, block {data.block_size}, batch "
+        f"{trainer.batch_size}, {trainer.max_epochs} epochs: {steps:,} steps)",
+        f"It logs a line every {trainer.log_every} steps",
+        f"at most `block_size` characters ({data.block_size} by default)",
+        f"warm up for 10 (the default {OptimizerConfig().warmup_steps} would outlast the run",
+    ]:
+        assert phrase in readme, phrase
 
 
 def test_the_model_presets_shapes_in_the_docs_are_the_presets():
