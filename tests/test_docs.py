@@ -336,10 +336,14 @@ def signal_lead_minutes() -> str:
 def id_widths() -> str:
     """The token cache's bytes per id at the largest vocabulary of each width and just past the
     last, in docs/data.md's words: a width or a boundary that moved reads otherwise."""
-    small, middle, large = (
-        np.dtype(token_cache.dtype_for(n)).itemsize for n in (2**8, 2**15, 2**15 + 1)
+
+    def width(vocab_size: int) -> int:
+        return np.dtype(token_cache.dtype_for(vocab_size)).itemsize
+
+    return (
+        f"{width(2**8)} byte each up to {2**8} characters, {width(2**15)} up to {2**15:,}, "
+        f"else {width(2**15 + 1)}"
     )
-    return f"{small} byte each up to {2**8} characters, {middle} up to {2**15:,}, else {large}"
 
 
 def shutdown_timeout() -> str:
@@ -437,7 +441,9 @@ def test_the_readmes_default_run_is_the_defaults():
     """The Quick start describes the default run by its shape, batch, epochs and log interval, and
     the context the exported model sees."""
     readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
-    model, data, trainer = GPTConfig(), DataConfig(), TrainerConfig()
+    model = GPTConfig()
+    data = DataConfig()
+    trainer = TrainerConfig()
     steps = trainer.max_epochs * STEPS_PER_EPOCH
     for phrase in [
         f"(a {model.n_layer}-layer, {model.n_embd}-dim model, block {data.block_size}, batch "
