@@ -408,8 +408,11 @@ def test_main_early_stops_with_status_0_and_generate_samples_the_best(tmp_path, 
         [
             (tmp_path, on_cpu(args), "mingpt.cli"),
             (tmp_path, on_cpu(args), "mingpt.cli"),
-            (tmp_path, [f"snapshot_path={run_dir}", "max_new_tokens=5"]),
-            (tmp_path, [f"snapshot_path={run_dir / 'snapshots'}", "max_new_tokens=5"]),
+            (tmp_path, [f"snapshot_path={run_dir}", "max_new_tokens=5", "device=cpu"]),
+            (
+                tmp_path,
+                [f"snapshot_path={run_dir / 'snapshots'}", "max_new_tokens=5", "device=cpu"],
+            ),
         ],
     )
     assert first.returncode == 0, first.stderr[-3000:]

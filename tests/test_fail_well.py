@@ -160,7 +160,8 @@ def save_variant(snap_file, name: str, change) -> Path:
 
 
 def generate_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "mingpt.generate", *args]
+    """generate on the CPU, whatever devices the host has (a later device= wins)."""
+    return [sys.executable, "-m", "mingpt.generate", "device=cpu", *args]
 
 
 def limit_file_size(limit: int):

@@ -49,7 +49,11 @@ def trained(tmp_path_factory, corpus) -> tuple[Path, dict[str, subprocess.Comple
     cases = commands_on(path, run_dir_of(path, TRAIN_ARGS) / "snapshots")
     results = run_each(
         "mingpt.generate",
-        [(path, on_cpu(TRAIN_ARGS), "mingpt.cli"), *((path, args) for args in cases.values())],
+        [
+            (path, on_cpu(TRAIN_ARGS), "mingpt.cli"),
+            # on the CPU, whatever devices the host has (a later device= wins)
+            *((path, ["device=cpu", *args]) for args in cases.values()),
+        ],
     )
     assert results[0].returncode == 0, results[0].stderr
     return path, dict(zip(cases, results[1:], strict=True))
@@ -66,7 +70,8 @@ def snapshot(workdir) -> Path:
 
 
 def generate_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "mingpt.generate", *args]
+    """generate on the CPU, whatever devices the host has (a later device= wins)."""
+    return [sys.executable, "-m", "mingpt.generate", "device=cpu", *args]
 
 
 def run_generate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

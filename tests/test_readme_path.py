@@ -143,8 +143,12 @@ def test_quick_start_then_scale_out_trains_both(tmp_path, corpus):
     assert export[1:3] == ["-m", "mingpt.export"], export
     commands = [(tmp_path, on_cpu(argv)) for argv in ([*quick, *EXTRA], longer, tune)]
     commands += [
-        (tmp_path, [*shlex.split(command)[3:], "max_new_tokens=5"], "mingpt.generate"),
-        (tmp_path, [*sample[3:], "max_new_tokens=5"], "mingpt.generate"),
+        (
+            tmp_path,
+            [*shlex.split(command)[3:], "max_new_tokens=5", "device=cpu"],
+            "mingpt.generate",
+        ),
+        (tmp_path, [*sample[3:], "max_new_tokens=5", "device=cpu"], "mingpt.generate"),
         (tmp_path, export[3:], "mingpt.export"),
         (tmp_path, [transformers_lines()], "-c"),
     ]

@@ -277,7 +277,7 @@ def test_a_result_that_cannot_be_written_is_one_line_not_lost(
     if stdout is not None:
         expected = "cannot write to stdout: No space left"
     for command in (
-        lambda: main([f"snapshot_path={run_dir}"]),
+        lambda: main([f"snapshot_path={run_dir}", "device=cpu"]),
         lambda: export_main([str(run_dir), str(tmp_path / "model")]),
     ):
         with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as patch:
