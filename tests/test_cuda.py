@@ -38,6 +38,12 @@ pytestmark = pytest.mark.cuda
 
 CUDA = "trainer_config.device=cuda"  # after TINY's device=cpu: the later override wins
 
+# NCCL and FSDP2 need processes on GPUs of their own: one process would train unsharded, without a
+# collective.
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs, one for each of two processes"
+)
+
 
 def gpus() -> int:
     return torch.cuda.device_count()
@@ -64,6 +70,7 @@ def trained(tmp_path, data, *extra: str, nproc: int = 0) -> tuple[dict, list]:
     return read_snapshot(run_dir / "snapshots"), losses
 
 
+@two_gpus
 def test_nccl_ddp_trains_on_every_visible_gpu(tmp_path, small_corpus):
     snapshot, _ = trained(tmp_path, small_corpus, "trainer_config.max_steps=4", nproc=gpus())
     assert snapshot["world_size"] == gpus() and snapshot["step"] == 4
@@ -124,6 +131,7 @@ def test_compiled_training_saves_plain_weights(tmp_path, small_corpus):
     assert next(model.parameters()).is_cuda
 
 
+@two_gpus
 def test_fsdp2_with_bf16_mixed_precision_publishes_a_sharded_snapshot(tmp_path, small_corpus):
     given = args(
         small_corpus,
