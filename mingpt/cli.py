@@ -273,6 +273,61 @@ def check_package(cfg: DictConfig) -> None:
         sys.exit(0)
 
 
+def check_sweep(app: Hydra, cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """Each job of a sweep's `cfg` checked as the launcher composes it; the jobs' run
+    directories."""
+    # the sweeper's params (hydra.sweeper.params of a config file) before the command line's,
+    # as BasicSweeper takes them
+    params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.params or {}).items()]
+    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+    # as typed: the sweeper gives each job its values written anew (3e-4 as 0.0003)
+    check_text_overrides(overrides)
+    for override in parsed:
+        # The sweep's directory (its multirun.yaml) is named by the run name before the
+        # sweep: the default's, while each job would go to a directory of its own name.
+        if override.key_or_group == "trainer_config.run_name" and override.is_sweep_override():
+            raise ConfigError(
+                f"{override.input_line}: a sweep's jobs share its run name "
+                "(runs/<run_name>-multirun/N); give each name its own command"
+            )
+    # Each job as the launcher runs it, its number set (a value may name ${hydra:job.num}),
+    # and in a run directory of its own: jobs sharing one would resume or refuse each other's.
+    # without a batch size, all the jobs come in one batch
+    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    swept = {override.key_or_group for override in parsed if override.is_sweep_override()}
+    # where the sweeper writes the sweep's record (multirun.yaml), and the same command finds
+    # its jobs again
+    HydraConfig.instance().set_config(cfg)
+    sweep_dir = os.path.normpath(str(cfg.hydra.sweep.dir))
+    dirs: dict[str, int] = {}
+    for num, job in enumerate(jobs):
+        job_cfg = app.config_loader.load_sweep_config(cfg, job)
+        with open_dict(job_cfg):
+            job_cfg.hydra.job.num = num
+        check_composed(job_cfg)
+        paths = job_cfg.hydra.sweep
+        # A preset that names its own run (experiment=ddp-tutorial,gpu-quick) moves its job
+        # to runs/<its run_name>-multirun, away from the sweep's record and the other jobs.
+        if os.path.normpath(str(paths.dir)) != sweep_dir:
+            choices = [item for item in job if item.split("=", 1)[0].lstrip("+~") in swept]
+            raise RunDirError(
+                f"{' '.join(choices) or 'hydra.sweep.dir'}: job {num} of the sweep would go "
+                f"to {os.path.join(str(paths.dir), str(paths.subdir))}, outside the sweep's "
+                f"directory {sweep_dir}: a sweep's jobs share its run name; give them one, "
+                "as in trainer_config.run_name=NAME"
+            )
+        where = os.path.normpath(os.path.join(str(paths.dir), str(paths.subdir)))
+        if where in dirs:
+            setting = OmegaConf.to_container(paths, resolve=False)["subdir"]
+            raise RunDirError(
+                f"hydra.sweep.subdir: {setting!r} puts jobs {dirs[where]} and {num} of the "
+                f"sweep in one run directory, {where}: give each job its own, as "
+                "'hydra.sweep.subdir=${hydra.job.num}' (the default) does"
+            )
+        dirs[where] = num
+    return list(dirs)
+
+
 def compose_checked(
     self: Hydra,
     config_name: str | None,
@@ -300,40 +355,7 @@ def compose_checked(
         check_composed(cfg)
     check_package(cfg)
     if sweep:
-        # the sweeper's params (hydra.sweeper.params of a config file) before the command line's,
-        # as BasicSweeper takes them
-        params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.params or {}).items()]
-        parsed = OverridesParser.create().parse_overrides([*params, *overrides])
-        # as typed: the sweeper gives each job its values written anew (3e-4 as 0.0003)
-        check_text_overrides(overrides)
-        for override in parsed:
-            # The sweep's directory (its multirun.yaml) is named by the run name before the
-            # sweep: the default's, while each job would go to a directory of its own name.
-            if override.key_or_group == "trainer_config.run_name" and override.is_sweep_override():
-                raise ConfigError(
-                    f"{override.input_line}: a sweep's jobs share its run name "
-                    "(runs/<run_name>-multirun/N); give each name its own command"
-                )
-        # Each job as the launcher runs it, its number set (a value may name ${hydra:job.num}),
-        # and in a run directory of its own: jobs sharing one would resume or refuse each other's.
-        # without a batch size, all the jobs come in one batch
-        jobs = BasicSweeper.split_arguments(parsed, None)[0]
-        dirs: dict[str, int] = {}
-        for num, job in enumerate(jobs):
-            job_cfg = self.config_loader.load_sweep_config(cfg, job)
-            with open_dict(job_cfg):
-                job_cfg.hydra.job.num = num
-            check_composed(job_cfg)
-            paths = job_cfg.hydra.sweep
-            where = os.path.normpath(os.path.join(str(paths.dir), str(paths.subdir)))
-            if where in dirs:
-                setting = OmegaConf.to_container(paths, resolve=False)["subdir"]
-                raise RunDirError(
-                    f"hydra.sweep.subdir: {setting!r} puts jobs {dirs[where]} and {num} of the "
-                    f"sweep in one run directory, {where}: give each job its own, as "
-                    "'hydra.sweep.subdir=${hydra.job.num}' (the default) does"
-                )
-            dirs[where] = num
+        dirs = check_sweep(self, cfg, overrides)
         _made.extend(where for where in dirs if not os.path.exists(where))
         HydraConfig.instance().set_config(cfg)
     top = cfg.hydra.run.dir

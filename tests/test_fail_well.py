@@ -870,6 +870,11 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
         # the sweep's directory and record would go under the default name, each job elsewhere
         ("-m", "trainer_config.run_name=a,b"): "trainer_config.run_name=a,b: a sweep's jobs share "
         "its run name",
+        # the same through presets that name their runs: each job went to its experiment's
+        # runs/<run_name>-multirun, the sweep's record to runs/default-multirun
+        ("-m", "experiment=ddp-tutorial,gpu-quick"): "experiment=ddp-tutorial: job 0 of the sweep "
+        "would go to runs/ddp-tutorial-multirun/0, outside the sweep's directory "
+        "runs/default-multirun: a sweep's jobs share its run name",
         # before job 0 runs
         (
             "--config-dir",
