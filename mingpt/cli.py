@@ -101,6 +101,19 @@ def config_error_line(error: BaseException) -> str:
             # OmegaConf's ConfigKeyError or ConfigAttributeError: a key no section has
             if isinstance(cause, KeyError | AttributeError) and cause.full_key not in FIELDS:
                 line = unknown_key(cause.full_key, [*SECTIONS, *FIELDS])
+                # A file of a group puts its keys under the group's name (experiment.trainer_config
+                # for an experiment without its header): the close name suggested was no cure.
+                package = where.group(1).rpartition("/")[0].replace("/", ".") if where else ""
+                under = cause.full_key.removeprefix(f"{package}.").split(".")[0]
+                if package and (
+                    cause.full_key == package
+                    or (cause.full_key.startswith(f"{package}.") and under in SECTIONS)
+                ):
+                    line = (
+                        f"unknown key {cause.full_key}: the keys of a file in {package} go under "
+                        f"{package}; to set keys of every section, start the file with the line "
+                        "'# @package _global_'"
+                    )
             if append and cause.full_key in FIELDS:
                 line += f" (this config has no such key yet: add it with {append.group(1)})"
             if where:

@@ -689,6 +689,35 @@ def test_composition_error_in_a_file_keeps_its_reason(tmp_path):
     assert line == "in experiment/typo: unknown key trainer_config.nope (see --help)"
 
 
+@pytest.mark.parametrize(
+    "group, text, key",
+    [
+        ("experiment", "trainer_config:\n  max_steps: 5\n", "experiment"),
+        ("gpt_config", "gpt_config:\n  n_layer: 2\n", "gpt_config.gpt_config"),
+    ],
+)
+def test_a_preset_without_its_package_header_is_told_to_add_it(tmp_path, group, text, key):
+    """A file of a group without `# @package _global_` puts its sections under the group's name:
+    the line suggested a key whose name came closest (data_config.placement for experiment)."""
+    (tmp_path / group).mkdir()
+    (tmp_path / group / "mine.yaml").write_text(text)
+    with pytest.raises(HydraException) as e:
+        composed(f"hydra.searchpath=[file://{tmp_path}]", f"{group}=mine")
+    assert cli.config_error_line(e.value) == (
+        f"in {group}/mine: unknown key {key}: the keys of a file in {group} go under {group}; to "
+        "set keys of every section, start the file with the line '# @package _global_'"
+    )
+    # a key misspelt inside a model preset keeps its suggestion
+    (tmp_path / "gpt_config").mkdir(exist_ok=True)
+    (tmp_path / "gpt_config" / "typo.yaml").write_text("n_layerr: 2\n")
+    with pytest.raises(HydraException) as e:
+        composed(f"hydra.searchpath=[file://{tmp_path}]", "gpt_config=typo")
+    assert cli.config_error_line(e.value) == (
+        "in gpt_config/typo: unknown key gpt_config.n_layerr (did you mean gpt_config.n_layer? see "
+        "--help)"
+    )
+
+
 def test_a_key_missing_from_a_config_file_of_ones_own_is_told_how_to_add(tmp_path):
     """Hydra's own advice (add it with +) was dropped from the line; a key no dataclass has gets
     none: adding it is refused next."""
