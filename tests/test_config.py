@@ -411,3 +411,22 @@ def test_cfg_package_prints_one_value(tmp_path):
     assert unset.returncode == 2 and unset.stdout == "", unset.stderr
     assert unset.stderr.startswith("error: hydra.sweep.subdir: ") and unset.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_no_preset_restates_an_operational_default():
+    """The dataclasses are the one source of a default: a preset that sets an operational key to
+    it (log_every: 50 in both experiments) only copies it, and keeps the old value once the
+    default changes. A result-affecting key at its default can be a recipe's own value (the
+    tutorial's weight decay) and stays."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(Config))
+    for path in sorted((REPO / "conf").glob("*/*.yaml")):
+        preset = OmegaConf.to_container(OmegaConf.load(path))
+        if path.parent.name != "experiment":  # a group's file is that section's
+            preset = {path.parent.name: preset}
+        for section, values in preset.items():
+            if section in ("defaults", "hydra"):
+                continue
+            for key, value in values.items():
+                name = f"{section}.{key}"
+                restated = name in OPERATIONAL_KEYS and value == defaults[section][key]
+                assert not restated, f"{path.relative_to(REPO)}: {name}: {value}"
