@@ -37,7 +37,7 @@ from mingpt.config import (
 from mingpt.data import DataError
 from mingpt.distributed import peer_ended
 from mingpt.run import run
-from mingpt.rundir import RunDirError, check_hydra_settings, shell_override
+from mingpt.rundir import RunDirError, check_clock_names, check_hydra_settings, shell_override
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, atomic_open, is_glob, reason
 from mingpt.trainer import TrainingError
@@ -231,6 +231,8 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task)
     check_group_overrides(overrides)
     check_text_overrides(overrides)
+    if isinstance(cfg.get("trainer_config"), DictConfig):
+        check_clock_names(cfg.trainer_config)
     with open_dict(cfg):
         notices = drop_ignored_keys(cfg)
     # and a user's own file need not build on base_config: the schema goes under it

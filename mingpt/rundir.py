@@ -138,6 +138,22 @@ def check_hydra_settings(hydra_cfg: Any, sweep: bool) -> None:
         )
 
 
+def check_clock_names(trainer_cfg: Any) -> None:
+    """Refuse a run name or a snapshots' root named by the clock (`${now:...}`), as a run directory
+    is (check_hydra_settings): the same command, a torchrun restart or a requeued job would start
+    over beside the run instead of resuming it, and each process of a job could name another."""
+    # as written; a file of one's own may leave the keys out
+    settings = OmegaConf.to_container(trainer_cfg, resolve=False)
+    for name, default in (("run_name", "NAME"), ("snapshot_path", "PATH")):
+        setting = str(settings.get(name))
+        if "${now:" in setting:
+            raise RunDirError(
+                f"trainer_config.{name}: {setting} is named by the clock, so the same command "
+                f"would start over instead of resuming: name it, as in "
+                f"trainer_config.{name}={default}"
+            )
+
+
 def _holder(fd: int) -> str:
     """Who holds the lock, from what it wrote in the file (none yet, or a dead holder's: a job is
     starting)."""

@@ -921,6 +921,12 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
         # a re-run of the sweep would find none of its jobs
         ("-m", "hydra.sweep.subdir=${now:%H%M%S}"): "hydra.sweep.subdir: ${now:%H%M%S} is named by "
         "the clock",
+        # the same through the run's name, or its snapshots' root: each command (each rank of a
+        # job) made a run of its own
+        ("trainer_config.run_name=${now:%H%M%S}",): "trainer_config.run_name: ${now:%H%M%S} is "
+        "named by the clock, so the same command would start over instead of resuming",
+        ("trainer_config.snapshot_path=s-${now:%H%M%S}",): "trainer_config.snapshot_path: "
+        "s-${now:%H%M%S} is named by the clock",
         (
             "trainer_config.seed=1",
             "--config-dir",
