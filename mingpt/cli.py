@@ -101,17 +101,12 @@ def config_error_line(error: BaseException) -> str:
             # OmegaConf's ConfigKeyError or ConfigAttributeError: a key no section has
             if isinstance(cause, KeyError | AttributeError) and cause.full_key not in FIELDS:
                 line = unknown_key(cause.full_key, [*SECTIONS, *FIELDS])
-                # A file of a group puts its keys under the group's name (experiment.trainer_config
-                # for an experiment without its header): the close name suggested was no cure.
-                package = where.group(1).rpartition("/")[0].replace("/", ".") if where else ""
-                under = cause.full_key.removeprefix(f"{package}.").split(".")[0]
-                if package and (
-                    cause.full_key == package
-                    or (cause.full_key.startswith(f"{package}.") and under in SECTIONS)
-                ):
+                # the close name suggested is no cure for a group's file without its header
+                group = group_without_header(cause.full_key, where)
+                if group:
                     line = (
-                        f"unknown key {cause.full_key}: the keys of a file in {package} go under "
-                        f"{package}; to set keys of every section, start the file with the line "
+                        f"unknown key {cause.full_key}: the keys of a file in {group} go under "
+                        f"{group}; to set keys of every section, start the file with the line "
                         "'# @package _global_'"
                     )
             if append and cause.full_key in FIELDS:
@@ -123,6 +118,23 @@ def config_error_line(error: BaseException) -> str:
     line = reason(error)
     options = getattr(error, "options", None)
     return f"{line} (choices: {', '.join(options)})" if options else line
+
+
+def group_without_header(key: str, where: re.Match | None) -> str | None:
+    """The group of the file being composed (`where`, Hydra's "In 'experiment/mine'"), where `key`
+    is the group itself or a section under it: a group's file puts its keys under the group's name
+    (experiment.trainer_config) unless it starts with the `@package _global_` header."""
+    if where is None:
+        return None
+    group = where.group(1).rpartition("/")[0].replace("/", ".")
+    if not group:
+        return None
+    if key == group:
+        return group
+    section = key.removeprefix(f"{group}.").partition(".")[0]
+    if key.startswith(f"{group}.") and section in SECTIONS:
+        return group
+    return None
 
 
 def yaml_error_line(error: yaml.YAMLError) -> str:
