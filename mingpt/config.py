@@ -472,6 +472,12 @@ class TrainerConfig:
             "trainer_config.grad_accum_steps",
             f"batch_size * grad_accum_steps must be < 2**31 windows per step, got {per_step}",
         )
+        # A list nested in the list ([[SIGTERM]]) gets past OmegaConf's check of List[str].
+        check(
+            all(isinstance(name, str) for name in self.stop_signals),
+            "trainer_config.stop_signals",
+            f"must be a list of signal names such as SIGTERM, got {list(self.stop_signals)}",
+        )
         try:
             signals = {parse_signal(name) for name in self.stop_signals}
         except ValueError as e:

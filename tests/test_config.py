@@ -108,6 +108,9 @@ def test_unknown_keys_and_wrong_types_are_rejected(override, key):
         (["trainer_config.localsgd_start_step=-1"], "trainer_config.localsgd_start_step"),
         (["trainer_config.localsgd_group=world"], "trainer_config.localsgd_group"),
         (["trainer_config.parallelism=zero3"], "trainer_config.parallelism"),
+        # a list in the list got past OmegaConf's List[str] into a traceback
+        (["trainer_config.stop_signals=[[SIGTERM]]"], "trainer_config.stop_signals"),
+        (["trainer_config.stop_signals=[{a: 1}]"], "trainer_config.stop_signals"),
         (
             ["trainer_config.parallelism=fsdp", "trainer_config.ddp_comm_hook=powersgd"],
             "trainer_config.ddp_comm_hook",
