@@ -61,8 +61,18 @@ def build_model(gpt_config: GPTConfig) -> GPT:
     # Its blocks are alike, so one stands for all: building n_layer of them, even there, takes
     # host memory and time in proportion (a typo's million layers filled the host before any
     # line was said).
-    with torch.device("meta"):
-        one_block = GPT(dataclasses.replace(gpt_config, n_layer=1))
+    try:
+        with torch.device("meta"):
+            one_block = GPT(dataclasses.replace(gpt_config, n_layer=1))
+    # A weight of 2**63 bytes or more, which torch cannot even count: its size overflows (a
+    # TypeError past 64 bits), which was a traceback.
+    except (RuntimeError, TypeError) as e:
+        if "overflow" not in str(e).lower():
+            raise
+        raise ConfigError(
+            f"gpt_config: the model does not fit in memory: gpt_config.n_embd={gpt_config.n_embd} "
+            "makes a weight of 2**63 bytes or more"
+        ) from None
     per_block = sum(p.numel() for p in one_block.h[0].parameters())
     params = sum(p.numel() for p in one_block.parameters())
     params += (gpt_config.n_layer - 1) * per_block

@@ -38,12 +38,12 @@ from omegaconf import OmegaConf
 from mingpt import cli, storage
 from mingpt.cli import CONF_DIR
 from mingpt.command import parse_args
-from mingpt.config import Config, ConfigError
+from mingpt.config import Config, ConfigError, GPTConfig
 from mingpt.decoding import generate
 from mingpt.distributed import DistInfo
 from mingpt.export import ExportConfig, export
 from mingpt.generate import GenerateConfig
-from mingpt.run import build
+from mingpt.run import build, build_model
 from mingpt.snapshot import SnapshotError, manifest, single_file
 from mingpt.snapshot.reader import load_model
 from mingpt.trainer import Trainer, TrainingError
@@ -649,6 +649,19 @@ def test_a_model_too_large_for_memory_is_one_line(n_embd, n_layer, ends):
         proc.stdout
     )
     assert proc.stdout.count("\n") == 1 and not proc.stderr
+
+
+def test_a_model_whose_weights_torch_cannot_count_is_one_line():
+    """A weight of 2**63 bytes or more: counting the model on the meta device ended in a traceback
+    (torch's size overflowed; past 64 bits, a TypeError). Nothing is allocated."""
+    for n_embd in (2**31, 10**23):
+        shape = GPTConfig(n_layer=1, n_head=1, n_embd=n_embd, vocab_size=65, block_size=16)
+        with pytest.raises(ConfigError) as refused:
+            build_model(shape)
+        assert str(refused.value) == (
+            f"gpt_config: the model does not fit in memory: gpt_config.n_embd={n_embd} makes a "
+            "weight of 2**63 bytes or more"
+        )
 
 
 def test_generate_writing_to_closed_or_full_stdout_is_one_line(runs):
