@@ -176,10 +176,15 @@ def check_writable(run_dir: str, snapshot_path: str) -> None:
     fs, p = filesystem(snapshot_path)
     # After the probe, which names the storage's fault: a store that does not answer is not waited
     # for twice.
+    # A device, pipe or socket is no file to fs.isfile: /dev/null or a FIFO was taken, the run
+    # trained to its first save, which failed, and its best weights went to a directory beside it.
     with contextlib.suppress(*storage_errors()):
-        if fs.isfile(p):
+        if fs.exists(p) and not fs.isdir(p):
+            what = "a file"
+            if not fs.isfile(p):
+                what = "a device, pipe or socket"
             raise StorageError(
-                f"cannot write to the snapshot path {snapshot_path}: it is a file, "
+                f"cannot write to the snapshot path {snapshot_path}: it is {what}, "
                 "and snapshots are kept in a directory there"
             )
 

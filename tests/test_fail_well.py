@@ -455,6 +455,14 @@ def test_storage_that_cannot_be_written_is_one_error(tmp_path):
         storage.check_writable(str(tmp_path), "/sys/x")
     with pytest.raises(storage.StorageError, match="^cannot use snapshot path nosuch://x: "):
         storage.check_writable(str(tmp_path), "nosuch://x")
+    # not a regular file either: a pipe was taken, and the run trained to its first save
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(storage.StorageError) as refused:
+        storage.check_writable(str(tmp_path), str(tmp_path / "pipe"))
+    assert str(refused.value) == (
+        f"cannot write to the snapshot path {tmp_path / 'pipe'}: it is a device, pipe or socket, "
+        "and snapshots are kept in a directory there"
+    )
     # no file there before: none is said to be unchanged; the temporary file the save writes
     # first is not what the user named
     for snapshot in ("/sys/snapshot.pt", "/proc/x"):
