@@ -676,11 +676,15 @@ def key_lines(section: type, values: Mapping | None = None, prefix: str = "") ->
 
 def markdown(doc: str) -> str:
     """`doc` with the table of each section between its `<!-- keys: SECTION -->` and
-    `<!-- end -->` made anew."""
+    `<!-- end -->` made anew; ValueError naming the first of those lines it lacks."""
     for name, section in SECTIONS.items():
         begin = f"<!-- keys: {name} -->\n"
+        if begin not in doc:
+            raise ValueError(f"no line {begin.strip()}")
         start = doc.index(begin) + len(begin)
-        end = doc.index("<!-- end -->", start)
+        end = doc.find("<!-- end -->", start)
+        if end < 0:
+            raise ValueError(f"no line <!-- end --> after {begin.strip()}")
         doc = doc[:start] + key_table(section) + "\n" + doc[end:]
     return doc
 
@@ -690,4 +694,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["--markdown"] or len(sys.argv) != 3:
         sys.exit("usage: python -m mingpt.config --markdown docs/configuration.md")
     path = pathlib.Path(sys.argv[2])
-    path.write_text(markdown(path.read_text(encoding="utf-8")), encoding="utf-8")
+    # A file that cannot be read, or is not such a page, was a traceback.
+    try:
+        path.write_text(markdown(path.read_text(encoding="utf-8")), encoding="utf-8")
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        print(f"error: {path}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        sys.exit(2)

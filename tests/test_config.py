@@ -8,7 +8,7 @@ import re
 import shlex
 
 import pytest
-from conftest import REPO, run_each
+from conftest import REPO, RUN_DEADLINE, run_each
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -433,3 +433,25 @@ def test_no_preset_restates_an_operational_default():
                 name = f"{section}.{key}"
                 restated = name in OPERATIONAL_KEYS and value == defaults[section][key]
                 assert not restated, f"{path.relative_to(REPO)}: {name}: {value}"
+
+
+def test_making_the_key_tables_of_a_file_that_is_not_the_page_is_one_line(tmp_path):
+    """`python -m mingpt.config --markdown FILE` with a FILE that cannot be read, or lacks a
+    section's lines, ended in a traceback; the file is left as it was."""
+    (tmp_path / "page.md").write_text("# Configuration\n<!-- keys: gpt_config -->\n")
+    (tmp_path / "latin1.md").write_bytes(b"caf\xe9\n")
+    cases = {
+        "missing.md": "No such file or directory",
+        "page.md": "no line <!-- end --> after <!-- keys: gpt_config -->",
+        "latin1.md": "'utf-8' codec can't decode byte 0xe9 in position 3",
+        ".": "Is a directory",
+    }
+    run_module = "import runpy\nrunpy.run_module('mingpt.config', run_name='__main__')\n"
+    results = run_each(
+        "-c", [(tmp_path, [run_module, "--markdown", name]) for name in cases], timeout=RUN_DEADLINE
+    )
+    for (name, says), result in zip(cases.items(), results, strict=True):
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"error: {name}: {says}"), result.stderr
+        assert result.stderr.count("\n") == 1, result.stderr
+    assert (tmp_path / "page.md").read_text() == "# Configuration\n<!-- keys: gpt_config -->\n"
