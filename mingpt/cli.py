@@ -21,7 +21,7 @@ from omegaconf import Container, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt import rundir, stopping
-from mingpt.command import freeze_startup_objects, silence_stdout, typed
+from mingpt.command import freeze_startup_objects, one_line, silence_stdout, typed
 from mingpt.config import (
     FIELDS,
     SECTIONS,
@@ -59,7 +59,7 @@ OWN_HYDRA = ["hydra/job_logging=none", "hydra.output_subdir=null"]
 
 
 def fail(message: str) -> NoReturn:
-    say_and_exit(f"error: {message}", 2)
+    say_and_exit(f"error: {one_line(message)}", 2)
 
 
 def say_and_exit(line: str, status: int, every_rank: bool = True) -> NoReturn:

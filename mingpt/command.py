@@ -41,6 +41,15 @@ def find_snapshot(path: str, key: str) -> tuple[str, str]:
     return reader.find(path)
 
 
+def one_line(message: str) -> str:
+    """`message` with each character that is not printable (a newline, a tab, a control
+    character) escaped as Python writes it in a string: a path holding a newline, given where a
+    path is asked for, kept its error from being the one line it is."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in message
+    )
+
+
 class OutputError(ValueError):
     """The output cannot be written to stdout (closed, or a full device)."""
 
@@ -116,7 +125,7 @@ def command(
     except (ConfigError, SnapshotError, StorageError, OutputError, *errors) as e:
         # With stderr closed (`2>&-`), print would write the line to stdout, into the output.
         if sys.stderr is not None:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -1057,6 +1057,25 @@ def test_a_directory_without_a_snapshot_says_what_it_is(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_path_holding_a_newline_keeps_its_error_one_line(tmp_path, capsys, monkeypatch):
+    """The path in the error line is escaped as Python writes a string: it broke the one line in
+    two (train, generate, score and export alike)."""
+    from mingpt import generate
+
+    root_logger = logging.getLogger()
+    monkeypatch.setattr(root_logger, "handlers", root_logger.handlers[:])
+    monkeypatch.setattr(root_logger, "level", root_logger.level)
+    path = f"{tmp_path}/a\nb\x01"
+    with pytest.raises(SystemExit) as exit_status:
+        generate.main([f"snapshot_path={path}"])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err == f"error: snapshot not found: {tmp_path}/a\\nb\\x01\n"
+    with pytest.raises(SystemExit) as exit_status:
+        cli.fail(f"data file not found: {path}")
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err == f"error: data file not found: {tmp_path}/a\\nb\\x01\n"
+
+
 def test_init_from_naming_the_runs_own_place_says_so(tmp_path):
     """trainer_config.init_from naming the new run's own directory (or snapshot path) said "... is
     an empty directory": the one the command had just made."""
