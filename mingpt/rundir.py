@@ -109,13 +109,20 @@ def _named_by_run_name(cfg: TrainerConfig, run_dir: str) -> bool:
 def check_hydra_settings(hydra_cfg: Any, sweep: bool) -> None:
     """Refuse the Hydra settings under which the same command would not find its run again: a run
     directory that is empty or named by the clock (Hydra's default, where a config file of the
-    user's names none), and a job that changes into its run directory."""
+    user's names none), a URL, which Hydra would make a local directory of, and a job that changes
+    into its run directory."""
     node = "sweep" if sweep else "run"
     # as written: Hydra resolves ${now:...} when it makes the directory
     settings = OmegaConf.to_container(hydra_cfg[node], resolve=False)
     if not str(settings["dir"]).strip():
         raise RunDirError(
             f"hydra.{node}.dir: must not be empty (it would put the run into the current directory)"
+        )
+    # Hydra makes the run directory on the local disk: s3://b/x became ./s3:/b/x without a word.
+    if "://" in str(settings["dir"]):
+        raise RunDirError(
+            f"hydra.{node}.dir: {settings['dir']} is a URL, and a run directory is local (its log "
+            "and config): keep the snapshots there instead, with trainer_config.snapshot_path"
         )
     ours = {"dir": "runs/${trainer_config.run_name}" + "-multirun" * sweep}
     # a sweep's job N is in its subdir

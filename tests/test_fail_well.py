@@ -939,6 +939,9 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
             "trainer_config.log_every=5,10",
         ): "hydra.sweep.subdir: 'same' puts jobs 0 and 1 of the sweep in one run directory, "
         "runs/default-multirun/same",
+        # Hydra made ./s3:/b/x
+        ("hydra.run.dir=s3://b/x",): "hydra.run.dir: s3://b/x is a URL, and a run directory is "
+        "local",
         # a re-run of the sweep would find none of its jobs
         ("-m", "hydra.sweep.subdir=${now:%H%M%S}"): "hydra.sweep.subdir: ${now:%H%M%S} is named by "
         "the clock",
