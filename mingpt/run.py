@@ -131,6 +131,7 @@ def settle(
     another run's)."""
     snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
     compat.check_not_a_file(config.trainer_config.snapshot_path, run_dir, snapshot_path)
+    compat.check_not_a_run_directory(snapshot_path, run_dir)
     check_writable(run_dir, snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir)

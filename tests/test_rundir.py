@@ -167,6 +167,14 @@ def refusals_of(workdir: Path, finished_run: Path) -> dict[str, tuple[list[str],
             [f"trainer_config.snapshot_path={workdir / 'elsewhere.pt'}"],
             f"error: run directory {finished_run} holds the record of a run up to step",
         ),
+        # The run started afresh, its step directories among the finished run's files.
+        "another run's directory": (
+            [
+                f"hydra.run.dir={workdir / 'runs' / 'mixed'}",
+                f"trainer_config.snapshot_path={finished_run}",
+            ],
+            f"error: trainer_config.snapshot_path: {finished_run} is another run's directory",
+        ),
     }
 
 

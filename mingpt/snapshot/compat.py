@@ -232,3 +232,18 @@ def check_not_a_file(snapshot_path: str | None, run_dir: str, root: str) -> None
         "only from its snapshot directory. Fine-tune from its weights in a new run: "
         f"{shell_override('trainer_config.init_from', path)} trainer_config.run_name=NAME"
     )
+
+
+def check_not_a_run_directory(root: str, run_dir: str) -> None:
+    """A snapshot root that is another run's directory (it holds .hydra/config.yaml) is refused: the
+    run started afresh there, its step directories among that run's files, where a user meant to
+    continue that run or start from its weights."""
+    if "://" in root or os.path.abspath(root) == os.path.abspath(run_dir):
+        return
+    if not os.path.isfile(os.path.join(root, ".hydra", "config.yaml")):
+        return
+    raise SnapshotError(
+        f"trainer_config.snapshot_path: {root} is another run's directory, not a snapshot root: "
+        f"give the root its snapshots are in ({os.path.join(root, 'snapshots')} by default), or "
+        f"start from its weights with {shell_override('trainer_config.init_from', root)}"
+    )
