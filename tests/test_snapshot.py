@@ -308,7 +308,8 @@ def test_a_changed_split_warns_that_the_held_out_text_moved(
     tmp_path, small_corpus, caplog, one_thread
 ):
     """train_split (or truncate) continued with allow_config_change moves held-out text into
-    training, as a changed corpus does: the same warning, not only the list of changed keys."""
+    training, as a changed corpus does: the same warning, not only the list of changed keys; it
+    says that the best loss compared with is of the old split (that was silent)."""
     make_trainer(tmp_path / "run", small_corpus, "trainer_config.max_steps=2").train()
     with caplog.at_level(logging.WARNING, logger="mingpt"):
         make_trainer(
@@ -320,6 +321,9 @@ def test_a_changed_split_warns_that_the_held_out_text_moved(
         )
     assert "the held-out split moved" in caplog.text
     assert "(data_config.train_split: 0.9 -> 0.95)" in caplog.text
+    # the best loss is of the old split's text, and it stays the one compared with
+    assert "compare with the best loss so far, " in caplog.text
+    assert " at step 2, of the old split" in caplog.text
 
 
 def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_corpus, one_thread):

@@ -5,6 +5,7 @@ snapshots should be is refused."""
 import dataclasses
 import json
 import logging
+import math
 import os
 import shlex
 from typing import Any
@@ -187,12 +188,21 @@ def check_fits(
     split = ("data_config.train_split", "data_config.truncate")
     moved += described({key: change for key, change in changes.items() if key in split})
     if moved:
+        # The best loss is not measured again: the best weights and early stopping go on comparing
+        # with a loss of the old split's text.
+        best = ""
+        if math.isfinite(state.get("best_eval_loss", math.inf)):
+            best = (
+                f"; the best weights and early stopping compare with the best loss so far, "
+                f"{state['best_eval_loss']:.4f} at step {state['best_step']}, of the old split"
+            )
         log.warning(
             "continuing %s on a changed corpus or split (%s): the held-out split moved, so "
             "evaluation losses before and after differ in text, and text held out before may now "
-            "be trained on",
+            "be trained on%s",
             path,
             "; ".join(moved),
+            best,
             extra=SAME_ON_EVERY_RANK,
         )
     if changes:
