@@ -179,7 +179,8 @@ def override_error_line(override: str) -> str:
 
 def check_group_overrides(overrides: list[str]) -> None:
     """`~group` drops a config group from the defaults; `group=NAME` beside it would silently go
-    with it."""
+    with it. A list of a group's choices (`experiment=[gpu-quick,ddp-tutorial]`) merges them, the
+    later's keys over the earlier's: a recipe of neither, silently."""
     dropped = {item[1:].partition("=")[0] for item in overrides if item.startswith("~")}
     for item in overrides:
         key = item.lstrip("+").split("=", 1)[0]  # a `~group` keeps its `~`: it is no choice
@@ -187,6 +188,16 @@ def check_group_overrides(overrides: list[str]) -> None:
             raise ConfigError(
                 f"{item}: ~{key} drops the {key} group and with it this choice; give one of them"
             )
+    for override in OverridesParser.create().parse_overrides(overrides):
+        group = override.key_or_group
+        # a list is a value of a key (data_config.path=[a.txt,b.txt]), and Hydra's own groups' to
+        # choose
+        if group in FIELDS or group.startswith("hydra") or not isinstance(override.value(), list):
+            continue
+        raise ConfigError(
+            f"{override.input_line}: one {group} at a time; a list merges their settings into a "
+            "recipe of none of them"
+        )
 
 
 def check_text_overrides(overrides: list[str]) -> None:

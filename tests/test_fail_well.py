@@ -939,6 +939,9 @@ def refused_invocations(tmp_path: Path) -> dict[tuple[str, ...], str]:
             "trainer_config.log_every=5,10",
         ): "hydra.sweep.subdir: 'same' puts jobs 0 and 1 of the sweep in one run directory, "
         "runs/default-multirun/same",
+        # a mix of the two recipes: one's model and run name, the other's steps
+        ("experiment=[gpu-quick,ddp-tutorial]",): "experiment=[gpu-quick,ddp-tutorial]: one "
+        "experiment at a time",
         # Hydra made ./s3:/b/x
         ("hydra.run.dir=s3://b/x",): "hydra.run.dir: s3://b/x is a URL, and a run directory is "
         "local",
