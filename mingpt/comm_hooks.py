@@ -151,6 +151,30 @@ class PowerSGD(CommHook):
     def register(self, ddp, step):
         # from its first step: powersgd_start_step plain steps
         ddp.register_comm_hook(self.state, self.hook)
+        # fp16: the loss scale of the next step's gradients, the unit its error feedback is kept in
+        self.scale = None
+        if self.scaler.is_enabled():
+            self.scale = self.scaler.get_scale()
+
+    def after_optimizer_step(self) -> None:
+        """With fp16's gradient scaler: a step it skipped had gradients that were not finite, and
+        they went into the error feedback and the warm-start P and Q; kept, they made every later
+        gradient NaN and the scaler skip every later step, in silence. They start afresh (as at the
+        first compressed step, the same on every rank: the gradients were all-reduced). A scale
+        that grew multiplies the error feedback with it: it is added to gradients of that scale."""
+        if self.scale is None:
+            return
+        # the host learns the scale once per step; the hook synchronizes each bucket on CUDA anyway
+        scale = self.scaler.get_scale()
+        s = self.state
+        # The scaler backs off only after gradients that were not finite.
+        if scale < self.scale:
+            s.error_dict.clear()
+            s.p_memory_dict.clear()
+            s.q_memory_dict.clear()
+        elif scale > self.scale and s.error_dict:
+            torch._foreach_mul_(list(s.error_dict.values()), scale / self.scale)
+        self.scale = scale
 
     def load_own_state(self, own, warm_up):
         s = self.state

@@ -216,6 +216,10 @@ def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(
     assert step > 0
 
 
+# A run's scaler without fp16: every run has one.
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
+
+
 def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
     """The same with 2 ranks resuming a snapshot of
     4 (their hook's start, given fake world sizes)."""
@@ -234,7 +238,7 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
             hook = PowerSGD(
                 "powersgd", TrainerConfig(), DistInfo(rank, rank, 2, 2, torch.device("cpu"))
             )
-            hook.start(FakeDDP(), saved, 7, None, None, None, lambda: None)
+            hook.start(FakeDDP(), saved, 7, None, None, NO_SCALER, lambda: None)
             assert registered[-1] is hook.state and hook.state.iter == 0  # compression starts over
     assert [r.getMessage() for r in caplog.records] == [
         "the snapshot's powersgd state is per rank, for 4 ranks; "
@@ -262,15 +266,64 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
     saved = {"name": "powersgd", "world_size": 2, "state": {"iter": 9}}
     with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
         hook.start(
-            FakeDDP(), {**saved, "settings": {"powersgd_rank": 2}}, 9, None, None, None, None
+            FakeDDP(), {**saved, "settings": {"powersgd_rank": 2}}, 9, None, None, NO_SCALER, None
         )
     assert not loaded and hook.state.iter == 0
     assert [r.getMessage() for r in caplog.records] == [
         "the snapshot's powersgd state was built with {'powersgd_rank': 2}; this run has "
         "{'powersgd_rank': 4}: that state starts afresh at step 9, from the snapshot's weights"
     ]
-    hook.start(FakeDDP(), saved, 9, None, None, None, None)
+    hook.start(FakeDDP(), saved, 9, None, None, NO_SCALER, None)
     assert loaded == [{"iter": 9}]
+
+
+@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
+def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped(name):
+    """A step whose gradients are not finite (an fp16 overflow) is skipped by the gradient scaler,
+    but its NaNs went into PowerSGD's error feedback and warm-start Q: every later gradient was
+    NaN and every later step skipped, with nothing said. Here a real DDP (one gloo process)
+    compresses, then overflows once: the steps after it are finite and taken. A scale that grows
+    scales the error feedback with it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mingpt.comm_hooks import PowerSGD
+    from mingpt.config import TrainerConfig
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        ddp = DDP(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        # the scale doubles after each step taken
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+        cfg = TrainerConfig(powersgd_rank=1, powersgd_start_step=2)
+        hook = PowerSGD(name, cfg, DistInfo(0, 0, 1, 1, torch.device("cpu")))
+        hook.start(ddp, None, 0, model, optimizer, scaler, lambda: None)
+        x = torch.randn(16, 8)
+        taken = []
+        for step in range(8):
+            loss = ddp(x).square().mean()
+            if step == 4:  # compressing since step 2
+                loss = loss * torch.inf
+            scaler.scale(loss).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(optimizer)
+            scaler.update()
+            errors = [e.clone() for e in hook.state.error_dict.values()]
+            hook.after_optimizer_step()
+            optimizer.zero_grad()
+            after = list(model.parameters())
+            taken.append(not all(torch.equal(b, p) for b, p in zip(before, after, strict=True)))
+            if step == 3:  # grown from 2**11 to 2**12
+                for old, new in zip(errors, hook.state.error_dict.values(), strict=True):
+                    torch.testing.assert_close(new, 2 * old, rtol=0, atol=0)
+        assert taken == [True] * 4 + [False] + [True] * 3
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert scaler.get_scale() == 2.0**14  # 2**12 backed off to 2**11, then grown 3 times
+    finally:
+        dist.destroy_process_group()
 
 
 # torchrun's store across restarts: its shared one (TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset: on one
