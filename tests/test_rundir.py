@@ -145,6 +145,7 @@ def contents(run_dir: Path) -> dict[str, bytes]:
 
 # Refused invocations on the finished run: {name: (overrides, what the one error line says)}.
 def refusals_of(workdir: Path, finished_run: Path) -> dict[str, tuple[list[str], str]]:
+    last_snapshot = sorted((finished_run / "snapshots").glob("step-*"))[-1]
     return {
         "bad value": (
             ["trainer_config.batch_size=0"],
@@ -174,6 +175,16 @@ def refusals_of(workdir: Path, finished_run: Path) -> dict[str, tuple[list[str],
                 f"trainer_config.snapshot_path={finished_run}",
             ],
             f"error: trainer_config.snapshot_path: {finished_run} is another run's directory",
+        ),
+        # One of its snapshots, named instead of their root: the run started afresh inside it.
+        "one snapshot": (
+            [
+                f"hydra.run.dir={workdir / 'runs' / 'inside'}",
+                f"trainer_config.snapshot_path={last_snapshot}",
+            ],
+            f"error: trainer_config.snapshot_path: {last_snapshot} is one snapshot, not a snapshot "
+            f"root: to continue its run, give that run's root ({finished_run / 'snapshots'} holds "
+            "this one)",
         ),
     }
 

@@ -7,9 +7,11 @@ import json
 import logging
 import math
 import os
+import posixpath
 import shlex
 from typing import Any
 
+from mingpt import storage
 from mingpt.config import Config, result_items, value_text
 from mingpt.distributed import SAME_ON_EVERY_RANK, DistInfo, all_gather
 from mingpt.rundir import new_run_hint, shell_override
@@ -241,6 +243,20 @@ def check_not_a_file(snapshot_path: str | None, run_dir: str, root: str) -> None
         f"{path} is a single snapshot file (an export, or a run of an older mingpt): a run resumes "
         "only from its snapshot directory. Fine-tune from its weights in a new run: "
         f"{shell_override('trainer_config.init_from', path)} trainer_config.run_name=NAME"
+    )
+
+
+def check_not_a_snapshot(root: str) -> None:
+    """A snapshot root that is one snapshot (a step-... directory, published: it holds
+    manifest.json) is refused: the run started afresh there, its step directories inside that
+    snapshot, where a user meant to continue from it. Once the location is found reachable."""
+    if not storage.exists(f"{root.rstrip('/')}/{manifest.MANIFEST}"):
+        return
+    parent = posixpath.dirname(root.rstrip("/"))
+    raise SnapshotError(
+        f"trainer_config.snapshot_path: {root} is one snapshot, not a snapshot root: to continue "
+        f"its run, give that run's root ({parent} holds this one), or start from its weights with "
+        f"{shell_override('trainer_config.init_from', root)}"
     )
 
 
