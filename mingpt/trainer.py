@@ -27,7 +27,7 @@ from mingpt.decoding import sample_line
 from mingpt.distributed import SAME_ON_EVERY_RANK, DistInfo, all_max, global_mean
 from mingpt.metrics import Metrics, Pace, SlowNotice
 from mingpt.model import GPT
-from mingpt.optim import create_optimizer, set_lr
+from mingpt.optim import create_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,23 @@ class Trainer:
                 cfg.max_epochs,
                 extra=SAME_ON_EVERY_RANK,
             )
+        # wsd's cooldown, the run's last cooldown_fraction, may begin before the warmup ends: the
+        # rate falls at once from its peak, which no step held.
+        elif state.step < warmup < self.total_steps:
+            opt = config.optimizer_config
+            after = lr_at(warmup, opt, self.total_steps) / opt.learning_rate
+            if after < 1:
+                log.warning(
+                    "optimizer_config.warmup_steps=%d runs into the wsd cooldown (the last "
+                    "cooldown_fraction=%g of the run's %d steps): the learning rate falls from its "
+                    "peak to %.0f%% of it at step %d",
+                    warmup,
+                    opt.cooldown_fraction,
+                    self.total_steps,
+                    100 * after,
+                    warmup + 1,
+                    extra=SAME_ON_EVERY_RANK,
+                )
         tracker = tracking.start(
             config,
             run_dir,

@@ -149,6 +149,33 @@ def test_a_warmup_as_long_as_the_run_is_said_at_start(
         assert said == []
 
 
+@pytest.mark.parametrize(("warmup", "warned"), [(8, True), (3, False)])
+def test_a_warmup_that_runs_into_the_wsd_cooldown_is_said_at_start(
+    tmp_path, small_corpus, caplog, warmup, warned
+):
+    """A 10-step wsd run cools down over its last 60%: a warmup of 8 steps ended in the middle of
+    it, and the rate fell from the peak to a quarter of it in one step, without a word."""
+    dotlist = [
+        *TINY,
+        f"data_config.path={small_corpus}",
+        "optimizer_config.lr_schedule=wsd",
+        f"optimizer_config.warmup_steps={warmup}",
+        "trainer_config.max_steps=10",
+    ]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
+        build(OmegaConf.to_object(config), DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path))
+    said = [r.getMessage() for r in caplog.records if "wsd cooldown" in r.getMessage()]
+    if warned:
+        assert said == [
+            "optimizer_config.warmup_steps=8 runs into the wsd cooldown (the last "
+            "cooldown_fraction=0.6 of the run's 10 steps): the learning rate falls from its peak "
+            "to 27% of it at step 9"
+        ]
+    else:
+        assert said == []
+
+
 def test_a_complete_run_says_no_warmup_warning_and_closes_as_its_end_did(
     tmp_path, small_corpus, caplog, one_thread
 ):
