@@ -123,22 +123,23 @@ def test_a_profile_trace_that_cannot_be_written_costs_a_warning(
     assert "training goes on" in warnings[1] and not list(small_disk.iterdir())
 
 
+def warnings_at_start(tmp_path, corpus, caplog, overrides: list[str], about: str) -> list[str]:
+    """The trainer's warnings about `about` as a tiny run with `overrides` is built."""
+    dotlist = [*TINY, f"data_config.path={corpus}", *overrides]
+    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
+        build(OmegaConf.to_object(config), DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path))
+    return [r.getMessage() for r in caplog.records if about in r.getMessage()]
+
+
 @pytest.mark.parametrize(("warmup", "warned"), [(5, True), (4, True), (3, False), (0, False)])
 def test_a_warmup_as_long_as_the_run_is_said_at_start(
     tmp_path, small_corpus, caplog, warmup, warned
 ):
     """The learning rate of a 4-step run with a warmup of 4 or more steps never decays from its
     peak, nor reaches it before the last step: one warning naming both keys."""
-    dotlist = [
-        *TINY,
-        f"data_config.path={small_corpus}",
-        f"optimizer_config.warmup_steps={warmup}",
-        "trainer_config.max_steps=4",
-    ]
-    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
-    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
-        build(OmegaConf.to_object(config), DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path))
-    said = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    overrides = [f"optimizer_config.warmup_steps={warmup}", "trainer_config.max_steps=4"]
+    said = warnings_at_start(tmp_path, small_corpus, caplog, overrides, "warmup_steps")
     if warned:
         assert said == [
             f"optimizer_config.warmup_steps={warmup} covers the whole run of 4 steps "
@@ -155,17 +156,12 @@ def test_a_warmup_that_runs_into_the_wsd_cooldown_is_said_at_start(
 ):
     """A 10-step wsd run cools down over its last 60%: a warmup of 8 steps ended in the middle of
     it, and the rate fell from the peak to a quarter of it in one step, without a word."""
-    dotlist = [
-        *TINY,
-        f"data_config.path={small_corpus}",
+    overrides = [
         "optimizer_config.lr_schedule=wsd",
         f"optimizer_config.warmup_steps={warmup}",
         "trainer_config.max_steps=10",
     ]
-    config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
-    with caplog.at_level(logging.WARNING, logger="mingpt.trainer"):
-        build(OmegaConf.to_object(config), DistInfo(0, 0, 1, 1, torch.device("cpu")), str(tmp_path))
-    said = [r.getMessage() for r in caplog.records if "wsd cooldown" in r.getMessage()]
+    said = warnings_at_start(tmp_path, small_corpus, caplog, overrides, "wsd cooldown")
     if warned:
         assert said == [
             "optimizer_config.warmup_steps=8 runs into the wsd cooldown (the last "
