@@ -254,10 +254,13 @@ class Trainer:
             )
         # wsd's cooldown, the run's last cooldown_fraction, may begin before the warmup ends: the
         # rate falls at once from its peak, which no step held.
-        elif state.step < warmup < self.total_steps:
+        elif (
+            state.step < warmup < self.total_steps and config.optimizer_config.lr_schedule == "wsd"
+        ):
             opt = config.optimizer_config
             after = lr_at(warmup, opt, self.total_steps) / opt.learning_rate
-            if after < 1:
+            # Not a fall of rounding: the floor plus the rest of the peak can come to just under 1.
+            if after < 0.99:
                 log.warning(
                     "optimizer_config.warmup_steps=%d runs into the wsd cooldown (the last "
                     "cooldown_fraction=%g of the run's %d steps): the learning rate falls from its "

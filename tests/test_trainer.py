@@ -150,14 +150,18 @@ def test_a_warmup_as_long_as_the_run_is_said_at_start(
         assert said == []
 
 
-@pytest.mark.parametrize(("warmup", "warned"), [(8, True), (3, False)])
+@pytest.mark.parametrize(
+    ("warmup", "learning_rate", "warned"), [(8, 3e-3, True), (3, 3e-3, False), (3, 6e-4, False)]
+)
 def test_a_warmup_that_runs_into_the_wsd_cooldown_is_said_at_start(
-    tmp_path, small_corpus, caplog, warmup, warned
+    tmp_path, small_corpus, caplog, warmup, learning_rate, warned
 ):
     """A 10-step wsd run cools down over its last 60%: a warmup of 8 steps ended in the middle of
-    it, and the rate fell from the peak to a quarter of it in one step, without a word."""
+    it, and the rate fell from the peak to a quarter of it in one step, without a word. A rate
+    whose floor and rest of the peak add up to just under it (6e-4) falls by nothing."""
     overrides = [
         "optimizer_config.lr_schedule=wsd",
+        f"optimizer_config.learning_rate={learning_rate}",
         f"optimizer_config.warmup_steps={warmup}",
         "trainer_config.max_steps=10",
     ]
