@@ -351,6 +351,23 @@ def _encoded(sources: list[str], cache: token_cache.TokenCache) -> list[str]:
     return encoded
 
 
+def _say_copies(sources: list[str], cache: token_cache.TokenCache) -> None:
+    """Warn of each file whose text an earlier one holds: a copy of a file (a backup beside it
+    that a glob matches, a hard link) is no name of the same file, which cache_location refuses,
+    but its text is trained on and evaluated twice."""
+    first = {}  # {a text's digest: the first file that holds it}
+    for source, entry in zip(sources, cache.sources, strict=True):
+        if entry["sha256"] in first:
+            log.warning(
+                "%s holds the same text as %s: it is trained on and evaluated twice",
+                source,
+                first[entry["sha256"]],
+                extra=SAME_ON_EVERY_RANK,
+            )
+        else:
+            first[entry["sha256"]] = source
+
+
 def load_data(cfg: DataConfig, build: bool = True) -> CharData:
     """Open the corpus's token cache (building it first unless `build` is False: another process of
     the node did) and split it: the first train_split of each file trains, the rest of it is held
@@ -363,6 +380,7 @@ def load_data(cfg: DataConfig, build: bool = True) -> CharData:
             return load_data(cfg, build=True)
         raise DataError(f"token cache {path} is unusable right after it was built: {e}") from None
     sources = _encoded(sources, cache)
+    _say_copies(sources, cache)
     train = []
     heldout = []
     offset = 0  # of the file in the cache's tokens

@@ -218,6 +218,28 @@ def test_unusable_corpora_are_refused_in_one_line(tmp_path):
         load_data(DataConfig(path=str(good), block_size=8, cache_dir="/proc/nope"))
 
 
+def test_a_file_whose_text_another_holds_too_is_said(tmp_path, caplog):
+    """A copy or a hard link is another name, not the same file: it is read, and said to train
+    and evaluate its text twice."""
+    good = tmp_path / "good.txt"
+    good.write_text("abcdefgh" * 50, encoding="utf-8")
+    (tmp_path / "other.txt").write_text("hgfedcba" * 50, encoding="utf-8")
+    caplog.set_level(logging.WARNING, logger="mingpt.data")
+    load_data(DataConfig(path=str(tmp_path / "*.txt"), block_size=8))
+    assert "the same text" not in caplog.text
+    copy = tmp_path / "good (copy).txt"
+    copy.write_bytes(good.read_bytes())
+    link = tmp_path / "link.txt"
+    os.link(good, link)
+    data = load_data(DataConfig(path=str(tmp_path / "*.txt"), block_size=8))
+    assert len(data.files) == 4
+    said = [r.getMessage() for r in caplog.records if "the same text" in r.getMessage()]
+    assert said == [
+        f"{name} holds the same text as {copy}: it is trained on and evaluated twice"
+        for name in (good, link)
+    ]
+
+
 @pytest.mark.parametrize("block_size", [10**12, 10**20])
 def test_a_block_longer_than_every_file_of_several_is_refused_in_one_line(tmp_path, block_size):
     """Each file's too short split is a warning; that none is long enough is the refusal (the
