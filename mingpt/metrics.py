@@ -65,11 +65,19 @@ class Pace:
         self.started = time.perf_counter()
         self._window_start = self.started
         self._window_step = step  # the step the window started at
+        # The tokens that the window's steps trained short of a whole global batch each (an
+        # epoch's last step; every step where the global batch exceeds the epoch).
+        self._window_short = 0
         # (time, step) of the first event, whose window holds the start-up and compilation.
         self._pace_from: tuple[float, int] | None = None
         self._measured_again = False
         self._best_pace = 0.0  # tokens/s, of the events after the first
         self._slow_events = 0  # in a row
+
+    def short_step(self, tokens: int) -> None:
+        """A step that trained `tokens`, fewer than a whole global batch: tokens/s and MFU count
+        those it trained, not a batch's."""
+        self._window_short += self.tokens_per_step - tokens
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -83,7 +91,7 @@ class Pace:
         session's pace since its first event: the first window holds the start-up and compilation,
         so it gives none."""
         now = time.perf_counter()
-        tokens = (step - self._window_step) * self.tokens_per_step
+        tokens = (step - self._window_step) * self.tokens_per_step - self._window_short
         tokens_per_s = tokens / (now - self._window_start)
         note = f"elapsed {duration(now - self.started)}"
         slowed_from = None
@@ -108,6 +116,7 @@ class Pace:
             mfu = flops_per_s / self._peak
         self._window_start = time.perf_counter()
         self._window_step = step
+        self._window_short = 0
         return PaceEvent(tokens_per_s, mfu, note, slowed_from)
 
     def _slowed(self, seconds: float, tokens_per_s: float) -> bool:

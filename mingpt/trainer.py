@@ -321,6 +321,10 @@ class Trainer:
                     indices = next(batches)
                     loss, grad_norm, lr = self.train_step(indices)
                     samples = len(indices) * self.dist.world_size
+                    # An epoch's last step (or every step, where the global batch exceeds the
+                    # epoch) trains fewer windows: the pace counts those.
+                    if len(indices) < self.samples_per_step:
+                        self.pace.short_step(samples * self.train_windows.block_size)
                     epoch_ended = state.advance(samples, len(self.data.train))
                     last_step = state.step >= self.total_steps
                     self.metrics.show_progress(state.step, self.total_steps)

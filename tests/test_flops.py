@@ -132,6 +132,43 @@ def test_train_events_carry_mfu_and_peak_memory(small_corpus, monkeypatch, one_t
         assert 0 < e["mfu"] < 1 and e["peak_mem_mib"] > 100  # torch alone takes more
 
 
+def test_an_epochs_short_last_step_counts_the_tokens_it_trained(
+    small_corpus, monkeypatch, one_thread
+):
+    """An epoch's last step takes the windows left, fewer than a global batch: its tokens/s (and
+    MFU) count those, not a whole batch's (it read up to a batch over one window too fast, every
+    step where the batch exceeds the epoch)."""
+    import json
+
+    cfg = config(
+        f"data_config.path={small_corpus}",
+        "trainer_config.batch_size=100",
+        "trainer_config.max_steps=4",
+        "trainer_config.log_every=1",
+        "trainer_config.eval_every=0",
+        "trainer_config.sample_chars=0",
+    )
+    run_dir = small_corpus.parent / "short"
+    # A clock that moves 1 s per optimizer step alone: tokens/s is each step's tokens.
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    trainer = build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu")), str(run_dir))
+    n_train = len(trainer.data.train)
+    assert 200 < n_train < 300  # 3 steps an epoch, the last short
+    train_step = trainer.train_step
+
+    def timed_step(indices):
+        now[0] += 1.0
+        return train_step(indices)
+
+    monkeypatch.setattr(trainer, "train_step", timed_step)
+    trainer.train()
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [e["tokens_per_s"] for e in events if e["split"] == "train"]
+    block = cfg.data_config.block_size
+    assert rates == [100 * block, 100 * block, (n_train - 200) * block, 100 * block]
+
+
 def test_a_peak_measured_under_load_is_measured_again_once_the_pace_exceeds_it(monkeypatch):
     """A CPU's peak measured while other work held its cores is below the pace its steps reach
     later, and MFU came out above 1: the peak is then measured again, and the higher kept."""
