@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -99,8 +100,6 @@ def test_train_events_carry_mfu_and_peak_memory(small_corpus, monkeypatch, one_t
     """The default model's steps (4 GFLOP) get an MFU against the measured peak,
     computed as bench_train computes it; the tests' tiny models get none. A pace that fell far
     (metrics.Pace, as the test below) is told in one warning naming the fix."""
-    import json
-
     peaks = []
     monkeypatch.setattr(
         flops, "peak_rate", lambda device, dtype: peaks.append(dtype) or QUIET_2_CORES
@@ -138,8 +137,6 @@ def test_an_epochs_short_last_step_counts_the_tokens_it_trained(
     """An epoch's last step takes the windows left, fewer than a global batch: its tokens/s (and
     MFU) count those, not a whole batch's (it read up to a batch over one window too fast, every
     step where the batch exceeds the epoch)."""
-    import json
-
     cfg = config(
         f"data_config.path={small_corpus}",
         "trainer_config.batch_size=100",
