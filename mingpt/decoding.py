@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # the smallest normal float32: logits / it is no nan
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+# The smallest E = -log(1 - U) of a uniform float32 draw U above 0: a CPU's draws are multiples of
+# 2**-24 (24 random bits), and E is about U there.
+MIN_EXPONENTIAL = 2.0**-24
 # Token i of a generation takes noise row i % rows of the block drawn for tokens i - i % rows
 # onward, whatever the path or chunk size; a block holds NOISE_ROWS tokens' worth per sample, fewer
 # for a large vocabulary (noise_rows).
@@ -57,8 +60,15 @@ def draw_noise(noise: torch.Tensor, generator: Generators = None) -> torch.Tenso
             part.uniform_(generator=g)
     else:
         noise.uniform_(generator=generator)
-    # U in [0, 1): E = -log(1 - U) is in [0, 16.6]; clamped away from 0, its log is finite.
-    return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
+    return gumbel_(noise)
+
+
+def gumbel_(uniform: torch.Tensor) -> torch.Tensor:
+    """Turn draws U of a float32 uniform on [0, 1) into Gumbel noise -log(E), E = -log(1 - U), in
+    place. E is at least MIN_EXPONENTIAL, so U = 0 counts as the next draw up and the noise is at
+    most 16.6: were E only kept from 0 (float32's tiny), U = 0 would give a noise of 87, and a
+    token of any probability above e**-87 would beat the most likely one once in 2**24 draws."""
+    return uniform.neg_().log1p_().neg_().clamp_min_(MIN_EXPONENTIAL).log_().neg_()
 
 
 def pick(

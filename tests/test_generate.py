@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import copy
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ import mingpt.generate as generate_cli
 from mingpt import decoding
 from mingpt.command import parse_args
 from mingpt.config import ConfigError, GPTConfig
-from mingpt.decoding import draw_noise, generate, next_token, noise_rows, pick
+from mingpt.decoding import draw_noise, generate, gumbel_, next_token, noise_rows, pick
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
 from mingpt.model import GPT, KVCache
 from mingpt.snapshot import single_file
@@ -505,6 +506,19 @@ def test_the_exponential_race_samples_the_softmax():
         assert chi_square(freq, expected) < 36, settings
         if not settings:
             assert chi_square(freq, torch.full_like(probs, 1 / 6)) > 1800  # the test can tell
+
+
+def test_a_uniform_draw_of_zero_does_not_pick_an_unlikely_token():
+    """U = 0, one float32 uniform draw in 2**24, is the next draw up, 2**-24: its noise was 87
+    (E clamped to float32's tiny), and a token e**-60 as likely as another won the race against
+    the other's least noise. Tokens so unlikely are never drawn; the race is otherwise as before."""
+    least_top = gumbel_(torch.tensor([1 - 2.0**-24]))  # the most likely token's least noise
+    for u in (0.0, 2.0**-24):
+        most = gumbel_(torch.tensor([u]))
+        assert most.item() == pytest.approx(-math.log(2.0**-24))
+        noise = torch.cat([least_top, most])[None]
+        assert pick(torch.tensor([[0.0, -60.0]]), noise).item() == 0, u
+        assert pick(torch.tensor([[0.0, -10.0]]), noise).item() == 1, u
 
 
 def test_where_torch_makes_no_package_the_step_is_torch_compiled(
