@@ -313,16 +313,19 @@ def _fmt(value: Any) -> str:
 
 
 def events(path: str) -> Iterator[tuple[bytes, dict]]:
-    """The events of a metrics.jsonl as (line, record); a line that is not one (cut short, not JSON)
-    is left out."""
+    """The events of a metrics.jsonl as (line, record); a line that is not one (cut short, not JSON,
+    or a hand edit's, without an integer step or a split) is left out."""
     if not os.path.isfile(path):
         return
     with open(path, "rb") as f:
         for line in f:
             try:
                 record = json.loads(line)
-                int(record["step"])
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or "split" not in record:
+                continue
+            if type(record.get("step")) is not int:
                 continue
             if not line.endswith(b"\n"):
                 line += b"\n"

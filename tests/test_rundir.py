@@ -347,7 +347,8 @@ def test_a_record_file_of_the_wrong_kind_is_one_line(tmp_path, name):
 
 def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(tmp_path):
     """The record of an attempt killed after the snapshot it resumes from: the
-    same snapshot, so its later events go (a non-UTF-8 or cut line with them)."""
+    same snapshot, so its later events go (a non-UTF-8 or cut line with them, and lines a hand
+    edit left without an integer step or a split, which stopped the resume with a traceback)."""
     from mingpt.distributed import DistInfo
     from mingpt.metrics import Metrics
     from mingpt.rundir import LOCK_FILE, claim
@@ -356,6 +357,9 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
     lines = [
         b'{"step": 5, "epoch": 0, "split": "train"}\n',
         b"\xff\xfe not UTF-8\n",
+        b'{"step": "3", "epoch": 0, "split": "train"}\n',
+        b'{"step": 4, "epoch": 0}\n',
+        b"[4]\n",
         b'{"step": 9, "epoch": 0, "split": "train"}\n',
         b'{"step": 10, "epo',
     ]
