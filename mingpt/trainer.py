@@ -648,5 +648,9 @@ class Trainer:
         """One forward and backward, gradients dropped: DDP rebuilds its buckets in backward's order
         on the next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
-        ddp(*self.train_windows.batch(first))[1].backward()
+        # In the training step's autocast: AMP's casts change the order backward produces the
+        # gradients in, and the restored state is laid out in the training step's order.
+        with self._autocast():
+            _, loss = ddp(*self.train_windows.batch(first))
+        loss.backward()
         self.optimizer.zero_grad()

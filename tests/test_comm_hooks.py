@@ -54,6 +54,9 @@ POWERSGD = {
     for hook in ("powersgd", "batched_powersgd")
 }
 
+# Autocast changes the order backward produces the gradients in, and so DDP's rebuilt buckets.
+AMP = ["trainer_config.use_amp=true", "trainer_config.amp_on_cpu=true"]
+
 
 def job(name: str, *overrides: str) -> dict:
     return {"name": name, "overrides": [*TINY, *COMMON, *overrides], "train": True}
@@ -85,15 +88,23 @@ def runs(tmp_path_factory, corpus_file):
             job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}")
             for hook, keys in POWERSGD.items()
         ),
+        job(
+            "powersgd_amp",
+            *POWERSGD["powersgd"],
+            *AMP,
+            f"trainer_config.max_steps={POWERSGD_STEPS}",
+        ),
         # Saved at step 10, compressing since step 3, and resumed by a new DDP of the same ranks.
         *(
             job(
-                f"powersgd_{part}",
+                f"powersgd{variant}_{part}",
                 *POWERSGD["powersgd"],
-                f"trainer_config.snapshot_path={tmp / 'powersgd-resumed'}",
+                *keys,
+                f"trainer_config.snapshot_path={tmp / f'powersgd{variant}-resumed'}",
                 f"trainer_config.max_steps={steps}",
                 "trainer_config.allow_config_change=true",
             )
+            for variant, keys in (("", []), ("_amp", AMP))
             for part, steps in (("to_10", 10), ("from_10", POWERSGD_STEPS))
         ),
     ]
@@ -147,18 +158,22 @@ def test_localsgd_resumes_bitwise_and_saving_or_evaluating_changes_nothing(runs)
     torch.testing.assert_close(snapshot["model_state"], mean, rtol=0, atol=1e-6)
 
 
-def test_powersgd_resumes_bitwise_from_a_save_mid_compression(runs):
+@pytest.mark.parametrize("variant", ["", "_amp"])
+def test_powersgd_resumes_bitwise_from_a_save_mid_compression(runs, variant):
     """Saved at step 10 (compressing since step 3), each rank's error feedback, the warm-start P
     and Q and the random state of Q's starts are restored in a new DDP: the resumed run ends
-    bitwise where the uninterrupted run ended (after a SIGKILL and a restart: the test below)."""
+    bitwise where the uninterrupted run ended (after a SIGKILL and a restart: the test below).
+    Under AMP too: the step that lays out DDP's buckets before the restore runs in autocast, as
+    training does; without it the restored state went to a bucket of another order."""
     tmp, results = runs
+    name = f"powersgd{variant}"
     for rank in (0, 1):
         # it resumed the save at step 10, not a fresh start
         assert same(
-            results["powersgd_from_10"][rank]["init"], results["powersgd_to_10"][rank]["state"]
+            results[f"{name}_from_10"][rank]["init"], results[f"{name}_to_10"][rank]["state"]
         )
-        assert same(results["powersgd_from_10"][rank]["state"], results["powersgd"][rank]["state"])
-    snapshot = read_snapshot(tmp / "powersgd-resumed")
+        assert same(results[f"{name}_from_10"][rank]["state"], results[name][rank]["state"])
+    snapshot = read_snapshot(tmp / f"{name}-resumed")
     assert snapshot["step"] == POWERSGD_STEPS and snapshot["comm_hook"]["name"] == "powersgd"
     assert len(snapshot["comm_hook"]["ranks"][1]["error"]) >= 1
 
