@@ -222,7 +222,11 @@ class Trainer:
         if dist_info.is_distributed and not self.fsdp:
             ddp = parallel.replicate(model, dist_info, self.comm)
             self.model = ddp
+        if cfg.compile:
+            self.model = torch.compile(self.model)
         # In one process too: there a hook's state saved by several ranks is said to go unused.
+        # The warm-up step goes through the model that trains (compiled or not): the compiled
+        # backward produces the gradients in another order, which the restored state is laid out in.
         self.comm.start(
             ddp,
             checkpointer.comm_state,
@@ -230,10 +234,8 @@ class Trainer:
             model,
             self.optimizer,
             self.scaler,
-            functools.partial(self._warm_up_ddp, ddp),
+            functools.partial(self._warm_up_ddp, self.model),
         )
-        if cfg.compile:
-            self.model = torch.compile(self.model)
         W = dist_info.world_size
         self.train_sampler = ResumableSampler(n_train, W, dist_info.rank, seed=cfg.seed)
         self.plan = step_plan(cfg, n_train, W, state)
@@ -644,13 +646,13 @@ class Trainer:
             return text
         return None
 
-    def _warm_up_ddp(self, ddp: torch.nn.Module) -> None:
-        """One forward and backward, gradients dropped: DDP rebuilds its buckets in backward's order
-        on the next step."""
+    def _warm_up_ddp(self, model: torch.nn.Module) -> None:
+        """One forward and backward of `model` (the DDP model, compiled or not), gradients dropped:
+        DDP rebuilds its buckets in backward's order on the next step."""
         first = torch.arange(min(self.cfg.batch_size, len(self.data.train)), device=self.device)
         # In the training step's autocast: AMP's casts change the order backward produces the
         # gradients in, and the restored state is laid out in the training step's order.
         with self._autocast():
-            _, loss = ddp(*self.train_windows.batch(first))
+            _, loss = model(*self.train_windows.batch(first))
         loss.backward()
         self.optimizer.zero_grad()

@@ -55,7 +55,11 @@ POWERSGD = {
 }
 
 # Autocast changes the order backward produces the gradients in, and so DDP's rebuilt buckets.
-AMP = ["trainer_config.use_amp=true", "trainer_config.amp_on_cpu=true"]
+# So does compile.
+VARIANTS = {
+    "_amp": ["trainer_config.use_amp=true", "trainer_config.amp_on_cpu=true"],
+    "_compile": ["trainer_config.compile=true"],
+}
 
 
 def job(name: str, *overrides: str) -> dict:
@@ -88,11 +92,14 @@ def runs(tmp_path_factory, corpus_file):
             job(hook, *keys, f"trainer_config.max_steps={POWERSGD_STEPS}")
             for hook, keys in POWERSGD.items()
         ),
-        job(
-            "powersgd_amp",
-            *POWERSGD["powersgd"],
-            *AMP,
-            f"trainer_config.max_steps={POWERSGD_STEPS}",
+        *(
+            job(
+                f"powersgd{variant}",
+                *POWERSGD["powersgd"],
+                *keys,
+                f"trainer_config.max_steps={POWERSGD_STEPS}",
+            )
+            for variant, keys in VARIANTS.items()
         ),
         # Saved at step 10, compressing since step 3, and resumed by a new DDP of the same ranks.
         *(
@@ -104,7 +111,7 @@ def runs(tmp_path_factory, corpus_file):
                 f"trainer_config.max_steps={steps}",
                 "trainer_config.allow_config_change=true",
             )
-            for variant, keys in (("", []), ("_amp", AMP))
+            for variant, keys in {"": [], **VARIANTS}.items()
             for part, steps in (("to_10", 10), ("from_10", POWERSGD_STEPS))
         ),
     ]
@@ -158,13 +165,14 @@ def test_localsgd_resumes_bitwise_and_saving_or_evaluating_changes_nothing(runs)
     torch.testing.assert_close(snapshot["model_state"], mean, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["", "_amp"])
+@pytest.mark.parametrize("variant", ["", *VARIANTS])
 def test_powersgd_resumes_bitwise_from_a_save_mid_compression(runs, variant):
     """Saved at step 10 (compressing since step 3), each rank's error feedback, the warm-start P
     and Q and the random state of Q's starts are restored in a new DDP: the resumed run ends
     bitwise where the uninterrupted run ended (after a SIGKILL and a restart: the test below).
-    Under AMP too: the step that lays out DDP's buckets before the restore runs in autocast, as
-    training does; without it the restored state went to a bucket of another order."""
+    Under AMP and compile too: the step that lays out DDP's buckets before the restore runs in
+    autocast, through the compiled model, as training does; without that the restored state went
+    to a bucket of another order."""
     tmp, results = runs
     name = f"powersgd{variant}"
     for rank in (0, 1):
