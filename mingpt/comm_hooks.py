@@ -59,8 +59,11 @@ class CommHook:
             and saved.get("name") == self.name
             and saved.get("world_size") == self.dist.world_size
         )
-        # a snapshot written before settings were saved: its hook's own
-        same_settings = same_hook and saved.get("settings", self.settings) == self.settings
+        # A setting the snapshot does not record (written before it was saved) is taken as this
+        # run's.
+        same_settings = (
+            same_hook and {**self.settings, **saved.get("settings", {})} == self.settings
+        )
         if same_settings and saved.get("state") is not None:
             self.load_own_state(saved["state"], warm_up)
         elif same_hook and not same_settings and self.dist.is_main_process:
@@ -124,8 +127,9 @@ class PowerSGD(CommHook):
         self.hook = torch_fixes.powersgd_hook(
             name == "batched_powersgd", dist_info.device.type == "cuda"
         )
-        # P and Q have powersgd_rank columns
-        self.settings = {"powersgd_rank": cfg.powersgd_rank}
+        # P and Q have powersgd_rank columns; a compiled backward produces the gradients in another
+        # order, which the error feedback's bucket is laid out in.
+        self.settings = {"powersgd_rank": cfg.powersgd_rank, "compile": cfg.compile}
         if dist_info.backend == "gloo":
             # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces
             # wrongly (docs/training.md).

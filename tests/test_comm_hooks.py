@@ -272,8 +272,9 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
 
 def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
     """P and Q have powersgd_rank columns: restored under another rank, the first compressed step
-    failed in a reshape, on every attempt. A snapshot written before the settings were saved keeps
-    its state."""
+    failed in a reshape, on every attempt. Nor does it go on across a change of `compile`, which
+    lays out the error feedback's bucket in another order. A snapshot written before the settings
+    (or one of them) were saved keeps its state."""
     from mingpt.comm_hooks import PowerSGD
     from mingpt.config import TrainerConfig
 
@@ -292,12 +293,28 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
             FakeDDP(), {**saved, "settings": {"powersgd_rank": 2}}, 9, None, None, NO_SCALER, None
         )
     assert not loaded and hook.state.iter == 0
+    with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
+        hook.start(
+            FakeDDP(),
+            {**saved, "settings": {"powersgd_rank": 4, "compile": True}},
+            9,
+            None,
+            None,
+            NO_SCALER,
+            None,
+        )
+    assert not loaded
+    this_run = "{'powersgd_rank': 4, 'compile': False}"
     assert [r.getMessage() for r in caplog.records] == [
-        "the snapshot's powersgd state was built with {'powersgd_rank': 2}; this run has "
-        "{'powersgd_rank': 4}: that state starts afresh at step 9, from the snapshot's weights"
+        f"the snapshot's powersgd state was built with {settings}; this run has {this_run}: that "
+        "state starts afresh at step 9, from the snapshot's weights"
+        for settings in ("{'powersgd_rank': 2}", "{'powersgd_rank': 4, 'compile': True}")
     ]
     hook.start(FakeDDP(), saved, 9, None, None, NO_SCALER, None)
-    assert loaded == [{"iter": 9}]
+    hook.start(
+        FakeDDP(), {**saved, "settings": {"powersgd_rank": 4}}, 9, None, None, NO_SCALER, None
+    )
+    assert loaded == [{"iter": 9}, {"iter": 9}]
 
 
 @pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
