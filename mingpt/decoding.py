@@ -172,6 +172,30 @@ def one_row_products_lag() -> bool:
     return seconds["blas"] > 2 * seconds["read"]
 
 
+def transposed_copies(model: GPT, rows: int) -> dict[int, torch.Tensor] | None:
+    """Copies of the blocks' matrices stored transposed (in_features x out_features), by each
+    weight's identity, where the BLAS multiplies `rows` rows by them at least a fifth faster than
+    by the weights (else None): MKL on an Intel Xeon took 0.7x the time for 4 to 16 rows, and
+    longer for 2 or 3 (BENCHMARKS.md). Timed on all of the blocks' products, the weights streamed
+    from memory as a step streams them, the fastest of five passes each: about 30 ms at 6/6/384."""
+    weights = [p for p in model.h.parameters() if p.dim() == 2]
+    copies = [w.detach().t().contiguous().t() for w in weights]
+    # ones: torch's random stream is left as it was
+    inputs = [torch.ones(rows, w.size(1)) for w in weights]
+
+    def seconds(matrices: list[torch.Tensor]) -> float:
+        def products() -> None:
+            for x, w in zip(inputs, matrices, strict=True):
+                F.linear(x, w)
+
+        return min(timeit.repeat(products, number=1, repeat=5))
+
+    with without_onednn():  # as the step multiplies
+        if seconds(copies) >= 0.8 * seconds(weights):
+            return None
+    return {id(w): copy for w, copy in zip(weights, copies, strict=True)}
+
+
 def step_linear(model: GPT, batch_size: int = 1) -> Callable:
     """The matrix product of an eager cached step for batch_size rows on a CPU: oneDNN's where it
     multiplies one row at least a quarter faster than the BLAS (MKL on an AMD EPYC: 1.8x, and
@@ -180,8 +204,9 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
 
     For several rows, oneDNN multiplies by a copy of the blocks' weights that it packed once for
     that many rows: 16 rows' products in two thirds of the time, the plain weights' products up to
-    rounding (bitwise with AVX-512 kernels, not with oneDNN's AVX2 ones). The copy costs
-    the weights' size in memory for the generation; one row gains nothing from it."""
+    rounding (bitwise with AVX-512 kernels, not with oneDNN's AVX2 ones). Where the BLAS multiplies,
+    it does so by a copy of them stored transposed, where that is faster (transposed_copies). Either
+    copy costs the weights' size in memory for the generation; one row gains nothing from it."""
     weight = model.lm_head.weight
     if (
         type(weight) is not nn.Parameter
@@ -191,7 +216,12 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
         return F.linear
     seconds = one_row_seconds()
     if seconds["onednn"] >= 0.8 * seconds["blas"]:
-        return F.linear
+        copies = None
+        if batch_size > 1:
+            copies = transposed_copies(model, batch_size)
+        if copies is None:
+            return F.linear
+        return by_copy(F.linear, copies)
     if batch_size == 1:
         return onednn_linear
     weights = [p for p in model.h.parameters() if p.dim() == 2]
@@ -199,8 +229,13 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
         packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, batch_size) for w in weights}
     except (AttributeError, RuntimeError):  # a torch without the op, or that refuses the shape
         return onednn_linear
-    # by identity: the step passes each block's own parameters; any other weight as it is
-    return lambda x, weight, bias=None: onednn_linear(x, packed.get(id(weight), weight), bias)
+    return by_copy(onednn_linear, packed)
+
+
+def by_copy(product: Callable, copies: dict[int, torch.Tensor]) -> Callable:
+    """product(x, weight, bias) by the copy of each weight in `copies`, by the weight's identity:
+    the step passes each block's own parameters; any other weight goes as it is."""
+    return lambda x, weight, bias=None: product(x, copies.get(id(weight), weight), bias)
 
 
 def decode_step(

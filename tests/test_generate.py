@@ -324,15 +324,23 @@ def test_where_onednn_multiplies_a_row_faster_an_eager_step_uses_it(
         decoding, "one_row_seconds", lambda: {"blas": 2.0, "read": 1.0, "onednn": 1.7}
     )
     assert decoding.step_linear(model) is F.linear
+    # Several rows: the BLAS's products by copies of the weights stored transposed, where they are
+    # measured faster (this CPU's answer; the test below takes either)
+    copies = decoding.transposed_copies(model, 16)
+    if copies is not None:
+        for w in model.h.parameters():
+            if w.dim() == 2:
+                assert copies[id(w)].stride() == (1, w.size(0)) and torch.equal(copies[id(w)], w)
 
 
-@pytest.mark.parametrize("products", ["blas", "onednn"])
+@pytest.mark.parametrize("products", ["blas", "transposed", "onednn"])
 def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread, monkeypatch, products):
     """A batch of samples with one generator each: every row gets the tokens it
     gets alone with that generator (so sample 1 is unchanged by num_samples),
-    cached or not, and the same seeds give the same batch. With oneDNN's products,
-    a batch's come from weights packed for its rows: the same products up to rounding (oneDNN's
-    AVX2 kernels, on an Intel Xeon or with ONEDNN_MAX_CPU_ISA=AVX2, round them differently)."""
+    cached or not, and the same seeds give the same batch. A batch's products may come from a copy
+    of the weights stored transposed (the BLAS's) or packed for its rows (oneDNN's): the same
+    products up to rounding (oneDNN's AVX2 kernels, on an Intel Xeon or with
+    ONEDNN_MAX_CPU_ISA=AVX2, round them differently)."""
     model, tokenizer, _ = load_model(str(snapshot), torch.device("cpu"))
     idx = tokenizer.encode("ROMEO:").long()[None]
     faster = {"blas": 1.0, "read": 1.0, "onednn": 2.0}
@@ -341,15 +349,30 @@ def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread, monk
             pytest.skip("this torch has no oneDNN that agrees with F.linear")
         faster = {"blas": 2.0, "read": 1.0, "onednn": 1.0}
     monkeypatch.setattr(decoding, "one_row_seconds", lambda: faster)
-    if products == "onednn":
+    copies = None
+    if products == "transposed":  # as the measurement gives them where they are faster
+        copies = {
+            id(w): w.detach().t().contiguous().t() for w in model.h.parameters() if w.dim() == 2
+        }
+    monkeypatch.setattr(decoding, "transposed_copies", lambda model, rows: copies)
+    multiplied = []  # whether each matrix F.linear is given is stored transposed (a copy's)
+
+    def spy(x, weight, bias=None):
+        multiplied.append(weight.stride() == (1, weight.size(0)))
+        return torch.addmm(bias, x, weight.t())
+
+    with monkeypatch.context() as patched:
+        patched.setattr(F, "linear", spy)
         linear = decoding.step_linear(model, 3)
-        assert linear is not decoding.onednn_linear  # packed for 3 rows
+        plain = {"blas": spy, "transposed": spy, "onednn": decoding.onednn_linear}[products]
+        assert (linear is plain) == (products == "blas")  # else by a copy for 3 rows
         for block in model.h:
             x = torch.randn(3, block.attn.c_attn.in_features)
             weight, bias = block.attn.c_attn.weight, block.attn.c_attn.bias
-            torch.testing.assert_close(
-                linear(x, weight, bias), decoding.onednn_linear(x, weight, bias)
-            )
+            torch.testing.assert_close(linear(x, weight, bias), plain(x, weight, bias))
+    # per block: the step's product, then the plain one
+    transposed = {"blas": [False, False], "transposed": [True, False], "onednn": []}[products]
+    assert multiplied == transposed * len(model.h)
     for use_cache in (True, False):
         generators = [torch.Generator().manual_seed(seed) for seed in (11, 12, 13)]
         batch = torch.cat(
