@@ -210,8 +210,9 @@ class DataConfig:
     truncate: float = key(1.0, "use only this leading fraction of each file", valid="(0, 1]")
     stride: int = key(
         64,
-        "a training window starts every `stride` characters (1: at every character); held-out "
-        "windows never overlap",
+        "a training window starts every `stride` characters (1: at every character; above "
+        "`block_size`, the characters between windows are never trained on, said at start); "
+        "held-out windows never overlap",
         valid=">= 1",
     )
     cache_dir: str | None = key(

@@ -227,6 +227,20 @@ def announce(t: Trainer) -> None:
             n_train,
             extra=SAME_ON_EVERY_RANK,
         )
+    block = t.train_windows.block_size
+    stride = t.data.train.stride
+    if stride > block:
+        log.warning(
+            "data_config.stride (%d) is larger than data_config.block_size (%d): the %d characters "
+            "between one training window's targets and the next's are never predicted, about %d%% "
+            "of the training text (data_config.stride=%d or less trains on all of it)",
+            stride,
+            block,
+            stride - block,
+            100 * (stride - block) // stride,
+            block,
+            extra=SAME_ON_EVERY_RANK,
+        )
     if t.device.type != "cpu" or not t.dist.is_main_process or t.finished():
         return
     # A step takes at most an epoch's share of the windows.

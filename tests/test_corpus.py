@@ -390,6 +390,33 @@ def test_a_node_whose_copy_of_the_corpus_differs_is_refused(tmp_path, small_corp
     )
 
 
+def test_a_stride_past_the_block_is_said_at_start(tmp_path, corpus, caplog):
+    """A window starts every `stride` characters and predicts block_size of them: a block set
+    below the default stride (or taken from a fine-tune's source) left the rest of the training
+    text untrained on, silently."""
+    part = tmp_path / "part.txt"
+    part.write_text(corpus.read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    said = (
+        "data_config.stride (64) is larger than data_config.block_size (16): the 48 characters "
+        "between one training window's targets and the next's are never predicted, about 75% of "
+        "the training text (data_config.stride=16 or less trains on all of it)"
+    )
+    for stride, warned in ((64, True), (16, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mingpt.run"):
+            trainer = make_trainer(
+                tmp_path / f"run{stride}",
+                str(part),
+                "data_config.block_size=16",
+                f"data_config.stride={stride}",
+            )
+        trainer.metrics.close()
+        if warned:
+            assert said in caplog.text
+        else:
+            assert "data_config.stride" not in caplog.text
+
+
 def test_a_batch_larger_than_the_corpus_is_said_at_start(tmp_path, corpus, caplog):
     """The start line gives the configured global batch; each step then takes fewer windows."""
     part = tmp_path / "part.txt"
