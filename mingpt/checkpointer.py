@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from mingpt import stopping
 from mingpt.comm_hooks import CommHook
 from mingpt.config import Config
-from mingpt.distributed import DistInfo, all_max, barrier
+from mingpt.distributed import DistInfo, all_gather, all_max, barrier
 from mingpt.metrics import SlowNotice
 from mingpt.optim import set_hyperparameters
 from mingpt.rundir import shown
@@ -139,23 +139,50 @@ class Checkpointer:
         highest step stays). Resuming, they are an attempt's that stopped before its next snapshot,
         and the replayed steps evaluate again: removed, as metrics.jsonl is cut back. Starting
         afresh, they may be all that is left of a model whose snapshots were deleted: moved aside,
-        not removed. Once nothing can refuse the run."""
-        if not self.dist.is_main_process:
-            return
+        not removed. Once nothing else can refuse the run; where storage refuses, the run stops
+        here, on every rank, before it trains: its best weights would be mixed with them, and the
+        last step's pruning would keep the others' alone."""
+        problem = None
+        if self.dist.is_main_process:
+            try:
+                self._forget_later_best_here(evaluated)
+            except StorageError as e:
+                problem = str(e)
+        # Rank 0's outcome on every rank: all stop together, with the same line.
+        problem = all_gather(self.dist, problem)[0]
+        if problem is not None:
+            raise StorageError(problem)
+
+    def _forget_later_best_here(self, evaluated: int | None) -> None:
+        """_forget_later_best's work, on rank 0."""
         best = best_path(self.root)
         if evaluated is None:
             if manifest.latest(best) is None:
                 return
-            aside = manifest.set_aside(best)
-            if aside:
-                log.warning(
-                    "moved the best weights in %s to %s: this run starts afresh (no snapshot to "
-                    "resume), so they are another attempt's; remove them there once not needed",
-                    best,
-                    aside,
-                )
+            try:
+                aside = manifest.set_aside(best)
+            except StorageError as e:
+                raise StorageError(
+                    f"{e}; this run starts afresh (no snapshot to resume), so the best weights "
+                    "there are another attempt's, and this run's would be mixed with them; move "
+                    "or remove them, or run this one with another name (trainer_config.run_name="
+                    "NAME)"
+                ) from None
+            log.warning(
+                "moved the best weights in %s to %s: this run starts afresh (no snapshot to "
+                "resume), so they are another attempt's; remove them there once not needed",
+                best,
+                aside,
+            )
             return
-        removed = manifest.remove_after(best, evaluated)
+        try:
+            removed = manifest.remove_after(best, evaluated)
+        except StorageError as e:
+            raise StorageError(
+                f"{e}; this run resumes from step {self.saved_meta['step']}, and the best weights "
+                f"saved there after step {evaluated} are an attempt's that stopped before its next "
+                "snapshot, which would be taken for this run's; remove them"
+            ) from None
         if removed:
             log.info(
                 "removed %s from %s: best weights of an attempt that stopped before its next "

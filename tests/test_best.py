@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 
 import pytest
@@ -21,6 +22,7 @@ from conftest import (
     run_torchrun,
     tree_bytes,
 )
+from fsspec.implementations.local import LocalFileSystem
 from test_snapshot import make_trainer, same_tensors, tensorboard_in_order, tensorboard_losses
 
 from mingpt import stopping
@@ -29,6 +31,7 @@ from mingpt.evaluation import Evaluator
 from mingpt.metrics import events
 from mingpt.run import summary, train
 from mingpt.snapshot import manifest, reader
+from mingpt.storage import StorageError
 from mingpt.trainer import TrainState
 
 BUMPY = [
@@ -151,6 +154,50 @@ def test_best_weights_of_an_attempt_that_died_before_its_snapshot_are_set_aside(
     assert f"moved {run / 'metrics.jsonl'} to {old_record}" in caplog.text
     assert max(record["step"] for _, record in events(str(old_record))) == 8
     assert max(record["step"] for _, record in events(str(run / "metrics.jsonl"))) == 4
+
+
+def test_best_weights_that_cannot_be_removed_or_moved_aside_stop_the_run_at_start(
+    tmp_path, small_corpus, monkeypatch, one_thread
+):
+    """Best weights that are not this run's (saved after the snapshot it resumes from, or found by
+    a run that starts afresh) and that storage refuses to remove or move aside stop the run with one
+    line before it trains. A warning alone let the run go on: its best weights went in among them,
+    and the last step's pruning kept the other attempt's newest step alone, its own removed."""
+    run = tmp_path / "run"
+    args = [
+        *BUMPY,
+        "trainer_config.max_steps=8",
+        "trainer_config.eval_every=2",
+        "trainer_config.save_every_steps=2",
+        "trainer_config.keep_snapshots=10",
+    ]
+    make_trainer(run, small_corpus, *args).train()
+    best_root = run / "snapshots-best"
+    assert manifest.step_of(manifest.latest(str(best_root))) > 2  # the test means something
+    # killed after the snapshot at step 2: the best weights after it are not the resumed run's
+    for step in (4, 6, 8):
+        (run / "snapshots" / f"step-{step:08d}" / manifest.MANIFEST).unlink()
+    before = tree_bytes(best_root)
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(LocalFileSystem, "rm", refused)
+    with pytest.raises(StorageError) as error:
+        make_trainer(run, small_corpus, *args)
+    assert str(error.value).startswith(f"could not remove sharded snapshots in {best_root}: ")
+    assert "Permission denied; this run resumes from step 2, " in str(error.value)
+    assert tree_bytes(best_root) == before
+    # No snapshot at all: a run starting afresh moves them aside, which storage refuses.
+    monkeypatch.undo()
+    shutil.rmtree(run / "snapshots")
+    monkeypatch.setattr(LocalFileSystem, "mv", refused)
+    with pytest.raises(StorageError) as error:
+        make_trainer(run, small_corpus, *BUMPY, "trainer_config.max_steps=4")
+    assert str(error.value).startswith(f"could not move {best_root} aside to ")
+    assert "Permission denied; this run starts afresh (no snapshot to resume), " in str(error.value)
+    assert tree_bytes(best_root) == before
+    assert not list(run.glob("metrics-set-aside-*"))
 
 
 def test_a_crash_after_a_later_best_leaves_the_best_that_a_resume_falls_back_to(

@@ -154,7 +154,7 @@ def publish(directory: str, document: bytes, shards: dict[str, list]) -> int:
 
 def _remove(root: str, which: Callable[[list[str], list[str]], list[str]]) -> list[str]:
     """Remove the snapshot directories that `which(names, published)` picks from the root's listing;
-    the names removed. A failure only warns."""
+    the names removed. A StorageError if storage refused."""
     try:
         names, published = listing(root)
         chosen = which(names, published)
@@ -166,8 +166,7 @@ def _remove(root: str, which: Callable[[list[str], list[str]], list[str]]) -> li
                 fs.rm(f"{p.rstrip('/')}/{name}/{MANIFEST}")
             fs.rm(f"{p.rstrip('/')}/{name}", recursive=True)
     except (SnapshotError, StorageError, *storage_errors()) as e:
-        log.warning("could not remove old sharded snapshots in %s: %s", root, reason(e))
-        return []
+        raise StorageError(f"could not remove sharded snapshots in {root}: {reason(e)}") from None
     return chosen
 
 
@@ -183,25 +182,27 @@ def prune(root: str, newest: str, keep: int, also_at_or_before: int | None = Non
         unpublished = [n for n in names if n not in published and order(n) < order(newest)]
         return [n for n in published if n not in kept] + unpublished
 
-    _remove(root, old)
+    try:
+        _remove(root, old)
+    except StorageError as e:
+        log.warning("%s", e)
 
 
 def remove_after(root: str, step: int) -> list[str]:
     """Remove the snapshots of `root` saved after `step`, published or not; the names removed. A
-    failure only warns."""
+    StorageError if storage refused."""
     return _remove(root, lambda names, _: [n for n in names if order(n)[0] > step])
 
 
-def set_aside(root: str) -> str | None:
-    """Move the snapshot root `root` to a new name beside it; that name, or None (with a warning) if
-    storage refused."""
+def set_aside(root: str) -> str:
+    """Move the snapshot root `root` to a new name beside it, and return that name; a StorageError
+    if storage refused."""
     target = f"{root.rstrip('/')}-set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
     fs, p = storage.filesystem(root)
     try:
         fs.mv(p, storage.filesystem(target)[1], recursive=True)
     except storage_errors() as e:
-        log.warning("could not move %s aside to %s: %s", root, target, reason(e))
-        return None
+        raise StorageError(f"could not move {root} aside to {target}: {reason(e)}") from None
     return target
 
 
