@@ -293,6 +293,7 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
             f"cannot write the token cache {path}: {directory} is not a directory (set "
             "data_config.cache_dir)"
         )
+    existed = os.path.exists(directory)
     try:
         os.makedirs(directory, exist_ok=True)
         # builds whose process died left their temporaries
@@ -308,10 +309,23 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
             header["digest"] = digest.hexdigest()  # same length as the placeholder
             f.seek(0)
             f.write(_header_bytes(header))
+    except DataError:  # a source changed while it was read
+        _forget_directory(directory, existed)
+        raise
     except OSError as e:
+        _forget_directory(directory, existed)
         raise DataError(
             f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)"
         ) from None
+
+
+def _forget_directory(directory: str, existed: bool) -> None:
+    """A build that failed leaves no cache directory it made (the default one beside the user's
+    corpus): the next attempt finds things as they were."""
+    if existed:
+        return
+    with contextlib.suppress(OSError):  # not made, or another process's cache in it
+        os.rmdir(directory)
 
 
 # memory-mapped; its header and size are checked, not its checksum

@@ -93,6 +93,7 @@ def test_a_corpus_edited_while_its_cache_is_built_is_refused_never_cached(
     with pytest.raises(DataError, match="c.txt changed while its token cache was built"):
         load_data(cfg)
     assert list(tmp_path.rglob("*.tokens*")) == []  # neither a cache nor its temporary
+    assert not (tmp_path / "cache").exists()  # nor the directory the build made
     monkeypatch.undo()
     corpus.write_text("abcdefgh" * 50, encoding="utf-8")
     data = load_data(cfg)
@@ -652,6 +653,20 @@ def test_a_path_under_the_home_directory_written_with_a_tilde_is_read_and_cached
     load_data(DataConfig(path="~/c.txt", block_size=8, stride=8, cache_dir="~/cache"))
     assert len(cache_files(home / "cache")) == 1
     assert not (tmp_path / "~").exists()
+
+
+def test_a_cache_build_on_a_full_disk_leaves_no_directory_beside_the_corpus(small_disk):
+    """A build that fails leaves the corpus's directory as it was: the default cache directory it
+    made there went with the cache's temporary, not stayed behind, empty, among the user's files."""
+    corpus = small_disk / "c.txt"
+    corpus.write_text("abcdefgh" * 8192, encoding="utf-8")
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "filler").write_bytes(b"\0" * (free - 16 * 1024))
+    with pytest.raises(DataError) as error:
+        load_data(DataConfig(path=str(corpus), block_size=8))
+    assert str(error.value).startswith(f"cannot write the token cache {small_disk}/.mingpt-cache/")
+    assert "No space left on device" in str(error.value)
+    assert sorted(os.listdir(small_disk)) == ["c.txt", "filler"]
 
 
 def test_a_stopped_cache_builds_temporary_is_removed_at_the_next_build(tmp_path):
