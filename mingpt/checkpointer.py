@@ -82,6 +82,8 @@ class Checkpointer:
         # The comm hook's state from load: {name, world_size, state: this rank's own}.
         self.comm_state: dict[str, Any] | None = None
         self.saved_meta: dict[str, Any] = {}  # the record of the last snapshot written or loaded
+        # The one before it, while an asynchronous save may still fail: what is left then.
+        self.meta_before_pending: dict[str, Any] = {}
         self.last_save = time.monotonic()
         self.notice = SlowNotice()
 
@@ -285,6 +287,7 @@ class Checkpointer:
                 "world_size": self.dist.world_size,
                 "settings": self.comm.settings,
             }
+        self.meta_before_pending = self.saved_meta
         sharded.save(
             {"model": model_state, "optim": optim_state},
             meta,
@@ -362,7 +365,14 @@ class Checkpointer:
             log.warning("%s", e)
 
     def kept(self) -> str:
-        """What is left to resume from, truthfully."""
-        if "step" not in self.saved_meta:
+        """What is left to resume from, truthfully: a save still being written completes first, and
+        one that failed is not counted (an error's line named it as kept)."""
+        meta = self.saved_meta
+        try:
+            sharded.wait_pending()
+        except StorageError as e:
+            log.warning("%s", e)
+            meta = self.meta_before_pending
+        if "step" not in meta:
             return f"no snapshot was written yet ({self.root})"
-        return f"the last good snapshot is kept at {self.root}, step {self.saved_meta['step']}"
+        return f"the last good snapshot is kept at {self.root}, step {meta['step']}"

@@ -5,17 +5,20 @@ rank, as one line. (sharded.save's own async path, on FSDP ranks: tests/test_sha
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
 import pytest
 import torch
 from conftest import TINY, run_torchrun
+from test_snapshot import make_trainer
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from mingpt.checkpointer import all_finite
 from mingpt.snapshot import manifest, sharded
 from mingpt.storage import StorageError
+from mingpt.trainer import TrainingError
 
 
 def trained(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -124,6 +127,40 @@ def test_a_failed_background_save_stops_every_rank_with_one_line(
     assert len(set(printed + reported)) == 1 and max(len(printed), len(reported)) == 2, proc.stderr[
         -3000:
     ]
+    assert manifest.latest(str(root)) is None
+
+
+def test_a_divergence_after_a_failed_background_save_does_not_name_it_as_kept(
+    small_corpus, small_disk, caplog, one_thread
+):
+    """The step after a snapshot whose write fails in the background diverges: the error's line
+    said what is left to resume from by the snapshot in flight ('the last good snapshot is kept
+    at ..., step 1'), which was never published. The write is waited for, its failure said, and
+    the line says what is truly there."""
+    root = small_disk / "snapshots"
+    trainer = make_trainer(
+        small_disk / "run",
+        small_corpus,
+        f"trainer_config.snapshot_path={root}",
+        "trainer_config.save_every_steps=1",
+        "trainer_config.max_steps=4",
+        "trainer_config.sample_chars=0",
+    )
+    train_step = trainer.train_step
+
+    def diverging_at_step_2(indices):
+        if trainer.state.step == 1:
+            with torch.no_grad():
+                next(trainer.raw_model.parameters()).fill_(math.inf)
+        return train_step(indices)
+
+    trainer.train_step = diverging_at_step_2
+    with caplog.at_level(logging.WARNING), pytest.raises(TrainingError) as error:
+        trainer.train()
+    assert str(error.value) == (
+        f"training diverged: the loss is not finite at step 2; no snapshot was written yet ({root})"
+    )
+    assert f"cannot save sharded snapshot {root}/step-00000001: [Errno 28]" in caplog.text
     assert manifest.latest(str(root)) is None
 
 
