@@ -188,7 +188,7 @@ class Metrics:
             if record["step"] == purge_step:
                 self._scalars(record)
         # Open for the run's whole length, closed by close().
-        self._jsonl = open(path, "ab")  # noqa: SIM115
+        self._jsonl = open(path, "ab", buffering=0)  # noqa: SIM115
 
     def log(self, split: str, step: int, epoch: int, note: str = "", **values: Any) -> None:
         """One event: a line in metrics.jsonl, scalars in TensorBoard and the tracker, a log line
@@ -204,11 +204,15 @@ class Metrics:
         record = {"step": step, "epoch": epoch, "split": split, **values}
 
         def write() -> None:
-            # A whole line or none: a write cut short (a full disk) is taken back.
+            # A whole line or none: a write cut short (a full disk, a file-size limit) is taken
+            # back. The file is unbuffered: a buffer's truncate flushes first, which fails again,
+            # and the line's head stayed.
             offset = self._jsonl.seek(0, os.SEEK_END)
+            left = memoryview(f"{json.dumps(record)}\n".encode())
             try:
-                self._jsonl.write(f"{json.dumps(record)}\n".encode())
-                self._jsonl.flush()
+                while left:
+                    # part of it, where the storage took no more; the next write says why
+                    left = left[self._jsonl.write(left) :]
             except OSError:
                 with contextlib.suppress(OSError, ValueError):
                     self._jsonl.truncate(offset)

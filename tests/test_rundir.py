@@ -396,6 +396,37 @@ def test_the_cut_back_never_writes_the_kept_events_anew(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:6])
 
 
+def test_a_line_cut_short_by_a_file_size_limit_is_taken_back(tmp_path):
+    """The limit falls inside an event's line: the storage takes its head, then refuses the rest.
+    The buffered file's truncate flushed first, failed again, and the head stayed, a cut line at
+    the end of the record of a run that trained on; the file now ends with the last whole line."""
+    code = "\n".join(
+        [
+            "import resource, sys",
+            "from mingpt.metrics import Metrics",
+            "metrics = Metrics(sys.argv[1], True)",
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))",
+            "for step in range(1, 9):",
+            "    metrics.log('train', step, 0, tag='x' * 300)",
+            "metrics.close()",
+        ]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("cannot write the metrics in") == 1, result.stderr
+    lines = [
+        json.dumps({"step": step, "epoch": 0, "split": "train", "tag": "x" * 300}) + "\n"
+        for step in (1, 2)
+    ]
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines)
+
+
 def test_a_copied_run_directory_continues_its_run_where_it_is(tmp_path, workdir, finished_run):
     """A copy of a run directory (or one moved) whose last attempt was killed after its snapshot:
     its own snapshots, so the attempt's later events go, as they would where the run was."""
