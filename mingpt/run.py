@@ -133,6 +133,7 @@ def settle(
     compat.check_not_a_file(config.trainer_config.snapshot_path, run_dir, snapshot_path)
     compat.check_not_a_run_directory(snapshot_path, run_dir)
     check_writable(run_dir, snapshot_path)
+    compat.check_seen_by_all(dist_info, snapshot_path)
     compat.check_not_a_snapshot(snapshot_path)
     log.info("run directory %s", os.path.abspath(run_dir))
     run = locate(config, run_dir)

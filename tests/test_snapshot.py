@@ -769,20 +769,39 @@ def test_ranks_that_see_different_snapshots_stop_and_torchruns_summary_carries_t
     proc = run_torchrun(2, args, tmp_path)
     assert proc.returncode != 0
     # Both ranks stop, each naming its own path.
+    blind = "error: ranks [1] cannot see the snapshot path "
     for rank in (0, 1):
         line = (
-            "error: the ranks start from different steps [6, 0] "
-            f"(snapshot {tmp_path}/snapshots-{rank}): "
-            "keep the snapshot where every node sees it"
+            f"{blind}{tmp_path}/snapshots-{rank} that rank 0 writes to (a path local to each node)"
         )
         assert line in proc.stderr, proc.stderr[-3000:]
     root_cause = proc.stderr.split("Root Cause (first observed failure):")[1]
     # not "To enable traceback see: ..."
-    line = re.escape(f"error: the ranks start from different steps [6, 0] (snapshot {tmp_path}/")
-    line += r"snapshots-[01]" + re.escape("): keep the snapshot where every node sees it")
+    line = re.escape(f"{blind}{tmp_path}/") + r"snapshots-[01]" + re.escape(" that rank 0 writes")
     assert re.search(rf"^  traceback : {line} ", root_cause, re.M), proc.stderr[-3000:]
     assert manifest.latest(str(tmp_path / "snapshots-1")) is None
     assert tree_bytes(tmp_path / "snapshots-0") == tree_bytes(good)
+
+
+def test_a_fresh_run_whose_ranks_see_different_snapshot_paths_is_refused_before_training(
+    tmp_path, small_corpus
+):
+    """A node-local snapshot path with no snapshot yet: each rank writes its own files of every
+    snapshot under the root it sees, and rank 0 published snapshots listing rank 1's files that
+    its root never held. The run ended as done, every snapshot damaged; now it is refused at
+    start, before anything is written."""
+    args = overrides(
+        f"data_config.path={small_corpus}",
+        f"trainer_config.snapshot_path={tmp_path}/snapshots-${{oc.env:RANK}}",
+        "trainer_config.max_steps=2",
+    )
+    proc = run_torchrun(2, args, tmp_path)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    line = f"error: ranks [1] cannot see the snapshot path {tmp_path}/snapshots-0 that rank 0"
+    assert line in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "snapshots-0").exists() and not (tmp_path / "snapshots-1").exists()
+    assert not (run_dir_of(tmp_path, args) / "metrics.jsonl").exists()
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 # --------------------------------------------------------------- exactness

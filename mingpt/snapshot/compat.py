@@ -2,6 +2,7 @@
 result-affecting config, the same step on every rank; a single snapshot file where the run's
 snapshots should be is refused."""
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -9,6 +10,7 @@ import math
 import os
 import posixpath
 import shlex
+import uuid
 from typing import Any
 
 from mingpt import storage
@@ -224,6 +226,48 @@ def check_same_start(dist_info: DistInfo, step: int, path: str) -> None:
         raise SnapshotError(
             f"the ranks start from different steps {steps} (snapshot {path}): keep the snapshot "
             "where every node sees it (a shared file system, s3://, gs://)"
+        )
+
+
+def check_seen_by_all(dist_info: DistInfo, root: str) -> None:
+    """Every rank sees the snapshot root that rank 0 sees: each rank writes its own files of every
+    snapshot there, and rank 0 publishes them. A node-local path (runs/ under each node's own
+    directory) left each node part of each snapshot: the run ended as done, and every snapshot it
+    published was damaged, a file missing. Rank 0 makes a file beside the root, the others look for
+    it."""
+    if not dist_info.is_distributed:
+        return
+    fs, p = storage.filesystem(root)
+    # The name rank 0 chose, beside each rank's own root: a relative root is another directory on
+    # each node (rank 0's absolute name would be found on a file system all nodes mount alike).
+    tag = all_gather(dist_info, uuid.uuid4().hex[:8])[0]
+    probe = f"{p.rstrip('/')}{storage.TMP_MARK}seen-{tag}"
+    made = None
+    if dist_info.is_main_process:
+        try:
+            fs.pipe_file(probe, b"\0")
+            made = True
+        except storage.storage_errors() as e:
+            made = storage.reason(e)
+    made = all_gather(dist_info, made)[0]
+    seen = True
+    if made is True and not dist_info.is_main_process:
+        try:
+            seen = fs.exists(probe)
+        except storage.storage_errors():
+            seen = False
+    seen = all_gather(dist_info, seen)
+    if dist_info.is_main_process:
+        with contextlib.suppress(*storage.storage_errors()):
+            fs.rm(probe)
+    if made is not True:
+        raise SnapshotError(f"cannot write to the snapshot path {root}: {made}")
+    blind = [rank for rank, found in enumerate(seen) if not found]
+    if blind:
+        raise SnapshotError(
+            f"ranks {blind} cannot see the snapshot path {root} that rank 0 writes to (a path "
+            "local to each node): keep the snapshots where every node sees them (a shared file "
+            "system, s3://, gs://; trainer_config.snapshot_path)"
         )
 
 
