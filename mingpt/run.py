@@ -4,6 +4,7 @@ trainer; train; the sample and the closing line."""
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -158,6 +159,46 @@ def settle(
         yield run, owned
 
 
+# What each node may set for itself: its own copy of the corpus (compared by its contents) or of
+# the fine-tuning source, its own cache, device and batch placement, and its own spelling of the
+# snapshot path (which every rank must see: compat.check_seen_by_all).
+PER_NODE_KEYS = (
+    "data_config.path",
+    "data_config.cache_dir",
+    "data_config.placement",
+    "trainer_config.init_from",
+    "trainer_config.device",
+    "trainer_config.snapshot_path",
+)
+
+
+def check_same_config(config: Config, dist_info: DistInfo) -> None:
+    """Every rank runs with rank 0's values, but for PER_NODE_KEYS. Each node is started with its
+    own command: one with another learning rate, model or batch trained its replica with it,
+    averaged into the others' gradients, silently; one that saved, evaluated or logged at other
+    steps met the others in another collective, and gloo aborted the job."""
+    sections = dataclasses.asdict(config)
+    items = {
+        f"{name}.{key}": value
+        for name, section in sections.items()
+        for key, value in section.items()
+        if f"{name}.{key}" not in PER_NODE_KEYS
+    }
+    mine = json.loads(json.dumps(items, default=str))  # a tuple and a list compare equal
+    configs = all_gather(dist_info, mine)
+    for rank, other in enumerate(configs):
+        changes = {
+            key: (configs[0].get(key), other.get(key))
+            for key in sorted(configs[0].keys() | other.keys())
+            if configs[0].get(key) != other.get(key)
+        }
+        if changes:
+            raise ConfigError(
+                f"rank {rank} runs with another config than rank 0 "
+                f"({'; '.join(compat.described(changes))}): start every node with the same command"
+            )
+
+
 def build(
     config: Config, dist_info: DistInfo, run: Run | str, data: CharData | None = None
 ) -> Trainer:
@@ -167,6 +208,7 @@ def build(
         run = locate(config, run)
     if data is None:
         data = load_data(config.data_config)
+    check_same_config(config, dist_info)
     # Each node encodes its own copy of the corpus: one that differs would train the nodes on
     # different texts, silently where the vocabularies agree.
     corpora = all_gather(dist_info, data.fingerprint())

@@ -355,6 +355,51 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
     )
 
 
+def test_a_node_started_with_another_config_is_refused(tmp_path, corpus_file):
+    """Each node runs its own command: node 1 with another learning rate trained its replica with
+    it, averaged into rank 0's gradients, and the run ended as done; with another save_every_steps
+    it met rank 0 in another collective and gloo aborted. Now every rank stops at start with one
+    line naming the keys, before the run directory is written."""
+    port = free_port()
+    args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_steps=2"]
+    agents = [
+        subprocess.Popen(
+            torchrun_cmd(
+                1,
+                "--nnodes=2",
+                f"--node_rank={node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+            )
+            + [str(REPO / "main.py"), *args, *own],
+            cwd=tmp_path,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node, own in (
+            (0, ["optimizer_config.learning_rate=0.001"]),
+            (1, ["optimizer_config.learning_rate=0.01", "trainer_config.save_every_steps=1"]),
+        )
+    ]
+    try:
+        outputs = [agent.communicate(timeout=RUN_DEADLINE) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    stderr = "".join(err for _, err in outputs)
+    assert all(agent.returncode != 0 for agent in agents), stderr[-3000:]
+    line = (
+        "error: rank 1 runs with another config than rank 0 (optimizer_config.learning_rate: "
+        "0.001 -> 0.01; trainer_config.save_every_steps: null -> 1): start every node with the "
+        "same command"
+    )
+    for _, err in outputs:
+        assert line in err, err[-3000:]
+    assert not run_dir_of(tmp_path, args).exists()
+
+
 def test_fsdp_trains_like_ddp_and_one_process(runs):
     """FSDP2 shards parameters, gradients and AdamW state over the 2 ranks; with
     the same global batch it takes the same steps as DDP and one process (up to
