@@ -306,16 +306,10 @@ def test_a_sweep_under_torchrun_gives_each_job_a_process_group(tmp_path, corpus_
         assert snapshot["world_size"] == 2 and snapshot["step"] == 2
 
 
-def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
-    """Two torchrun agents ("nodes" 0 and 1, one process each) meet at
-    127.0.0.1 and train to the end; only rank 0 logs INFO and writes."""
+def two_nodes(tmp_path, node_args: list[list[str]]) -> tuple[list, list[tuple[str, str]]]:
+    """Two torchrun agents ("nodes" 0 and 1, one process each) meeting at 127.0.0.1, node i running
+    main.py with node_args[i], to their end: the agents and their (stdout, stderr)."""
     port = free_port()
-    args = [
-        *TINY,
-        f"data_config.path={corpus_file}",
-        "trainer_config.max_epochs=1",
-        "trainer_config.use_amp=true",
-    ]  # ignored on CPU, with a warning that is the same on every rank
     agents = [
         subprocess.Popen(
             torchrun_cmd(
@@ -332,13 +326,26 @@ def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
             stderr=subprocess.PIPE,
             text=True,
         )
-        for node in (0, 1)
+        for node, args in enumerate(node_args)
     ]
     try:
         outputs = [agent.communicate(timeout=RUN_DEADLINE) for agent in agents]
     finally:
         for agent in agents:
             agent.kill()
+    return agents, outputs
+
+
+def test_two_nodes_on_loopback_train_together(tmp_path, corpus_file):
+    """Two torchrun agents ("nodes" 0 and 1, one process each) meet at
+    127.0.0.1 and train to the end; only rank 0 logs INFO and writes."""
+    args = [
+        *TINY,
+        f"data_config.path={corpus_file}",
+        "trainer_config.max_epochs=1",
+        "trainer_config.use_amp=true",
+    ]  # ignored on CPU, with a warning that is the same on every rank
+    agents, outputs = two_nodes(tmp_path, [args, args])
     stderr = "".join(err for _, err in outputs)
     assert [agent.returncode for agent in agents] == [0, 0], stderr[-3000:]
     run_dir = run_dir_of(tmp_path, args)
@@ -360,34 +367,14 @@ def test_a_node_started_with_another_config_is_refused(tmp_path, corpus_file):
     it, averaged into rank 0's gradients, and the run ended as done; with another save_every_steps
     it met rank 0 in another collective and gloo aborted. Now every rank stops at start with one
     line naming the keys, before the run directory is written."""
-    port = free_port()
     args = [*TINY, f"data_config.path={corpus_file}", "trainer_config.max_steps=2"]
-    agents = [
-        subprocess.Popen(
-            torchrun_cmd(
-                1,
-                "--nnodes=2",
-                f"--node_rank={node}",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-            )
-            + [str(REPO / "main.py"), *args, *own],
-            cwd=tmp_path,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node, own in (
-            (0, ["optimizer_config.learning_rate=0.001"]),
-            (1, ["optimizer_config.learning_rate=0.01", "trainer_config.save_every_steps=1"]),
-        )
-    ]
-    try:
-        outputs = [agent.communicate(timeout=RUN_DEADLINE) for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
+    agents, outputs = two_nodes(
+        tmp_path,
+        [
+            [*args, "optimizer_config.learning_rate=0.001"],
+            [*args, "optimizer_config.learning_rate=0.01", "trainer_config.save_every_steps=1"],
+        ],
+    )
     stderr = "".join(err for _, err in outputs)
     assert all(agent.returncode != 0 for agent in agents), stderr[-3000:]
     line = (

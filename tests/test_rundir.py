@@ -371,6 +371,18 @@ def test_a_killed_attempt_of_the_same_run_is_cut_back_and_bad_lines_are_dropped(
     assert (tmp_path / "metrics.jsonl").read_bytes() == lines[0]
 
 
+def python_child(code: str, directory) -> subprocess.CompletedProcess:
+    """`code` run by a new Python with the directory as sys.argv[1]: a file-size limit it sets stays
+    its own."""
+    return subprocess.run(
+        [sys.executable, "-c", code, str(directory)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+    )
+
+
 def test_the_cut_back_never_writes_the_kept_events_anew(tmp_path):
     """Written anew, the kept events were gone from the file until the write ended: here a
     file-size limit below their size stops it (as a kill, or a full disk, would), and the run's
@@ -385,13 +397,7 @@ def test_the_cut_back_never_writes_the_kept_events_anew(tmp_path):
         "resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512)); "
         "Metrics(sys.argv[1], True, resume_step=5).close()"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_DEADLINE,
-    )
+    result = python_child(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:6])
 
@@ -411,13 +417,7 @@ def test_a_line_cut_short_by_a_file_size_limit_is_taken_back(tmp_path):
             "metrics.close()",
         ]
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_DEADLINE,
-    )
+    result = python_child(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("cannot write the metrics in") == 1, result.stderr
     lines = [
