@@ -2,7 +2,6 @@
 windows over the token cache (mingpt/token_cache.py), batches read from it or gathered on the
 device, a resumable sampler."""
 
-import contextlib
 import dataclasses
 import glob
 import logging
@@ -30,21 +29,15 @@ CORPUS_URL = (
 def download_corpus(path: str) -> None:
     """Download the tiny-shakespeare corpus to `path`, atomically."""
     log.info("downloading %s to %s", CORPUS_URL, path)
-    directory = os.path.dirname(path) or "."
-    existed = os.path.exists(directory)
     try:
         # inside the try: a file where its directory should be (`data`) is the user's to fix
-        os.makedirs(directory, exist_ok=True)
         with (
+            storage.directory_for(os.path.dirname(path) or "."),
             urllib.request.urlopen(CORPUS_URL, timeout=30) as response,
             storage.atomic_open(path) as f,
         ):
             f.write(response.read())
     except OSError as e:
-        # the next attempt finds things as they were, not an empty directory
-        if not existed:
-            with contextlib.suppress(OSError):  # not made, or another process's file in it
-                os.rmdir(directory)
         raise DataError(
             f"{path} is missing and could not be downloaded from {CORPUS_URL} ({e}); "
             f"put the tiny-shakespeare text at {path} or set data_config.path"

@@ -204,6 +204,22 @@ def fsync_dir(path: str) -> None:  # makes a rename in the local directory `path
 
 
 @contextlib.contextmanager
+def directory_for(directory: str) -> Iterator[None]:
+    """Make `directory` (and its parents) for the block's files; where the block fails, remove it
+    again if this made it: the next attempt finds things as they were, not an empty directory
+    beside the user's files."""
+    existed = os.path.exists(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        yield
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):  # not made, or another process's file in it
+                os.rmdir(directory)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_open(path: str, fs: fsspec.AbstractFileSystem | None = None) -> Iterator[BinaryIO]:
     """A file that replaces `path` whole when the body ends, else is removed (`path` as it was);
     with `fs`, in it."""

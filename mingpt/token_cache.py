@@ -293,39 +293,27 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
             f"cannot write the token cache {path}: {directory} is not a directory (set "
             "data_config.cache_dir)"
         )
-    existed = os.path.exists(directory)
+    # A build that fails (a full disk, a source changed while it was read) leaves no cache
+    # directory it made: the default one is beside the user's corpus.
     try:
-        os.makedirs(directory, exist_ok=True)
-        # builds whose process died left their temporaries
-        for stale in storage.remove_stale_temporaries(path):
-            log.info("removed %s, left by a build that was stopped", stale)
-        with storage.atomic_open(path) as f:
-            f.write(_header_bytes(header))
-            digest = hashlib.sha256(_header_bytes(header))
-            for cps in kept_chunks(keys, kept):
-                ids = lookup[cps].tobytes()
-                digest.update(ids)
-                f.write(ids)
-            header["digest"] = digest.hexdigest()  # same length as the placeholder
-            f.seek(0)
-            f.write(_header_bytes(header))
-    except DataError:  # a source changed while it was read
-        _forget_directory(directory, existed)
-        raise
+        with storage.directory_for(directory):
+            # builds whose process died left their temporaries
+            for stale in storage.remove_stale_temporaries(path):
+                log.info("removed %s, left by a build that was stopped", stale)
+            with storage.atomic_open(path) as f:
+                f.write(_header_bytes(header))
+                digest = hashlib.sha256(_header_bytes(header))
+                for cps in kept_chunks(keys, kept):
+                    ids = lookup[cps].tobytes()
+                    digest.update(ids)
+                    f.write(ids)
+                header["digest"] = digest.hexdigest()  # same length as the placeholder
+                f.seek(0)
+                f.write(_header_bytes(header))
     except OSError as e:
-        _forget_directory(directory, existed)
         raise DataError(
             f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)"
         ) from None
-
-
-def _forget_directory(directory: str, existed: bool) -> None:
-    """A build that failed leaves no cache directory it made (the default one beside the user's
-    corpus): the next attempt finds things as they were."""
-    if existed:
-        return
-    with contextlib.suppress(OSError):  # not made, or another process's cache in it
-        os.rmdir(directory)
 
 
 # memory-mapped; its header and size are checked, not its checksum
