@@ -172,7 +172,7 @@ PER_NODE_KEYS = (
 )
 
 
-def check_same_config(config: Config, dist_info: DistInfo) -> None:
+def check_same_on_every_rank(config: Config, dist_info: DistInfo) -> None:
     """Every rank runs with rank 0's values, but for PER_NODE_KEYS. Each node is started with its
     own command: one with another learning rate, model or batch trained its replica with it,
     averaged into the others' gradients, silently; one that saved, evaluated or logged at other
@@ -208,7 +208,7 @@ def build(
         run = locate(config, run)
     if data is None:
         data = load_data(config.data_config)
-    check_same_config(config, dist_info)
+    check_same_on_every_rank(config, dist_info)
     # Each node encodes its own copy of the corpus: one that differs would train the nodes on
     # different texts, silently where the vocabularies agree.
     corpora = all_gather(dist_info, data.fingerprint())
