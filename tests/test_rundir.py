@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -74,6 +75,17 @@ def launch(cwd: Path, argv: list[str], log: Path) -> subprocess.Popen:
         )
 
 
+@contextlib.contextmanager
+def paused(job: subprocess.Popen):
+    """The job stopped (SIGSTOP), as a job suspended in its terminal: it still holds what it
+    locked, and leaves the cores to the commands run meanwhile; continued afterwards."""
+    os.kill(job.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(job.pid, signal.SIGCONT)
+
+
 def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
     """Job A trains; the same command again (one process, then two under
     torchrun) is refused with one line naming A, and A goes on undisturbed.
@@ -84,13 +96,14 @@ def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
     try:
         wait_for(contains(run_dir / "train.log", "saved snapshot"), "first snapshot", first)
         holder = f"is in use by pid {first.pid} on host {socket.gethostname()} since "
-        second = run_main(argv, workdir)
+        with paused(first):
+            second = run_main(argv, workdir)
+            pair = run_torchrun(2, argv, workdir)
         assert second.returncode == 2, second.stderr
         assert second.stderr.splitlines()[-1].startswith(
             f"error: run directory {run_dir} {holder}"
         ), second.stderr
         assert "Traceback" not in second.stderr
-        pair = run_torchrun(2, argv, workdir)
         errors = [
             line for line in pair.stderr.splitlines() if re.match(r"(\[rank \d+\] )?error: ", line)
         ]
@@ -616,22 +629,12 @@ def claimed(tmp_path_factory, corpus) -> dict:
     first = launch(cwd, on_cpu([*argv, "trainer_config.run_name=a"]), cwd / "a.err")
     try:
         wait_for(contains(run_a / "train.log", "saved snapshot"), "first snapshot", first)
-        finished = run_each(
-            "mingpt.cli",
-            [
-                (
-                    cwd,
-                    on_cpu(
-                        [
-                            *argv,
-                            f"trainer_config.run_name=b-{named}",
-                            f"trainer_config.snapshot_path={root}",
-                        ]
-                    ),
-                )
-                for named, root in roots.items()
-            ],
-        )
+        named_root = [
+            [*argv, f"trainer_config.run_name=b-{named}", f"trainer_config.snapshot_path={root}"]
+            for named, root in roots.items()
+        ]
+        with paused(first):
+            finished = run_each("mingpt.cli", [(cwd, on_cpu(case)) for case in named_root])
         assert first.poll() is None
     finally:
         first.kill()
