@@ -92,17 +92,18 @@ def stoppable():
 
 
 def test_a_store_that_stops_answering_fails_the_run_at_start(stoppable, tmp_path):
-    """One line within botocore's timeouts (shortened here through fsspec's config, as a user would
-    lengthen them), not s3fs's retries of botocore's retries (over 10 minutes by default)."""
+    """One line within botocore's timeout and tries (shortened here through fsspec's config, as a
+    user would lengthen them), not s3fs's retries of botocore's retries (over 10 minutes by
+    default)."""
     endpoint, pid = stoppable
     os.kill(pid, signal.SIGSTOP)
     env = {
         **CREDENTIALS,
         "AWS_ENDPOINT_URL": endpoint,
-        "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 0.2}}',
+        # one try of botocore's in each of s3fs's: its back-offs were most of the test's 15 s
+        "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 0.2, "retries": {"max_attempts": 1}}}',
     }
     args = [*TINY, "trainer_config.max_steps=1", "trainer_config.snapshot_path=s3://runs/r1"]
-    # about 15 s: s3fs's 5 tries of botocore's 3, each a 0.2 s timeout and a back-off (most of it)
     proc = run_main(args, tmp_path, env=env)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: cannot write to the snapshot path s3://runs/r1: Read ")
