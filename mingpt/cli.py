@@ -30,6 +30,7 @@ from mingpt.config import (
     check,
     check_known_keys,
     drop_ignored_keys,
+    keys_without_effect,
     register_configs,
     unknown_key,
     value_text,
@@ -279,7 +280,7 @@ def checked_config(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[Config, list
         f"{snapshot_path}: an object store reads [, * and ? as a pattern when it deletes old "
         "snapshots: name it without them",
     )
-    return config, notices
+    return config, notices + keys_without_effect(config)
 
 
 def check_composed(cfg: DictConfig) -> None:

@@ -35,16 +35,19 @@ def key(
     help: str = "",
     operational: bool = False,
     valid: str | tuple[str, ...] | None = None,
+    acts_with: tuple[str, Any, ...] | None = None,
     **factory: Any,
 ) -> Any:
     """A config key: its default (or default_factory), its one-line help (docs/configuration.md,
     --help), its valid values (a range such as `>= 1` or `[0, 1)`, or a tuple of choices; null is
-    valid where the type allows it), and whether it is operational: it changes how a run is carried
-    out, logged or saved, never what it computes (but for `eval_every` under early stopping)."""
+    valid where the type allows it), whether it is operational: it changes how a run is carried
+    out, logged or saved, never what it computes (but for `eval_every` under early stopping); and,
+    for a key that acts only with some values of another key of its section, `acts_with`: that
+    key's name and those values."""
     return field(
         default=default,
         **factory,
-        metadata={"help": help, "operational": operational, "valid": valid},
+        metadata={"help": help, "operational": operational, "valid": valid, "acts_with": acts_with},
     )
 
 
@@ -155,10 +158,16 @@ class OptimizerConfig:
     )
     warmup_steps: int = key(100, "optimizer steps of linear warmup (0: none)", valid=">= 0")
     min_lr_ratio: float = key(
-        0.1, "floor of the cosine or wsd decay, as a fraction of `learning_rate`", valid="[0, 1]"
+        0.1,
+        "floor of the cosine or wsd decay, as a fraction of `learning_rate`",
+        valid="[0, 1]",
+        acts_with=("lr_schedule", "cosine", "wsd"),
     )
     cooldown_fraction: float = key(
-        0.6, "`lr_schedule=wsd`: the fraction of the run's steps its decay takes", valid="(0, 1]"
+        0.6,
+        "`lr_schedule=wsd`: the fraction of the run's steps its decay takes",
+        valid="(0, 1]",
+        acts_with=("lr_schedule", "wsd"),
     )
     algorithm: str = key(
         "adamw",
@@ -172,13 +181,17 @@ class OptimizerConfig:
         "Muon's peak learning rate (`algorithm=muon`), on the same schedule "
         "([measured](../BENCHMARKS.md#time-to-quality))",
         valid="> 0",
+        acts_with=("algorithm", "muon"),
     )
-    muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum", valid="[0, 1)")
+    muon_momentum: float = key(
+        0.95, "Muon's (Nesterov) momentum", valid="[0, 1)", acts_with=("algorithm", "muon")
+    )
     muon_momentum_warmup_steps: int = key(
         0,
         "optimizer steps over which Muon's momentum rises linearly from 0.85 to `muon_momentum` "
         "(0: none)",
         valid=">= 0",
+        acts_with=("algorithm", "muon"),
     )
 
     def __post_init__(self) -> None:
@@ -258,6 +271,11 @@ class DataConfig:
         if isinstance(self.path, str):
             return [self.path]
         return self.path
+
+
+# the values of ddp_comm_hook that read the powersgd_* keys, and the localsgd_* keys
+POWERSGD = ("ddp_comm_hook", "powersgd", "batched_powersgd")
+LOCALSGD = ("ddp_comm_hook", "post_local_sgd")
 
 
 @dataclass
@@ -372,10 +390,15 @@ class TrainerConfig:
     )
     use_amp: bool = key(False, "mixed precision on CUDA")
     amp_dtype: str = key(
-        "bf16", "`bf16`, or `fp16` (with a gradient scaler)", valid=("bf16", "fp16")
+        "bf16",
+        "`bf16`, or `fp16` (with a gradient scaler)",
+        valid=("bf16", "fp16"),
+        acts_with=("use_amp", True),
     )
     amp_on_cpu: bool = key(
-        False, "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)"
+        False,
+        "apply `use_amp` on a CPU too (ignored there otherwise: slower without bf16 units)",
+        acts_with=("use_amp", True),
     )
     compile: bool = key(False, "`torch.compile` the model", operational=True)
     activation_checkpointing: bool = key(
@@ -413,26 +436,34 @@ class TrainerConfig:
         "about 2% of DDP's held-out loss "
         "([measured](../BENCHMARKS.md#powersgds-defaults-what-the-compression-costs-in-loss))",
         valid=">= 1",
+        acts_with=POWERSGD,
     )
     powersgd_start_step: int = key(
-        100, "the step PowerSGD starts compressing at, after plain all-reduce steps", valid=">= 2"
+        100,
+        "the step PowerSGD starts compressing at, after plain all-reduce steps",
+        valid=">= 2",
+        acts_with=POWERSGD,
     )
     allow_config_change: bool = key(
         False,
         "resume a snapshot written with other values (see [Fault tolerance](fault-tolerance.md))",
         operational=True,
     )
-    localsgd_start_step: int = key(100, "LocalSGD: plain DDP steps before it starts", valid=">= 0")
+    localsgd_start_step: int = key(
+        100, "LocalSGD: plain DDP steps before it starts", valid=">= 0", acts_with=LOCALSGD
+    )
     localsgd_period: int = key(
         4,
         "LocalSGD: steps between averagings (1 would average every step: plain DDP, "
         "`ddp_comm_hook=none`)",
         valid=">= 2",
+        acts_with=LOCALSGD,
     )
     localsgd_group: str = key(
         "rank",
         "LocalSGD's replica: `rank`, or `node` (a node's ranks all-reduce gradients every step)",
         valid=("rank", "node"),
+        acts_with=LOCALSGD,
     )
     tracker: str | None = key(
         None,
@@ -448,6 +479,7 @@ class TrainerConfig:
         "`file:./mlruns` or a directory); null: MLflow's default (`MLFLOW_TRACKING_URI`, else "
         "`sqlite:///mlflow.db` in the working directory)",
         operational=True,
+        acts_with=("tracker", "mlflow"),
     )
 
     def __post_init__(self) -> None:
@@ -542,6 +574,30 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 FIELDS = {
     f"{name}.{f.name}": f for name, section in SECTIONS.items() for f in dataclasses.fields(section)
 }
+
+
+def keys_without_effect(config: Config) -> list[str]:
+    """A warning for each key set to another value than its default where it has no effect, by its
+    `acts_with` (muon_momentum with algorithm=adamw): not an error, as a file of settings may
+    hold it for other runs, but never silent, as the user expects it to act."""
+    warnings = []
+    for name in SECTIONS:
+        section = getattr(config, name)
+        for f in dataclasses.fields(section):
+            acts_with = f.metadata["acts_with"]
+            value = getattr(section, f.name)
+            if acts_with is None or value == _default(f):
+                continue
+            other, *values = acts_with
+            if getattr(section, other) not in values:
+                warnings.append(
+                    f"{name}.{f.name}={value_text(value)} has no effect with {name}.{other}="
+                    f"{value_text(getattr(section, other))}: it acts with "
+                    + " or ".join(map(value_text, values))
+                )
+    return warnings
+
+
 # Every key not operational is result-affecting: the run directory's name and the check on resume
 # compare those.
 OPERATIONAL_KEYS = frozenset(key for key, f in FIELDS.items() if f.metadata["operational"])

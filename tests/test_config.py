@@ -455,3 +455,42 @@ def test_making_the_key_tables_of_a_file_that_is_not_the_page_is_one_line(tmp_pa
         assert result.stderr.startswith(f"error: {name}: {says}"), result.stderr
         assert result.stderr.count("\n") == 1, result.stderr
     assert (tmp_path / "page.md").read_text() == "# Configuration\n<!-- keys: gpt_config -->\n"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        ([], []),
+        (["optimizer_config=muon"], []),  # its muon_momentum acts
+        (
+            ["optimizer_config.muon_momentum=0.9", "optimizer_config.cooldown_fraction=0.5"],
+            [
+                "optimizer_config.cooldown_fraction=0.5 has no effect with "
+                "optimizer_config.lr_schedule=cosine: it acts with wsd",
+                "optimizer_config.muon_momentum=0.9 has no effect with "
+                "optimizer_config.algorithm=adamw: it acts with muon",
+            ],
+        ),
+        (["optimizer_config.lr_schedule=wsd", "optimizer_config.cooldown_fraction=0.5"], []),
+        (
+            ["trainer_config.powersgd_rank=4", "trainer_config.amp_dtype=fp16"],
+            [
+                "trainer_config.amp_dtype=fp16 has no effect with trainer_config.use_amp=false: "
+                "it acts with true",
+                "trainer_config.powersgd_rank=4 has no effect with "
+                "trainer_config.ddp_comm_hook=none: it acts with powersgd or batched_powersgd",
+            ],
+        ),
+        (["trainer_config.ddp_comm_hook=batched_powersgd", "trainer_config.powersgd_rank=4"], []),
+    ],
+)
+def test_a_key_set_where_it_has_no_effect_is_warned(overrides, warned):
+    """Muon's keys with AdamW, wsd's cooldown with cosine, PowerSGD's rank without PowerSGD: the
+    run goes on, and says so at its start (they were accepted without a word)."""
+    from mingpt.cli import checked_config
+
+    cfg = composed(*overrides, hydra_config=True)
+    _, notices = checked_config(
+        OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), cfg.hydra
+    )
+    assert sorted(notices) == warned
