@@ -115,6 +115,13 @@ def heldout_windows(
                 "; ".join(moved),
             )
         data = load_data(data_config)
+    # Its hint, data_config.cache_dir, is no key of score's: the run's setting is used.
+    except token_cache.CacheWriteError as e:
+        raise DataError(
+            f"the run's corpus: cannot write its token cache {e.path}: {e.why} (where the run's "
+            "data_config.cache_dir puts it, read from the current directory: score where that "
+            "can be written, or give the text with path=...)"
+        ) from None
     except DataError as e:
         raise DataError(
             f"the run's corpus: {e} (its data_config.path, read from the current directory as the "

@@ -40,6 +40,16 @@ class DataError(ValueError):
     """The corpus is missing or unusable, or its cache cannot be written; the message names it."""
 
 
+class CacheWriteError(DataError):
+    """The token cache at `path` cannot be written, for the reason `why`; the message says so and
+    how a run moves it (data_config.cache_dir), which score, using the run's setting, cannot."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"cannot write the token cache {path}: {why} (set data_config.cache_dir)")
+        self.path = path
+        self.why = why
+
+
 @dataclass
 class TokenCache:
     path: str
@@ -263,6 +273,10 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
     if why is None:
         log.info("token cache %s is up to date", path)
         return
+    # Refused before a build is announced: the refusal is the only line.
+    directory = os.path.dirname(path) or "."
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CacheWriteError(path, f"{directory} is not a directory")
     level = logging.INFO
     if why.startswith("damaged"):
         level = logging.WARNING
@@ -287,12 +301,6 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
         "counts": kept,
         "digest": BLANK_DIGEST,
     }
-    directory = os.path.dirname(path) or "."
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise DataError(
-            f"cannot write the token cache {path}: {directory} is not a directory (set "
-            "data_config.cache_dir)"
-        )
     # A build that fails (a full disk, a source changed while it was read) leaves no cache
     # directory it made: the default one is beside the user's corpus.
     try:
@@ -311,9 +319,7 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
                 f.seek(0)
                 f.write(_header_bytes(header))
     except OSError as e:
-        raise DataError(
-            f"cannot write the token cache {path}: {e.strerror or e} (set data_config.cache_dir)"
-        ) from None
+        raise CacheWriteError(path, str(e.strerror or e)) from None
 
 
 # memory-mapped; its header and size are checked, not its checksum

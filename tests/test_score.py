@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from conftest import child_env, free_port
 
 from mingpt import export, generate
+from mingpt.config import DataConfig
+from mingpt.data import cache_location
 from mingpt.score import ScoreConfig, main, score
 from mingpt.snapshot.reader import load_model
 
@@ -234,6 +236,20 @@ def test_a_record_whose_settings_no_run_has_is_one_line(
     assert refused(capsys, [f"snapshot_path={crafted}"]) == (
         "error: the snapshot's data_config cannot be used (data_config.block_size: 999, longer "
         "than the model's block_size 16): give the text with path=..."
+    )
+    # A cache_dir that cannot be written here: the hint named data_config.cache_dir, no key of
+    # score's.
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a directory")
+    state = single_file.load(str(tiny_file))
+    state["data_config"]["cache_dir"] = str(blocked)
+    single_file.save(state, str(crafted))
+    cache = cache_location(DataConfig(**state["data_config"]))[1]
+    assert refused(capsys, [f"snapshot_path={crafted}"]) == (
+        f"error: the run's corpus: cannot write its token cache {cache}: {blocked} is not a "
+        "directory "
+        "(where the run's data_config.cache_dir puts it, read from the current directory: score "
+        "where that can be written, or give the text with path=...)"
     )
 
 
