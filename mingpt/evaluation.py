@@ -3,7 +3,6 @@ cross-entropy of every W-th chosen window, and the sums are gathered. When the r
 best loss, and early stopping."""
 
 import contextlib
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +16,6 @@ import torch.nn.functional as F
 from mingpt.config import TrainerConfig
 from mingpt.data import spread
 from mingpt.distributed import DistInfo
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,15 +144,4 @@ class Evaluator:
         if patience is None or state.evals_without_improvement < patience or last_step:
             return improved
         state.stopped_early = True
-        log.info(
-            "stopping early at step %d: %d evaluations in a row without lowering the held-out "
-            "loss by at least %g (trainer_config.early_stop_patience=%d, early_stop_min_delta); "
-            "best %.4f at step %d",
-            state.step,
-            state.evals_without_improvement,
-            cfg.early_stop_min_delta,
-            patience,
-            state.best_eval_loss,
-            state.best_step,
-        )
         return improved

@@ -585,6 +585,19 @@ class Trainer:
                 rank_losses=result.rank_losses,
                 tokens=result.tokens,
             )
+            # after the evaluation's own line, which it follows from
+            if state.stopped_early:
+                log.info(
+                    "stopping early at step %d: %d evaluations in a row without lowering the "
+                    "held-out loss by at least %g (trainer_config.early_stop_patience=%d, "
+                    "early_stop_min_delta); best %.4f at step %d",
+                    state.step,
+                    state.evals_without_improvement,
+                    self.cfg.early_stop_min_delta,
+                    self.cfg.early_stop_patience,
+                    state.best_eval_loss,
+                    state.best_step,
+                )
             self._record_sample()
         seconds = time.monotonic() - start
         if self.eval_notice.took(seconds):
