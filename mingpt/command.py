@@ -33,7 +33,12 @@ def find_snapshot(path: str, key: str) -> tuple[str, str]:
     """reader.find, saying what to do where `path` (given as `key`) is the default run and it is not
     there: a first command outside the directory that trained."""
     if path == DEFAULT_RUN and not os.path.exists(path):
-        hint = f"no run here: train one with {typed('train')}, or give {key}=PATH"
+        train = typed("train")
+        # `python main.py` runs only in a clone's root; elsewhere the installed command trains (both
+        # kinds of install have it), and its run is then here, where this command looks
+        if train == "python main.py" and not os.path.isfile("main.py"):
+            train = "mingpt-train"
+        hint = f"no run here: train one with {train}, or give {key}=PATH"
         # Inside a run directory (cd runs/NAME, or a config whose hydra.run.dir is ./)
         if os.path.exists(LOCK_FILE):
             hint = f"this directory is a run's: give {key}=."

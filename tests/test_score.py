@@ -123,14 +123,17 @@ def refused(capsys, argv: list[str]) -> str:
 )
 def test_no_run_here_says_to_train_first(command, argv, key, tmp_path, monkeypatch, capsys):
     """Outside a directory that trained, runs/default (the default snapshot_path, and the docs'
-    src) was only "not found"."""
+    src) was only "not found". The command named trains here: `python main.py` in a clone's root,
+    the installed command elsewhere, where `python main.py` was named and found no file."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit):
-        command(argv)
-    assert capsys.readouterr().err == (
-        "error: snapshot not found: runs/default (no run here: train one with python main.py, or "
-        f"give {key}=PATH)\n"
-    )
+    for train in ("mingpt-train", "python main.py"):
+        with pytest.raises(SystemExit):
+            command(argv)
+        assert capsys.readouterr().err == (
+            f"error: snapshot not found: runs/default (no run here: train one with {train}, or "
+            f"give {key}=PATH)\n"
+        )
+        (tmp_path / "main.py").write_text("")  # a clone's root
 
 
 def test_inside_a_run_directory_says_to_give_it(tiny_run, monkeypatch, capsys):
