@@ -21,7 +21,7 @@ import torch
 
 from mingpt import comm_hooks, evaluation, flops, parallel, stopping, tracking
 from mingpt.checkpointer import Checkpointer, NotFinite
-from mingpt.config import Config, ConfigError, TrainerConfig
+from mingpt.config import Config, ConfigError, TrainerConfig, value_text
 from mingpt.data import CharData, ResumableSampler
 from mingpt.decoding import sample_line
 from mingpt.distributed import SAME_ON_EVERY_RANK, DistInfo, all_max, global_mean
@@ -250,7 +250,7 @@ class Trainer:
                 "end and reaches optimizer_config.learning_rate at the last step or never",
                 warmup,
                 self.total_steps,
-                cfg.max_steps,
+                value_text(cfg.max_steps),  # `null` where unset, as it is typed
                 cfg.max_epochs,
                 extra=SAME_ON_EVERY_RANK,
             )

@@ -150,6 +150,16 @@ def test_a_warmup_as_long_as_the_run_is_said_at_start(
         assert said == []
 
 
+def test_a_warmup_as_long_as_a_run_without_max_steps_names_it_as_typed(
+    tmp_path, small_corpus, caplog
+):
+    """Unset, max_steps was named `trainer_config.max_steps=None`, which the command line reads as
+    the text None; it is `null`, as typed."""
+    overrides = ["optimizer_config.warmup_steps=100000"]
+    said = warnings_at_start(tmp_path, small_corpus, caplog, overrides, "warmup_steps")
+    assert len(said) == 1 and "(trainer_config.max_steps=null, max_epochs=2)" in said[0], said
+
+
 @pytest.mark.parametrize(
     ("warmup", "learning_rate", "warned"), [(8, 3e-3, True), (3, 3e-3, False), (3, 6e-4, False)]
 )
