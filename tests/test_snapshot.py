@@ -182,6 +182,34 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(
     )
 
 
+def test_an_fp16_run_on_a_cpu_resumes_its_gradient_scaler(tmp_path, small_corpus, one_thread):
+    """fp16 forced on a CPU (amp_on_cpu), ended at step 4 and continued to step 8: the gradient
+    scaler's scale and growth tracker go on from the snapshot, and the run ends bitwise where an
+    uninterrupted one ends. (test_cuda.py checks this on a GPU; a CPU host runs this one.)"""
+    fp16 = [
+        "trainer_config.use_amp=true",
+        "trainer_config.amp_on_cpu=true",
+        "trainer_config.amp_dtype=fp16",
+        "optimizer_config.lr_schedule=constant",
+        "optimizer_config.warmup_steps=0",
+    ]
+    make_trainer(tmp_path / "ref", small_corpus, *fp16, "trainer_config.max_steps=8").train()
+    make_trainer(tmp_path / "run", small_corpus, *fp16, "trainer_config.max_steps=4").train()
+    make_trainer(
+        tmp_path / "run",
+        small_corpus,
+        *fp16,
+        "trainer_config.max_steps=8",
+        "trainer_config.allow_config_change=true",
+    ).train()
+    reference = read_snapshot(tmp_path / "ref" / "snapshots")
+    final = read_snapshot(tmp_path / "run" / "snapshots")
+    assert final["step"] == reference["step"] == 8
+    assert reference["scaler_state"]["_growth_tracker"] > 4  # steps after the resume counted on
+    assert final["scaler_state"] == reference["scaler_state"]
+    assert same_tensors(final["model_state"], reference["model_state"])
+
+
 # ------------------------------------------------------------ loading safely
 
 
