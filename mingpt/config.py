@@ -35,7 +35,7 @@ def key(
     help: str = "",
     operational: bool = False,
     valid: str | tuple[str, ...] | None = None,
-    acts_with: tuple[str, Any, ...] | None = None,
+    acts_with: tuple[Any, ...] | None = None,
     **factory: Any,
 ) -> Any:
     """A config key: its default (or default_factory), its one-line help (docs/configuration.md,
