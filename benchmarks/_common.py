@@ -291,12 +291,14 @@ def reset_peak() -> None:
 
 
 class Plain(NamedTuple):
-    """A model stepped in a plain loop: `forward` is the model, or the model wrapped."""
+    """A model stepped in a plain loop: `forward` is the model, or the model wrapped; `no_sync`
+    holds back DDP's all-reduce in the backward of a micro-batch that accumulates."""
 
     model: nn.Module
     forward: Callable
     optimizer: torch.optim.Optimizer
     clip: float = 1.0
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def plain_step(
@@ -305,12 +307,16 @@ def plain_step(
     y: torch.Tensor,
     autocast: Any = None,
     mark: Callable[[str], None] = lambda phase: None,
+    weight: float = 1.0,
 ) -> None:
     """Forward, backward, gradient clipping and the optimizer's step, as a bare loop writes them;
-    `mark(phase)` at the end of each phase."""
+    `mark(phase)` at the end of each phase. `weight`: the loss's share of an accumulated step's (the
+    last micro-batch's, whose backward all-reduces)."""
     with autocast or contextlib.nullcontext():
         _, loss = p.forward(x, y)
     mark("forward")
+    if weight != 1.0:
+        loss = loss * weight
     loss.backward()
     mark("backward")
     nn.utils.clip_grad_norm_(p.model.parameters(), p.clip)

@@ -12,12 +12,13 @@ Overrides use the training config's keys. The default shape is the CPU target of
 layers, 4 heads, 128 dims, block 64, batch 12, fp32, dropout 0; your overrides and presets win
 over it (gpt_config=gpt2 measures GPT-2).
 
-The step comparison: a bare loop (the same model, batch and optimizer; clipping; DDP under
-torchrun; torch.compile and bf16 autocast as configured) against Trainer.train_step, each on its
-own fresh model, in R alternating rounds of 10 steps (medians). --nanogpt DIR (a checkout of
-karpathy/nanoGPT; its model.py is imported) adds nanoGPT's GPT at the same shape (bias=True, the
-config's dropout) with its own configure_optimizers (AdamW betas 0.9/0.95, fused on CUDA),
-autocast and compile as configured, clipping at 1.0, stepped in the same rounds. With
+The step comparison: a bare loop (the same model, batch and optimizer; grad_accum_steps
+micro-batches a step; clipping; DDP under torchrun; torch.compile and bf16 autocast as configured)
+against Trainer.train_step, each on its own fresh model, in R alternating rounds of 10 steps
+(medians). --nanogpt DIR (a checkout of karpathy/nanoGPT; its model.py is imported) adds
+nanoGPT's GPT at the same shape (bias=True, the config's dropout) with its own
+configure_optimizers (AdamW betas 0.9/0.95, fused on CUDA), autocast and compile as configured,
+clipping at 1.0, stepped in the same rounds. With
 optimizer_config=muon, the bare loop with AdamW is stepped in the same rounds too, and the row
 "Muon vs AdamW" gives the ratio of their steps. --compare-only
 stops there; otherwise follow Trainer.train() over 100 steps, the per-step stop check, the run's
@@ -49,6 +50,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -140,7 +142,16 @@ def bare(config, info) -> tuple[Plain, nn.Module | None]:
     model = GPT(config.gpt_config).to(info.device)
     optimizer = create_optimizer(model, config.optimizer_config)
     ddp, forward = wrapped(model, config, info)
-    return Plain(model, forward, optimizer, config.trainer_config.grad_norm_clip), ddp
+    clip = config.trainer_config.grad_norm_clip
+    return Plain(model, forward, optimizer, clip, no_sync_of(ddp)), ddp
+
+
+def no_sync_of(ddp: nn.Module | None) -> Callable:
+    """What holds back the all-reduce of a micro-batch that accumulates: DDP's no_sync, or
+    nothing."""
+    if ddp is None:
+        return contextlib.nullcontext
+    return ddp.no_sync
 
 
 def nano(config, info, directory: str) -> Plain:
@@ -156,12 +167,12 @@ def nano(config, info, directory: str) -> Plain:
         learning_rate=oc.learning_rate,
         device=info.device,
     )
-    _, forward = wrapped(model, config, info)
+    ddp, forward = wrapped(model, config, info)
 
     def contiguous_targets(x, y):  # mingpt's batches are strided views; nanoGPT's loss views them
         return forward(x, y.contiguous())
 
-    return Plain(model, contiguous_targets, optimizer, clip=1.0)
+    return Plain(model, contiguous_targets, optimizer, 1.0, no_sync_of(ddp))
 
 
 class Batches:
@@ -178,9 +189,17 @@ class Batches:
         return self.windows.batch(idx.to(self.device))
 
 
-def plain_steps(p: Plain, batches: Batches, amp, steps: int) -> None:
+def plain_steps(p: Plain, batches: Batches, amp, steps: int, accumulate: int = 1) -> None:
+    """`steps` optimizer steps, each over `accumulate` micro-batches (the trainer's
+    grad_accum_steps), as nanoGPT's train.py accumulates: each loss weighted by its share, DDP's
+    all-reduce in the last backward alone."""
     for _ in range(steps):
-        plain_step(p, *batches(), amp)
+        for _ in range(accumulate - 1):
+            with p.no_sync():
+                with amp or contextlib.nullcontext():
+                    _, loss = p.forward(*batches())
+                (loss / accumulate).backward()
+        plain_step(p, *batches(), amp, weight=1 / accumulate)
 
 
 def compare(config, data, info, nanogpt_dir: str | None, rounds: int) -> dict[str, float]:
@@ -189,6 +208,8 @@ def compare(config, data, info, nanogpt_dir: str | None, rounds: int) -> dict[st
     model, in alternating rounds (the first warms up); with Muon, the bare loop with AdamW too."""
     batches = Batches(data, config, info, seed=0)
     amp = autocast(config, info)
+    # The trainer's step takes grad_accum_steps micro-batches: so does every contender's.
+    accumulate = config.trainer_config.grad_accum_steps
     contenders = {"bare loop": bare(config, info)[0]}
     if config.optimizer_config.algorithm == "muon":  # Muon's step against AdamW's, paired
         adamw = copy.deepcopy(config)
@@ -197,7 +218,9 @@ def compare(config, data, info, nanogpt_dir: str | None, rounds: int) -> dict[st
     if nanogpt_dir:
         contenders["nanoGPT"] = nano(config, info, nanogpt_dir)
     runs = {
-        name: lambda p=p: seconds(lambda: plain_steps(p, batches, amp, STEPS), info.device) / STEPS
+        name: lambda p=p: (
+            seconds(lambda: plain_steps(p, batches, amp, STEPS, accumulate), info.device) / STEPS
+        )
         for name, p in contenders.items()
     }
     with trainer(config, info, data) as t:
@@ -322,7 +345,8 @@ def step_rows(config, info, times: dict[str, float], rounds: int) -> list[tuple[
     g = config.gpt_config
     tc = config.trainer_config
     block = config.data_config.block_size
-    tokens_per_step = tc.batch_size * info.world_size * block
+    # An optimizer step's: grad_accum_steps micro-batches of batch_size on each process.
+    tokens_per_step = tc.batch_size * tc.grad_accum_steps * info.world_size * block
     # Every process at once: the machine's share each gets (the trainer's MFU: rank 0 alone).
     dtype = amp_policy(tc, info.device.type).dtype
     peak = flops.peak_rate(info.device, dtype) * info.world_size
@@ -333,7 +357,8 @@ def step_rows(config, info, times: dict[str, float], rounds: int) -> list[tuple[
         (
             "model",
             f"{g.n_layer} layers, {g.n_head} heads, {g.n_embd} dims, block {block}, batch "
-            f"{tc.batch_size}/process, compile={tc.compile}, amp={tc.use_amp}, "
+            f"{tc.batch_size}/process x {tc.grad_accum_steps} accum, compile={tc.compile}, "
+            f"amp={tc.use_amp}, "
             f"{info.world_size} process(es) on {info.device}",
         ),
         ("FLOPs per token", f"{fpt / 1e6:.2f} M (6N + 12*L*d*T)"),
@@ -373,6 +398,8 @@ def more_rows(config, data, info, step_s: float) -> list[tuple[str, str]]:
     total = sum(per_phase.values())
     batch_size = config.trainer_config.batch_size
     data_rate = data_pipeline(data, batch_size)
+    # A trainer step reads grad_accum_steps batches.
+    read = batch_size * config.trainer_config.grad_accum_steps / data_rate
     collective = "one all-reduce MAX of 2 int64" if info.is_distributed else "no collective"
     return [
         (
@@ -394,7 +421,7 @@ def more_rows(config, data, info, step_s: float) -> list[tuple[str, str]]:
         ),
         (
             "data pipeline",
-            f"{data_rate:,.0f} samples/s, {batch_size / data_rate / step_s:.2%} of a trainer step",
+            f"{data_rate:,.0f} samples/s, {read / step_s:.2%} of a trainer step",
         ),
     ]
 

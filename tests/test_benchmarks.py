@@ -4,12 +4,15 @@ work; and a script's default overrides never beat the user's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from conftest import CPU, REPO, child_env, torchrun_cmd
 
 BENCHMARKS = REPO / "benchmarks"
@@ -471,3 +474,58 @@ def test_the_users_preset_beats_a_scripts_defaults(monkeypatch):
         128,
         12,
     )
+
+
+def test_the_step_comparison_accumulates_as_the_trainer_does(monkeypatch):
+    """With grad_accum_steps, Trainer.train_step takes that many micro-batches: the bare loop takes
+    as many (DDP's all-reduce in the last alone), and the rows count an optimizer step's tokens."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_train
+    from _common import Plain, training_config
+
+    from mingpt import flops
+    from mingpt.distributed import DistInfo
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    held_back = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        held_back.append(1)
+        yield
+
+    def forward(x, y):
+        return None, F.mse_loss(model(x), y)
+
+    drawn = []
+
+    def batches():
+        drawn.append(1)
+        return torch.ones(4, 2), torch.zeros(4, 1)
+
+    p = Plain(model, forward, optimizer, 1.0, no_sync)
+    bench_train.plain_steps(p, batches, None, steps=2, accumulate=3)
+    assert (len(drawn), len(steps), len(held_back)) == (6, 2, 4)
+
+    config = training_config(
+        [],
+        [
+            "data_config.block_size=8",
+            "trainer_config.batch_size=2",
+            "trainer_config.grad_accum_steps=4",
+            CPU,
+        ],
+    )
+    config.gpt_config.vocab_size = 5
+    config.gpt_config.block_size = 8
+    monkeypatch.setattr(flops, "peak_rate", lambda device, dtype: 1e9)
+    one = DistInfo(
+        rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")
+    )
+    rows = dict(bench_train.step_rows(config, one, {"bare loop": 0.5, "trainer": 0.5}, rounds=1))
+    # 2 windows x 4 micro-batches x 8 tokens a step, a step in 0.5 s
+    assert rows["trainer"].startswith("128 tokens/s, 500.00 ms/step"), rows["trainer"]
+    assert rows["trainer overhead"].startswith("+0.0% per step"), rows["trainer overhead"]
