@@ -76,9 +76,9 @@ COLUMNS = {  # a worker's key -> the table's column
     "first_step_s": "first step (s)",
     "imports_s": "of which: imports (s)",
     "cache_s": "cache built or verified (s)",
-    "max_rss_mb": "max RSS per process (MB)",
-    "private_mb": "private memory (MB)",
-    "anonymous_mb": "of which anonymous (MB)",
+    "max_rss_mib": "max RSS per process (MiB)",
+    "private_mib": "private memory (MiB)",
+    "anonymous_mib": "of which anonymous (MiB)",
     "data_ms": "data per step (ms)",
     "data_share_pct": "data share of a step (%)",
 }
@@ -133,8 +133,9 @@ def generate(path: str, size_bytes: int, seed: int = 0) -> None:
     os.replace(path + ".tmp", path)
 
 
-def memory_mb() -> dict[str, float]:
-    """Private (clean + dirty) and anonymous memory of this process, in MB."""
+def memory_mib() -> dict[str, float]:
+    """Private (clean + dirty) and anonymous memory of this process, in MiB: the file's kB are
+    KiB."""
     with open("/proc/self/smaps_rollup") as f:
         lines = f.read().splitlines()[1:]
     fields = {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in lines)}
@@ -158,15 +159,15 @@ def worker(corpus: str, cache_dir: str, t0: float) -> None:
         data = load_data(config.data_config, build=False)
         with trainer(config, info, data) as t:
             first_end, reads, steps = train_timed(t)
-        memory = memory_mb()
+        memory = memory_mib()
         figures = {
             "rank": info.rank,
             "first_step_s": round(first_end - t0, 2),
             "imports_s": round(t_imports - t0, 2),
             "cache_s": round(t_data - t_imports, 2),
-            "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "private_mb": round(memory["private"]),
-            "anonymous_mb": round(memory["anonymous"]),
+            "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "private_mib": round(memory["private"]),
+            "anonymous_mib": round(memory["anonymous"]),
             "data_ms": round(1000 * reads / (len(steps) - 1), 3),
             # prefetch is outside the step
             "data_share_pct": round(100 * reads / sum(steps[1:]), 3),

@@ -529,3 +529,17 @@ def test_the_step_comparison_accumulates_as_the_trainer_does(monkeypatch):
     # 2 windows x 4 micro-batches x 8 tokens a step, a step in 0.5 s
     assert rows["trainer"].startswith("128 tokens/s, 500.00 ms/step"), rows["trainer"]
     assert rows["trainer overhead"].startswith("+0.0% per step"), rows["trainer overhead"]
+
+
+def test_bench_data_labels_its_memory_in_the_unit_it_counts(monkeypatch):
+    """ru_maxrss and smaps_rollup count KiB: divided by 1024 they are MiB, and so labeled."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_data
+
+    with open("/proc/self/smaps_rollup") as f:
+        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f.readlines()[1:])}
+    memory = bench_data.memory_mib()
+    assert abs(memory["anonymous"] - kib["Anonymous"] / 1024) < 64  # the process grows between
+    memory_columns = [c for k, c in bench_data.COLUMNS.items() if k.endswith("_mib")]
+    assert len(memory_columns) == 3
+    assert all(c.endswith("(MiB)") for c in memory_columns), memory_columns
