@@ -85,13 +85,20 @@ def pick(
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     # Shifted so the largest is 0: scaled, they are 0 or negative (-inf at worst), never inf or nan.
-    logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, MIN_TEMPERATURE)
+    shifted = logits.float()
+    shifted = shifted - shifted.amax(dim=-1, keepdim=True)
+    logits = shifted / max(temperature, MIN_TEMPERATURE)
+    # Which tokens are the most likely is read from the logits before they are scaled: a large
+    # temperature rounds their differences to ties (above float32's largest number, all to 0), and
+    # top_k and top_p then kept any tokens, not the most likely.
     if top_k is not None and top_k < logits.size(-1):
-        top = torch.topk(logits, top_k, dim=-1)
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+        top = torch.topk(shifted, top_k, dim=-1).indices
+        kept = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top, True)
+        logits = logits.masked_fill(~kept, float("-inf"))
+        shifted = shifted.masked_fill(~kept, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+        order = shifted.argsort(dim=-1, descending=True)
+        sorted_probs = torch.softmax(logits, dim=-1).gather(-1, order)
         # the tokens before it already reach top_p
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         # The most likely is kept: a top_p below float32's range compares as 0, and dropped all.

@@ -918,6 +918,19 @@ def test_a_tiny_temperature_samples_the_most_likely_token():
             assert token[0, 0] == 1 and token[1, 0] in (0, 1)
 
 
+def test_a_large_temperature_keeps_top_k_and_top_p_to_the_most_likely_tokens():
+    """Scaled by a large temperature, the logits' differences round to ties (by 1e39, above
+    float32's largest number, to 0): top_k=1 then kept token 2 where token 3 is the most likely,
+    and top_p kept tokens 0 and 1, the least likely, where the model ranks 3 and 1 first."""
+    logits = [0.0, 5.0, 1.0, 9.0]
+    for temperature in (1e8, 1e30, 1e39, 1e300):
+        assert draws(logits, temperature=temperature, top_k=1) == {3}
+        assert draws(logits, temperature=temperature, top_k=2) == {1, 3}
+        # near-uniform probabilities: the two most likely reach 0.3
+        assert draws(logits, temperature=temperature, top_p=0.3) == {1, 3}
+        assert draws(logits, temperature=temperature, top_k=3, top_p=0.5) == {1, 3}
+
+
 def test_a_generation_too_large_for_memory_names_the_key_to_change():
     """One sample too long for memory names max_new_tokens (it said num_samples: 1 samples
     need ... at most 0 fit); several samples that fit one by one name num_samples."""
