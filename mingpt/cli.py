@@ -99,8 +99,9 @@ def config_error_line(error: BaseException) -> str:
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
             line = f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+            known = cause.full_key in FIELDS or cause.full_key in SECTIONS
             # OmegaConf's ConfigKeyError or ConfigAttributeError: a key no section has
-            if isinstance(cause, KeyError | AttributeError) and cause.full_key not in FIELDS:
+            if isinstance(cause, KeyError | AttributeError) and not known:
                 line = unknown_key(cause.full_key, [*SECTIONS, *FIELDS])
                 # the close name suggested is no cure for a group's file without its header
                 group = group_without_header(cause.full_key, where)
@@ -110,8 +111,8 @@ def config_error_line(error: BaseException) -> str:
                         f"{group}; to set keys of every section, start the file with the line "
                         "'# @package _global_'"
                     )
-            if append and cause.full_key in FIELDS:
-                line += f" (this config has no such key yet: add it with {append.group(1)})"
+            if append:
+                line = missing_key_line(line, cause.full_key, append.group(1))
             if where:
                 line = f"in {where.group(1)}: {line}"
             return line
@@ -119,6 +120,19 @@ def config_error_line(error: BaseException) -> str:
     line = reason(error)
     options = getattr(error, "options", None)
     return f"{line} (choices: {', '.join(options)})" if options else line
+
+
+def missing_key_line(line: str, key: str, added: str) -> str:
+    """`line` for a `key` that a config file of one's own lacks, with Hydra's override `added`
+    that adds it (+section.key=value)."""
+    if key in FIELDS:
+        return f"{line} (this config has no such key yet: add it with {added})"
+    # without the whole section: the key's name, not the section's, which is no typo (it was
+    # suggested as its own correction)
+    if key in SECTIONS:
+        name = added.lstrip("+").split("=", 1)[0]
+        return f"{name}: this config has no {key} section yet: add the key with {added}"
+    return line
 
 
 def group_without_header(key: str, where: re.Match | None) -> str | None:

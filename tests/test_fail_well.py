@@ -752,6 +752,16 @@ def test_a_key_missing_from_a_config_file_of_ones_own_is_told_how_to_add(tmp_pat
         "trainer_config.batch_size: Key 'batch_size' is not in struct (this config has no such key "
         "yet: add it with +trainer_config.batch_size=4)"
     )
+    # a section the file has none of was named as an unknown key, its own correction suggested
+    with (
+        initialize_config_dir(config_dir=str(tmp_path), version_base=None),
+        pytest.raises(HydraException) as e,
+    ):
+        compose("mine", overrides=["optimizer_config.learning_rate=1e-3"])
+    assert cli.config_error_line(e.value) == (
+        "optimizer_config.learning_rate: this config has no optimizer_config section yet: add the "
+        "key with +optimizer_config.learning_rate=1e-3"
+    )
     with pytest.raises(HydraException) as e:
         composed("trainer_config.epochs=3")
     assert cli.config_error_line(e.value) == (
