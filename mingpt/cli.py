@@ -458,6 +458,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
         config, notices = checked_config(cfg, hydra_cfg)
+        # what a hint names to put a run elsewhere: under -m, hydra.run.dir has no effect
+        rundir.directory_key = "hydra.run.dir"
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            rundir.directory_key = "hydra.sweep.dir"
         stopping.install(config.trainer_config.stop_signals)
         # Hydra's .hydra/ is off (written before any check); ours: the values used, vocab_size and
         # block_size as given

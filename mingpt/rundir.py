@@ -38,6 +38,9 @@ held: "Claim | None" = None
 # Whether a run of this process was accepted (on every rank): a sweep's multirun.yaml is then the
 # record of a sweep that ran (mingpt.cli keeps it).
 accepted = False
+# The Hydra key that places this process's run directory where its run name does not: a sweep's
+# job is in hydra.sweep.dir (hydra.run.dir does nothing under -m); set by mingpt.cli.
+directory_key = "hydra.run.dir"
 
 
 class RunDirError(ValueError):
@@ -83,21 +86,22 @@ def _hydra_quoted(value: str) -> str:
 def new_run_hint(cfg: TrainerConfig, run_dir: str | None) -> str:
     """What to add for a new run instead of this one: a name not used yet, unless the name does
     not place its snapshots (a snapshot_path that is absolute, a URL or leads out of the run
-    directory: shared by every name) or its run directory `run_dir` (hydra.run.dir names it)."""
+    directory: shared by every name) or its run directory `run_dir` (hydra.run.dir, or a sweep's
+    hydra.sweep.dir, names it)."""
     path = cfg.snapshot_path
     if path and ("://" in path or os.path.isabs(path) or os.path.normpath(path).startswith("..")):
         return "trainer_config.snapshot_path=PATH (a path not used yet)"
     if run_dir is not None and not _named_by_run_name(cfg, run_dir):
-        return "hydra.run.dir=ANOTHER_DIRECTORY"
+        return f"{directory_key}=ANOTHER_DIRECTORY"
     return "trainer_config.run_name=NAME (a name not used yet)"
 
 
 def other_directory_hint(cfg: TrainerConfig, run_dir: str) -> str:
     """What gives a job another run directory than `run_dir`: another name, unless hydra.run.dir
-    and not the name places it."""
+    (a sweep's hydra.sweep.dir) and not the name places it."""
     if _named_by_run_name(cfg, run_dir):
         return OTHER_NAME
-    return "another directory (hydra.run.dir=ANOTHER_DIRECTORY)"
+    return f"another directory ({directory_key}=ANOTHER_DIRECTORY)"
 
 
 def _named_by_run_name(cfg: TrainerConfig, run_dir: str) -> bool:

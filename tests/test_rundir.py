@@ -598,19 +598,24 @@ def test_an_older_run_directory_is_continued_as_the_docs_say():
 def test_a_refusal_in_a_directory_hydra_run_dir_names_suggests_another_directory(tmp_path, corpus):
     """A run placed by hydra.run.dir (an older run's directory, a config file's `./`) stays there
     whatever its run_name: a refused change of config or corpus suggests another directory, not a
-    run_name that would meet the same snapshot and the same refusal again."""
+    run_name that would meet the same snapshot and the same refusal again. A sweep's job placed by
+    hydra.sweep.dir is told that key: hydra.run.dir does nothing under -m."""
     (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6000], "utf-8")
     argv = args("trainer_config.max_steps=2", f"hydra.run.dir={tmp_path / 'mine'}")
     assert run_main(argv, tmp_path).returncode == 0
     (tmp_path / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:6001], "utf-8")
+    # the same directory as a sweep's job
+    sweep = [f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=mine"]
     cases = [
         args("trainer_config.max_steps=3", f"hydra.run.dir={tmp_path / 'mine'}"),
         argv,  # the same values on a changed corpus
+        ["-m", *args("trainer_config.max_steps=3"), *sweep],
     ]
-    for proc in run_each("mingpt.cli", [(tmp_path, on_cpu(case)) for case in cases]):
+    procs = run_each("mingpt.cli", [(tmp_path, on_cpu(case)) for case in cases])
+    for proc, key in zip(procs, ["hydra.run.dir", "hydra.run.dir", "hydra.sweep.dir"], strict=True):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr
-        assert "start a new run with hydra.run.dir=ANOTHER_DIRECTORY, " in errors[0], errors[0]
+        assert f"start a new run with {key}=ANOTHER_DIRECTORY, " in errors[0], errors[0]
         assert "run_name" not in errors[0]
 
 
