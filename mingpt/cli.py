@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 import hydra
 import yaml
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import get_args_parser
@@ -27,6 +28,7 @@ from mingpt.config import (
     SECTIONS,
     Config,
     ConfigError,
+    TrainerConfig,
     check,
     check_known_keys,
     drop_ignored_keys,
@@ -51,6 +53,7 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 CONF_PATH = CONF_DIR if os.path.isdir(CONF_DIR) else "pkg://mingpt.conf"
 USER_ERRORS = (ConfigError, DataError, SnapshotError, StorageError, TrainingError, RunDirError)
 COMPOSE = Hydra.compose_config
+LOAD = ConfigLoaderImpl.load_configuration
 # conf/config.yaml's, whatever the primary config (a user's own, --config-name): the run logs as
 # mingpt sets up (Hydra's file handler left an empty <job>.log in the run directory), and mingpt
 # writes .hydra/ once the run is accepted (Hydra's, before any check: a refused command rewrote
@@ -424,6 +427,24 @@ def compose_checked(
     return cfg
 
 
+def load_with_run_name(self: ConfigLoaderImpl, *args: Any, **kwargs: Any) -> DictConfig:
+    """ConfigLoaderImpl.load_configuration while main runs (the command's config, and each job of
+    a sweep as checked and as launched), with trainer_config.run_name's default where a config file
+    of one's own leaves it out: its hydra.run.dir (hydra.sweep.dir) of mingpt's layout,
+    runs/${trainer_config.run_name}, names the run directory by it, and the run takes that
+    default."""
+    cfg = LOAD(self, *args, **kwargs)
+    trainer = cfg.get("trainer_config")
+    if trainer is None and "trainer_config" not in cfg:
+        with open_dict(cfg):
+            cfg.trainer_config = {}
+        trainer = cfg.trainer_config
+    if isinstance(trainer, DictConfig) and "run_name" not in trainer:
+        with open_dict(trainer):
+            trainer.run_name = TrainerConfig.run_name
+    return cfg
+
+
 def refuse(message: str) -> NoReturn:
     """A refused task leaves no trace (take_back_run_dir)."""
     take_back_run_dir()
@@ -562,6 +583,7 @@ def main() -> None:
     # os._exit skips refuse's cleanup: a stop or a failed join before the run is accepted
     stopping.take_back = take_back_run_dir
     Hydra.compose_config = compose_checked  # type: ignore[method-assign]
+    ConfigLoaderImpl.load_configuration = load_with_run_name  # type: ignore[method-assign]
     try:
         _hydra_main()
     except USER_ERRORS as e:  # a composed config refused (compose_checked)
@@ -588,3 +610,4 @@ def main() -> None:
         fail(f"cannot write to stdout: {e.strerror or e}")
     finally:
         Hydra.compose_config = COMPOSE  # type: ignore[method-assign]
+        ConfigLoaderImpl.load_configuration = LOAD  # type: ignore[method-assign]

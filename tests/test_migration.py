@@ -135,16 +135,31 @@ def commands(tmp_path_factory, corpus, tiny_file) -> dict:
         trains.append((run.parent, on_cpu([*TINY, f"hydra.run.dir={run}", *named_path])))
         sample = [f"snapshot_path={run}", "max_new_tokens=5", "device=cpu"]
         samples.append((run.parent, sample, "mingpt.generate"))
+    # mingpt's layout in a file without run_name: what its run directory is
+    layout = make_user_dir(tmp_path_factory.mktemp("layout"), corpus)
+    path = layout / "conf" / "gpt2_train_cfg.yaml"
+    path.write_text(path.read_text().replace("dir: ./", "dir: runs/${trainer_config.run_name}"))
     # then refused there: the model of another shape
     again = [*tutorial, "gpt_config.n_embd=16"]
     cases = [(user_dir, on_cpu(tutorial)), (user_dir, on_cpu(again))]
+    cases.append((layout, user_args(layout, "--cfg", "hydra", "--package", "hydra.run.dir")))
     cases += [(d, on_cpu(user_args(d))) for d in dirs.values()]
     results = run_each("mingpt.cli", [*cases, *trains, *samples])
     given = {"tutorial": (user_dir, results.pop(0)), "again": (user_dir, results.pop(0))}
+    given["layout"] = (layout, results.pop(0))
     given.update((name, (dirs[name], results.pop(0))) for name in dirs)
     refused, sampled = results[: len(trains)], results[len(trains) :]
     given.update((named, (*runs[named], refused[i], sampled[i])) for i, named in enumerate(runs))
     return given
+
+
+def test_a_config_file_without_run_name_keeps_mingpts_layout_by_the_default_name(commands):
+    """`hydra.run.dir: runs/${trainer_config.run_name}`, which the docs and the refusal of a
+    directory named by the clock give, failed in a file without run_name (the tutorial's): the
+    interpolation found no key, where the run takes run_name's default."""
+    _, proc = commands["layout"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "runs/default\n"
 
 
 @pytest.mark.parametrize("named", [False, True])
