@@ -743,22 +743,21 @@ def test_a_key_missing_from_a_config_file_of_ones_own_is_told_how_to_add(tmp_pat
     """Hydra's own advice (add it with +) was dropped from the line; a key no dataclass has gets
     none: adding it is refused next."""
     (tmp_path / "mine.yaml").write_text("trainer_config:\n  max_steps: 5\n")
-    with (
-        initialize_config_dir(config_dir=str(tmp_path), version_base=None),
-        pytest.raises(HydraException) as e,
-    ):
-        compose("mine", overrides=["trainer_config.batch_size=4"])
-    assert cli.config_error_line(e.value) == (
+
+    def refused_in_mine(override: str) -> str:
+        with (
+            initialize_config_dir(config_dir=str(tmp_path), version_base=None),
+            pytest.raises(HydraException) as e,
+        ):
+            compose("mine", overrides=[override])
+        return cli.config_error_line(e.value)
+
+    assert refused_in_mine("trainer_config.batch_size=4") == (
         "trainer_config.batch_size: Key 'batch_size' is not in struct (this config has no such key "
         "yet: add it with +trainer_config.batch_size=4)"
     )
     # a section the file has none of was named as an unknown key, its own correction suggested
-    with (
-        initialize_config_dir(config_dir=str(tmp_path), version_base=None),
-        pytest.raises(HydraException) as e,
-    ):
-        compose("mine", overrides=["optimizer_config.learning_rate=1e-3"])
-    assert cli.config_error_line(e.value) == (
+    assert refused_in_mine("optimizer_config.learning_rate=1e-3") == (
         "optimizer_config.learning_rate: this config has no optimizer_config section yet: add the "
         "key with +optimizer_config.learning_rate=1e-3"
     )
