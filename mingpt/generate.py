@@ -168,7 +168,9 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
     """Refuse a generation that cannot fit in memory, naming the key to change. One sample holds its
     random stream and the noise drawn ahead, its KV cache, a window's largest activations (one
     layer's MLP and attention scores, twice), a few rows of logits, and its tokens: two int64 per
-    new character (generate's, and their concatenation that run decodes)."""
+    new character (generate's, and their concatenation that run decodes). Several samples on a CPU
+    may also hold a copy of the blocks' weights, once, that their products multiply by
+    (decoding.step_linear)."""
     c = model.config
     item = next(model.parameters()).element_size()
     stream = len(torch.Generator(device).get_state()) + noise_rows(c.vocab_size) * c.vocab_size * 4
@@ -187,12 +189,15 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
             f"{(fixed + tokens) / GIB:,.1f} GiB on {device}, more than the {free / GIB:,.1f} GiB "
             f"available; at most {most:,} fit"
         )
-    need = (fixed + tokens) * config.num_samples
+    copy = 0
+    if config.num_samples > 1 and device.type == "cpu":
+        copy = sum(p.numel() * p.element_size() for p in model.h.parameters() if p.dim() == 2)
+    need = (fixed + tokens) * config.num_samples + copy
     if need > free:
+        most = max(1, (free - copy) // (fixed + tokens))
         raise ConfigError(
             f"num_samples: {config.num_samples:,} samples need about {need / GIB:,.1f} GiB on "
-            f"{device}, more than the {free / GIB:,.1f} GiB available; at most "
-            f"{free // (fixed + tokens):,} fit"
+            f"{device}, more than the {free / GIB:,.1f} GiB available; at most {most:,} fit"
         )
 
 

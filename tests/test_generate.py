@@ -931,7 +931,7 @@ def test_a_large_temperature_keeps_top_k_and_top_p_to_the_most_likely_tokens():
         assert draws(logits, temperature=temperature, top_k=3, top_p=0.5) == {1, 3}
 
 
-def test_a_generation_too_large_for_memory_names_the_key_to_change():
+def test_a_generation_too_large_for_memory_names_the_key_to_change(monkeypatch):
     """One sample too long for memory names max_new_tokens (it said num_samples: 1 samples
     need ... at most 0 fit); several samples that fit one by one name num_samples."""
     from mingpt.config import ConfigError, GPTConfig
@@ -947,6 +947,13 @@ def test_a_generation_too_large_for_memory_names_the_key_to_change():
     with pytest.raises(ConfigError, match=rf"^num_samples: {many:,} samples need about"):
         check_fits(model, GenerateConfig(max_new_tokens=1000, num_samples=many), cpu)
     check_fits(model, GenerateConfig(max_new_tokens=1000, num_samples=3), cpu)
+    # Several samples on a CPU may multiply by a copy of the blocks' weights, which they hold too:
+    # two samples that fit but for it ran out of memory.
+    wide = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=512, vocab_size=5, block_size=4))
+    monkeypatch.setattr(generate_cli, "available_memory", lambda device: 8 * 2**20)
+    check_fits(wide, GenerateConfig(max_new_tokens=10), cpu)
+    with pytest.raises(ConfigError, match=r"^num_samples: 2 samples need .* at most 1 fit$"):
+        check_fits(wide, GenerateConfig(max_new_tokens=10, num_samples=2), cpu)
 
 
 def test_samples_hold_no_more_than_check_fits_counts(snapshot, monkeypatch, one_thread):
