@@ -434,11 +434,10 @@ def load_with_run_name(self: ConfigLoaderImpl, *args: Any, **kwargs: Any) -> Dic
     runs/${trainer_config.run_name}, names the run directory by it, and the run takes that
     default."""
     cfg = LOAD(self, *args, **kwargs)
-    trainer = cfg.get("trainer_config")
-    if trainer is None and "trainer_config" not in cfg:
+    if "trainer_config" not in cfg:
         with open_dict(cfg):
             cfg.trainer_config = {}
-        trainer = cfg.trainer_config
+    trainer = cfg.trainer_config
     if isinstance(trainer, DictConfig) and "run_name" not in trainer:
         with open_dict(trainer):
             trainer.run_name = TrainerConfig.run_name
@@ -479,10 +478,6 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
         config, notices = checked_config(cfg, hydra_cfg)
-        # what a hint names to put a run elsewhere: under -m, hydra.run.dir has no effect
-        rundir.directory_key = "hydra.run.dir"
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            rundir.directory_key = "hydra.sweep.dir"
         stopping.install(config.trainer_config.stop_signals)
         # Hydra's .hydra/ is off (written before any check); ours: the values used, vocab_size and
         # block_size as given

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from mingpt import storage
@@ -38,9 +40,6 @@ held: "Claim | None" = None
 # Whether a run of this process was accepted (on every rank): a sweep's multirun.yaml is then the
 # record of a sweep that ran (mingpt.cli keeps it).
 accepted = False
-# The Hydra key that places this process's run directory where its run name does not: a sweep's
-# job is in hydra.sweep.dir (hydra.run.dir does nothing under -m); set by mingpt.cli.
-directory_key = "hydra.run.dir"
 
 
 class RunDirError(ValueError):
@@ -83,6 +82,14 @@ def _hydra_quoted(value: str) -> str:
     return f'"{value}"'
 
 
+def directory_key() -> str:
+    """The Hydra key that places this job's run directory where its run name does not: a sweep's
+    job is in hydra.sweep.dir (hydra.run.dir does nothing under -m)."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return "hydra.sweep.dir"
+    return "hydra.run.dir"
+
+
 def new_run_hint(cfg: TrainerConfig, run_dir: str | None) -> str:
     """What to add for a new run instead of this one: a name not used yet, unless the name does
     not place its snapshots (a snapshot_path that is absolute, a URL or leads out of the run
@@ -92,7 +99,7 @@ def new_run_hint(cfg: TrainerConfig, run_dir: str | None) -> str:
     if path and ("://" in path or os.path.isabs(path) or os.path.normpath(path).startswith("..")):
         return "trainer_config.snapshot_path=PATH (a path not used yet)"
     if run_dir is not None and not _named_by_run_name(cfg, run_dir):
-        return f"{directory_key}=ANOTHER_DIRECTORY"
+        return f"{directory_key()}=ANOTHER_DIRECTORY"
     return "trainer_config.run_name=NAME (a name not used yet)"
 
 
@@ -101,7 +108,7 @@ def other_directory_hint(cfg: TrainerConfig, run_dir: str) -> str:
     (a sweep's hydra.sweep.dir) and not the name places it."""
     if _named_by_run_name(cfg, run_dir):
         return OTHER_NAME
-    return f"another directory ({directory_key}=ANOTHER_DIRECTORY)"
+    return f"another directory ({directory_key()}=ANOTHER_DIRECTORY)"
 
 
 def _named_by_run_name(cfg: TrainerConfig, run_dir: str) -> bool:
