@@ -43,7 +43,7 @@ def key(
     valid where the type allows it), whether it is operational: it changes how a run is carried
     out, logged or saved, never what it computes (but for `eval_every` under early stopping); and,
     for a key that acts only with some values of another key of its section, `acts_with`: that
-    key's name and those values."""
+    key's name and those values (none: any value but null)."""
     return field(
         default=default,
         **factory,
@@ -328,6 +328,7 @@ class TrainerConfig:
         "counted, that counts as an improvement for `early_stop_patience` (the best weights "
         "are kept at any drop)",
         valid=">= 0",
+        acts_with=("early_stop_patience",),
     )
     log_every: int = key(
         50, "log a train event every this many optimizer steps", operational=True, valid=">= 1"
@@ -589,12 +590,14 @@ def keys_without_effect(config: Config) -> list[str]:
             if acts_with is None or value == _default(f):
                 continue
             other, *values = acts_with
-            if getattr(section, other) not in values:
-                warnings.append(
-                    f"{name}.{f.name}={value_text(value)} has no effect with {name}.{other}="
-                    f"{value_text(getattr(section, other))}: it acts with "
-                    + " or ".join(map(value_text, values))
-                )
+            setting = getattr(section, other)
+            if setting in values or (not values and setting is not None):
+                continue
+            acts = " or ".join(map(value_text, values)) or "any value but null"
+            warnings.append(
+                f"{name}.{f.name}={value_text(value)} has no effect with {name}.{other}="
+                f"{value_text(setting)}: it acts with {acts}"
+            )
     return warnings
 
 

@@ -482,11 +482,20 @@ def test_making_the_key_tables_of_a_file_that_is_not_the_page_is_one_line(tmp_pa
             ],
         ),
         (["trainer_config.ddp_comm_hook=batched_powersgd", "trainer_config.powersgd_rank=4"], []),
+        (
+            ["trainer_config.early_stop_min_delta=0.1"],
+            [
+                "trainer_config.early_stop_min_delta=0.1 has no effect with "
+                "trainer_config.early_stop_patience=null: it acts with any value but null"
+            ],
+        ),
+        (["trainer_config.early_stop_patience=3", "trainer_config.early_stop_min_delta=0.1"], []),
     ],
 )
 def test_a_key_set_where_it_has_no_effect_is_warned(overrides, warned):
-    """Muon's keys with AdamW, wsd's cooldown with cosine, PowerSGD's rank without PowerSGD: the
-    run goes on, and says so at its start (they were accepted without a word)."""
+    """Muon's keys with AdamW, wsd's cooldown with cosine, PowerSGD's rank without PowerSGD,
+    early stopping's min_delta without a patience: the run goes on, and says so at its start (they
+    were accepted without a word)."""
     from mingpt.cli import checked_config
 
     cfg = composed(*overrides, hydra_config=True)
