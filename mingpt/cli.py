@@ -1,5 +1,5 @@
-"""The training command line (`python main.py [key=value ...]`, `mingpt-train`): Hydra composes,
-run.py runs."""
+"""The training command line (`python main.py [key=value ...]`, `mingpt-train`, `python -m
+mingpt.cli`): Hydra composes, run.py runs."""
 
 import argparse
 import contextlib
@@ -606,3 +606,7 @@ def main() -> None:
     finally:
         Hydra.compose_config = COMPOSE  # type: ignore[method-assign]
         ConfigLoaderImpl.load_configuration = LOAD  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    main()

@@ -391,3 +391,14 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, corpus):
     assert read_snapshot(run_dir / "snapshots")["step"] == step
     told = json.loads((tmp_path / "error.json").read_text())["message"]
     assert told["message"] == told["extraInfo"]["py_callstack"] == last
+
+
+def test_python_m_mingpt_cli_is_the_training_command(monkeypatch, capsys):
+    """`python -m mingpt.cli` ran nothing and exited 0: it is mingpt-train."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["mingpt.cli", "--no-such-option"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("mingpt.cli", run_name="__main__")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: unrecognized arguments: --no-such-option")
