@@ -50,7 +50,7 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     named = {}  # {each file, by its name in its file system: the name given it}
     local_dir = None  # the first pattern's directory, if it is local: the cache's default place
     for i, pattern in enumerate(cfg.paths):
-        fs, stripped, matches = _expand(pattern, cfg.cache_dir)
+        fs, stripped, matches = _expand(pattern)
         local = storage.is_local(fs)
         if i == 0 and local:
             local_dir = _pattern_directory(stripped, matches)
@@ -75,28 +75,23 @@ def cache_location(cfg: DataConfig) -> tuple[list[str], str]:
     return sources, token_cache.default_cache_path(keys, cfg.truncate, cfg.cache_dir, local_dir)
 
 
-def _expand(
-    pattern: str, cache_dir: str | None = None
-) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
+def _expand(pattern: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
     """The file system of `pattern`, the pattern within it, and the files it names: itself, or a
-    glob's matches in order, the token cache's own files left out, and its directory
-    (`cache_dir`, data_config's) too."""
+    glob's matches in order, the token cache's own files left out."""
     try:
         fs, stripped = fsspec.core.url_to_fs(pattern)
         # A file named x[1].txt is that file, not a glob for x1.txt.
         if not storage.is_glob(pattern) or fs.isfile(stripped):
             return fs, stripped, [stripped]
-        # A cache_dir that the glob matches (G/cache for G/*) did not exist at the first run,
-        # which made it: the next was refused, the directory taken for a data file.
-        own = None
-        if cache_dir is not None and storage.is_local(fs):
-            own = os.path.realpath(os.path.expanduser(cache_dir))
+        found = fs.glob(stripped, detail=True)
+        # A glob names files: the directories it matches (G itself for G/**, a cache_dir in G)
+        # were refused as data files.
         matches = [
             m
-            for m in sorted(fs.glob(stripped))
-            if not token_cache.is_own(m)
+            for m in sorted(found)
+            if found[m]["type"] != "directory"
+            and not token_cache.is_own(m)
             and not _hidden(m, stripped)
-            and (own is None or os.path.realpath(m) != own)
         ]
     except (OSError, ValueError, ImportError) as e:
         raise DataError(f"cannot read data file {pattern}: {e}") from None

@@ -19,7 +19,7 @@ from conftest import RUN_DEADLINE, TINY, run_main
 from omegaconf import OmegaConf
 
 from mingpt.config import Config, DataConfig
-from mingpt.data import DataError, HostBatches, TokenWindows, load_data, spread
+from mingpt.data import DataError, HostBatches, TokenWindows, cache_location, load_data, spread
 from mingpt.distributed import DistInfo
 from mingpt.run import build
 from mingpt.snapshot import SnapshotError
@@ -568,6 +568,11 @@ def test_a_glob_never_matches_the_token_caches_own_files(tmp_path):
     cfg = DataConfig(path=str(corpus / "*"), block_size=8, stride=8, cache_dir=str(corpus / "c"))
     assert load_data(cfg).files == load_data(cfg).files == [str(corpus / "a.txt")]
     assert len(cache_files(corpus / "c")) == 1
+    # G/** matches G and G/sub too, which were refused as data files: a glob names files
+    (corpus / "sub").mkdir()
+    (corpus / "sub" / "b.txt").write_text("abcdefgh", encoding="utf-8")
+    sources, _ = cache_location(DataConfig(path=str(corpus / "**"), cache_dir=str(corpus / "c")))
+    assert sources == [str(corpus / "a.txt"), str(corpus / "sub" / "b.txt")]
 
 
 def test_a_glob_that_matches_other_files_replaces_its_cache(tmp_path):
