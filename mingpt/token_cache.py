@@ -277,38 +277,43 @@ def ensure(path: str, sources: list[str], truncate: float) -> None:
     directory = os.path.dirname(path) or "."
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CacheWriteError(path, f"{directory} is not a directory")
+    # which no file can replace (it was taken for a damaged cache, encoded, then refused)
+    if os.path.isdir(path):
+        raise CacheWriteError(path, "it is a directory")
     level = logging.INFO
     if why.startswith("damaged"):
         level = logging.WARNING
-    log.log(level, "token cache %s: %s; encoding the corpus", path, why)
-    scans = [_scan(source) for source in sources]
-    keys = [key for key, _, _ in scans]
-    kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
-    if truncate == 1.0:
-        counts = sum(c for *_, c in scans)
-    else:  # the vocabulary of the kept text alone
-        counts = sum(count(cps) for cps in kept_chunks(keys, kept))
-    vocab_cps = np.flatnonzero(counts.numpy())
-    dtype = dtype_for(len(vocab_cps))
-    lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
-    lookup[vocab_cps] = np.arange(len(vocab_cps), dtype=dtype)
-    header = {
-        "version": VERSION,
-        "sources": keys,
-        "truncate": truncate,
-        "vocab": "".join(map(chr, vocab_cps.tolist())),
-        "dtype": dtype,
-        "counts": kept,
-        "digest": BLANK_DIGEST,
-    }
-    # A build that fails (a full disk, a source changed while it was read) leaves no cache
-    # directory it made: the default one is beside the user's corpus.
+    # The directory and the temporary are made before the corpus is read: a cache that cannot be
+    # written (a read-only directory, a file above it) was refused only after the corpus was
+    # announced and read. A build that fails (a full disk, a source changed while it was read)
+    # leaves no cache directory it made: the default one is beside the user's corpus.
     try:
         with storage.directory_for(directory):
             # builds whose process died left their temporaries
             for stale in storage.remove_stale_temporaries(path):
                 log.info("removed %s, left by a build that was stopped", stale)
             with storage.atomic_open(path) as f:
+                log.log(level, "token cache %s: %s; encoding the corpus", path, why)
+                scans = [_scan(source) for source in sources]
+                keys = [key for key, _, _ in scans]
+                kept = [max(1, int(n_chars * truncate)) for _, n_chars, _ in scans]
+                if truncate == 1.0:
+                    counts = sum(c for *_, c in scans)
+                else:  # the vocabulary of the kept text alone
+                    counts = sum(count(cps) for cps in kept_chunks(keys, kept))
+                vocab_cps = np.flatnonzero(counts.numpy())
+                dtype = dtype_for(len(vocab_cps))
+                lookup = np.zeros(N_CODE_POINTS, dtype=dtype)
+                lookup[vocab_cps] = np.arange(len(vocab_cps), dtype=dtype)
+                header = {
+                    "version": VERSION,
+                    "sources": keys,
+                    "truncate": truncate,
+                    "vocab": "".join(map(chr, vocab_cps.tolist())),
+                    "dtype": dtype,
+                    "counts": kept,
+                    "digest": BLANK_DIGEST,
+                }
                 f.write(_header_bytes(header))
                 digest = hashlib.sha256(_header_bytes(header))
                 for cps in kept_chunks(keys, kept):

@@ -530,11 +530,22 @@ def test_a_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
     assert data.tokenizer.chars == "abcdefgh"
 
 
-def test_a_cache_dir_that_is_a_file_is_named(tmp_path):
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path, caplog):
+    """So is one below a file, and a directory where the cache file goes, before the corpus is
+    announced as encoded and read (they were refused after)."""
     (tmp_path / "c.txt").write_text("abcdefgh" * 50, encoding="utf-8")
     (tmp_path / "afile").write_text("not a directory\n")
     with pytest.raises(DataError, match=rf"{tmp_path / 'afile'} is not a directory \(set data"):
         load_data(DataConfig(path=str(tmp_path / "c.txt"), cache_dir=str(tmp_path / "afile")))
+    caplog.set_level(logging.INFO, logger="mingpt")
+    cfg = DataConfig(path=str(tmp_path / "c.txt"), cache_dir=str(tmp_path / "afile" / "sub"))
+    with pytest.raises(DataError, match=r"^cannot write the token cache .*: Not a directory \("):
+        load_data(cfg)
+    cfg = DataConfig(path=str(tmp_path / "c.txt"), cache_dir=str(tmp_path / "cache"))
+    os.makedirs(cache_location(cfg)[1])
+    with pytest.raises(DataError, match=r"^cannot write the token cache .*: it is a directory \("):
+        load_data(cfg)
+    assert not [r for r in caplog.records if "encoding" in r.getMessage()]
 
 
 def test_a_corpus_with_a_name_as_long_as_a_file_system_allows_is_cached(tmp_path):
