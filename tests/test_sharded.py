@@ -94,6 +94,19 @@ def test_a_root_whose_path_has_glob_characters_is_published_listed_and_pruned(tm
     assert sorted(listed["files"]) == [".metadata", "__0_0.distcp", "meta.json"]
 
 
+def test_a_step_saved_again_keeps_the_snapshots_of_as_many_steps(tmp_path):
+    """A resumed run redoes the evaluation a stop cut short and saves its step again: that save
+    replaces the step's first one. Both were kept, and keep_snapshots=2 left one step to go back
+    to."""
+    root = str(tmp_path / "snapshots")
+    model = torch.nn.Linear(2, 2)
+    meta = {"gpt_config": {}, "vocab": "ab", "epoch": 0, "samples_in_epoch": 0}
+    for step in (1, 2, 2):
+        tensors = {"model": model.state_dict()}
+        sharded.save(tensors, {**meta, "step": step}, root, step, keep=2, async_save=False)
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002-1"]
+
+
 def test_a_root_under_the_home_directory_written_with_a_tilde_is_there(monkeypatch, tmp_path):
     """`~/snaps` was a directory named ~ in the run directory, where init_from, generate and the
     corpus's keys read a leading ~ as the home directory."""

@@ -171,12 +171,14 @@ def _remove(root: str, which: Callable[[list[str], list[str]], list[str]]) -> li
 
 
 def prune(root: str, newest: str, keep: int, also_at_or_before: int | None = None) -> None:
-    """Remove all but the newest `keep` published snapshots (and, with `also_at_or_before`, the
-    newest of a step at or before it), and the unpublished ones older than `newest` (saves that
-    died); a failure only warns."""
+    """Remove all but the newest `keep` published snapshots of distinct steps (and, with
+    `also_at_or_before`, the newest of a step at or before it), and the unpublished ones older than
+    `newest` (saves that died); a failure only warns."""
 
     def old(names: list[str], published: list[str]) -> list[str]:
-        kept = published[-keep:]
+        # A step saved again (its evaluation, cut short by a stop, redone on resume) supersedes its
+        # earlier snapshot, which held a slot of an older step's.
+        kept = list({order(n)[0]: n for n in published}.values())[-keep:]
         if also_at_or_before is not None:
             kept += [n for n in published if order(n)[0] <= also_at_or_before][-1:]
         unpublished = [n for n in names if n not in published and order(n) < order(newest)]
