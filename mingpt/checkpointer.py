@@ -105,7 +105,7 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state}
         meta, own = sharded.load(
             state,
-            self.root,
+            newest,  # not the root: listing it again is another round trip on an object store
             check=lambda saved: compat.check_fits(
                 saved, self.config, self.vocab, self.root, self.corpus, self.run_dir
             ),

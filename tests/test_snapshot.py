@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import fsspec
 import pytest
@@ -384,11 +385,12 @@ def test_a_snapshot_that_records_no_corpus_resumes_as_before(tmp_path, small_cor
 
 
 def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(
-    tmp_path, small_corpus, caplog, one_thread
+    tmp_path, small_corpus, caplog, one_thread, monkeypatch
 ):
     """A valid older sharded snapshot copied to step-99999999 would be the newest by
     name: it is skipped with one warning naming it, the run resumes from its true
-    newest, and keep_snapshots prunes by the true steps, never the stray."""
+    newest, and keep_snapshots prunes by the true steps, never the stray. The resume lists the
+    root twice, not four times: on an object store each listing is a round trip."""
     run = (
         "trainer_config.parallelism=fsdp",
         "trainer_config.async_save=false",
@@ -400,9 +402,12 @@ def test_a_stray_snapshot_whose_name_lies_is_neither_resumed_nor_pruned(
     root = tmp_path / "run" / "snapshots"
     stray = root / "step-99999999"
     shutil.copytree(root / "step-00000001", stray)
+    monkeypatch.setattr(manifest, "listing", mock.Mock(wraps=manifest.listing))
     with caplog.at_level(logging.WARNING, logger="mingpt"):
         trainer = make_trainer(tmp_path / "run", small_corpus, *run, "trainer_config.max_steps=4")
         assert trainer.state.step == 2
+        # once to find where the run starts, once under its lock to load it
+        assert [c.args[0] for c in manifest.listing.call_args_list].count(str(root)) == 2
         trainer.train()
     assert sorted(p.name for p in root.iterdir()) == [
         "step-00000003",
