@@ -202,11 +202,18 @@ def write_directory(dst: str, files: dict[str, bytes]) -> None:
         os.rename(tmp, path)
         fsync_dir(parent)
     except OSError as e:
+        problem = f"cannot write {dst}: {e.strerror or e}"
         if old and not os.path.exists(path):  # put the earlier export back
-            os.rename(old, path)
+            try:
+                os.rename(old, path)
+            except OSError:
+                problem += (
+                    f"; the earlier export is left in {old}: rename it back to {dst} before the "
+                    "next export, which removes it"
+                )
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"cannot write {dst}: {e.strerror or e}") from None
+        raise ExportError(problem) from None
     if old:
         shutil.rmtree(old, ignore_errors=True)
 

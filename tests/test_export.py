@@ -5,6 +5,7 @@ the project's logits to 1e-5; the snapshot format; refused destinations and bad 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -200,6 +201,31 @@ def test_a_failed_write_from_a_run_directory_is_one_line(tiny_run, capsys):
     _, run_dir = tiny_run
     line = refused(capsys, [run_dir, "/proc/one.pt", "--format", "snapshot"])
     assert line.startswith("error: cannot save snapshot /proc/one.pt: "), line
+
+
+def test_an_earlier_export_that_cannot_be_put_back_is_named_in_one_line(
+    sharded_root, tmp_path, capsys, monkeypatch
+):
+    """The export over an earlier one fails once that one is moved aside, and moving it back fails
+    too: a traceback, before."""
+    dst = tmp_path / "st"
+    export(sharded_root, dst)
+    rename = os.rename
+    renames = []
+
+    def failing(src, target):
+        renames.append(target)
+        if len(renames) > 1:  # the move aside alone succeeds
+            raise OSError(errno.EIO, "Input/output error")
+        rename(src, target)
+
+    monkeypatch.setattr(os, "rename", failing)
+    line = refused(capsys, [sharded_root, dst])
+    assert line == (
+        f"error: cannot write {dst}: Input/output error; the earlier export is left in "
+        f"{renames[0]}: rename it back to {dst} before the next export, which removes it"
+    )
+    assert sorted(os.listdir(renames[0])) == ["config.json", "model.safetensors", "vocab.json"]
 
 
 @pytest.mark.parametrize("device", ["/dev/null", "/dev/full"])
