@@ -279,6 +279,10 @@ class Checkpointer:
         model_state = self._weights(model_state, state.step)
         meta = self._meta(state)
         meta["scaler_state"] = self.scaler.state_dict()
+        # Without a scaler (an fp16 run from CUDA continued on a CPU) the snapshot's is carried on:
+        # back on CUDA, the scale found is resumed, not searched for again over skipped steps.
+        if not self.scaler.is_enabled():
+            meta["scaler_state"] = self.saved_meta.get("scaler_state", {})
         own = self.comm.own_state()
         meta["comm_hook"] = None
         if own is not None:

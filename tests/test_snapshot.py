@@ -186,7 +186,9 @@ def test_memory_url_saves_on_schedule_and_resumes_exactly(
 def test_an_fp16_run_on_a_cpu_resumes_its_gradient_scaler(tmp_path, small_corpus, one_thread):
     """fp16 forced on a CPU (amp_on_cpu), ended at step 4 and continued to step 8: the gradient
     scaler's scale and growth tracker go on from the snapshot, and the run ends bitwise where an
-    uninterrupted one ends. (test_cuda.py checks this on a GPU; a CPU host runs this one.)"""
+    uninterrupted one ends. (test_cuda.py checks this on a GPU; a CPU host runs this one.) Continued
+    without a scaler (as an fp16 run from CUDA on a CPU), its snapshots keep the scaler's state:
+    they held none, and back on CUDA the scale was searched for again."""
     fp16 = [
         "trainer_config.use_amp=true",
         "trainer_config.amp_on_cpu=true",
@@ -209,6 +211,15 @@ def test_an_fp16_run_on_a_cpu_resumes_its_gradient_scaler(tmp_path, small_corpus
     assert reference["scaler_state"]["_growth_tracker"] > 4  # steps after the resume counted on
     assert final["scaler_state"] == reference["scaler_state"]
     assert same_tensors(final["model_state"], reference["model_state"])
+    make_trainer(
+        tmp_path / "run",
+        small_corpus,
+        *fp16,
+        "trainer_config.amp_on_cpu=false",
+        "trainer_config.max_steps=9",
+        "trainer_config.allow_config_change=true",
+    ).train()
+    assert read_snapshot(tmp_path / "run" / "snapshots")["scaler_state"] == final["scaler_state"]
 
 
 # ------------------------------------------------------------ loading safely
