@@ -318,8 +318,12 @@ class Claim:
         # A disk that filled since the start's probe (a traceback, before)
         try:
             for fd in self.fds:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+                # Over the earlier holder's record in one write, padded to its length with spaces
+                # (nothing to JSON): truncated first, a write that failed or a kill between the two
+                # left the file empty, and a later run of another snapshot path was let cut back
+                # the record (_record_problem).
+                record = (json.dumps(info) + "\n").encode()
+                os.pwrite(fd, record.ljust(os.fstat(fd).st_size), 0)
             root = logging.getLogger()
             self.log_file = _LogFile(os.path.join(self.run_dir, "train.log"))
             self.log_file.setFormatter(root.handlers[0].formatter)  # setup_logging's handler

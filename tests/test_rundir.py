@@ -514,6 +514,30 @@ def test_a_start_on_a_full_disk_leaves_the_runs_config_whole(tmp_path, small_dis
     assert os.listdir(config.parent) == ["config.yaml"]
 
 
+def test_a_holders_record_that_cannot_be_written_keeps_the_earlier_one(tmp_path, monkeypatch):
+    """The lock file names the snapshot of the run whose record the directory holds: a start whose
+    write of its own fails leaves it, so that a run of another snapshot path is still refused. The
+    file was cut to nothing first."""
+    import logging.handlers
+
+    from mingpt.distributed import DistInfo
+    from mingpt.rundir import LOCK_FILE, RunDirError, claim
+
+    earlier = json.dumps({"pid": 1, "host": "h", "snapshot": "/elsewhere/snapshots"})
+    (tmp_path / LOCK_FILE).write_text(earlier)
+    cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    held = logging.handlers.MemoryHandler(capacity=10)
+    with claim(str(tmp_path), str(tmp_path / "snapshots"), 0, cpu, held) as owned:
+
+        def failing(*_):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(os, "pwrite", failing)
+        with pytest.raises(RunDirError, match="Input/output error$"):
+            owned.accept({})
+    assert (tmp_path / LOCK_FILE).read_text() == earlier
+
+
 # Paths a user may have: Hydra's syntax (= , : spaces quotes [ ] { } ~ ${), the shell's ($ ! * ' "
 # ~ a trailing backslash), words Hydra would type (null, 12), and letters past ASCII.
 AWKWARD_PATHS = [
