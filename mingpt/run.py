@@ -35,7 +35,7 @@ from mingpt.rundir import (
     shell_override,
     shown,
 )
-from mingpt.snapshot import compat, manifest, reader, single_file
+from mingpt.snapshot import compat, reader, single_file
 from mingpt.snapshot.sharded import read_meta
 from mingpt.storage import check_writable
 from mingpt.trainer import Trainer
@@ -111,10 +111,10 @@ def locate(config: Config, run_dir: str) -> Run:
     snapshot_path = reader.resolve_path(config.trainer_config.snapshot_path, run_dir)
     saved = None
     step = 0
-    newest = manifest.latest(snapshot_path)
-    if newest is not None:
-        # not the root: listing it again is another round trip on an object store
-        saved = read_meta(newest)
+    if reader.has_snapshot(snapshot_path):
+        # The root, not the newest just listed: before this run's lock, a job that holds the run
+        # directory may rotate that one away meanwhile, and the root's read takes the next.
+        saved = read_meta(snapshot_path)
         # Its fields are used before the weights are read: one of another type would fail there
         # as a traceback.
         single_file.check_record(saved, snapshot_path)
