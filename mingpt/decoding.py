@@ -81,7 +81,7 @@ def pick(
     """The next token (B, 1) from last-position logits (B, vocab) and Gumbel noise (B, vocab):
     argmax(log probs - log E), token k with probability probs[k]. temperature 0 is greedy (the noise
     is not read); top_k keeps the k most likely tokens; top_p the fewest most likely whose
-    probability reaches top_p (at least one)."""
+    probability reaches top_p (at least one); of tokens tied at the cut, those of lower id."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     # Shifted so the largest is 0: scaled, they are 0 or negative (-inf at worst), never inf or nan.
@@ -90,20 +90,23 @@ def pick(
     logits = shifted / max(temperature, MIN_TEMPERATURE)
     # Which tokens are the most likely is read from the logits before they are scaled: a large
     # temperature rounds their differences to ties (above float32's largest number, all to 0), and
-    # top_k and top_p then kept any tokens, not the most likely.
-    if top_k is not None and top_k < logits.size(-1):
-        top = torch.topk(shifted, top_k, dim=-1).indices
-        kept = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top, True)
-        logits = logits.masked_fill(~kept, float("-inf"))
-        shifted = shifted.masked_fill(~kept, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        order = shifted.argsort(dim=-1, descending=True)
-        sorted_probs = torch.softmax(logits, dim=-1).gather(-1, order)
-        # the tokens before it already reach top_p
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        # The most likely is kept: a top_p below float32's range compares as 0, and dropped all.
-        drop[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    # top_k and top_p then kept any tokens, not the most likely. Tokens tied there rank by id (a
+    # stable sort): the order a sort leaves ties in is up to its algorithm, which differs by device
+    # and torch version.
+    top_p_cuts = top_p is not None and top_p < 1.0
+    if top_k is not None or top_p_cuts:
+        order = shifted.argsort(dim=-1, descending=True, stable=True)
+        ranked = logits.gather(-1, order)
+        if top_k is not None:
+            ranked[..., top_k:] = float("-inf")
+        if top_p_cuts:
+            probs = torch.softmax(ranked, dim=-1)
+            # the tokens before it already reach top_p
+            drop = probs.cumsum(dim=-1) - probs >= top_p
+            # The most likely is kept: a top_p below float32's range compares as 0, and dropped all.
+            drop[..., 0] = False
+            ranked = ranked.masked_fill(drop, float("-inf"))
+        logits = logits.scatter(-1, order, ranked)
     return (logits + noise).argmax(dim=-1, keepdim=True)
 
 
