@@ -702,7 +702,7 @@ BAD_SETTINGS = {  # override -> the key the error must name
     "compile=maybe": "compile",
     "top_k=many": "top_k",  # wrong type
     "temprature=0.5": "temprature",  # unknown key
-    "temperature=1e-42": "temperature",  # logits / 1e-42 would be inf, their softmax nan
+    "temperature=inf": "temperature",
     # would end in MemoryError: refused before, naming how many fit
     "num_samples=100000000": "num_samples",
     # sample 2 would use seed 2**63, which a one-sample run refuses (it ran with it, before)
@@ -916,14 +916,19 @@ def test_bad_setting_is_one_line_naming_the_key(bad_runs, override):
 
 def test_a_tiny_temperature_samples_the_most_likely_token():
     """logits / 1e-42 overflow to inf (softmax: nan,
-    multinomial fails); shifted by the max they stay numbers."""
+    multinomial fails); shifted by the max they stay numbers. The command takes any temperature
+    >= 0: it refused 1e-42, and took 1e-400, which reads as 0 (greedy)."""
     from mingpt.decoding import MIN_TEMPERATURE
 
     logits = torch.tensor([[3.0, 40.0, 39.5, -7.0], [1.0, 1.0, 0.0, 0.5]])
     for temperature in (MIN_TEMPERATURE, 1e-42, 1e-300):
+        assert parse_args([f"temperature={temperature}"], GenerateConfig).temperature == temperature
         for _ in range(20):
             token = next_token(logits, temperature=temperature)
             assert token[0, 0] == 1 and token[1, 0] in (0, 1)
+    for bad in ("nan", "-1e-300"):
+        with pytest.raises(ConfigError, match="temperature: must be a finite number >= 0, got"):
+            parse_args([f"temperature={bad}"], GenerateConfig)
 
 
 def test_a_large_temperature_keeps_top_k_and_top_p_to_the_most_likely_tokens():
