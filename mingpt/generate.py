@@ -52,7 +52,11 @@ class PromptError(ValueError):
 @dataclass
 class GenerateConfig:
     snapshot_path: str = key(DEFAULT_RUN, f"the snapshot to sample from: {reader.HELP}")
-    prompt: str = key("", "text to continue, taken verbatim (empty: start of a new line)")
+    prompt: str = key(
+        "",
+        "text to continue, taken verbatim (empty: start of a new line; with no newline in the "
+        "vocabulary, after its first character)",
+    )
     prompt_file: str = key("", "read the prompt from this file instead (local path or fsspec URL)")
     max_new_tokens: int = key(500, "characters to generate per sample", valid=">= 0")
     temperature: float = key(

@@ -29,6 +29,8 @@ def test_encode_decode_round_trip_and_sorted_vocabulary(corpus):
     assert ids.dtype == torch.uint8  # compact: 65 characters fit a byte
     assert ids.tolist() == [tok.chars.index(c) for c in text]
     assert tok.decode(ids) == text
+    # an empty prompt's start: a newline, else the first character
+    assert tok.line_start() == "\n" and tokenizer_of("GATTACA").line_start() == "A"
 
 
 def test_wide_vocabulary_round_trips():
