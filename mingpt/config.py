@@ -331,7 +331,11 @@ class TrainerConfig:
         acts_with=("early_stop_patience",),
     )
     log_every: int = key(
-        50, "log a train event every this many optimizer steps", operational=True, valid=">= 1"
+        50,
+        "log a train event every this many optimizer steps, and at the run's last step (with "
+        "`early_stop_patience` set, at each evaluation: any can end the run)",
+        operational=True,
+        valid=">= 1",
     )
     sample_chars: int = key(
         200,

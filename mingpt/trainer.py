@@ -330,9 +330,12 @@ class Trainer:
                     epoch_ended = state.advance(samples, len(self.data.train))
                     last_step = state.step >= self.total_steps
                     self.metrics.show_progress(state.step, self.total_steps)
-                    if last_step or state.step % self.cfg.log_every == 0:
-                        self._log_train(loss, grad_norm, lr)
                     evaluate = last_step or self.evaluator.due(state.step, epoch_ended)
+                    # Under early stopping any evaluation can end the run: its last step has a train
+                    # event, as the last of max_steps has.
+                    may_end = last_step or (evaluate and self.cfg.early_stop_patience is not None)
+                    if may_end or state.step % self.cfg.log_every == 0:
+                        self._log_train(loss, grad_norm, lr)
                     last_step = self._after_step(evaluate, last_step, epoch_ended)
                     profiler.step()
             status = "FINISHED"

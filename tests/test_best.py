@@ -379,6 +379,11 @@ def test_early_stopping_ends_the_run_as_finished(tmp_path, small_corpus, caplog,
         saved["step"] == 12 and saved["stopped_early"] and saved["evals_without_improvement"] == 2
     )
     assert sorted(eval_losses(tmp_path)) == [4, 8, 12]  # no second evaluation at the end
+    # the last step's training loss too, as at a run's last step (log_every=5), before its eval
+    assert [(split, step) for split, step, _ in logged(tmp_path)][-2:] == [
+        ("train", 12),
+        ("eval", 12),
+    ]
     caplog.clear()
     again = make_trainer(tmp_path, small_corpus, *args)
     train(again)
