@@ -40,7 +40,13 @@ from mingpt.config import (
 from mingpt.data import DataError
 from mingpt.distributed import peer_ended
 from mingpt.run import run
-from mingpt.rundir import RunDirError, check_clock_names, check_hydra_settings, shell_override
+from mingpt.rundir import (
+    RunDirError,
+    check_clock_names,
+    check_hydra_settings,
+    new_run_hint,
+    shell_override,
+)
 from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, atomic_open, is_glob, reason
 from mingpt.trainer import TrainingError
@@ -351,6 +357,8 @@ def check_sweep(app: Hydra, cfg: DictConfig, overrides: list[str]) -> list[str]:
     # without a batch size, all the jobs come in one batch
     jobs = BasicSweeper.split_arguments(parsed, None)[0]
     swept = {override.key_or_group for override in parsed if override.is_sweep_override()}
+    # as its .hydra/overrides.yaml has them: Hydra's own (hydra.mode) apart
+    ordered = [sorted(item for item in job if not item.startswith("hydra.")) for job in jobs]
     # where the sweeper writes the sweep's record (multirun.yaml), and the same command finds
     # its jobs again
     HydraConfig.instance().set_config(cfg)
@@ -381,6 +389,25 @@ def check_sweep(app: Hydra, cfg: DictConfig, overrides: list[str]) -> list[str]:
                 "'hydra.sweep.subdir=${hydra.job.num}' (the default) does"
             )
         dirs[where] = num
+        # A sweep numbers its jobs in the order of its keys and values: given them in another
+        # order, a job would find another job's run here and resume it with its own values (with
+        # allow_config_change), or be refused after the jobs before it ran.
+        ran = None
+        with (
+            contextlib.suppress(OSError, yaml.YAMLError),
+            open(os.path.join(where, ".hydra", "overrides.yaml")) as f,
+        ):
+            ran = yaml.safe_load(f)
+        if isinstance(ran, list) and sorted(map(str, ran)) in ordered[:num] + ordered[num + 1 :]:
+            mine = [item for item in job if item not in ran and not item.startswith("hydra.")]
+            theirs = [str(item) for item in ran if item not in job]
+            raise RunDirError(
+                f"job {num} of the sweep ({' '.join(mine)}) would go to "
+                f"{where}, which holds the run of its job {' '.join(theirs)}: a sweep numbers its "
+                "jobs in the order of its keys and values; give them in the order of the sweep "
+                "that ran there, or start a new sweep with "
+                f"{new_run_hint(job_cfg.trainer_config, where)}"
+            )
     return list(dirs)
 
 

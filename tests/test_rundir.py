@@ -773,6 +773,11 @@ def not_accepted(workdir, tmp_path_factory) -> tuple[Path, dict[str, subprocess.
         "kept": (cwd, [FILE_COPY, str(sweep_dir / "multirun.yaml"), str(cwd / "kept.yaml")], "-c"),
         # job 0 is the first sweep's, complete; job 1 is refused
         "ran": (cwd, on_cpu([*sweep, f"{corpus},missing.txt", "-m"])),
+        # the same sweep, its values in another order: job 0 would find job 1's run
+        "reordered": (
+            cwd,
+            on_cpu([*sweep, f"data_config.path=missing.txt,{workdir / 'corpus.txt'}", "-m"]),
+        ),
         "new stopped at launch": (
             cwd,
             [STOPPED, "launch", *on_cpu([*sweep, corpus, "trainer_config.run_name=new", "-m"])],
@@ -809,6 +814,15 @@ def test_a_sweeps_record_is_of_the_sweep_that_ran(workdir, not_accepted):
     assert ran.stderr.splitlines()[-1] == "error: data file not found: missing.txt", ran.stderr
     sweep_dir = cwd / "runs" / "default-multirun"
     corpus = f"data_config.path={workdir / 'corpus.txt'}"
+    # refused before Hydra's sweeper wrote its record, or any job ran
+    reordered = procs["reordered"]
+    assert reordered.returncode == 2 and "INFO" not in reordered.stderr, reordered.stderr[-3000:]
+    assert reordered.stderr == (
+        "error: job 0 of the sweep (data_config.path=missing.txt) would go to "
+        f"runs/default-multirun/0, which holds the run of its job {corpus}: a sweep numbers its "
+        "jobs in the order of its keys and values; give them in the order of the sweep that ran "
+        "there, or start a new sweep with trainer_config.run_name=NAME (a name not used yet)\n"
+    )
     assert f"- {corpus},missing.txt\n" in (sweep_dir / "multirun.yaml").read_text()
     # the directory Hydra made for job 1 is gone
     assert sorted(path.name for path in sweep_dir.iterdir()) == ["0", "multirun.yaml"]
