@@ -598,6 +598,23 @@ def test_a_run_keeps_its_optimizer_even_where_config_changes_are_allowed():
     assert compat.check_same_config(state, more, "s.pt") == {"trainer_config.max_epochs": (2, 3)}
 
 
+def test_a_sweeps_job_says_its_own_values_are_that_jobs(monkeypatch):
+    """Added to the sweep's command, a job's own values would make the sweep one job, job 0, in
+    another job's directory: the refusal says whose they are."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from mingpt.config import TrainerConfig
+
+    state = {"trainer_config": dataclasses.asdict(TrainerConfig())}
+    job = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "job": {"num": 1}}})
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", job)
+    with pytest.raises(SnapshotError) as e:
+        compat.check_same_config(state, Config(trainer_config=TrainerConfig(seed=7)), "s.pt")
+    assert "with its own values (trainer_config.seed=1337, as job 1 of the sweep), " in str(e.value)
+
+
 def test_allowed_config_changes_are_warned_of_the_moved_split_apart(caplog):
     """Continuing with allow_config_change: every change is named in one warning, and a changed
     train_split (which moves the held-out split) in another, before it."""

@@ -13,10 +13,12 @@ import shlex
 import uuid
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+
 from mingpt import storage
 from mingpt.config import Config, result_items, value_text
 from mingpt.distributed import SAME_ON_EVERY_RANK, DistInfo, all_gather
-from mingpt.rundir import new_run_hint, shell_override
+from mingpt.rundir import directory_key, new_run_hint, shell_override
 from mingpt.snapshot import SnapshotError, manifest, single_file
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,10 @@ def check_same_config(
         )
     if changes and not config.trainer_config.allow_config_change:
         own = " ".join(_override(key, old) for key, (old, _) in changes.items())
+        if directory_key() == "hydra.sweep.dir":
+            # Added to the sweep's command, they would make it one job, job 0 (in another job's
+            # directory): they are that job's.
+            own = f"{own}, as job {HydraConfig.get().job.num} of the sweep"
         raise SnapshotError(
             f"snapshot {path} was written with another config ({'; '.join(described(changes))}): "
             f"start a new run with {new_run_hint(config.trainer_config, run_dir)}, continue that "
