@@ -22,7 +22,8 @@ clipping at 1.0, stepped in the same rounds. With
 optimizer_config=muon, the bare loop with AdamW is stepped in the same rounds too, and the row
 "Muon vs AdamW" gives the ratio of their steps. --compare-only
 stops there; otherwise follow Trainer.train() over 100 steps, the per-step stop check, the run's
-snapshot save, the time of each phase of a bare step, and the data pipeline's rate.
+snapshot save, the time of each phase of a bare step (its grad_accum_steps micro-batches' reads,
+forwards and backwards summed, and one optimizer step), and the data pipeline's rate.
 
 --profile: the torch.profiler table of the bare step grouped into matmuls, attention, GELU,
 LayerNorm, optimizer and the rest, then the median ms/step of three variants in R alternating
@@ -189,17 +190,30 @@ class Batches:
         return self.windows.batch(idx.to(self.device))
 
 
-def plain_steps(p: Plain, batches: Batches, amp, steps: int, accumulate: int = 1) -> None:
+def plain_steps(
+    p: Plain,
+    batches: Batches,
+    amp,
+    steps: int,
+    accumulate: int = 1,
+    mark: Callable[[str], None] = lambda phase: None,
+) -> None:
     """`steps` optimizer steps, each over `accumulate` micro-batches (the trainer's
     grad_accum_steps), as nanoGPT's train.py accumulates: each loss weighted by its share, DDP's
-    all-reduce in the last backward alone."""
+    all-reduce in the last backward alone. `mark(phase)` at the end of each phase."""
     for _ in range(steps):
         for _ in range(accumulate - 1):
+            x, y = batches()
+            mark("data")
             with p.no_sync():
                 with amp or contextlib.nullcontext():
-                    _, loss = p.forward(*batches())
+                    _, loss = p.forward(x, y)
+                mark("forward")
                 (loss / accumulate).backward()
-        plain_step(p, *batches(), amp, weight=1 / accumulate)
+                mark("backward")
+        x, y = batches()
+        mark("data")
+        plain_step(p, x, y, amp, mark, weight=1 / accumulate)
 
 
 def compare(config, data, info, nanogpt_dir: str | None, rounds: int) -> dict[str, float]:
@@ -270,10 +284,13 @@ def trainer_loop(config, data, info, steps: int = 100) -> float:
 
 class Clock:
     """The seconds of each phase of a step, summed, the device's queued work included. Under DDP the
-    backward runs without its all-reduce, which `reduce` then does alone, timed apart."""
+    backward runs without its all-reduce, which `reduce` then does alone, timed apart, after the
+    last of a step's `accumulate` backwards (DDP's no_sync holds back the others')."""
 
-    def __init__(self, device):
+    def __init__(self, device, accumulate: int = 1):
         self.device = device
+        self.accumulate = accumulate
+        self.backwards = 0
         self.reduce = None
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.last = time.perf_counter()
@@ -284,8 +301,10 @@ class Clock:
         self.phases[phase] += now - self.last
         self.last = now
         if phase == "backward" and self.reduce is not None:
-            self.reduce()
-            self.mark("allreduce")
+            self.backwards += 1
+            if self.backwards % self.accumulate == 0:
+                self.reduce()
+                self.mark("allreduce")
 
 
 def all_reduce_gradients(model: nn.Module, world_size: int) -> None:
@@ -299,21 +318,20 @@ def all_reduce_gradients(model: nn.Module, world_size: int) -> None:
 
 
 def phases(config, data, info, steps: int = 100) -> dict[str, float]:
-    """Seconds per step of each phase of the bare loop."""
+    """Seconds per optimizer step of each phase of the bare loop: a step's grad_accum_steps
+    micro-batches (each read, forward and backward), its all-reduce and its optimizer step."""
     p, ddp = bare(config, info)
     batches = Batches(data, config, info, seed=1)
     amp = autocast(config, info)
-    plain_steps(p, batches, amp, 10)
+    accumulate = config.trainer_config.grad_accum_steps
+    plain_steps(p, batches, amp, 10, accumulate)
     no_sync = contextlib.nullcontext()
-    clock = Clock(info.device)
+    clock = Clock(info.device, accumulate)
     if ddp is not None:
         no_sync = ddp.no_sync()
         clock.reduce = functools.partial(all_reduce_gradients, p.model, info.world_size)
     with no_sync:
-        for _ in range(steps):
-            x, y = batches()
-            clock.mark("data")
-            plain_step(p, x, y, amp, clock.mark)
+        plain_steps(p, batches, amp, steps, accumulate, clock.mark)
     return {k: v / steps for k, v in clock.phases.items()}
 
 
@@ -417,7 +435,8 @@ def more_rows(config, data, info, step_s: float) -> list[tuple[str, str]]:
         ),
         (
             "step breakdown",
-            ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in per_phase.items()),
+            f"per step of {config.trainer_config.grad_accum_steps} micro-batch(es): "
+            + ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in per_phase.items()),
         ),
         (
             "data pipeline",

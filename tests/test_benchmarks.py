@@ -531,6 +531,43 @@ def test_the_step_comparison_accumulates_as_the_trainer_does(monkeypatch):
     assert rows["trainer overhead"].startswith("+0.0% per step"), rows["trainer overhead"]
 
 
+def test_the_step_breakdown_times_a_whole_step(monkeypatch):
+    """With grad_accum_steps, a step's phases are its micro-batches' reads, forwards and backwards,
+    one all-reduce after the last backward, and one optimizer step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import itertools
+    from types import SimpleNamespace
+
+    import bench_train
+    from _common import Plain, training_config
+
+    from mingpt.distributed import DistInfo
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def forward(x, y):
+        return None, F.mse_loss(model(x), y)
+
+    p = Plain(model, forward, optimizer, 1.0, contextlib.nullcontext)
+    ddp = SimpleNamespace(no_sync=contextlib.nullcontext)
+    reduced = []
+    monkeypatch.setattr(bench_train, "bare", lambda config, info: (p, ddp))
+    monkeypatch.setattr(
+        bench_train, "Batches", lambda *a, **k: lambda: (torch.ones(4, 2), torch.zeros(4, 1))
+    )
+    monkeypatch.setattr(bench_train, "all_reduce_gradients", lambda *a: reduced.append(1))
+    # Each reading of the clock a second later: a phase's time counts its marks.
+    monkeypatch.setattr(bench_train.time, "perf_counter", itertools.count().__next__)
+    config = training_config([], ["trainer_config.grad_accum_steps=3", CPU])
+    two = DistInfo(
+        rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu")
+    )
+    per_step = bench_train.phases(config, None, two, steps=2)
+    assert per_step == {"data": 3, "forward": 3, "backward": 3, "allreduce": 1, "optimizer": 1}
+    assert len(reduced) == 2
+
+
 def test_bench_data_labels_its_memory_in_the_unit_it_counts(monkeypatch):
     """ru_maxrss and smaps_rollup count KiB: divided by 1024 they are MiB, and so labeled."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
