@@ -27,6 +27,7 @@ from _common import (
     parse,
     parser,
     run_main,
+    samples_per_step,
     step,
     trainer,
     training_config,
@@ -62,12 +63,14 @@ def counting_all_reduce(tensor, *args, **kwargs):
 
 
 def measure(config, data, info, hook: str) -> tuple[float, float, float]:
-    """(calls per step, MB per step, ms per step) over STEPS steps after START."""
+    """(calls per step, MB per step, ms per step) over STEPS optimizer steps after START, each of
+    grad_accum_steps micro-batches."""
     config = copy.deepcopy(config)
     config.trainer_config.ddp_comm_hook = hook
-    batch = config.trainer_config.batch_size
     order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(info.rank))
     with trainer(config, info, data) as t:
+        # A whole step's windows: the trainer splits them into its micro-batches.
+        per_step = samples_per_step(t)
         if hook == "none":
             ddp_module(t).register_comm_hook(None, default_hooks.allreduce_hook)
         for k in range(START + STEPS):
@@ -75,7 +78,8 @@ def measure(config, data, info, hook: str) -> tuple[float, float, float]:
                 dist.barrier()
                 calls.update(n=0, bytes=0)
                 start = time.perf_counter()
-            step(t, order[k * batch : (k + 1) * batch])
+            first = k * per_step % (len(order) - per_step)
+            step(t, order[first : first + per_step])
         seconds = time.perf_counter() - start
     return calls["n"] / STEPS, calls["bytes"] / STEPS / 1e6, seconds / STEPS * 1e3
 
@@ -97,7 +101,9 @@ def main() -> None:
         print(machine(info.device))
         print(
             f"{params / 1e6:.2f}M parameters ({params * 4 / 1e6:.2f} MB in fp32), "
-            f"{info.world_size} ranks, {STEPS} steps counted after {START} plain ones"
+            f"{info.world_size} ranks, {STEPS} steps counted after {START} plain ones, each of "
+            f"{config.trainer_config.grad_accum_steps} micro-batch(es) of "
+            f"{config.trainer_config.batch_size}"
         )
         base = rows[0][2]
         print(

@@ -568,6 +568,29 @@ def test_the_step_breakdown_times_a_whole_step(monkeypatch):
     assert len(reduced) == 2
 
 
+def test_bench_comm_counts_an_optimizer_step(monkeypatch):
+    """With grad_accum_steps, each counted step is Trainer.train_step over all of a step's windows
+    (its micro-batches), not over one micro-batch's."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from types import SimpleNamespace
+
+    import bench_comm
+
+    given = []
+
+    @contextlib.contextmanager
+    def trainer(config, info, data):
+        yield SimpleNamespace(samples_per_step=2 * 3)
+
+    monkeypatch.setattr(bench_comm, "trainer", trainer)
+    monkeypatch.setattr(bench_comm, "step", lambda t, indices: given.append(len(indices)))
+    monkeypatch.setattr(bench_comm.dist, "barrier", lambda: None)
+    config = SimpleNamespace(trainer_config=SimpleNamespace(batch_size=2, grad_accum_steps=3))
+    data = SimpleNamespace(train=range(100))
+    bench_comm.measure(config, data, SimpleNamespace(rank=0), "fp16")
+    assert given == [6] * (bench_comm.START + bench_comm.STEPS)
+
+
 def test_bench_data_labels_its_memory_in_the_unit_it_counts(monkeypatch):
     """ru_maxrss and smaps_rollup count KiB: divided by 1024 they are MiB, and so labeled."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
