@@ -51,9 +51,13 @@ from mingpt.snapshot import SnapshotError
 from mingpt.storage import StorageError, atomic_open, is_glob, reason
 from mingpt.trainer import TrainingError
 
-# The keys whose values are text (a run name, a path, a URI): one typed as a number becomes text
-# again (check_text_overrides).
-TEXT_KEYS = frozenset(key for key, f in FIELDS.items() if f.type in ("str", "str | None"))
+# The keys whose values are text (a run name, a path, a URI; the corpus's path or paths): one
+# typed as a number becomes text again (check_text_overrides).
+TEXT_KEYS = frozenset(
+    [key for key, f in FIELDS.items() if f.type in ("str", "str | None")] + ["data_config.path"]
+)
+# a value of an override's list, sweep or function, as typed
+VALUE_WORD = r"[^\s,()\[\]]+"
 # conf/ of the clone; a non-editable install carries the same files as the package mingpt.conf.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 CONF_PATH = CONF_DIR if os.path.isdir(CONF_DIR) else "pkg://mingpt.conf"
@@ -227,23 +231,35 @@ def check_group_overrides(overrides: list[str]) -> None:
 def check_text_overrides(overrides: list[str]) -> None:
     """A value of a text key (a run name, a path) that the command line reads as a number or a
     boolean becomes text again, but not as typed: `trainer_config.run_name=3e-4` named the run
-    directory runs/0.0003. Refused, with the quoting that keeps the value as typed."""
-    for override in OverridesParser.create().parse_overrides(overrides):
+    directory runs/0.0003, and a sweep's `snapshot_path=1e3,true` its jobs' 1000.0 and True.
+    Refused, with the quoting that keeps the values as typed."""
+    parser = OverridesParser.create()
+    for override in parser.parse_overrides(overrides):
         key = override.key_or_group
         if key not in TEXT_KEYS or override.is_delete():
             continue
-        value = override.value()
-        if not isinstance(value, int | float):  # a bool is an int
+        name, typed = (part.strip() for part in override.input_line.split("=", 1))
+        # each value as typed (the one, or a list's or a sweep's) that is read as another text
+        changed = {}
+        for word in dict.fromkeys(re.findall(VALUE_WORD, typed)):
+            with contextlib.suppress(HydraException):
+                value = parser.parse_override(f"{key}={word}").value()
+                if isinstance(value, int | float) and str(value) != word:  # 2024 stays '2024'
+                    changed[word] = value
+        if not changed:
             continue
-        typed = override.input_line.split("=", 1)[1].strip()
-        if str(value) == typed:  # 2024 stays '2024'
-            continue
-        kind = "a number"
-        if isinstance(value, bool):
-            kind = "a boolean"
+        readings = []
+        for word, value in changed.items():
+            kind = "a number"
+            if isinstance(value, bool):  # a bool is an int
+                kind = "a boolean"
+            readings.append(f"{word} is read as {kind}, so the value would be {str(value)!r}")
+        # the typed text, with those values quoted
+        parts = re.split(f"({VALUE_WORD})", typed)
+        kept = "".join(f'"{part}"' if part in changed else part for part in parts)
         raise ConfigError(
-            f"{override.input_line}: {typed} is read as {kind}, so the value would be "
-            f"{str(value)!r}; to keep it as typed, quote it: {shell_override(key, typed)}"
+            f"{override.input_line}: {'; '.join(readings)}; to keep it as typed, quote it: "
+            f"{shell_override(name, kept, verbatim=True)}"
         )
 
 
@@ -342,8 +358,6 @@ def check_sweep(app: Hydra, cfg: DictConfig, overrides: list[str]) -> list[str]:
     # as BasicSweeper takes them
     params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.params or {}).items()]
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
-    # as typed: the sweeper gives each job its values written anew (3e-4 as 0.0003)
-    check_text_overrides(overrides)
     for override in parsed:
         # The sweep's directory (its multirun.yaml) is named by the run name before the
         # sweep: the default's, while each job would go to a directory of its own name.
@@ -352,6 +366,8 @@ def check_sweep(app: Hydra, cfg: DictConfig, overrides: list[str]) -> list[str]:
                 f"{override.input_line}: a sweep's jobs share its run name "
                 "(runs/<run_name>-multirun/N); give each name its own command"
             )
+    # as typed: the sweeper gives each job its values written anew (3e-4 as 0.0003, true as True)
+    check_text_overrides(overrides)
     # Each job as the launcher runs it, its number set (a value may name ${hydra:job.num}),
     # and in a run directory of its own: jobs sharing one would resume or refuse each other's.
     # without a batch size, all the jobs come in one batch

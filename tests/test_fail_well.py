@@ -833,13 +833,20 @@ def test_dropping_a_group_and_choosing_from_it_is_refused():
 
 def test_a_name_or_path_read_as_a_number_is_refused_with_the_quoting_that_keeps_it():
     """OmegaConf makes the number of a text key text again, not as typed: run_name=3e-4 named the
-    run directory runs/0.0003, true named it runs/True."""
+    run directory runs/0.0003, true named it runs/True; a sweep's jobs took their values so too."""
     cases = {
         "trainer_config.run_name=3e-4": "3e-4 is read as a number, so the value would be "
         "'0.0003'; to keep it as typed, quote it: 'trainer_config.run_name=\"3e-4\"'",
         "trainer_config.run_name=true": "true is read as a boolean, so the value would be 'True'",
         "+trainer_config.snapshot_path=1.50": "so the value would be '1.5'",
         "trainer_config.init_from=1_000": "so the value would be '1000'",
+        # a sweep's, a list's, and a function's values: each job's was written anew
+        "trainer_config.snapshot_path=1e3,true,x,2024": "1e3 is read as a number, so the value "
+        "would be '1000.0'; true is read as a boolean, so the value would be 'True'; to keep it "
+        'as typed, quote it: \'trainer_config.snapshot_path="1e3","true",x,2024\'',
+        "data_config.path=[a.txt,1e3]": "quote it: 'data_config.path=[a.txt,\"1e3\"]'",
+        "+trainer_config.snapshot_path=choice(1e3,2)": "quote it: "
+        "'+trainer_config.snapshot_path=choice(\"1e3\",2)'",
     }
     for override, says in cases.items():
         with pytest.raises(ConfigError) as e:
@@ -850,6 +857,7 @@ def test_a_name_or_path_read_as_a_number_is_refused_with_the_quoting_that_keeps_
         [
             "trainer_config.run_name=2024",
             "trainer_config.run_name=inf",
+            'trainer_config.snapshot_path="1e3",x,2024',
             'trainer_config.run_name="3e-4"',
             "trainer_config.max_steps=1_000",
             "~trainer_config.init_from",
