@@ -144,6 +144,8 @@ class PowerSGD(CommHook):
             "error": s.error_dict,
             "p": s.p_memory_dict,
             "q": s.q_memory_dict,
+            # the error feedback's unit (None: 1, no gradient scaler)
+            "scale": self.scale,
             "rng": {
                 "keys": torch.from_numpy(mt["state"]["key"].astype("int64")),
                 "pos": int(mt["state"]["pos"]),
@@ -200,6 +202,15 @@ class PowerSGD(CommHook):
         device = self.dist.device
         for key, name in (("error", "error_dict"), ("p", "p_memory_dict"), ("q", "q_memory_dict")):
             setattr(s, name, {k: v.to(device) for k, v in own[key].items()})
+        # The error feedback goes into this run's unit: fp16's gradient scaler switched on or off
+        # since the snapshot (use_amp changed, or an fp16 run continued on a CPU) added errors of
+        # the other unit, up to 65536 times too large, to every gradient.
+        unit = 1.0
+        if self.scaler.is_enabled():
+            unit = self.scaler.get_scale()
+        saved = own.get("scale", unit) or 1.0  # not saved before: taken as this run's
+        if saved != unit:
+            torch._foreach_mul_(list(s.error_dict.values()), unit / saved)
 
 
 class PostLocalSGD(CommHook):

@@ -317,6 +317,33 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
     assert loaded == [{"iter": 9}, {"iter": 9}]
 
 
+def test_powersgd_error_feedback_resumes_in_the_unit_of_the_new_gradient_scaler():
+    """The error feedback is kept in units of fp16's loss scale: resumed with AMP switched off
+    (allow_config_change, or an fp16 run continued on a CPU) it went on 65536 times too large, the
+    gradient norm jumped from 1 to 3e4 with nothing said; switched on, 65536 times too small."""
+    from mingpt.comm_hooks import PowerSGD
+    from mingpt.config import TrainerConfig
+
+    class FakeDDP:
+        def register_comm_hook(self, state, hook):
+            pass
+
+    info = DistInfo(0, 0, 2, 2, torch.device("cpu"))
+    cfg = TrainerConfig(powersgd_start_step=2)
+    fp16 = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    error = torch.ones(3)
+    for before, after, factor in ((fp16, NO_SCALER, 2.0**-16), (NO_SCALER, fp16, 2.0**16)):
+        saving = PowerSGD("powersgd", cfg, info)
+        saving.start(FakeDDP(), None, 0, None, None, before, None)
+        saving.state.iter = 5
+        saving.state.error_dict = {0: error.clone()}
+        own = saving.own_state()
+        saved = {"name": "powersgd", "world_size": 2, "settings": saving.settings, "state": own}
+        resumed = PowerSGD("powersgd", cfg, info)
+        resumed.start(FakeDDP(), saved, 5, None, None, after, lambda: None)
+        assert torch.equal(resumed.state.error_dict[0], error * factor)
+
+
 @pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
 def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped(name):
     """A step whose gradients are not finite (an fp16 overflow) is skipped by the gradient scaler,
