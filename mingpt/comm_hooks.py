@@ -295,6 +295,13 @@ def create(cfg: TrainerConfig, dist_info: DistInfo) -> CommHook:
     """The hook `trainer_config.ddp_comm_hook` names; a single process has none. A hook this run
     cannot use is refused, before any work."""
     name = cfg.ddp_comm_hook if dist_info.is_distributed else "none"
+    # as for a key without effect (config.keys_without_effect): a user expects the hook to act
+    if name != cfg.ddp_comm_hook:
+        log.warning(
+            "trainer_config.ddp_comm_hook=%s has no effect in one process: it acts on what the "
+            "ranks of a run under torchrun communicate",
+            cfg.ddp_comm_hook,
+        )
     if name == "bf16" and dist_info.backend != "nccl":
         raise ConfigError(
             "trainer_config.ddp_comm_hook: bf16 compression needs the NCCL backend (CUDA); "

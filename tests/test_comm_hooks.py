@@ -232,11 +232,32 @@ def test_a_resume_in_one_process_warns_that_the_per_rank_state_starts_afresh(
     hook = "post_local_sgd" if name == "localsgd" else name
     tail = " (the replicas' mean) and rank 0's optimizer state" if name == "localsgd" else ""
     assert [r.getMessage() for r in caplog.records if r.name == "mingpt.comm_hooks"] == [
+        f"trainer_config.ddp_comm_hook={hook} has no effect in one process: it acts on what the "
+        "ranks of a run under torchrun communicate",
         f"the snapshot's {hook} state is per rank, for 2 ranks; "
         "this run has 1 process (no comm hook): "
-        f"that state starts afresh at step {step}, from the snapshot's weights{tail}"
+        f"that state starts afresh at step {step}, from the snapshot's weights{tail}",
     ]
     assert step > 0
+
+
+@pytest.mark.parametrize("name", ["none", "bf16", "powersgd"])
+def test_a_comm_hook_in_one_process_is_said_to_have_no_effect(caplog, name):
+    """One process has no DDP and no hook: a bf16 run there kept its gradients unrounded, which the
+    same command under torchrun rounds, with nothing said."""
+    from mingpt.comm_hooks import create
+    from mingpt.config import TrainerConfig
+
+    with caplog.at_level(logging.WARNING, logger="mingpt.comm_hooks"):
+        hook = create(TrainerConfig(ddp_comm_hook=name), DistInfo(0, 0, 1, 1, torch.device("cpu")))
+    assert hook.name == "none"
+    said = [
+        f"trainer_config.ddp_comm_hook={name} has no effect in one process: it acts on what the "
+        "ranks of a run under torchrun communicate"
+    ]
+    if name == "none":
+        said = []
+    assert [r.getMessage() for r in caplog.records] == said
 
 
 # A run's scaler without fp16: every run has one.
