@@ -238,6 +238,7 @@ class PostLocalSGD(CommHook):
         self.averager = averagers.PeriodicModelAverager(
             cfg.localsgd_period, warmup_steps=cfg.localsgd_start_step
         )
+        self.holds_mean = False  # in mean_weights: the model holds the replicas' mean
 
     def after_optimizer_step(self) -> None:
         # Before the gradients are cleared: the averager skips parameters without one.
@@ -258,13 +259,19 @@ class PostLocalSGD(CommHook):
         mean = self._mean()
         for name, p in named:
             p.data = mean[name]
+        self.holds_mean = True
         try:
             yield
         finally:
+            self.holds_mean = False
             for name, p in named:
                 p.data = own[name]
 
     def model_state(self, state):
+        # The best weights, saved where they were evaluated: averaged again, the mean moved by an
+        # ulp where the world size is no power of 2.
+        if self.holds_mean:
+            return state
         return {**state, **self._mean()}
 
     def own_state(self):

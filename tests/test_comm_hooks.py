@@ -365,6 +365,41 @@ def test_powersgd_error_feedback_resumes_in_the_unit_of_the_new_gradient_scaler(
         assert torch.equal(resumed.state.error_dict[0], error * factor)
 
 
+def test_localsgd_saves_the_best_weights_it_evaluated(monkeypatch):
+    """The best weights are saved while every rank holds the replicas' mean it was evaluated with:
+    averaged once more there, the saved weights were off the evaluated ones by an ulp where the
+    world size is no power of 2. Here rank 0 of 3, the other two ranks' replicas played."""
+    import torch.distributed as dist
+
+    from mingpt import comm_hooks
+    from mingpt.config import TrainerConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    differing = [[torch.randn_like(p) for p in model.parameters()] for _ in range(2)]
+    others = differing
+
+    def mean_of_3(params, group):  # each rank's share, summed
+        for p, *theirs in zip(params, *others, strict=True):
+            p.copy_(p / 3 + theirs[0] / 3 + theirs[1] / 3)
+
+    monkeypatch.setattr(comm_hooks.averaging_utils, "average_parameters", mean_of_3)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        hook = comm_hooks.PostLocalSGD(TrainerConfig(), DistInfo(0, 0, 1, 1, torch.device("cpu")))
+        hook.model = model
+        with hook.mean_weights():
+            evaluated = {k: v.clone() for k, v in model.state_dict().items()}
+            others = [[p.detach().clone() for p in model.parameters()]] * 2
+            saved = hook.model_state(model.state_dict())
+        assert same(saved, evaluated)
+        # outside it, the same mean computed afresh (the latest snapshot's)
+        others = differing
+        assert same(hook.model_state(model.state_dict()), evaluated)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
 def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped(name):
     """A step whose gradients are not finite (an fp16 overflow) is skipped by the gradient scaler,
