@@ -127,9 +127,15 @@ class PowerSGD(CommHook):
         self.hook = torch_fixes.powersgd_hook(
             name == "batched_powersgd", dist_info.device.type == "cuda"
         )
-        # P and Q have powersgd_rank columns; a compiled backward produces the gradients in another
-        # order, which the error feedback's bucket is laid out in.
-        self.settings = {"powersgd_rank": cfg.powersgd_rank, "compile": cfg.compile}
+        # P and Q have powersgd_rank columns; a compiled backward, and one under autocast (AMP as
+        # trainer.amp_policy applies it), produce the gradients in another order, which the error
+        # feedback's bucket is laid out in.
+        autocast = cfg.use_amp and (dist_info.device.type == "cuda" or cfg.amp_on_cpu)
+        self.settings = {
+            "powersgd_rank": cfg.powersgd_rank,
+            "compile": cfg.compile,
+            "autocast": autocast,
+        }
         if dist_info.backend == "gloo":
             # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces
             # wrongly (docs/training.md).
@@ -203,8 +209,8 @@ class PowerSGD(CommHook):
         for key, name in (("error", "error_dict"), ("p", "p_memory_dict"), ("q", "q_memory_dict")):
             setattr(s, name, {k: v.to(device) for k, v in own[key].items()})
         # The error feedback goes into this run's unit: fp16's gradient scaler switched on or off
-        # since the snapshot (use_amp changed, or an fp16 run continued on a CPU) added errors of
-        # the other unit, up to 65536 times too large, to every gradient.
+        # since the snapshot (amp_dtype changed) added errors of the other unit, up to 65536 times
+        # too large, to every gradient.
         unit = 1.0
         if self.scaler.is_enabled():
             unit = self.scaler.get_scale()

@@ -293,9 +293,10 @@ def test_a_resume_on_fewer_ranks_warns_on_rank_0_only(caplog):
 
 def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
     """P and Q have powersgd_rank columns: restored under another rank, the first compressed step
-    failed in a reshape, on every attempt. Nor does it go on across a change of `compile`, which
-    lays out the error feedback's bucket in another order. A snapshot written before the settings
-    (or one of them) were saved keeps its state."""
+    failed in a reshape, on every attempt. Nor does it go on across a change of `compile` or of
+    AMP (autocast), which lay out the error feedback's bucket in another order: AMP switched on or
+    off added each error to another parameter's gradient, with nothing said. A snapshot written
+    before the settings (or one of them) were saved keeps its state."""
     from mingpt.comm_hooks import PowerSGD
     from mingpt.config import TrainerConfig
 
@@ -324,12 +325,26 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
             NO_SCALER,
             None,
         )
+    with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
+        hook.start(
+            FakeDDP(),
+            {**saved, "settings": {"powersgd_rank": 4, "autocast": True}},
+            9,
+            None,
+            None,
+            NO_SCALER,
+            None,
+        )
     assert not loaded
-    this_run = "{'powersgd_rank': 4, 'compile': False}"
+    this_run = "{'powersgd_rank': 4, 'compile': False, 'autocast': False}"
     assert [r.getMessage() for r in caplog.records] == [
         f"the snapshot's powersgd state was built with {settings}; this run has {this_run}: that "
         "state starts afresh at step 9, from the snapshot's weights"
-        for settings in ("{'powersgd_rank': 2}", "{'powersgd_rank': 4, 'compile': True}")
+        for settings in (
+            "{'powersgd_rank': 2}",
+            "{'powersgd_rank': 4, 'compile': True}",
+            "{'powersgd_rank': 4, 'autocast': True}",
+        )
     ]
     hook.start(FakeDDP(), saved, 9, None, None, NO_SCALER, None)
     hook.start(
@@ -339,9 +354,9 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
 
 
 def test_powersgd_error_feedback_resumes_in_the_unit_of_the_new_gradient_scaler():
-    """The error feedback is kept in units of fp16's loss scale: resumed with AMP switched off
-    (allow_config_change, or an fp16 run continued on a CPU) it went on 65536 times too large, the
-    gradient norm jumped from 1 to 3e4 with nothing said; switched on, 65536 times too small."""
+    """The error feedback is kept in units of fp16's loss scale: resumed with amp_dtype switched
+    from fp16 to bf16 (allow_config_change) it went on 65536 times too large, the gradient norm
+    jumped from 1 to 3e4 with nothing said; switched to fp16, 65536 times too small."""
     from mingpt.comm_hooks import PowerSGD
     from mingpt.config import TrainerConfig
 
@@ -350,7 +365,7 @@ def test_powersgd_error_feedback_resumes_in_the_unit_of_the_new_gradient_scaler(
             pass
 
     info = DistInfo(0, 0, 2, 2, torch.device("cpu"))
-    cfg = TrainerConfig(powersgd_start_step=2)
+    cfg = TrainerConfig(powersgd_start_step=2, use_amp=True, amp_on_cpu=True)
     fp16 = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     error = torch.ones(3)
     for before, after, factor in ((fp16, NO_SCALER, 2.0**-16), (NO_SCALER, fp16, 2.0**16)):
