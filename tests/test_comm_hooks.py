@@ -310,32 +310,15 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(caplog):
     )
     hook.load_own_state = lambda own, warm_up: loaded.append(own)
     saved = {"name": "powersgd", "world_size": 2, "state": {"iter": 9}}
-    with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
-        hook.start(
-            FakeDDP(), {**saved, "settings": {"powersgd_rank": 2}}, 9, None, None, NO_SCALER, None
-        )
-    assert not loaded and hook.state.iter == 0
-    with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
-        hook.start(
-            FakeDDP(),
-            {**saved, "settings": {"powersgd_rank": 4, "compile": True}},
-            9,
-            None,
-            None,
-            NO_SCALER,
-            None,
-        )
-    with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
-        hook.start(
-            FakeDDP(),
-            {**saved, "settings": {"powersgd_rank": 4, "autocast": True}},
-            9,
-            None,
-            None,
-            NO_SCALER,
-            None,
-        )
-    assert not loaded
+    other_settings = [
+        {"powersgd_rank": 2},
+        {"powersgd_rank": 4, "compile": True},
+        {"powersgd_rank": 4, "autocast": True},
+    ]
+    for settings in other_settings:
+        with caplog.at_level(logging.INFO, logger="mingpt.comm_hooks"):
+            hook.start(FakeDDP(), {**saved, "settings": settings}, 9, None, None, NO_SCALER, None)
+        assert not loaded and hook.state.iter == 0
     this_run = "{'powersgd_rank': 4, 'compile': False, 'autocast': False}"
     assert [r.getMessage() for r in caplog.records] == [
         f"the snapshot's powersgd state was built with {settings}; this run has {this_run}: that "
