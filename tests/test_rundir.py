@@ -94,7 +94,10 @@ def test_one_job_per_run_directory_and_a_killed_holder_does_not_block(workdir):
     run_dir = run_dir_of(workdir, argv)
     first = launch(workdir, argv, workdir / "a.err")
     try:
-        wait_for(contains(run_dir / "train.log", "saved snapshot"), "first snapshot", first)
+        # published, not only saved: a background write paused with A, then A killed as soon as
+        # it went on, left nothing for the third job to resume
+        published = f"published sharded snapshot {run_dir / 'snapshots'}/step-"
+        wait_for(contains(run_dir / "train.log", published), "first snapshot", first)
         holder = f"is in use by pid {first.pid} on host {socket.gethostname()} since "
         with paused(first):
             second = run_main(argv, workdir)
