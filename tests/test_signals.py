@@ -214,8 +214,12 @@ def test_sigterm_saves_at_the_step_reached_and_the_resumed_run_is_bitwise_identi
     steps_per_epoch = STEPS_PER_EPOCH[nproc]
     status, stderr, run_dir = runs[f"stopped-{nproc}"]
     # One process exits 143; torchrun forwards the signal to its workers, which save and exit 143
-    # each, then ends with its own SignalException traceback and status 1.
-    assert status == (143 if nproc == 1 else 1), stderr[-3000:]
+    # each, then ends with its own SignalException traceback and status 1, or, once under load,
+    # aborted by a thread of torch's own in its exit (SIGABRT, after the workers had saved).
+    expected = {1, -signal.SIGABRT}
+    if nproc == 1:
+        expected = {143}
+    assert status in expected, stderr[-3000:]
     assert stderr.count("Traceback") == nproc - 1, stderr[-3000:]
     stop_line = next(line for line in stderr.splitlines() if line.startswith("stopped by "))
     step = int(stop_line.split("at step ")[1].split(";")[0])
