@@ -36,8 +36,10 @@ TEXT_KEYS = ("snapshot_path", "prompt", "prompt_file", "device")
 # less than it saves (BENCHMARKS.md). On a CPU, one sample only (a batch gains too little: never).
 # "cpu": where one-row products lag (an AMD EPYC: 21 s with cold caches against 2 ms a character
 # saved over an eager step on oneDNN); "cpu, products keep up": an Intel Xeon, 17 to 23 s against
-# 0.4 ms; cuda: estimated. A CPU step compiled by an earlier run is loaded whatever the length.
-COMPILE_PAYS_AFTER = {"cpu": 10000, "cpu, products keep up": 50000, "cuda": 6000}
+# 0.4 ms; "cuda": the median of four measurements, 10,000 to 15,000 (an H100 and an H200: 15 to
+# 17.5 s with cold caches against 1.1 to 1.4 ms). A CPU step compiled by an earlier run is loaded
+# whatever the length.
+COMPILE_PAYS_AFTER = {"cpu": 10000, "cpu, products keep up": 50000, "cuda": 12000}
 # The host memory that reading and encoding a prompt_file takes at its peak, per byte of the file:
 # measured for ASCII, the most characters a byte (its text, and the encoding's arrays of each
 # character's code point and id).
