@@ -230,8 +230,8 @@ def should_compile(config: GenerateConfig, model: GPT, device: torch.device) -> 
     if config.max_new_tokens < compile_pays_after(device):
         if device.type == "cpu" and can_package():
             log.info(
-                "compile=true compiles the decoding step for this model shape once (about 20 s): "
-                "later runs on this machine load it, and decode faster (BENCHMARKS.md)"
+                "compile=true compiles the decoding step for this model shape once (up to a "
+                "minute): later runs on this machine load it, and decode faster (BENCHMARKS.md)"
             )
         return False
     return True
