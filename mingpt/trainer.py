@@ -445,8 +445,14 @@ class Trainer:
         cfg = self.cfg
         step = self.state.step
         lr = set_lr(self.optimizer, step, self.config.optimizer_config, self.total_steps)
-        # Dropout's random stream, a function of the position alone.
-        torch.manual_seed(hash((cfg.seed, self.dist.rank, step)) & 0xFFFF_FFFF)
+        # Dropout's random stream, a function of the position alone: the generators of the step's
+        # device. torch.manual_seed would seed every backend's too, and for each one not started
+        # (all on a CPU-only host) it formats the call's stack, to replay the seeding if one starts:
+        # 2 ms a step under Hydra's deep stack.
+        seed = hash((cfg.seed, self.dist.rank, step)) & 0xFFFF_FFFF
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(seed)
         micro_batches = indices.split(cfg.batch_size)
         step_loss = torch.zeros((), device=self.device)
         for k, micro in enumerate(micro_batches):
