@@ -127,14 +127,12 @@ class PowerSGD(CommHook):
         self.hook = torch_fixes.powersgd_hook(
             name == "batched_powersgd", dist_info.device.type == "cuda"
         )
-        # P and Q have powersgd_rank columns; a compiled backward, and one under autocast (AMP as
-        # trainer.amp_policy applies it), produce the gradients in another order, which the error
-        # feedback's bucket is laid out in.
-        autocast = cfg.use_amp and (dist_info.device.type == "cuda" or cfg.amp_on_cpu)
+        # P and Q have powersgd_rank columns; a compiled backward, and one under autocast, produce
+        # the gradients in another order, which the error feedback's bucket is laid out in.
         self.settings = {
             "powersgd_rank": cfg.powersgd_rank,
             "compile": cfg.compile,
-            "autocast": autocast,
+            "autocast": cfg.amp_on(dist_info.device.type),
         }
         if dist_info.backend == "gloo":
             # One bucket: with several, gloo can pair the ranks' PowerSGD all-reduces

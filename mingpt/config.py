@@ -557,6 +557,11 @@ class TrainerConfig:
                 f"{self.tracker_uri} names no database file (sqlite:///PATH)",
             )
 
+    def amp_on(self, device_type: str) -> bool:
+        """Whether AMP applies on a device of device_type: on CUDA with use_amp; on a CPU only where
+        amp_on_cpu forces it."""
+        return self.use_amp and (device_type == "cuda" or self.amp_on_cpu)
+
 
 @dataclass
 class Config:

@@ -112,7 +112,7 @@ class AmpPolicy(NamedTuple):
 def amp_policy(cfg: TrainerConfig, device_type: str, bf16_supported: bool = True) -> AmpPolicy:
     """AMP on CUDA when use_amp; on a CPU only when amp_on_cpu forces it, with a warning. bf16 on a
     GPU that lacks it is refused."""
-    enabled = cfg.use_amp and (device_type == "cuda" or cfg.amp_on_cpu)
+    enabled = cfg.amp_on(device_type)
     dtype = torch.float32
     if enabled:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp_dtype]
