@@ -293,6 +293,10 @@ class _Step(nn.Module):
 def can_package() -> bool:
     """Whether this torch loads AOTInductor packages whose weights are given at load time, by
     reference."""
+    # torch 2.11 (2.11.0+cu130, on an H100 and an H200) has the loader, and ended the process with a
+    # segmentation fault loading a package this module built; 2.13, which mingpt needs, loads it.
+    if torch.__version__ < "2.13":
+        return False
     loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
     return loader is not None and "user_managed" in (loader.load_constants.__doc__ or "")
 

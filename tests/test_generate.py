@@ -198,6 +198,15 @@ def test_a_package_is_built_only_for_weights_it_takes_at_load_time(n_embd, monke
     assert bool(packaged) == (not inlined)
 
 
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1"])
+def test_a_torch_older_than_mingpt_needs_makes_no_package(version, monkeypatch):
+    """torch 2.11's AOTInductor loader ended the process with a segmentation fault loading a kept
+    step (2.11.0+cu130, on GPU hosts): below 2.13, the torch mingpt needs, the step is
+    torch.compile'd instead."""
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
+    assert not decoding.can_package()
+
+
 @pytest.mark.skipif(not decoding.can_package(), reason="this torch loads no AOTInductor package")
 def test_a_compiled_cpu_step_is_kept_and_later_runs_load_it(
     snapshot, corpus, one_thread, monkeypatch, caplog, tmp_path
