@@ -452,7 +452,8 @@ class Trainer:
         seed = hash((cfg.seed, self.dist.rank, step)) & 0xFFFF_FFFF
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
-            torch.cuda.default_generators[self.device.index].manual_seed(seed)
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
         micro_batches = indices.split(cfg.batch_size)
         step_loss = torch.zeros((), device=self.device)
         for k, micro in enumerate(micro_batches):
