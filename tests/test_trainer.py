@@ -107,8 +107,13 @@ def test_a_step_seeds_the_generators_of_its_device_alone(tmp_path, small_corpus,
     cpu = DistInfo(0, 0, 1, 1, torch.device("cpu"))
     trainer = build(OmegaConf.to_object(config), cpu, str(tmp_path))
     formatted = []
-    format_stack = traceback.format_stack
-    monkeypatch.setattr(traceback, "format_stack", lambda *a: formatted.append(a) or format_stack())
+    real_format_stack = traceback.format_stack
+
+    def format_stack(*args):
+        formatted.append(args)
+        return real_format_stack(*args)
+
+    monkeypatch.setattr(traceback, "format_stack", format_stack)
     trainer.train()
     assert trainer.state.step == 5 and formatted == []
 
