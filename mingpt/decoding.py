@@ -182,28 +182,48 @@ def one_row_products_lag() -> bool:
     return seconds["blas"] > 2 * seconds["read"]
 
 
-def transposed_copies(model: GPT, rows: int) -> dict[int, torch.Tensor] | None:
-    """Copies of the blocks' matrices stored transposed (in_features x out_features), by each
-    weight's identity, where the BLAS multiplies `rows` rows by them at least a fifth faster than
-    by the weights (else None): MKL on an Intel Xeon took 0.7x the time for 4 to 16 rows, and
-    longer for 2 or 3 (BENCHMARKS.md). Timed on all of the blocks' products, the weights streamed
-    from memory as a step streams them, the fastest of five passes each: about 30 ms at 6/6/384."""
-    weights = [p for p in model.h.parameters() if p.dim() == 2]
-    copies = [w.detach().t().contiguous().t() for w in weights]
+def batch_copies(model: GPT, rows: int) -> Callable | None:
+    """Where the BLAS multiplies one row: the blocks' products for `rows` rows by a copy of their
+    weights, where this CPU multiplies by one at least a fifth faster than F.linear by the weights
+    (else None). The faster of two copies: stored transposed (in_features x out_features), for the
+    BLAS, or packed for `rows` rows by oneDNN, where oneDNN agrees with F.linear (one_row_seconds).
+    MKL on an Intel Xeon took 0.7x the time for 4 to 16 rows by the transposed copy, and longer
+    for 2 or 3; on an AMD EPYC with AVX2, whose one-row products came out on the BLAS's side in
+    some runs, oneDNN's packed copy made 16 samples' step 0.83x (BENCHMARKS.md).
+
+    Timed on all of the blocks' products, the weights streamed from memory as a step streams them,
+    the fastest of five passes each: about a quarter of a second for 16 rows at 6/6/384. One copy
+    is held at a time: the faster is made again, not kept beside the other."""
+    params = [p for p in model.h.parameters() if p.dim() == 2]
+    weights = [p.detach() for p in params]
     # ones: torch's random stream is left as it was
     inputs = [torch.ones(rows, w.size(1)) for w in weights]
 
-    def seconds(matrices: list[torch.Tensor]) -> float:
+    def seconds(product: Callable, matrices: list[torch.Tensor]) -> float:
         def products() -> None:
             for x, w in zip(inputs, matrices, strict=True):
-                F.linear(x, w)
+                product(x, w)
 
         return min(timeit.repeat(products, number=1, repeat=5))
 
+    def transposed() -> list[torch.Tensor]:
+        return [w.t().contiguous().t() for w in weights]
+
+    def packed() -> list[torch.Tensor]:
+        return [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+
+    copies = {F.linear: transposed, onednn_linear: packed}
     with without_onednn():  # as the step multiplies
-        if seconds(copies) >= 0.8 * seconds(weights):
-            return None
-    return {id(w): copy for w, copy in zip(weights, copies, strict=True)}
+        plain = seconds(F.linear, weights)
+        timed = {F.linear: seconds(F.linear, transposed())}
+        if one_row_seconds()["onednn"] < math.inf:
+            # a torch without the op, or that refuses the shape
+            with contextlib.suppress(AttributeError, RuntimeError):
+                timed[onednn_linear] = seconds(onednn_linear, packed())
+    fastest = min(timed, key=timed.__getitem__)
+    if timed[fastest] >= 0.8 * plain:
+        return None
+    return by_copy(fastest, dict(zip(map(id, params), copies[fastest](), strict=True)))
 
 
 def step_linear(model: GPT, batch_size: int = 1) -> Callable:
@@ -214,9 +234,9 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
 
     For several rows, oneDNN multiplies by a copy of the blocks' weights that it packed once for
     that many rows: 16 rows' products in two thirds of the time, the plain weights' products up to
-    rounding (bitwise with AVX-512 kernels, not with oneDNN's AVX2 ones). Where the BLAS multiplies,
-    it does so by a copy of them stored transposed, where that is faster (transposed_copies). Either
-    copy costs the weights' size in memory for the generation; one row gains nothing from it."""
+    rounding (bitwise with AVX-512 kernels, not with oneDNN's AVX2 ones). Where the BLAS multiplies
+    one row, several go by the faster copy where one is faster (batch_copies). Either copy costs the
+    weights' size in memory for the generation; one row gains nothing from it."""
     weight = model.lm_head.weight
     if (
         type(weight) is not nn.Parameter
@@ -226,12 +246,11 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
         return F.linear
     seconds = one_row_seconds()
     if seconds["onednn"] >= 0.8 * seconds["blas"]:
-        copies = None
         if batch_size > 1:
-            copies = transposed_copies(model, batch_size)
-        if copies is None:
-            return F.linear
-        return by_copy(F.linear, copies)
+            batched = batch_copies(model, batch_size)
+            if batched is not None:
+                return batched
+        return F.linear
     if batch_size == 1:
         return onednn_linear
     weights = [p for p in model.h.parameters() if p.dim() == 2]
