@@ -399,25 +399,22 @@ def test_localsgd_saves_the_best_weights_it_evaluated(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped():
+@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
+def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped(name):
     """A step whose gradients are not finite (an fp16 overflow) is skipped by the gradient scaler,
     but its NaNs went into PowerSGD's error feedback and warm-start Q: every later gradient was
     NaN and every later step skipped, with nothing said. Here a real DDP (one gloo process)
     compresses, then overflows once: the steps after it are finite and taken. A scale that grows
     scales the error feedback with it.
 
-    In a process of its own, both hooks: a DDP keeps its gloo group and the group's threads alive
-    from C++ (tests/dist_worker.py), and a pytest worker that had run this in-process once ended
-    in CI with "terminate called after throwing an instance of 'std::system_error' (Resource
-    deadlock avoided)" during a later test."""
+    Each hook in a process of its own (one process group each): a DDP keeps its gloo group and
+    the group's threads alive from C++ (tests/dist_worker.py); a pytest worker that had run this
+    in-process once ended in CI with "terminate called after throwing an instance of
+    'std::system_error' (Resource deadlock avoided)" during a later test; both hooks in one child
+    process, each with a new group, once hung there."""
     # os._exit: no interpreter teardown beside the leaked group (which aborted a rank once, in
     # tests/dist_worker.py)
-    code = (
-        "import os, test_comm_hooks as t\n"
-        "for name in t.POWERSGD_HOOKS:\n"
-        "    t.powersgd_under_fp16(name)\n"
-        "os._exit(0)"
-    )
+    code = f"import os, test_comm_hooks as t; t.powersgd_under_fp16({name!r}); os._exit(0)"
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO / "tests",
@@ -427,9 +424,6 @@ def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped():
         timeout=RUN_DEADLINE,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-POWERSGD_HOOKS = ["powersgd", "batched_powersgd"]
 
 
 def powersgd_under_fp16(name: str) -> None:
