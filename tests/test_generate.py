@@ -1058,7 +1058,10 @@ def test_samples_hold_no_more_than_check_fits_counts(snapshot, monkeypatch, one_
                 peaks[n] = tracemalloc.get_traced_memory()[1]
             finally:
                 tracemalloc.stop()
-    assert peaks[65] - peaks[1] < 64 * 1000, peaks
+    # The list of all samples added 8 bytes a character of each: 512 kB here. The bound is half of
+    # that: the two peaks differ by up to 90 kB either way from run to run (a CI run: 176 kB for
+    # one sample, 265 kB for 65; here 235 kB and 200 kB).
+    assert peaks[65] - peaks[1] < 64 * 1000 * 4, peaks
 
 
 def test_the_samples_are_decoded_at_the_end_a_piece_at_a_time(snapshot, monkeypatch):
