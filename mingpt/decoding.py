@@ -194,7 +194,7 @@ def batch_copies(model: GPT, rows: int) -> Callable | None:
     Timed on all of the blocks' products, the weights streamed from memory as a step streams them,
     the fastest of five passes each: about a quarter of a second for 16 rows at 6/6/384. One copy
     is held at a time: the faster is made again, not kept beside the other."""
-    params = [p for p in model.h.parameters() if p.dim() == 2]
+    params = block_weights(model)
     weights = [p.detach() for p in params]
     # ones: torch's random stream is left as it was
     inputs = [torch.ones(rows, w.size(1)) for w in weights]
@@ -209,21 +209,18 @@ def batch_copies(model: GPT, rows: int) -> Callable | None:
     def transposed() -> list[torch.Tensor]:
         return [w.t().contiguous().t() for w in weights]
 
-    def packed() -> list[torch.Tensor]:
-        return [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-
-    copies = {F.linear: transposed, onednn_linear: packed}
+    copies = {F.linear: transposed, onednn_linear: lambda: packed(weights, rows)}
     with without_onednn():  # as the step multiplies
         plain = seconds(F.linear, weights)
         timed = {F.linear: seconds(F.linear, transposed())}
         if one_row_seconds()["onednn"] < math.inf:
             # a torch without the op, or that refuses the shape
             with contextlib.suppress(AttributeError, RuntimeError):
-                timed[onednn_linear] = seconds(onednn_linear, packed())
+                timed[onednn_linear] = seconds(onednn_linear, packed(weights, rows))
     fastest = min(timed, key=timed.__getitem__)
     if timed[fastest] >= 0.8 * plain:
         return None
-    return by_copy(fastest, dict(zip(map(id, params), copies[fastest](), strict=True)))
+    return by_copy(fastest, params, copies[fastest]())
 
 
 def step_linear(model: GPT, batch_size: int = 1) -> Callable:
@@ -253,18 +250,31 @@ def step_linear(model: GPT, batch_size: int = 1) -> Callable:
         return F.linear
     if batch_size == 1:
         return onednn_linear
-    weights = [p for p in model.h.parameters() if p.dim() == 2]
+    weights = block_weights(model)
     try:
-        packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, batch_size) for w in weights}
+        copies = packed(weights, batch_size)
     except (AttributeError, RuntimeError):  # a torch without the op, or that refuses the shape
         return onednn_linear
-    return by_copy(onednn_linear, packed)
+    return by_copy(onednn_linear, weights, copies)
 
 
-def by_copy(product: Callable, copies: dict[int, torch.Tensor]) -> Callable:
-    """product(x, weight, bias) by the copy of each weight in `copies`, by the weight's identity:
+def block_weights(model: GPT) -> list[torch.Tensor]:
+    """The blocks' weight matrices: the products a step's time goes to, and what a copy of them
+    holds."""
+    return [p for p in model.h.parameters() if p.dim() == 2]
+
+
+def packed(weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """oneDNN's copy of each weight, packed for products of `rows` rows (AttributeError or
+    RuntimeError: a torch without the op, or one that refuses the shape)."""
+    return [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+
+
+def by_copy(product: Callable, weights: list[torch.Tensor], copies: list[torch.Tensor]) -> Callable:
+    """product(x, weight, bias) by the copy of each of `weights`, found by the weight's identity:
     the step passes each block's own parameters; any other weight goes as it is."""
-    return lambda x, weight, bias=None: product(x, copies.get(id(weight), weight), bias)
+    by_id = dict(zip(map(id, weights), copies, strict=True))
+    return lambda x, weight, bias=None: product(x, by_id.get(id(weight), weight), bias)
 
 
 def decode_step(

@@ -16,6 +16,7 @@ from mingpt.command import DEFAULT_RUN, command, find_snapshot, parse_args, writ
 from mingpt.config import ConfigError, check, check_fields, key
 from mingpt.decoding import (
     MIN_TEMPERATURE,
+    block_weights,
     can_package,
     generate,
     noise_rows,
@@ -194,7 +195,7 @@ def check_fits(model: GPT, config: GenerateConfig, device: torch.device) -> None
         )
     copy = 0
     if config.num_samples > 1 and device.type == "cpu":
-        copy = sum(p.numel() * p.element_size() for p in model.h.parameters() if p.dim() == 2)
+        copy = sum(w.numel() * w.element_size() for w in block_weights(model))
     need = (fixed + tokens) * config.num_samples + copy
     if need > free:
         most = max(1, (free - copy) // (fixed + tokens))

@@ -410,16 +410,15 @@ def test_batched_samples_are_each_what_they_are_alone(snapshot, one_thread, monk
             pytest.skip("this torch has no oneDNN that agrees with F.linear")
         faster = {"blas": 2.0, "read": 1.0, "onednn": 1.0}
     monkeypatch.setattr(decoding, "one_row_seconds", lambda: faster)
-    copies = None
-    if products == "transposed":  # as the measurement gives them where they are faster
-        copies = {
-            id(w): w.detach().t().contiguous().t() for w in model.h.parameters() if w.dim() == 2
-        }
+    weights = decoding.block_weights(model)
 
     def batch_copies(model, rows):
-        if copies is None:
+        if products != "transposed":
             return None
-        return decoding.by_copy(F.linear, copies)
+        # as the measurement gives them where they are faster
+        return decoding.by_copy(
+            F.linear, weights, [w.detach().t().contiguous().t() for w in weights]
+        )
 
     monkeypatch.setattr(decoding, "batch_copies", batch_copies)
     multiplied = []  # whether each matrix F.linear is given is stored transposed (a copy's)
