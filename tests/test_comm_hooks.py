@@ -407,14 +407,17 @@ def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped(name):
     compresses, then overflows once: the steps after it are finite and taken. A scale that grows
     scales the error feedback with it.
 
-    Each hook in a process of its own (one process group each): a DDP keeps its gloo group and
-    the group's threads alive from C++ (tests/dist_worker.py); a pytest worker that had run this
-    in-process once ended in CI with "terminate called after throwing an instance of
-    'std::system_error' (Resource deadlock avoided)" during a later test; both hooks in one child
-    process, each with a new group, once hung there."""
-    # os._exit: no interpreter teardown beside the leaked group (which aborted a rank once, in
-    # tests/dist_worker.py)
-    code = f"import os, test_comm_hooks as t; t.powersgd_under_fp16({name!r}); os._exit(0)"
+    Each hook in a process of its own, which ends with os._exit while it still holds the DDP
+    (powersgd_under_fp16 says why)."""
+    code = (
+        "import os, traceback, test_comm_hooks as t\n"
+        "try:\n"
+        f"    kept = t.powersgd_under_fp16({name!r})\n"
+        "except BaseException:\n"
+        "    traceback.print_exc()\n"
+        "    os._exit(1)\n"
+        "os._exit(0)\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO / "tests",
@@ -426,8 +429,13 @@ def test_powersgd_under_fp16_goes_on_after_a_step_the_scaler_skipped(name):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def powersgd_under_fp16(name: str) -> None:
-    """The test above, for the hook `name`, in the process that calls it."""
+def powersgd_under_fp16(name: str) -> torch.nn.Module:
+    """The test above, for the hook `name`, in the process that calls it. It returns the DDP, for
+    the caller to hold until os._exit. The DDP holds the last reference to the gloo group:
+    released, it destroys the group under the GIL and waits for the group's lock, which a gloo
+    thread may hold while it frees the last all-reduce's tensors, for which it waits for the GIL
+    (torch's deadlock: this test hung in CI twice, and in 1 run of about 70 under load here, where
+    gdb showed both threads)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -468,6 +476,7 @@ def powersgd_under_fp16(name: str) -> None:
         assert scaler.get_scale() == 2.0**14  # 2**12 backed off to 2**11, then grown 3 times
     finally:
         dist.destroy_process_group()
+    return ddp
 
 
 # torchrun's store across restarts: its shared one (TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset: on one
