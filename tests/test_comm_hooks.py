@@ -434,8 +434,8 @@ def powersgd_under_fp16(name: str) -> torch.nn.Module:
     the caller to hold until os._exit. The DDP holds the last reference to the gloo group:
     released, it destroys the group under the GIL and waits for the group's lock, which a gloo
     thread may hold while it frees the last all-reduce's tensors, for which it waits for the GIL
-    (torch's deadlock: this test hung in CI twice, and in 1 run of about 70 under load here, where
-    gdb showed both threads)."""
+    (pytorch#56297, open: this test hung in CI twice, and in 1 run of about 70 under load here,
+    where gdb showed both threads)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
