@@ -25,7 +25,8 @@ stops there; otherwise follow Trainer.train() over 100 steps, the per-step stop 
 snapshot save, the time of each phase of a bare step (its grad_accum_steps micro-batches' reads,
 forwards and backwards summed, and one optimizer step), and the data pipeline's rate.
 
---profile: the torch.profiler table of the bare step grouped into matmuls, attention, GELU,
+--profile: the torch.profiler table of the bare step (grad_accum_steps micro-batches under the
+configured autocast, as in the comparison) grouped into matmuls, attention, GELU,
 LayerNorm, optimizer and the rest, then the median ms/step of three variants in R alternating
 rounds: eager, each Block compiled (`Block.compile()`, one graph shared by the blocks), and the
 whole model compiled, with the time each took to compile (the inductor cache in
@@ -451,12 +452,15 @@ def peak_memory(info) -> tuple[str, str]:
 
 
 def profile_step(config, data, info, rounds: int, no_compile: bool) -> None:
-    """The profiler's table of the eager bare step, then eager against compiled variants."""
+    """The profiler's table of the eager bare step, then eager against compiled variants: each
+    step as the comparison's, grad_accum_steps micro-batches under the configured autocast."""
     batches = Batches(data, config, info, seed=0)
+    amp = autocast(config, info)
+    accumulate = config.trainer_config.grad_accum_steps
     variants = {"eager": bare(config, info)[0]}
-    plain_steps(variants["eager"], batches, None, 5)
+    plain_steps(variants["eager"], batches, amp, 5, accumulate)
     with profile() as prof:
-        plain_steps(variants["eager"], batches, None, 20)
+        plain_steps(variants["eager"], batches, amp, 20, accumulate)
     groups = defaultdict(float)
     for event in prof.key_averages():
         name = event.key.lower()
@@ -468,11 +472,12 @@ def profile_step(config, data, info, rounds: int, no_compile: bool) -> None:
     for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {group:<28} {ms:7.2f} ms  {ms / total:5.1%}")
     if not no_compile:
-        variants.update(compiled_variants(config, info, batches))
+        variants.update(compiled_variants(config, info, batches, amp, accumulate))
     times = medians(
         {
             name: lambda p=p: (
-                seconds(lambda: plain_steps(p, batches, None, STEPS), info.device) / STEPS
+                seconds(lambda: plain_steps(p, batches, amp, STEPS, accumulate), info.device)
+                / STEPS
             )
             for name, p in variants.items()
         },
@@ -483,7 +488,7 @@ def profile_step(config, data, info, rounds: int, no_compile: bool) -> None:
         print(f"  {name:<16} {s * 1e3:7.1f} ms/step  {times['eager'] / s:.2f}x eager")
 
 
-def compiled_variants(config, info, batches: Batches) -> dict[str, Plain]:
+def compiled_variants(config, info, batches: Batches, amp, accumulate: int) -> dict[str, Plain]:
     """Each Block compiled, and the whole model; the time of their first two steps (compiling)."""
     variants = {}
     for name in ("blocks compiled", "model compiled"):
@@ -494,7 +499,7 @@ def compiled_variants(config, info, batches: Batches) -> dict[str, Plain]:
                 block.compile()
         else:
             p = p._replace(forward=torch.compile(p.model))
-        plain_steps(p, batches, None, 2)
+        plain_steps(p, batches, amp, 2, accumulate)
         print(f"{name}: first two steps (compiling) {time.perf_counter() - start:.1f} s")
         variants[name] = p
     return variants
