@@ -14,7 +14,9 @@ keeps its gloo process group alive from C++ (a weak reference to the group
 survives `del`, destroy_process_group() and gc.collect() once a DDP was built
 on it), so after several jobs the interpreter's teardown runs beside several
 leaked groups and their threads; once in CI that teardown aborted a rank
-("terminate called without an active exception") after all its work was done.
+("terminate called without an active exception") after all its work was done. A group
+destroyed under the GIL can also deadlock with its own threads (pytorch#56297;
+test_comm_hooks.powersgd_under_fp16 met it).
 A training run builds one DDP per process; this worker builds one per job.
 """
 
