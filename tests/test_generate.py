@@ -1127,6 +1127,37 @@ def test_the_closing_line_says_one_character_and_compiling(
     assert caplog.messages[-1].endswith("/s, compiling the step included)"), caplog.messages
 
 
+# In a fresh process: the generate command (its arguments this code's), then whether it imported
+# torch._dynamo.
+GENERATE_THEN_DYNAMO = """
+import sys
+
+from mingpt import generate
+
+try:
+    generate.main(sys.argv[1:])
+finally:
+    print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_eager_sampling_never_imports_torch_dynamo(tiny_run):
+    """Importing torch._dynamo takes a second or two of a sampling command's start on a CPU, and
+    eager decoding never needs it. Building the model on the meta device imported it: there the
+    embeddings' initialisation (normal_) runs through torch's Python reference, which loads
+    dynamo."""
+    args = [f"snapshot_path={tiny_run[1]}", "max_new_tokens=5", "device=cpu", "compile=false"]
+    proc = subprocess.run(
+        [sys.executable, "-c", GENERATE_THEN_DYNAMO, *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.endswith("torch._dynamo imported: False\n"), proc.stdout[-3000:]
+
+
 def test_a_prompt_file_is_read_as_it_is(tmp_path):
     """Its CRLF line ends and lone CRs stay (universal newlines made them LF: other text than the
     corpus holds); a byte-order mark at its start goes, as the corpus's does (it was refused as a
