@@ -151,7 +151,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, init_weights: bool = True):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
@@ -163,6 +163,9 @@ class GPT(nn.Module):
         self.checkpoint_blocks = False  # training: recompute each block's activations in backward
         # GPT-2's initialisation: N(0, 0.02), zero biases, and the projections that write into the
         # residual stream scaled by 1/sqrt(2 * n_layer), so its variance does not grow with depth.
+        # Not for weights about to be replaced (init_weights False): it takes a third of the build.
+        if not init_weights:
+            return
         for name, p in self.named_parameters():
             if p.dim() == 2:  # Linear and Embedding weights
                 std = 0.02

@@ -161,9 +161,8 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
     try:
         config = GPTConfig(**meta["gpt_config"])
         # Built on the host, not on the meta device: there the embeddings' initialisation (normal_)
-        # imports torch._dynamo, 2 s of a sampling command's start on a CPU, where initialising
-        # weights about to be replaced takes milliseconds at these models' sizes.
-        model = GPT(config)
+        # imports torch._dynamo, a second or two of a sampling command's start on a CPU.
+        model = GPT(config, init_weights=False)
         model.load_state_dict({name: t.float() for name, t in weights.items()}, assign=True)
     except (TypeError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"snapshot {path} cannot be used: {load_error(e)}") from None
