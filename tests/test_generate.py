@@ -28,7 +28,7 @@ from mingpt.config import ConfigError, GPTConfig
 from mingpt.decoding import draw_noise, generate, gumbel_, next_token, noise_rows, pick
 from mingpt.generate import COMPILE_PAYS_AFTER, GenerateConfig, should_compile
 from mingpt.model import GPT, KVCache
-from mingpt.snapshot import single_file
+from mingpt.snapshot import SnapshotError, single_file
 from mingpt.snapshot.reader import load_model
 
 TRAIN_ARGS = TINY + [
@@ -861,7 +861,34 @@ def test_unusable_snapshot_is_one_line_naming_the_path(bad_runs, workdir, kind):
     line = one_error_line(bad_runs[kind])
     assert str(workdir / BAD_SNAPSHOTS[kind]) in line
     if kind == "other_shape":  # and what does not fit
-        assert 'Missing key(s) in state_dict: "h.2.ln_1.weight"' in line, line
+        assert line.endswith(
+            "its record (gpt_config) describes a model of 42,848 parameters, and it holds 30,144"
+        ), line
+
+
+def test_a_record_that_claims_a_million_layers_is_refused_before_the_model_is_built(
+    tmp_path, monkeypatch
+):
+    """The model is built on the host for its record: one of a million layers filled memory before
+    its weights were found not to fit, where the meta device had allocated nothing."""
+    config = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 65, "block_size": 16}
+    state = {
+        "model_state": GPT(GPTConfig(**config)).state_dict(),
+        "gpt_config": {**config, "n_layer": 1_000_000},
+        "vocab": "".join(chr(32 + i) for i in range(65)),
+        "epoch": 0,
+        "samples_in_epoch": 0,
+        "step": 1,
+    }
+    path = tmp_path / "claims.pt"
+    single_file.save(state, str(path))
+
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr("mingpt.snapshot.reader.GPT", build)
+    with pytest.raises(SnapshotError, match="describes a model of 12,704,0"):
+        load_model(str(path), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])

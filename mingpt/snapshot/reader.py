@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mingpt import storage
 from mingpt.config import GPTConfig, TrainerConfig
 from mingpt.data import CharTokenizer
-from mingpt.model import GPT
+from mingpt.model import GPT, Block
 from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
 from mingpt.storage import StorageError, reason
 
@@ -153,6 +153,25 @@ def load_error(error: BaseException) -> str:
     return " ".join(lines[:2])[:300] or type(error).__name__
 
 
+def check_size(config: GPTConfig, weights: dict[str, torch.Tensor]) -> None:
+    """ValueError where the model that the record describes has more parameters than the
+    snapshot's weights: the model is built on the host for its record, and a record that claims a
+    million layers would fill memory before the weights could be found not to fit."""
+    # On the meta device, which allocates nothing; a block has no embedding, whose initialisation
+    # there imports torch._dynamo.
+    with torch.device("meta"):
+        per_block = sum(p.numel() for p in Block(config).parameters())
+    # the blocks, then both embeddings, the head and the last LayerNorm
+    described = config.n_layer * per_block
+    described += (2 * config.vocab_size + config.block_size + 2) * config.n_embd
+    held = sum(t.numel() for t in weights.values())
+    if described > held:
+        raise ValueError(
+            f"its record (gpt_config) describes a model of {described:,} parameters, and it holds "
+            f"{held:,}"
+        )
+
+
 def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dict[str, Any]]:
     """The model of the snapshot that `path` names (float32, in eval mode, on `device`), its
     vocabulary and record."""
@@ -160,6 +179,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, CharTokenizer, dic
     # its vocabulary fits its shape: read checked the record (single_file.check_model)
     try:
         config = GPTConfig(**meta["gpt_config"])
+        check_size(config, weights)
         # Built on the host, not on the meta device: there the embeddings' initialisation (normal_)
         # imports torch._dynamo, a second or two of a sampling command's start on a CPU.
         model = GPT(config, init_weights=False)
