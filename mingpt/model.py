@@ -150,6 +150,21 @@ class Block(nn.Module):
         return x + linear(h, **p["mlp.c_proj"])
 
 
+def parameter_count(config: GPTConfig) -> int:
+    """The parameters of the model that `config` describes, counted without allocating them. One
+    block on the meta device stands for all: building n_layer of them, even there, takes memory and
+    time in proportion (a typo's million layers filled the host). Not the whole model there either:
+    its embeddings' initialisation on the meta device imports torch._dynamo. A weight of 2**63
+    bytes or more overflows torch's count: RuntimeError, or TypeError past 64 bits."""
+    with torch.device("meta"):
+        per_block = sum(p.numel() for p in Block(config).parameters())
+    C = config.n_embd
+    embeddings = (config.vocab_size + config.block_size) * C
+    head = config.vocab_size * C
+    ln_f = 2 * C
+    return config.n_layer * per_block + embeddings + head + ln_f
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, init_weights: bool = True):
         super().__init__()

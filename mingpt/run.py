@@ -25,7 +25,7 @@ from mingpt.distributed import (
     distributed,
     setup_logging,
 )
-from mingpt.model import GPT
+from mingpt.model import GPT, parameter_count
 from mingpt.rundir import (
     Claim,
     claim,
@@ -58,13 +58,8 @@ def build_model(gpt_config: GPTConfig) -> GPT:
     """The model, or ConfigError with its size when its weights do not fit in memory: more than the
     host has available (an allocation that the kernel grants beyond it ends in its OOM killer, with
     no message), or an allocation that fails."""
-    # Counted on the meta device, which allocates nothing: the model's own shape, not a formula.
-    # Its blocks are alike, so one stands for all: building n_layer of them, even there, takes
-    # host memory and time in proportion (a typo's million layers filled the host before any
-    # line was said).
     try:
-        with torch.device("meta"):
-            one_block = GPT(dataclasses.replace(gpt_config, n_layer=1))
+        params = parameter_count(gpt_config)
     # A weight of 2**63 bytes or more, which torch cannot even count: its size overflows (a
     # TypeError past 64 bits), which was a traceback.
     except (RuntimeError, TypeError) as e:
@@ -74,9 +69,6 @@ def build_model(gpt_config: GPTConfig) -> GPT:
             f"gpt_config: the model does not fit in memory: gpt_config.n_embd={gpt_config.n_embd} "
             "makes a weight of 2**63 bytes or more"
         ) from None
-    per_block = sum(p.numel() for p in one_block.h[0].parameters())
-    params = sum(p.numel() for p in one_block.parameters())
-    params += (gpt_config.n_layer - 1) * per_block
     too_large = (
         f"gpt_config: the model does not fit in memory: {params:,} parameters "
         f"({params * 4 / 1e9:,.1f} GB of float32 weights, about 4x that to train with AdamW)"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mingpt.config import GPTConfig
-from mingpt.model import GPT, KVCache
+from mingpt.model import GPT, KVCache, parameter_count
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:
@@ -145,3 +145,14 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     assert grads.keys() == grads_ac.keys() and all(
         torch.equal(grads[n], grads_ac[n]) for n in grads
     )
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8, 3, 8), (3, 2, 32, 65, 16), (6, 6, 384, 65, 256)])
+def test_parameter_count_is_the_built_models(shape):
+    """What start-up and a snapshot's reader count without allocating is what the model holds:
+    a block, embedding or head that changes shape changes both."""
+    n_layer, n_head, n_embd, vocab_size, block_size = shape
+    config = GPTConfig(
+        n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, block_size=block_size
+    )
+    assert parameter_count(config) == sum(p.numel() for p in GPT(config).parameters())

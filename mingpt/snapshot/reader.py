@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mingpt import storage
 from mingpt.config import GPTConfig, TrainerConfig
 from mingpt.data import CharTokenizer
-from mingpt.model import GPT, Block
+from mingpt.model import GPT, parameter_count
 from mingpt.snapshot import SnapshotError, compat, manifest, sharded, single_file
 from mingpt.storage import StorageError, reason
 
@@ -157,13 +157,7 @@ def check_size(config: GPTConfig, weights: dict[str, torch.Tensor]) -> None:
     """ValueError where the model that the record describes has more parameters than the
     snapshot's weights: the model is built on the host for its record, and a record that claims a
     million layers would fill memory before the weights could be found not to fit."""
-    # On the meta device, which allocates nothing; a block has no embedding, whose initialisation
-    # there imports torch._dynamo.
-    with torch.device("meta"):
-        per_block = sum(p.numel() for p in Block(config).parameters())
-    # the blocks, then both embeddings, the head and the last LayerNorm
-    described = config.n_layer * per_block
-    described += (2 * config.vocab_size + config.block_size + 2) * config.n_embd
+    described = parameter_count(config)
     held = sum(t.numel() for t in weights.values())
     if described > held:
         raise ValueError(
